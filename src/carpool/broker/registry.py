@@ -1,0 +1,137 @@
+"""registry.py: the broker's table of workers — models, credits, liveness, load.
+
+Pure: ``now`` is passed in. A worker is READY once it announced itself; it is GONE after it
+said DISCONNECT, missed ``liveness`` heartbeat intervals, or could not be sent to.
+Credits: a worker with ``slots`` = k holds at most k outstanding batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NewType
+
+from carpool.common.protocol import ModelSpec, Ready
+
+WorkerId = NewType("WorkerId", bytes)
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What the broker knows about one live worker."""
+
+    wid: WorkerId
+    name: str
+    slots: int
+    models: dict[str, ModelSpec]
+    heartbeat_s: float
+    last_seen_s: float
+    next_heartbeat_s: float
+    outstanding: set[int] = field(default_factory=set)  # batch ids
+    rho: float = 0.0  # busy fraction the worker last reported
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.outstanding)
+
+
+class WorkerRegistry:
+    """Live workers by routing id, and which of them serve each model."""
+
+    def __init__(self, *, liveness: int = 3) -> None:
+        self.liveness = liveness
+        self._workers: dict[WorkerId, WorkerState] = {}
+        self._by_model: dict[str, list[WorkerState]] = {}
+        # First spec seen per model name; later workers must match it.
+        self.specs: dict[str, ModelSpec] = {}
+
+    def __contains__(self, wid: object) -> bool:
+        return wid in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, wid: WorkerId) -> WorkerState | None:
+        return self._workers.get(wid)
+
+    def all(self) -> Iterable[WorkerState]:
+        return self._workers.values()
+
+    def conflicts(self, ready: Ready) -> list[str]:
+        """Models whose announced inputs differ from the spec already registered."""
+        out = []
+        for spec in ready.models:
+            known = self.specs.get(spec.name)
+            if known is not None and (known.inputs != spec.inputs or known.outputs != spec.outputs):
+                out.append(spec.name)
+        return out
+
+    def add(self, now: float, wid: WorkerId, ready: Ready, heartbeat_s: float) -> WorkerState:
+        """Register a worker (replacing an earlier entry under the same id)."""
+        self.remove(wid)
+        state = WorkerState(
+            wid=wid,
+            name=ready.name,
+            slots=ready.slots,
+            models={m.name: m for m in ready.models},
+            heartbeat_s=heartbeat_s,
+            last_seen_s=now,
+            next_heartbeat_s=now + heartbeat_s,
+        )
+        self._workers[wid] = state
+        for spec in ready.models:
+            self.specs.setdefault(spec.name, spec)
+            self._by_model.setdefault(spec.name, []).append(state)
+        return state
+
+    def remove(self, wid: WorkerId) -> WorkerState | None:
+        state = self._workers.pop(wid, None)
+        if state is not None:
+            for name in state.models:
+                peers = self._by_model.get(name, [])
+                if state in peers:
+                    peers.remove(state)
+                if not peers:
+                    self._by_model.pop(name, None)
+        return state
+
+    def touch(self, now: float, wid: WorkerId) -> WorkerState | None:
+        state = self._workers.get(wid)
+        if state is not None:
+            state.last_seen_s = now
+        return state
+
+    def serving(self, model: str) -> list[WorkerState]:
+        """Live workers that serve ``model``."""
+        return self._by_model.get(model, [])
+
+    def max_batch(self, model: str) -> int:
+        """The largest batch any live worker accepts for ``model`` (0 if none serves it)."""
+        return max((w.models[model].max_batch for w in self.serving(model)), default=0)
+
+    def best_free(self, model: str, samples: int) -> WorkerState | None:
+        """The worker to take the next batch of ``model``: the most free credits, then the
+        lowest reported load; only workers whose max batch admits ``samples``."""
+        best: WorkerState | None = None
+        for w in self._by_model.get(model, ()):
+            if w.free_slots <= 0 or w.models[model].max_batch < samples:
+                continue
+            if best is None or (w.free_slots, -w.rho) > (best.free_slots, -best.rho):
+                best = w
+        return best
+
+    def expired(self, now: float) -> list[WorkerState]:
+        """Workers silent for longer than ``liveness`` of their heartbeat intervals."""
+        return [
+            w
+            for w in self._workers.values()
+            if now - w.last_seen_s >= self.liveness * w.heartbeat_s
+        ]
+
+    def next_event_s(self) -> float | None:
+        """Earliest heartbeat due or expiry among live workers."""
+        times = [
+            min(w.next_heartbeat_s, w.last_seen_s + self.liveness * w.heartbeat_s)
+            for w in self._workers.values()
+        ]
+        return min(times, default=None)

@@ -1,0 +1,181 @@
+"""server.py: BrokerServer — the broker's sockets and loop around :class:`BrokerCore`.
+
+The only I/O of the broker. One thread owns everything: two ROUTER sockets (clients on the
+frontend, workers on the backend) and a ``zmq.Poller`` whose timeout comes from
+``core.next_wakeup`` (no fixed tick, no busy polling). Sends use ROUTER_MANDATORY and
+DONTWAIT, so a vanished or slow peer is reported to the core instead of stalling the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+from types import TracebackType
+
+import zmq
+
+from carpool.broker.config import BrokerConfig
+from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.common.clock import Clock, MonotonicClock
+
+logger = logging.getLogger(__name__)
+
+#: Messages taken from one socket before the loop looks at the other and at the clock.
+BURST = 256
+
+
+class BrokerServer:
+    """Binds both ROUTERs on construction; ``step()`` runs one loop turn, ``serve()`` loops.
+
+    Args:
+        config: endpoints and batching settings; ``tcp://127.0.0.1:*`` picks a free port.
+        context: the zmq context to use; by default the server owns a new one.
+        clock: the time source handed to the core (a FakeClock in tests).
+    """
+
+    def __init__(
+        self,
+        config: BrokerConfig | None = None,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config or BrokerConfig()
+        self.core = BrokerCore(self.config)
+        self.clock: Clock = clock or MonotonicClock()
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self.frontend = self._router(self.config.frontend)
+        self.backend = self._router(self.config.backend)
+        self._sockets = {Side.FRONTEND: self.frontend, Side.BACKEND: self.backend}
+        # A pipe that stop() writes to, so a blocked poll wakes from any thread or signal.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.frontend, zmq.POLLIN)
+        self.poller.register(self.backend, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._stopping = False
+        self._closed = False
+        logger.info(
+            "broker listening frontend=%s backend=%s",
+            self.frontend_endpoint,
+            self.backend_endpoint,
+        )
+
+    def _router(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError:
+            sock.close()
+            raise
+        return sock
+
+    @property
+    def frontend_endpoint(self) -> str:
+        return str(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    @property
+    def backend_endpoint(self) -> str:
+        return str(self.backend.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    # ------------------------------------------------------------------ loop
+
+    def step(self, timeout_s: float | None = None) -> int:
+        """Wait for work (at most ``timeout_s``, or until the core's next wake-up), then
+        handle what arrived and what fell due. Returns the number of messages handled."""
+        now = self.clock.now()
+        wake = self.core.next_wakeup(now)
+        wait_s = None if wake is None else wake - now
+        if timeout_s is not None:
+            wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
+        wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+        events = dict(self.poller.poll(wait_ms))
+        handled = 0
+        if self.frontend in events:
+            handled += self._drain(self.frontend, Side.FRONTEND)
+        if self.backend in events:
+            handled += self._drain(self.backend, Side.BACKEND)
+        if self._wake_r in events:
+            self._clear_wake()
+        self._send(self.core.on_tick(self.clock.now()))
+        return handled
+
+    def _drain(self, sock: zmq.Socket[bytes], side: Side) -> int:
+        core = self.core
+        handler = core.on_client if side is Side.FRONTEND else core.on_worker
+        for n in range(BURST):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            self._send(handler(self.clock.now(), frames[0].bytes, frames[1:]))
+        return BURST
+
+    def _send(self, messages: list[Outgoing]) -> None:
+        for msg in messages:
+            sock = self._sockets[msg.side]
+            try:
+                sock.send_multipart([msg.identity, *msg.frames], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                logger.warning(
+                    "peer=%s on %s is not reading; dropped", msg.identity.hex(), msg.side
+                )
+                self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                logger.info("peer=%s on %s is gone", msg.identity.hex(), msg.side.value)
+                self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
+
+    def serve(self) -> None:
+        """Loop until :meth:`stop` is called (from any thread or a signal handler)."""
+        while not self._stopping:
+            self.step()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return after the current turn."""
+        self._stopping = True
+        # A full or closed pipe means the loop is waking anyway.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _clear_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.frontend.close(linger=0)
+        self.backend.close(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._own_context:
+            self.context.term()
+
+    def __enter__(self) -> BrokerServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,197 @@
+"""cli.py: the ``carpool`` command — broker, worker and demo.
+
+The only module that reads ``argv`` and the environment. Settings load in this order:
+TOML file (``--config``), then ``CARPOOL_*`` environment variables, then flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from carpool import __version__
+from carpool.common.config import from_mapping, load_toml
+from carpool.common.errors import ConfigError
+from carpool.common.logs import configure
+
+logger = logging.getLogger("carpool")
+
+
+def _stop_on_signals(stop: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        logger.info("signal %s: stopping", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _overlay(data: dict[str, Any], pairs: dict[str, Any]) -> dict[str, Any]:
+    """Apply non-None values of ``pairs`` over ``data``."""
+    out = dict(data)
+    out.update({k: v for k, v in pairs.items() if v is not None})
+    return out
+
+
+# ---------------------------------------------------------------------- broker
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from carpool.broker.config import BatchingConfig, BrokerConfig
+    from carpool.broker.server import BrokerServer
+
+    data = load_toml(args.config) if args.config else {}
+    data = _overlay(
+        data,
+        {
+            "frontend": os.environ.get("CARPOOL_FRONTEND"),
+            "backend": os.environ.get("CARPOOL_BACKEND"),
+        },
+    )
+    data = _overlay(data, {"frontend": args.frontend, "backend": args.backend})
+    config = from_mapping(BrokerConfig, data)
+    if args.max_batch is not None or args.max_wait_ms is not None:
+        batching = BatchingConfig(
+            args.max_batch if args.max_batch is not None else config.batching.max_batch,
+            args.max_wait_ms / 1000 if args.max_wait_ms is not None else config.batching.max_wait_s,
+        )
+        config = dataclasses.replace(config, batching=batching)
+    with BrokerServer(config) as server:
+        _stop_on_signals(server.stop)
+        server.serve()
+    return 0
+
+
+# ---------------------------------------------------------------------- worker
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from carpool.worker.config import ModelConfig, WorkerConfig
+    from carpool.worker.server import WorkerServer
+
+    data = load_toml(args.config) if args.config else {}
+    data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
+    data = _overlay(data, {"broker": args.broker, "name": args.name, "slots": args.slots})
+    config = from_mapping(WorkerConfig, data)
+    if args.model:
+        models = tuple(
+            ModelConfig(
+                name=m,
+                max_batch=args.max_batch or 8,
+                intra_op_threads=args.threads,
+            )
+            for m in args.model
+        )
+        config = dataclasses.replace(config, models=models)
+    elif args.synthetic:
+        fixed_ms, per_sample_ms = args.synthetic
+        model = ModelConfig(
+            name=args.synthetic_name,
+            engine="synthetic",
+            max_batch=args.max_batch or 32,
+            fixed_cost_s=fixed_ms / 1000,
+            per_sample_s=per_sample_ms / 1000,
+        )
+        config = dataclasses.replace(config, models=(model,))
+    factories = {m.name: m.factory() for m in config.models}
+    with WorkerServer(
+        config.broker,
+        factories,
+        name=config.name,
+        slots=config.slots,
+        heartbeat_s=config.heartbeat_s,
+        liveness=config.liveness,
+    ) as server:
+        _stop_on_signals(server.stop)
+        server.serve()
+    return 0
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from carpool.demo import run_demo
+
+    return run_demo(
+        duration_s=args.duration_s,
+        cameras=args.cameras,
+        fps=args.fps,
+        workers=args.workers,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+    )
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="carpool", description="ZeroMQ inference fleet with dynamic batching"
+    )
+    parser.add_argument("--version", action="version", version=f"carpool {__version__}")
+    parser.add_argument(
+        "--log-level", default=os.environ.get("CARPOOL_LOG_LEVEL", "INFO"), help="log level"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("broker", help="run a broker")
+    b.add_argument("--config", help="broker TOML file")
+    b.add_argument("--frontend", help="endpoint for clients (default tcp://127.0.0.1:5555)")
+    b.add_argument("--backend", help="endpoint for workers (default tcp://127.0.0.1:5556)")
+    b.add_argument("--max-batch", type=int, help="B_max: samples per batch at most")
+    b.add_argument("--max-wait-ms", type=float, help="T_max: longest wait of the oldest request")
+    b.set_defaults(func=_broker)
+
+    w = sub.add_parser("worker", help="run a worker")
+    w.add_argument("--config", help="worker TOML file")
+    w.add_argument("--broker", help="broker backend endpoint (default tcp://127.0.0.1:5556)")
+    w.add_argument("--name", help="worker name")
+    w.add_argument("--slots", type=int, help="batches outstanding at most")
+    w.add_argument(
+        "--model", action="append", help="catalogue model to serve (repeatable), e.g. orientation"
+    )
+    w.add_argument(
+        "--synthetic",
+        nargs=2,
+        type=float,
+        metavar=("FIXED_MS", "PER_SAMPLE_MS"),
+        help="serve a synthetic engine whose batch costs FIXED_MS + PER_SAMPLE_MS * B",
+    )
+    w.add_argument("--synthetic-name", default="synthetic", help="model name of --synthetic")
+    w.add_argument("--max-batch", type=int, help="largest batch the engine accepts")
+    w.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    w.set_defaults(func=_worker)
+
+    d = sub.add_parser("demo", help="run a broker, two CPU workers and a camera client")
+    d.add_argument("--duration-s", type=float, default=10.0, help="how long the cameras send")
+    d.add_argument("--cameras", type=int, default=4, help="cameras sending in step")
+    d.add_argument("--fps", type=float, default=10.0, help="frames per second per camera")
+    d.add_argument("--workers", type=int, default=2, help="CPU workers to start")
+    d.add_argument("--max-batch", type=int, default=8, help="broker B_max")
+    d.add_argument("--max-wait-ms", type=float, default=5.0, help="broker T_max")
+    d.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure(args.log_level)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"carpool: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The client SDK: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio).
+
+Both speak to a broker's frontend and raise the typed errors of
+:mod:`carpool.common.errors`::
+
+    from carpool.client import Client
+
+    with Client("tcp://127.0.0.1:5555") as client:
+        outputs = client.infer("orientation", {"x": batch}, timeout_s=0.5)
+"""
+
+from carpool.client.aio import AsyncClient
+from carpool.client.core import InferResult
+from carpool.client.sync import Client, ReplyFuture
+from carpool.common.errors import (
+    CarpoolError,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    ProtocolError,
+    RequestError,
+    Unavailable,
+    UnsupportedVersion,
+)
+from carpool.common.protocol import Priority
+
+__all__ = [
+    "AsyncClient",
+    "CarpoolError",
+    "Client",
+    "DeadlineExceeded",
+    "InferResult",
+    "InternalError",
+    "InvalidArgument",
+    "NotFound",
+    "Overloaded",
+    "Priority",
+    "ProtocolError",
+    "ReplyFuture",
+    "RequestError",
+    "Unavailable",
+    "UnsupportedVersion",
+]

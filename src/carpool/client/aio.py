@@ -1,0 +1,165 @@
+"""aio.py: AsyncClient — the asyncio twin of :class:`carpool.client.Client`.
+
+Same methods (``submit``, ``infer``, ``stats``, ``close``) over the same ClientCore; one
+reader task per client completes the futures. Use it from one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from numpy.typing import ArrayLike, NDArray
+
+from carpool.client.core import ClientCore, InferResult
+from carpool.client.sync import ClientState
+from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.errors import CarpoolError, ProtocolError, RequestError
+from carpool.common.protocol import Priority
+
+
+class AsyncClient:
+    """asyncio client of a carpool broker; see :class:`carpool.client.Client` for args."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        default_timeout_s: float = 10.0,
+        grace_s: float = 1.0,
+        context: zmq.asyncio.Context | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.core = ClientCore(default_timeout_s, grace_s)
+        self.clock: Clock = clock or MonotonicClock()
+        self._own_context = context is None
+        self.context = context or zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self._futures: dict[int, asyncio.Future[InferResult]] = {}
+        self._stats: asyncio.Future[dict[str, Any]] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self.state = ClientState.OPEN
+
+    async def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> asyncio.Future[InferResult]:
+        """Send a request; returns a future that resolves to its result or typed error."""
+        self._check_open()
+        rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        self._futures[rid] = future
+        await self.socket.send_multipart(frames, copy=False)
+        self._ensure_reader()
+        return future
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> dict[str, NDArray[Any]]:
+        """Run one request and return its outputs by name (raises typed errors)."""
+        future = await self.submit(model, inputs, timeout_s, priority=priority)
+        return (await future).outputs
+
+    async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The broker's counters (see :meth:`carpool.client.Client.stats`)."""
+        self._check_open()
+        self._stats = asyncio.get_running_loop().create_future()
+        await self.socket.send_multipart(self.core.stats_request())
+        self._ensure_reader()
+        return await asyncio.wait_for(self._stats, timeout_s)
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while self.state is ClientState.OPEN:
+            deadline = self.core.next_deadline()
+            if deadline is None and not self._futures and self._stats is None:
+                return  # idle: the next submit restarts the reader
+            # Wake at least once a second so requests with shorter timeouts expire on time.
+            wait_s = 1.0 if deadline is None else min(1.0, deadline - self.clock.now())
+            wait_ms = max(0, math.ceil(wait_s * 1000))
+            if await self.socket.poll(wait_ms):
+                while True:
+                    try:
+                        frames = await self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames)
+            for rid, error in self.core.expire(self.clock.now()):
+                self._settle(rid, error)
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        try:
+            rid, outcome = self.core.on_reply(frames)
+        except ProtocolError:
+            return
+        if isinstance(outcome, dict):
+            if self._stats is not None and not self._stats.done():
+                self._stats.set_result(outcome)
+            self._stats = None
+            return
+        if rid is not None:
+            self._settle(rid, outcome)
+
+    def _settle(self, rid: int, outcome: InferResult | RequestError) -> None:
+        future = self._futures.pop(rid, None)
+        if future is None or future.done():
+            return
+        if isinstance(outcome, RequestError):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._futures)
+
+    def _check_open(self) -> None:
+        if self.state is not ClientState.OPEN:
+            raise CarpoolError("the client is closed")
+
+    async def close(self) -> None:
+        if self.state is ClientState.CLOSED:
+            return
+        self.state = ClientState.CLOSED
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for future in self._futures.values():
+            if not future.done():
+                future.cancel()
+        self._futures.clear()
+        self.socket.close(linger=0)
+        if self._own_context:
+            self.context.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

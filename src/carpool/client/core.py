@@ -1,0 +1,155 @@
+"""core.py: ClientCore — what both clients share: ids, encoding, decoding, local deadlines.
+
+Pure: no sockets, no clock (``now`` is passed in). The blocking and asyncio clients are
+thin shells over it, so neither duplicates protocol logic.
+
+Local deadline: the broker answers every request by its deadline, so a client that hears
+nothing for ``timeout + grace`` concludes the broker is unreachable and fails the request
+with :class:`Unavailable` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from carpool.common import codec
+from carpool.common.errors import ProtocolError, RequestError, Unavailable, error_for_code
+from carpool.common.protocol import (
+    Command,
+    ErrorReply,
+    Frame,
+    Priority,
+    ReplyMeta,
+    Submit,
+    TensorMeta,
+    check_frame_sizes,
+    decode_meta,
+    encode,
+    encode_request,
+    parse_header,
+    view,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    """The outputs of one request and where its time went."""
+
+    outputs: dict[str, NDArray[Any]]
+    batch_size: int = 0  # samples in the batch this request rode in
+    queue_ms: float = 0.0  # time queued at the broker
+    compute_ms: float = 0.0  # engine time of the batch
+
+    def __getitem__(self, name: str) -> NDArray[Any]:
+        return self.outputs[name]
+
+
+@dataclass(slots=True)
+class ClientCore:
+    """Request ids, local deadlines and the wire format for one client connection."""
+
+    default_timeout_s: float = 10.0
+    grace_s: float = 1.0
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _deadlines: list[tuple[float, int]] = field(default_factory=list)
+    pending: dict[int, float] = field(default_factory=dict)  # id -> local deadline
+
+    def request(
+        self,
+        now: float,
+        model: str,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float | None = None,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> tuple[int, list[Any]]:
+        """Encode a request. Returns its id and frames, and starts its local deadline."""
+        if not inputs:
+            raise ValueError("a request needs at least one input tensor")
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        if not 0 < timeout <= 3600:
+            raise ValueError(f"timeout_s must be in (0, 3600], got {timeout}")
+        metas = []
+        payloads = []
+        for name, value in inputs.items():
+            arr = np.asarray(value)
+            if arr.ndim == 0:
+                raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
+            dtype = codec.wire_dtype(arr.dtype)
+            arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
+            metas.append(TensorMeta(name, dtype, tuple(int(d) for d in arr.shape)))
+            payloads.append(arr)
+        rid = next(self._ids)
+        submit = Submit(rid, model, max(1, round(timeout * 1000)), tuple(metas), priority)
+        deadline = now + timeout + self.grace_s
+        self.pending[rid] = deadline
+        heapq.heappush(self._deadlines, (deadline, rid))
+        return rid, encode_request(submit, payloads)
+
+    def stats_request(self) -> list[Any]:
+        return encode(Command.STATS, {})
+
+    def on_reply(
+        self, frames: Sequence[Frame]
+    ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
+        """Decode a message from the broker.
+
+        Returns:
+            (request id, result or error) for replies to requests still pending;
+            (None, stats map) for a STATS reply; (None, error) for an error that names no
+            pending request.
+        Raises:
+            ProtocolError: the message is not valid.
+        """
+        if len(frames) < 2:
+            raise ProtocolError("broker replies have a header and a meta frame")
+        command = parse_header(view(frames[0]))
+        meta = decode_meta(view(frames[1]))
+        if command is Command.STATS:
+            return None, meta
+        if command is Command.ERROR:
+            err = ErrorReply.from_wire(meta)
+            retry = None if err.retry_after_ms is None else err.retry_after_ms / 1000.0
+            exc = error_for_code(
+                err.code, err.message, request_id=err.request_id, retry_after_s=retry
+            )
+            return self._settle(err.request_id), exc
+        if command is not Command.REPLY:
+            raise ProtocolError(f"unexpected command {command.name} from the broker")
+        reply = ReplyMeta.from_wire(meta)
+        payloads = frames[2:]
+        check_frame_sizes(reply.outputs, payloads)
+        outputs = {
+            t.name: np.frombuffer(view(p), codec.numpy_dtype(t.dtype)).reshape(t.shape)
+            for t, p in zip(reply.outputs, payloads, strict=True)
+        }
+        result = InferResult(outputs, reply.batch_size, reply.queue_ms, reply.compute_ms)
+        return self._settle(reply.request_id), result
+
+    def _settle(self, request_id: int | None) -> int | None:
+        if request_id is None or self.pending.pop(request_id, None) is None:
+            return None  # late, duplicate or anonymous: nobody waits for it
+        return request_id
+
+    def forget(self, request_id: int) -> None:
+        self.pending.pop(request_id, None)
+
+    def expire(self, now: float) -> list[tuple[int, RequestError]]:
+        """Pending requests whose local deadline passed without any reply."""
+        out: list[tuple[int, RequestError]] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if self.pending.pop(rid, None) is not None:
+                out.append((rid, Unavailable("no reply from the broker", request_id=rid)))
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self.pending:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None

@@ -1,0 +1,211 @@
+"""sync.py: Client — the blocking SDK over one DEALER socket.
+
+Not thread-safe (like a zmq socket): use one Client per thread. Futures from
+:meth:`Client.submit` are completed by whichever call pumps the socket next
+(``ReplyFuture.result``, ``Client.infer`` or ``Client.poll``), so many requests can be in
+flight from one thread without a background thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from enum import Enum
+from types import TracebackType
+from typing import Any
+
+import zmq
+from numpy.typing import ArrayLike, NDArray
+
+from carpool.client.core import ClientCore, InferResult
+from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.errors import CarpoolError, ProtocolError, RequestError
+from carpool.common.protocol import Priority
+
+
+class ClientState(Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class ReplyFuture:
+    """The pending reply of one request; :meth:`result` waits for it."""
+
+    def __init__(self, client: Client, request_id: int) -> None:
+        self._client = client
+        self.request_id = request_id
+        self._result: InferResult | None = None
+        self._error: RequestError | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def _set(self, outcome: InferResult | RequestError) -> None:
+        if isinstance(outcome, RequestError):
+            self._error = outcome
+        else:
+            self._result = outcome
+
+    def result(self, timeout_s: float | None = None) -> InferResult:
+        """Wait for the reply (at most ``timeout_s``); raise its typed error if it failed.
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed first (the request stays pending).
+            RequestError: the request failed (a subclass per error code).
+        """
+        clock = self._client.clock
+        until = None if timeout_s is None else clock.now() + timeout_s
+        while not self.done():
+            left = None if until is None else until - clock.now()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"request {self.request_id} still pending")
+            self._client.poll(left)
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None  # done() and no error
+        return self._result
+
+    def outputs(self, timeout_s: float | None = None) -> dict[str, NDArray[Any]]:
+        return self.result(timeout_s).outputs
+
+
+class Client:
+    """Blocking client of a carpool broker.
+
+    Args:
+        endpoint: the broker's frontend, e.g. ``tcp://127.0.0.1:5555``.
+        default_timeout_s: timeout of requests that give none.
+        grace_s: how long past a request's timeout to wait for the broker's answer before
+            raising :class:`Unavailable`.
+        context: zmq context to use; by default the client owns a new one.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        default_timeout_s: float = 10.0,
+        grace_s: float = 1.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.core = ClientCore(default_timeout_s, grace_s)
+        self.clock: Clock = clock or MonotonicClock()
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self._futures: dict[int, ReplyFuture] = {}
+        self._stats: list[dict[str, Any]] = []  # the STATS reply, once it arrives
+        self.state = ClientState.OPEN
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> ReplyFuture:
+        """Send a request without waiting; returns a future for its reply."""
+        self._check_open()
+        rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)
+        future = ReplyFuture(self, rid)
+        self._futures[rid] = future
+        self.socket.send_multipart(frames, copy=False)
+        return future
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> dict[str, NDArray[Any]]:
+        """Run one request and return its outputs by name.
+
+        Raises:
+            RequestError: a subclass per wire error code (DeadlineExceeded, Overloaded, ...).
+        """
+        return self.submit(model, inputs, timeout_s, priority=priority).result().outputs
+
+    def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The broker's counters: batch-size distribution per model, errors, workers."""
+        self._check_open()
+        self._stats.clear()
+        self.socket.send_multipart(self.core.stats_request())
+        until = self.clock.now() + timeout_s
+        while not self._stats:
+            left = until - self.clock.now()
+            if left <= 0:
+                raise TimeoutError("no STATS reply from the broker")
+            self.poll(left)
+        return self._stats.pop()
+
+    def poll(self, timeout_s: float | None = 0.0) -> int:
+        """Receive what has arrived (waiting at most ``timeout_s``, or until the next local
+        deadline) and complete futures. Returns the number of futures completed."""
+        self._check_open()
+        deadline = self.core.next_deadline()
+        now = self.clock.now()
+        wait_s = timeout_s
+        if deadline is not None:
+            wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
+        wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+        completed = 0
+        if self.socket.poll(wait_ms, zmq.POLLIN):
+            while True:
+                try:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                completed += self._dispatch(frames)
+        for rid, error in self.core.expire(self.clock.now()):
+            future = self._futures.pop(rid, None)
+            if future is not None:
+                future._set(error)
+                completed += 1
+        return completed
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> int:
+        try:
+            rid, outcome = self.core.on_reply(frames)
+        except ProtocolError:
+            return 0  # not a message we can read; nothing waits on it
+        if isinstance(outcome, dict):
+            self._stats[:] = [outcome]
+            return 0
+        future = None if rid is None else self._futures.pop(rid, None)
+        if future is None:
+            return 0
+        future._set(outcome)
+        return 1
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._futures)
+
+    def _check_open(self) -> None:
+        if self.state is not ClientState.OPEN:
+            raise CarpoolError("the client is closed")
+
+    def close(self) -> None:
+        if self.state is ClientState.CLOSED:
+            return
+        self.state = ClientState.CLOSED
+        self.socket.close(linger=0)
+        if self._own_context:
+            self.context.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

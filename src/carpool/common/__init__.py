@@ -1,0 +1,1 @@
+"""Pieces shared by broker, worker and client: wire protocol, errors, clock, config."""

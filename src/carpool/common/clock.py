@@ -1,0 +1,29 @@
+"""Clock: the one seam for time. Only this module reads ``time.monotonic``.
+
+Pure cores never hold a clock: they take ``now`` (monotonic seconds) as an argument.
+Shells hold a :class:`Clock`; tests give them :class:`carpool.common.testing.FakeClock`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """Monotonic seconds, and a way to let time pass."""
+
+    def now(self) -> float: ...
+
+    def sleep(self, duration_s: float) -> None: ...
+
+
+class MonotonicClock:
+    """The real clock."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, duration_s: float) -> None:
+        if duration_s > 0:
+            time.sleep(duration_s)

@@ -1,0 +1,85 @@
+"""codec.py: msgpack with safe limits, and the tensor dtype allow-list.
+
+Rules: this is the only module that imports msgpack. It never uses pickle or ext types,
+always packs with ``use_bin_type=True`` and unpacks with ``raw=False`` and
+``strict_map_key=True``, and keeps every size limit on. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from carpool.common.errors import ProtocolError
+
+#: Largest meta (header) frame anyone should send; bigger ones are rejected unread.
+MAX_META_BYTES = 64 * 1024
+#: Largest single-frame ("simple form") request, tensors inline.
+MAX_SIMPLE_BYTES = 64 * 1024 * 1024
+
+#: Wire dtype names and their numpy dtypes (always little-endian on the wire).
+DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "uint16",
+        "int16",
+        "uint32",
+        "int32",
+        "uint64",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+
+
+def wire_dtype(dtype: np.dtype[Any] | str | type) -> str:
+    """The wire name of a numpy dtype; raises ProtocolError for unsupported ones."""
+    dt = np.dtype(dtype)
+    name = dt.name
+    if name not in DTYPES or (dt.byteorder == ">" and dt.itemsize > 1):
+        raise ProtocolError(f"unsupported dtype {dt!s}; supported: {', '.join(DTYPES)}")
+    return name
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a wire dtype name; raises ProtocolError for unknown names."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ProtocolError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def pack(obj: object) -> bytes:
+    """msgpack-encode ``obj`` (maps, lists, str, bytes, ints, floats, bool, None)."""
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_META_BYTES) -> Any:
+    """Decode one msgpack object, refusing anything larger than ``max_bytes``.
+
+    Raises:
+        ProtocolError: the data is too large, malformed, or has trailing bytes.
+    """
+    if len(data) > max_bytes:
+        raise ProtocolError(f"msgpack frame of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=max_bytes,
+            max_map_len=max_bytes,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types on bad input
+        raise ProtocolError(f"malformed msgpack: {exc}") from None

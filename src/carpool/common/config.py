@@ -1,0 +1,108 @@
+"""config.py: TOML files into frozen dataclasses, with every problem reported at once.
+
+Pure apart from reading the file it is given. Only entry points (cli) read the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from carpool.common.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - JetPack 6 ships Python 3.10
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file; a missing or malformed file is a ConfigError."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping, checking names and types of every field.
+
+    Nested dataclasses are built from nested tables; ``dict[str, X]`` fields from tables of
+    tables. Unknown keys and wrong types are collected and raised together.
+    """
+    problems: list[str] = []
+    obj = _build(cls, data, where or cls.__name__, problems)
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    return typing.cast(T, obj)
+
+
+def _build(cls: Any, data: Any, where: str, problems: list[str]) -> Any:
+    if not isinstance(data, Mapping):
+        problems.append(f"{where}: expected a table")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            problems.append(f"{where}.{key}: unknown setting (known: {', '.join(fields)})")
+            continue
+        converted = _convert(hints[key], value, f"{where}.{key}", problems)
+        if converted is not _INVALID:
+            kwargs[key] = converted
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    except TypeError as exc:
+        problems.append(f"{where}: {exc}")
+    return None
+
+
+_INVALID = object()
+
+
+def _convert(hint: Any, value: Any, where: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where, problems)
+    if origin in (dict, Mapping) or hint is dict:
+        _, value_hint = typing.get_args(hint)
+        if not isinstance(value, Mapping):
+            problems.append(f"{where}: expected a table")
+            return _INVALID
+        return {k: _convert(value_hint, v, f"{where}.{k}", problems) for k, v in value.items()}
+    if origin in (tuple, list):
+        (item_hint, *_) = typing.get_args(hint)
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected a list")
+            return _INVALID
+        return tuple(_convert(item_hint, v, f"{where}[{i}]", problems) for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(args[0], value, where, problems) if len(args) == 1 else value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(hint, type) and (
+        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
+    ):
+        problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return _INVALID
+    return value
+
+
+def check(problems: list[str], where: str) -> None:
+    """Raise a ConfigError listing ``problems`` (for ``__post_init__`` validation)."""
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))

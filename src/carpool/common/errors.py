@@ -1,0 +1,136 @@
+"""The exception tree of carpool, and the wire error codes it maps to.
+
+::
+
+    CarpoolError
+    ├── ProtocolError          a message that does not follow the wire protocol (local)
+    ├── ConfigError            invalid configuration (local)
+    └── RequestError           a request failed; carries the wire ErrorCode
+        ├── InvalidArgument        INVALID_ARGUMENT: wrong dtype, shape, size, field
+        │   └── UnsupportedVersion UNSUPPORTED_VERSION: protocol version not spoken
+        ├── NotFound               NOT_FOUND: no worker has ever served that model
+        ├── DeadlineExceeded       DEADLINE_EXCEEDED: the deadline passed or cannot be met
+        ├── Overloaded             OVERLOADED: queue full; retry after ``retry_after_s``
+        ├── Unavailable            UNAVAILABLE: no live worker, or no broker answering
+        └── InternalError          INTERNAL: the engine or the broker failed
+
+This module is pure: no I/O, no imports beyond the standard library.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    """Error codes on the wire (see docs/protocol.md). Values never change meaning."""
+
+    INVALID_ARGUMENT = 1
+    NOT_FOUND = 2
+    DEADLINE_EXCEEDED = 3
+    OVERLOADED = 4
+    UNAVAILABLE = 5
+    INTERNAL = 6
+    UNSUPPORTED_VERSION = 7
+
+
+class CarpoolError(Exception):
+    """Base class of every error carpool raises on purpose."""
+
+
+class ProtocolError(CarpoolError):
+    """A message does not follow the wire protocol."""
+
+
+class ConfigError(CarpoolError):
+    """A configuration is invalid; the message lists every problem found."""
+
+
+class RequestError(CarpoolError):
+    """A request ended in an error reply.
+
+    Attributes:
+        code: the wire error code.
+        request_id: the client's id of the request, when known.
+    """
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+
+
+class InvalidArgument(RequestError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class UnsupportedVersion(InvalidArgument):
+    code = ErrorCode.UNSUPPORTED_VERSION
+
+
+class NotFound(RequestError):
+    code = ErrorCode.NOT_FOUND
+
+
+class DeadlineExceeded(RequestError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class Overloaded(RequestError):
+    """The broker refused the request to protect the deadlines of others.
+
+    Attributes:
+        retry_after_s: the broker's hint of when a retry may succeed, if it gave one.
+    """
+
+    code = ErrorCode.OVERLOADED
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(RequestError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class InternalError(RequestError):
+    code = ErrorCode.INTERNAL
+
+
+_BY_CODE: dict[int, type[RequestError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        UnsupportedVersion,
+        NotFound,
+        DeadlineExceeded,
+        Overloaded,
+        Unavailable,
+        InternalError,
+    )
+}
+
+
+def error_for_code(
+    code: int,
+    message: str,
+    *,
+    request_id: int | None = None,
+    retry_after_s: float | None = None,
+) -> RequestError:
+    """Build the exception for a wire error code; unknown codes become InternalError."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return InternalError(f"unknown error code {code}: {message}", request_id=request_id)
+    if cls is Overloaded:
+        return Overloaded(message, request_id=request_id, retry_after_s=retry_after_s)
+    return cls(message, request_id=request_id)

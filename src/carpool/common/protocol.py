@@ -1,0 +1,625 @@
+"""protocol.py: carpool wire protocol v1 — frame layout, commands, messages, encode/decode.
+
+Rules: pure. No sockets, no clock, no logging. Decoders validate everything that came off
+the network and raise :class:`ProtocolError` (never ``assert``). docs/protocol.md is the
+normative description; this docstring is the summary.
+
+Every message (after the ROUTER's routing-id frame, which only the broker sees) is::
+
+    frame 0   header   4 bytes: b"C" b"P" <version:u8> <command:u8>
+    frame 1   meta     msgpack map (at most 64 KiB)
+    frame 2.. tensors  raw little-endian C-order bytes, one frame per tensor, in meta order
+
+Client ↔ broker (client DEALER or REQ → broker frontend ROUTER)::
+
+    REQUEST  C→B  meta {id, model, timeout_ms, inputs: [{name, dtype, shape}], priority?}
+    REPLY    B→C  meta {id, outputs: [{name, dtype, shape}], batch_size, queue_ms, compute_ms}
+    ERROR    B→C  meta {id, code, message, retry_after_ms?}                (no tensor frames)
+    STATS    C→B  meta {}          B→C meta {broker counters}
+
+    The simple form: one msgpack frame (a map, so its first byte is never b"C"):
+    {v: 1, id, model, timeout_ms, inputs: [{name, dtype, shape, data: bin}]}; the reply comes
+    back in the same form: {v: 1, id, outputs: [{..., data}]} or {v: 1, id, error: {...}}.
+
+Worker ↔ broker (worker DEALER → broker backend ROUTER)::
+
+    READY      W→B  meta {name, slots, heartbeat_ms,
+                          models: [{name, inputs, outputs, max_batch, preferred_batch}]}
+    HEARTBEAT  W↔B  meta {rho?}
+    BATCH      B→W  meta {batch, model, inputs: [{name, dtype, shape: [-1, ...]}],
+                          requests: [{id, n, simple, queue_ms}]}
+                    frames: request-major, one frame per (request, input)
+    RESULT     W→B  meta {batch, rho, compute_ms, frames: [k_i]} then, per request, the k_i
+                    frames of the finished client reply (REPLY or ERROR, or one simple frame)
+    FAILED     W→B  meta {batch, code, message, rho}
+    DISCONNECT W↔B  meta {reason}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol
+
+from carpool.common import codec
+from carpool.common.errors import ErrorCode, ProtocolError
+
+MAGIC = b"CP"
+PROTOCOL_VERSION = 1
+HEADER_BYTES = 4
+MAX_TENSORS = 64
+MAX_RANK = 8
+MAX_TIMEOUT_MS = 3_600_000
+MAX_NAME_CHARS = 256
+
+
+class Command(IntEnum):
+    """Command byte of the header frame."""
+
+    REQUEST = 0x01
+    REPLY = 0x02
+    ERROR = 0x03
+    STATS = 0x04
+    READY = 0x10
+    HEARTBEAT = 0x11
+    BATCH = 0x12
+    RESULT = 0x13
+    FAILED = 0x14
+    DISCONNECT = 0x15
+
+
+class Priority(IntEnum):
+    """Request priority on the wire; lower is more urgent."""
+
+    INTERACTIVE = 0
+    BULK = 1
+
+
+class Frame(Protocol):
+    """Anything that can travel as a frame: bytes, memoryview, zmq.Frame."""
+
+    def __len__(self) -> int: ...
+
+
+def view(frame: Frame) -> memoryview:
+    """A zero-copy view of a frame's bytes (bytes, memoryview and zmq.Frame all qualify)."""
+    return memoryview(frame)  # type: ignore[arg-type]
+
+
+_HEADERS: dict[Command, bytes] = {cmd: MAGIC + bytes((PROTOCOL_VERSION, cmd)) for cmd in Command}
+
+
+def header(command: Command) -> bytes:
+    """The 4-byte header frame for ``command`` at our protocol version."""
+    return _HEADERS[command]
+
+
+class VersionMismatch(ProtocolError):
+    """The header is well-formed but names a protocol version we do not speak."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(
+            f"unsupported protocol version {version}; this peer speaks {PROTOCOL_VERSION}"
+        )
+        self.version = version
+
+
+def parse_header(frame: bytes | memoryview) -> Command:
+    """Parse a header frame.
+
+    Raises:
+        VersionMismatch: valid magic, other version.
+        ProtocolError: anything else that is not a v1 header with a known command.
+    """
+    if len(frame) != HEADER_BYTES or bytes(frame[:2]) != MAGIC:
+        raise ProtocolError("not a carpool header frame (expected b'CP' + version + command)")
+    version = frame[2]
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(version)
+    try:
+        return Command(frame[3])
+    except ValueError:
+        raise ProtocolError(f"unknown command 0x{frame[3]:02x}") from None
+
+
+def is_simple_form(frame: bytes | memoryview) -> bool:
+    """True when a lone frame looks like a msgpack map (the single-frame simple form)."""
+    if len(frame) == 0:
+        return False
+    first = frame[0]
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _field(meta: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = meta.get(key)
+    # bool is an int subclass; never accept it where a number is meant.
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise ProtocolError(f"{what}: field {key!r} missing or not {_kind_name(kind)}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return "/".join(k.__name__ for k in _as_tuple(kind))
+
+
+def _map(obj: Any, what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: expected a msgpack map")
+    return obj
+
+
+def _name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise ProtocolError(f"{what}: name must be a non-empty string of <= {MAX_NAME_CHARS}")
+    return value
+
+
+def _optional_number(meta: dict[str, Any], key: str, default: float = 0.0) -> float:
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProtocolError(f"field {key!r} must be a finite number")
+    return float(value)
+
+
+def decode_meta(frame: bytes | memoryview) -> dict[str, Any]:
+    """Decode a meta frame into a map (bounded in size)."""
+    return _map(codec.unpack(frame), "meta")
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Name, wire dtype and shape of one tensor. ``-1`` marks a dynamic dim in a spec."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload size in bytes (only meaningful when no dim is dynamic)."""
+        return math.prod(self.shape) * codec.numpy_dtype(self.dtype).itemsize
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, *, allow_dynamic: bool = False) -> TensorMeta:
+        m = _map(obj, "tensor")
+        name = _name(m.get("name"), "tensor")
+        dtype = m.get("dtype")
+        if not isinstance(dtype, str) or dtype not in codec.DTYPES:
+            raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        shape = m.get("shape")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+            raise ProtocolError(f"tensor {name!r}: shape must be a list of <= {MAX_RANK} ints")
+        low = -1 if allow_dynamic else 1
+        for d in shape:
+            if isinstance(d, bool) or not isinstance(d, int) or d < low or d == 0:
+                raise ProtocolError(f"tensor {name!r}: bad dimension {d!r} in shape {shape}")
+        return cls(name, dtype, tuple(shape))
+
+
+def _tensor_list(obj: Any, what: str, *, allow_dynamic: bool = False) -> tuple[TensorMeta, ...]:
+    if not isinstance(obj, list) or not obj or len(obj) > MAX_TENSORS:
+        raise ProtocolError(f"{what}: expected a list of 1..{MAX_TENSORS} tensors")
+    tensors = tuple(TensorMeta.from_wire(t, allow_dynamic=allow_dynamic) for t in obj)
+    if len({t.name for t in tensors}) != len(tensors):
+        raise ProtocolError(f"{what}: duplicate tensor names")
+    return tensors
+
+
+def check_frame_sizes(tensors: Sequence[TensorMeta], frames: Sequence[Frame]) -> None:
+    """Check one frame per tensor, each exactly as long as its dtype and shape say."""
+    if len(frames) != len(tensors):
+        raise ProtocolError(f"expected {len(tensors)} tensor frames, got {len(frames)}")
+    for t, f in zip(tensors, frames, strict=True):
+        if len(f) != t.nbytes:
+            raise ProtocolError(
+                f"tensor {t.name!r}: {t.dtype}{list(t.shape)} needs {t.nbytes} bytes, "
+                f"frame has {len(f)}"
+            )
+
+
+# --------------------------------------------------------------------------- client side
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A client's inference request (REQUEST meta)."""
+
+    request_id: int
+    model: str
+    # Relative budget from the broker's receipt; None lets the broker apply its default.
+    timeout_ms: int | None
+    inputs: tuple[TensorMeta, ...]
+    priority: Priority = Priority.INTERACTIVE
+
+    def to_wire(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.request_id,
+            "model": self.model,
+            "inputs": [t.to_wire() for t in self.inputs],
+        }
+        if self.timeout_ms is not None:
+            meta["timeout_ms"] = self.timeout_ms
+        if self.priority != Priority.INTERACTIVE:
+            meta["priority"] = int(self.priority)
+        return meta
+
+
+def request_id_of(meta: Any) -> int | None:
+    """Best-effort request id of a (possibly invalid) request meta, for error replies."""
+    if isinstance(meta, dict):
+        rid = meta.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**64:
+            return rid
+    return None
+
+
+def decode_submit(meta: dict[str, Any]) -> Submit:
+    """Validate a REQUEST meta (or a simple-form map) into a :class:`Submit`."""
+    rid = request_id_of(meta)
+    if rid is None:
+        raise ProtocolError("request: field 'id' missing or not an unsigned 64-bit int")
+    model = _name(meta.get("model"), "request model")
+    timeout = meta.get("timeout_ms")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int)
+        or not 0 < timeout <= MAX_TIMEOUT_MS
+    ):
+        raise ProtocolError(f"request: timeout_ms must be an int in 1..{MAX_TIMEOUT_MS}")
+    prio = meta.get("priority", 0)
+    if isinstance(prio, bool) or prio not in (0, 1):
+        raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
+    inputs = _tensor_list(meta.get("inputs"), "request inputs")
+    return Submit(rid, model, timeout, inputs, Priority(prio))
+
+
+def encode_request(submit: Submit, payloads: Sequence[object]) -> list[Any]:
+    """Frames of a REQUEST (for a DEALER client)."""
+    return [header(Command.REQUEST), codec.pack(submit.to_wire()), *payloads]
+
+
+def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes]]:
+    """Decode a single-frame simple-form request into a Submit and its payloads.
+
+    The inline ``data`` fields are copied out of msgpack; this form is meant for small
+    tensors from small devices. Large tensors belong in the framed form.
+    """
+    obj = _map(codec.unpack(frame, max_bytes=codec.MAX_SIMPLE_BYTES), "simple request")
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        if isinstance(version, int) and not isinstance(version, bool):
+            raise VersionMismatch(version)
+        raise ProtocolError("simple request: field 'v' (protocol version) missing")
+    submit = decode_submit(obj)
+    payloads: list[bytes] = []
+    for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
+        data = raw.get("data")
+        if not isinstance(data, bytes):
+            raise ProtocolError(f"simple request: tensor {t.name!r} has no bin 'data' field")
+        payloads.append(data)
+    check_frame_sizes(submit.inputs, payloads)
+    return submit, payloads
+
+
+def encode_simple_request(submit: Submit, payloads: Sequence[bytes]) -> bytes:
+    """The one frame of a simple-form request."""
+    meta = submit.to_wire()
+    meta["v"] = PROTOCOL_VERSION
+    for t, data in zip(meta["inputs"], payloads, strict=True):
+        t["data"] = bytes(data)
+    return codec.pack(meta)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyMeta:
+    """REPLY meta: the outputs of one request, plus where its time went."""
+
+    request_id: int
+    outputs: tuple[TensorMeta, ...]
+    batch_size: int = 0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "outputs": [t.to_wire() for t in self.outputs],
+            "batch_size": self.batch_size,
+            "queue_ms": round(self.queue_ms, 3),
+            "compute_ms": round(self.compute_ms, 3),
+        }
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> ReplyMeta:
+        rid = request_id_of(meta)
+        if rid is None:
+            raise ProtocolError("reply: field 'id' missing")
+        outputs = _tensor_list(meta.get("outputs"), "reply outputs")
+        batch_size = meta.get("batch_size", 0)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise ProtocolError("reply: batch_size must be an int")
+        return cls(
+            rid,
+            outputs,
+            batch_size,
+            _optional_number(meta, "queue_ms"),
+            _optional_number(meta, "compute_ms"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """ERROR meta: why a request (or an unreadable message) failed."""
+
+    request_id: int | None
+    code: ErrorCode
+    message: str
+    retry_after_ms: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.request_id,
+            "code": int(self.code),
+            "message": self.message,
+        }
+        if self.retry_after_ms is not None:
+            meta["retry_after_ms"] = self.retry_after_ms
+        return meta
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> ErrorReply:
+        code = meta.get("code")
+        if isinstance(code, bool) or not isinstance(code, int):
+            raise ProtocolError("error: field 'code' missing")
+        message = meta.get("message", "")
+        retry = meta.get("retry_after_ms")
+        if retry is not None and (isinstance(retry, bool) or not isinstance(retry, int)):
+            retry = None
+        try:
+            ecode = ErrorCode(code)
+        except ValueError:
+            ecode = ErrorCode.INTERNAL
+            message = f"unknown error code {code}: {message}"
+        return cls(request_id_of(meta), ecode, str(message), retry)
+
+
+def encode_error(error: ErrorReply, *, simple: bool = False) -> list[bytes]:
+    """Frames of an error reply, framed or in the simple form."""
+    if simple:
+        wire = error.to_wire()
+        rid = wire.pop("id")
+        return [codec.pack({"v": PROTOCOL_VERSION, "id": rid, "error": wire})]
+    return [header(Command.ERROR), codec.pack(error.to_wire())]
+
+
+def encode_reply(reply: ReplyMeta, payloads: Sequence[object], *, simple: bool) -> list[Any]:
+    """Frames of a successful reply, framed or in the simple form (payloads inline)."""
+    if simple:
+        wire = reply.to_wire()
+        wire["v"] = PROTOCOL_VERSION
+        for t, data in zip(wire["outputs"], payloads, strict=True):
+            t["data"] = bytes(memoryview(data))  # type: ignore[arg-type]
+        return [codec.pack(wire)]
+    return [header(Command.REPLY), codec.pack(reply.to_wire()), *payloads]
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What a worker serves for one model: I/O specs (dim 0 is the batch) and batch limits."""
+
+    name: str
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+    max_batch: int
+    # Batch sizes the engine runs best at (TensorRT profile sizes); empty means any.
+    preferred_batch: tuple[int, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inputs": [t.to_wire() for t in self.inputs],
+            "outputs": [t.to_wire() for t in self.outputs],
+            "max_batch": self.max_batch,
+            "preferred_batch": list(self.preferred_batch),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ModelSpec:
+        m = _map(obj, "model spec")
+        name = _name(m.get("name"), "model spec")
+        inputs = _tensor_list(m.get("inputs"), f"model {name} inputs", allow_dynamic=True)
+        outputs = _tensor_list(m.get("outputs"), f"model {name} outputs", allow_dynamic=True)
+        max_batch = _field(m, "max_batch", int, f"model {name}")
+        if max_batch < 1:
+            raise ProtocolError(f"model {name}: max_batch must be >= 1")
+        preferred = m.get("preferred_batch", [])
+        if not isinstance(preferred, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= max_batch
+            for p in preferred
+        ):
+            raise ProtocolError(f"model {name}: preferred_batch must list ints in 1..max_batch")
+        return cls(name, inputs, outputs, max_batch, tuple(sorted(set(preferred))))
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """READY meta: a worker announces itself and what it serves."""
+
+    name: str
+    # How many batches the broker may have outstanding at this worker (credits).
+    slots: int
+    models: tuple[ModelSpec, ...]
+    # The worker's heartbeat interval; the broker heartbeats it at the same rate.
+    heartbeat_ms: int = 1000
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "slots": self.slots,
+            "models": [m.to_wire() for m in self.models],
+            "heartbeat_ms": self.heartbeat_ms,
+        }
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> Ready:
+        name = _name(meta.get("name"), "ready")
+        slots = _field(meta, "slots", int, "ready")
+        if not 1 <= slots <= 1024:
+            raise ProtocolError("ready: slots must be in 1..1024")
+        models = meta.get("models")
+        if not isinstance(models, list) or not models or len(models) > 256:
+            raise ProtocolError("ready: models must be a list of 1..256 model specs")
+        specs = tuple(ModelSpec.from_wire(m) for m in models)
+        if len({s.name for s in specs}) != len(specs):
+            raise ProtocolError("ready: duplicate model names")
+        heartbeat_ms = meta.get("heartbeat_ms", 1000)
+        if isinstance(heartbeat_ms, bool) or not isinstance(heartbeat_ms, int):
+            raise ProtocolError("ready: heartbeat_ms must be an int")
+        if not 10 <= heartbeat_ms <= 600_000:
+            raise ProtocolError("ready: heartbeat_ms must be in 10..600000")
+        return cls(name, slots, specs, heartbeat_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One request inside a BATCH."""
+
+    request_id: int
+    samples: int
+    simple: bool
+    queue_ms: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "n": self.samples,
+            "simple": self.simple,
+            "queue_ms": round(self.queue_ms, 3),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMeta:
+    """BATCH meta: requests of one model and one item shape, stacked along dim 0."""
+
+    batch_id: int
+    model: str
+    # Per-input spec with shape[0] == -1: each request brings `samples` rows.
+    inputs: tuple[TensorMeta, ...]
+    items: tuple[BatchItem, ...]
+
+    @property
+    def total_samples(self) -> int:
+        return sum(i.samples for i in self.items)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch_id,
+            "model": self.model,
+            "inputs": [t.to_wire() for t in self.inputs],
+            "requests": [i.to_wire() for i in self.items],
+        }
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> BatchMeta:
+        batch_id = _field(meta, "batch", int, "batch")
+        model = _name(meta.get("model"), "batch model")
+        inputs = _tensor_list(meta.get("inputs"), "batch inputs", allow_dynamic=True)
+        reqs = meta.get("requests")
+        if not isinstance(reqs, list) or not reqs:
+            raise ProtocolError("batch: requests must be a non-empty list")
+        items = []
+        for r in reqs:
+            rm = _map(r, "batch request")
+            rid = request_id_of(rm)
+            n = rm.get("n")
+            if rid is None or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ProtocolError("batch: each request needs an 'id' and 'n' >= 1")
+            items.append(
+                BatchItem(rid, n, bool(rm.get("simple", False)), _optional_number(rm, "queue_ms"))
+            )
+        return cls(batch_id, model, inputs, tuple(items))
+
+    def request_tensors(self, item: BatchItem) -> tuple[TensorMeta, ...]:
+        """The concrete tensor metas of one request of this batch."""
+        return tuple(TensorMeta(t.name, t.dtype, (item.samples, *t.shape[1:])) for t in self.inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class ResultMeta:
+    """RESULT meta: a finished batch. ``frames[i]`` frames of replies follow per request."""
+
+    batch_id: int
+    rho: float
+    compute_ms: float
+    frames: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch_id,
+            "rho": round(self.rho, 4),
+            "compute_ms": round(self.compute_ms, 3),
+            "frames": list(self.frames),
+        }
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
+        batch_id = _field(meta, "batch", int, "result")
+        frames = meta.get("frames")
+        if not isinstance(frames, list) or not all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in frames
+        ):
+            raise ProtocolError("result: frames must be a list of ints >= 1")
+        return cls(
+            batch_id,
+            _optional_number(meta, "rho"),
+            _optional_number(meta, "compute_ms"),
+            tuple(frames),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FailedMeta:
+    """FAILED meta: a batch the worker could not run."""
+
+    batch_id: int
+    code: ErrorCode
+    message: str
+    rho: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch_id,
+            "code": int(self.code),
+            "message": self.message,
+            "rho": round(self.rho, 4),
+        }
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> FailedMeta:
+        batch_id = _field(meta, "batch", int, "failed")
+        err = ErrorReply.from_wire(meta)
+        return cls(batch_id, err.code, err.message, _optional_number(meta, "rho"))
+
+
+def encode(command: Command, meta: dict[str, Any], payloads: Sequence[object] = ()) -> list[Any]:
+    """Frames of any message: header, packed meta, payload frames."""
+    return [header(command), codec.pack(meta), *payloads]

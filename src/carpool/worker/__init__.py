@@ -1,0 +1,1 @@
+"""The worker: a ZeroMQ DEALER that runs batches on an engine and returns the results."""

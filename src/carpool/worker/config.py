@@ -1,0 +1,97 @@
+"""config.py: WorkerConfig and the engine factories it describes. Defaults live here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from carpool.common.config import check
+from carpool.worker.engines.base import Engine
+from carpool.worker.server import EngineFactory
+
+ENGINES = ("onnxruntime", "synthetic")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model a worker serves."""
+
+    name: str = "orientation"  # catalogue name, or any name when `path` is given
+    engine: str = "onnxruntime"  # onnxruntime | synthetic
+    path: str = ""  # an ONNX file; empty means the catalogue model `name`
+    max_batch: int = 8
+    preferred_batch: tuple[int, ...] = ()
+    intra_op_threads: int = 1
+    # synthetic engine only: batch cost = fixed_cost_s + per_sample_s * B
+    fixed_cost_s: float = 0.0
+    per_sample_s: float = 0.0
+    item_shape: tuple[int, ...] = (16,)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.engine not in ENGINES:
+            problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not 1 <= self.max_batch <= 4096:
+            problems.append("max_batch must be in 1..4096")
+        if any(not 1 <= p <= self.max_batch for p in self.preferred_batch):
+            problems.append("preferred_batch sizes must lie in 1..max_batch")
+        if self.fixed_cost_s < 0 or self.per_sample_s < 0:
+            problems.append("fixed_cost_s and per_sample_s must be >= 0")
+        if self.intra_op_threads < 1:
+            problems.append("intra_op_threads must be >= 1")
+        check(problems, f"model {self.name}")
+
+    def factory(self) -> EngineFactory:
+        """A function that builds this model's engine (called on the inference thread)."""
+        if self.engine == "synthetic":
+            return self._synthetic
+        return self._onnxruntime
+
+    def _synthetic(self) -> Engine:
+        from carpool.worker.engines.synthetic import SyntheticEngine
+
+        return SyntheticEngine(
+            fixed_cost_s=self.fixed_cost_s,
+            per_sample_s=self.per_sample_s,
+            item_shape=self.item_shape,
+            dtype=self.dtype,
+            max_batch=self.max_batch,
+            preferred_batch=self.preferred_batch,
+        )
+
+    def _onnxruntime(self) -> Engine:
+        from carpool.worker.engines.ort import OnnxRuntimeEngine
+        from carpool.worker.models import locate
+
+        path = self.path or str(locate(self.name))
+        return OnnxRuntimeEngine(
+            path,
+            max_batch=self.max_batch,
+            intra_op_threads=self.intra_op_threads,
+            preferred_batch=self.preferred_batch,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    broker: str = "tcp://127.0.0.1:5556"  # the broker's backend endpoint
+    name: str = "worker"
+    slots: int = 2  # batches outstanding here at most (credits)
+    heartbeat_s: float = 1.0
+    liveness: int = 3  # silent heartbeat intervals before reconnecting
+    models: tuple[ModelConfig, ...] = field(default_factory=lambda: (ModelConfig(),))
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.slots <= 1024:
+            problems.append("slots must be in 1..1024")
+        if not 0.01 <= self.heartbeat_s <= 600:
+            problems.append("heartbeat_s must be in 0.01..600")
+        if not 1 <= self.liveness <= 100:
+            problems.append("liveness must be in 1..100")
+        if not self.models:
+            problems.append("at least one [[models]] entry is needed")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            problems.append("model names must be unique")
+        check(problems, "worker")

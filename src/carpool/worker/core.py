@@ -1,0 +1,230 @@
+"""core.py: WorkerCore — the worker's side of the protocol as a pure state machine.
+
+It decides what to send (READY, HEARTBEAT, RESULT, FAILED, DISCONNECT), when the broker
+counts as lost, and how busy the engine has been (ρ). ``now`` is always an argument; no
+sockets or threads here. ``server.py`` owns the DEALER socket and the inference thread.
+
+Connection epochs: every (re)connection starts a new epoch. Batches received in an older
+epoch are finished but their results are dropped, since the broker has already requeued
+them; this keeps "exactly one reply per request" across reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.protocol import (
+    BatchMeta,
+    Command,
+    FailedMeta,
+    Frame,
+    ModelSpec,
+    Ready,
+    ResultMeta,
+    decode_meta,
+    encode,
+    parse_header,
+    view,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerState(Enum):
+    CONNECTING = "connecting"  # socket open, READY not yet sent
+    READY = "ready"  # registered; batches may arrive
+    STOPPED = "stopped"
+
+
+class BusyMeter:
+    """ρ: the fraction of the last ``window_s`` the engine spent running batches.
+
+    Finished batches are exact spans reported by the inference thread; a batch still
+    running counts from ``running_since`` (when the idle thread was handed work).
+    """
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._spans: deque[tuple[float, float]] = deque()
+        self.running_since: float | None = None
+
+    def add(self, start: float, end: float) -> None:
+        self._spans.append((start, end))
+
+    def rho(self, now: float) -> float:
+        begin = now - self.window_s
+        while self._spans and self._spans[0][1] <= begin:
+            self._spans.popleft()
+        busy = sum(max(0.0, min(end, now) - max(start, begin)) for start, end in self._spans)
+        if self.running_since is not None:
+            busy += max(0.0, now - max(self.running_since, begin))
+        return min(1.0, max(0.0, busy / self.window_s))
+
+
+@dataclass(frozen=True, slots=True)
+class RunBatch:
+    """Hand this batch to the inference thread."""
+
+    epoch: int
+    batch: BatchMeta
+    frames: Sequence[Frame]
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """Close the socket, open a new one, and send READY (MDP's rule after DISCONNECT)."""
+
+    reason: str
+
+
+Action = RunBatch | Reconnect
+
+
+class WorkerCore:
+    """Protocol state of one worker serving ``specs``.
+
+    Args:
+        name: a human-readable worker name for logs and stats.
+        specs: the models served.
+        slots: batches the broker may have outstanding here (credits).
+        heartbeat_s: heartbeat interval, announced to the broker.
+        liveness: intervals of broker silence before reconnecting.
+        rho_window_s: the window of ρ.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        specs: Sequence[ModelSpec],
+        *,
+        slots: int = 2,
+        heartbeat_s: float = 1.0,
+        liveness: int = 3,
+        rho_window_s: float = 1.0,
+    ) -> None:
+        self.name = name
+        self.specs = {s.name: s for s in specs}
+        self.slots = slots
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self.meter = BusyMeter(rho_window_s)
+        self.state = WorkerState.CONNECTING
+        self.epoch = 0
+        self._last_heard_s = 0.0
+        self._next_heartbeat_s = 0.0
+        self.batches_done = 0
+        self.batches_failed = 0
+        self._in_thread = 0  # batches handed to the inference thread, not yet finished
+
+    # ------------------------------------------------------------------ connection
+
+    def on_connect(self, now: float) -> list[Any]:
+        """A fresh socket is connected: returns the READY message."""
+        self.epoch += 1
+        self.state = WorkerState.READY
+        self._last_heard_s = now
+        self._next_heartbeat_s = now + self.heartbeat_s
+        ready = Ready(
+            self.name, self.slots, tuple(self.specs.values()), round(self.heartbeat_s * 1000)
+        )
+        return encode(Command.READY, ready.to_wire())
+
+    def on_broker(self, now: float, frames: Sequence[Frame]) -> Action | None:
+        """A message from the broker. Returns what the shell must do, if anything."""
+        self._last_heard_s = now
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("broker messages have a header and a meta frame")
+            command = parse_header(view(frames[0]))
+            meta = decode_meta(view(frames[1]))
+            if command is Command.BATCH:
+                return RunBatch(self.epoch, BatchMeta.from_wire(meta), frames[2:])
+            if command is Command.DISCONNECT:
+                reason = meta.get("reason", "")
+                return Reconnect(f"broker said DISCONNECT: {reason}")
+            if command is Command.HEARTBEAT:
+                return None
+            raise ProtocolError(f"command {command.name} is not valid from a broker")
+        except ProtocolError as exc:
+            logger.warning("bad message from broker: %s", exc)
+            return None
+
+    def on_tick(self, now: float) -> tuple[list[list[Any]], Reconnect | None]:
+        """Heartbeats due, and whether the broker has gone silent for too long."""
+        if self.state is not WorkerState.READY:
+            return [], None
+        if now - self._last_heard_s >= self.liveness * self.heartbeat_s:
+            return [], Reconnect("broker silent for too long")
+        out = []
+        if now >= self._next_heartbeat_s:
+            self._next_heartbeat_s = now + self.heartbeat_s
+            out.append(encode(Command.HEARTBEAT, {"rho": round(self.meter.rho(now), 4)}))
+        return out, None
+
+    def next_wakeup(self, now: float) -> float | None:
+        if self.state is not WorkerState.READY:
+            return None
+        lost_at = self._last_heard_s + self.liveness * self.heartbeat_s
+        return max(now, min(self._next_heartbeat_s, lost_at))
+
+    # ------------------------------------------------------------------ batches
+
+    def on_batch_queued(self, now: float) -> None:
+        """A batch was handed to the inference thread."""
+        if self._in_thread == 0:
+            self.meter.running_since = now
+        self._in_thread += 1
+
+    def _finished(self, started_s: float, ended_s: float) -> None:
+        self.meter.add(started_s, ended_s)
+        self._in_thread = max(0, self._in_thread - 1)
+        # The thread goes straight on to the next queued batch, if any.
+        self.meter.running_since = ended_s if self._in_thread else None
+
+    def on_batch_done(
+        self,
+        now: float,
+        epoch: int,
+        batch_id: int,
+        started_s: float,
+        ended_s: float,
+        counts: Sequence[int],
+        frames: Sequence[Any],
+    ) -> list[Any] | None:
+        """The RESULT for a finished batch (None when its epoch has passed)."""
+        self._finished(started_s, ended_s)
+        self.batches_done += 1
+        if epoch != self.epoch:
+            return None
+        compute_ms = 1000.0 * (ended_s - started_s)
+        meta = ResultMeta(batch_id, self.meter.rho(now), compute_ms, tuple(counts))
+        return encode(Command.RESULT, meta.to_wire(), frames)
+
+    def on_batch_failed(
+        self,
+        now: float,
+        epoch: int,
+        batch_id: int,
+        started_s: float,
+        ended_s: float,
+        code: ErrorCode,
+        message: str,
+    ) -> list[Any] | None:
+        """The FAILED message for a batch that could not run (None when stale)."""
+        self._finished(started_s, ended_s)
+        self.batches_failed += 1
+        if epoch != self.epoch:
+            return None
+        failed = FailedMeta(batch_id, code, message, self.meter.rho(now))
+        return encode(Command.FAILED, failed.to_wire())
+
+    def on_stop(self) -> list[Any]:
+        """The DISCONNECT to send when shutting down."""
+        self.state = WorkerState.STOPPED
+        return encode(Command.DISCONNECT, {"reason": "worker shutting down"})

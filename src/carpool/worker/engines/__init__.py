@@ -1,0 +1,1 @@
+"""Engines behind one small interface (:class:`carpool.worker.engines.base.Engine`)."""

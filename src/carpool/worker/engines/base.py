@@ -1,0 +1,59 @@
+"""base.py: the Engine seam — what a worker needs from an inference backend.
+
+An engine takes a batch (dim 0 of every input) and returns outputs with the same dim 0.
+It is used from exactly one thread (the worker's inference thread), which also creates it
+when the backend needs thread affinity (TensorRT's CUDA context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from carpool.common.codec import numpy_dtype
+from carpool.common.protocol import ModelSpec, TensorMeta
+
+Array = NDArray[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """I/O of an engine; dim 0 of every tensor is the batch (``-1``); other ``-1`` dims
+    are dynamic."""
+
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+    max_batch: int
+    # Sizes the engine is tuned for (TensorRT optimisation profiles); empty means any.
+    preferred_batch: tuple[int, ...] = ()
+
+    def spec(self, name: str) -> ModelSpec:
+        return ModelSpec(name, self.inputs, self.outputs, self.max_batch, self.preferred_batch)
+
+
+class Engine(Protocol):
+    """An inference backend for one model."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        """Run one batch; every output's dim 0 equals the inputs' dim 0."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def as_batch_dim(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A spec shape with dim 0 marked as the (dynamic) batch dim."""
+    return (-1, *shape[1:]) if shape else shape
+
+
+def zeros_like_spec(spec: TensorMeta, batch: int, fill: int = 1) -> Array:
+    """A zero array for a spec, dynamic dims set to ``fill`` (for warm-up runs)."""
+    shape = (batch, *(fill if d == -1 else d for d in spec.shape[1:]))
+    return np.zeros(shape, dtype=numpy_dtype(spec.dtype))

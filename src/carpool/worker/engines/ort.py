@@ -1,0 +1,101 @@
+"""ort.py: OnnxRuntimeEngine — an ONNX model on ONNX Runtime's CPU execution provider.
+
+The only importer of onnxruntime. Symbolic dims become ``-1`` in the spec; dim 0 must be
+symbolic (the batch). One session per engine, one intra-op thread by default: on a shared
+edge CPU, concurrency comes from workers, not from threads fighting over cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from carpool.common.errors import ConfigError
+from carpool.common.protocol import TensorMeta
+from carpool.worker.engines.base import Array, EngineInfo
+
+_ORT_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(int16)": "int16",
+    "tensor(uint16)": "uint16",
+    "tensor(int32)": "int32",
+    "tensor(uint32)": "uint32",
+    "tensor(int64)": "int64",
+    "tensor(uint64)": "uint64",
+    "tensor(bool)": "bool",
+}
+
+
+def _tensor(arg: Any, what: str) -> TensorMeta:
+    dtype = _ORT_TYPES.get(arg.type)
+    if dtype is None:
+        raise ConfigError(f"{what} {arg.name!r} has unsupported type {arg.type}")
+    dims = tuple(d if isinstance(d, int) and d > 0 else -1 for d in arg.shape)
+    if not dims:
+        raise ConfigError(f"{what} {arg.name!r} is a scalar; carpool batches along dim 0")
+    return TensorMeta(arg.name, dtype, dims)
+
+
+class OnnxRuntimeEngine:
+    """Runs an ONNX model with onnxruntime on the CPU.
+
+    Args:
+        path: the .onnx file.
+        max_batch: largest batch to accept (dim 0 must be symbolic).
+        intra_op_threads: threads per operator; 1 suits a shared 2-core edge box.
+        preferred_batch: sizes to advertise to the broker.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_batch: int = 8,
+        intra_op_threads: int = 1,
+        preferred_batch: Sequence[int] = (),
+    ) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # ORT raises its own untyped exception classes
+            raise ConfigError(f"cannot load ONNX model {path}: {exc}") from None
+        inputs = tuple(_tensor(a, "input") for a in self._session.get_inputs())
+        outputs = tuple(_tensor(a, "output") for a in self._session.get_outputs())
+        for t in inputs + outputs:
+            if t.shape[0] != -1:
+                raise ConfigError(
+                    f"{path}: tensor {t.name!r} has a fixed dim 0 ({t.shape[0]}); carpool needs "
+                    "a symbolic batch dim (see docs: make the batch dim dynamic)"
+                )
+        self.path = Path(path)
+        self._output_names = [t.name for t in outputs]
+        self._info = EngineInfo(inputs, outputs, max_batch, tuple(sorted(set(preferred_batch))))
+        self.metadata: dict[str, str] = dict(self._session.get_modelmeta().custom_metadata_map)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        feeds = {name: np.ascontiguousarray(a) for name, a in inputs.items()}
+        results = self._session.run(self._output_names, feeds)
+        return dict(zip(self._output_names, results, strict=True))
+
+    def close(self) -> None:
+        # InferenceSession has no close(); dropping the reference frees it.
+        self.__dict__.pop("_session", None)

@@ -1,0 +1,82 @@
+"""synthetic.py: SyntheticEngine — a batch costs ``fixed_cost_s + per_sample_s * B``.
+
+For benchmarks and tests of batching without real compute. Its output is a checkable
+function of its input: ``y = 2 * x + 1`` (same dtype and shape), so a test can tell that
+every request got its own answer. It waits through a :class:`Clock` (no CPU spent), as a
+GPU would while the host thread waits for the device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+
+from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.protocol import TensorMeta
+from carpool.worker.engines.base import Array, EngineInfo
+
+
+def synthetic_output(x: Array) -> Array:
+    """What SyntheticEngine computes; tests use it as the oracle."""
+    return (x * 2 + 1).astype(x.dtype, copy=False)
+
+
+class SyntheticEngine:
+    """An engine with a known cost model and a known answer.
+
+    Args:
+        fixed_cost_s: cost of launching a batch at all (α in the seeds).
+        per_sample_s: extra cost per sample (β).
+        item_shape: shape of one sample of input ``x`` (``-1`` = dynamic dim).
+        dtype: wire dtype of ``x`` and ``y``.
+        max_batch: largest batch accepted.
+        preferred_batch: sizes to advertise (like TensorRT profile sizes).
+        clock: how to wait; the real clock by default.
+    """
+
+    def __init__(
+        self,
+        *,
+        fixed_cost_s: float = 0.0,
+        per_sample_s: float = 0.0,
+        item_shape: tuple[int, ...] = (16,),
+        dtype: str = "float32",
+        max_batch: int = 32,
+        preferred_batch: tuple[int, ...] = (),
+        clock: Clock | None = None,
+    ) -> None:
+        self.fixed_cost_s = fixed_cost_s
+        self.per_sample_s = per_sample_s
+        self.clock: Clock = clock or MonotonicClock()
+        shape = (-1, *item_shape)
+        self._info = EngineInfo(
+            inputs=(TensorMeta("x", dtype, shape),),
+            outputs=(TensorMeta("y", dtype, shape),),
+            max_batch=max_batch,
+            preferred_batch=preferred_batch,
+        )
+        self._lock = threading.Lock()
+        # (batch size, item shape) of every batch run, for tests.
+        self.batches: list[tuple[int, tuple[int, ...]]] = []
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def cost_s(self, batch: int) -> float:
+        return self.fixed_cost_s + self.per_sample_s * batch
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        x = inputs["x"]
+        batch = int(x.shape[0])
+        if batch > self._info.max_batch:
+            raise ValueError(f"batch {batch} exceeds max_batch {self._info.max_batch}")
+        self.clock.sleep(self.cost_s(batch))
+        with self._lock:
+            self.batches.append((batch, tuple(x.shape[1:])))
+        return {"y": synthetic_output(np.asarray(x))}
+
+    def close(self) -> None:
+        pass

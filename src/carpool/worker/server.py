@@ -1,0 +1,330 @@
+"""server.py: WorkerServer — the worker's DEALER socket, its loop and one inference thread.
+
+The main thread owns the DEALER to the broker, a PAIR socket that receives finished
+batches from the inference thread, and a wake-up pipe; it keeps heartbeats flowing while a
+long batch runs. The inference thread creates the engines (so a GPU context lives on the
+thread that uses it), runs batches in order, and sends results back over the inproc PAIR.
+No zmq socket is shared between threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from carpool.common import codec
+from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
+from carpool.common.protocol import ModelSpec
+from carpool.worker.core import Reconnect, RunBatch, WorkerCore
+from carpool.worker.engines.base import Engine, zeros_like_spec
+from carpool.worker.tensors import replies, stack
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], Engine]
+
+_STARTUP_TIMEOUT_S = 300.0
+
+
+class WorkerServer:
+    """A worker serving one or more models to one broker.
+
+    Args:
+        broker: the broker's backend endpoint, e.g. ``tcp://127.0.0.1:5556``.
+        models: model name → a factory that builds its engine (called on the inference
+            thread, once, at start).
+        name: worker name for logs and broker stats.
+        slots: batches the broker may have outstanding here; 2 keeps the engine busy while
+            the next batch is on its way.
+        heartbeat_s, liveness: heartbeat interval and missed intervals before reconnecting.
+        context, clock: injected zmq context and time source (tests).
+    """
+
+    def __init__(
+        self,
+        broker: str,
+        models: Mapping[str, EngineFactory],
+        *,
+        name: str = "worker",
+        slots: int = 2,
+        heartbeat_s: float = 1.0,
+        liveness: int = 3,
+        warmup: bool = True,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        if not models:
+            raise ConfigError("a worker needs at least one model")
+        self.broker = broker
+        self.clock: Clock = clock or MonotonicClock()
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self._inproc = f"inproc://carpool-worker-{id(self):x}"
+        self._results = self.context.socket(zmq.PAIR)
+        self._results.setsockopt(zmq.LINGER, 0)
+        self._results.bind(self._inproc)
+        self._jobs: queue.Queue[RunBatch | None] = queue.Queue()
+        self._startup: queue.Queue[list[ModelSpec] | BaseException] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._inference_loop,
+            args=(dict(models), warmup),
+            name=f"carpool-inference-{name}",
+            daemon=True,
+        )
+        self._thread.start()
+        started = self._startup.get(timeout=_STARTUP_TIMEOUT_S)
+        if isinstance(started, BaseException):
+            self._thread.join()
+            self._results.close()
+            if self._own_context:
+                self.context.term()
+            raise started
+        self.specs = started
+        self.core = WorkerCore(
+            name, started, slots=slots, heartbeat_s=heartbeat_s, liveness=liveness
+        )
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self._closed = False
+        self.dealer = self._connect()
+
+    # ------------------------------------------------------------------ sockets
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, 1000)
+        dealer.setsockopt(zmq.RCVHWM, 1000)
+        dealer.connect(self.broker)
+        self.poller = zmq.Poller()
+        self.poller.register(dealer, zmq.POLLIN)
+        self.poller.register(self._results, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._send(dealer, self.core.on_connect(self.clock.now()))
+        logger.info("worker %s connected to %s", self.core.name, self.broker)
+        return dealer
+
+    def _reconnect(self, reason: str) -> None:
+        logger.warning("worker %s reconnecting: %s", self.core.name, reason)
+        self.dealer.close(linger=0)
+        self.dealer = self._connect()
+
+    def _send(self, sock: zmq.Socket[bytes], frames: list[Any]) -> None:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            # The broker is not taking messages; liveness will notice and reconnect.
+            logger.warning("worker %s: broker not reading, message dropped", self.core.name)
+
+    # ------------------------------------------------------------------ loop
+
+    def step(self, timeout_s: float | None = None) -> int:
+        """One loop turn: wait (bounded by ``timeout_s`` and the next heartbeat), handle
+        broker messages and finished batches, send heartbeats. Returns messages handled."""
+        now = self.clock.now()
+        wake = self.core.next_wakeup(now)
+        wait_s = None if wake is None else wake - now
+        if timeout_s is not None:
+            wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
+        wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+        events = dict(self.poller.poll(wait_ms))
+        handled = 0
+        if self._results in events:
+            handled += self._drain_results()
+        if self.dealer in events:
+            handled += self._drain_broker()
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        messages, reconnect = self.core.on_tick(self.clock.now())
+        for frames in messages:
+            self._send(self.dealer, frames)
+        if reconnect is not None:
+            self._reconnect(reconnect.reason)
+        return handled
+
+    def _drain_broker(self) -> int:
+        n = 0
+        dealer = self.dealer
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            n += 1
+            action = self.core.on_broker(self.clock.now(), frames)
+            if isinstance(action, RunBatch):
+                self.core.on_batch_queued(self.clock.now())
+                self._jobs.put(action)
+            elif isinstance(action, Reconnect):
+                self._reconnect(action.reason)
+                return n
+
+    def _drain_results(self) -> int:
+        n = 0
+        while True:
+            try:
+                parts = self._results.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            n += 1
+            info = codec.unpack(parts[0].buffer)
+            now = self.clock.now()
+            if "error" in info:
+                code, message = info["error"]
+                msg = self.core.on_batch_failed(
+                    now,
+                    info["epoch"],
+                    info["batch"],
+                    info["start"],
+                    info["end"],
+                    ErrorCode(code),
+                    message,
+                )
+            else:
+                msg = self.core.on_batch_done(
+                    now,
+                    info["epoch"],
+                    info["batch"],
+                    info["start"],
+                    info["end"],
+                    info["counts"],
+                    parts[1:],
+                )
+            if msg is not None:
+                self._send(self.dealer, msg)
+
+    def serve(self) -> None:
+        """Loop until :meth:`stop`; then say DISCONNECT to the broker."""
+        while not self._stopping:
+            self.step()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return (safe from any thread or a signal handler)."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    # ------------------------------------------------------------------ inference thread
+
+    def _inference_loop(self, factories: dict[str, EngineFactory], warmup: bool) -> None:
+        engines: dict[str, Engine] = {}
+        try:
+            for name, factory in factories.items():
+                engines[name] = factory()
+                if warmup:
+                    _warm_up(engines[name])
+            specs = [engine.info.spec(name) for name, engine in engines.items()]
+        except BaseException as exc:
+            for engine in engines.values():
+                engine.close()
+            self._startup.put(exc)
+            return
+        self._startup.put(specs)
+        sock = self.context.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._inproc)
+        try:
+            while (job := self._jobs.get()) is not None:
+                header, frames = _run_job(engines, job, self.clock)
+                sock.send_multipart([codec.pack(header), *frames], copy=False)
+        finally:
+            sock.close(linger=0)
+            for engine in engines.values():
+                engine.close()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._send(self.dealer, self.core.on_stop())
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+        self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
+        self._results.close(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._own_context:
+            self.context.term()
+
+    def __enter__(self) -> WorkerServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _warm_up(engine: Engine) -> None:
+    """One batch-1 run so the first real request does not pay for lazy initialisation.
+    Skipped for models with dynamic dims beyond the batch (no shape to guess)."""
+    specs = engine.info.inputs
+    if any(-1 in s.shape[1:] for s in specs):
+        return
+    engine.run({s.name: zeros_like_spec(s, 1) for s in specs})
+
+
+def _run_job(
+    engines: Mapping[str, Engine], job: RunBatch, clock: Clock
+) -> tuple[dict[str, Any], list[Any]]:
+    """Run one batch; returns the internal header and the reply frames."""
+    batch = job.batch
+    start = clock.now()
+    header: dict[str, Any] = {"epoch": job.epoch, "batch": batch.batch_id, "start": start}
+    engine = engines.get(batch.model)
+    try:
+        if engine is None:
+            raise _JobError(ErrorCode.NOT_FOUND, f"this worker does not serve {batch.model!r}")
+        if batch.total_samples > engine.info.max_batch:
+            raise _JobError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"batch of {batch.total_samples} exceeds max_batch {engine.info.max_batch}",
+            )
+        try:
+            inputs = stack(batch, job.frames)
+        except ProtocolError as exc:
+            raise _JobError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+        try:
+            outputs = engine.run(inputs)
+        except Exception as exc:
+            logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)
+            raise _JobError(ErrorCode.INTERNAL, f"engine error: {exc}") from None
+        end = clock.now()
+        names = [t.name for t in engine.info.outputs]
+        try:
+            counts, frames = replies(batch, outputs, names, 1000.0 * (end - start))
+        except ProtocolError as exc:
+            raise _JobError(ErrorCode.INTERNAL, str(exc)) from None
+    except _JobError as exc:
+        header.update(end=clock.now(), error=[int(exc.code), exc.message])
+        return header, []
+    header.update(end=end, counts=counts)
+    return header, frames
+
+
+class _JobError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

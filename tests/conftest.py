@@ -1,0 +1,86 @@
+"""Shared fixtures: real zmq contexts with bounded teardown, and a loopback fleet."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+
+import pytest
+import zmq
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.server import BrokerServer
+from carpool.client import Client
+from carpool.common.clock import MonotonicClock
+from carpool.common.testing import ServerThread
+from carpool.worker.server import EngineFactory, WorkerServer
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    """A zmq context whose term() must finish within 5 s (pyzmq's conftest idea)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+    done = threading.Event()
+
+    def term() -> None:
+        ctx.term()
+        done.set()
+
+    threading.Thread(target=term, daemon=True).start()
+    assert done.wait(5), "zmq context term() hung: a socket was left open"
+
+
+def loopback_config(**batching: float) -> BrokerConfig:
+    """A broker on free loopback ports."""
+    return BrokerConfig(
+        frontend="tcp://127.0.0.1:*",
+        backend="tcp://127.0.0.1:*",
+        batching=BatchingConfig(**batching),  # type: ignore[arg-type]
+    )
+
+
+def wait_for_workers(client: Client, count: int, timeout_s: float = 30.0) -> None:
+    """Block until the broker has ``count`` live workers (checked over STATS)."""
+    clock = MonotonicClock()
+    until = clock.now() + timeout_s
+    while clock.now() < until:
+        if len(client.stats()["workers"]) >= count:
+            return
+        client.poll(0.02)
+    raise AssertionError(f"fewer than {count} workers registered within {timeout_s} s")
+
+
+class Fleet:
+    """A broker and workers on threads, over real loopback sockets; clients on demand."""
+
+    def __init__(self, stack: contextlib.ExitStack, config: BrokerConfig) -> None:
+        self._stack = stack
+        self.broker: BrokerServer = stack.enter_context(ServerThread(BrokerServer(config)))
+        self.workers: list[WorkerServer] = []
+
+    def add_worker(self, models: Mapping[str, EngineFactory], **kwargs: object) -> WorkerServer:
+        worker = WorkerServer(self.broker.backend_endpoint, models, **kwargs)  # type: ignore[arg-type]
+        self.workers.append(self._stack.enter_context(ServerThread(worker)))
+        return worker
+
+    def client(self, **kwargs: object) -> Client:
+        return self._stack.enter_context(Client(self.broker.frontend_endpoint, **kwargs))  # type: ignore[arg-type]
+
+    def ready(self, count: int | None = None) -> Client:
+        client = self.client()
+        wait_for_workers(client, len(self.workers) if count is None else count)
+        return client
+
+
+@pytest.fixture
+def fleet_factory() -> Iterator[Callable[..., Fleet]]:
+    """Build fleets; everything started is stopped and closed at teardown."""
+    with contextlib.ExitStack() as stack:
+
+        def make(**batching: float) -> Fleet:
+            return Fleet(stack, loopback_config(**batching))
+
+        yield make
