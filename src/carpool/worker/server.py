@@ -255,6 +255,10 @@ class WorkerServer:
             return
         self._closed = True
         self._send(self.dealer, self.core.on_stop())
+        # Batches not started yet are dropped: the broker requeues them on DISCONNECT.
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._jobs.get_nowait()
         self._jobs.put(None)
         self._thread.join(timeout=30)
         self.dealer.close(linger=100)  # give DISCONNECT a moment to leave

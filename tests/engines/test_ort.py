@@ -1,0 +1,52 @@
+"""OnnxRuntimeEngine on the real catalogue models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from carpool.common.errors import ConfigError
+from carpool.common.protocol import TensorMeta
+from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.models import CATALOG, locate, sha256_of
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_catalogue_files_match_their_pinned_checksums(name: str) -> None:
+    assert sha256_of(locate(name)) == CATALOG[name].sha256
+
+
+def test_unknown_catalogue_model_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="catalogue"):
+        locate("resnet-9000")
+
+
+def test_orientation_spec_has_a_dynamic_batch_dim() -> None:
+    engine = OnnxRuntimeEngine(locate("orientation"), max_batch=4)
+    assert engine.info.inputs == (TensorMeta("x", "float32", (-1, 3, 224, 224)),)
+    assert engine.info.outputs == (TensorMeta("fetch_name_0", "float32", (-1, 4)),)
+    assert engine.info.max_batch == 4
+    assert engine.metadata["character"].split() == ["0", "90", "180", "270"]
+
+
+@pytest.mark.parametrize(("name", "shape"), [("ppocr-cls", (3, 48, 192)), ("orientation", None)])
+def test_a_batch_equals_its_requests_run_alone(name: str, shape: tuple[int, ...] | None) -> None:
+    engine = OnnxRuntimeEngine(locate(name), max_batch=4)
+    item = shape or engine.info.inputs[0].shape[1:]
+    x = np.random.default_rng(0).standard_normal((4, *item)).astype(np.float32)
+    out_name = engine.info.outputs[0].name
+    batched = engine.run({"x": x})[out_name]
+    alone = np.concatenate([engine.run({"x": x[i : i + 1]})[out_name] for i in range(4)])
+    np.testing.assert_allclose(batched, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_spatial_dims_are_marked() -> None:
+    engine = OnnxRuntimeEngine(locate("ppocr-det"))
+    assert engine.info.inputs[0].shape == (-1, 3, -1, -1)
+
+
+def test_unreadable_model_is_a_config_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ConfigError, match="cannot load"):
+        OnnxRuntimeEngine(bad)

@@ -1,0 +1,58 @@
+"""Timeouts that pass while queued or in flight are answered with DEADLINE_EXCEEDED."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.client import DeadlineExceeded
+from carpool.common.clock import MonotonicClock
+from carpool.worker.engines.synthetic import SyntheticEngine
+
+
+@pytest.mark.timeout(30)
+def test_requests_queued_behind_a_slow_worker_expire_on_time(fleet_factory: Any) -> None:
+    engine = SyntheticEngine(fixed_cost_s=0.3, item_shape=(2,), max_batch=1)
+    fleet = fleet_factory(max_batch=1, max_wait_s=0.0)
+    fleet.add_worker({"slow": lambda: engine}, slots=1, warmup=False)
+    client = fleet.ready()
+    clock = MonotonicClock()
+
+    blocker = client.submit("slow", {"x": np.zeros((1, 2), np.float32)}, timeout_s=5)
+    sent_s = clock.now()
+    doomed = [
+        client.submit("slow", {"x": np.full((1, 2), i, np.float32)}, timeout_s=0.1)
+        for i in range(5)
+    ]
+    for future in doomed:
+        with pytest.raises(DeadlineExceeded):
+            future.result(timeout_s=5)
+    answered_s = clock.now() - sent_s
+    # Answered at the deadline, not after the slow batch: 0.1 s plus a generous margin.
+    assert answered_s < 0.3, f"deadline errors came {answered_s:.3f} s after sending"
+    np.testing.assert_array_equal(blocker.outputs(timeout_s=5)["y"], np.ones((1, 2)))
+    # No expired request reached the engine: only the warm-free blocker ran.
+    assert [b[0] for b in engine.batches] == [1]
+    assert client.stats()["errors"] == {"DEADLINE_EXCEEDED": 5}
+
+
+@pytest.mark.timeout(30)
+def test_request_in_flight_past_its_deadline_gets_one_error_only(fleet_factory: Any) -> None:
+    engine = SyntheticEngine(fixed_cost_s=0.3, item_shape=(2,), max_batch=1)
+    fleet = fleet_factory(max_batch=1, max_wait_s=0.0)
+    fleet.add_worker({"slow": lambda: engine}, slots=1, warmup=False)
+    client = fleet.ready()
+    future = client.submit("slow", {"x": np.zeros((1, 2), np.float32)}, timeout_s=0.1)
+    with pytest.raises(DeadlineExceeded):
+        future.result(timeout_s=5)
+    # The late result is dropped by the broker: a follow-up request is answered normally,
+    # and the client sees no second reply for the first id.
+    np.testing.assert_array_equal(
+        client.infer("slow", {"x": np.ones((1, 2), np.float32)}, timeout_s=5)["y"],
+        np.full((1, 2), 3.0),
+    )
+    stats = client.stats()
+    assert stats["errors"] == {"DEADLINE_EXCEEDED": 1}
+    assert stats["replies"] == 1

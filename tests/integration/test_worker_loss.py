@@ -1,0 +1,92 @@
+"""Workers that vanish, stall or restart: requests are requeued or answered, never lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.client import Unavailable
+from carpool.common.testing import ServerThread
+from carpool.worker.engines.synthetic import SyntheticEngine
+from carpool.worker.server import WorkerServer
+
+
+@pytest.mark.timeout(30)
+def test_worker_leaving_mid_batch_requeues_to_another(fleet_factory: Any) -> None:
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.0)
+    slow = SyntheticEngine(fixed_cost_s=1.0, item_shape=(2,), max_batch=4)
+    fast = SyntheticEngine(item_shape=(2,), max_batch=4)
+    leaving = WorkerServer(
+        fleet.broker.backend_endpoint, {"m": lambda: slow}, name="leaving", warmup=False
+    )
+    with ServerThread(leaving):
+        client = fleet.ready(count=1)
+        futures = [
+            client.submit("m", {"x": np.full((1, 2), i, np.float32)}, timeout_s=10)
+            for i in range(3)
+        ]
+        client.poll(0.2)  # the batch reaches the slow worker
+    # The slow worker said DISCONNECT while its batch ran; a fast worker joins.
+    fleet.add_worker({"m": lambda: fast}, name="fast", warmup=False)
+    for i, future in enumerate(futures):
+        np.testing.assert_array_equal(future.outputs(timeout_s=10)["y"], np.full((1, 2), 2 * i + 1))
+    stats = client.stats()
+    # Two single-request batches were in flight (slots=2); the third request was queued.
+    assert stats["requeued"] == 2
+    assert stats["replies"] == 3
+
+
+@pytest.mark.timeout(30)
+def test_no_worker_left_means_unavailable(fleet_factory: Any) -> None:
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.0)
+    engine = SyntheticEngine(item_shape=(2,), max_batch=4)
+    worker = WorkerServer(fleet.broker.backend_endpoint, {"m": lambda: engine}, warmup=False)
+    with ServerThread(worker):
+        client = fleet.ready(count=1)
+        client.infer("m", {"x": np.zeros((1, 2), np.float32)})
+    with pytest.raises(Unavailable):
+        client.infer("m", {"x": np.zeros((1, 2), np.float32)}, timeout_s=2)
+
+
+@pytest.mark.timeout(30)
+def test_heartbeats_flow_during_a_long_batch(fleet_factory: Any) -> None:
+    """A batch longer than the broker's liveness window must not get the worker dropped."""
+    fleet = fleet_factory(max_batch=1, max_wait_s=0.0)
+    engine = SyntheticEngine(fixed_cost_s=1.0, item_shape=(2,), max_batch=1)
+    fleet.add_worker({"m": lambda: engine}, heartbeat_s=0.1, liveness=3, warmup=False)
+    client = fleet.ready()
+    out = client.infer("m", {"x": np.zeros((1, 2), np.float32)}, timeout_s=5)
+    np.testing.assert_array_equal(out["y"], np.ones((1, 2)))
+    stats = client.stats()
+    assert stats["requeued"] == 0
+    assert len(stats["workers"]) == 1
+    assert stats["workers"][0]["rho"] > 0.5  # busy for most of the last second
+
+
+@pytest.mark.timeout(30)
+def test_worker_reregisters_after_broker_restart(context: Any) -> None:
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.server import BrokerServer
+    from carpool.client import Client
+
+    first = BrokerServer(
+        BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"), context=context
+    )
+    frontend, backend = first.frontend_endpoint, first.backend_endpoint
+    engine = SyntheticEngine(item_shape=(2,), max_batch=4)
+    worker = WorkerServer(
+        backend, {"m": lambda: engine}, heartbeat_s=0.1, liveness=3, warmup=False, context=context
+    )
+    x = np.ones((1, 2), np.float32)
+    with ServerThread(worker):
+        with ServerThread(first), Client(frontend, context=context) as client:
+            assert client.infer("m", {"x": x}, timeout_s=5)["y"][0, 0] == 3.0
+        # Same endpoints, new broker process state: the worker must notice and re-register.
+        second = BrokerServer(BrokerConfig(frontend=frontend, backend=backend), context=context)
+        with ServerThread(second), Client(frontend, context=context) as client:
+            from tests.conftest import wait_for_workers
+
+            wait_for_workers(client, 1, timeout_s=10)
+            assert client.infer("m", {"x": x}, timeout_s=5)["y"][0, 0] == 3.0
