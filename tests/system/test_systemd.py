@@ -1,0 +1,54 @@
+"""The unit files pass systemd-analyze, and the example configs load."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from carpool.broker.config import BrokerConfig
+from carpool.common.config import from_mapping, load_toml
+from carpool.worker.config import WorkerConfig
+
+SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
+
+
+def test_broker_example_loads() -> None:
+    config = from_mapping(BrokerConfig, load_toml(SYSTEMD / "broker.toml.example"))
+    assert config.batching_for("orientation").max_batch == 16
+    assert config.batching_for("other").max_batch == 8
+
+
+def test_worker_example_loads() -> None:
+    config = from_mapping(WorkerConfig, load_toml(SYSTEMD / "worker.toml.example"))
+    assert [m.name for m in config.models] == ["orientation", "ppocr-cls", "synthetic"]
+    assert config.models[2].engine == "synthetic"
+    assert config.models[2].item_shape == (16,)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+@pytest.mark.parametrize("unit", ["carpool-broker.service", "carpool-worker@.service"])
+def test_unit_files_verify(unit: str, tmp_path: Path) -> None:
+    # verify checks that ExecStart exists: point it at this environment's carpool script.
+    carpool = Path(sys.executable).with_name("carpool")
+    assert carpool.exists()
+    text = (SYSTEMD / unit).read_text().replace("/opt/carpool/venv/bin/carpool", str(carpool))
+    target = tmp_path / (unit.replace("@.", "@test.") if "@" in unit else unit)
+    target.write_text(text)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    problems = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if str(target.name) in line or "carpool" in line
+    ]
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not problems, result.stdout + result.stderr
