@@ -4,9 +4,11 @@ Pure: ``now`` is passed in; no sockets, threads or clocks. Requests are plain re
 carry their payload frames untouched (the broker never looks inside a tensor).
 
 Request lifecycle: QUEUED → DISPATCHED → DONE | EXPIRED | FAILED; a DISPATCHED request whose
-worker vanished goes back to QUEUED (once) if its deadline still allows.
-Queues hold references and skip records that left the QUEUED state lazily, so expiry and
-dispatch never scan a queue.
+worker vanished goes back to QUEUED (bounded by max_attempts) if its deadline still allows.
+
+A queue keeps three lazy views of the same requests: arrival order (FIFO, and the oldest
+arrival for T_max), and one earliest-deadline-first heap per priority. Records that left
+QUEUED are skipped when met, so expiry and dispatch never scan a queue.
 """
 
 from __future__ import annotations
@@ -62,45 +64,78 @@ def request_key(model: str, inputs: Sequence[TensorMeta]) -> RequestKey:
     return (model, tuple((t.name, t.dtype, t.shape[1:]) for t in inputs))
 
 
+_Entry = tuple[float, int, PendingRequest]  # (deadline, seq, request)
+
+
+def _live_head(heap: list[_Entry]) -> PendingRequest | None:
+    while heap and heap[0][2].state is not RequestState.QUEUED:
+        heapq.heappop(heap)
+    return heap[0][2] if heap else None
+
+
 @dataclass(slots=True)
 class RequestQueue:
-    """FIFO of same-key requests; counts only requests still QUEUED."""
+    """Same-key requests; counts only requests still QUEUED."""
 
     key: RequestKey
-    _items: deque[PendingRequest] = field(default_factory=deque)
+    _arrivals: deque[PendingRequest] = field(default_factory=deque)
+    _heaps: tuple[list[_Entry], list[_Entry]] = field(default_factory=lambda: ([], []))
     samples: int = 0
     count: int = 0
 
+    def _index(self, req: PendingRequest) -> list[_Entry]:
+        return self._heaps[0 if req.priority is Priority.INTERACTIVE else 1]
+
     def push(self, req: PendingRequest) -> None:
-        self._items.append(req)
+        self._arrivals.append(req)
+        heapq.heappush(self._index(req), (req.deadline_s, req.seq, req))
         self.samples += req.samples
         self.count += 1
 
     def push_front(self, req: PendingRequest) -> None:
-        self._items.appendleft(req)
+        """Put back a request that was dispatched before (it keeps its arrival time)."""
+        self._arrivals.appendleft(req)
+        heapq.heappush(self._index(req), (req.deadline_s, req.seq, req))
         self.samples += req.samples
         self.count += 1
 
     def forget(self, req: PendingRequest) -> None:
-        """Account for a request that left QUEUED while still in the deque (lazy removal)."""
+        """Account for a request that left QUEUED while still indexed (lazy removal)."""
         self.samples -= req.samples
         self.count -= 1
 
-    def _trim(self) -> None:
-        items = self._items
+    def head(self) -> PendingRequest | None:
+        """The oldest request still queued (arrival order)."""
+        items = self._arrivals
         while items and items[0].state is not RequestState.QUEUED:
             items.popleft()
+        return items[0] if items else None
 
-    def head(self) -> PendingRequest | None:
-        """The oldest request still queued."""
-        self._trim()
-        return self._items[0] if self._items else None
+    def earliest_deadline(self) -> PendingRequest | None:
+        """The queued request with the earliest deadline, any priority."""
+        heads = [h for h in (_live_head(self._heaps[0]), _live_head(self._heaps[1])) if h]
+        return min(heads, key=lambda r: (r.deadline_s, r.seq), default=None)
+
+    def next_edf(self, now: float, promote_before_s: float) -> PendingRequest | None:
+        """The request EDF-with-priorities would serve next.
+
+        Interactive requests go first, earliest deadline first; a bulk request goes first
+        once its deadline is within ``promote_before_s`` of ``now`` (so bulk requests that
+        still have slack are not starved), and whenever no interactive request waits.
+        """
+        interactive = _live_head(self._heaps[0])
+        bulk = _live_head(self._heaps[1])
+        if bulk is not None and (interactive is None or bulk.deadline_s <= now + promote_before_s):
+            if interactive is not None and interactive.deadline_s < bulk.deadline_s:
+                return interactive  # both urgent: plain EDF between them
+            return bulk
+        return interactive
 
     def take(self, max_samples: int) -> list[PendingRequest]:
-        """Pop requests in FIFO order while their samples fit in ``max_samples``."""
+        """Pop requests in arrival (FIFO) order while their samples fit in ``max_samples``."""
         taken: list[PendingRequest] = []
         room = max_samples
-        items = self._items
+        items = self._arrivals
         while items:
             req = items[0]
             if req.state is not RequestState.QUEUED:
@@ -111,13 +146,43 @@ class RequestQueue:
             items.popleft()
             taken.append(req)
             room -= req.samples
+        self._taken(taken)
+        return taken
+
+    def take_edf(
+        self, max_samples: int, now: float, promote_before_s: float
+    ) -> list[PendingRequest]:
+        """Pop requests in EDF-with-priorities order while their samples fit."""
+        taken: list[PendingRequest] = []
+        room = max_samples
+        while (req := self.next_edf(now, promote_before_s)) is not None:
+            if req.samples > room:
+                break
+            heapq.heappop(self._index(req))
+            req.state = RequestState.DISPATCHED  # provisional, so next_edf moves on
+            taken.append(req)
+            room -= req.samples
+        self._taken(taken)
+        return taken
+
+    def shed(self, before_s: float) -> list[PendingRequest]:
+        """Pop every queued request whose deadline is earlier than ``before_s``."""
+        out: list[PendingRequest] = []
+        for heap in self._heaps:
+            while (req := _live_head(heap)) is not None and req.deadline_s < before_s:
+                heapq.heappop(heap)
+                out.append(req)
+        for req in out:
+            self.forget(req)
+        return out
+
+    def _taken(self, taken: list[PendingRequest]) -> None:
         for req in taken:
             self.samples -= req.samples
             self.count -= 1
-        return taken
 
     def __iter__(self) -> Iterator[PendingRequest]:
-        return (r for r in self._items if r.state is RequestState.QUEUED)
+        return (r for r in self._arrivals if r.state is RequestState.QUEUED)
 
 
 class DeadlineHeap:

@@ -6,14 +6,28 @@ from dataclasses import dataclass, field
 
 from carpool.common.config import check
 
+POLICIES = ("carpool", "fixed", "seed")
+
 
 @dataclass(frozen=True, slots=True)
 class BatchingConfig:
-    """The minibus rule: leave when ``max_batch`` samples are aboard or the oldest request
-    has waited ``max_wait_s``."""
+    """How batches form for a model.
 
-    max_batch: int = 8
-    max_wait_s: float = 0.005
+    ``policy``:
+      * ``carpool`` (default): deadline-aware — earliest deadline first with two priorities,
+        hopeless requests shed at once, the wait bounded by the SLA countdown, and each
+        worker's B_max steered by its load ρ towards ``target_rho`` (docs/batching.md).
+      * ``fixed``: the minibus rule with fixed B_max/T_max, FIFO (what Triton configures).
+      * ``seed``: ``fixed`` plus the seeds' ρ rule (busy → smaller B_max), for comparison.
+    """
+
+    max_batch: int = 8  # B_max: the cap on samples per batch
+    max_wait_s: float = 0.005  # T_max: longest wait of the oldest request
+    policy: str = "carpool"
+    margin_s: float = 0.002  # safety margin of the SLA countdown
+    target_rho: float = 0.7  # ρ* the adaptive B_max steers towards
+    learning_rate: float = 0.5  # η of the ρ gradient step
+    adapt_interval_s: float = 0.5  # at most one B_max step per interval
 
     def __post_init__(self) -> None:
         problems = []
@@ -21,6 +35,16 @@ class BatchingConfig:
             problems.append(f"max_batch must be in 1..4096, got {self.max_batch}")
         if not 0.0 <= self.max_wait_s <= 60.0:
             problems.append(f"max_wait_s must be in 0..60, got {self.max_wait_s}")
+        if self.policy not in POLICIES:
+            problems.append(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0.0 <= self.margin_s <= 10.0:
+            problems.append("margin_s must be in 0..10")
+        if not 0.05 <= self.target_rho <= 1.0:
+            problems.append("target_rho must be in 0.05..1")
+        if not 0.0 < self.learning_rate <= 1.0:
+            problems.append("learning_rate must be in (0, 1] (larger steps overshoot)")
+        if not 0.0 <= self.adapt_interval_s <= 60.0:
+            problems.append("adapt_interval_s must be in 0..60")
         check(problems, "batching")
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from carpool.broker.adaptive import AdaptiveConfig, BatchSizeController
 from carpool.broker.batcher import (
     ClientId,
     DeadlineHeap,
@@ -29,9 +30,16 @@ from carpool.broker.batcher import (
     RequestState,
     request_key,
 )
-from carpool.broker.config import BrokerConfig
-from carpool.broker.policy import BatchPolicy, Dispatch, FixedPolicy, QueueView
-from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.policy import (
+    BatchPolicy,
+    Capacity,
+    DeadlinePolicy,
+    Dispatch,
+    FixedPolicy,
+    QueueView,
+)
+from carpool.broker.registry import Lane, WorkerId, WorkerRegistry, WorkerState
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     BatchItem,
@@ -82,6 +90,9 @@ class InflightBatch:
     model: str
     requests: list[PendingRequest]
     sent_s: float
+    key: RequestKey
+    samples: int
+    predicted_s: float  # the cost model's duration estimate at dispatch
 
 
 class BrokerStats:
@@ -95,6 +106,7 @@ class BrokerStats:
         self.undeliverable = 0
         self.requeued = 0
         self.late_results = 0
+        self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
 
     def batch(self, model: str, samples: int) -> None:
         self.batch_sizes.setdefault(model, Counter())[samples] += 1
@@ -116,6 +128,8 @@ class BrokerCore:
         self._seq = 0
         self._batch_seq = 0
         self.queued = 0
+        # Queued samples per model, by priority (interactive, bulk): admission estimates.
+        self._queued_samples: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ clients
 
@@ -192,8 +206,14 @@ class BrokerCore:
         except ProtocolError as exc:
             code = ErrorCode.INVALID_ARGUMENT
             return [self._error(client, delimited, rid, code, str(exc), simple=simple)]
+        timeout_s = (
+            submit.timeout_ms / 1000.0
+            if submit.timeout_ms is not None
+            else self.config.default_timeout_s
+        )
+        key = request_key(spec.name, inputs)
         if self.queued >= self.config.max_queued:
-            retry_ms = max(1, round(1000 * self.config.batching_for(spec.name).max_wait_s))
+            drain_s = self._drain_time_s(spec.name, key, self.queued)
             return [
                 self._error(
                     client,
@@ -202,14 +222,22 @@ class BrokerCore:
                     ErrorCode.OVERLOADED,
                     f"broker queue full ({self.queued} requests)",
                     simple=simple,
-                    retry_after_ms=retry_ms,
+                    retry_after_ms=max(1, round(1000 * drain_s)),
                 )
             ]
-        timeout_s = (
-            submit.timeout_ms / 1000.0
-            if submit.timeout_ms is not None
-            else self.config.default_timeout_s
-        )
+        if self._policy(spec.name).edf:
+            # The SLA countdown at the door: if even the best case (the work queued ahead
+            # at full speed, then this request) ends past the deadline, say so now.
+            ahead = self._samples_ahead(spec.name, submit.priority)
+            finish_s = self._drain_time_s(spec.name, key, ahead + samples)
+            if finish_s > timeout_s:
+                self.stats.shed += 1
+                msg = (
+                    f"cannot meet the {1000 * timeout_s:.0f} ms deadline: predicted "
+                    f"completion in {1000 * finish_s:.0f} ms"
+                )
+                code = ErrorCode.DEADLINE_EXCEEDED
+                return [self._error(client, delimited, rid, code, msg, simple=simple)]
         self._seq += 1
         req = PendingRequest(
             seq=self._seq,
@@ -218,7 +246,7 @@ class BrokerCore:
             request_id=rid,
             simple=simple,
             model=spec.name,
-            key=request_key(spec.name, inputs),
+            key=key,
             samples=samples,
             priority=submit.priority,
             arrival_s=now,
@@ -228,7 +256,7 @@ class BrokerCore:
         )
         queue = self._queue(req.key)
         queue.push(req)
-        self.queued += 1
+        self._enqueued(req)
         self._deadlines.push(req)
         out: list[Outgoing] = []
         self._pump(now, queue, out)
@@ -259,7 +287,7 @@ class BrokerCore:
             if command is Command.HEARTBEAT:
                 rho = meta.get("rho")
                 if isinstance(rho, (int, float)) and not isinstance(rho, bool):
-                    worker.rho = float(rho)
+                    self._on_load(now, worker, float(rho))
             elif command is Command.RESULT:
                 self._on_result(now, worker, ResultMeta.from_wire(meta), frames[2:], out)
             elif command is Command.FAILED:
@@ -287,7 +315,8 @@ class BrokerCore:
         old = self.registry.get(wid)
         if old is not None:
             self._lose_worker(now, old, "worker re-registered", out)
-        self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0)
+        lanes = {m.name: self._lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models}
+        self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
         logger.info(
             "worker joined name=%s models=%s slots=%d",
             ready.name,
@@ -307,7 +336,10 @@ class BrokerCore:
         batch = self._take_batch(worker, result.batch_id)
         if batch is None:
             return
-        worker.rho = result.rho
+        lane = worker.lanes.get(batch.model)
+        if lane is not None and result.compute_ms > 0:
+            lane.observe(batch.key, batch.samples, result.compute_ms / 1000.0)
+        self._on_load(now, worker, result.rho)
         if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):
             msg = (
                 f"worker {worker.name} returned a malformed result for batch {batch.batch_id}: "
@@ -334,7 +366,7 @@ class BrokerCore:
         batch = self._take_batch(worker, failed.batch_id)
         if batch is None:
             return
-        worker.rho = failed.rho
+        self._on_load(now, worker, failed.rho)
         logger.warning(
             "batch failed worker=%s model=%s code=%s: %s",
             worker.name,
@@ -380,7 +412,7 @@ class BrokerCore:
                 if req.attempts < self.config.max_attempts and now < req.deadline_s:
                     req.state = RequestState.QUEUED
                     self._queue(req.key).push_front(req)
-                    self.queued += 1
+                    self._enqueued(req)
                     self.stats.requeued += 1
                 else:
                     req.state = RequestState.FAILED
@@ -408,7 +440,7 @@ class BrokerCore:
         for req in self._deadlines.pop_expired(now):
             if req.state is RequestState.QUEUED:
                 self._queues[req.key].forget(req)
-                self.queued -= 1
+                self._dequeued(req)
             if self.registry.serving(req.model):
                 code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
             else:
@@ -449,8 +481,75 @@ class BrokerCore:
         policy = self._policies.get(model)
         if policy is None:
             cfg = self.config.batching_for(model)
-            policy = self._policies[model] = FixedPolicy(cfg.max_batch, cfg.max_wait_s)
+            if cfg.policy == "carpool":
+                policy = DeadlinePolicy(cfg.max_batch, cfg.max_wait_s, cfg.margin_s)
+            else:
+                policy = FixedPolicy(cfg.max_batch, cfg.max_wait_s)
+            self._policies[model] = policy
         return policy
+
+    def _lane(self, model: str, engine_max: int, preferred: Sequence[int]) -> Lane:
+        cfg: BatchingConfig = self.config.batching_for(model)
+        controller = None
+        if cfg.policy != "fixed":
+            adaptive = AdaptiveConfig(
+                target_rho=cfg.target_rho,
+                learning_rate=cfg.learning_rate,
+                interval_s=cfg.adapt_interval_s,
+                rule="seed" if cfg.policy == "seed" else "goodput",
+            )
+            controller = BatchSizeController(
+                min(engine_max, cfg.max_batch), preferred, config=adaptive
+            )
+        return Lane(controller, engine_max)
+
+    def _on_load(self, now: float, worker: WorkerState, rho: float) -> None:
+        worker.rho = rho
+        for lane in worker.lanes.values():
+            lane.on_load(now, rho)
+
+    def _enqueued(self, req: PendingRequest) -> None:
+        self.queued += 1
+        per_model = self._queued_samples.setdefault(req.model, [0, 0])
+        per_model[req.priority] += req.samples
+
+    def _dequeued(self, req: PendingRequest) -> None:
+        self.queued -= 1
+        self._queued_samples[req.model][req.priority] -= req.samples
+
+    def _samples_ahead(self, model: str, priority: int) -> int:
+        """Queued samples a new request of ``priority`` waits behind (at most)."""
+        interactive, bulk = self._queued_samples.get(model, (0, 0))
+        return interactive if priority == 0 else interactive + bulk
+
+    def _ready_in_s(self, now: float, worker: WorkerState) -> float:
+        """Predicted time until ``worker`` has finished the batches it holds."""
+        if not worker.outstanding:
+            return 0.0
+        batches = [self._inflight[b] for b in worker.outstanding if b in self._inflight]
+        if not batches:
+            return 0.0
+        started = min(b.sent_s for b in batches)
+        return max(0.0, sum(b.predicted_s for b in batches) - (now - started))
+
+    def _capacity(self, now: float, worker: WorkerState, key: RequestKey) -> Capacity:
+        lane = worker.lanes[key[0]]
+        return Capacity(lane.batch_limit, self._ready_in_s(now, worker), lane.cost(key))
+
+    def _drain_time_s(self, model: str, key: RequestKey, samples: int) -> float:
+        """Best-case time for the fleet to get through ``samples`` of ``model``: every
+        worker running full batches back to back. 0 while any cost is still unknown."""
+        cap = self.config.batching_for(model).max_batch
+        rate_sps = 0.0
+        for w in self.registry.serving(model):
+            lane = w.lanes[model]
+            cost = lane.cost(key)
+            size = min(cap, lane.max_batch)
+            duration_s = cost.estimate(size)
+            if not cost.calibrated or duration_s <= 0:
+                return 0.0
+            rate_sps += size / duration_s
+        return samples / rate_sps if rate_sps > 0 else 0.0
 
     def _pump_models(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
         names = set(models)
@@ -458,30 +557,73 @@ class BrokerCore:
             if queue.key[0] in names and queue.count:
                 self._pump(now, queue, out)
 
+    def _shed(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> float | None:
+        """Answer the queue's hopeless requests now; return when the next one turns
+        hopeless (None if that cannot be predicted)."""
+        model = queue.key[0]
+        policy = self._policy(model)
+        workers = self.registry.serving(model)
+        if not policy.edf or not workers:
+            return None
+        # Hopeless against the best worker: the earliest start plus a one-sample batch.
+        lead_s = min(
+            policy.shed_before(now, self._capacity(now, w, queue.key)) - now for w in workers
+        )
+        if lead_s <= 0:
+            return None
+        for req in queue.shed(now + lead_s):
+            self._dequeued(req)
+            req.state = RequestState.EXPIRED
+            self.stats.shed += 1
+            msg = "deadline cannot be met: predicted completion lies past it"
+            out.append(self._request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
+        nxt = queue.earliest_deadline()
+        return None if nxt is None else nxt.deadline_s - lead_s
+
     def _pump(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> None:
-        """Send every batch of ``queue`` that the policy lets leave now."""
+        """Shed what cannot make it, then send every batch the policy lets leave now."""
         model = queue.key[0]
         policy = self._policy(model)
         self._wake_s.pop(queue.key, None)
+        shed_at = self._shed(now, queue, out)
         while True:
             head = queue.head()
             if head is None:
                 return
-            worker = self.registry.best_free(model, head.samples)
+            urgent = queue.earliest_deadline() if policy.edf else head
+            assert urgent is not None  # a non-empty queue has one
+            worker = self.registry.best_free(model, urgent.samples)
             if worker is None:
-                return  # a RESULT, READY or worker loss will pump again
-            room = worker.models[model].max_batch
-            decision = policy.decide(now, QueueView(queue.samples, head.arrival_s), room)
+                # A RESULT, READY or worker loss will pump again; meanwhile shed on time.
+                if shed_at is not None:
+                    self._wake_s[queue.key] = shed_at
+                return
+            capacity = self._capacity(now, worker, queue.key)
+            view = QueueView(queue.samples, head.arrival_s, urgent.deadline_s)
+            decision = policy.decide(now, view, capacity)
             if not isinstance(decision, Dispatch):
-                self._wake_s[queue.key] = decision.t
+                wake = decision.t if shed_at is None else min(decision.t, shed_at)
+                self._wake_s[queue.key] = wake
                 return
             # A request larger than the policy's size still travels alone rather than starve.
-            requests = queue.take(min(room, max(decision.max_samples, head.samples)))
-            self.queued -= len(requests)
-            out.append(self._dispatch(now, worker, queue.key, requests))
+            room = worker.lanes[model].max_batch
+            size = min(room, max(decision.max_samples, urgent.samples))
+            if policy.edf:
+                promote_s = 2 * (capacity.cost.estimate(size) + capacity.ready_in_s) + 0.01
+                requests = queue.take_edf(size, now, promote_s)
+            else:
+                requests = queue.take(size)
+            for req in requests:
+                self._dequeued(req)
+            out.append(self._dispatch(now, worker, queue.key, requests, capacity))
 
     def _dispatch(
-        self, now: float, worker: WorkerState, key: RequestKey, requests: list[PendingRequest]
+        self,
+        now: float,
+        worker: WorkerState,
+        key: RequestKey,
+        requests: list[PendingRequest],
+        capacity: Capacity,
     ) -> Outgoing:
         self._batch_seq += 1
         batch_id = self._batch_seq
@@ -495,17 +637,28 @@ class BrokerCore:
             batch_items.append(
                 BatchItem(req.request_id, req.samples, req.simple, 1000.0 * (now - req.arrival_s))
             )
+        samples = sum(r.samples for r in requests)
         meta = BatchMeta(
             batch_id,
             model,
             tuple(TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in items),
             tuple(batch_items),
         )
-        self._inflight[batch_id] = InflightBatch(batch_id, worker.wid, model, requests, now)
+        self._inflight[batch_id] = InflightBatch(
+            batch_id,
+            worker.wid,
+            model,
+            requests,
+            now,
+            key,
+            samples,
+            capacity.cost.estimate(samples),
+        )
         worker.outstanding.add(batch_id)
-        self.stats.batch(model, sum(r.samples for r in requests))
+        worker.lanes[model].on_dispatch(samples)
+        self.stats.batch(model, samples)
         logger.debug(
-            "dispatch batch=%d model=%s n=%d worker=%s", batch_id, model, len(requests), worker.name
+            "dispatch batch=%d model=%s n=%d worker=%s", batch_id, model, samples, worker.name
         )
         return Outgoing(Side.BACKEND, worker.wid, encode(Command.BATCH, meta.to_wire(), payloads))
 

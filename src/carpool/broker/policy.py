@@ -1,13 +1,18 @@
-"""policy.py: when a queue's batch leaves. Pure: never reads a clock or touches a socket.
+"""policy.py: when a queue's batch leaves, and how big it is. Pure: never reads a clock or
+touches a socket; the broker core and the simulator call the same code.
 
-A policy looks at one queue (its size, its oldest arrival) and the room a worker has for it,
-and answers either ``Dispatch(max_samples)`` now or ``WaitUntil(t)``.
+A policy looks at one queue (its size, oldest arrival, most urgent deadline) and at the
+worker that would take the batch (its batch limit, when it will be free, its fitted cost)
+and answers ``Dispatch(max_samples)`` now or ``WaitUntil(t)``. It also says which requests
+are hopeless (``shed_before``) and in which order a queue is served.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from carpool.broker.latency import CostEstimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,30 +38,108 @@ class QueueView:
 
     samples: int  # samples still queued
     oldest_arrival_s: float  # arrival of the oldest queued request
+    earliest_deadline_s: float = float("inf")  # most urgent queued request
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """The worker that would take the batch."""
+
+    max_batch: int  # its current B_max for this model (engine limit and adaptive size)
+    ready_in_s: float = 0.0  # predicted time until it has finished what it already holds
+    cost: CostEstimate = field(default_factory=CostEstimate)
 
 
 class BatchPolicy(Protocol):
-    def decide(self, now: float, queue: QueueView, room: int) -> Decision:
-        """Decide for one non-empty queue, given ``room`` samples on the best free worker."""
+    @property
+    def edf(self) -> bool:
+        """Serve a queue earliest-deadline-first (with priorities) rather than by arrival."""
+        ...
+
+    def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
+        """Decide for one non-empty queue."""
+        ...
+
+    def shed_before(self, now: float, capacity: Capacity) -> float:
+        """Requests with a deadline before this time cannot be answered in time."""
         ...
 
 
 @dataclass(frozen=True, slots=True)
 class FixedPolicy:
-    """The minibus rule: leave when full (B_max) or when the oldest has waited T_max.
-
-    ``room`` caps the batch at what the chosen worker accepts, so "full" means
-    min(B_max, room). Waiting never outlives the oldest request's T_max.
-    """
+    """The minibus rule with fixed knobs, as Triton configures it: leave when full
+    (B_max) or when the oldest has waited T_max; FIFO; deadlines are only enforced once
+    they have passed. With ``max_batch=1`` it is "no batching"."""
 
     max_batch: int
     max_wait_s: float
+    edf: bool = False
 
-    def decide(self, now: float, queue: QueueView, room: int) -> Decision:
-        limit = min(self.max_batch, room)
+    def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
+        limit = min(self.max_batch, capacity.max_batch)
         if queue.samples >= limit:
             return Dispatch(limit)
         leave_at = queue.oldest_arrival_s + self.max_wait_s
         if now >= leave_at:
             return Dispatch(limit)
         return WaitUntil(leave_at)
+
+    def shed_before(self, now: float, capacity: Capacity) -> float:
+        return now
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlinePolicy:
+    """carpool's policy: the minibus rule bounded by the SLA countdown.
+
+    * Size: the worker's adaptive B_max, shrunk until the batch fits in the most urgent
+      request's slack (its deadline − the worker's backlog − the batch's predicted time −
+      ``margin_s``), never below one request.
+    * Wait: none where batching buys nothing (the fitted fixed cost is under
+      ``min_fixed_share`` of a single-sample batch, as on CPUs, or the cost is not known
+      yet). Otherwise until the earliest of T_max after the oldest arrival and the most
+      urgent request's latest start; while the worker is still busy, the batch may keep
+      filling until shortly before it is free, since leaving earlier would only queue there.
+    * Shedding: a request whose deadline comes before the earliest possible completion
+      (the best worker's backlog + a one-sample batch) is hopeless.
+    """
+
+    max_batch: int
+    max_wait_s: float
+    margin_s: float = 0.002
+    min_fixed_share: float = 0.2
+    edf: bool = True
+
+    def batch_limit(self, now: float, queue: QueueView, capacity: Capacity) -> int:
+        limit = min(self.max_batch, capacity.max_batch)
+        cost = capacity.cost
+        if not cost.calibrated:
+            return limit
+        slack = queue.earliest_deadline_s - now - capacity.ready_in_s - self.margin_s
+        # Largest n with fixed + per_sample·n <= slack (at least one).
+        while limit > 1 and cost.estimate(limit) > slack:
+            limit -= 1
+        return limit
+
+    def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
+        limit = self.batch_limit(now, queue, capacity)
+        if queue.samples >= limit:
+            return Dispatch(limit)
+        cost = capacity.cost
+        if not cost.calibrated or cost.fixed_share(1) < self.min_fixed_share:
+            return Dispatch(limit)  # waiting would buy no throughput, only latency
+        latest_start = (
+            queue.earliest_deadline_s - capacity.ready_in_s - cost.estimate(limit) - self.margin_s
+        )
+        leave_at = queue.oldest_arrival_s + self.max_wait_s
+        if capacity.ready_in_s > self.margin_s:
+            leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
+        leave_at = min(leave_at, latest_start)
+        if now >= leave_at:
+            return Dispatch(limit)
+        return WaitUntil(leave_at)
+
+    def shed_before(self, now: float, capacity: Capacity) -> float:
+        if not capacity.cost.calibrated:
+            return now
+        return now + capacity.ready_in_s + capacity.cost.estimate(1)

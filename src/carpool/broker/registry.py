@@ -11,9 +11,48 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NewType
 
+from carpool.broker.adaptive import BatchSizeController
+from carpool.broker.batcher import RequestKey
+from carpool.broker.latency import CostEstimate, LatencyModel
 from carpool.common.protocol import ModelSpec, Ready
 
 WorkerId = NewType("WorkerId", bytes)
+
+
+@dataclass(slots=True)
+class Lane:
+    """What the broker learns about one model on one worker."""
+
+    # Adaptive B_max; None under policies that keep B_max fixed.
+    controller: BatchSizeController | None
+    max_batch: int  # the engine's limit, capped by the configured B_max
+    latency: dict[RequestKey, LatencyModel] = field(default_factory=dict)
+    last_key: RequestKey | None = None
+    mean_batch: float = 1.0  # EWMA of dispatched batch sizes
+
+    @property
+    def batch_limit(self) -> int:
+        if self.controller is None:
+            return self.max_batch
+        return min(self.max_batch, self.controller.batch_size)
+
+    def cost(self, key: RequestKey | None) -> CostEstimate:
+        model = self.latency.get(key) if key is not None else None
+        return model.cost if model is not None else CostEstimate()
+
+    def observe(self, key: RequestKey, samples: int, duration_s: float) -> None:
+        model = self.latency.get(key)
+        if model is None:
+            model = self.latency[key] = LatencyModel()
+        model.observe(samples, duration_s)
+        self.last_key = key
+
+    def on_dispatch(self, samples: int) -> None:
+        self.mean_batch += 0.2 * (samples - self.mean_batch)
+
+    def on_load(self, now: float, rho: float) -> None:
+        if self.controller is not None:
+            self.controller.update(now, rho, self.cost(self.last_key), self.mean_batch)
 
 
 @dataclass(slots=True)
@@ -29,6 +68,7 @@ class WorkerState:
     next_heartbeat_s: float
     outstanding: set[int] = field(default_factory=set)  # batch ids
     rho: float = 0.0  # busy fraction the worker last reported
+    lanes: dict[str, Lane] = field(default_factory=dict)  # by model name
 
     @property
     def free_slots(self) -> int:
@@ -66,7 +106,14 @@ class WorkerRegistry:
                 out.append(spec.name)
         return out
 
-    def add(self, now: float, wid: WorkerId, ready: Ready, heartbeat_s: float) -> WorkerState:
+    def add(
+        self,
+        now: float,
+        wid: WorkerId,
+        ready: Ready,
+        heartbeat_s: float,
+        lanes: dict[str, Lane] | None = None,
+    ) -> WorkerState:
         """Register a worker (replacing an earlier entry under the same id)."""
         self.remove(wid)
         state = WorkerState(
@@ -77,6 +124,7 @@ class WorkerRegistry:
             heartbeat_s=heartbeat_s,
             last_seen_s=now,
             next_heartbeat_s=now + heartbeat_s,
+            lanes=lanes or {m.name: Lane(None, m.max_batch) for m in ready.models},
         )
         self._workers[wid] = state
         for spec in ready.models:
@@ -107,14 +155,14 @@ class WorkerRegistry:
 
     def max_batch(self, model: str) -> int:
         """The largest batch any live worker accepts for ``model`` (0 if none serves it)."""
-        return max((w.models[model].max_batch for w in self.serving(model)), default=0)
+        return max((w.lanes[model].max_batch for w in self.serving(model)), default=0)
 
     def best_free(self, model: str, samples: int) -> WorkerState | None:
         """The worker to take the next batch of ``model``: the most free credits, then the
         lowest reported load; only workers whose max batch admits ``samples``."""
         best: WorkerState | None = None
         for w in self._by_model.get(model, ()):
-            if w.free_slots <= 0 or w.models[model].max_batch < samples:
+            if w.free_slots <= 0 or w.lanes[model].max_batch < samples:
                 continue
             if best is None or (w.free_slots, -w.rho) > (best.free_slots, -best.rho):
                 best = w
