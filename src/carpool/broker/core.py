@@ -712,10 +712,21 @@ class BrokerCore:
                     "slots": w.slots,
                     "outstanding": len(w.outstanding),
                     "rho": w.rho,
+                    "lanes": {name: _lane_snapshot(lane) for name, lane in w.lanes.items()},
                 }
                 for w in self.registry.all()
             ],
         }
+
+
+def _lane_snapshot(lane: Lane) -> dict[str, Any]:
+    cost = lane.cost(lane.last_key)
+    return {
+        "b_max": lane.batch_limit,
+        "fixed_cost_ms": round(1000 * cost.fixed_cost_s, 3),
+        "per_sample_ms": round(1000 * cost.per_sample_s, 3),
+        "calibrated": cost.calibrated,
+    }
 
 
 def _disconnect(wid: WorkerId, reason: str) -> Outgoing:

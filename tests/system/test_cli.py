@@ -1,0 +1,120 @@
+"""The ``carpool`` command: help, config errors, and a broker and worker as subprocesses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from carpool.client import Client
+from carpool.common.clock import MonotonicClock
+from carpool.worker.engines.synthetic import synthetic_output
+
+CARPOOL = [sys.executable, "-m", "carpool"]
+STOP_TIMEOUT_S = 10.0
+
+Spawn = Callable[..., subprocess.Popen[bytes]]
+
+
+def _carpool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CARPOOL, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
+    """Start ``carpool ARGS...`` subprocesses (stderr to a log file under tmp_path); at
+    teardown, SIGTERM those still running, then SIGKILL any that outlive the timeout."""
+    started: list[subprocess.Popen[bytes]] = []
+    logs = []
+
+    def start(*args: str) -> subprocess.Popen[bytes]:
+        log = open(tmp_path / f"{len(started)}-{args[0]}.log", "wb")  # noqa: SIM115
+        logs.append(log)
+        proc = subprocess.Popen(
+            [*CARPOOL, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in started:
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for log in logs:
+        log.close()
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("*.log")))
+
+
+def test_help_lists_the_commands() -> None:
+    result = _carpool("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("broker", "worker", "demo"):
+        assert command in result.stdout
+
+
+def test_broker_help_lists_its_flags() -> None:
+    result = _carpool("broker", "--help")
+    assert result.returncode == 0, result.stderr
+    for flag in ("--frontend", "--backend", "--max-batch", "--max-wait-ms", "--config"):
+        assert flag in result.stdout
+
+
+def test_an_unknown_model_is_a_config_error(tmp_path: Path) -> None:
+    result = _carpool("worker", "--broker", f"ipc://{tmp_path}/backend", "--model", "nosuchmodel")
+    assert result.returncode == 2
+    assert "unknown model 'nosuchmodel'" in result.stderr
+    assert "orientation" in result.stderr  # says what the catalogue has
+    assert "Traceback" not in result.stderr
+
+
+def test_an_invalid_worker_setting_is_a_config_error(tmp_path: Path) -> None:
+    result = _carpool("worker", "--broker", f"ipc://{tmp_path}/b", "--slots", "0")
+    assert result.returncode == 2
+    assert "slots must be in 1..1024" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_broker_and_worker_processes_serve_and_stop(tmp_path: Path, spawn: Spawn) -> None:
+    frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
+    broker = spawn("broker", "--frontend", frontend, "--backend", backend, "--max-wait-ms", "1")
+    worker = spawn("worker", "--broker", backend, "--synthetic", "1", "0.1", "--name", "w0")
+
+    with Client(frontend, default_timeout_s=5.0) as client:
+        clock = MonotonicClock()
+        until = clock.now() + 60.0
+        while True:
+            assert broker.poll() is None, _logs(tmp_path)
+            assert worker.poll() is None, _logs(tmp_path)
+            assert clock.now() < until, "the worker never registered\n" + _logs(tmp_path)
+            try:
+                workers = client.stats(timeout_s=1.0)["workers"]
+            except TimeoutError:
+                continue  # the broker is still starting
+            if [w["name"] for w in workers] == ["w0"]:
+                break
+            client.poll(0.05)
+        x = np.arange(32, dtype=np.float32).reshape(2, 16)
+        result = client.submit("synthetic", {"x": x}, timeout_s=5.0).result()
+    np.testing.assert_array_equal(result["y"], synthetic_output(x))
+    assert result.batch_size == 2
+
+    worker.terminate()
+    assert worker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
+    broker.terminate()
+    assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)

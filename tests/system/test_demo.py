@@ -1,0 +1,80 @@
+"""``carpool demo`` end to end: real subprocesses, real pages, real model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("PIL")
+
+DEMO_TIMEOUT_S = 120.0
+
+
+def _leftovers(marker: str) -> list[psutil.Process]:
+    """Processes whose command line mentions ``marker`` (our own temporary directory)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if any(marker in part for part in cmdline):
+            found.append(proc)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 30)
+def test_demo_serves_every_frame_correctly(tmp_path: Path) -> None:
+    # The demo puts its ipc:// endpoints in a temporary directory under TMPDIR, so every
+    # process it starts names tmp_path on its command line: we can check none is left.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    command = [sys.executable, "-m", "carpool", "demo", "--duration-s", "3", "--cameras", "4"]
+    demo = subprocess.Popen(
+        [*command, "--fps", "10"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = demo.communicate(timeout=DEMO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        demo.terminate()  # the demo stops its broker and workers on SIGTERM
+        output, _ = demo.communicate(timeout=30)
+        pytest.fail(f"the demo ran past {DEMO_TIMEOUT_S} s:\n{output}")
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        stray = _leftovers(str(tmp_path))
+        for proc in stray:
+            proc.kill()
+    assert not stray, f"the demo left processes running: {[p.pid for p in stray]}"
+
+    assert demo.returncode == 0, output
+    assert re.search(r"^requests sent:\s+120$", output, re.M), output
+    assert re.search(r"^replies:\s+120$", output, re.M), output
+    assert re.search(r"^errors:\s+none$", output, re.M), output
+    assert re.search(r"^achieved QPS:\s+\d+\.\d$", output, re.M), output
+    assert re.search(r"p50 \d+\.\d\s+p95 \d+\.\d\s+p99 \d+\.\d", output), output
+    assert re.search(r"^batch sizes \(orientation\): \d+ batches", output, re.M), output
+    assert re.search(r"^\s+size\s+\d+:\s+\d+ batches", output, re.M), output
+    assert re.search(r"^worker rho:\s+cpu-0 \d\.\d\d, cpu-1 \d\.\d\d$", output, re.M), output
+    assert "correct rotations: 120/120 (100.0%)" in output, output
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool", "demo", "--workers", "0", "--fps", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "workers must be > 0" in result.stderr
+    assert "fps must be > 0" in result.stderr
