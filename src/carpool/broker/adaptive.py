@@ -12,10 +12,11 @@ Pure: ``now`` and ρ are passed in. docs/batching.md derives the rule; in short:
   λ̂·β ≥ ρ*: then only the cap holds). ρ above target → bigger batches (more capacity),
   below → smaller (less waiting). Without a calibrated cost model it steps by a fixed
   factor in the direction of ρ − ρ*.
-* Output: B_cont is snapped down to a preferred size (TensorRT profile sizes), with
-  hysteresis so measurement noise near a boundary does not flip it; bounded by
-  [1, cap]. The deadline guard (a batch must fit in its most urgent request's slack) is
-  applied per batch by the policy, on top of this.
+* Output: B_cont is rounded up to the next allowed size (a TensorRT profile size, or an
+  integer), with hysteresis on the way down so measurement noise near a boundary does not
+  flip it; bounded by [1, cap]. Rounding up keeps ρ at or under the target. The
+  deadline guard (a batch must fit in its most urgent request's slack) and the
+  sustainable floor are applied per batch by the policy, on top of this.
 
 At constant load ρ(B) is a fixed decreasing function, so log B converges geometrically
 with factor (1 − η) for 0 < η ≤ 1: it settles and does not oscillate.
@@ -35,7 +36,7 @@ from carpool.broker.latency import CostEstimate
 class AdaptiveConfig:
     """Knobs of the ρ controller (defaults in one place)."""
 
-    target_rho: float = 0.7
+    target_rho: float = 0.5
     learning_rate: float = 0.5
     interval_s: float = 0.5  # at most one step per interval (ρ is a ~1 s moving average)
     hysteresis: float = 0.1  # relative margin before the snapped size moves down
@@ -64,7 +65,7 @@ class BatchSizeController:
         self.config = config or AdaptiveConfig()
         start = self.cap if initial is None else min(max(1, initial), self.cap)
         self.b_cont = float(start)
-        self.batch_size = self._snap_down(start)
+        self.batch_size = self._snap_up(start)
         self._next_update_s = -math.inf
         self.updates = 0
 
@@ -107,18 +108,21 @@ class BatchSizeController:
         b_star = max(1.0, arrival_rps * cost.fixed_cost_s / room)
         return math.log(min(b_star, self.cap) / self.b_cont)
 
-    def _snap_down(self, value: float) -> int:
+    def _snap_up(self, value: float) -> int:
+        """The smallest allowed size >= ``value`` (the cap if none is)."""
         if not self.preferred:
-            return max(1, math.floor(value + 1e-9))
-        i = bisect.bisect_right(self.preferred, value + 1e-9)
-        return self.preferred[max(0, i - 1)]
+            return min(self.cap, max(1, math.ceil(value - 1e-9)))
+        i = bisect.bisect_left(self.preferred, value - 1e-9)
+        return self.preferred[i] if i < len(self.preferred) else self.cap
 
     def _resnap(self) -> None:
-        snapped = self._snap_down(self.b_cont)
+        snapped = self._snap_up(self.b_cont)
         if snapped > self.batch_size:
             self.batch_size = snapped
-        elif snapped < self.batch_size and self.b_cont < self.batch_size * (
-            1.0 - self.config.hysteresis
+        elif (
+            snapped < self.batch_size
+            and self._snap_up(self.b_cont * (1.0 + self.config.hysteresis)) < self.batch_size
         ):
-            # Move down only once clearly below the current size (hysteresis).
+            # Move down only once clearly below the next smaller size (hysteresis), so
+            # measurement noise near a boundary does not flip the size back and forth.
             self.batch_size = snapped

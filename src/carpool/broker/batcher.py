@@ -82,6 +82,24 @@ class RequestQueue:
     _heaps: tuple[list[_Entry], list[_Entry]] = field(default_factory=lambda: ([], []))
     samples: int = 0
     count: int = 0
+    _recent: deque[tuple[float, int]] = field(default_factory=deque)  # (arrival, samples)
+    _recent_samples: int = 0
+
+    #: Window over which the arrival rate is measured.
+    RATE_WINDOW_S = 1.0
+
+    def note_arrival(self, now: float, samples: int) -> None:
+        """Count a new arrival for :meth:`arrival_sps`."""
+        self._recent.append((now, samples))
+        self._recent_samples += samples
+
+    def arrival_sps(self, now: float) -> float:
+        """Samples per second that arrived over the last second."""
+        recent = self._recent
+        begin = now - self.RATE_WINDOW_S
+        while recent and recent[0][0] < begin:
+            self._recent_samples -= recent.popleft()[1]
+        return self._recent_samples / self.RATE_WINDOW_S
 
     def _index(self, req: PendingRequest) -> list[_Entry]:
         return self._heaps[0 if req.priority is Priority.INTERACTIVE else 1]

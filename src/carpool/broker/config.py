@@ -25,7 +25,7 @@ class BatchingConfig:
     max_wait_s: float = 0.005  # T_max: longest wait of the oldest request
     policy: str = "carpool"
     margin_s: float = 0.002  # safety margin of the SLA countdown
-    target_rho: float = 0.7  # ρ* the adaptive B_max steers towards
+    target_rho: float = 0.5  # ρ* the adaptive B_max steers towards
     learning_rate: float = 0.5  # η of the ρ gradient step
     adapt_interval_s: float = 0.5  # at most one B_max step per interval
 

@@ -149,7 +149,10 @@ class BrokerCore:
                 raise ProtocolError("empty message")
             command = parse_header(view(frames[0]))
             if command is Command.STATS:
-                return [self._to_client(client, delimited, encode(Command.STATS, self.snapshot()))]
+                snapshot = self.snapshot()
+                if len(frames) > 1:  # echo the caller's id, so it can match the reply
+                    snapshot["id"] = request_id_of(decode_meta(view(frames[1])))
+                return [self._to_client(client, delimited, encode(Command.STATS, snapshot))]
             if command is not Command.REQUEST:
                 raise ProtocolError(f"command {command.name} is not valid from a client")
             if len(frames) < 2:
@@ -169,12 +172,14 @@ class BrokerCore:
     ) -> list[Outgoing]:
         try:
             submit, payloads = decode_simple_request(view(frame))
-        except VersionMismatch as exc:
-            code = ErrorCode.UNSUPPORTED_VERSION
-            return [self._error(client, delimited, None, code, str(exc), simple=True)]
         except ProtocolError as exc:
-            code = ErrorCode.INVALID_ARGUMENT
-            return [self._error(client, delimited, None, code, str(exc), simple=True)]
+            code = (
+                ErrorCode.UNSUPPORTED_VERSION
+                if isinstance(exc, VersionMismatch)
+                else ErrorCode.INVALID_ARGUMENT
+            )
+            rid = request_id_of(exc.meta)
+            return [self._error(client, delimited, rid, code, str(exc), simple=True)]
         return self._admit(now, client, delimited, submit, payloads, simple=True)
 
     def _admit(
@@ -256,6 +261,7 @@ class BrokerCore:
         )
         queue = self._queue(req.key)
         queue.push(req)
+        queue.note_arrival(now, samples)
         self._enqueued(req)
         self._deadlines.push(req)
         out: list[Outgoing] = []
@@ -286,7 +292,7 @@ class BrokerCore:
                 return out
             if command is Command.HEARTBEAT:
                 rho = meta.get("rho")
-                if isinstance(rho, (int, float)) and not isinstance(rho, bool):
+                if isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0 <= rho <= 1:
                     self._on_load(now, worker, float(rho))
             elif command is Command.RESULT:
                 self._on_result(now, worker, ResultMeta.from_wire(meta), frames[2:], out)
@@ -306,15 +312,16 @@ class BrokerCore:
         return out
 
     def _on_ready(self, now: float, wid: WorkerId, ready: Ready, out: list[Outgoing]) -> None:
+        old = self.registry.get(wid)
+        if old is not None:
+            # A second READY on one connection: the old registration ends either way.
+            self._lose_worker(now, old, "worker re-registered", out)
         conflicts = self.registry.conflicts(ready)
         if conflicts:
             reason = f"model spec differs from the registered one for {', '.join(conflicts)}"
             logger.warning("worker=%s name=%s refused: %s", wid.hex(), ready.name, reason)
             out.append(_disconnect(wid, reason))
             return
-        old = self.registry.get(wid)
-        if old is not None:
-            self._lose_worker(now, old, "worker re-registered", out)
         lanes = {m.name: self._lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models}
         self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
         logger.info(
@@ -455,7 +462,13 @@ class BrokerCore:
                 out.append(Outgoing(Side.BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
         for key in [k for k, t in self._wake_s.items() if t <= now]:
             self._pump(now, self._queues[key], out)
-        for key in [k for k, q in self._queues.items() if q.count == 0 and q.head() is None]:
+        # Forget idle queues (and their arrival rate) only once nothing arrived for a while.
+        idle = [
+            k
+            for k, q in self._queues.items()
+            if q.count == 0 and q.head() is None and q.arrival_sps(now) == 0
+        ]
+        for key in idle:
             del self._queues[key]
             self._wake_s.pop(key, None)
         return out
@@ -565,9 +578,15 @@ class BrokerCore:
         workers = self.registry.serving(model)
         if not policy.edf or not workers:
             return None
-        # Hopeless against the best worker: the earliest start plus a one-sample batch.
+        # Hopeless against the best worker: its earliest start plus the smallest batch the
+        # policy would run there.
+        head = queue.head()
+        if head is None:
+            return None
+        share_sps = queue.arrival_sps(now) / len(workers)
+        view = QueueView(queue.samples, head.arrival_s, head.deadline_s, share_sps)
         lead_s = min(
-            policy.shed_before(now, self._capacity(now, w, queue.key)) - now for w in workers
+            policy.shed_before(now, view, self._capacity(now, w, queue.key)) - now for w in workers
         )
         if lead_s <= 0:
             return None
@@ -599,7 +618,8 @@ class BrokerCore:
                     self._wake_s[queue.key] = shed_at
                 return
             capacity = self._capacity(now, worker, queue.key)
-            view = QueueView(queue.samples, head.arrival_s, urgent.deadline_s)
+            share_sps = queue.arrival_sps(now) / max(1, len(self.registry.serving(model)))
+            view = QueueView(queue.samples, head.arrival_s, urgent.deadline_s, share_sps)
             decision = policy.decide(now, view, capacity)
             if not isinstance(decision, Dispatch):
                 wake = decision.t if shed_at is None else min(decision.t, shed_at)
@@ -615,7 +635,28 @@ class BrokerCore:
                 requests = queue.take(size)
             for req in requests:
                 self._dequeued(req)
+            if policy.edf and capacity.cost.calibrated:
+                requests = self._drop_doomed(now, requests, capacity, out)
+                if not requests:
+                    continue
             out.append(self._dispatch(now, worker, queue.key, requests, capacity))
+
+    def _drop_doomed(
+        self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]
+    ) -> list[PendingRequest]:
+        """Answer now the members of a batch that would finish past their deadline."""
+        done_s = (
+            now + capacity.ready_in_s + capacity.cost.estimate(sum(r.samples for r in requests))
+        )
+        keep = [r for r in requests if r.deadline_s >= done_s]
+        if len(keep) < len(requests):
+            msg = "deadline cannot be met: predicted completion lies past it"
+            for req in requests:
+                if req.deadline_s < done_s:
+                    req.state = RequestState.EXPIRED
+                    self.stats.shed += 1
+                    out.append(self._request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
+        return keep
 
     def _dispatch(
         self,
@@ -705,6 +746,7 @@ class BrokerCore:
             "requeued": self.stats.requeued,
             "undeliverable": self.stats.undeliverable,
             "late_results": self.stats.late_results,
+            "shed": self.stats.shed,
             "workers": [
                 {
                     "name": w.name,

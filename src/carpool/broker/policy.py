@@ -9,6 +9,7 @@ are hopeless (``shed_before``) and in which order a queue is served.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,8 @@ class QueueView:
     samples: int  # samples still queued
     oldest_arrival_s: float  # arrival of the oldest queued request
     earliest_deadline_s: float = float("inf")  # most urgent queued request
+    # Arrival rate this worker must keep up with: the queue's rate / workers serving it.
+    arrival_sps: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,7 @@ class BatchPolicy(Protocol):
         """Decide for one non-empty queue."""
         ...
 
-    def shed_before(self, now: float, capacity: Capacity) -> float:
+    def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
         """Requests with a deadline before this time cannot be answered in time."""
         ...
 
@@ -84,7 +87,7 @@ class FixedPolicy:
             return Dispatch(limit)
         return WaitUntil(leave_at)
 
-    def shed_before(self, now: float, capacity: Capacity) -> float:
+    def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
         return now
 
 
@@ -110,16 +113,36 @@ class DeadlinePolicy:
     min_fixed_share: float = 0.2
     edf: bool = True
 
+    #: Capacity kept above the measured arrival rate by the sustainable-size floor.
+    headroom: float = 1.1
+
     def batch_limit(self, now: float, queue: QueueView, capacity: Capacity) -> int:
-        limit = min(self.max_batch, capacity.max_batch)
+        """The batch size: the adaptive B_max, shrunk to the SLA countdown of the most
+        urgent request, but never below the floor that keeps up with the arrival rate
+        (shrinking further would let the queue grow until every deadline is missed; the
+        requests such a batch cannot save are shed instead)."""
+        cap = min(self.max_batch, capacity.max_batch)
         cost = capacity.cost
         if not cost.calibrated:
-            return limit
+            return cap
         slack = queue.earliest_deadline_s - now - capacity.ready_in_s - self.margin_s
-        # Largest n with fixed + per_sample·n <= slack (at least one).
-        while limit > 1 and cost.estimate(limit) > slack:
-            limit -= 1
-        return limit
+        guard = cap
+        while guard > 1 and cost.estimate(guard) > slack:
+            guard -= 1
+        return max(guard, self.floor(queue, capacity))
+
+    def floor(self, queue: QueueView, capacity: Capacity) -> int:
+        """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with
+        ``headroom`` × the arrival rate, within [1, B_max]."""
+        cap = min(self.max_batch, capacity.max_batch)
+        cost = capacity.cost
+        demand = self.headroom * queue.arrival_sps
+        if not cost.calibrated or demand <= 0 or cost.fixed_cost_s <= 0:
+            return 1
+        room = 1.0 - demand * cost.per_sample_s
+        if room <= 0:
+            return cap
+        return min(cap, max(1, math.ceil(demand * cost.fixed_cost_s / room)))
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         limit = self.batch_limit(now, queue, capacity)
@@ -128,18 +151,24 @@ class DeadlinePolicy:
         cost = capacity.cost
         if not cost.calibrated or cost.fixed_share(1) < self.min_fixed_share:
             return Dispatch(limit)  # waiting would buy no throughput, only latency
+        leave_at = queue.oldest_arrival_s + self.max_wait_s
+        if capacity.ready_in_s > self.margin_s:
+            # The worker is busy: leaving before it is free would only queue there.
+            leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
+        floor = self.floor(queue, capacity)
+        if queue.samples < floor and queue.arrival_sps > 0:
+            # Too few aboard to keep up with the arrivals: wait for the floor to fill.
+            leave_at = max(leave_at, now + (floor - queue.samples) / queue.arrival_sps)
         latest_start = (
             queue.earliest_deadline_s - capacity.ready_in_s - cost.estimate(limit) - self.margin_s
         )
-        leave_at = queue.oldest_arrival_s + self.max_wait_s
-        if capacity.ready_in_s > self.margin_s:
-            leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
         leave_at = min(leave_at, latest_start)
         if now >= leave_at:
             return Dispatch(limit)
         return WaitUntil(leave_at)
 
-    def shed_before(self, now: float, capacity: Capacity) -> float:
+    def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
         if not capacity.cost.calibrated:
             return now
-        return now + capacity.ready_in_s + capacity.cost.estimate(1)
+        # Even the smallest batch that keeps up with the load would end too late for these.
+        return now + capacity.ready_in_s + capacity.cost.estimate(self.floor(queue, capacity))

@@ -46,6 +46,7 @@ class AsyncClient:
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
         self._stats: asyncio.Future[dict[str, Any]] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._stats_id = 0
         self.state = ClientState.OPEN
 
     async def submit(
@@ -81,7 +82,8 @@ class AsyncClient:
         """The broker's counters (see :meth:`carpool.client.Client.stats`)."""
         self._check_open()
         self._stats = asyncio.get_running_loop().create_future()
-        await self.socket.send_multipart(self.core.stats_request())
+        self._stats_id, frames = self.core.stats_request()
+        await self.socket.send_multipart(frames)
         self._ensure_reader()
         return await asyncio.wait_for(self._stats, timeout_s)
 
@@ -113,6 +115,8 @@ class AsyncClient:
         except ProtocolError:
             return
         if isinstance(outcome, dict):
+            if outcome.get("id") != self._stats_id:
+                return  # a late answer to an earlier stats() call
             if self._stats is not None and not self._stats.done():
                 self._stats.set_result(outcome)
             self._stats = None

@@ -92,8 +92,10 @@ class ClientCore:
         heapq.heappush(self._deadlines, (deadline, rid))
         return rid, encode_request(submit, payloads)
 
-    def stats_request(self) -> list[Any]:
-        return encode(Command.STATS, {})
+    def stats_request(self) -> tuple[int, list[Any]]:
+        """A STATS request; the reply echoes the returned id."""
+        sid = next(self._ids)
+        return sid, encode(Command.STATS, {"id": sid})
 
     def on_reply(
         self, frames: Sequence[Frame]

@@ -98,6 +98,7 @@ class Client:
         self.socket.connect(endpoint)
         self._futures: dict[int, ReplyFuture] = {}
         self._stats: list[dict[str, Any]] = []  # the STATS reply, once it arrives
+        self._stats_id = 0
         self.state = ClientState.OPEN
 
     def submit(
@@ -135,7 +136,8 @@ class Client:
         """The broker's counters: batch-size distribution per model, errors, workers."""
         self._check_open()
         self._stats.clear()
-        self.socket.send_multipart(self.core.stats_request())
+        self._stats_id, frames = self.core.stats_request()
+        self.socket.send_multipart(frames)
         until = self.clock.now() + timeout_s
         while not self._stats:
             left = until - self.clock.now()
@@ -175,7 +177,8 @@ class Client:
         except ProtocolError:
             return 0  # not a message we can read; nothing waits on it
         if isinstance(outcome, dict):
-            self._stats[:] = [outcome]
+            if outcome.get("id") == self._stats_id:  # not a late answer to an older call
+                self._stats[:] = [outcome]
             return 0
         future = None if rid is None else self._futures.pop(rid, None)
         if future is None:

@@ -39,7 +39,14 @@ class CarpoolError(Exception):
 
 
 class ProtocolError(CarpoolError):
-    """A message does not follow the wire protocol."""
+    """A message does not follow the wire protocol.
+
+    Attributes:
+        meta: the decoded map of the offending message, when it could be decoded (so an
+            error reply can still name the request id).
+    """
+
+    meta: object = None
 
 
 class ConfigError(CarpoolError):

@@ -12,10 +12,10 @@ Every message (after the ROUTER's routing-id frame, which only the broker sees) 
 
 Client ↔ broker (client DEALER or REQ → broker frontend ROUTER)::
 
-    REQUEST  C→B  meta {id, model, timeout_ms, inputs: [{name, dtype, shape}], priority?}
+    REQUEST  C→B  meta {id, model, timeout_ms?, inputs: [{name, dtype, shape}], priority?}
     REPLY    B→C  meta {id, outputs: [{name, dtype, shape}], batch_size, queue_ms, compute_ms}
     ERROR    B→C  meta {id, code, message, retry_after_ms?}                (no tensor frames)
-    STATS    C→B  meta {}          B→C meta {broker counters}
+    STATS    C→B  meta {id?}       B→C meta {broker counters, id?}
 
     The simple form: one msgpack frame (a map, so its first byte is never b"C"):
     {v: 1, id, model, timeout_ms, inputs: [{name, dtype, shape, data: bin}]}; the reply comes
@@ -202,8 +202,9 @@ class TensorMeta:
         if not isinstance(dtype, str) or dtype not in codec.DTYPES:
             raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}")
         shape = m.get("shape")
-        if not isinstance(shape, list) or len(shape) > MAX_RANK:
-            raise ProtocolError(f"tensor {name!r}: shape must be a list of <= {MAX_RANK} ints")
+        if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_RANK:
+            # Rank >= 1: dim 0 is the batch (sample) dimension.
+            raise ProtocolError(f"tensor {name!r}: shape must be a list of 1..{MAX_RANK} ints")
         low = -1 if allow_dynamic else 1
         for d in shape:
             if isinstance(d, bool) or not isinstance(d, int) or d < low or d == 0:
@@ -282,7 +283,7 @@ def decode_submit(meta: dict[str, Any]) -> Submit:
     ):
         raise ProtocolError(f"request: timeout_ms must be an int in 1..{MAX_TIMEOUT_MS}")
     prio = meta.get("priority", 0)
-    if isinstance(prio, bool) or prio not in (0, 1):
+    if type(prio) is not int or prio not in (0, 1):
         raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
     inputs = _tensor_list(meta.get("inputs"), "request inputs")
     return Submit(rid, model, timeout, inputs, Priority(prio))
@@ -300,19 +301,23 @@ def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes
     tensors from small devices. Large tensors belong in the framed form.
     """
     obj = _map(codec.unpack(frame, max_bytes=codec.MAX_SIMPLE_BYTES), "simple request")
-    version = obj.get("v")
-    if version != PROTOCOL_VERSION:
-        if isinstance(version, int) and not isinstance(version, bool):
+    try:
+        version = obj.get("v")
+        if type(version) is not int:
+            raise ProtocolError("simple request: field 'v' (protocol version) missing")
+        if version != PROTOCOL_VERSION:
             raise VersionMismatch(version)
-        raise ProtocolError("simple request: field 'v' (protocol version) missing")
-    submit = decode_submit(obj)
-    payloads: list[bytes] = []
-    for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
-        data = raw.get("data")
-        if not isinstance(data, bytes):
-            raise ProtocolError(f"simple request: tensor {t.name!r} has no bin 'data' field")
-        payloads.append(data)
-    check_frame_sizes(submit.inputs, payloads)
+        submit = decode_submit(obj)
+        payloads: list[bytes] = []
+        for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
+            data = raw.get("data")
+            if not isinstance(data, bytes):
+                raise ProtocolError(f"simple request: tensor {t.name!r} has no bin 'data' field")
+            payloads.append(data)
+        check_frame_sizes(submit.inputs, payloads)
+    except ProtocolError as exc:
+        exc.meta = obj
+        raise
     return submit, payloads
 
 

@@ -83,7 +83,14 @@ class Reconnect:
     reason: str
 
 
-Action = RunBatch | Reconnect
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Send this message to the broker (e.g. FAILED for a batch that could not be read)."""
+
+    frames: list[Any]
+
+
+Action = RunBatch | Reconnect | Answer
 
 
 class WorkerCore:
@@ -144,7 +151,17 @@ class WorkerCore:
             command = parse_header(view(frames[0]))
             meta = decode_meta(view(frames[1]))
             if command is Command.BATCH:
-                return RunBatch(self.epoch, BatchMeta.from_wire(meta), frames[2:])
+                try:
+                    return RunBatch(self.epoch, BatchMeta.from_wire(meta), frames[2:])
+                except ProtocolError as exc:
+                    batch_id = meta.get("batch")
+                    if type(batch_id) is not int:
+                        raise
+                    # Answer it, so the broker gets its credit back and replies to clients.
+                    failed = FailedMeta(
+                        batch_id, ErrorCode.INVALID_ARGUMENT, str(exc), self.meter.rho(now)
+                    )
+                    return Answer(encode(Command.FAILED, failed.to_wire()))
             if command is Command.DISCONNECT:
                 reason = meta.get("reason", "")
                 return Reconnect(f"broker said DISCONNECT: {reason}")

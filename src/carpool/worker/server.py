@@ -25,7 +25,7 @@ from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import ModelSpec
-from carpool.worker.core import Reconnect, RunBatch, WorkerCore
+from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
 from carpool.worker.tensors import replies, stack
 
@@ -171,6 +171,8 @@ class WorkerServer:
             if isinstance(action, RunBatch):
                 self.core.on_batch_queued(self.clock.now())
                 self._jobs.put(action)
+            elif isinstance(action, Answer):
+                self._send(dealer, action.frames)
             elif isinstance(action, Reconnect):
                 self._reconnect(action.reason)
                 return n
