@@ -66,15 +66,15 @@ def test_heartbeats_flow_during_a_long_batch(fleet_factory: Any) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_worker_reregisters_after_broker_restart(context: Any) -> None:
+def test_worker_reregisters_after_broker_restart(context: Any, tmp_path: Any) -> None:
     from carpool.broker.config import BrokerConfig
     from carpool.broker.server import BrokerServer
     from carpool.client import Client
 
-    first = BrokerServer(
-        BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"), context=context
-    )
-    frontend, backend = first.frontend_endpoint, first.backend_endpoint
+    # ipc endpoints: a restarted broker can bind the same path at once (a TCP port may
+    # still be held by the closing socket for a moment).
+    frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
+    first = BrokerServer(BrokerConfig(frontend=frontend, backend=backend), context=context)
     engine = SyntheticEngine(item_shape=(2,), max_batch=4)
     worker = WorkerServer(
         backend, {"m": lambda: engine}, heartbeat_s=0.1, liveness=3, warmup=False, context=context

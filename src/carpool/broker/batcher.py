@@ -82,24 +82,34 @@ class RequestQueue:
     _heaps: tuple[list[_Entry], list[_Entry]] = field(default_factory=lambda: ([], []))
     samples: int = 0
     count: int = 0
-    _recent: deque[tuple[float, int]] = field(default_factory=deque)  # (arrival, samples)
-    _recent_samples: int = 0
+    # Recent arrivals (time, samples) over a long and a short window, with their sums.
+    _long: deque[tuple[float, int]] = field(default_factory=deque)
+    _short: deque[tuple[float, int]] = field(default_factory=deque)
+    _long_samples: int = 0
+    _short_samples: int = 0
 
-    #: Window over which the arrival rate is measured.
-    RATE_WINDOW_S = 1.0
+    #: Windows of the arrival rate: the long one is steady, the short one sees a burst.
+    LONG_WINDOW_S = 1.0
+    SHORT_WINDOW_S = 0.1
 
     def note_arrival(self, now: float, samples: int) -> None:
         """Count a new arrival for :meth:`arrival_sps`."""
-        self._recent.append((now, samples))
-        self._recent_samples += samples
+        self._long.append((now, samples))
+        self._short.append((now, samples))
+        self._long_samples += samples
+        self._short_samples += samples
 
     def arrival_sps(self, now: float) -> float:
-        """Samples per second that arrived over the last second."""
-        recent = self._recent
-        begin = now - self.RATE_WINDOW_S
-        while recent and recent[0][0] < begin:
-            self._recent_samples -= recent.popleft()[1]
-        return self._recent_samples / self.RATE_WINDOW_S
+        """Samples per second arriving: the larger of the last second's and the last
+        100 ms's rate (fast to rise at a burst, slow to fall after it)."""
+        long_, short = self._long, self._short
+        while long_ and long_[0][0] < now - self.LONG_WINDOW_S:
+            self._long_samples -= long_.popleft()[1]
+        while short and short[0][0] < now - self.SHORT_WINDOW_S:
+            self._short_samples -= short.popleft()[1]
+        return max(
+            self._long_samples / self.LONG_WINDOW_S, self._short_samples / self.SHORT_WINDOW_S
+        )
 
     def _index(self, req: PendingRequest) -> list[_Entry]:
         return self._heaps[0 if req.priority is Priority.INTERACTIVE else 1]

@@ -340,7 +340,7 @@ class BrokerCore:
         reply_frames: Sequence[Frame],
         out: list[Outgoing],
     ) -> None:
-        batch = self._take_batch(worker, result.batch_id)
+        batch = self._take_batch(now, worker, result.batch_id)
         if batch is None:
             return
         lane = worker.lanes.get(batch.model)
@@ -370,7 +370,7 @@ class BrokerCore:
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
     ) -> None:
-        batch = self._take_batch(worker, failed.batch_id)
+        batch = self._take_batch(now, worker, failed.batch_id)
         if batch is None:
             return
         self._on_load(now, worker, failed.rho)
@@ -384,7 +384,7 @@ class BrokerCore:
         self._fail_batch(batch, failed.code, failed.message, out)
         self._pump_models(now, worker.models, out)
 
-    def _take_batch(self, worker: WorkerState, batch_id: int) -> InflightBatch | None:
+    def _take_batch(self, now: float, worker: WorkerState, batch_id: int) -> InflightBatch | None:
         batch = self._inflight.get(batch_id)
         if batch is None or batch.worker != worker.wid:
             # A batch this worker no longer owns (it was requeued after a presumed loss).
@@ -392,6 +392,7 @@ class BrokerCore:
             return None
         del self._inflight[batch_id]
         worker.outstanding.discard(batch_id)
+        self._replan(now, worker)
         return batch
 
     def _fail_batch(
@@ -537,17 +538,19 @@ class BrokerCore:
 
     def _ready_in_s(self, now: float, worker: WorkerState) -> float:
         """Predicted time until ``worker`` has finished the batches it holds."""
-        if not worker.outstanding:
-            return 0.0
-        batches = [self._inflight[b] for b in worker.outstanding if b in self._inflight]
-        if not batches:
-            return 0.0
-        started = min(b.sent_s for b in batches)
-        return max(0.0, sum(b.predicted_s for b in batches) - (now - started))
+        return max(0.0, worker.free_at_s - now) if worker.outstanding else 0.0
+
+    def _replan(self, now: float, worker: WorkerState) -> None:
+        """A batch just ended at ``now``: the worker's queue restarts from here."""
+        worker.free_at_s = now + sum(
+            self._inflight[b].predicted_s for b in worker.outstanding if b in self._inflight
+        )
 
     def _capacity(self, now: float, worker: WorkerState, key: RequestKey) -> Capacity:
         lane = worker.lanes[key[0]]
-        return Capacity(lane.batch_limit, self._ready_in_s(now, worker), lane.cost(key))
+        return Capacity(
+            lane.batch_limit, self._ready_in_s(now, worker), lane.cost(key), lane.max_batch
+        )
 
     def _drain_time_s(self, model: str, key: RequestKey, samples: int) -> float:
         """Best-case time for the fleet to get through ``samples`` of ``model``: every
@@ -696,6 +699,7 @@ class BrokerCore:
             capacity.cost.estimate(samples),
         )
         worker.outstanding.add(batch_id)
+        worker.free_at_s = max(now, worker.free_at_s) + self._inflight[batch_id].predicted_s
         worker.lanes[model].on_dispatch(samples)
         self.stats.batch(model, samples)
         logger.debug(

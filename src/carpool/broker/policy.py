@@ -51,6 +51,12 @@ class Capacity:
     max_batch: int  # its current B_max for this model (engine limit and adaptive size)
     ready_in_s: float = 0.0  # predicted time until it has finished what it already holds
     cost: CostEstimate = field(default_factory=CostEstimate)
+    # The engine's hard limit (>= max_batch); 0 means the same as max_batch.
+    engine_max: int = 0
+
+    @property
+    def hard_max(self) -> int:
+        return max(self.max_batch, self.engine_max)
 
 
 class BatchPolicy(Protocol):
@@ -110,31 +116,43 @@ class DeadlinePolicy:
     max_batch: int
     max_wait_s: float
     margin_s: float = 0.002
+    # Predictions are stretched by this share before they are held against a deadline:
+    # batch times jitter, and a worker's backlog is itself a prediction.
+    jitter_share: float = 0.1
     min_fixed_share: float = 0.2
     edf: bool = True
 
     #: Capacity kept above the measured arrival rate by the sustainable-size floor.
-    headroom: float = 1.1
+    headroom: float = 1.0
 
     def batch_limit(self, now: float, queue: QueueView, capacity: Capacity) -> int:
-        """The batch size: the adaptive B_max, shrunk to the SLA countdown of the most
-        urgent request, but never below the floor that keeps up with the arrival rate
-        (shrinking further would let the queue grow until every deadline is missed; the
-        requests such a batch cannot save are shed instead)."""
-        cap = min(self.max_batch, capacity.max_batch)
+        """The batch size.
+
+        * Backlog (more queued than the target below): take as many as the engine allows.
+          A backlog means throughput is what is short, and with a fixed cost the largest
+          batch has the most of it; members that this batch would finish too late are shed
+          by the broker rather than served late.
+        * Otherwise the target: the adaptive B_max (never below the floor that keeps up
+          with the arrival rate), shrunk so the most urgent request's SLA countdown still
+          holds: the wait for a fuller batch must not cost that request its deadline.
+        """
+        hard = min(self.max_batch, capacity.hard_max)
+        target = min(hard, max(capacity.max_batch, self.floor(queue, capacity)))
+        if queue.samples > target:
+            return min(queue.samples, hard)
         cost = capacity.cost
         if not cost.calibrated:
-            return cap
-        slack = queue.earliest_deadline_s - now - capacity.ready_in_s - self.margin_s
-        guard = cap
-        while guard > 1 and cost.estimate(guard) > slack:
-            guard -= 1
-        return max(guard, self.floor(queue, capacity))
+            return target
+        slack = queue.earliest_deadline_s - now - self.margin_s
+        while target > 1 and self.finish_in_s(capacity, target) > slack:
+            target -= 1
+        return target
 
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
         """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with
-        ``headroom`` × the arrival rate, within [1, B_max]."""
-        cap = min(self.max_batch, capacity.max_batch)
+        ``headroom`` × the arrival rate, within [1, B_max]. It may exceed the adaptive
+        B_max (which follows ρ with a lag): keeping up with a load step comes first."""
+        cap = min(self.max_batch, capacity.hard_max)
         cost = capacity.cost
         demand = self.headroom * queue.arrival_sps
         if not cost.calibrated or demand <= 0 or cost.fixed_cost_s <= 0:
@@ -146,29 +164,38 @@ class DeadlinePolicy:
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         limit = self.batch_limit(now, queue, capacity)
-        if queue.samples >= limit:
-            return Dispatch(limit)
         cost = capacity.cost
-        if not cost.calibrated or cost.fixed_share(1) < self.min_fixed_share:
+        batching_pays = cost.calibrated and cost.fixed_share(1) >= self.min_fixed_share
+        busy = capacity.ready_in_s > self.margin_s
+        if queue.samples >= limit and not (batching_pays and busy):
+            return Dispatch(limit)
+        if not batching_pays:
             return Dispatch(limit)  # waiting would buy no throughput, only latency
+        # The last moment the batch may leave and still end by the most urgent deadline.
+        latest_start = queue.earliest_deadline_s - self.finish_in_s(capacity, limit) - self.margin_s
+        if queue.samples >= limit:
+            # Full, but the worker is still busy: leaving now would only queue there, while
+            # staying lets the batch grow (up to the engine's limit) until it is nearly free.
+            leave_at = min(now + capacity.ready_in_s - self.margin_s, latest_start)
+            return Dispatch(limit) if now >= leave_at else WaitUntil(leave_at)
         leave_at = queue.oldest_arrival_s + self.max_wait_s
-        if capacity.ready_in_s > self.margin_s:
-            # The worker is busy: leaving before it is free would only queue there.
+        if busy:
             leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
         floor = self.floor(queue, capacity)
         if queue.samples < floor and queue.arrival_sps > 0:
             # Too few aboard to keep up with the arrivals: wait for the floor to fill.
             leave_at = max(leave_at, now + (floor - queue.samples) / queue.arrival_sps)
-        latest_start = (
-            queue.earliest_deadline_s - capacity.ready_in_s - cost.estimate(limit) - self.margin_s
-        )
         leave_at = min(leave_at, latest_start)
         if now >= leave_at:
             return Dispatch(limit)
         return WaitUntil(leave_at)
 
+    def finish_in_s(self, capacity: Capacity, samples: int) -> float:
+        """Predicted time from now to the end of a batch sent now, with a jitter allowance."""
+        return (1.0 + self.jitter_share) * (capacity.ready_in_s + capacity.cost.estimate(samples))
+
     def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
         if not capacity.cost.calibrated:
             return now
-        # Even the smallest batch that keeps up with the load would end too late for these.
-        return now + capacity.ready_in_s + capacity.cost.estimate(self.floor(queue, capacity))
+        # Even a batch of one, started as soon as the worker is free, would end too late.
+        return now + capacity.ready_in_s + capacity.cost.estimate(1)

@@ -69,6 +69,8 @@ class WorkerState:
     outstanding: set[int] = field(default_factory=set)  # batch ids
     rho: float = 0.0  # busy fraction the worker last reported
     lanes: dict[str, Lane] = field(default_factory=dict)  # by model name
+    # Predicted time the worker finishes everything it holds (it runs batches in order).
+    free_at_s: float = 0.0
 
     @property
     def free_slots(self) -> int:
