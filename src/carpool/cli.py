@@ -1,4 +1,4 @@
-"""cli.py: the ``carpool`` command — broker, worker and demo.
+"""cli.py: the ``carpool`` command — broker, worker, demo, simulate and tune.
 
 The only module that reads ``argv`` and the environment. Settings load in this order:
 TOML file (``--config``), then ``CARPOOL_*`` environment variables, then flags.
@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-batch", type=int, default=8, help="broker B_max")
     d.add_argument("--max-wait-ms", type=float, default=5.0, help="broker T_max")
     d.set_defaults(func=_demo)
+
+    from carpool.sim.commands import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

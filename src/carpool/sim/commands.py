@@ -1,0 +1,191 @@
+"""commands.py: ``carpool simulate`` and ``carpool tune`` (argument parsing and printing).
+
+``simulate`` compares batching policies on a workload; ``tune`` replays a recorded trace
+on a grid of fixed (B_max, T_max) and recommends the best — the seeds' offline traffic
+replay. Both run the real BrokerCore on a simulated clock (see simulator.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from carpool.common.errors import ConfigError
+from carpool.sim import workload
+from carpool.sim.compare import as_json, compare, grid_search, table
+from carpool.sim.simulator import EngineCost, SimWorker
+from carpool.sim.workload import Arrival
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine and fleet")
+    g.add_argument("--alpha-ms", type=float, default=5.0, help="fixed cost per batch (α)")
+    g.add_argument("--beta-ms", type=float, default=0.5, help="cost per sample (β)")
+    g.add_argument("--jitter", type=float, default=0.05, help="relative std of batch times")
+    g.add_argument("--workers", type=int, default=1, help="simulated workers")
+    g.add_argument("--slots", type=int, default=2, help="batches outstanding per worker")
+    g.add_argument("--engine-max-batch", type=int, default=64, help="engine batch limit")
+    g.add_argument("--seed", type=int, default=0, help="random seed")
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``simulate`` and ``tune`` on the ``carpool`` sub-parser object."""
+    s = sub.add_parser(
+        "simulate",
+        help="compare batching policies on a simulated workload",
+        description="Drive the broker's real batching code with a simulated clock, workers of "
+        "cost α+βB and open-loop arrivals; print throughput, goodput (answers within the "
+        "deadline per second), latency percentiles, misses, batch size and busy time.",
+    )
+    w = s.add_argument_group("workload")
+    w.add_argument(
+        "--load",
+        choices=("poisson", "steps", "bursts", "diurnal"),
+        default="poisson",
+        help="arrival pattern (ignored with --trace)",
+    )
+    w.add_argument("--rate", type=float, default=1000.0, help="poisson: requests per second")
+    w.add_argument("--rates", type=_floats, default=[200, 1400, 300, 1200], help="steps: R1,R2,..")
+    w.add_argument("--step-s", type=float, default=3.0, help="steps: seconds per step")
+    w.add_argument("--base-rps", type=float, default=300.0, help="bursts: base rate")
+    w.add_argument("--burst-rps", type=float, default=2500.0, help="bursts: rate in a burst")
+    w.add_argument("--period-s", type=float, default=2.0, help="bursts: one burst per period")
+    w.add_argument("--burst-s", type=float, default=0.3, help="bursts: burst length")
+    w.add_argument("--low-rps", type=float, default=100.0, help="diurnal: night rate")
+    w.add_argument("--high-rps", type=float, default=1400.0, help="diurnal: peak rate")
+    w.add_argument("--duration-s", type=float, default=10.0, help="workload length")
+    w.add_argument("--sla-ms", type=int, default=50, help="each request's timeout")
+    w.add_argument("--bulk-share", type=float, default=0.0, help="share at bulk priority")
+    w.add_argument("--trace", help="a recorded JSON-lines trace instead of a pattern")
+    w.add_argument("--save-trace", help="write the generated arrivals as a trace")
+    b = s.add_argument_group("policies")
+    b.add_argument("--max-batch", type=int, default=8, help="B_max of the fixed baseline")
+    b.add_argument("--max-wait-ms", type=float, default=5.0, help="T_max of the baselines")
+    b.add_argument("--carpool-wait-ms", type=float, default=5.0, help="T_max cap of carpool")
+    b.add_argument("--no-oracle", action="store_true", help="skip the grid search")
+    s.add_argument("--json", help="also write the results as JSON here")
+    _engine_args(s)
+    s.set_defaults(func=run_simulate)
+
+    t = sub.add_parser(
+        "tune",
+        help="recommend B_max and T_max for a recorded trace",
+        description="Replay a recorded trace (carpool record, or any JSON-lines file with "
+        "t_s, model, shape, timeout_ms) on a grid of fixed (B_max, T_max) with a measured "
+        "batch cost, and recommend the setting with the best goodput at the SLA.",
+    )
+    t.add_argument("--trace", required=True, help="JSON-lines trace")
+    t.add_argument("--sla-ms", type=int, help="override every request's timeout")
+    t.add_argument("--top", type=int, default=5, help="rows of the ranking to print")
+    _engine_args(t)
+    t.set_defaults(func=run_tune)
+
+
+def _workers(args: argparse.Namespace) -> list[SimWorker]:
+    cost = EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, args.jitter)
+    return [
+        SimWorker(f"sim-{i}", cost, args.engine_max_batch, args.slots) for i in range(args.workers)
+    ]
+
+
+def _arrivals(args: argparse.Namespace) -> list[Arrival]:
+    if args.trace:
+        items = workload.read_trace(args.trace)
+        if not items:
+            raise ConfigError(f"trace {args.trace} has no arrivals")
+        return items
+    if args.load == "poisson":
+        phases = workload.poisson(args.rate, args.duration_s)
+    elif args.load == "steps":
+        phases = workload.steps(args.rates, args.step_s)
+    elif args.load == "bursts":
+        phases = workload.bursts(
+            args.base_rps, args.burst_rps, args.duration_s, args.period_s, args.burst_s
+        )
+    else:
+        phases = workload.diurnal(args.low_rps, args.high_rps, args.duration_s)
+    return workload.arrivals(
+        phases, timeout_ms=args.sla_ms, bulk_share=args.bulk_share, seed=args.seed
+    )
+
+
+def _progress(done: int, total: int) -> None:
+    sys.stderr.write(f"\r  grid search {done}/{total}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _quiet() -> None:
+    # Thousands of simulated brokers would otherwise log every worker joining.
+    logging.getLogger("carpool.broker").setLevel(logging.WARNING)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    _quiet()
+    items = _arrivals(args)
+    if args.save_trace:
+        workload.write_trace(args.save_trace, items)
+    workers = _workers(args)
+    span = items[-1].t_s - items[0].t_s
+    print(
+        f"workload: {len(items)} requests over {span:.1f} s "
+        f"({len(items) / span if span else 0:.0f}/s mean); engine {args.alpha_ms:g} ms + "
+        f"{args.beta_ms:g} ms x B, {args.workers} worker(s)"
+    )
+    results = compare(
+        items,
+        workers,
+        fixed_batch=args.max_batch,
+        fixed_wait_s=args.max_wait_ms / 1000,
+        carpool_wait_s=args.carpool_wait_ms / 1000,
+        oracle=not args.no_oracle,
+        seed=args.seed,
+        progress=None if args.no_oracle else _progress,
+    )
+    print(table(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(as_json(results))
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    _quiet()
+    items = workload.read_trace(args.trace)
+    if not items:
+        raise ConfigError(f"trace {args.trace} has no arrivals")
+    if args.sla_ms is not None:
+        items = [Arrival(a.t_s, a.model, a.shape, args.sla_ms, a.priority) for a in items]
+    points = grid_search(items, _workers(args), seed=args.seed, progress=_progress)
+    best = points[0]
+    print(table([p.result for p in points[: args.top]]))
+    print(
+        f"\nrecommended: max_batch = {best.max_batch}, max_wait_s = {best.max_wait_s:g}  "
+        f"(goodput {best.result.goodput_rps:.1f}/s, p99 {best.result.percentile_ms(99):.1f} ms, "
+        f"misses {100 * best.result.miss_rate:.2f}%)"
+    )
+    print(
+        "put these in the [batching] (or [models.<name>]) table of broker.toml; with "
+        'policy = "carpool" they are the caps the adaptive policy works within.'
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - via carpool.cli
+    parser = argparse.ArgumentParser(prog="carpool")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,287 @@
+"""simulator.py: a discrete-event simulation of a fleet around the real BrokerCore.
+
+The broker is not modelled: the simulator feeds the same :class:`BrokerCore` (and so the
+same batching policy, queues, shedding and ρ controller) that ``carpool broker`` runs,
+with real protocol messages, on a simulated clock. Workers are modelled: each runs one
+batch at a time, ``slots`` deep, for ``fixed_cost_s + per_sample_s·n`` (times a seeded
+jitter), reports its busy fraction ρ like the real worker (same BusyMeter), and
+heartbeats. Clients are open loop: requests are sent at their arrival times.
+
+Not modelled: network and broker CPU time (the live fleet benchmark shows those).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.common import codec
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import (
+    BatchMeta,
+    Command,
+    ModelSpec,
+    Priority,
+    Ready,
+    ResultMeta,
+    Submit,
+    TensorMeta,
+    decode_meta,
+    encode,
+    encode_request,
+    header,
+)
+from carpool.sim.workload import Arrival
+from carpool.worker.core import BusyMeter
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCost:
+    """Batch cost ``fixed_cost_s + per_sample_s·n``, times a factor ~ N(1, jitter)."""
+
+    fixed_cost_s: float
+    per_sample_s: float
+    jitter: float = 0.0
+
+    def duration_s(self, samples: int, rng: random.Random) -> float:
+        base = self.fixed_cost_s + self.per_sample_s * samples
+        if self.jitter <= 0:
+            return base
+        return base * max(0.5, rng.gauss(1.0, self.jitter))
+
+
+@dataclass(frozen=True, slots=True)
+class SimWorker:
+    name: str
+    cost: EngineCost
+    max_batch: int = 64
+    slots: int = 2
+    preferred_batch: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class SimResult:
+    """What happened to every request of one simulated run."""
+
+    label: str
+    span_s: float  # from the first to the last arrival
+    sent: int = 0
+    ok: int = 0  # replies with outputs
+    on_time: int = 0  # ... that arrived by the request's deadline
+    errors: Counter[str] = field(default_factory=Counter)
+    latencies_s: list[float] = field(default_factory=list)  # of replies with outputs
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    busy_s: float = 0.0  # engine time, all workers
+    workers: int = 1
+    end_s: float = 0.0  # simulated time of the last event
+    broker: dict[str, object] = field(default_factory=dict)  # BrokerCore snapshot at the end
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.ok / self.span_s if self.span_s > 0 else 0.0
+
+    @property
+    def goodput_rps(self) -> float:
+        """Requests answered with outputs within their deadline, per second."""
+        return self.on_time / self.span_s if self.span_s > 0 else 0.0
+
+    @property
+    def miss_rate(self) -> float:
+        return 1.0 - self.on_time / self.sent if self.sent else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        if not self.latencies_s:
+            return math.nan
+        data = sorted(self.latencies_s)
+        index = min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))
+        return 1000 * data[index]
+
+    @property
+    def mean_batch(self) -> float:
+        n = sum(self.batch_sizes.values())
+        return sum(s * c for s, c in self.batch_sizes.items()) / n if n else 0.0
+
+    @property
+    def busy_share(self) -> float:
+        """Engine time over the workers' time, until the last reply."""
+        return self.busy_s / (self.workers * self.end_s) if self.end_s > 0 else 0.0
+
+
+class _Worker:
+    def __init__(self, spec: SimWorker, wid: bytes, rho_window_s: float) -> None:
+        self.spec = spec
+        self.wid = wid
+        self.queue: deque[BatchMeta] = deque()
+        self.running: BatchMeta | None = None
+        self.started_s = 0.0
+        self.duration_s = 0.0
+        self.meter = BusyMeter(rho_window_s)
+
+
+_ARRIVE, _FINISH, _HEARTBEAT, _TICK = range(4)
+
+
+def simulate(
+    arrivals: Sequence[Arrival],
+    workers: Sequence[SimWorker],
+    batching: BatchingConfig,
+    *,
+    label: str = "",
+    seed: int = 0,
+    heartbeat_s: float = 1.0,
+    rho_window_s: float = 1.0,
+    max_queued: int = 100_000,
+) -> SimResult:
+    """Run ``arrivals`` through a BrokerCore with ``batching`` and simulated ``workers``."""
+    rng = random.Random(seed)
+    core = BrokerCore(BrokerConfig(batching=batching, max_queued=max_queued))
+    result = SimResult(label, arrivals[-1].t_s - arrivals[0].t_s if arrivals else 0.0)
+    result.workers = len(workers)
+    events: list[tuple[float, int, int, object]] = []
+    seq = 0
+
+    def push(t: float, kind: int, data: object) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, data))
+
+    sim_workers: dict[bytes, _Worker] = {}
+    sent_s: dict[int, float] = {}
+    deadline_s: dict[int, float] = {}
+    payloads: dict[tuple[int, ...], bytes] = {}
+    client = b"sim-client"
+
+    def route(outgoing: list[Outgoing], now: float) -> None:
+        for out in outgoing:
+            if out.side is Side.BACKEND:
+                worker = sim_workers.get(out.identity)
+                if worker is not None and out.frames[0] == header(Command.BATCH):
+                    batch = BatchMeta.from_wire(decode_meta(out.frames[1]))
+                    result.batch_sizes[batch.total_samples] += 1
+                    worker.queue.append(batch)
+                    if worker.running is None:
+                        start(worker, now)
+                continue
+            meta = decode_meta(out.frames[1])
+            rid = meta.get("id")
+            if not isinstance(rid, int) or rid not in sent_s:
+                continue
+            if out.frames[0] == header(Command.REPLY):
+                result.ok += 1
+                result.latencies_s.append(now - sent_s[rid])
+                if now <= deadline_s[rid] + 1e-9:
+                    result.on_time += 1
+            else:
+                result.errors[ErrorCode(meta["code"]).name] += 1
+            del sent_s[rid]
+
+    def start(worker: _Worker, now: float) -> None:
+        batch = worker.queue.popleft()
+        worker.running = batch
+        worker.started_s = now
+        worker.duration_s = worker.spec.cost.duration_s(batch.total_samples, rng)
+        worker.meter.running_since = now
+        push(now + worker.duration_s, _FINISH, worker)
+
+    def finish(worker: _Worker, now: float) -> None:
+        batch = worker.running
+        assert batch is not None
+        worker.running = None
+        worker.meter.running_since = None
+        worker.meter.add(worker.started_s, now)
+        result.busy_s += worker.duration_s
+        frames: list[object] = []
+        for item in batch.items:
+            frames += [header(Command.REPLY), codec.pack({"id": item.request_id})]
+        meta = ResultMeta(
+            batch.batch_id,
+            worker.meter.rho(now),
+            1000 * worker.duration_s,
+            tuple(2 for _ in batch.items),
+        )
+        route(core.on_worker(now, worker.wid, encode(Command.RESULT, meta.to_wire(), frames)), now)
+        if worker.queue and worker.running is None:
+            start(worker, now)
+
+    models = sorted({a.model for a in arrivals}) or ["synthetic"]
+    ranks = {len(a.shape) for a in arrivals} or {2}
+    rank = ranks.pop()
+    for i, spec in enumerate(workers):
+        wid = f"sim-{i}".encode()
+        worker = sim_workers[wid] = _Worker(spec, wid, rho_window_s)
+        dyn = (-1,) * rank
+        specs = tuple(
+            ModelSpec(
+                m,
+                (TensorMeta("x", "float32", dyn),),
+                (TensorMeta("y", "float32", dyn),),
+                spec.max_batch,
+                spec.preferred_batch,
+            )
+            for m in models
+        )
+        ready = Ready(spec.name, spec.slots, specs, round(heartbeat_s * 1000))
+        route(core.on_worker(0.0, wid, encode(Command.READY, ready.to_wire())), 0.0)
+        push(heartbeat_s, _HEARTBEAT, worker)
+
+    ticks: set[float] = set()
+    arrival_index = 0
+    rid = 0
+    now = 0.0
+    horizon = (arrivals[-1].t_s if arrivals else 0.0) + 60.0
+    while arrival_index < len(arrivals) or sent_s:
+        next_arrival = arrivals[arrival_index].t_s if arrival_index < len(arrivals) else math.inf
+        if events and events[0][0] <= next_arrival:
+            now, _, kind, data = heapq.heappop(events)
+        else:
+            now, kind, data = next_arrival, _ARRIVE, arrivals[arrival_index]
+            arrival_index += 1
+        if now > horizon:
+            break
+        if kind == _ARRIVE:
+            a = data
+            assert isinstance(a, Arrival)
+            rid += 1
+            payload = payloads.get(a.shape)
+            if payload is None:
+                payload = payloads[a.shape] = bytes(4 * math.prod(a.shape))
+            submit = Submit(
+                rid,
+                a.model,
+                a.timeout_ms,
+                (TensorMeta("x", "float32", a.shape),),
+                Priority(a.priority),
+            )
+            sent_s[rid] = now
+            deadline_s[rid] = now + a.timeout_ms / 1000
+            result.sent += 1
+            route(core.on_client(now, client, encode_request(submit, [payload])), now)
+        elif kind == _FINISH:
+            assert isinstance(data, _Worker)
+            finish(data, now)
+        elif kind == _HEARTBEAT:
+            assert isinstance(data, _Worker)
+            beat = encode(Command.HEARTBEAT, {"rho": data.meter.rho(now)})
+            route(core.on_worker(now, data.wid, beat), now)
+            if arrival_index < len(arrivals) or sent_s:
+                push(now + heartbeat_s, _HEARTBEAT, data)
+        else:
+            ticks.discard(now)
+        route(core.on_tick(now), now)
+        wake = core.next_wakeup(now)
+        if wake is not None:
+            wake = max(wake, now + 1e-6)  # strictly later: the core was just ticked
+            if wake not in ticks:
+                ticks.add(wake)
+                push(wake, _TICK, None)
+    for _ in sent_s:
+        result.errors["NO_REPLY"] += 1
+    result.end_s = now
+    result.broker = core.snapshot()
+    return result

@@ -1,0 +1,156 @@
+"""workload.py: arrival schedules — Poisson, steps, bursts, diurnal, or a recorded trace.
+
+Pure and seeded: the same arguments give the same arrivals. An arrival is a time offset in
+seconds from the start, with its model, item shape, relative timeout and priority. A trace
+file is JSON lines, one arrival per line::
+
+    {"t_s": 0.0123, "model": "synthetic", "shape": [1, 16], "timeout_ms": 50, "priority": 0}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from carpool.common.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    t_s: float
+    model: str
+    shape: tuple[int, ...]  # full request shape; dim 0 = samples
+    timeout_ms: int
+    priority: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "t_s": round(self.t_s, 6),
+                "model": self.model,
+                "shape": list(self.shape),
+                "timeout_ms": self.timeout_ms,
+                "priority": self.priority,
+            }
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """``rate_rps`` arrivals per second for ``duration_s``."""
+
+    duration_s: float
+    rate_rps: float
+
+
+def _poisson_times(phases: Sequence[Phase], rng: random.Random) -> list[float]:
+    times: list[float] = []
+    start = 0.0
+    for phase in phases:
+        t = start
+        end = start + phase.duration_s
+        if phase.rate_rps > 0:
+            while True:
+                t += rng.expovariate(phase.rate_rps)
+                if t >= end:
+                    break
+                times.append(t)
+        start = end
+    return times
+
+
+def poisson(rate_rps: float, duration_s: float) -> list[Phase]:
+    return [Phase(duration_s, rate_rps)]
+
+
+def steps(rates_rps: Sequence[float], step_s: float) -> list[Phase]:
+    """Piecewise-constant load: each rate for ``step_s``."""
+    return [Phase(step_s, r) for r in rates_rps]
+
+
+def bursts(
+    base_rps: float, burst_rps: float, duration_s: float, period_s: float, burst_s: float
+) -> list[Phase]:
+    """``base_rps``, with ``burst_rps`` for ``burst_s`` at the end of every ``period_s``."""
+    phases: list[Phase] = []
+    t = 0.0
+    while t < duration_s - 1e-9:
+        quiet = min(period_s - burst_s, duration_s - t)
+        phases.append(Phase(quiet, base_rps))
+        t += quiet
+        if t < duration_s - 1e-9:
+            loud = min(burst_s, duration_s - t)
+            phases.append(Phase(loud, burst_rps))
+            t += loud
+    return phases
+
+
+def diurnal(low_rps: float, high_rps: float, duration_s: float, pieces: int = 12) -> list[Phase]:
+    """A day squeezed into ``duration_s``: a sinusoid between low and high, in steps."""
+    out = []
+    for i in range(pieces):
+        phase = (i + 0.5) / pieces
+        rate = low_rps + (high_rps - low_rps) * 0.5 * (1 - math.cos(2 * math.pi * phase))
+        out.append(Phase(duration_s / pieces, rate))
+    return out
+
+
+def arrivals(
+    phases: Sequence[Phase],
+    *,
+    model: str = "synthetic",
+    shape: tuple[int, ...] = (1, 16),
+    timeout_ms: int = 50,
+    bulk_share: float = 0.0,
+    seed: int = 0,
+) -> list[Arrival]:
+    """Poisson arrivals over ``phases``; a ``bulk_share`` of them at bulk priority."""
+    rng = random.Random(seed)
+    return [
+        Arrival(t, model, shape, timeout_ms, 1 if rng.random() < bulk_share else 0)
+        for t in _poisson_times(phases, rng)
+    ]
+
+
+def duration_of(items: Sequence[Arrival]) -> float:
+    return items[-1].t_s if items else 0.0
+
+
+def write_trace(path: str | Path, items: Iterable[Arrival]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for a in items:
+            f.write(a.to_json() + "\n")
+
+
+def read_trace(path: str | Path) -> list[Arrival]:
+    """Read a JSON-lines trace; times are made relative to the first arrival."""
+    out: list[Arrival] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    out.append(
+                        Arrival(
+                            float(obj["t_s"]),
+                            str(obj["model"]),
+                            tuple(int(d) for d in obj["shape"]),
+                            int(obj["timeout_ms"]),
+                            int(obj.get("priority", 0)),
+                        )
+                    )
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ConfigError(f"{path}:{lineno}: not a trace line ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read trace {path}: {exc.strerror}") from None
+    out.sort(key=lambda a: a.t_s)
+    if out:
+        t0 = out[0].t_s
+        out = [Arrival(a.t_s - t0, a.model, a.shape, a.timeout_ms, a.priority) for a in out]
+    return out
