@@ -13,8 +13,8 @@ Pure: ``now`` and ρ are passed in. docs/batching.md derives the rule; in short:
   below → smaller (less waiting). Without a calibrated cost model it steps by a fixed
   factor in the direction of ρ − ρ*.
 * Output: B_cont is rounded up to the next allowed size (a TensorRT profile size, or an
-  integer), with hysteresis on the way down so measurement noise near a boundary does not
-  flip it; bounded by [1, cap]. Rounding up keeps ρ at or under the target. The
+  integer); it moves down only when two steps in a row ask for it, so noise near a
+  boundary does not flip it; bounded by [1, cap]. Rounding up keeps ρ at or under the target. The
   deadline guard (a batch must fit in its most urgent request's slack) and the
   sustainable floor are applied per batch by the policy, on top of this.
 
@@ -39,7 +39,6 @@ class AdaptiveConfig:
     target_rho: float = 0.5
     learning_rate: float = 0.5
     interval_s: float = 0.5  # at most one step per interval (ρ is a ~1 s moving average)
-    hysteresis: float = 0.1  # relative margin before the snapped size moves down
     rule: str = "goodput"  # "goodput" (carpool) or "seed" (ρ high → smaller)
 
 
@@ -67,6 +66,7 @@ class BatchSizeController:
         self.b_cont = float(start)
         self.batch_size = self._snap_up(start)
         self._next_update_s = -math.inf
+        self._down_votes = 0
         self.updates = 0
 
     def update(
@@ -109,20 +109,26 @@ class BatchSizeController:
         return math.log(min(b_star, self.cap) / self.b_cont)
 
     def _snap_up(self, value: float) -> int:
-        """The smallest allowed size >= ``value`` (the cap if none is)."""
+        """The smallest allowed size >= ``value`` (the cap if none is). Values within 2%
+        above a size count as that size: log B approaches its target geometrically and
+        would otherwise sit just above a boundary for many steps."""
+        if value >= self.cap * 0.999:
+            return self.cap
+        value *= 0.98
         if not self.preferred:
-            return min(self.cap, max(1, math.ceil(value - 1e-9)))
-        i = bisect.bisect_left(self.preferred, value - 1e-9)
+            return min(self.cap, max(1, math.ceil(value)))
+        i = bisect.bisect_left(self.preferred, value)
         return self.preferred[i] if i < len(self.preferred) else self.cap
 
     def _resnap(self) -> None:
         snapped = self._snap_up(self.b_cont)
-        if snapped > self.batch_size:
+        if snapped >= self.batch_size:
             self.batch_size = snapped
-        elif (
-            snapped < self.batch_size
-            and self._snap_up(self.b_cont * (1.0 + self.config.hysteresis)) < self.batch_size
-        ):
-            # Move down only once clearly below the next smaller size (hysteresis), so
-            # measurement noise near a boundary does not flip the size back and forth.
+            self._down_votes = 0
+            return
+        # Move down only when two steps in a row ask for it (hysteresis in time), so noise
+        # in one ρ reading near a size boundary does not flip the size back and forth.
+        self._down_votes += 1
+        if self._down_votes >= 2:
             self.batch_size = snapped
+            self._down_votes = 0
