@@ -445,16 +445,7 @@ class BrokerCore:
     def on_tick(self, now: float) -> list[Outgoing]:
         """Expire deadlines and workers, send due heartbeats, and leave due batches."""
         out: list[Outgoing] = []
-        for req in self._deadlines.pop_expired(now):
-            if req.state is RequestState.QUEUED:
-                self._queues[req.key].forget(req)
-                self._dequeued(req)
-            if self.registry.serving(req.model):
-                code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
-            else:
-                code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
-            req.state = RequestState.EXPIRED
-            out.append(self._request_error(req, code, msg))
+        self._expire(now, out)
         for worker in self.registry.expired(now):
             self._lose_worker(now, worker, "heartbeat expired", out)
         for worker in self.registry.all():
@@ -473,6 +464,19 @@ class BrokerCore:
             del self._queues[key]
             self._wake_s.pop(key, None)
         return out
+
+    def _expire(self, now: float, out: list[Outgoing]) -> None:
+        """Answer every request whose deadline has passed, queued or in flight."""
+        for req in self._deadlines.pop_expired(now):
+            if req.state is RequestState.QUEUED:
+                self._queues[req.key].forget(req)
+                self._dequeued(req)
+            if self.registry.serving(req.model):
+                code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
+            else:
+                code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
+            req.state = RequestState.EXPIRED
+            out.append(self._request_error(req, code, msg))
 
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time ``on_tick`` has work: a batch wait, a deadline, a heartbeat."""
@@ -607,6 +611,8 @@ class BrokerCore:
         model = queue.key[0]
         policy = self._policy(model)
         self._wake_s.pop(queue.key, None)
+        # Events can outrun ticks: never send a request whose deadline has already passed.
+        self._expire(now, out)
         shed_at = self._shed(now, queue, out)
         while True:
             head = queue.head()

@@ -1,0 +1,194 @@
+"""Properties of the broker core under random interleavings (hypothesis).
+
+For every policy: a batch never exceeds B_max nor mixes item shapes; no request is
+dispatched after its deadline; every request ends exactly once (a reply or a typed error);
+the next wake-up never lies in the past.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.common import codec
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import (
+    BatchMeta,
+    Command,
+    FailedMeta,
+    ModelSpec,
+    Priority,
+    Ready,
+    ResultMeta,
+    Submit,
+    TensorMeta,
+    decode_meta,
+    encode,
+    encode_request,
+    header,
+)
+
+B_MAX = 4
+ITEM_SHAPES = [(4,), (6,)]
+SPEC = ModelSpec(
+    "m",
+    (TensorMeta("x", "float32", (-1, -1)),),
+    (TensorMeta("y", "float32", (-1, -1)),),
+    max_batch=8,
+)
+
+arrive = st.tuples(
+    st.just("arrive"),
+    st.sampled_from([0, 1]),  # item shape
+    st.integers(1, 3),  # samples
+    st.sampled_from([5, 20, 50, 200]),  # timeout_ms
+    st.sampled_from([0, 1]),  # priority
+)
+advance = st.tuples(st.just("advance"), st.integers(0, 30))
+finish = st.tuples(st.just("finish"), st.integers(0, 1), st.integers(1, 40))
+fail = st.tuples(st.just("fail"), st.integers(0, 1))
+lose = st.tuples(st.just("lose"), st.integers(0, 1))
+ops = st.lists(
+    st.one_of(arrive, arrive, arrive, advance, advance, finish, finish, fail, lose),
+    max_size=80,
+)
+
+
+@dataclass
+class FakeWorker:
+    wid: bytes
+    batches: deque[BatchMeta] = field(default_factory=deque)
+
+
+@dataclass
+class World:
+    policy: str
+    core: BrokerCore
+    now: float = 100.0
+    workers: list[FakeWorker] = field(default_factory=list)
+    generation: int = 0
+    requests: dict[int, tuple[int, float]] = field(default_factory=dict)  # rid -> (shape, dl)
+    answers: Counter[int] = field(default_factory=Counter)
+    next_rid: int = 1
+
+    def route(self, outgoing: list[Outgoing]) -> None:
+        for out in outgoing:
+            if out.side is Side.FRONTEND:
+                meta = decode_meta(out.frames[1])
+                rid = meta["id"]
+                assert rid in self.requests, out.frames
+                self.answers[rid] += 1
+                continue
+            if out.frames[0] != header(Command.BATCH):
+                continue
+            batch = BatchMeta.from_wire(decode_meta(out.frames[1]))
+            assert batch.total_samples <= B_MAX
+            (spec,) = batch.inputs
+            for item in batch.items:
+                shape_index, deadline_s = self.requests[item.request_id]
+                assert spec.shape[1:] == ITEM_SHAPES[shape_index], "shapes mixed in a batch"
+                assert self.now <= deadline_s, "dispatched after its deadline"
+            worker = next(w for w in self.workers if w.wid == out.identity)
+            worker.batches.append(batch)
+
+    def tick(self) -> None:
+        for _ in range(100):
+            wake = self.core.next_wakeup(self.now)
+            assert wake is None or wake >= self.now
+            if wake is None or wake > self.now:
+                return
+            self.route(self.core.on_tick(self.now))
+        raise AssertionError("next_wakeup kept returning now")
+
+    def join(self, index: int) -> None:
+        self.generation += 1
+        worker = FakeWorker(f"w{index}-{self.generation}".encode())
+        if index < len(self.workers):
+            self.workers[index] = worker
+        else:
+            self.workers.append(worker)
+        ready = Ready(worker.wid.decode(), 2, (SPEC,), 1000)
+        self.route(
+            self.core.on_worker(self.now, worker.wid, encode(Command.READY, ready.to_wire()))
+        )
+
+    def apply(self, op: tuple[Any, ...]) -> None:
+        kind = op[0]
+        if kind == "arrive":
+            _, shape_index, samples, timeout_ms, priority = op
+            rid = self.next_rid
+            self.next_rid += 1
+            self.requests[rid] = (shape_index, self.now + timeout_ms / 1000)
+            shape = (samples, *ITEM_SHAPES[shape_index])
+            submit = Submit(
+                rid, "m", timeout_ms, (TensorMeta("x", "float32", shape),), Priority(priority)
+            )
+            payload = bytes(4 * samples * ITEM_SHAPES[shape_index][0])
+            self.route(self.core.on_client(self.now, b"client", encode_request(submit, [payload])))
+        elif kind == "advance":
+            self.now += op[1] / 1000
+        elif kind in ("finish", "fail"):
+            worker = self.workers[op[1]]
+            if not worker.batches:
+                return
+            batch = worker.batches.popleft()
+            if kind == "finish":
+                self.now += op[2] / 1000
+                frames: list[object] = []
+                for item in batch.items:
+                    frames += [header(Command.REPLY), codec.pack({"id": item.request_id})]
+                meta = ResultMeta(batch.batch_id, 0.5, float(op[2]), (2,) * len(batch.items))
+                msg = encode(Command.RESULT, meta.to_wire(), frames)
+            else:
+                failed = FailedMeta(batch.batch_id, ErrorCode.INTERNAL, "boom", 0.5)
+                msg = encode(Command.FAILED, failed.to_wire())
+            self.route(self.core.on_worker(self.now, worker.wid, msg))
+        elif kind == "lose":
+            worker = self.workers[op[1]]
+            bye = encode(Command.DISCONNECT, {"reason": "test"})
+            self.route(self.core.on_worker(self.now, worker.wid, bye))
+            self.join(op[1])
+        self.tick()
+
+    def drain(self) -> None:
+        """Finish everything: run all batches, then let every deadline pass."""
+        for _ in range(1000):
+            busy = [i for i, w in enumerate(self.workers) if w.batches]
+            if not busy:
+                break
+            self.apply(("finish", busy[0], 5))
+        self.now += 10.0
+        self.tick()
+        for _ in range(1000):
+            busy = [i for i, w in enumerate(self.workers) if w.batches]
+            if not busy:
+                break
+            self.apply(("finish", busy[0], 5))
+
+
+@pytest.mark.parametrize("policy", ["carpool", "fixed", "seed"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=ops)
+def test_every_request_ends_exactly_once_within_the_rules(policy: str, script: list[Any]) -> None:
+    config = BrokerConfig(
+        batching=BatchingConfig(max_batch=B_MAX, max_wait_s=0.005, policy=policy),
+        max_queued=50,
+    )
+    world = World(policy, BrokerCore(config))
+    world.join(0)
+    world.join(1)
+    for op in script:
+        world.apply(op)
+    world.drain()
+    assert set(world.answers) == set(world.requests)
+    assert all(count == 1 for count in world.answers.values()), world.answers
+    snapshot = world.core.snapshot()
+    assert snapshot["queued"] == 0
+    assert snapshot["inflight_batches"] == 0
