@@ -56,3 +56,33 @@ def test_request_in_flight_past_its_deadline_gets_one_error_only(fleet_factory: 
     stats = client.stats()
     assert stats["errors"] == {"DEADLINE_EXCEEDED": 1}
     assert stats["replies"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_hopeless_requests_are_shed_at_once_once_the_cost_is_known(fleet_factory: Any) -> None:
+    """A slow GPU-like worker (60 ms + 10 ms per sample). Once the broker has fitted that
+    cost, a request with a 30 ms timeout cannot be met by any batch: it is answered
+    DEADLINE_EXCEEDED at once, long before its deadline, and never reaches the engine."""
+    engine = SyntheticEngine(fixed_cost_s=0.06, per_sample_s=0.01, item_shape=(2,), max_batch=4)
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
+    fleet.add_worker({"slow": lambda: engine}, slots=1, warmup=False)
+    client = fleet.ready()
+    clock = MonotonicClock()
+
+    # Calibrate: batches of one and of two samples (a request may carry two).
+    client.infer("slow", {"x": np.zeros((1, 2), np.float32)}, timeout_s=5)
+    client.infer("slow", {"x": np.zeros((2, 2), np.float32)}, timeout_s=5)
+    lane = client.stats()["workers"][0]["lanes"]["slow"]
+    assert lane["calibrated"]
+    assert lane["fixed_cost_ms"] > 30
+
+    runs_before = len(engine.batches)
+    sent_s = clock.now()
+    with pytest.raises(DeadlineExceeded, match="cannot"):
+        client.infer("slow", {"x": np.full((1, 2), 7, np.float32)}, timeout_s=0.03)
+    assert clock.now() - sent_s < 0.03  # answered before the deadline, not at it
+    assert len(engine.batches) == runs_before
+    # A request with enough time still goes through.
+    out = client.infer("slow", {"x": np.ones((1, 2), np.float32)}, timeout_s=2)
+    np.testing.assert_array_equal(out["y"], np.full((1, 2), 3.0))
+    assert client.stats()["shed"] == 1
