@@ -44,7 +44,7 @@ def _overlay(data: dict[str, Any], pairs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from carpool.broker.config import BatchingConfig, BrokerConfig
+    from carpool.broker.config import BrokerConfig
     from carpool.broker.server import BrokerServer
 
     data = load_toml(args.config) if args.config else {}
@@ -57,11 +57,15 @@ def _broker(args: argparse.Namespace) -> int:
     )
     data = _overlay(data, {"frontend": args.frontend, "backend": args.backend})
     config = from_mapping(BrokerConfig, data)
-    if args.max_batch is not None or args.max_wait_ms is not None:
-        batching = BatchingConfig(
-            args.max_batch if args.max_batch is not None else config.batching.max_batch,
-            args.max_wait_ms / 1000 if args.max_wait_ms is not None else config.batching.max_wait_s,
-        )
+    overrides: dict[str, Any] = {}
+    if args.max_batch is not None:
+        overrides["max_batch"] = args.max_batch
+    if args.max_wait_ms is not None:
+        overrides["max_wait_s"] = args.max_wait_ms / 1000
+    if args.policy is not None:
+        overrides["policy"] = args.policy
+    if overrides:
+        batching = dataclasses.replace(config.batching, **overrides)
         config = dataclasses.replace(config, batching=batching)
     with BrokerServer(config) as server:
         _stop_on_signals(server.stop)
@@ -149,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", help="endpoint for workers (default tcp://127.0.0.1:5556)")
     b.add_argument("--max-batch", type=int, help="B_max: samples per batch at most")
     b.add_argument("--max-wait-ms", type=float, help="T_max: longest wait of the oldest request")
+    b.add_argument(
+        "--policy",
+        choices=("carpool", "fixed", "seed"),
+        help="batching policy (default carpool: deadline-aware, adaptive)",
+    )
     b.set_defaults(func=_broker)
 
     w = sub.add_parser("worker", help="run a worker")
