@@ -194,10 +194,11 @@ class RequestQueue:
         return taken
 
     def shed(self, before_s: float) -> list[PendingRequest]:
-        """Pop every queued request whose deadline is earlier than ``before_s``."""
+        """Pop every queued request whose deadline is at or before ``before_s`` (no slack
+        left is hopeless; ``<=`` also makes a wake-up announced for that moment act)."""
         out: list[PendingRequest] = []
         for heap in self._heaps:
-            while (req := _live_head(heap)) is not None and req.deadline_s < before_s:
+            while (req := _live_head(heap)) is not None and req.deadline_s <= before_s:
                 heapq.heappop(heap)
                 out.append(req)
         for req in out:

@@ -126,6 +126,20 @@ def write_trace(path: str | Path, items: Iterable[Arrival]) -> None:
             f.write(a.to_json() + "\n")
 
 
+def _check(a: Arrival) -> None:
+    """The limits of the wire protocol, so a bad trace fails on reading, not mid-replay."""
+    if not math.isfinite(a.t_s) or a.t_s < 0:
+        raise ValueError(f"t_s must be a finite time >= 0, got {a.t_s}")
+    if not 1 <= len(a.shape) <= 8 or any(d < 1 for d in a.shape):
+        raise ValueError(f"shape must have 1..8 dims, each >= 1, got {list(a.shape)}")
+    if not 1 <= a.timeout_ms <= 3_600_000:
+        raise ValueError(f"timeout_ms must be in 1..3600000, got {a.timeout_ms}")
+    if a.priority not in (0, 1):
+        raise ValueError(f"priority must be 0 or 1, got {a.priority}")
+    if not a.model:
+        raise ValueError("model must be a non-empty name")
+
+
 def read_trace(path: str | Path) -> list[Arrival]:
     """Read a JSON-lines trace; times are made relative to the first arrival."""
     out: list[Arrival] = []
@@ -136,15 +150,15 @@ def read_trace(path: str | Path) -> list[Arrival]:
                     continue
                 try:
                     obj = json.loads(line)
-                    out.append(
-                        Arrival(
-                            float(obj["t_s"]),
-                            str(obj["model"]),
-                            tuple(int(d) for d in obj["shape"]),
-                            int(obj["timeout_ms"]),
-                            int(obj.get("priority", 0)),
-                        )
+                    arrival = Arrival(
+                        float(obj["t_s"]),
+                        str(obj["model"]),
+                        tuple(int(d) for d in obj["shape"]),
+                        int(obj["timeout_ms"]),
+                        int(obj.get("priority", 0)),
                     )
+                    _check(arrival)
+                    out.append(arrival)
                 except (ValueError, KeyError, TypeError) as exc:
                     raise ConfigError(f"{path}:{lineno}: not a trace line ({exc})") from None
     except OSError as exc:

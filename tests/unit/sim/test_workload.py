@@ -1,0 +1,267 @@
+"""workload.py: arrival schedules and JSON-lines traces.
+
+Rates are checked against Poisson counts: a window expecting N arrivals holds N ± ~√N,
+so each tolerance below is at least four standard deviations wide.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from carpool.common.errors import ConfigError
+from carpool.sim import workload
+from carpool.sim.workload import Arrival, Phase
+
+
+def count_between(items: list[Arrival], start: float, end: float) -> int:
+    return sum(1 for a in items if start <= a.t_s < end)
+
+
+def assert_rate(count: int, rate_rps: float, duration_s: float) -> None:
+    expected = rate_rps * duration_s
+    assert abs(count - expected) <= max(5.0, 4.5 * math.sqrt(expected)), (count, expected)
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def test_poisson_is_one_phase() -> None:
+    assert workload.poisson(250.0, 4.0) == [Phase(4.0, 250.0)]
+
+
+def test_steps_are_one_phase_per_rate() -> None:
+    assert workload.steps([200, 1400, 300], 2.5) == [
+        Phase(2.5, 200),
+        Phase(2.5, 1400),
+        Phase(2.5, 300),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("duration_s", "period_s", "burst_s", "expected"),
+    [
+        # quiet 1.7 s, burst 0.3 s, twice
+        (4.0, 2.0, 0.3, [(1.7, 100), (0.3, 900), (1.7, 100), (0.3, 900)]),
+        # the last period is cut short inside its quiet part
+        (3.0, 2.0, 0.5, [(1.5, 100), (0.5, 900), (1.0, 100)]),
+        # ... or inside its burst
+        (3.8, 2.0, 0.5, [(1.5, 100), (0.5, 900), (1.5, 100), (0.3, 900)]),
+    ],
+)
+def test_bursts(
+    duration_s: float, period_s: float, burst_s: float, expected: list[tuple[float, float]]
+) -> None:
+    phases = workload.bursts(100, 900, duration_s, period_s, burst_s)
+    assert [p.rate_rps for p in phases] == [r for _, r in expected]
+    assert [p.duration_s for p in phases] == pytest.approx([d for d, _ in expected])
+    assert sum(p.duration_s for p in phases) == pytest.approx(duration_s)
+
+
+@pytest.mark.parametrize("pieces", [4, 12, 24])
+def test_diurnal_is_a_sinusoid_between_low_and_high(pieces: int) -> None:
+    phases = workload.diurnal(100.0, 1400.0, 6.0, pieces)
+    assert len(phases) == pieces
+    assert sum(p.duration_s for p in phases) == pytest.approx(6.0)
+    rates = [p.rate_rps for p in phases]
+    assert all(100.0 <= r <= 1400.0 for r in rates)
+    # Night at both ends, peak in the middle, symmetric; the mean is the midpoint.
+    assert rates[0] == min(rates) == pytest.approx(rates[-1])
+    assert max(rates) == pytest.approx(rates[pieces // 2 - 1]) == pytest.approx(rates[pieces // 2])
+    assert sum(rates) / pieces == pytest.approx(750.0)
+    assert rates == pytest.approx(rates[::-1])
+
+
+# --------------------------------------------------------------------------- arrivals
+
+
+PATTERNS = {
+    "poisson": workload.poisson(800.0, 5.0),
+    "steps": workload.steps([200, 1400, 300], 2.0),
+    "bursts": workload.bursts(300, 2500, 4.0, 2.0, 0.3),
+    "diurnal": workload.diurnal(100, 1400, 6.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_arrivals_are_deterministic_per_seed(name: str) -> None:
+    phases = PATTERNS[name]
+    first = workload.arrivals(phases, seed=7, bulk_share=0.3)
+    assert first == workload.arrivals(phases, seed=7, bulk_share=0.3)
+    other = workload.arrivals(phases, seed=8, bulk_share=0.3)
+    assert other != first
+    assert [a.t_s for a in other] != [a.t_s for a in first]
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_arrivals_follow_the_phase_rates(name: str) -> None:
+    phases = PATTERNS[name]
+    items = workload.arrivals(phases, seed=3)
+    times = [a.t_s for a in items]
+    assert times == sorted(times)
+    total_s = sum(p.duration_s for p in phases)
+    assert times[0] > 0.0
+    assert times[-1] < total_s
+    start = 0.0
+    for phase in phases:
+        assert_rate(count_between(items, start, start + phase.duration_s), *astuple(phase))
+        start += phase.duration_s
+    expected_total = sum(p.rate_rps * p.duration_s for p in phases)
+    assert_rate(len(items), expected_total / total_s, total_s)
+
+
+def astuple(phase: Phase) -> tuple[float, float]:
+    return phase.rate_rps, phase.duration_s
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_poisson_mean_rate(seed: int) -> None:
+    items = workload.arrivals(workload.poisson(1000.0, 10.0), seed=seed)
+    assert len(items) / 10.0 == pytest.approx(1000.0, rel=0.05)
+    # Exponential gaps: mean 1 ms, and the std equals the mean.
+    gaps = [b.t_s - a.t_s for a, b in itertools.pairwise(items)]
+    mean = sum(gaps) / len(gaps)
+    std = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert mean == pytest.approx(0.001, rel=0.05)
+    assert std == pytest.approx(mean, rel=0.1)
+
+
+def test_zero_rate_phase_has_no_arrivals_but_keeps_time() -> None:
+    items = workload.arrivals([Phase(1.0, 0.0), Phase(1.0, 500.0)], seed=0)
+    assert count_between(items, 0.0, 1.0) == 0
+    assert_rate(count_between(items, 1.0, 2.0), 500.0, 1.0)
+
+
+@pytest.mark.parametrize("bulk_share", [0.0, 0.25, 1.0])
+def test_arrival_fields(bulk_share: float) -> None:
+    items = workload.arrivals(
+        workload.poisson(2000.0, 2.0),
+        model="resnet",
+        shape=(2, 3, 8),
+        timeout_ms=75,
+        bulk_share=bulk_share,
+        seed=5,
+    )
+    assert {(a.model, a.shape, a.timeout_ms) for a in items} == {("resnet", (2, 3, 8), 75)}
+    assert {a.priority for a in items} <= {0, 1}
+    bulk = sum(a.priority for a in items)
+    expected = bulk_share * len(items)
+    assert abs(bulk - expected) <= 4.5 * math.sqrt(len(items) * 0.25) + 1
+
+
+def test_duration_of() -> None:
+    assert workload.duration_of([]) == 0.0
+    items = workload.arrivals(workload.poisson(100.0, 1.0), seed=0)
+    assert workload.duration_of(items) == items[-1].t_s
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def test_trace_round_trip(tmp_path: Path) -> None:
+    items = workload.arrivals(workload.steps([300, 900], 0.5), bulk_share=0.5, seed=11)
+    path = tmp_path / "trace.jsonl"
+    workload.write_trace(path, items)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == len(items)
+    assert json.loads(lines[0]).keys() == {"t_s", "model", "shape", "timeout_ms", "priority"}
+    back = workload.read_trace(path)
+    assert len(back) == len(items)
+    # read_trace makes times relative to the first arrival; write_trace keeps 1 µs.
+    assert_same(back, items, items[0].t_s)
+    assert back[0].t_s == 0.0
+    # Written again, it reads back the same.
+    again = tmp_path / "again.jsonl"
+    workload.write_trace(again, back)
+    assert_same(workload.read_trace(again), back, 0.0)
+
+
+def assert_same(got: list[Arrival], want: list[Arrival], t0: float) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.t_s == pytest.approx(w.t_s - t0, abs=2e-6)
+        assert (g.model, g.shape, g.timeout_ms, g.priority) == (
+            w.model,
+            w.shape,
+            w.timeout_ms,
+            w.priority,
+        )
+
+
+def test_read_trace_sorts_defaults_and_skips_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"t_s": 5.5, "model": "b", "shape": [2, 4], "timeout_ms": 30}\n'
+        "\n"
+        '{"t_s": 5.0, "model": "a", "shape": [1, 4], "timeout_ms": 20, "priority": 1}\n'
+        "   \n",
+        encoding="utf-8",
+    )
+    assert workload.read_trace(path) == [
+        Arrival(0.0, "a", (1, 4), 20, 1),
+        Arrival(0.5, "b", (2, 4), 30, 0),
+    ]
+
+
+def test_read_empty_trace(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("", encoding="utf-8")
+    assert workload.read_trace(path) == []
+
+
+GOOD = '{"t_s": 0.0, "model": "m", "shape": [1, 4], "timeout_ms": 50}'
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        '{"t_s": 0.1, "model": "m", "shape": [1, 4]}',  # no timeout_ms
+        '{"model": "m", "shape": [1, 4], "timeout_ms": 50}',  # no t_s
+        '{"t_s": "soon", "model": "m", "shape": [1, 4], "timeout_ms": 50}',
+        '{"t_s": 0.1, "model": "m", "shape": 4, "timeout_ms": 50}',
+        '{"t_s": 0.1, "model": "m", "shape": ["a"], "timeout_ms": 50}',
+        '{"t_s": 0.1, "model": "m", "shape": [1, 4], "timeout_ms": null}',
+        '{"t_s": 0.1, "model": "m", "shape": [1, 4], "timeout_ms": 50, "priority": "hi"}',
+        "[0.1, 1, 4]",
+        "null",
+        '"a string"',
+    ],
+)
+def test_malformed_trace_line_names_the_line(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(f"{GOOD}\n\n{GOOD}\n{bad}\n{GOOD}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not a trace line") as info:
+        workload.read_trace(path)
+    assert f"{path}:4:" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(
+            '{"t_s": 0.1, "model": "m", "shape": [1, 4], "timeout_ms": 50, "priority": 2}',
+            id="priority-2",
+        ),
+        pytest.param('{"t_s": 0.1, "model": "m", "shape": [-1, 4], "timeout_ms": 50}', id="dim-1"),
+        pytest.param('{"t_s": 0.1, "model": "m", "shape": [], "timeout_ms": 50}', id="rank-0"),
+        pytest.param(
+            '{"t_s": 0.1, "model": "m", "shape": [1, 4], "timeout_ms": 0}', id="timeout-0"
+        ),
+        pytest.param('{"t_s": "nan", "model": "m", "shape": [1, 4], "timeout_ms": 50}', id="t-nan"),
+    ],
+)
+def test_out_of_range_trace_line_names_the_line(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(f"{GOOD}\n{bad}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=":2:"):
+        workload.read_trace(path)
+
+
+def test_missing_trace_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read trace"):
+        workload.read_trace(tmp_path / "nope.jsonl")
