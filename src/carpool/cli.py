@@ -67,7 +67,7 @@ def _broker(args: argparse.Namespace) -> int:
     if overrides:
         batching = dataclasses.replace(config.batching, **overrides)
         config = dataclasses.replace(config, batching=batching)
-    with BrokerServer(config) as server:
+    with BrokerServer(config, record=getattr(args, "record", None)) as server:
         _stop_on_signals(server.stop)
         server.serve()
     return 0
@@ -137,6 +137,19 @@ def _demo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 
 
+def _broker_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--config", help="broker TOML file")
+    b.add_argument("--frontend", help="endpoint for clients (default tcp://127.0.0.1:5555)")
+    b.add_argument("--backend", help="endpoint for workers (default tcp://127.0.0.1:5556)")
+    b.add_argument("--max-batch", type=int, help="B_max: samples per batch at most")
+    b.add_argument("--max-wait-ms", type=float, help="T_max: longest wait of the oldest request")
+    b.add_argument(
+        "--policy",
+        choices=("carpool", "fixed", "seed"),
+        help="batching policy (default carpool: deadline-aware, adaptive)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="carpool", description="ZeroMQ inference fleet with dynamic batching"
@@ -148,17 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("broker", help="run a broker")
-    b.add_argument("--config", help="broker TOML file")
-    b.add_argument("--frontend", help="endpoint for clients (default tcp://127.0.0.1:5555)")
-    b.add_argument("--backend", help="endpoint for workers (default tcp://127.0.0.1:5556)")
-    b.add_argument("--max-batch", type=int, help="B_max: samples per batch at most")
-    b.add_argument("--max-wait-ms", type=float, help="T_max: longest wait of the oldest request")
-    b.add_argument(
-        "--policy",
-        choices=("carpool", "fixed", "seed"),
-        help="batching policy (default carpool: deadline-aware, adaptive)",
-    )
+    _broker_args(b)
+    b.add_argument("--record", help="append every admitted arrival to this JSON-lines trace")
     b.set_defaults(func=_broker)
+
+    rec = sub.add_parser(
+        "record",
+        help="run a broker that records its arrivals as a trace (for tune and replay)",
+        description="A broker that appends every admitted request (time, model, shape, "
+        "timeout, priority) to a JSON-lines trace, for carpool tune and carpool replay.",
+    )
+    _broker_args(rec)
+    rec.add_argument("--record", "--out", dest="record", required=True, help="trace file")
+    rec.set_defaults(func=_broker)
 
     w = sub.add_parser("worker", help="run a worker")
     w.add_argument("--config", help="worker TOML file")
@@ -189,9 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-wait-ms", type=float, default=5.0, help="broker T_max")
     d.set_defaults(func=_demo)
 
-    from carpool.sim.commands import add_parsers
+    from carpool.benchcmd import add_parsers as add_bench_parsers
+    from carpool.sim.commands import add_parsers as add_sim_parsers
 
-    add_parsers(sub)
+    add_sim_parsers(sub)
+    add_bench_parsers(sub)
     return parser
 
 

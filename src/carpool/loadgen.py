@@ -1,18 +1,24 @@
 """loadgen.py: an open-loop load generator for a live fleet.
 
-Requests are sent at their scheduled arrival times whatever the replies do (no coordinated
-omission: a slow reply cannot delay the next send and so hide its own latency). One thread,
-one DEALER: between sends the client pumps replies until the next send is due. Results are
-a :class:`carpool.sim.simulator.SimResult`, so live runs and simulated runs print alike.
+Requests are sent at their scheduled times whatever the replies do, so a slow reply
+cannot delay the next send and so hide its own latency (no coordinated omission). One
+thread, one DEALER: between sends the client pumps replies until the next send is due.
+How late the generator itself sent against its schedule is recorded too: if that grows,
+the generator, not the fleet, is the bottleneck.
 
-Latency is measured from the actual send to the reply; how late sends left against their
-schedule is recorded too (``send_lag_s``): if the generator itself falls behind, it says so.
+``run`` measures a window after a warm-up (``carpool bench``, ``carpool replay``);
+``run_open_loop`` returns a :class:`carpool.sim.simulator.SimResult`, so live and simulated
+runs print alike (``bench/batching.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -23,74 +29,229 @@ from carpool.common.protocol import Priority
 from carpool.sim.simulator import SimResult
 from carpool.sim.workload import Arrival
 
-Inputs = Callable[[Arrival], dict[str, NDArray[np.float32]]]
+QUANTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
 
 
-def synthetic_inputs(arrival: Arrival) -> dict[str, NDArray[np.float32]]:
-    """Input ``x`` of the arrival's shape, for a SyntheticEngine."""
-    return {"x": np.ones(arrival.shape, np.float32)}
+@dataclass(slots=True)
+class Sample:
+    """One request as the generator saw it."""
+
+    scheduled_s: float  # offset from the start of the run
+    sent_s: float
+    done_s: float = math.nan
+    outcome: str = "pending"  # "ok" or an error code name
+    deadline_s: float = math.inf
+
+    @property
+    def latency_s(self) -> float:
+        return self.done_s - self.sent_s
+
+    @property
+    def on_time(self) -> bool:
+        return self.outcome == "ok" and self.done_s <= self.deadline_s
+
+
+@dataclass(slots=True)
+class BenchReport:
+    """Measurement-window figures of one run."""
+
+    window_s: float
+    sent: int
+    ok: int
+    on_time: int
+    errors: dict[str, int]
+    latency_ms: dict[str, float]
+    batch_sizes: dict[str, dict[int, int]]
+    max_send_lag_ms: float
+    halves_goodput_rps: tuple[float, float]
+    stable: bool
+    per_second: list[dict[str, float]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)  # only when asked to keep them
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.ok / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.on_time / self.window_s if self.window_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "window_s": self.window_s,
+            "sent": self.sent,
+            "ok": self.ok,
+            "on_time": self.on_time,
+            "throughput_rps": self.throughput_rps,
+            "goodput_rps": self.goodput_rps,
+            "errors": self.errors,
+            "latency_ms": self.latency_ms,
+            "batch_sizes": {
+                m: {str(k): v for k, v in s.items()} for m, s in self.batch_sizes.items()
+            },
+            "max_send_lag_ms": self.max_send_lag_ms,
+            "halves_goodput_rps": list(self.halves_goodput_rps),
+            "stable": self.stable,
+            "per_second": self.per_second,
+        }
+
+
+def percentiles_ms(latencies_s: Sequence[float]) -> dict[str, float]:
+    if not latencies_s:
+        return {f"p{q:g}": math.nan for q in QUANTILES}
+    values = np.percentile(np.asarray(latencies_s) * 1000, QUANTILES)
+    return {f"p{q:g}": float(v) for q, v in zip(QUANTILES, values, strict=True)}
+
+
+def summarize(
+    samples: Sequence[Sample],
+    warmup_s: float,
+    end_s: float,
+    batch_sizes: dict[str, dict[int, int]],
+    *,
+    drift_tolerance: float = 0.1,
+) -> BenchReport:
+    """Figures over requests scheduled in [warmup_s, end_s)."""
+    window = [s for s in samples if warmup_s <= s.scheduled_s < end_s]
+    span = max(0.0, end_s - warmup_s)
+    ok = [s for s in window if s.outcome == "ok"]
+    errors = Counter(s.outcome for s in window if s.outcome != "ok")
+    mid = warmup_s + span / 2
+    halves = (
+        sum(1 for s in window if s.on_time and s.scheduled_s < mid) / (span / 2 or 1),
+        sum(1 for s in window if s.on_time and s.scheduled_s >= mid) / (span / 2 or 1),
+    )
+    stable = abs(halves[0] - halves[1]) <= drift_tolerance * max(*halves, 1e-9)
+    seconds: dict[int, list[Sample]] = {}
+    for s in window:
+        seconds.setdefault(int(s.scheduled_s - warmup_s), []).append(s)
+    per_second = [
+        {
+            "second": float(k),
+            "sent": float(len(v)),
+            "goodput": float(sum(1 for s in v if s.on_time)),
+            "p99_ms": percentiles_ms([s.latency_s for s in v if s.outcome == "ok"])["p99"],
+        }
+        for k, v in sorted(seconds.items())
+    ]
+    return BenchReport(
+        window_s=span,
+        sent=len(window),
+        ok=len(ok),
+        on_time=sum(1 for s in ok if s.on_time),
+        errors=dict(errors),
+        latency_ms=percentiles_ms([s.latency_s for s in ok]),
+        batch_sizes=batch_sizes,
+        max_send_lag_ms=1000 * max((s.sent_s - s.scheduled_s for s in window), default=0.0),
+        halves_goodput_rps=halves,
+        stable=stable,
+        per_second=per_second,
+    )
+
+
+def _batch_sizes(stats: dict[str, Any]) -> dict[str, Counter[int]]:
+    return {
+        m: Counter({int(k): int(v) for k, v in sizes.items()})
+        for m, sizes in stats.get("batch_sizes", {}).items()
+    }
+
+
+def drive(
+    client: Client,
+    arrivals: Sequence[Arrival],
+    inputs: Sequence[dict[str, NDArray[Any]]],
+    *,
+    clock: Clock,
+    progress: bool = False,
+    start_delay_s: float = 0.05,
+) -> list[Sample]:
+    """Send every arrival at its time; collect outcomes until all are answered."""
+    samples: list[Sample] = []
+    pending: dict[int, tuple[ReplyFuture, Sample]] = {}
+    start = clock.now() + start_delay_s
+    total = len(arrivals)
+    last_shown = -1
+    i = 0
+    while i < total or pending:
+        now = clock.now()
+        while i < total and start + arrivals[i].t_s <= now:
+            a = arrivals[i]
+            sent = clock.now()
+            future = client.submit(
+                a.model, inputs[i], a.timeout_ms / 1000, priority=Priority(a.priority)
+            )
+            sample = Sample(a.t_s, sent - start, deadline_s=sent - start + a.timeout_ms / 1000)
+            samples.append(sample)
+            pending[future.request_id] = (future, sample)
+            i += 1
+        wait_s = (start + arrivals[i].t_s - clock.now()) if i < total else 0.05
+        if client.poll(max(0.0, wait_s)):
+            done = clock.now() - start
+            for rid in [rid for rid, (f, _) in pending.items() if f.done()]:
+                future, sample = pending.pop(rid)
+                sample.done_s = done
+                try:
+                    future.result(0)
+                    sample.outcome = "ok"
+                except RequestError as exc:
+                    sample.outcome = exc.code.name
+        if progress and total:
+            shown = int(20 * i / total)
+            if shown != last_shown:
+                last_shown = shown
+                bar = "#" * shown + "." * (20 - shown)
+                sys.stderr.write(f"\r  [{bar}] {i}/{total} sent, {len(pending)} in flight")
+                sys.stderr.flush()
+    if progress:
+        sys.stderr.write("\n")
+    return samples
+
+
+def run(
+    endpoint: str,
+    arrivals: Sequence[Arrival],
+    inputs: Sequence[dict[str, NDArray[Any]]],
+    *,
+    warmup_s: float,
+    progress: bool = False,
+    clock: Clock | None = None,
+    keep: bool = False,
+) -> BenchReport:
+    """One open-loop run against a live broker (``keep`` keeps every sample)."""
+    clock = clock or MonotonicClock()
+    with Client(endpoint, grace_s=1.0) as client:
+        before = _batch_sizes(client.stats())
+        samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
+        after = _batch_sizes(client.stats())
+    sizes = {m: dict(after[m] - before.get(m, Counter())) for m in after}
+    end_s = arrivals[-1].t_s + 1e-9 if arrivals else 0.0
+    report = summarize(samples, warmup_s, end_s, sizes)
+    if keep:
+        report.samples = samples
+    return report
+
+
+def synthetic_inputs(arrivals: Sequence[Arrival]) -> list[dict[str, NDArray[Any]]]:
+    """Input ``x`` of each arrival's shape (float32 ones), for a SyntheticEngine."""
+    cache: dict[tuple[int, ...], NDArray[Any]] = {}
+    return [{"x": cache.setdefault(a.shape, np.ones(a.shape, np.float32))} for a in arrivals]
 
 
 @dataclass(slots=True)
 class LiveResult:
     result: SimResult
-    send_lag_s: list[float] = field(default_factory=list)
-
-    @property
-    def max_send_lag_ms(self) -> float:
-        return 1000 * max(self.send_lag_s, default=0.0)
+    max_send_lag_ms: float
 
 
-def run_open_loop(
-    endpoint: str,
-    arrivals: Sequence[Arrival],
-    *,
-    label: str = "live",
-    inputs: Inputs = synthetic_inputs,
-    clock: Clock | None = None,
-    grace_s: float = 1.0,
-    start_delay_s: float = 0.05,
-) -> LiveResult:
-    """Send ``arrivals`` to a broker at their times and collect what came back."""
-    clock = clock or MonotonicClock()
-    span = arrivals[-1].t_s - arrivals[0].t_s if arrivals else 0.0
-    live = LiveResult(SimResult(label, span))
-    result = live.result
-    pending: dict[int, tuple[ReplyFuture, float, float]] = {}  # id -> (future, sent, deadline)
-    prepared = [inputs(a) for a in arrivals]  # build payloads before the clock starts
-    with Client(endpoint, grace_s=grace_s) as client:
-        start = clock.now() + start_delay_s
-        i = 0
-        while i < len(arrivals) or pending:
-            now = clock.now()
-            while i < len(arrivals) and start + arrivals[i].t_s <= now:
-                a = arrivals[i]
-                sent = clock.now()
-                future = client.submit(
-                    a.model, prepared[i], a.timeout_ms / 1000, priority=Priority(a.priority)
-                )
-                pending[future.request_id] = (future, sent, sent + a.timeout_ms / 1000)
-                live.send_lag_s.append(sent - (start + a.t_s))
-                result.sent += 1
-                i += 1
-            wait_s = (start + arrivals[i].t_s - clock.now()) if i < len(arrivals) else 0.05
-            if client.poll(max(0.0, wait_s)) == 0:
-                continue
-            done_s = clock.now()
-            for rid in [rid for rid, (f, _, _) in pending.items() if f.done()]:
-                future, sent, deadline = pending.pop(rid)
-                try:
-                    future.result(0)
-                except RequestError as exc:
-                    result.errors[exc.code.name] += 1
-                    continue
-                result.ok += 1
-                result.latencies_s.append(done_s - sent)
-                if done_s <= deadline:
-                    result.on_time += 1
-        result.end_s = clock.now() - start
-        stats = client.stats()
-    for sizes in stats.get("batch_sizes", {}).values():
-        for size, count in sizes.items():
-            result.batch_sizes[int(size)] += int(count)
-    return live
+def run_open_loop(endpoint: str, arrivals: Sequence[Arrival], *, label: str = "live") -> LiveResult:
+    """Send ``arrivals`` (all measured, no warm-up) and report them as a SimResult."""
+    report = run(endpoint, arrivals, synthetic_inputs(arrivals), warmup_s=0.0, keep=True)
+    result = SimResult(label, report.window_s)
+    result.sent = report.sent
+    result.ok = report.ok
+    result.on_time = report.on_time
+    result.errors.update(report.errors)
+    result.latencies_s = [s.latency_s for s in report.samples if s.outcome == "ok"]
+    for sizes in report.batch_sizes.values():
+        result.batch_sizes.update(sizes)
+    return LiveResult(result, report.max_send_lag_ms)

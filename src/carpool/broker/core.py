@@ -130,6 +130,9 @@ class BrokerCore:
         self.queued = 0
         # Queued samples per model, by priority (interactive, bulk): admission estimates.
         self._queued_samples: dict[str, list[int]] = {}
+        # Arrival trace (time, model, shape, timeout_ms, priority) while recording; the
+        # shell writes it out (carpool record).
+        self.recording: list[tuple[float, str, tuple[int, ...], int, int]] | None = None
 
     # ------------------------------------------------------------------ clients
 
@@ -216,6 +219,10 @@ class BrokerCore:
             if submit.timeout_ms is not None
             else self.config.default_timeout_s
         )
+        if self.recording is not None:
+            self.recording.append(
+                (now, spec.name, inputs[0].shape, round(1000 * timeout_s), int(submit.priority))
+            )
         key = request_key(spec.name, inputs)
         if self.queued >= self.config.max_queued:
             drain_s = self._drain_time_s(spec.name, key, self.queued)

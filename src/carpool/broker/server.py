@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import math
 import os
@@ -42,9 +43,14 @@ class BrokerServer:
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Clock | None = None,
+        record: str | None = None,
     ) -> None:
         self.config = config or BrokerConfig()
         self.core = BrokerCore(self.config)
+        # carpool record: admitted arrivals go to a JSON-lines trace, flushed every turn.
+        self._trace = open(record, "a", encoding="utf-8") if record else None  # noqa: SIM115
+        if self._trace is not None:
+            self.core.recording = []
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.Context()
@@ -108,7 +114,25 @@ class BrokerServer:
         if self._wake_r in events:
             self._clear_wake()
         self._send(self.core.on_tick(self.clock.now()))
+        if self._trace is not None and self.core.recording:
+            self._write_trace()
         return handled
+
+    def _write_trace(self) -> None:
+        trace, records = self._trace, self.core.recording
+        if trace is None or records is None:
+            return
+        for t, model, shape, timeout_ms, priority in records:
+            line = {
+                "t_s": round(t, 6),
+                "model": model,
+                "shape": list(shape),
+                "timeout_ms": timeout_ms,
+                "priority": priority,
+            }
+            trace.write(json.dumps(line) + "\n")
+        records.clear()
+        trace.flush()
 
     def _drain(self, sock: zmq.Socket[bytes], side: Side) -> int:
         core = self.core
@@ -162,6 +186,8 @@ class BrokerServer:
         if self._closed:
             return
         self._closed = True
+        if self._trace is not None:
+            self._trace.close()
         self.frontend.close(linger=0)
         self.backend.close(linger=0)
         os.close(self._wake_r)

@@ -1,0 +1,190 @@
+"""benchcmd.py: ``carpool bench`` and ``carpool replay`` (the command line of loadgen.py).
+
+Arrivals follow a schedule (Poisson, constant, bursts, or a recorded trace) and are sent at
+their times whatever the replies do, so slow replies cannot hide latency (no coordinated
+omission). A warm-up window is sent but not counted; the measurement window is checked for
+stability (goodput per second should not drift between its halves). The report has
+throughput, goodput within deadline, p50/p90/p95/p99/p99.9, errors by type, the batch-size
+distribution read from the broker, and how late the generator itself sent (if that grows,
+the generator, not the fleet, is the bottleneck).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from carpool.common.codec import DTYPES
+from carpool.common.errors import ConfigError
+from carpool.loadgen import BenchReport, run
+from carpool.sim import workload
+from carpool.sim.workload import Arrival
+
+# ---------------------------------------------------------------------- command line
+
+
+def add_parsers(sub: Any) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="load a live fleet open loop and report latency, goodput and batch sizes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
+    b.add_argument("--model", default="synthetic", help="model to call")
+    b.add_argument("--shape", default="1,16", help="request shape, dim 0 = samples")
+    b.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
+    b.add_argument("--input-name", default="x", help="input tensor name")
+    b.add_argument(
+        "--load", choices=("poisson", "constant", "bursts"), default="poisson", help="schedule"
+    )
+    b.add_argument("--rate", type=float, default=200.0, help="requests per second")
+    b.add_argument("--burst-rps", type=float, default=1000.0, help="bursts: rate in a burst")
+    b.add_argument("--period-s", type=float, default=2.0, help="bursts: one per period")
+    b.add_argument("--burst-s", type=float, default=0.3, help="bursts: burst length")
+    b.add_argument("--duration-s", type=float, default=10.0, help="measurement window")
+    b.add_argument("--warmup-s", type=float, default=2.0, help="sent, not counted")
+    b.add_argument("--timeout-ms", type=int, default=1000, help="each request's deadline")
+    b.add_argument("--trace", help="replay a JSON-lines trace instead of a schedule")
+    b.add_argument("--seed", type=int, default=0, help="random seed")
+    b.add_argument("--json", help="write the report as JSON")
+    b.add_argument("--csv", help="write per-second figures as CSV")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=run_bench)
+
+    r = sub.add_parser(
+        "replay",
+        help="replay a recorded trace on a live fleet, or in the simulator",
+        description="Send a recorded trace (carpool record) to a live broker at its recorded "
+        "times, or (--simulate) feed it to the simulator with an engine cost.",
+    )
+    r.add_argument("--trace", required=True, help="JSON-lines trace")
+    r.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
+    r.add_argument("--input-name", default="x", help="input tensor name")
+    r.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
+    r.add_argument("--simulate", action="store_true", help="replay in the simulator instead")
+    r.add_argument("--alpha-ms", type=float, default=5.0, help="simulated fixed cost")
+    r.add_argument("--beta-ms", type=float, default=0.5, help="simulated per-sample cost")
+    r.add_argument("--workers", type=int, default=1, help="simulated workers")
+    r.add_argument("--json", help="write the report as JSON")
+    r.set_defaults(func=run_replay)
+
+
+def _arrivals(args: argparse.Namespace) -> list[Arrival]:
+    if args.trace:
+        items = workload.read_trace(args.trace)
+        if not items:
+            raise ConfigError(f"trace {args.trace} has no arrivals")
+        return items
+    try:
+        shape = tuple(int(d) for d in args.shape.split(","))
+    except ValueError:
+        raise ConfigError(f"--shape must be comma-separated ints, got {args.shape!r}") from None
+    total_s = args.warmup_s + args.duration_s
+    if args.load == "constant":
+        step = 1.0 / args.rate
+        n = int(total_s * args.rate)
+        return [Arrival(i * step, args.model, shape, args.timeout_ms) for i in range(n)]
+    if args.load == "bursts":
+        phases = workload.bursts(args.rate, args.burst_rps, total_s, args.period_s, args.burst_s)
+    else:
+        phases = workload.poisson(args.rate, total_s)
+    return workload.arrivals(
+        phases, model=args.model, shape=shape, timeout_ms=args.timeout_ms, seed=args.seed
+    )
+
+
+def _inputs(arrivals: Sequence[Arrival], name: str, dtype: str) -> list[dict[str, NDArray[Any]]]:
+    cache: dict[tuple[int, ...], NDArray[Any]] = {}
+    out = []
+    for a in arrivals:
+        x = cache.get(a.shape)
+        if x is None:
+            x = cache[a.shape] = np.ones(a.shape, DTYPES[dtype])
+        out.append({name: x})
+    return out
+
+
+def print_report(report: BenchReport) -> None:
+    lat = report.latency_ms
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(report.errors.items())) or "none"
+    print(f"window:      {report.window_s:.1f} s, {report.sent} requests")
+    print(
+        f"throughput:  {report.throughput_rps:.1f}/s   goodput (within deadline): "
+        f"{report.goodput_rps:.1f}/s"
+    )
+    print("latency ms:  " + "  ".join(f"{k} {v:.2f}" for k, v in lat.items()))
+    print(f"errors:      {errors}")
+    for model, sizes in sorted(report.batch_sizes.items()):
+        n = sum(sizes.values())
+        mean = sum(k * v for k, v in sizes.items()) / n if n else 0.0
+        top = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
+        print(f"batches ({model}): {n}, mean size {mean:.2f} [{top}]")
+    verdict = "stable" if report.stable else "NOT stable (goodput drifted between halves)"
+    print(
+        f"window halves goodput: {report.halves_goodput_rps[0]:.1f}/s, "
+        f"{report.halves_goodput_rps[1]:.1f}/s: {verdict}"
+    )
+    print(f"generator send lag: max {report.max_send_lag_ms:.2f} ms")
+
+
+def _write(report: BenchReport, args: argparse.Namespace) -> None:
+    if getattr(args, "json", None):
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_json(), f, indent=2)
+    if getattr(args, "csv", None):
+        with open(args.csv, "w", encoding="utf-8", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["second", "sent", "goodput", "p99_ms"])
+            writer.writeheader()
+            writer.writerows(report.per_second)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    items = _arrivals(args)
+    warmup = args.warmup_s if not args.trace else 0.0
+    report = run(
+        args.endpoint,
+        items,
+        _inputs(items, args.input_name, args.dtype),
+        warmup_s=warmup,
+        progress=not args.no_progress,
+    )
+    print_report(report)
+    _write(report, args)
+    return 0
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    items = workload.read_trace(args.trace)
+    if not items:
+        raise ConfigError(f"trace {args.trace} has no arrivals")
+    if args.simulate:
+        logging.getLogger("carpool.broker").setLevel(logging.WARNING)
+        from carpool.broker.config import BatchingConfig
+        from carpool.sim.compare import table
+        from carpool.sim.simulator import EngineCost, SimWorker, simulate
+
+        workers = [
+            SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05))
+            for i in range(args.workers)
+        ]
+        result = simulate(items, workers, BatchingConfig(max_batch=64), label="carpool (sim)")
+        print(table([result]))
+        return 0
+    report = run(
+        args.endpoint,
+        items,
+        _inputs(items, args.input_name, args.dtype),
+        warmup_s=0.0,
+        progress=True,
+    )
+    print_report(report)
+    _write(report, args)
+    return 0

@@ -1,0 +1,127 @@
+"""The open-loop load generator, carpool bench/record/replay, against a real loopback fleet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.server import BrokerServer
+from carpool.cli import main
+from carpool.client import Client
+from carpool.common.testing import ServerThread
+from carpool.loadgen import Sample, run, summarize, synthetic_inputs
+from carpool.sim.workload import Arrival, read_trace
+from carpool.worker.engines.synthetic import SyntheticEngine
+from carpool.worker.server import WorkerServer
+from tests.conftest import wait_for_workers
+
+
+def test_summarize_counts_only_the_window_and_checks_stability() -> None:
+    samples = [Sample(t / 10, t / 10, t / 10 + 0.01, "ok", t / 10 + 0.05) for t in range(40)]
+    samples[15].outcome = "DEADLINE_EXCEEDED"
+    samples[30].done_s = samples[30].deadline_s + 0.01  # answered, but late
+    report = summarize(samples, warmup_s=1.0, end_s=4.0, batch_sizes={})
+    assert report.sent == 30  # scheduled in [1.0, 4.0)
+    assert report.ok == 29
+    assert report.on_time == 28
+    assert report.errors == {"DEADLINE_EXCEEDED": 1}
+    assert report.latency_ms["p50"] == pytest.approx(10.0)
+    assert report.goodput_rps == pytest.approx(28 / 3.0)
+    assert report.stable  # 14 vs 14 on time per half
+    assert [s["second"] for s in report.per_second] == [0.0, 1.0, 2.0]
+
+
+def test_drifting_goodput_is_flagged_unstable() -> None:
+    samples = [Sample(t / 10, t / 10, t / 10 + 0.01, "ok", t / 10 + 0.05) for t in range(20)]
+    for s in samples[10:]:
+        s.outcome = "OVERLOADED"
+    assert not summarize(samples, 0.0, 2.0, {}).stable
+
+
+@pytest.mark.timeout(60)
+def test_constant_load_is_sent_on_schedule_and_measured(fleet_factory: Any) -> None:
+    engine = SyntheticEngine(fixed_cost_s=0.005, item_shape=(4,), max_batch=8)
+    fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
+    fleet.add_worker({"syn": lambda: engine}, warmup=False)
+    fleet.ready()
+    rate, seconds = 100, 2.0
+    arrivals = [Arrival(i / rate, "syn", (1, 4), 1000) for i in range(int(rate * seconds))]
+    report = run(fleet.broker.frontend_endpoint, arrivals, synthetic_inputs(arrivals), warmup_s=0.5)
+    assert report.sent == 150  # 1.5 s of a 100/s schedule after the warm-up
+    assert report.ok == report.on_time == 150
+    assert report.errors == {}
+    # Every request spends at least the engine's 5 ms; the generator cannot report less.
+    assert report.latency_ms["p50"] >= 5.0
+    # The broker's batch counts cover the whole run, warm-up included.
+    total = sum(k * v for k, v in report.batch_sizes["syn"].items())
+    assert total == len(arrivals)
+
+
+@pytest.mark.timeout(120)
+def test_record_then_replay_live_and_in_the_simulator(tmp_path: Path, capsys: Any) -> None:
+    trace = tmp_path / "trace.jsonl"
+    config = BrokerConfig(
+        frontend=f"ipc://{tmp_path}/fe",
+        backend=f"ipc://{tmp_path}/be",
+        batching=BatchingConfig(max_batch=8, max_wait_s=0.001),
+    )
+    engine = SyntheticEngine(item_shape=(16,), max_batch=8)
+    broker = BrokerServer(config, record=str(trace))
+    with ServerThread(broker):
+        worker = WorkerServer(config.backend, {"synthetic": lambda: engine}, warmup=False)
+        with ServerThread(worker), Client(config.frontend) as client:
+            wait_for_workers(client, 1)
+            for i in range(20):
+                client.infer("synthetic", {"x": np.full((1, 16), i, np.float32)}, timeout_s=0.5)
+            recorded = read_trace(trace)
+            assert len(recorded) == 20
+            assert {a.shape for a in recorded} == {(1, 16)}
+            assert {a.timeout_ms for a in recorded} == {500}
+            assert recorded[0].t_s == 0.0
+            capsys.readouterr()
+            assert main(["replay", "--trace", str(trace), "--endpoint", config.frontend]) == 0
+            assert "goodput" in capsys.readouterr().out
+            assert len(read_trace(trace)) == 40  # the replay was recorded too
+    assert main(["replay", "--trace", str(trace), "--simulate"]) == 0
+    assert "carpool (sim)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_bench_command_writes_json_and_csv(fleet_factory: Any, tmp_path: Path, capsys: Any) -> None:
+    fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
+    fleet.add_worker({"synthetic": lambda: SyntheticEngine(max_batch=8)}, warmup=False)
+    fleet.ready()
+    out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
+    code = main(
+        [
+            "bench",
+            "--endpoint",
+            fleet.broker.frontend_endpoint,
+            "--load",
+            "constant",
+            "--rate",
+            "50",
+            "--duration-s",
+            "1",
+            "--warmup-s",
+            "0.2",
+            "--no-progress",
+            "--json",
+            str(out_json),
+            "--csv",
+            str(out_csv),
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    for needle in ("throughput", "p99.9", "batches (synthetic)", "stable"):
+        assert needle in text
+    report = json.loads(out_json.read_text())
+    assert report["sent"] == 50
+    assert report["errors"] == {}
+    assert out_csv.read_text().startswith("second,sent,goodput,p99_ms")
