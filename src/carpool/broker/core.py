@@ -225,7 +225,8 @@ class BrokerCore:
             )
         key = request_key(spec.name, inputs)
         if self.queued >= self.config.max_queued:
-            drain_s = self._drain_time_s(spec.name, key, self.queued)
+            # Until costs are fitted the drain time is unknown: suggest a modest pause.
+            drain_s = self._drain_time_s(spec.name, key, self.queued) or 0.05
             return [
                 self._error(
                     client,
@@ -294,7 +295,7 @@ class BrokerCore:
                 if command is not Command.DISCONNECT:
                     # MDP rule: an unknown peer must re-register on a fresh socket.
                     out.append(_disconnect(wid, "unknown worker; reconnect and send READY"))
-                if command is Command.RESULT:
+                if command in (Command.RESULT, Command.FAILED):
                     self.stats.late_results += 1
                 return out
             if command is Command.HEARTBEAT:
@@ -487,7 +488,9 @@ class BrokerCore:
 
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time ``on_tick`` has work: a batch wait, a deadline, a heartbeat."""
-        times = [t for t in (self._deadlines.earliest(), self.registry.next_event_s()) if t]
+        times = [
+            t for t in (self._deadlines.earliest(), self.registry.next_event_s()) if t is not None
+        ]
         if self._wake_s:
             times.append(min(self._wake_s.values()))
         if not times:
@@ -526,7 +529,7 @@ class BrokerCore:
             controller = BatchSizeController(
                 min(engine_max, cfg.max_batch), preferred, config=adaptive
             )
-        return Lane(controller, engine_max)
+        return Lane(controller, engine_max, min(engine_max, cfg.max_batch))
 
     def _on_load(self, now: float, worker: WorkerState, rho: float) -> None:
         worker.rho = rho
@@ -625,15 +628,30 @@ class BrokerCore:
             head = queue.head()
             if head is None:
                 return
-            urgent = queue.earliest_deadline() if policy.edf else head
-            assert urgent is not None  # a non-empty queue has one
-            worker = self.registry.best_free(model, urgent.samples)
+            worker = self.registry.best_free(model, 1)
             if worker is None:
                 # A RESULT, READY or worker loss will pump again; meanwhile shed on time.
                 if shed_at is not None:
                     self._wake_s[queue.key] = shed_at
                 return
             capacity = self._capacity(now, worker, queue.key)
+            # The request the batch starts with, and the most urgent one it must respect.
+            promote_s = 0.0
+            if policy.edf:
+                promote_s = (
+                    2 * (capacity.cost.estimate(capacity.max_batch) + capacity.ready_in_s) + 0.01
+                )
+                first = queue.next_edf(now, promote_s)
+                urgent = queue.earliest_deadline()
+            else:
+                first = urgent = head
+            assert first is not None  # the queue is not empty
+            assert urgent is not None
+            if worker.lanes[model].max_batch < first.samples:
+                bigger = self.registry.best_free(model, first.samples)
+                if bigger is None:
+                    return  # only a busy worker can take it; its RESULT pumps again
+                worker, capacity = bigger, self._capacity(now, bigger, queue.key)
             share_sps = queue.arrival_sps(now) / max(1, len(self.registry.serving(model)))
             view = QueueView(queue.samples, head.arrival_s, urgent.deadline_s, share_sps)
             decision = policy.decide(now, view, capacity)
@@ -641,14 +659,10 @@ class BrokerCore:
                 wake = decision.t if shed_at is None else min(decision.t, shed_at)
                 self._wake_s[queue.key] = wake
                 return
-            # A request larger than the policy's size still travels alone rather than starve.
-            room = worker.lanes[model].max_batch
-            size = min(room, max(decision.max_samples, urgent.samples))
-            if policy.edf:
-                promote_s = 2 * (capacity.cost.estimate(size) + capacity.ready_in_s) + 0.01
-                requests = queue.take_edf(size, now, promote_s)
-            else:
-                requests = queue.take(size)
+            # A request larger than the policy's size still travels alone rather than starve;
+            # `first` is taken first either way, so a batch is never empty.
+            size = min(worker.lanes[model].max_batch, max(decision.max_samples, first.samples))
+            requests = queue.take_edf(size, now, promote_s) if policy.edf else queue.take(size)
             for req in requests:
                 self._dequeued(req)
             if policy.edf and capacity.cost.calibrated:

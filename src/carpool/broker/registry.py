@@ -25,16 +25,19 @@ class Lane:
 
     # Adaptive B_max; None under policies that keep B_max fixed.
     controller: BatchSizeController | None
-    max_batch: int  # the engine's limit, capped by the configured B_max
+    max_batch: int  # the engine's limit (a request may not carry more samples)
+    cap: int = 0  # the configured B_max, if lower than the engine's limit (0: none)
     latency: dict[RequestKey, LatencyModel] = field(default_factory=dict)
     last_key: RequestKey | None = None
     mean_batch: float = 1.0  # EWMA of dispatched batch sizes
 
     @property
     def batch_limit(self) -> int:
+        """The current B_max: the adaptive size, within the configured and engine limits."""
+        limit = min(self.max_batch, self.cap) if self.cap else self.max_batch
         if self.controller is None:
-            return self.max_batch
-        return min(self.max_batch, self.controller.batch_size)
+            return limit
+        return min(limit, self.controller.batch_size)
 
     def cost(self, key: RequestKey | None) -> CostEstimate:
         model = self.latency.get(key) if key is not None else None

@@ -42,8 +42,8 @@ DTYPES: dict[str, np.dtype[Any]] = {
 def wire_dtype(dtype: np.dtype[Any] | str | type) -> str:
     """The wire name of a numpy dtype; raises ProtocolError for unsupported ones."""
     dt = np.dtype(dtype)
-    name = dt.name
-    if name not in DTYPES or (dt.byteorder == ">" and dt.itemsize > 1):
+    name = dt.name  # byte order is not part of the name: senders convert to little-endian
+    if name not in DTYPES:
         raise ProtocolError(f"unsupported dtype {dt!s}; supported: {', '.join(DTYPES)}")
     return name
 

@@ -42,7 +42,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     """
     problems: list[str] = []
     obj = _build(cls, data, where or cls.__name__, problems)
-    if problems:
+    if problems or obj is _INVALID:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return typing.cast(T, obj)
 
@@ -50,7 +50,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
 def _build(cls: Any, data: Any, where: str, problems: list[str]) -> Any:
     if not isinstance(data, Mapping):
         problems.append(f"{where}: expected a table")
-        return None
+        return _INVALID
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -61,13 +61,15 @@ def _build(cls: Any, data: Any, where: str, problems: list[str]) -> Any:
         converted = _convert(hints[key], value, f"{where}.{key}", problems)
         if converted is not _INVALID:
             kwargs[key] = converted
+    if any(v is _INVALID for v in kwargs.values()):
+        return _INVALID  # a nested problem is already reported; build nothing from it
     try:
         return cls(**kwargs)
     except ConfigError as exc:
         problems.append(str(exc))
     except TypeError as exc:
         problems.append(f"{where}: {exc}")
-    return None
+    return _INVALID
 
 
 _INVALID = object()
@@ -82,13 +84,17 @@ def _convert(hint: Any, value: Any, where: str, problems: list[str]) -> Any:
         if not isinstance(value, Mapping):
             problems.append(f"{where}: expected a table")
             return _INVALID
-        return {k: _convert(value_hint, v, f"{where}.{k}", problems) for k, v in value.items()}
+        table = {k: _convert(value_hint, v, f"{where}.{k}", problems) for k, v in value.items()}
+        return _INVALID if any(v is _INVALID for v in table.values()) else table
     if origin in (tuple, list):
         (item_hint, *_) = typing.get_args(hint)
         if not isinstance(value, list):
             problems.append(f"{where}: expected a list")
             return _INVALID
-        return tuple(_convert(item_hint, v, f"{where}[{i}]", problems) for i, v in enumerate(value))
+        items = tuple(
+            _convert(item_hint, v, f"{where}[{i}]", problems) for i, v in enumerate(value)
+        )
+        return _INVALID if any(v is _INVALID for v in items) else items
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return _convert(args[0], value, where, problems) if len(args) == 1 else value

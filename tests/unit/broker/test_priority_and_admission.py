@@ -432,8 +432,8 @@ def test_tick_at_the_announced_time_makes_progress() -> None:
 @pytest.mark.parametrize(
     ("calibrated", "retry_after_ms"),
     [
-        # No fitted cost: the drain time is unknown; retry as soon as possible.
-        (False, 1),
+        # No fitted cost: the drain time is unknown; a modest 50 ms pause.
+        (False, 50),
         # Two queued at 4 per 70 ms (50 + 5·4 ms): 35 ms to drain.
         (True, 35),
     ],

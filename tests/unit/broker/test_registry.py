@@ -1,0 +1,156 @@
+"""registry.py: workers, credits, liveness, load."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.common.protocol import ModelSpec, Ready, TensorMeta
+
+
+def spec(name: str = "m", max_batch: int = 8, item: int = 4) -> ModelSpec:
+    return ModelSpec(
+        name,
+        (TensorMeta("x", "float32", (-1, item)),),
+        (TensorMeta("y", "float32", (-1, 2)),),
+        max_batch,
+    )
+
+
+def ready(name: str = "w", slots: int = 2, *models: ModelSpec) -> Ready:
+    return Ready(name, slots, models or (spec(),))
+
+
+W1, W2, W3 = WorkerId(b"w1"), WorkerId(b"w2"), WorkerId(b"w3")
+
+
+def test_add_get_remove() -> None:
+    reg = WorkerRegistry()
+    assert len(reg) == 0
+    state = reg.add(10.0, W1, ready("one", 3), 0.5)
+    assert W1 in reg
+    assert len(reg) == 1
+    assert reg.get(W1) is state
+    assert (state.name, state.slots, state.free_slots) == ("one", 3, 3)
+    assert state.heartbeat_s == 0.5
+    assert state.last_seen_s == 10.0
+    assert state.next_heartbeat_s == 10.5
+    assert list(state.models) == ["m"]
+    assert reg.serving("m") == [state]
+    assert reg.remove(W1) is state
+    assert W1 not in reg
+    assert reg.serving("m") == []
+    assert reg.remove(W1) is None
+    assert reg.get(W1) is None
+
+
+def test_first_spec_wins_and_is_remembered() -> None:
+    reg = WorkerRegistry()
+    reg.add(0.0, W1, ready("a", 1, spec(max_batch=4)), 1.0)
+    reg.add(0.0, W2, ready("b", 1, spec(max_batch=16)), 1.0)
+    assert reg.specs["m"].max_batch == 4
+    reg.remove(W1)
+    reg.remove(W2)
+    assert "m" in reg.specs  # a model once served is known (NOT_FOUND vs UNAVAILABLE)
+
+
+def test_conflicts() -> None:
+    reg = WorkerRegistry()
+    assert reg.conflicts(ready("a", 1, spec())) == []
+    reg.add(0.0, W1, ready("a", 1, spec(), spec("n")), 1.0)
+    # A different max_batch is fine; different inputs or outputs are not.
+    assert reg.conflicts(ready("b", 1, spec(max_batch=2))) == []
+    assert reg.conflicts(ready("b", 1, spec(item=5), spec("n"), spec("new", item=9))) == ["m"]
+    other_out = ModelSpec("n", spec().inputs, (TensorMeta("y", "float16", (-1, 2)),), 8)
+    assert reg.conflicts(ready("b", 1, other_out)) == ["n"]
+
+
+def test_readd_replaces() -> None:
+    reg = WorkerRegistry()
+    reg.add(0.0, W1, ready("a", 1), 1.0)
+    state = reg.add(5.0, W1, ready("a2", 4), 2.0)
+    assert len(reg) == 1
+    assert reg.serving("m") == [state]
+    assert reg.get(W1) is state
+
+
+def test_max_batch_over_live_workers() -> None:
+    reg = WorkerRegistry()
+    assert reg.max_batch("m") == 0
+    reg.add(0.0, W1, ready("a", 1, spec(max_batch=4)), 1.0)
+    reg.add(0.0, W2, ready("b", 1, spec(max_batch=16)), 1.0)
+    assert reg.max_batch("m") == 16
+    reg.remove(W2)
+    assert reg.max_batch("m") == 4
+    assert reg.max_batch("other") == 0
+
+
+def test_best_free_prefers_free_credits_then_low_rho() -> None:
+    reg = WorkerRegistry()
+    a = reg.add(0.0, W1, ready("a", 2), 1.0)
+    b = reg.add(0.0, W2, ready("b", 2), 1.0)
+    a.rho, b.rho = 0.9, 0.1
+    assert reg.best_free("m", 1) is b
+    b.outstanding.add(1)
+    assert reg.best_free("m", 1) is a  # more free credits beats lower load
+    a.outstanding.update({2, 3})
+    assert reg.best_free("m", 1) is b
+    b.outstanding.add(4)
+    assert reg.best_free("m", 1) is None
+    assert reg.best_free("other", 1) is None
+
+
+def test_best_free_respects_max_batch() -> None:
+    reg = WorkerRegistry()
+    small = reg.add(0.0, W1, ready("small", 4, spec(max_batch=2)), 1.0)
+    big = reg.add(0.0, W2, ready("big", 1, spec(max_batch=8)), 1.0)
+    assert reg.best_free("m", 2) is small
+    assert reg.best_free("m", 3) is big
+    big.outstanding.add(1)
+    assert reg.best_free("m", 3) is None
+    assert reg.best_free("m", 9) is None
+
+
+@pytest.mark.parametrize(
+    ("liveness", "hb", "silent_s", "expired"),
+    [
+        (3, 1.0, 2.99, False),
+        (3, 1.0, 3.0, True),
+        (1, 0.25, 0.24, False),
+        (1, 0.25, 0.25, True),
+        (5, 0.1, 10.0, True),
+    ],
+)
+def test_expired(liveness: int, hb: float, silent_s: float, expired: bool) -> None:
+    reg = WorkerRegistry(liveness=liveness)
+    state = reg.add(100.0, W1, ready(), hb)
+    assert reg.expired(100.0 + silent_s) == ([state] if expired else [])
+
+
+def test_touch_keeps_alive() -> None:
+    reg = WorkerRegistry(liveness=3)
+    state = reg.add(0.0, W1, ready(), 1.0)
+    assert reg.touch(2.5, W1) is state
+    assert reg.expired(3.0) == []
+    assert reg.expired(5.5) == [state]
+    assert reg.touch(1.0, W2) is None
+
+
+def test_next_event() -> None:
+    reg = WorkerRegistry(liveness=3)
+    assert reg.next_event_s() is None
+    a = reg.add(10.0, W1, ready("a"), 1.0)
+    assert reg.next_event_s() == 11.0  # heartbeat due before expiry at 13
+    a.next_heartbeat_s = 20.0
+    assert reg.next_event_s() == 13.0  # expiry is earlier now
+    reg.add(10.0, W2, ready("b"), 0.5)
+    assert reg.next_event_s() == 10.5
+
+
+def test_all_lists_live_workers() -> None:
+    reg = WorkerRegistry()
+    reg.add(0.0, W1, ready("a"), 1.0)
+    reg.add(0.0, W2, ready("b"), 1.0)
+    reg.add(0.0, W3, ready("c", 1, spec("n")), 1.0)
+    assert sorted(w.name for w in reg.all()) == ["a", "b", "c"]
+    assert [w.name for w in reg.serving("n")] == ["c"]

@@ -1,0 +1,351 @@
+"""client/core.py: ClientCore request encoding, reply decoding and local deadlines."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.client.core import ClientCore, InferResult
+from carpool.common import codec
+from carpool.common.errors import (
+    DeadlineExceeded,
+    ErrorCode,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    ProtocolError,
+    RequestError,
+    Unavailable,
+    UnsupportedVersion,
+)
+from carpool.common.protocol import (
+    Command,
+    ErrorReply,
+    Priority,
+    ReplyMeta,
+    Submit,
+    TensorMeta,
+    decode_meta,
+    decode_submit,
+    encode,
+    encode_error,
+    encode_reply,
+    header,
+    parse_header,
+)
+
+T0 = 100.0
+
+
+def submit_of(frames: list[Any]) -> Submit:
+    assert parse_header(frames[0]) is Command.REQUEST
+    return decode_submit(decode_meta(frames[1]))
+
+
+def reply_frames(rid: int, **arrays: np.ndarray) -> list[Any]:
+    outputs = tuple(TensorMeta(n, codec.wire_dtype(a.dtype), a.shape) for n, a in arrays.items())
+    meta = ReplyMeta(rid, outputs, batch_size=8, queue_ms=1.5, compute_ms=4.25)
+    return encode_reply(meta, [a.tobytes() for a in arrays.values()], simple=False)
+
+
+def error_frames(rid: int | None, code: int, retry_after_ms: int | None = None) -> list[Any]:
+    meta: dict[str, Any] = {"id": rid, "code": code, "message": "nope"}
+    if retry_after_ms is not None:
+        meta["retry_after_ms"] = retry_after_ms
+    return encode(Command.ERROR, meta)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "shape"),
+    [
+        ([[1.0, 2.0, 3.0]], "float64", (1, 3)),
+        ([[1, 2], [3, 4]], "int64", (2, 2)),
+        ([True, False], "bool", (2,)),
+        (np.zeros((2, 3), np.float16), "float16", (2, 3)),
+        (np.zeros((1, 2, 2, 1), np.uint8), "uint8", (1, 2, 2, 1)),
+        (np.arange(4, dtype=np.int8), "int8", (4,)),
+        (np.ones((3, 1), np.float32), "float32", (3, 1)),
+    ],
+)
+def test_request_encodes_dtype_and_shape(value: Any, dtype: str, shape: tuple[int, ...]) -> None:
+    c = ClientCore()
+    rid, frames = c.request(T0, "m", {"x": value})
+    submit = submit_of(frames)
+    assert submit.inputs == (TensorMeta("x", dtype, shape),)
+    assert len(frames) == 3
+    payload = frames[2]
+    expected = np.asarray(value, dtype=codec.numpy_dtype(dtype))
+    assert bytes(memoryview(payload)) == expected.tobytes()
+    assert rid == submit.request_id == 1
+
+
+def test_request_makes_payloads_c_contiguous() -> None:
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    views = {"strided": base[:, ::2], "fortran": np.asfortranarray(base), "t": base.T}
+    _, frames = ClientCore().request(T0, "m", views)
+    submit = submit_of(frames)
+    assert [t.name for t in submit.inputs] == ["strided", "fortran", "t"]
+    for meta, payload, arr in zip(submit.inputs, frames[2:], views.values(), strict=True):
+        assert meta.shape == arr.shape
+        assert bytes(memoryview(payload)) == np.ascontiguousarray(arr).tobytes()
+        assert len(memoryview(payload).cast("B")) == meta.nbytes
+
+
+def test_request_meta_fields() -> None:
+    c = ClientCore(default_timeout_s=2.5)
+    _, frames = c.request(T0, "resnet", {"x": np.zeros((1, 2), np.float32)})
+    submit = submit_of(frames)
+    assert (submit.model, submit.timeout_ms, submit.priority) == ("resnet", 2500, Priority(0))
+    _, frames = c.request(T0, "resnet", {"x": np.zeros((1, 2), np.float32)}, 0.25, Priority.BULK)
+    submit = submit_of(frames)
+    assert (submit.request_id, submit.timeout_ms, submit.priority) == (2, 250, Priority.BULK)
+
+
+def test_request_ids_are_unique_and_shared_with_stats() -> None:
+    c = ClientCore()
+    ids = [c.request(T0, "m", {"x": [1]})[0] for _ in range(3)]
+    sid, frames = c.stats_request()
+    assert ids == [1, 2, 3]
+    assert sid == 4
+    assert frames == encode(Command.STATS, {"id": 4})
+    assert c.request(T0, "m", {"x": [1]})[0] == 5
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [{"x": 1.0}, {"x": np.float32(2)}, {"x": np.array(3)}, {"x": [1.0], "y": 7}],
+    ids=["float", "numpy-scalar", "0-d", "one-of-two"],
+)
+def test_scalars_are_rejected(inputs: dict[str, Any]) -> None:
+    c = ClientCore()
+    with pytest.raises(ValueError, match="scalar"):
+        c.request(T0, "m", inputs)
+    assert c.pending == {}
+    assert c.request(T0, "m", {"x": [1.0]})[0] == 1  # no id was used up
+
+
+def test_no_inputs_is_rejected() -> None:
+    with pytest.raises(ValueError, match="at least one input"):
+        ClientCore().request(T0, "m", {})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.zeros((1, 2), np.complex64),
+        np.array([["a", "b"]]),
+        np.array([[object()]], dtype=object),
+        np.zeros((1,), dtype=[("a", "<f4")]),
+        np.zeros((1, 2), np.float128) if hasattr(np, "float128") else np.zeros((1,), "V4"),
+    ],
+    ids=["complex", "str", "object", "record", "float128"],
+)
+def test_unsupported_dtypes_are_rejected(value: np.ndarray) -> None:
+    c = ClientCore()
+    with pytest.raises(ProtocolError, match="unsupported dtype"):
+        c.request(T0, "m", {"x": value})
+    assert c.pending == {}
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "timeout_ms"),
+    [(3600, 3_600_000), (0.0001, 1), (0.0015, 2), (1, 1000), (None, 10_000)],
+)
+def test_timeout_bounds(timeout_s: float | None, timeout_ms: int) -> None:
+    _, frames = ClientCore().request(T0, "m", {"x": [1]}, timeout_s)
+    assert submit_of(frames).timeout_ms == timeout_ms
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, 3600.001, math.nan, math.inf])
+def test_timeout_out_of_bounds(timeout_s: float) -> None:
+    c = ClientCore()
+    with pytest.raises(ValueError, match="timeout_s"):
+        c.request(T0, "m", {"x": [1]}, timeout_s)
+    assert c.pending == {}
+
+
+# --------------------------------------------------------------------------- replies
+
+
+def test_reply_decodes_into_infer_result() -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [[1.0]]})
+    y = np.arange(6, dtype=np.float32).reshape(2, 3)
+    z = np.array([True, False])
+    got_id, result = c.on_reply(reply_frames(rid, y=y, z=z))
+    assert got_id == rid
+    assert isinstance(result, InferResult)
+    assert list(result.outputs) == ["y", "z"]
+    np.testing.assert_array_equal(result["y"], y)
+    assert result["y"].dtype == np.float32
+    np.testing.assert_array_equal(result["z"], z)
+    assert (result.batch_size, result.queue_ms, result.compute_ms) == (8, 1.5, 4.25)
+    assert c.pending == {}
+
+
+def test_reply_accepts_memoryview_frames() -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    frames = [memoryview(bytes(f)) for f in reply_frames(rid, y=np.ones((1, 2), np.int16))]
+    got_id, result = c.on_reply(frames)
+    assert got_id == rid
+    assert isinstance(result, InferResult)
+    np.testing.assert_array_equal(result["y"], [[1, 1]])
+
+
+ERROR_CLASSES = [
+    (ErrorCode.INVALID_ARGUMENT, InvalidArgument),
+    (ErrorCode.NOT_FOUND, NotFound),
+    (ErrorCode.DEADLINE_EXCEEDED, DeadlineExceeded),
+    (ErrorCode.OVERLOADED, Overloaded),
+    (ErrorCode.UNAVAILABLE, Unavailable),
+    (ErrorCode.INTERNAL, InternalError),
+    (ErrorCode.UNSUPPORTED_VERSION, UnsupportedVersion),
+    (99, InternalError),
+]
+
+
+@pytest.mark.parametrize(("code", "cls"), ERROR_CLASSES, ids=lambda v: str(v))
+def test_error_reply_raises_the_right_class(code: int, cls: type[RequestError]) -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    got_id, exc = c.on_reply(error_frames(rid, int(code)))
+    assert got_id == rid
+    assert type(exc) is cls
+    assert isinstance(exc, RequestError)
+    assert exc.request_id == rid
+    assert "nope" in exc.message
+    assert c.pending == {}
+
+
+def test_overloaded_carries_retry_after_seconds() -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    frames = encode_error(ErrorReply(rid, ErrorCode.OVERLOADED, "full", retry_after_ms=250))
+    _, exc = c.on_reply(frames)
+    assert isinstance(exc, Overloaded)
+    assert exc.retry_after_s == 0.25
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    _, exc = c.on_reply(error_frames(rid, int(ErrorCode.OVERLOADED)))
+    assert isinstance(exc, Overloaded)
+    assert exc.retry_after_s is None
+
+
+def test_anonymous_error_names_no_request() -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    got_id, exc = c.on_reply(error_frames(None, int(ErrorCode.INVALID_ARGUMENT)))
+    assert got_id is None
+    assert isinstance(exc, InvalidArgument)
+    assert rid in c.pending  # still waiting for its own answer
+
+
+@pytest.mark.parametrize("kind", ["reply", "error"])
+def test_late_and_duplicate_replies_are_ignored(kind: str) -> None:
+    def answer(rid: int) -> list[Any]:
+        if kind == "reply":
+            return reply_frames(rid, y=np.zeros((1, 1), np.float32))
+        return error_frames(rid, int(ErrorCode.DEADLINE_EXCEEDED))
+
+    c = ClientCore(grace_s=1.0)
+    first, _ = c.request(T0, "m", {"x": [1]}, timeout_s=1.0)
+    assert c.on_reply(answer(first))[0] == first
+    assert c.on_reply(answer(first))[0] is None  # duplicate
+    # Late: after the local deadline gave up on the request.
+    second, _ = c.request(T0, "m", {"x": [1]}, timeout_s=1.0)
+    assert [rid for rid, _ in c.expire(T0 + 2.0)] == [second]
+    got_id, late = c.on_reply(answer(second))
+    assert got_id is None
+    assert isinstance(late, InferResult if kind == "reply" else DeadlineExceeded)
+
+
+def test_unknown_and_forgotten_ids_are_ignored() -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    assert c.on_reply(reply_frames(rid + 100, y=np.zeros((1,), np.uint8)))[0] is None
+    c.forget(rid)
+    assert c.on_reply(reply_frames(rid, y=np.zeros((1,), np.uint8)))[0] is None
+    assert c.next_deadline() is None
+
+
+def test_stats_reply() -> None:
+    c = ClientCore()
+    got_id, stats = c.on_reply(encode(Command.STATS, {"id": 3, "queued": 2}))
+    assert got_id is None
+    assert stats == {"id": 3, "queued": 2}
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [header(Command.REPLY)],
+        [],
+        [b"junk", b"junk"],
+        [b"CP\x02\x02", codec.pack({})],
+        encode(Command.BATCH, {"batch": 1}),
+        encode(Command.REQUEST, {"id": 1}),
+        [header(Command.REPLY), b"\xc1"],
+        encode(Command.REPLY, {"id": 1}),
+        encode(Command.ERROR, {"id": 1, "code": "x"}),
+    ],
+    ids=[
+        "one-frame",
+        "empty",
+        "garbage",
+        "version",
+        "batch",
+        "request",
+        "bad-meta",
+        "no-outputs",
+        "bad-code",
+    ],
+)
+def test_invalid_broker_messages_raise(frames: list[Any]) -> None:
+    with pytest.raises(ProtocolError):
+        ClientCore().on_reply(frames)
+
+
+@pytest.mark.parametrize("payloads", [[], [bytes(7)], [bytes(8), bytes(8)]])
+def test_reply_with_wrong_payload_raises_and_keeps_waiting(payloads: list[bytes]) -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    meta = ReplyMeta(rid, (TensorMeta("y", "float32", (1, 2)),))
+    with pytest.raises(ProtocolError):
+        c.on_reply(encode(Command.REPLY, meta.to_wire(), payloads))
+    assert rid in c.pending
+
+
+# --------------------------------------------------------------------------- local deadlines
+
+
+def test_local_expiry_is_unavailable() -> None:
+    c = ClientCore(grace_s=0.5)
+    a, _ = c.request(T0, "m", {"x": [1]}, timeout_s=1.0)
+    b, _ = c.request(T0 + 0.1, "m", {"x": [1]}, timeout_s=2.0)
+    assert c.next_deadline() == T0 + 1.5
+    assert c.expire(T0 + 1.499) == []
+    (expired,) = c.expire(T0 + 1.5)
+    assert expired[0] == a
+    assert type(expired[1]) is Unavailable
+    assert expired[1].request_id == a
+    assert c.expire(T0 + 1.5) == []  # once only
+    assert c.next_deadline() == T0 + 0.1 + 2.0 + 0.5
+    assert list(c.pending) == [b]
+
+
+def test_answered_requests_do_not_expire() -> None:
+    c = ClientCore(grace_s=1.0)
+    a, _ = c.request(T0, "m", {"x": [1]}, timeout_s=1.0)
+    b, _ = c.request(T0, "m", {"x": [1]}, timeout_s=5.0)
+    c.on_reply(error_frames(a, int(ErrorCode.NOT_FOUND)))
+    assert c.next_deadline() == T0 + 6.0  # a's deadline is skipped
+    assert c.expire(T0 + 5.0) == []
+    assert [rid for rid, _ in c.expire(T0 + 6.0)] == [b]
+    assert c.next_deadline() is None

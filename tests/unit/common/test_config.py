@@ -1,0 +1,210 @@
+"""config.py: mappings into frozen dataclasses, every problem reported at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.common.config import check, from_mapping, load_toml
+from carpool.common.errors import ConfigError
+from carpool.worker.config import ModelConfig, WorkerConfig
+
+
+def problems_of(cls: type[Any], data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(cls, data)
+    return str(info.value)
+
+
+def test_empty_mapping_gives_defaults() -> None:
+    assert from_mapping(BrokerConfig, {}) == BrokerConfig()
+    assert from_mapping(WorkerConfig, {}) == WorkerConfig()
+
+
+def test_scalars_are_set() -> None:
+    cfg = from_mapping(
+        BrokerConfig,
+        {"frontend": "tcp://*:1", "max_queued": 7, "liveness": 5, "default_timeout_s": 2.5},
+    )
+    assert cfg.frontend == "tcp://*:1"
+    assert cfg.max_queued == 7
+    assert cfg.liveness == 5
+    assert cfg.default_timeout_s == 2.5
+
+
+def test_ints_become_floats() -> None:
+    cfg = from_mapping(BrokerConfig, {"default_timeout_s": 5, "batching": {"max_wait_s": 0}})
+    assert cfg.default_timeout_s == 5.0
+    assert type(cfg.default_timeout_s) is float
+    assert type(cfg.batching.max_wait_s) is float
+
+
+def test_floats_do_not_become_ints() -> None:
+    msg = problems_of(BrokerConfig, {"max_queued": 5.0})
+    assert "BrokerConfig.max_queued: expected int, got float" in msg
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"max_queued": True}, "BrokerConfig.max_queued: expected int, got bool"),
+        ({"default_timeout_s": True}, "BrokerConfig.default_timeout_s: expected float, got bool"),
+        ({"frontend": 5555}, "BrokerConfig.frontend: expected str, got int"),
+        ({"liveness": "3"}, "BrokerConfig.liveness: expected int, got str"),
+        ({"batching": 5}, "BrokerConfig.batching: expected a table"),
+        ({"batching": {"max_batch": "8"}}, "BrokerConfig.batching.max_batch: expected int"),
+        ({"models": [1]}, "BrokerConfig.models: expected a table"),
+        ({"models": {"m": 3}}, "BrokerConfig.models.m: expected a table"),
+        ({"bogus": 1}, "BrokerConfig.bogus: unknown setting"),
+        ({"batching": {"max_size": 1}}, "BrokerConfig.batching.max_size: unknown setting"),
+        ({"liveness": 0}, "liveness must be in 1..100"),
+        ({"batching": {"max_batch": 0}}, "max_batch must be in 1..4096, got 0"),
+        ({"models": {"m": {"max_wait_s": 61}}}, "max_wait_s must be in 0..60"),
+    ],
+)
+def test_broker_config_problems(data: dict[str, Any], expected: str) -> None:
+    assert expected in problems_of(BrokerConfig, data)
+
+
+def test_unknown_key_lists_the_known_ones() -> None:
+    msg = problems_of(BrokerConfig, {"frontnd": "x"})
+    assert "unknown setting" in msg
+    for known in ("frontend", "backend", "batching", "max_attempts"):
+        assert known in msg
+
+
+def test_several_problems_in_one_error() -> None:
+    msg = problems_of(
+        BrokerConfig,
+        {
+            "bogus": 1,
+            "max_queued": "many",
+            "batching": {"max_batch": 0, "extra": True},
+            "liveness": 0,
+            "max_attempts": 11,
+        },
+    )
+    assert msg.startswith("invalid configuration:")
+    for part in (
+        "BrokerConfig.bogus: unknown setting",
+        "BrokerConfig.max_queued: expected int, got str",
+        "BrokerConfig.batching.extra: unknown setting",
+        "max_batch must be in 1..4096",
+        "liveness must be in 1..100",
+        "max_attempts must be in 1..10",
+    ):
+        assert part in msg, part
+    assert len(msg.splitlines()) >= 5
+
+
+def test_where_prefix() -> None:
+    with pytest.raises(ConfigError, match=r"broker\.bogus: unknown setting"):
+        from_mapping(BrokerConfig, {"bogus": 1}, "broker")
+
+
+def test_nested_dataclass_and_dict_of_dataclasses() -> None:
+    cfg = from_mapping(
+        BrokerConfig,
+        {
+            "batching": {"max_batch": 4, "max_wait_s": 0.01},
+            "models": {"a": {"max_batch": 2}, "b": {"max_wait_s": 1}},
+        },
+    )
+    assert cfg.batching == BatchingConfig(4, 0.01)
+    assert cfg.models == {"a": BatchingConfig(2, 0.005), "b": BatchingConfig(8, 1.0)}
+    assert type(cfg.models["b"].max_wait_s) is float
+    assert cfg.batching_for("a") == BatchingConfig(2, 0.005)
+    assert cfg.batching_for("zzz") == cfg.batching
+
+
+def test_tuple_of_dataclasses() -> None:
+    cfg = from_mapping(
+        WorkerConfig,
+        {
+            "name": "edge-1",
+            "slots": 3,
+            "heartbeat_s": 1,
+            "models": [
+                {"name": "a", "engine": "synthetic", "item_shape": [3, 4], "preferred_batch": [2]},
+                {"name": "b", "path": "/m.onnx", "per_sample_s": 0},
+            ],
+        },
+    )
+    assert cfg.name == "edge-1"
+    assert cfg.slots == 3
+    assert type(cfg.heartbeat_s) is float
+    assert isinstance(cfg.models, tuple)
+    assert [type(m) for m in cfg.models] == [ModelConfig, ModelConfig]
+    a, b = cfg.models
+    assert a.item_shape == (3, 4)
+    assert isinstance(a.item_shape, tuple)
+    assert a.preferred_batch == (2,)
+    assert a.engine == "synthetic"
+    assert b.path == "/m.onnx"
+    assert type(b.per_sample_s) is float
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"models": {"name": "a"}}, "WorkerConfig.models: expected a list"),
+        ({"models": []}, "at least one [[models]] entry is needed"),
+        ({"models": [{"name": "a"}, {"name": "a"}]}, "model names must be unique"),
+        ({"slots": 0, "liveness": 0}, "slots must be in 1..1024; liveness must be in 1..100"),
+        ({"models": [{"max_batch": "8"}]}, "WorkerConfig.models[0].max_batch: expected int"),
+        ({"models": [{"item_shape": 16}]}, "WorkerConfig.models[0].item_shape: expected a list"),
+        ({"models": [{"nme": "a"}]}, "WorkerConfig.models[0].nme: unknown setting"),
+    ],
+)
+def test_worker_config_problems(data: dict[str, Any], expected: str) -> None:
+    assert expected in problems_of(WorkerConfig, data)
+
+
+@pytest.mark.parametrize(
+    "models",
+    [
+        [{"name": "a", "engine": "tensorflow"}],
+        [{"name": "a", "max_batch": 0}],
+        ["not a table"],
+        [{"name": "a", "preferred_batch": ["x"]}],
+    ],
+    ids=["bad-engine", "bad-max-batch", "not-a-table", "bad-tuple-item"],
+)
+def test_invalid_model_entry_is_a_config_error(models: list[Any]) -> None:
+    msg = problems_of(WorkerConfig, {"models": models, "slots": 0})
+    assert "slots must be in 1..1024" in msg
+
+
+def test_load_toml(tmp_path: Path) -> None:
+    path = tmp_path / "broker.toml"
+    path.write_text(
+        'frontend = "tcp://*:6000"\ndefault_timeout_s = 3\n'
+        "[batching]\nmax_batch = 16\n[models.resnet]\nmax_wait_s = 0.002\n"
+    )
+    data = load_toml(path)
+    cfg = from_mapping(BrokerConfig, data)
+    assert cfg.frontend == "tcp://*:6000"
+    assert cfg.default_timeout_s == 3.0
+    assert cfg.batching.max_batch == 16
+    assert cfg.models == {"resnet": BatchingConfig(8, 0.002)}
+
+
+def test_load_toml_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_toml(tmp_path / "nope.toml")
+
+
+def test_load_toml_malformed(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("this is = = not toml\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(path)
+
+
+def test_check() -> None:
+    check([], "here")
+    with pytest.raises(ConfigError, match=r"^here: a; b$"):
+        check(["a", "b"], "here")

@@ -1,0 +1,334 @@
+"""worker/core.py: WorkerCore and BusyMeter with an injected clock."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from carpool.common import codec
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import (
+    BatchItem,
+    BatchMeta,
+    Command,
+    FailedMeta,
+    ModelSpec,
+    Ready,
+    ResultMeta,
+    TensorMeta,
+    decode_meta,
+    encode,
+    header,
+    parse_header,
+)
+from carpool.worker.core import (
+    Answer,
+    BusyMeter,
+    Reconnect,
+    RunBatch,
+    WorkerCore,
+    WorkerState,
+)
+
+T0 = 100.0
+SPEC = ModelSpec(
+    "m", (TensorMeta("x", "float32", (-1, 4)),), (TensorMeta("y", "float32", (-1, 2)),), 8, (4, 8)
+)
+OTHER = ModelSpec("n", (TensorMeta("a", "uint8", (-1, 3)),), (TensorMeta("b", "int64", (-1,)),), 2)
+BATCH = BatchMeta(
+    7,
+    "m",
+    (TensorMeta("x", "float32", (-1, 4)),),
+    (BatchItem(1, 1, False, 0.5), BatchItem(2, 2, True, 1.0)),
+)
+
+
+def core(**kwargs: Any) -> WorkerCore:
+    kwargs.setdefault("heartbeat_s", 1.0)
+    return WorkerCore("edge-1", [SPEC, OTHER], **kwargs)
+
+
+def connected(**kwargs: Any) -> WorkerCore:
+    w = core(**kwargs)
+    w.on_connect(T0)
+    return w
+
+
+def decoded(frames: list[Any]) -> tuple[Command, dict[str, Any], list[Any]]:
+    return parse_header(frames[0]), decode_meta(frames[1]), frames[2:]
+
+
+# --------------------------------------------------------------------------- connection
+
+
+def test_starts_connecting_and_quiet() -> None:
+    w = core()
+    assert w.state is WorkerState.CONNECTING
+    assert w.on_tick(T0) == ([], None)
+    assert w.next_wakeup(T0) is None
+
+
+@pytest.mark.parametrize(("slots", "heartbeat_s", "heartbeat_ms"), [(2, 1.0, 1000), (5, 0.25, 250)])
+def test_ready_content(slots: int, heartbeat_s: float, heartbeat_ms: int) -> None:
+    w = core(slots=slots, heartbeat_s=heartbeat_s)
+    command, meta, payloads = decoded(w.on_connect(T0))
+    assert command is Command.READY
+    assert payloads == []
+    assert Ready.from_wire(meta) == Ready("edge-1", slots, (SPEC, OTHER), heartbeat_ms)
+    assert w.state is WorkerState.READY
+    assert w.epoch == 1
+
+
+def test_each_connection_is_a_new_epoch() -> None:
+    w = core()
+    w.on_connect(T0)
+    w.on_connect(T0 + 5)
+    assert w.epoch == 2
+
+
+# --------------------------------------------------------------------------- broker messages
+
+
+def test_batch_becomes_run_batch() -> None:
+    w = connected()
+    payloads = [bytes(16), bytearray(32)]
+    action = w.on_broker(T0 + 0.1, encode(Command.BATCH, BATCH.to_wire(), payloads))
+    assert isinstance(action, RunBatch)
+    assert action.epoch == 1
+    assert action.batch == BATCH
+    assert len(action.frames) == 2
+    assert all(a is b for a, b in zip(action.frames, payloads, strict=True))
+
+
+def test_unreadable_batch_is_answered_failed() -> None:
+    w = connected()
+    bad = {**BATCH.to_wire(), "requests": []}
+    action = w.on_broker(T0, encode(Command.BATCH, bad))
+    assert isinstance(action, Answer)
+    command, meta, _ = decoded(action.frames)
+    assert command is Command.FAILED
+    failed = FailedMeta.from_wire(meta)
+    assert (failed.batch_id, failed.code) == (7, ErrorCode.INVALID_ARGUMENT)
+    assert "requests" in failed.message
+
+
+def test_batch_without_a_readable_id_is_dropped() -> None:
+    w = connected()
+    assert w.on_broker(T0, encode(Command.BATCH, {"batch": "7", "model": "m"})) is None
+
+
+def test_disconnect_becomes_reconnect() -> None:
+    w = connected()
+    action = w.on_broker(T0, encode(Command.DISCONNECT, {"reason": "unknown worker"}))
+    assert isinstance(action, Reconnect)
+    assert "unknown worker" in action.reason
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        encode(Command.HEARTBEAT, {}),
+        [b"junk"],
+        [b"junk", b"more"],
+        [b"CP\x02\x11", codec.pack({})],
+        [header(Command.HEARTBEAT), b"\xc1"],
+        encode(Command.REQUEST, {"id": 1}),
+        encode(Command.READY, {}),
+    ],
+    ids=["heartbeat", "one-frame", "garbage", "version", "bad-meta", "request", "ready"],
+)
+def test_other_broker_messages_need_no_action(frames: list[Any]) -> None:
+    assert connected().on_broker(T0, frames) is None
+
+
+# --------------------------------------------------------------------------- time
+
+
+def test_heartbeats_at_the_interval() -> None:
+    w = connected(heartbeat_s=0.25, liveness=100)
+    sent = []
+    now = T0
+    while now < T0 + 1.0:
+        now = w.next_wakeup(now)  # type: ignore[assignment]
+        msgs, lost = w.on_tick(now)
+        assert lost is None
+        sent += [(now, decoded(m)) for m in msgs]
+    assert [t - T0 for t, _ in sent] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    for _, (command, meta, payloads) in sent:
+        assert command is Command.HEARTBEAT
+        assert set(meta) == {"rho"}
+        assert payloads == []
+
+
+def test_no_heartbeat_before_it_is_due() -> None:
+    w = connected(heartbeat_s=1.0)
+    assert w.on_tick(T0 + 0.999) == ([], None)
+    msgs, _ = w.on_tick(T0 + 1.0)
+    assert len(msgs) == 1
+    assert w.on_tick(T0 + 1.5) == ([], None)
+    assert len(w.on_tick(T0 + 2.0)[0]) == 1
+
+
+@pytest.mark.parametrize(("liveness", "heartbeat_s"), [(3, 1.0), (1, 0.5), (5, 0.25)])
+def test_broker_silence_means_reconnect(liveness: int, heartbeat_s: float) -> None:
+    w = connected(liveness=liveness, heartbeat_s=heartbeat_s)
+    limit = liveness * heartbeat_s
+    assert w.next_wakeup(T0 + limit / 2) <= T0 + limit  # type: ignore[operator]
+    _, lost = w.on_tick(math.nextafter(T0 + limit, 0))
+    assert lost is None
+    _, lost = w.on_tick(T0 + limit)
+    assert isinstance(lost, Reconnect)
+    assert "silent" in lost.reason
+    assert w.on_tick(T0 + limit)[0] == []  # no heartbeat to a lost broker
+
+
+@pytest.mark.parametrize(
+    "frames", [encode(Command.HEARTBEAT, {}), [b"junk"]], ids=["heartbeat", "even-garbage"]
+)
+def test_any_broker_message_keeps_the_connection(frames: list[Any]) -> None:
+    w = connected(liveness=3, heartbeat_s=1.0)
+    w.on_broker(T0 + 2.0, frames)
+    assert w.on_tick(T0 + 4.9)[1] is None
+    assert w.next_wakeup(T0 + 4.9) <= T0 + 5.0  # type: ignore[operator]
+    assert isinstance(w.on_tick(T0 + 5.0)[1], Reconnect)
+
+
+def test_next_wakeup_is_never_in_the_past() -> None:
+    w = connected(heartbeat_s=1.0, liveness=3)
+    assert w.next_wakeup(T0) == T0 + 1.0
+    assert w.next_wakeup(T0 + 10.0) == T0 + 10.0
+
+
+def test_heartbeats_carry_rho() -> None:
+    w = connected(heartbeat_s=1.0, rho_window_s=1.0, liveness=100)
+    w.on_batch_queued(T0 + 0.25)  # busy for the last 0.75 s of the window
+    (msg,), _ = w.on_tick(T0 + 1.0)
+    assert decoded(msg)[1]["rho"] == pytest.approx(0.75)
+    w.on_batch_done(T0 + 1.5, 1, 1, T0 + 0.25, T0 + 1.5, [3], [b"h", b"m", b"p"])
+    (msg,), _ = w.on_tick(T0 + 2.0)
+    assert decoded(msg)[1]["rho"] == pytest.approx(0.5)  # [1.0, 1.5] of [1.0, 2.0]
+    (msg,), _ = w.on_tick(T0 + 3.0)
+    assert decoded(msg)[1]["rho"] == 0.0
+
+
+def test_stop_sends_disconnect_and_goes_quiet() -> None:
+    w = connected()
+    command, meta, _ = decoded(w.on_stop())
+    assert command is Command.DISCONNECT
+    assert meta["reason"]
+    assert w.state is WorkerState.STOPPED
+    assert w.on_tick(T0 + 100.0) == ([], None)
+    assert w.next_wakeup(T0) is None
+
+
+# --------------------------------------------------------------------------- results
+
+
+def test_result_message() -> None:
+    w = connected()
+    w.on_batch_queued(T0 + 0.1)
+    frames = [b"hdr", b"meta", b"payload", b"simple"]
+    msg = w.on_batch_done(T0 + 0.5, 1, 7, T0 + 0.1, T0 + 0.4, [3, 1], frames)
+    assert msg is not None
+    command, meta, payloads = decoded(msg)
+    assert command is Command.RESULT
+    result = ResultMeta.from_wire(meta)
+    assert result.batch_id == 7
+    assert result.frames == (3, 1)
+    assert result.compute_ms == pytest.approx(300.0)
+    assert result.rho == pytest.approx(0.3)  # [0.1, 0.4] in the window [-0.5, 0.5]
+    assert all(a is b for a, b in zip(payloads, frames, strict=True))
+    assert w.batches_done == 1
+
+
+def test_failed_message() -> None:
+    w = connected()
+    w.on_batch_queued(T0)
+    msg = w.on_batch_failed(T0 + 0.2, 1, 9, T0, T0 + 0.2, ErrorCode.INTERNAL, "engine died")
+    assert msg is not None
+    command, meta, payloads = decoded(msg)
+    assert command is Command.FAILED
+    assert payloads == []
+    failed = FailedMeta.from_wire(meta)
+    assert (failed.batch_id, failed.code, failed.message) == (9, ErrorCode.INTERNAL, "engine died")
+    assert failed.rho == pytest.approx(0.2)
+    assert w.batches_failed == 1
+
+
+def test_results_from_an_older_epoch_are_dropped() -> None:
+    w = connected()
+    action = w.on_broker(T0, encode(Command.BATCH, BATCH.to_wire(), [bytes(16), bytes(32)]))
+    assert isinstance(action, RunBatch)
+    w.on_batch_queued(T0)
+    w.on_batch_queued(T0)
+    w.on_connect(T0 + 1.0)  # reconnected while both batches ran
+    assert w.on_batch_done(T0 + 1.5, action.epoch, 7, T0, T0 + 1.5, [1], [b"x"]) is None
+    assert (
+        w.on_batch_failed(T0 + 1.6, action.epoch, 8, T0 + 1.5, T0 + 1.6, ErrorCode.INTERNAL, "")
+        is None
+    )
+    # Still accounted: both finished, the meter has their time and nothing is running.
+    assert (w.batches_done, w.batches_failed) == (1, 1)
+    assert w.meter.running_since is None
+    assert w.meter.rho(T0 + 1.6) == pytest.approx(1.0)
+    assert w.on_batch_done(T0 + 2.0, w.epoch, 9, T0 + 1.9, T0 + 2.0, [1], [b"x"]) is not None
+
+
+def test_running_since_follows_the_inference_thread() -> None:
+    w = connected()
+    w.on_batch_queued(T0)
+    w.on_batch_queued(T0 + 0.1)  # queued behind the first
+    assert w.meter.running_since == T0
+    w.on_batch_done(T0 + 0.3, 1, 1, T0, T0 + 0.3, [1], [b"x"])
+    assert w.meter.running_since == T0 + 0.3  # the thread went straight on to the second
+    w.on_batch_done(T0 + 0.5, 1, 2, T0 + 0.3, T0 + 0.5, [1], [b"x"])
+    assert w.meter.running_since is None
+    assert w.meter.rho(T0 + 0.5) == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------- BusyMeter
+
+
+def test_meter_idle_is_zero() -> None:
+    assert BusyMeter().rho(T0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("window", "spans", "running_since", "now", "rho"),
+    [
+        (1.0, [(0.2, 0.4)], None, 1.0, 0.2),
+        (1.0, [(0.2, 0.4), (0.6, 0.7)], None, 1.0, 0.3),
+        (1.0, [(-0.5, 0.5)], None, 1.0, 0.5),  # clipped at the window start
+        (1.0, [(-2.0, -1.0)], None, 1.0, 0.0),  # entirely before the window
+        (1.0, [(0.5, 2.0)], None, 1.0, 0.5),  # clipped at now
+        (1.0, [], 0.7, 1.0, 0.3),  # a batch still running
+        (1.0, [(0.2, 0.4)], 0.7, 1.0, 0.5),
+        (1.0, [], -3.0, 1.0, 1.0),  # running since before the window
+        (1.0, [(0.0, 1.0), (0.0, 1.0)], None, 1.0, 1.0),  # never above 1
+        (0.5, [(0.6, 0.8)], None, 1.0, 0.4),
+        (2.0, [(0.0, 1.0)], None, 1.0, 0.5),
+    ],
+)
+def test_meter_rho(
+    window: float,
+    spans: list[tuple[float, float]],
+    running_since: float | None,
+    now: float,
+    rho: float,
+) -> None:
+    meter = BusyMeter(window)
+    for start, end in spans:
+        meter.add(T0 + start, T0 + end)
+    meter.running_since = None if running_since is None else T0 + running_since
+    assert meter.rho(T0 + now) == pytest.approx(rho)
+
+
+def test_meter_forgets_old_spans() -> None:
+    meter = BusyMeter(1.0)
+    meter.add(T0, T0 + 0.5)
+    assert meter.rho(T0 + 1.0) == pytest.approx(0.5)
+    assert meter.rho(T0 + 1.25) == pytest.approx(0.25)
+    assert meter.rho(T0 + 1.5) == 0.0
+    assert meter.rho(T0 + 1.0) == 0.0  # pruned, not recomputed
