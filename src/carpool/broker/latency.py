@@ -9,6 +9,7 @@ both coefficients clipped at zero: a negative fixed cost (seen on CPUs) means "n
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ class CostEstimate:
     fixed_cost_s: float = 0.0
     per_sample_s: float = 0.0
     calibrated: bool = False
+    # Relative spread of batch durations around the fit (one standard deviation).
+    spread: float = 0.0
 
     def estimate(self, samples: int) -> float:
         """Predicted duration of a batch of ``samples``."""
@@ -73,7 +76,21 @@ class LatencyModel:
     def estimate(self, samples: int) -> float:
         return self.cost.estimate(samples)
 
+    def _spread(self) -> float:
+        """Pooled relative standard deviation of durations around each size's median."""
+        deviations = [
+            (x / m - 1.0) ** 2
+            for d in self._by_size.values()
+            if len(d) > 1 and (m := statistics.median(d)) > 0
+            for x in d
+        ]
+        return math.sqrt(sum(deviations) / len(deviations)) if deviations else 0.0
+
     def _refit(self) -> CostEstimate:
+        fit = self._line()
+        return CostEstimate(fit.fixed_cost_s, fit.per_sample_s, fit.calibrated, self._spread())
+
+    def _line(self) -> CostEstimate:
         points = [(n, statistics.median(d), len(d)) for n, d in self._by_size.items()]
         if not points:
             return CostEstimate()

@@ -116,9 +116,10 @@ class DeadlinePolicy:
     max_batch: int
     max_wait_s: float
     margin_s: float = 0.002
-    # Predictions are stretched by this share before they are held against a deadline:
-    # batch times jitter, and a worker's backlog is itself a prediction.
-    jitter_share: float = 0.1
+    # Predictions are stretched by the measured spread of batch times (one standard
+    # deviation, at least this much) before they are held against a deadline: batch times
+    # jitter, and a worker's backlog is itself a prediction.
+    min_jitter_share: float = 0.02
     min_fixed_share: float = 0.2
     edf: bool = True
 
@@ -192,7 +193,8 @@ class DeadlinePolicy:
 
     def finish_in_s(self, capacity: Capacity, samples: int) -> float:
         """Predicted time from now to the end of a batch sent now, with a jitter allowance."""
-        return (1.0 + self.jitter_share) * (capacity.ready_in_s + capacity.cost.estimate(samples))
+        stretch = 1.0 + max(self.min_jitter_share, capacity.cost.spread)
+        return stretch * (capacity.ready_in_s + capacity.cost.estimate(samples))
 
     def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
         if not capacity.cost.calibrated:

@@ -6,7 +6,8 @@ Every case uses concrete numbers. Cost lines (docs/batching.md):
 * CPU-like: 0 + 4 ms·n — batching buys nothing;
 * unknown: not calibrated yet.
 
-DeadlinePolicy defaults: margin 2 ms, jitter share 0.1, so a batch of n sent to an idle
+DeadlinePolicy defaults: margin 2 ms; predictions are stretched by the cost's measured
+spread (the GPU and CPU lines here have a spread of 10%), so a batch of n sent to an idle
 worker is held against a deadline as ``1.1·(5 + 0.5·n) ms + 2 ms``.
 """
 
@@ -29,8 +30,8 @@ from carpool.broker.policy import (
     WaitUntil,
 )
 
-GPU = CostEstimate(0.005, 0.0005, calibrated=True)
-CPU = CostEstimate(0.0, 0.004, calibrated=True)
+GPU = CostEstimate(0.005, 0.0005, calibrated=True, spread=0.1)
+CPU = CostEstimate(0.0, 0.004, calibrated=True, spread=0.1)
 UNKNOWN = CostEstimate()
 INF = math.inf
 NOW = 10.0
@@ -181,8 +182,9 @@ def test_gpu_waits_until_t_max_or_the_latest_start(
 
 
 def test_latest_start_formula() -> None:
-    """deadline − (1 + jitter_share)·(ready_in + est(n)) − margin, with n the batch limit."""
-    policy = DeadlinePolicy(64, 1.0, margin_s=0.003, jitter_share=0.25)
+    """deadline − (1 + spread)·(ready_in + est(n)) − margin, with n the batch limit; the
+    stretch is at least min_jitter_share when the measured spread is smaller."""
+    policy = DeadlinePolicy(64, 1.0, margin_s=0.003, min_jitter_share=0.25)
     cost = CostEstimate(0.004, 0.001, calibrated=True)
     capacity = Capacity(10, 0.001, cost)  # ready in 1 ms: under the 3 ms margin, not busy
     deadline = NOW + 0.1
@@ -425,10 +427,10 @@ def test_deadline_policy_never_waits_into_the_past(
     max_batch: int,
     max_wait_s: float,
     margin_s: float,
-    jitter_share: float,
+    min_jitter_share: float,
 ) -> None:
     now, queue = situation
-    policy = DeadlinePolicy(max_batch, max_wait_s, margin_s, jitter_share)
+    policy = DeadlinePolicy(max_batch, max_wait_s, margin_s, min_jitter_share)
     decision = policy.decide(now, queue, capacity)
     if isinstance(decision, WaitUntil):
         assert math.isfinite(decision.t)

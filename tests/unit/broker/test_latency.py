@@ -75,3 +75,14 @@ def test_bad_observations_are_ignored() -> None:
     model.observe(3, float("nan"))
     model.observe(3, -1.0)
     assert model.observations == 0
+
+
+def test_spread_measures_the_jitter_of_batch_times() -> None:
+    rng = random.Random(3)
+    steady, noisy = LatencyModel(), LatencyModel()
+    for _ in range(200):
+        n = rng.choice([1, 8])
+        steady.observe(n, 0.005 + 0.0005 * n)
+        noisy.observe(n, (0.005 + 0.0005 * n) * rng.gauss(1.0, 0.1))
+    assert steady.cost.spread == 0.0
+    assert noisy.cost.spread == pytest.approx(0.1, abs=0.03)
