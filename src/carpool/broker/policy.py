@@ -144,10 +144,14 @@ class DeadlinePolicy:
         cost = capacity.cost
         if not cost.calibrated:
             return target
+        # Largest n with stretch·(ready_in + fixed + per_sample·n) <= slack, at least 1.
         slack = queue.earliest_deadline_s - now - self.margin_s
-        while target > 1 and self.finish_in_s(capacity, target) > slack:
-            target -= 1
-        return target
+        if self.finish_in_s(capacity, target) <= slack:
+            return target
+        budget = slack / self._stretch(cost) - capacity.ready_in_s - cost.fixed_cost_s
+        if cost.per_sample_s <= 0:
+            return 1
+        return max(1, min(target, math.floor(budget / cost.per_sample_s + 1e-9)))
 
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
         """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with
@@ -172,8 +176,14 @@ class DeadlinePolicy:
             return Dispatch(limit)
         if not batching_pays:
             return Dispatch(limit)  # waiting would buy no throughput, only latency
-        # The last moment the batch may leave and still end by the most urgent deadline.
-        latest_start = queue.earliest_deadline_s - self.finish_in_s(capacity, limit) - self.margin_s
+        # The last moment the batch that is aboard may leave and still end by the most urgent
+        # deadline. Sized by who is aboard now (every arrival re-decides): sized by the
+        # limit instead, the guard would shrink the limit at that moment, push the moment
+        # later, and wake the broker again and again for one batch.
+        aboard = max(1, min(limit, queue.samples))
+        latest_start = (
+            queue.earliest_deadline_s - self.finish_in_s(capacity, aboard) - self.margin_s
+        )
         if queue.samples >= limit:
             # Full, but the worker is still busy: leaving now would only queue there, while
             # staying lets the batch grow (up to the engine's limit) until it is nearly free.
@@ -184,17 +194,23 @@ class DeadlinePolicy:
             leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
         floor = self.floor(queue, capacity)
         if queue.samples < floor and queue.arrival_sps > 0:
-            # Too few aboard to keep up with the arrivals: wait for the floor to fill.
-            leave_at = max(leave_at, now + (floor - queue.samples) / queue.arrival_sps)
+            # Too few aboard to keep up with the arrivals: wait for the floor to fill, as
+            # long as filling it should take at the measured rate, counted from the oldest
+            # arrival (a fixed moment: re-deciding does not push it on).
+            leave_at = max(leave_at, queue.oldest_arrival_s + floor / queue.arrival_sps)
         leave_at = min(leave_at, latest_start)
         if now >= leave_at:
             return Dispatch(limit)
         return WaitUntil(leave_at)
 
+    def _stretch(self, cost: CostEstimate) -> float:
+        return 1.0 + max(self.min_jitter_share, cost.spread)
+
     def finish_in_s(self, capacity: Capacity, samples: int) -> float:
         """Predicted time from now to the end of a batch sent now, with a jitter allowance."""
-        stretch = 1.0 + max(self.min_jitter_share, capacity.cost.spread)
-        return stretch * (capacity.ready_in_s + capacity.cost.estimate(samples))
+        return self._stretch(capacity.cost) * (
+            capacity.ready_in_s + capacity.cost.estimate(samples)
+        )
 
     def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
         if not capacity.cost.calibrated:

@@ -152,20 +152,21 @@ def test_dispatches_at_once_when_batching_buys_nothing(
         pytest.param(
             NOW + 0.003, QueueView(3, NOW, NOW + 0.05), WaitUntil(10.005), id="t-max-later"
         ),
-        # Latest start of the most urgent request comes first:
-        # 10.020 − 1.1·(0 + 5 + 0.5·16) ms − 2 ms = 10.0037
-        pytest.param(NOW, QueueView(3, NOW, NOW + 0.02), WaitUntil(10.0037), id="latest-start"),
-        # The guard shrank the batch to 8: 10.012 − 1.1·9 ms − 2 ms = 10.0001
-        pytest.param(NOW, QueueView(3, NOW, NOW + 0.012), WaitUntil(10.0001), id="shrunk"),
+        # Latest start of the most urgent request comes first, sized by who is aboard (3):
+        # 10.012 − 1.1·(0 + 5 + 0.5·3) ms − 2 ms = 10.00285
+        pytest.param(NOW, QueueView(3, NOW, NOW + 0.012), WaitUntil(10.00285), id="latest-start"),
+        # 10.011 − 1.1·6.5 ms − 2 ms = 10.00185
+        pytest.param(NOW, QueueView(3, NOW, NOW + 0.011), WaitUntil(10.00185), id="tighter"),
         # T_max or latest start reached: leave.
         pytest.param(NOW + 0.005, QueueView(3, NOW, NOW + 0.05), Dispatch(16), id="t-max-due"),
-        # Past the latest start of 16, the guard allows 15, whose latest start is later:
-        # 10.020 − 1.1·(5 + 7.5) ms − 2 ms = 10.00425 (the queue of 3 still fits then).
+        # Re-deciding later does not move the moment: the latest start of three aboard is
+        # 10.020 − 7.15 ms − 2 ms = 10.01085, after T_max at 10.005.
         pytest.param(
-            NOW + 0.0038, QueueView(3, NOW, NOW + 0.02), WaitUntil(10.00425), id="start-moves"
+            NOW + 0.0038, QueueView(3, NOW, NOW + 0.02), WaitUntil(10.005), id="t-max-first"
         ),
-        # Seven aboard, room for eight: wait to 10.0001; once only seven fit, leave.
-        pytest.param(NOW, QueueView(7, NOW, NOW + 0.012), WaitUntil(10.0001), id="seven-of-8"),
+        # Seven aboard, room for eight: wait to 10.012 − 1.1·8.5 ms − 2 ms = 10.00065; once
+        # only seven fit, leave.
+        pytest.param(NOW, QueueView(7, NOW, NOW + 0.012), WaitUntil(10.00065), id="seven-of-8"),
         pytest.param(NOW + 0.0002, QueueView(7, NOW, NOW + 0.012), Dispatch(7), id="start-due"),
         # Slack for only what is queued (1.1·(5 + 1.5) ms <= 7.5 ms): leave at once.
         pytest.param(NOW, QueueView(3, NOW, NOW + 0.0095), Dispatch(3), id="no-room-to-wait"),
@@ -182,7 +183,7 @@ def test_gpu_waits_until_t_max_or_the_latest_start(
 
 
 def test_latest_start_formula() -> None:
-    """deadline − (1 + spread)·(ready_in + est(n)) − margin, with n the batch limit; the
+    """deadline − (1 + spread)·(ready_in + est(n)) − margin, with n the samples aboard; the
     stretch is at least min_jitter_share when the measured spread is smaller."""
     policy = DeadlinePolicy(64, 1.0, margin_s=0.003, min_jitter_share=0.25)
     cost = CostEstimate(0.004, 0.001, calibrated=True)
@@ -190,8 +191,8 @@ def test_latest_start_formula() -> None:
     deadline = NOW + 0.1
     queue = QueueView(2, NOW, deadline)
     assert policy.batch_limit(NOW, queue, capacity) == 10
-    expected = deadline - 1.25 * (0.001 + 0.004 + 0.001 * 10) - 0.003
-    assert expected == pytest.approx(10.07825)
+    expected = deadline - 1.25 * (0.001 + 0.004 + 0.001 * 2) - 0.003
+    assert expected == pytest.approx(10.08825)
     decision = policy.decide(NOW, queue, capacity)
     assert isinstance(decision, WaitUntil)
     assert decision.t == pytest.approx(expected, abs=1e-12)
@@ -353,8 +354,12 @@ def test_floor_raises_the_target_above_a_lagging_adaptive_size() -> None:
     queue = QueueView(3, NOW, NOW + 0.1, 900.0)
     capacity = Capacity(4, 0.0, GPU, 64)
     assert policy.batch_limit(NOW, queue, capacity) == 9
-    # Three aboard of nine: wait for six more at 900/s (6.67 ms), past T_max (5 ms).
-    assert_decision(policy.decide(NOW, queue, capacity), WaitUntil(NOW + 6 / 900))
+    # Three aboard of nine: wait as long as nine take to arrive at 900/s, counted from the
+    # oldest arrival (10 ms), past T_max (5 ms).
+    assert_decision(policy.decide(NOW, queue, capacity), WaitUntil(NOW + 9 / 900))
+    # Re-deciding later does not push that moment on.
+    later = QueueView(5, NOW, NOW + 0.1, 900.0)
+    assert_decision(policy.decide(NOW + 0.004, later, capacity), WaitUntil(NOW + 9 / 900))
     # Without the arrival rate: B_max 4, T_max.
     assert_decision(
         policy.decide(NOW, QueueView(3, NOW, NOW + 0.1), capacity), WaitUntil(NOW + 0.005)
