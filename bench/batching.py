@@ -264,7 +264,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short workloads, small grid")
     parser.add_argument("--no-live", action="store_true", help="skip the live fleet part")
+    parser.add_argument(
+        "--live-only",
+        metavar="B,T_MS",
+        help="only the live part, with this best fixed config (e.g. 16,20)",
+    )
     args = parser.parse_args(argv)
+    if args.live_only:
+        b, t_ms = args.live_only.split(",")
+        live(args.quick, (int(b), float(t_ms) / 1000))
+        return 0
     logging.getLogger("carpool").setLevel(logging.WARNING)
     OUT.mkdir(exist_ok=True)
     report: dict[str, object] = {"engine": {"alpha_s": ALPHA_S, "beta_s": BETA_S}, "sla_ms": SLA_MS}

@@ -155,6 +155,7 @@ def run_bench(args: argparse.Namespace) -> int:
         _inputs(items, args.input_name, args.dtype),
         warmup_s=warmup,
         progress=not args.no_progress,
+        end_s=None if args.trace else args.warmup_s + args.duration_s,
     )
     print_report(report)
     _write(report, args)

@@ -216,6 +216,7 @@ def run(
     progress: bool = False,
     clock: Clock | None = None,
     keep: bool = False,
+    end_s: float | None = None,
 ) -> BenchReport:
     """One open-loop run against a live broker (``keep`` keeps every sample)."""
     clock = clock or MonotonicClock()
@@ -224,7 +225,10 @@ def run(
         samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
         after = _batch_sizes(client.stats())
     sizes = {m: dict(after[m] - before.get(m, Counter())) for m in after}
-    end_s = arrivals[-1].t_s + 1e-9 if arrivals else 0.0
+    if end_s is None:
+        # The schedule's end: one mean gap after the last arrival (n arrivals, n gaps).
+        n = len(arrivals)
+        end_s = arrivals[-1].t_s * n / (n - 1) if n > 1 else (arrivals[0].t_s if n else 0.0)
     report = summarize(samples, warmup_s, end_s, sizes)
     if keep:
         report.samples = samples

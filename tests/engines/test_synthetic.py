@@ -18,7 +18,7 @@ def test_batch_costs_fixed_plus_per_sample(batch: int, cost_s: float) -> None:
     assert clock.now() == pytest.approx(cost_s)
     np.testing.assert_array_equal(out["y"], synthetic_output(x))
     np.testing.assert_array_equal(out["y"], 2 * x + 1)
-    assert engine.batches == [(batch, (16,))]
+    assert list(engine.batches) == [(batch, (16,))]
 
 
 def test_oversize_batch_is_refused() -> None:

@@ -42,8 +42,6 @@ from carpool.broker.policy import (
 from carpool.broker.registry import Lane, WorkerId, WorkerRegistry, WorkerState
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
-    BatchItem,
-    BatchMeta,
     Command,
     ErrorReply,
     FailedMeta,
@@ -133,6 +131,7 @@ class BrokerCore:
         # Arrival trace (time, model, shape, timeout_ms, priority) while recording; the
         # shell writes it out (carpool record).
         self.recording: list[tuple[float, str, tuple[int, ...], int, int]] | None = None
+        self._inputs_cache: dict[RequestKey, list[dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ clients
 
@@ -698,23 +697,30 @@ class BrokerCore:
     ) -> Outgoing:
         self._batch_seq += 1
         batch_id = self._batch_seq
-        model, items = key
+        model = key[0]
         payloads: list[Frame] = []
-        batch_items = []
+        items = []
+        samples = 0
         for req in requests:
             req.state = RequestState.DISPATCHED
             req.attempts += 1
+            samples += req.samples
             payloads.extend(req.payloads)
-            batch_items.append(
-                BatchItem(req.request_id, req.samples, req.simple, 1000.0 * (now - req.arrival_s))
+            # BatchItem.to_wire, inlined: this runs for every request.
+            items.append(
+                {
+                    "id": req.request_id,
+                    "n": req.samples,
+                    "simple": req.simple,
+                    "queue_ms": round(1000.0 * (now - req.arrival_s), 3),
+                }
             )
-        samples = sum(r.samples for r in requests)
-        meta = BatchMeta(
-            batch_id,
-            model,
-            tuple(TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in items),
-            tuple(batch_items),
-        )
+        meta = {
+            "batch": batch_id,
+            "model": model,
+            "inputs": self._inputs_wire(key),
+            "requests": items,
+        }
         self._inflight[batch_id] = InflightBatch(
             batch_id,
             worker.wid,
@@ -732,7 +738,16 @@ class BrokerCore:
         logger.debug(
             "dispatch batch=%d model=%s n=%d worker=%s", batch_id, model, samples, worker.name
         )
-        return Outgoing(Side.BACKEND, worker.wid, encode(Command.BATCH, meta.to_wire(), payloads))
+        return Outgoing(Side.BACKEND, worker.wid, encode(Command.BATCH, meta, payloads))
+
+    def _inputs_wire(self, key: RequestKey) -> list[dict[str, Any]]:
+        """The BATCH ``inputs`` of a queue key (dim 0 = -1), built once per key."""
+        wire = self._inputs_cache.get(key)
+        if wire is None:
+            wire = self._inputs_cache[key] = [
+                TensorMeta(name, dtype, (-1, *shape)).to_wire() for name, dtype, shape in key[1]
+            ]
+        return wire
 
     # ------------------------------------------------------------------ replies
 

@@ -43,6 +43,8 @@ class LatencyModel:
         max_sizes: distinct batch sizes kept (least recently seen dropped first).
     """
 
+    REFIT_EVERY = 8
+
     def __init__(self, *, per_size: int = 16, max_sizes: int = 64) -> None:
         self.per_size = per_size
         self.max_sizes = max_sizes
@@ -63,7 +65,10 @@ class LatencyModel:
         history.append(duration_s)
         self._by_size[samples] = history
         self.observations += 1
-        self._dirty = True
+        # Refit after each of the first observations, then every REFIT_EVERY: one more
+        # point barely moves a fit of hundreds, and refitting is the costly part.
+        if self.observations <= 64 or self.observations % self.REFIT_EVERY == 0:
+            self._dirty = True
 
     @property
     def cost(self) -> CostEstimate:

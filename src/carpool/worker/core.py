@@ -46,22 +46,32 @@ class BusyMeter:
     """ρ: the fraction of the last ``window_s`` the engine spent running batches.
 
     Finished batches are exact spans reported by the inference thread; a batch still
-    running counts from ``running_since`` (when the idle thread was handed work).
+    running counts from ``running_since`` (when the idle thread was handed work). A running
+    total of the spans in the window keeps ``rho`` cheap however many batches there are.
     """
 
     def __init__(self, window_s: float = 1.0) -> None:
         self.window_s = window_s
         self._spans: deque[tuple[float, float]] = deque()
+        self._total_s = 0.0  # summed length of the spans in _spans
         self.running_since: float | None = None
 
     def add(self, start: float, end: float) -> None:
-        self._spans.append((start, end))
+        if end > start:
+            self._spans.append((start, end))
+            self._total_s += end - start
 
     def rho(self, now: float) -> float:
         begin = now - self.window_s
-        while self._spans and self._spans[0][1] <= begin:
-            self._spans.popleft()
-        busy = sum(max(0.0, min(end, now) - max(start, begin)) for start, end in self._spans)
+        spans = self._spans
+        while spans and spans[0][1] <= begin:
+            start, end = spans.popleft()
+            self._total_s -= end - start
+        busy = self._total_s
+        if spans and spans[0][0] < begin:  # the oldest span straddles the window's start
+            busy -= begin - spans[0][0]
+        if spans and spans[-1][1] > now:  # reported with a later clock than ours
+            busy -= spans[-1][1] - max(now, spans[-1][0])
         if self.running_since is not None:
             busy += max(0.0, now - max(self.running_since, begin))
         return min(1.0, max(0.0, busy / self.window_s))

@@ -9,6 +9,7 @@ GPU would while the host thread waits for the device.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Mapping
 
 import numpy as np
@@ -58,8 +59,8 @@ class SyntheticEngine:
             preferred_batch=preferred_batch,
         )
         self._lock = threading.Lock()
-        # (batch size, item shape) of every batch run, for tests.
-        self.batches: list[tuple[int, tuple[int, ...]]] = []
+        # (batch size, item shape) of the most recent batches run, for tests.
+        self.batches: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=100_000)
 
     @property
     def info(self) -> EngineInfo:

@@ -1,0 +1,245 @@
+"""How many requests per second can the broker pass, against a plain pyzmq echo?
+
+Question: with an engine that costs nothing, what rate does a broker + one worker reach,
+and how does it compare with the cheapest possible round trip on the same machine: a
+plain pyzmq ROUTER that echoes every message (no broker logic, one hop instead of two)?
+
+Method: three processes stay up for the whole run: a broker (``carpool broker``), one
+null-engine worker (``carpool worker --synthetic 0 0``, so a batch costs nothing) and the
+echo server (``python bench/common.py echo``). This process drives each of them with the
+same closed loop: a fixed number of requests in flight (8 and 64), a new one sent as soon
+as a reply comes back, 64-byte float32 [1, 16] payloads.
+
+* fleet (Client): ``carpool.client.Client.submit`` / ``poll`` against the broker;
+* fleet (raw DEALER): the same request frames, encoded once, sent on a bare DEALER (no
+  SDK cost per request), to show how much of the rate the client library takes;
+* echo (raw DEALER): the same frames on a bare DEALER against the echo server.
+
+Each configuration runs for a fixed time (bounded in requests too) after a warm-up; the
+configurations alternate and the whole round is repeated (5 times; 2 with --quick); the
+table shows medians. The ratio is the median of the per-round ratios fleet / echo (each
+round's two numbers were measured back to back). CPU columns are the share of one core
+that each process used during the measurement (psutil, user + system).
+Note: on a 2-core machine the fleet's three busy processes (client, broker, worker) share
+two cores, the echo's two do not; the CPU columns show where the time went.
+
+Target: fleet (Client) >= 0.5 x echo, at each in-flight count.
+
+Run:  .venv/bin/python bench/broker_ceiling.py            (about 1.5 minutes)
+      .venv/bin/python bench/broker_ceiling.py --quick    (a smoke run, under a minute)
+Writes bench/out/broker_ceiling.json and bench/out/broker_ceiling.png.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from common import (
+    CpuMeter,
+    FleetLoop,
+    LoopResult,
+    ProcessGroup,
+    dealer,
+    median,
+    parser,
+    pyplot,
+    quiet_logs,
+    raw_loop,
+    request_frames,
+    save_plot,
+    table,
+    tensor,
+    verdict,
+    wait_echo,
+    wait_workers,
+    write_json,
+)
+
+from carpool.client import Client
+from carpool.common.protocol import Command
+
+TARGET = 0.5
+IN_FLIGHT = (8, 64)
+CONFIGS = ("echo (raw DEALER)", "fleet (raw DEALER)", "fleet (Client)")
+MODEL = "synthetic"
+
+
+Run = Callable[[int, int, float], LoopResult]  # (in flight, max requests, max seconds)
+
+
+def measure(
+    run: Run, in_flight: int, meters: dict[str, CpuMeter], duration_s: float
+) -> dict[str, Any]:
+    """One timed run of a loop, with the CPU share of each process over it."""
+    before = {name: sum(m.read()) for name, m in meters.items()}
+    t0 = time.perf_counter()
+    result = run(in_flight, 10_000_000, duration_s)
+    wall = time.perf_counter() - t0
+    cpu = {name: (sum(m.read()) - before[name]) / wall for name, m in meters.items()}
+    if result.errors:
+        print(f"  warning: {result.errors} requests failed")
+    return {"rate": result.rate, "completed": result.completed, "errors": result.errors, **cpu}
+
+
+def share(rounds: list[dict[str, Any]], key: str) -> str:
+    """Median CPU share of one process over the rounds, as a percentage of one core."""
+    if key not in rounds[0]:
+        return "-"
+    return f"{100 * median([r[key] for r in rounds]):.0f}%"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser(__doc__).parse_args(argv)
+    quiet_logs()
+    reps = args.reps or (2 if args.quick else 5)
+    duration_s = 0.6 if args.quick else 2.0
+    warmup_s = 0.2 if args.quick else 0.5
+    x = tensor((1, 16))
+    frames = request_frames(MODEL, x, timeout_s=10.0)
+    # samples[(config, in_flight)] = one dict per round
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {
+        (c, k): [] for c in CONFIGS for k in IN_FLIGHT
+    }
+    with ProcessGroup(args.transport) as group:
+        frontend, backend, echo_ep = (group.endpoint(n) for n in ("front", "back", "echo"))
+        broker = group.broker(frontend, backend)
+        worker = group.worker(backend, "--synthetic", "0", "0")
+        echo = group.echo(echo_ep)
+        wait_workers(frontend, 1, group)
+        wait_echo(echo_ep, group)
+        me = CpuMeter()
+        fleet_meters = {
+            "client_cpu": me,
+            "broker_cpu": CpuMeter(broker.pid),
+            "worker_cpu": CpuMeter(worker.pid),
+        }
+        echo_meters = {"client_cpu": me, "server_cpu": CpuMeter(echo.pid)}
+        with Client(frontend) as client:
+            y = client.infer(MODEL, {"x": x})["y"]
+            assert np.allclose(y, 2 * x + 1), "the fleet gave a wrong answer"
+            fleet_raw = dealer(frontend)
+            echo_raw = dealer(echo_ep)
+            try:
+                runs: dict[str, Run] = {}
+
+                def client_run(k: int, n: int, s: float) -> LoopResult:
+                    loop = FleetLoop(client, MODEL, {"x": x}, k)
+                    result = loop.run(n, s)
+                    loop.drain()
+                    return result
+
+                runs["fleet (Client)"] = client_run
+                runs["fleet (raw DEALER)"] = lambda k, n, s: raw_loop(
+                    fleet_raw, frames, k, n, s, expect_command=Command.REPLY
+                )
+                runs["echo (raw DEALER)"] = lambda k, n, s: raw_loop(echo_raw, frames, k, n, s)
+                for rnd in range(reps + 1):  # round 0 is the warm-up
+                    for k in IN_FLIGHT:
+                        for config in CONFIGS:
+                            meters = echo_meters if config.startswith("echo") else fleet_meters
+                            m = measure(
+                                runs[config], k, meters, warmup_s if rnd == 0 else duration_s
+                            )
+                            if rnd:
+                                samples[(config, k)].append(m)
+                    if rnd:
+                        print(f"round {rnd}/{reps} done")
+            finally:
+                fleet_raw.close()
+                echo_raw.close()
+
+    rows = []
+    summary: dict[str, Any] = {}
+    for k in IN_FLIGHT:
+        echo_rates = [s["rate"] for s in samples[("echo (raw DEALER)", k)]]
+        for config in CONFIGS:
+            ss = samples[(config, k)]
+            rates = [s["rate"] for s in ss]
+            ratios = [r / e for r, e in zip(rates, echo_rates, strict=True)]
+            entry = {
+                "median_rate": median(rates),
+                "ratio_to_echo": median(ratios),
+                "rounds": ss,
+            }
+            summary[f"{config} @ {k}"] = entry
+            rows.append(
+                [
+                    config,
+                    k,
+                    median(rates),
+                    f"{min(rates):,.0f}..{max(rates):,.0f}",
+                    f"{median(ratios):.3f}",
+                    share(ss, "client_cpu"),
+                    share(ss, "broker_cpu" if config.startswith("fleet") else "server_cpu"),
+                    share(ss, "worker_cpu"),
+                ]
+            )
+    print(
+        f"\nRequests/s, closed loop, 64-byte payloads, {args.transport}; median of {reps} "
+        "rounds (range in the next column)"
+    )
+    print(
+        table(
+            [
+                "configuration",
+                "in flight",
+                "req/s",
+                "range",
+                "x echo",
+                "client CPU",
+                "broker/echo CPU",
+                "worker CPU",
+            ],
+            rows,
+        )
+    )
+    checks = {k: summary[f"fleet (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in IN_FLIGHT}
+    for k, ok in checks.items():
+        ratio = summary[f"fleet (Client) @ {k}"]["ratio_to_echo"]
+        print(
+            f"target fleet (Client) >= {TARGET} x echo at {k} in flight: {ratio:.3f} {verdict(ok)}"
+        )
+    write_json(
+        "broker_ceiling",
+        {
+            "question": "broker + null worker requests/s vs a plain pyzmq echo",
+            "transport": args.transport,
+            "quick": args.quick,
+            "rounds": reps,
+            "duration_s": duration_s,
+            "payload": "float32 [1, 16] (64 bytes)",
+            "target": f"fleet (Client) >= {TARGET} x echo",
+            "pass": all(checks.values()),
+            "results": summary,
+        },
+    )
+    plot(summary, reps)
+    return 0
+
+
+def plot(summary: dict[str, Any], reps: int) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.25
+    xs = np.arange(len(IN_FLIGHT))
+    for i, config in enumerate(CONFIGS):
+        rates = [summary[f"{config} @ {k}"]["median_rate"] for k in IN_FLIGHT]
+        ax.bar(xs + (i - 1) * width, rates, width, label=config)
+    for j, k in enumerate(IN_FLIGHT):
+        echo = summary[f"echo (raw DEALER) @ {k}"]["median_rate"]
+        ax.hlines(TARGET * echo, j - 1.5 * width, j + 1.5 * width, colors="k", linestyles=":")
+    ax.set_xticks(xs, [f"{k} in flight" for k in IN_FLIGHT])
+    ax.set_ylabel("requests / s (median)")
+    ax.set_title(f"broker ceiling vs plain echo (dotted: target {TARGET} x echo), {reps} rounds")
+    ax.legend(fontsize=8)
+    save_plot(fig, "broker_ceiling")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""What does the fleet deliver on a real model on the CPU, with one and with two workers?
+
+Question: for the embedded orientation classifier (ONNX, [B, 3, 224, 224] float32, ONNX
+Runtime on the CPU with one intra-op thread per worker), what throughput and latency does
+the fleet give with one worker and with two, and how does that compare with calling the
+engine directly in this process?
+
+Method: two fleets run side by side as processes, each a broker (``carpool broker``,
+default batching policy) with one, resp. two, ``carpool worker --model orientation``
+workers. This process drives each in turn with a closed loop of 4 requests in flight
+(``carpool.client.Client.submit`` / ``poll``; one image per request, a new one sent as
+soon as one returns) for 4 s (1.5 s with --quick), timing every request. As a
+reference, ``OnnxRuntimeEngine(locate("orientation"), intra_op_threads=1).run`` is timed
+in this process at batch 1 and batch 8 for 1 s each (0.5 s with --quick), while the fleets
+are idle. Before measuring, the fleets' answer for one image is checked against the
+direct call. Configurations alternate; 5 rounds (2 with --quick); the table shows
+medians. Batch sizes come from the brokers' STATS.
+Note: on a 2-core machine the client, the broker and two workers share two cores, so
+two workers cannot double the throughput here; the CPU column shows the client's and the
+broker's share.
+
+Target: none fixed; the numbers to read are fleet (1 worker) / direct at batch 1 (the
+fleet's efficiency) and 2 workers / 1 worker (scaling).
+
+Run:  .venv/bin/python bench/real_model.py            (about a minute)
+      .venv/bin/python bench/real_model.py --quick    (a smoke run, under a minute)
+Writes bench/out/real_model.json and bench/out/real_model.png.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from common import (
+    CpuMeter,
+    FleetLoop,
+    ProcessGroup,
+    median,
+    parser,
+    pct,
+    pyplot,
+    quiet_logs,
+    save_plot,
+    table,
+    tensor,
+    wait_workers,
+    write_json,
+)
+
+from carpool.client import Client
+from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.models import locate
+
+MODEL = "orientation"
+IN_FLIGHT = 4
+WORKERS = (1, 2)
+DIRECT_BATCHES = (1, 8)
+
+
+def direct(engine: OnnxRuntimeEngine, x: Any, batch: int, duration_s: float) -> dict[str, float]:
+    """Samples per second of back-to-back engine calls at one batch size."""
+    name = engine.info.inputs[0].name
+    xb = {name: np.ascontiguousarray(np.repeat(x, batch, axis=0))}
+    engine.run(xb)
+    times: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < duration_s and len(times) < 100_000:
+        t0 = time.perf_counter()
+        engine.run(xb)
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    return {
+        "samples_per_s": batch * len(times) / wall,
+        "p50_ms": 1000 * pct(times, 50),
+        "p99_ms": 1000 * pct(times, 99),
+    }
+
+
+def batch_sizes(client: Client) -> Counter[int]:
+    sizes = client.stats()["batch_sizes"].get(MODEL, {})
+    return Counter({int(k): int(v) for k, v in sizes.items()})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser(__doc__).parse_args(argv)
+    quiet_logs()
+    reps = args.reps or (2 if args.quick else 5)
+    fleet_s = 1.5 if args.quick else 4.0
+    direct_s = 0.5 if args.quick else 1.0
+    x = tensor((1, 3, 224, 224))
+    engine = OnnxRuntimeEngine(locate(MODEL), max_batch=8, intra_op_threads=1)
+    expected = engine.run({engine.info.inputs[0].name: x})
+    out_name = engine.info.outputs[0].name
+    fleet_rounds: dict[int, list[dict[str, Any]]] = {w: [] for w in WORKERS}
+    direct_rounds: dict[int, list[dict[str, float]]] = {b: [] for b in DIRECT_BATCHES}
+    me = CpuMeter()
+    with ProcessGroup(args.transport) as group:
+        fleets: dict[int, tuple[str, CpuMeter]] = {}
+        for count in WORKERS:
+            frontend, backend = group.endpoint(f"front{count}"), group.endpoint(f"back{count}")
+            broker = group.broker(frontend, backend)
+            for _ in range(count):
+                group.worker(backend, "--model", MODEL, "--threads", "1")
+            fleets[count] = (frontend, CpuMeter(broker.pid))
+        for count, (frontend, _) in fleets.items():
+            wait_workers(frontend, count, group)
+        for rnd in range(reps + 1):  # round 0 is the warm-up
+            for count, (frontend, broker_cpu) in fleets.items():
+                with Client(frontend) as client:
+                    if rnd == 0:
+                        got = client.infer(MODEL, {"x": x})[out_name]
+                        assert np.allclose(got, expected[out_name], atol=1e-4), "wrong answer"
+                    sizes0 = batch_sizes(client)
+                    cpu0 = sum(me.read()), sum(broker_cpu.read())
+                    t0 = time.perf_counter()
+                    loop = FleetLoop(client, MODEL, {"x": x}, IN_FLIGHT, latencies=True)
+                    result = loop.run(100_000, fleet_s if rnd else fleet_s / 3)
+                    loop.drain()
+                    wall = time.perf_counter() - t0
+                    cpu1 = sum(me.read()), sum(broker_cpu.read())
+                    sizes = batch_sizes(client) - sizes0
+                if result.errors:
+                    print(f"  warning: {result.errors} requests failed")
+                if rnd:
+                    batches = sum(sizes.values())
+                    fleet_rounds[count].append(
+                        {
+                            "completed": result.completed,
+                            "errors": result.errors,
+                            "rate": result.rate,
+                            "p50_ms": 1000 * pct(result.latencies_s, 50),
+                            "p99_ms": 1000 * pct(result.latencies_s, 99),
+                            "mean_batch": sum(k * v for k, v in sizes.items()) / max(1, batches),
+                            "client_cpu": (cpu1[0] - cpu0[0]) / wall,
+                            "broker_cpu": (cpu1[1] - cpu0[1]) / wall,
+                        }
+                    )
+            for b in DIRECT_BATCHES:
+                d = direct(engine, x, b, direct_s if rnd else direct_s / 3)
+                if rnd:
+                    direct_rounds[b].append(d)
+            if rnd:
+                print(f"round {rnd}/{reps} done")
+    engine.close()
+
+    fleet = {
+        w: {
+            m: median([r[m] for r in fleet_rounds[w]])
+            for m in ("rate", "p50_ms", "p99_ms", "mean_batch", "client_cpu", "broker_cpu")
+        }
+        for w in WORKERS
+    }
+    base = {
+        b: {m: median([r[m] for r in direct_rounds[b]]) for m in direct_rounds[b][0]}
+        for b in DIRECT_BATCHES
+    }
+    ref = base[1]["samples_per_s"]
+    rows: list[list[object]] = [
+        [
+            f"direct, batch {b}",
+            base[b]["samples_per_s"],
+            "-",
+            base[b]["p50_ms"],
+            base[b]["p99_ms"],
+            float(b),
+            "-",
+            f"{base[b]['samples_per_s'] / ref:.2f}",
+        ]
+        for b in DIRECT_BATCHES
+    ]
+    rows += [
+        [
+            f"fleet, {w} worker{'s' if w > 1 else ''}",
+            fleet[w]["rate"],
+            f"{IN_FLIGHT}",
+            fleet[w]["p50_ms"],
+            fleet[w]["p99_ms"],
+            fleet[w]["mean_batch"],
+            f"{100 * fleet[w]['client_cpu']:.0f}% / {100 * fleet[w]['broker_cpu']:.0f}%",
+            f"{fleet[w]['rate'] / ref:.2f}",
+        ]
+        for w in WORKERS
+    ]
+    print(
+        f"\norientation classifier, [1, 3, 224, 224] float32 per request, ONNX Runtime CPU, "
+        f"1 thread per engine, {args.transport}; median of {reps} rounds"
+    )
+    print(
+        table(
+            [
+                "configuration",
+                "images/s",
+                "in flight",
+                "p50 ms",
+                "p99 ms",
+                "mean batch",
+                "client/broker CPU",
+                "x direct b1",
+            ],
+            rows,
+        )
+    )
+    efficiency = fleet[1]["rate"] / ref
+    scaling = fleet[2]["rate"] / fleet[1]["rate"]
+    print(f"fleet with 1 worker / direct at batch 1: {efficiency:.2f}")
+    print(f"fleet with 2 workers / 1 worker: {scaling:.2f}")
+    write_json(
+        "real_model",
+        {
+            "question": "orientation classifier: fleet with 1 and 2 workers vs direct calls",
+            "transport": args.transport,
+            "quick": args.quick,
+            "rounds": reps,
+            "in_flight": IN_FLIGHT,
+            "fleet": fleet,
+            "direct": base,
+            "efficiency_1_worker": efficiency,
+            "scaling_2_over_1": scaling,
+            "fleet_rounds": fleet_rounds,
+            "direct_rounds": direct_rounds,
+        },
+    )
+    plot(fleet, base, reps)
+    return 0
+
+
+def plot(fleet: dict[int, dict[str, float]], base: dict[int, dict[str, float]], reps: int) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [f"direct b{b}" for b in DIRECT_BATCHES] + [f"fleet {w}w" for w in WORKERS]
+    rates = [base[b]["samples_per_s"] for b in DIRECT_BATCHES] + [fleet[w]["rate"] for w in WORKERS]
+    axes[0].bar(labels, rates, color=["tab:gray"] * len(DIRECT_BATCHES) + ["tab:blue"] * 2)
+    axes[0].set_ylabel("images / s (median)")
+    axes[0].set_title("throughput")
+    xs = np.arange(len(WORKERS))
+    axes[1].bar(xs - 0.2, [fleet[w]["p50_ms"] for w in WORKERS], 0.4, label="p50")
+    axes[1].bar(xs + 0.2, [fleet[w]["p99_ms"] for w in WORKERS], 0.4, label="p99")
+    axes[1].set_xticks(xs, [f"{w} worker{'s' if w > 1 else ''}" for w in WORKERS])
+    axes[1].set_ylabel(f"latency ms ({IN_FLIGHT} in flight)")
+    axes[1].set_title("fleet latency")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"orientation classifier on the CPU ({reps} rounds)")
+    save_plot(fig, "real_model")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
