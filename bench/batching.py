@@ -247,8 +247,9 @@ def plot(stationary_rows: list[dict[str, object]], path: Path) -> bool:
     for i, name in enumerate(policies):
         good = [s["rows"][i]["goodput_rps"] for s in stationary_rows]  # type: ignore[index]
         p99 = [s["rows"][i]["p99_ms"] for s in stationary_rows]  # type: ignore[index]
-        axes[0].plot(rates, good, marker="o", label=str(name))
-        axes[1].plot(rates, p99, marker="o", label=str(name))
+        label = "best fixed (grid, per load)" if str(name).startswith("best fixed") else str(name)
+        axes[0].plot(rates, good, marker="o", label=label)
+        axes[1].plot(rates, p99, marker="o", label=label)
     axes[0].plot(rates, rates, "k:", label="offered")
     axes[0].set(xlabel="offered load (req/s)", ylabel="goodput (req/s)", title="goodput")
     axes[1].set(xlabel="offered load (req/s)", ylabel="p99 latency of answers (ms)", title="p99")
