@@ -8,12 +8,10 @@ DONTWAIT, so a vanished or slow peer is reported to the core instead of stalling
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import math
-import os
 from types import TracebackType
 
 import zmq
@@ -21,6 +19,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.wake import WakePipe
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +56,12 @@ class BrokerServer:
         self.frontend = self._router(self.config.frontend)
         self.backend = self._router(self.config.backend)
         self._sockets = {Side.FRONTEND: self.frontend, Side.BACKEND: self.backend}
-        # A pipe that stop() writes to, so a blocked poll wakes from any thread or signal.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        # stop() wakes a blocked poll from any thread or a signal handler.
+        self._wake = WakePipe()
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.backend, zmq.POLLIN)
-        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.poller.register(self._wake.fd, zmq.POLLIN)
         self._stopping = False
         self._closed = False
         logger.info(
@@ -111,8 +108,8 @@ class BrokerServer:
             handled += self._drain(self.frontend, Side.FRONTEND)
         if self.backend in events:
             handled += self._drain(self.backend, Side.BACKEND)
-        if self._wake_r in events:
-            self._clear_wake()
+        if self._wake.fd in events:
+            self._wake.clear()
         self._send(self.core.on_tick(self.clock.now()))
         if self._trace is not None and self.core.recording:
             self._write_trace()
@@ -169,16 +166,7 @@ class BrokerServer:
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the current turn."""
         self._stopping = True
-        # A full or closed pipe means the loop is waking anyway.
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-
-    def _clear_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wake.wake()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,8 +178,7 @@ class BrokerServer:
             self._trace.close()
         self.frontend.close(linger=0)
         self.backend.close(linger=0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
         if self._own_context:
             self.context.term()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -25,6 +24,7 @@ from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import ModelSpec
+from carpool.common.wake import WakePipe
 from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
 from carpool.worker.tensors import replies, stack
@@ -93,9 +93,7 @@ class WorkerServer:
         self.core = WorkerCore(
             name, started, slots=slots, heartbeat_s=heartbeat_s, liveness=liveness
         )
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()  # stop() wakes a blocked poll
         self._stopping = False
         self._closed = False
         self.dealer = self._connect()
@@ -111,7 +109,7 @@ class WorkerServer:
         self.poller = zmq.Poller()
         self.poller.register(dealer, zmq.POLLIN)
         self.poller.register(self._results, zmq.POLLIN)
-        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.poller.register(self._wake.fd, zmq.POLLIN)
         self._send(dealer, self.core.on_connect(self.clock.now()))
         logger.info("worker %s connected to %s", self.core.name, self.broker)
         return dealer
@@ -145,12 +143,8 @@ class WorkerServer:
             handled += self._drain_results()
         if self.dealer in events:
             handled += self._drain_broker()
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+        if self._wake.fd in events:
+            self._wake.clear()
         messages, reconnect = self.core.on_tick(self.clock.now())
         for frames in messages:
             self._send(self.dealer, frames)
@@ -219,8 +213,7 @@ class WorkerServer:
     def stop(self) -> None:
         """Ask :meth:`serve` to return (safe from any thread or a signal handler)."""
         self._stopping = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        self._wake.wake()
 
     # ------------------------------------------------------------------ inference thread
 
@@ -265,8 +258,7 @@ class WorkerServer:
         self._thread.join(timeout=30)
         self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
         self._results.close(linger=0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
         if self._own_context:
             self.context.term()
 

@@ -1,0 +1,31 @@
+"""wake.py: WakePipe — lets any thread or a signal handler wake a blocked zmq poll.
+
+A non-blocking os.pipe whose read end a shell registers in its ``zmq.Poller``;
+``wake()`` writes a byte (safe from a signal handler), ``clear()`` drains it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+class WakePipe:
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()  # poll `fd`
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self) -> None:
+        # A full or closed pipe means a wake-up is pending or nobody is listening.
+        with contextlib.suppress(OSError):
+            os.write(self._write_fd, b"x")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 4096):
+                pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._write_fd)
