@@ -43,14 +43,22 @@ from carpool.worker.core import BusyMeter
 
 @dataclass(frozen=True, slots=True)
 class EngineCost:
-    """Batch cost ``fixed_cost_s + per_sample_s·n``, times a factor ~ N(1, jitter)."""
+    """Batch cost ``fixed_cost_s + per_sample_s·n``, times a factor ~ N(1, jitter).
+
+    With ``reference_items`` set, ``per_sample_s`` is the cost of a sample of that many
+    elements and scales with the batch's item size (a 720p frame costs less than 1080p).
+    """
 
     fixed_cost_s: float
     per_sample_s: float
     jitter: float = 0.0
+    reference_items: int = 0
 
-    def duration_s(self, samples: int, rng: random.Random) -> float:
-        base = self.fixed_cost_s + self.per_sample_s * samples
+    def duration_s(self, samples: int, rng: random.Random, items: int = 0) -> float:
+        per_sample = self.per_sample_s
+        if self.reference_items and items:
+            per_sample *= items / self.reference_items
+        base = self.fixed_cost_s + per_sample * samples
         if self.jitter <= 0:
             return base
         return base * max(0.5, rng.gauss(1.0, self.jitter))
@@ -185,7 +193,8 @@ def simulate(
         batch = worker.queue.popleft()
         worker.running = batch
         worker.started_s = now
-        worker.duration_s = worker.spec.cost.duration_s(batch.total_samples, rng)
+        items = math.prod(batch.inputs[0].shape[1:])
+        worker.duration_s = worker.spec.cost.duration_s(batch.total_samples, rng, items)
         worker.meter.running_since = now
         push(now + worker.duration_s, _FINISH, worker)
 
