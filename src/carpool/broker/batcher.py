@@ -209,6 +209,12 @@ class RequestQueue:
         for req in taken:
             self.samples -= req.samples
             self.count -= 1
+        # FIFO takes never pop the deadline heaps: rebuild them once stale entries dominate.
+        for i, heap in enumerate(self._heaps):
+            if len(heap) > 2 * self.count + 64:
+                live = [e for e in heap if e[2].state is RequestState.QUEUED]
+                heapq.heapify(live)
+                self._heaps[i][:] = live
 
     def __iter__(self) -> Iterator[PendingRequest]:
         return (r for r in self._arrivals if r.state is RequestState.QUEUED)

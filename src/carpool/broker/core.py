@@ -369,7 +369,7 @@ class BrokerCore:
                 start += count
                 if req.state is not RequestState.DISPATCHED:
                     continue  # already answered (deadline passed while in flight)
-                req.state = RequestState.DONE
+                _finish(req, RequestState.DONE)
                 self.stats.replies += 1
                 out.append(self._to_client(req.client, req.delimited, frames))
         self._pump_models(now, worker.models, out)
@@ -407,7 +407,7 @@ class BrokerCore:
     ) -> None:
         for req in batch.requests:
             if req.state is RequestState.DISPATCHED:
-                req.state = RequestState.FAILED
+                _finish(req, RequestState.FAILED)
                 out.append(self._request_error(req, code, message))
 
     def _lose_worker(
@@ -430,7 +430,7 @@ class BrokerCore:
                     self._enqueued(req)
                     self.stats.requeued += 1
                 else:
-                    req.state = RequestState.FAILED
+                    _finish(req, RequestState.FAILED)
                     msg = f"worker {worker.name} was lost while running the request ({reason})"
                     out.append(self._request_error(req, ErrorCode.UNAVAILABLE, msg))
         worker.outstanding.clear()
@@ -452,7 +452,8 @@ class BrokerCore:
     def on_tick(self, now: float) -> list[Outgoing]:
         """Expire deadlines and workers, send due heartbeats, and leave due batches."""
         out: list[Outgoing] = []
-        self._expire(now, out)
+        for key in self._expire(now, out):
+            self._pump(now, self._queues[key], out)
         for worker in self.registry.expired(now):
             self._lose_worker(now, worker, "heartbeat expired", out)
         for worker in self.registry.all():
@@ -470,20 +471,25 @@ class BrokerCore:
         for key in idle:
             del self._queues[key]
             self._wake_s.pop(key, None)
+            self._inputs_cache.pop(key, None)
         return out
 
-    def _expire(self, now: float, out: list[Outgoing]) -> None:
-        """Answer every request whose deadline has passed, queued or in flight."""
+    def _expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
+        """Answer every request whose deadline has passed, queued or in flight; returns the
+        keys of queues that lost a request (what was behind it may leave now)."""
+        touched: set[RequestKey] = set()
         for req in self._deadlines.pop_expired(now):
             if req.state is RequestState.QUEUED:
                 self._queues[req.key].forget(req)
                 self._dequeued(req)
+                touched.add(req.key)
             if self.registry.serving(req.model):
                 code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
             else:
                 code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
-            req.state = RequestState.EXPIRED
+            _finish(req, RequestState.EXPIRED)
             out.append(self._request_error(req, code, msg))
+        return touched
 
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time ``on_tick`` has work: a batch wait, a deadline, a heartbeat."""
@@ -608,7 +614,7 @@ class BrokerCore:
             return None
         for req in queue.shed(now + lead_s):
             self._dequeued(req)
-            req.state = RequestState.EXPIRED
+            _finish(req, RequestState.EXPIRED)
             self.stats.shed += 1
             msg = "deadline cannot be met: predicted completion lies past it"
             out.append(self._request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
@@ -621,7 +627,9 @@ class BrokerCore:
         policy = self._policy(model)
         self._wake_s.pop(queue.key, None)
         # Events can outrun ticks: never send a request whose deadline has already passed.
-        self._expire(now, out)
+        for key in self._expire(now, out):
+            if key != queue.key:
+                self._wake_s[key] = now  # the next tick looks at what was behind it
         shed_at = self._shed(now, queue, out)
         while True:
             head = queue.head()
@@ -649,7 +657,11 @@ class BrokerCore:
             if worker.lanes[model].max_batch < first.samples:
                 bigger = self.registry.best_free(model, first.samples)
                 if bigger is None:
-                    return  # only a busy worker can take it; its RESULT pumps again
+                    # Only a busy worker can take it; its RESULT pumps again, and shedding
+                    # keeps its own time.
+                    if shed_at is not None:
+                        self._wake_s[queue.key] = shed_at
+                    return
                 worker, capacity = bigger, self._capacity(now, bigger, queue.key)
             share_sps = queue.arrival_sps(now) / max(1, len(self.registry.serving(model)))
             view = QueueView(queue.samples, head.arrival_s, urgent.deadline_s, share_sps)
@@ -682,7 +694,7 @@ class BrokerCore:
             msg = "deadline cannot be met: predicted completion lies past it"
             for req in requests:
                 if req.deadline_s < done_s:
-                    req.state = RequestState.EXPIRED
+                    _finish(req, RequestState.EXPIRED)
                     self.stats.shed += 1
                     out.append(self._request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
         return keep
@@ -805,6 +817,13 @@ class BrokerCore:
                 for w in self.registry.all()
             ],
         }
+
+
+def _finish(req: PendingRequest, state: RequestState) -> None:
+    """A request leaves for good: drop its payload frames now (not at its deadline, when
+    its deadline-heap entry goes), so answered requests hold no tensor memory."""
+    req.state = state
+    req.payloads = ()
 
 
 def _lane_snapshot(lane: Lane) -> dict[str, Any]:

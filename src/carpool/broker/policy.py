@@ -151,7 +151,10 @@ class DeadlinePolicy:
         budget = slack / self._stretch(cost) - capacity.ready_in_s - cost.fixed_cost_s
         if cost.per_sample_s <= 0:
             return 1
-        return max(1, min(target, math.floor(budget / cost.per_sample_s + 1e-9)))
+        fits = budget / cost.per_sample_s
+        if not math.isfinite(fits):  # a vanishing per-sample cost
+            return target if fits > 0 else 1
+        return max(1, min(target, math.floor(fits + 1e-9)))
 
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
         """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with

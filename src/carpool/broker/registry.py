@@ -43,9 +43,14 @@ class Lane:
         model = self.latency.get(key) if key is not None else None
         return model.cost if model is not None else CostEstimate()
 
+    #: Item shapes whose costs a lane remembers (clients choose shapes; keep it bounded).
+    MAX_SHAPES = 64
+
     def observe(self, key: RequestKey, samples: int, duration_s: float) -> None:
         model = self.latency.get(key)
         if model is None:
+            if len(self.latency) >= self.MAX_SHAPES:
+                del self.latency[next(iter(self.latency))]  # the longest-known shape goes
             model = self.latency[key] = LatencyModel()
         model.observe(samples, duration_s)
         self.last_key = key

@@ -39,6 +39,10 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 
 
+#: Bytes per element of each wire dtype.
+ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
+
+
 def wire_dtype(dtype: np.dtype[Any] | str | type) -> str:
     """The wire name of a numpy dtype; raises ProtocolError for unsupported ones."""
     dt = np.dtype(dtype)

@@ -77,6 +77,9 @@ class Priority(IntEnum):
     BULK = 1
 
 
+_PRIORITIES = (Priority.INTERACTIVE, Priority.BULK)
+
+
 class Frame(Protocol):
     """Anything that can travel as a frame: bytes, memoryview, zmq.Frame."""
 
@@ -89,6 +92,9 @@ def view(frame: Frame) -> memoryview:
 
 
 _HEADERS: dict[Command, bytes] = {cmd: MAGIC + bytes((PROTOCOL_VERSION, cmd)) for cmd in Command}
+
+
+_COMMANDS: dict[bytes, Command] = {h: cmd for cmd, h in _HEADERS.items()}
 
 
 def header(command: Command) -> bytes:
@@ -113,6 +119,9 @@ def parse_header(frame: bytes | memoryview) -> Command:
         VersionMismatch: valid magic, other version.
         ProtocolError: anything else that is not a v1 header with a known command.
     """
+    command = _COMMANDS.get(bytes(frame))  # the common case: a v1 header, one lookup
+    if command is not None:
+        return command
     if len(frame) != HEADER_BYTES or bytes(frame[:2]) != MAGIC:
         raise ProtocolError("not a carpool header frame (expected b'CP' + version + command)")
     version = frame[2]
@@ -189,7 +198,7 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         """Payload size in bytes (only meaningful when no dim is dynamic)."""
-        return math.prod(self.shape) * codec.numpy_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * codec.ITEMSIZE[self.dtype]
 
     def to_wire(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
@@ -286,7 +295,7 @@ def decode_submit(meta: dict[str, Any]) -> Submit:
     if type(prio) is not int or prio not in (0, 1):
         raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
     inputs = _tensor_list(meta.get("inputs"), "request inputs")
-    return Submit(rid, model, timeout, inputs, Priority(prio))
+    return Submit(rid, model, timeout, inputs, _PRIORITIES[prio])
 
 
 def encode_request(submit: Submit, payloads: Sequence[object]) -> list[Any]:

@@ -192,3 +192,24 @@ def test_every_request_ends_exactly_once_within_the_rules(policy: str, script: l
     snapshot = world.core.snapshot()
     assert snapshot["queued"] == 0
     assert snapshot["inflight_batches"] == 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "carpool"])
+def test_answered_requests_release_payloads_and_heaps_stay_bounded(policy: str) -> None:
+    """A long run must not keep tensors of answered requests, nor deadline-heap entries
+    that FIFO dispatch never pops (found by review)."""
+    config = BrokerConfig(batching=BatchingConfig(max_batch=B_MAX, max_wait_s=0.0, policy=policy))
+    world = World(policy, BrokerCore(config))
+    world.join(0)
+    kept = []
+    for i in range(2000):
+        world.apply(("arrive", 0, 1, 200, 0))
+        if world.workers[0].batches:
+            world.apply(("finish", 0, 0))
+        if i == 10:
+            kept = [r for q in world.core._queues.values() for r in q._heaps[0]]
+    world.drain()
+    assert all(count == 1 for count in world.answers.values())
+    queues = list(world.core._queues.values())
+    assert all(len(heap) <= 64 + 2 * q.count for q in queues for heap in q._heaps)
+    assert all(entry[2].payloads == () for entry in kept)  # answered long ago: no tensors

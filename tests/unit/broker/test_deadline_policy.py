@@ -440,11 +440,12 @@ def test_deadline_policy_never_waits_into_the_past(
     if isinstance(decision, WaitUntil):
         assert math.isfinite(decision.t)
         assert decision.t > now
-        # The wait is bounded by T_max, the worker's backlog and the floor's fill time.
-        fill_s = 0.0
+        # The wait is bounded by T_max, the worker's backlog and the moment the floor should
+        # have filled, counted from the oldest arrival.
+        filled_at = -math.inf
         if queue.arrival_sps > 0:
-            fill_s = max(0, policy.floor(queue, capacity) - queue.samples) / queue.arrival_sps
-        bound = max(queue.oldest_arrival_s + max_wait_s, now + capacity.ready_in_s, now + fill_s)
+            filled_at = queue.oldest_arrival_s + policy.floor(queue, capacity) / queue.arrival_sps
+        bound = max(queue.oldest_arrival_s + max_wait_s, now + capacity.ready_in_s, filled_at)
         assert decision.t <= bound + 1e-9
     else:
         assert 1 <= decision.max_samples <= min(max_batch, capacity.hard_max)
