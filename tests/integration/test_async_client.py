@@ -36,3 +36,17 @@ def test_async_client_many_in_flight(fleet_factory: Any) -> None:
             assert max(int(s) for s in stats["batch_sizes"]["m"]) > 1
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_closing_with_requests_in_flight_fails_them_typed(tmp_path: Any) -> None:
+    from carpool.client import Unavailable
+
+    async def main() -> None:
+        client = AsyncClient(f"ipc://{tmp_path}/nobody")  # no broker: nothing will answer
+        future = await client.submit("m", {"x": np.ones((1, 3), np.float32)}, timeout_s=5)
+        await client.close()
+        with pytest.raises(Unavailable):
+            await future
+
+    asyncio.run(main())

@@ -20,7 +20,7 @@ from numpy.typing import ArrayLike, NDArray
 from carpool.client.core import ClientCore, InferResult
 from carpool.client.sync import ClientState
 from carpool.common.clock import Clock, MonotonicClock
-from carpool.common.errors import CarpoolError, ProtocolError, RequestError
+from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
 
 
@@ -85,13 +85,25 @@ class AsyncClient:
         self._stats_id, frames = self.core.stats_request()
         await self.socket.send_multipart(frames)
         self._ensure_reader()
-        return await asyncio.wait_for(self._stats, timeout_s)
+        try:
+            return await asyncio.wait_for(self._stats, timeout_s)
+        finally:
+            self._stats = None  # answered or given up: the reader may go idle
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
+        try:
+            await self._read_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the socket failed: nobody must wait forever
+            for rid in list(self._futures):
+                self._settle(rid, Unavailable(f"client socket failed: {exc}", request_id=rid))
+
+    async def _read_loop(self) -> None:
         while self.state is ClientState.OPEN:
             deadline = self.core.next_deadline()
             if deadline is None and not self._futures and self._stats is None:
@@ -145,17 +157,17 @@ class AsyncClient:
         if self.state is ClientState.CLOSED:
             return
         self.state = ClientState.CLOSED
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        for future in self._futures.values():
-            if not future.done():
-                future.cancel()
-        self._futures.clear()
-        self.socket.close(linger=0)
-        if self._own_context:
-            self.context.term()
+        try:
+            if self._reader is not None:
+                self._reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._reader
+        finally:
+            for rid in list(self._futures):
+                self._settle(rid, Unavailable("the client was closed", request_id=rid))
+            self.socket.close(linger=0)
+            if self._own_context:
+                self.context.term()
 
     async def __aenter__(self) -> AsyncClient:
         return self

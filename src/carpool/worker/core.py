@@ -208,6 +208,12 @@ class WorkerCore:
             self.meter.running_since = now
         self._in_thread += 1
 
+    def on_batches_dropped(self, count: int) -> None:
+        """Batches handed over but taken back before they started (on reconnect)."""
+        self._in_thread = max(0, self._in_thread - count)
+        if self._in_thread == 0:
+            self.meter.running_since = None
+
     def _finished(self, started_s: float, ended_s: float) -> None:
         self.meter.add(started_s, ended_s)
         self._in_thread = max(0, self._in_thread - 1)

@@ -116,15 +116,25 @@ class WorkerServer:
 
     def _reconnect(self, reason: str) -> None:
         logger.warning("worker %s reconnecting: %s", self.core.name, reason)
+        # Batches of the old connection not started yet would only delay the new ones: the
+        # broker has requeued them (their results would be dropped anyway).
+        dropped = 0
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._jobs.get_nowait()
+                dropped += 1
+        self.core.on_batches_dropped(dropped)
         self.dealer.close(linger=0)
         self.dealer = self._connect()
 
-    def _send(self, sock: zmq.Socket[bytes], frames: list[Any]) -> None:
+    def _send(self, sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
         try:
             sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             # The broker is not taking messages; liveness will notice and reconnect.
             logger.warning("worker %s: broker not reading, message dropped", self.core.name)
+            return False
+        return True
 
     # ------------------------------------------------------------------ loop
 
@@ -202,8 +212,11 @@ class WorkerServer:
                     info["counts"],
                     parts[1:],
                 )
-            if msg is not None:
-                self._send(self.dealer, msg)
+            if msg is not None and not self._send(self.dealer, msg):
+                # A lost RESULT would hold its credit at the broker for good while heartbeats
+                # still arrive: start over, so the broker requeues what this worker held.
+                self._reconnect("a result could not be sent")
+                return n
 
     def serve(self) -> None:
         """Loop until :meth:`stop`; then say DISCONNECT to the broker."""

@@ -332,3 +332,14 @@ def test_meter_forgets_old_spans() -> None:
     assert meter.rho(T0 + 1.25) == pytest.approx(0.25)
     assert meter.rho(T0 + 1.5) == 0.0
     assert meter.rho(T0 + 1.0) == 0.0  # pruned, not recomputed
+
+
+def test_batches_taken_back_on_reconnect_leave_the_meter_idle() -> None:
+    core = WorkerCore("w", [], heartbeat_s=1.0)
+    core.on_batch_queued(10.0)
+    core.on_batch_queued(10.0)
+    core.on_batches_dropped(1)
+    assert core.meter.running_since == 10.0  # one is still running
+    core.on_batches_dropped(5)
+    assert core.meter.running_since is None
+    assert core.meter.rho(10.5) == 0.0
