@@ -208,6 +208,11 @@ class WorkerCore:
             self.meter.running_since = now
         self._in_thread += 1
 
+    @property
+    def idle_thread(self) -> bool:
+        """No batch is with the inference thread."""
+        return self._in_thread == 0
+
     def on_batches_dropped(self, count: int) -> None:
         """Batches handed over but taken back before they started (on reconnect)."""
         self._in_thread = max(0, self._in_thread - count)

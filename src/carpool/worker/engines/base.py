@@ -36,7 +36,12 @@ class EngineInfo:
 
 
 class Engine(Protocol):
-    """An inference backend for one model."""
+    """An inference backend for one model.
+
+    An engine may set ``thread_bound = False`` (ONNX Runtime and the synthetic engine do) to
+    let the worker run very short batches on its loop thread; engines without it (TensorRT,
+    whose CUDA context belongs to the inference thread) always run on the inference thread.
+    """
 
     @property
     def info(self) -> EngineInfo: ...

@@ -53,6 +53,9 @@ class OnnxRuntimeEngine:
         preferred_batch: sizes to advertise to the broker.
     """
 
+    #: May be called from any one thread at a time (not bound to the thread that built it).
+    thread_bound = False
+
     def __init__(
         self,
         path: str | Path,

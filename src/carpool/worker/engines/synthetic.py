@@ -37,6 +37,9 @@ class SyntheticEngine:
         clock: how to wait; the real clock by default.
     """
 
+    #: May be called from any one thread at a time (not bound to the thread that built it).
+    thread_bound = False
+
     def __init__(
         self,
         *,
