@@ -15,15 +15,11 @@ import argparse
 import csv
 import json
 import logging
-from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
-from numpy.typing import NDArray
 
 from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
-from carpool.loadgen import BenchReport, run
+from carpool.loadgen import BenchReport, run, synthetic_inputs
 from carpool.sim import workload
 from carpool.sim.workload import Arrival
 
@@ -101,17 +97,6 @@ def _arrivals(args: argparse.Namespace) -> list[Arrival]:
     )
 
 
-def _inputs(arrivals: Sequence[Arrival], name: str, dtype: str) -> list[dict[str, NDArray[Any]]]:
-    cache: dict[tuple[int, ...], NDArray[Any]] = {}
-    out = []
-    for a in arrivals:
-        x = cache.get(a.shape)
-        if x is None:
-            x = cache[a.shape] = np.ones(a.shape, DTYPES[dtype])
-        out.append({name: x})
-    return out
-
-
 def print_report(report: BenchReport) -> None:
     lat = report.latency_ms
     errors = ", ".join(f"{k} {v}" for k, v in sorted(report.errors.items())) or "none"
@@ -152,7 +137,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report = run(
         args.endpoint,
         items,
-        _inputs(items, args.input_name, args.dtype),
+        synthetic_inputs(items, args.input_name, args.dtype),
         warmup_s=warmup,
         progress=not args.no_progress,
         end_s=None if args.trace else args.warmup_s + args.duration_s,
@@ -182,7 +167,7 @@ def run_replay(args: argparse.Namespace) -> int:
     report = run(
         args.endpoint,
         items,
-        _inputs(items, args.input_name, args.dtype),
+        synthetic_inputs(items, args.input_name, args.dtype),
         warmup_s=0.0,
         progress=True,
     )

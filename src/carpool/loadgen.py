@@ -25,6 +25,7 @@ from numpy.typing import NDArray
 
 from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.codec import DTYPES
 from carpool.common.protocol import Priority
 from carpool.sim.simulator import SimResult
 from carpool.sim.workload import Arrival
@@ -235,10 +236,19 @@ def run(
     return report
 
 
-def synthetic_inputs(arrivals: Sequence[Arrival]) -> list[dict[str, NDArray[Any]]]:
-    """Input ``x`` of each arrival's shape (float32 ones), for a SyntheticEngine."""
+def synthetic_inputs(
+    arrivals: Sequence[Arrival], name: str = "x", dtype: str = "float32"
+) -> list[dict[str, NDArray[Any]]]:
+    """One input of each arrival's shape (ones; one array per shape), e.g. for a
+    SyntheticEngine."""
     cache: dict[tuple[int, ...], NDArray[Any]] = {}
-    return [{"x": cache.setdefault(a.shape, np.ones(a.shape, np.float32))} for a in arrivals]
+    out = []
+    for a in arrivals:
+        x = cache.get(a.shape)
+        if x is None:
+            x = cache[a.shape] = np.ones(a.shape, DTYPES[dtype])
+        out.append({name: x})
+    return out
 
 
 @dataclass(slots=True)

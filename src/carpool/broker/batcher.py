@@ -50,8 +50,7 @@ class PendingRequest:
     priority: Priority
     arrival_s: float
     deadline_s: float
-    inputs: tuple[TensorMeta, ...]
-    payloads: Sequence[Frame]
+    payloads: Sequence[Frame]  # in spec order; the key holds their names, dtypes, shapes
     state: RequestState = RequestState.QUEUED
     attempts: int = 0
 

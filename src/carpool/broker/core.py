@@ -85,10 +85,8 @@ class Outgoing:
 class InflightBatch:
     batch_id: int
     worker: WorkerId
-    model: str
     requests: list[PendingRequest]
-    sent_s: float
-    key: RequestKey
+    key: RequestKey  # key[0] is the model
     samples: int
     predicted_s: float  # the cost model's duration estimate at dispatch
 
@@ -263,7 +261,6 @@ class BrokerCore:
             priority=submit.priority,
             arrival_s=now,
             deadline_s=now + timeout_s,
-            inputs=inputs,
             payloads=ordered,
         )
         queue = self._queue(req.key)
@@ -350,7 +347,7 @@ class BrokerCore:
         batch = self._take_batch(now, worker, result.batch_id)
         if batch is None:
             return
-        lane = worker.lanes.get(batch.model)
+        lane = worker.lanes.get(batch.key[0])
         if lane is not None and result.compute_ms > 0:
             lane.observe(batch.key, batch.samples, result.compute_ms / 1000.0)
         self._on_load(now, worker, result.rho)
@@ -384,7 +381,7 @@ class BrokerCore:
         logger.warning(
             "batch failed worker=%s model=%s code=%s: %s",
             worker.name,
-            batch.model,
+            batch.key[0],
             failed.code.name,
             failed.message,
         )
@@ -592,6 +589,15 @@ class BrokerCore:
             if queue.key[0] in names and queue.count:
                 self._pump(now, queue, out)
 
+    def _view(
+        self, now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest
+    ) -> QueueView:
+        """What the policy sees of a queue; its arrival rate is shared among the workers."""
+        workers = max(1, len(self.registry.serving(queue.key[0])))
+        return QueueView(
+            queue.samples, head.arrival_s, urgent.deadline_s, queue.arrival_sps(now) / workers
+        )
+
     def _shed(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> float | None:
         """Answer the queue's hopeless requests now; return when the next one turns
         hopeless (None if that cannot be predicted)."""
@@ -605,8 +611,7 @@ class BrokerCore:
         head = queue.head()
         if head is None:
             return None
-        share_sps = queue.arrival_sps(now) / len(workers)
-        view = QueueView(queue.samples, head.arrival_s, head.deadline_s, share_sps)
+        view = self._view(now, queue, head, head)
         lead_s = min(
             policy.shed_before(now, view, self._capacity(now, w, queue.key)) - now for w in workers
         )
@@ -663,8 +668,7 @@ class BrokerCore:
                         self._wake_s[queue.key] = shed_at
                     return
                 worker, capacity = bigger, self._capacity(now, bigger, queue.key)
-            share_sps = queue.arrival_sps(now) / max(1, len(self.registry.serving(model)))
-            view = QueueView(queue.samples, head.arrival_s, urgent.deadline_s, share_sps)
+            view = self._view(now, queue, head, urgent)
             decision = policy.decide(now, view, capacity)
             if not isinstance(decision, Dispatch):
                 wake = decision.t if shed_at is None else min(decision.t, shed_at)
@@ -734,14 +738,7 @@ class BrokerCore:
             "requests": items,
         }
         self._inflight[batch_id] = InflightBatch(
-            batch_id,
-            worker.wid,
-            model,
-            requests,
-            now,
-            key,
-            samples,
-            capacity.cost.estimate(samples),
+            batch_id, worker.wid, requests, key, samples, capacity.cost.estimate(samples)
         )
         worker.outstanding.add(batch_id)
         worker.free_at_s = max(now, worker.free_at_s) + self._inflight[batch_id].predicted_s

@@ -38,7 +38,6 @@ def req(
         priority=priority,
         arrival_s=arrival_s,
         deadline_s=deadline_s,
-        inputs=inputs,
         payloads=[bytes(16 * samples)],
     )
 
