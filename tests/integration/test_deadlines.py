@@ -21,6 +21,11 @@ def test_requests_queued_behind_a_slow_worker_expire_on_time(fleet_factory: Any)
     clock = MonotonicClock()
 
     blocker = client.submit("slow", {"x": np.zeros((1, 2), np.float32)}, timeout_s=5)
+    # The blocker must hold the worker first; sent in the same loop turn as the others, EDF
+    # would rightly start with an urgent one instead.
+    until = clock.now() + 5
+    while client.stats()["inflight_batches"] != 1:
+        assert clock.now() < until, "the blocker never reached the worker"
     sent_s = clock.now()
     doomed = [
         client.submit("slow", {"x": np.full((1, 2), i, np.float32)}, timeout_s=0.1)

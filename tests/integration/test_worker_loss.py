@@ -33,8 +33,10 @@ def test_worker_leaving_mid_batch_requeues_to_another(fleet_factory: Any) -> Non
     for i, future in enumerate(futures):
         np.testing.assert_array_equal(future.outputs(timeout_s=10)["y"], np.full((1, 2), 2 * i + 1))
     stats = client.stats()
-    # Two single-request batches were in flight (slots=2); the third request was queued.
-    assert stats["requeued"] == 2
+    # Every request that had reached the slow worker went back to the queue: two or three,
+    # as the three arrived in one loop turn (one batch) or over two (slots=2: two batches,
+    # the third request queued behind them).
+    assert stats["requeued"] in (2, 3)
     assert stats["replies"] == 3
 
 

@@ -42,11 +42,14 @@ from carpool.broker.policy import (
 from carpool.broker.registry import Lane, WorkerId, WorkerRegistry, WorkerState
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
+    MAX_TIMEOUT_MS,
+    PRIORITIES,
     Command,
     ErrorReply,
     FailedMeta,
     Frame,
     ModelSpec,
+    Priority,
     Ready,
     ResultMeta,
     Submit,
@@ -108,11 +111,37 @@ class BrokerStats:
         self.batch_sizes.setdefault(model, Counter())[samples] += 1
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A request shape already validated against its model (for the fast path)."""
+
+    model: str
+    key: RequestKey
+    shape: tuple[int, ...]  # the first input's shape, for the arrival trace
+    samples: int
+    sizes: tuple[int, ...]  # each payload frame's length, in the request's order
+    order: tuple[int, ...] | None  # request frame index per spec input; None: the same
+
+
+#: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
+_SWEEP_S = 0.5
+
+#: Layouts remembered (clients choose shapes; the cache is dropped when full).
+_MAX_LAYOUTS = 1024
+
+
 class BrokerCore:
     """The broker's state: queues, in-flight batches, workers; see the module docstring."""
 
-    def __init__(self, config: BrokerConfig | None = None) -> None:
+    def __init__(self, config: BrokerConfig | None = None, *, defer_pumps: bool = False) -> None:
         self.config = config or BrokerConfig()
+        # Deferred: messages only queue work and mark what changed; on_tick forms batches
+        # once per loop turn for everything that arrived in it (the server's mode: a burst
+        # of arrivals leaves as one batch, and the batching policy runs once per queue
+        # per turn instead of once per message). Otherwise each message pumps at once.
+        self.defer_pumps = defer_pumps
+        self._dirty: dict[RequestKey, None] = {}
+        self._dirty_models: set[str] = set()
         self.registry = WorkerRegistry(liveness=self.config.liveness)
         self.stats = BrokerStats()
         self._queues: dict[RequestKey, RequestQueue] = {}
@@ -130,6 +159,10 @@ class BrokerCore:
         # shell writes it out (carpool record).
         self.recording: list[tuple[float, str, tuple[int, ...], int, int]] | None = None
         self._inputs_cache: dict[RequestKey, list[dict[str, Any]]] = {}
+        # Request layouts validated once per (model, input names, dtypes, shapes); a
+        # model's spec never changes once registered, so entries stay valid.
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
 
     # ------------------------------------------------------------------ clients
 
@@ -158,6 +191,9 @@ class BrokerCore:
             if len(frames) < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
             meta = decode_meta(view(frames[1]))
+            known = self._admit_known(now, client, delimited, meta, frames[2:])
+            if known is not None:
+                return known
             submit = decode_submit(meta)
         except VersionMismatch as exc:
             logger.info("client=%s sent protocol version %d", identity.hex(), exc.version)
@@ -192,39 +228,123 @@ class BrokerCore:
         *,
         simple: bool,
     ) -> list[Outgoing]:
+        """Validate a decoded request against its model; queue it or answer an error."""
         rid = submit.request_id
         spec = self.registry.specs.get(submit.model)
         if spec is None:
             msg = f"model {submit.model!r} is not served by any worker"
             return [self._error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)]
-        max_batch = self.registry.max_batch(submit.model)
-        if max_batch == 0:
-            msg = f"no live worker serves model {submit.model!r} right now"
-            return [self._error(client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple)]
         try:
-            inputs, ordered, samples = _conform(spec, submit.inputs, payloads)
-            if samples > max_batch:
-                raise ProtocolError(
-                    f"request has {samples} samples; model {spec.name!r} accepts at most "
-                    f"{max_batch} per batch"
-                )
+            inputs, order, samples = _conform(spec, submit.inputs, payloads)
         except ProtocolError as exc:
             code = ErrorCode.INVALID_ARGUMENT
             return [self._error(client, delimited, rid, code, str(exc), simple=simple)]
-        timeout_s = (
-            submit.timeout_ms / 1000.0
-            if submit.timeout_ms is not None
-            else self.config.default_timeout_s
+        layout = _Layout(
+            spec.name,
+            request_key(spec.name, inputs),
+            inputs[0].shape,
+            samples,
+            tuple(t.nbytes for t in submit.inputs),
+            None if order == tuple(range(len(order))) else order,
         )
+        if not simple:
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            self._layouts[_signature(submit)] = layout
+        return self._enqueue(
+            now,
+            client,
+            delimited,
+            rid,
+            layout,
+            payloads,
+            submit.timeout_ms,
+            submit.priority,
+            simple,
+        )
+
+    def _admit_known(
+        self, now: float, client: ClientId, delimited: bool, meta: Any, payloads: Sequence[Frame]
+    ) -> list[Outgoing] | None:
+        """The common request, checked against the layout cached when a request with the
+        same model and input names, dtypes and shapes was first validated. None: anything
+        unusual, which takes the full path (and its precise error messages)."""
+        try:
+            sig = (
+                meta["model"],
+                tuple([(t["name"], t["dtype"], tuple(t["shape"])) for t in meta["inputs"]]),
+            )
+            layout = self._layouts.get(sig)
+        except (KeyError, TypeError, AttributeError):
+            return None
+        if layout is None or len(payloads) != len(layout.sizes):
+            return None
+        for tensor in sig[1]:  # a bool or float dim hashes like an int: not the same request
+            for d in tensor[2]:
+                if type(d) is not int:
+                    return None
+        for frame, size in zip(payloads, layout.sizes, strict=True):
+            if len(frame) != size:
+                return None
+        rid = meta.get("id")
+        timeout = meta.get("timeout_ms")
+        prio = meta.get("priority", 0)
+        if (
+            type(rid) is not int
+            or not 0 <= rid < 2**64
+            or (
+                timeout is not None
+                and (type(timeout) is not int or not 0 < timeout <= MAX_TIMEOUT_MS)
+            )
+            or type(prio) is not int
+            or prio not in (0, 1)
+        ):
+            return None
+        return self._enqueue(
+            now, client, delimited, rid, layout, payloads, timeout, PRIORITIES[prio], False
+        )
+
+    def _enqueue(
+        self,
+        now: float,
+        client: ClientId,
+        delimited: bool,
+        rid: int,
+        layout: _Layout,
+        payloads: Sequence[Frame],
+        timeout_ms: int | None,
+        priority: Priority,
+        simple: bool,
+    ) -> list[Outgoing]:
+        """Queue a valid request, unless no worker can take it or it cannot make its
+        deadline; in deferred mode the batch forms at the end of the turn."""
+        model = layout.model
+        max_batch = self.registry.max_batch(model)
+        if max_batch == 0:
+            msg = f"no live worker serves model {model!r} right now"
+            return [self._error(client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple)]
+        samples = layout.samples
+        if samples > max_batch:
+            msg = (
+                f"request has {samples} samples; model {model!r} accepts at most "
+                f"{max_batch} per batch"
+            )
+            code = ErrorCode.INVALID_ARGUMENT
+            return [self._error(client, delimited, rid, code, msg, simple=simple)]
+        timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s
         if self.recording is not None:
             self.recording.append(
-                (now, spec.name, inputs[0].shape, round(1000 * timeout_s), int(submit.priority))
+                (now, model, layout.shape, round(1000 * timeout_s), int(priority))
             )
-        key = request_key(spec.name, inputs)
+        key = layout.key
+        out: list[Outgoing] = []
+        if self.queued >= self.config.max_queued and (self._dirty or self._dirty_models):
+            # Deferred mode: what can leave this turn leaves before the door closes.
+            self._pump_dirty(now, out)
         if self.queued >= self.config.max_queued:
             # Until costs are fitted the drain time is unknown: suggest a modest pause.
-            drain_s = self._drain_time_s(spec.name, key, self.queued) or 0.05
-            return [
+            drain_s = self._drain_time_s(model, key, self.queued) or 0.05
+            out.append(
                 self._error(
                     client,
                     delimited,
@@ -234,12 +354,13 @@ class BrokerCore:
                     simple=simple,
                     retry_after_ms=max(1, round(1000 * drain_s)),
                 )
-            ]
-        if self._policy(spec.name).edf:
+            )
+            return out
+        if self._policy(model).edf:
             # The SLA countdown at the door: if even the best case (the work queued ahead
             # at full speed, then this request) ends past the deadline, say so now.
-            ahead = self._samples_ahead(spec.name, submit.priority)
-            finish_s = self._drain_time_s(spec.name, key, ahead + samples)
+            ahead = self._samples_ahead(model, priority)
+            finish_s = self._drain_time_s(model, key, ahead + samples)
             if finish_s > timeout_s:
                 self.stats.shed += 1
                 msg = (
@@ -247,7 +368,10 @@ class BrokerCore:
                     f"completion in {1000 * finish_s:.0f} ms"
                 )
                 code = ErrorCode.DEADLINE_EXCEEDED
-                return [self._error(client, delimited, rid, code, msg, simple=simple)]
+                out.append(self._error(client, delimited, rid, code, msg, simple=simple))
+                return out
+        if layout.order is not None:
+            payloads = [payloads[i] for i in layout.order]
         self._seq += 1
         req = PendingRequest(
             seq=self._seq,
@@ -255,21 +379,23 @@ class BrokerCore:
             delimited=delimited,
             request_id=rid,
             simple=simple,
-            model=spec.name,
+            model=model,
             key=key,
             samples=samples,
-            priority=submit.priority,
+            priority=priority,
             arrival_s=now,
             deadline_s=now + timeout_s,
-            payloads=ordered,
+            payloads=payloads,
         )
-        queue = self._queue(req.key)
+        queue = self._queue(key)
         queue.push(req)
         queue.note_arrival(now, samples)
         self._enqueued(req)
         self._deadlines.push(req)
-        out: list[Outgoing] = []
-        self._pump(now, queue, out)
+        if self.defer_pumps:
+            self._dirty[key] = None
+        else:
+            self._pump(now, queue, out)
         return out
 
     # ------------------------------------------------------------------ workers
@@ -451,24 +577,31 @@ class BrokerCore:
         out: list[Outgoing] = []
         for key in self._expire(now, out):
             self._pump(now, self._queues[key], out)
-        for worker in self.registry.expired(now):
-            self._lose_worker(now, worker, "heartbeat expired", out)
-        for worker in self.registry.all():
-            if worker.next_heartbeat_s <= now:
-                worker.next_heartbeat_s = now + worker.heartbeat_s
-                out.append(Outgoing(Side.BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
-        for key in [k for k, t in self._wake_s.items() if t <= now]:
-            self._pump(now, self._queues[key], out)
-        # Forget idle queues (and their arrival rate) only once nothing arrived for a while.
-        idle = [
-            k
-            for k, q in self._queues.items()
-            if q.count == 0 and q.head() is None and q.arrival_sps(now) == 0
-        ]
-        for key in idle:
-            del self._queues[key]
-            self._wake_s.pop(key, None)
-            self._inputs_cache.pop(key, None)
+        event_s = self.registry.next_event_s()
+        if event_s is not None and event_s <= now:
+            for worker in self.registry.expired(now):
+                self._lose_worker(now, worker, "heartbeat expired", out)
+            for worker in self.registry.all():
+                if worker.next_heartbeat_s <= now:
+                    worker.next_heartbeat_s = now + worker.heartbeat_s
+                    out.append(Outgoing(Side.BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
+            self.registry.reschedule()
+        self._pump_dirty(now, out)
+        if self._wake_s:
+            for key in [k for k, t in self._wake_s.items() if t <= now]:
+                self._pump(now, self._queues[key], out)
+        if now >= self._sweep_s:
+            # Forget idle queues (and their arrival rate) once nothing arrived for a while.
+            self._sweep_s = now + _SWEEP_S
+            idle = [
+                k
+                for k, q in self._queues.items()
+                if q.count == 0 and q.head() is None and q.arrival_sps(now) == 0
+            ]
+            for key in idle:
+                del self._queues[key]
+                self._wake_s.pop(key, None)
+                self._inputs_cache.pop(key, None)
         return out
 
     def _expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
@@ -495,6 +628,8 @@ class BrokerCore:
         ]
         if self._wake_s:
             times.append(min(self._wake_s.values()))
+        if self._dirty or self._dirty_models:
+            return now
         if not times:
             return None
         return max(now, min(times))
@@ -584,9 +719,28 @@ class BrokerCore:
         return samples / rate_sps if rate_sps > 0 else 0.0
 
     def _pump_models(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
+        if self.defer_pumps:
+            self._dirty_models.update(models)
+            return
         names = set(models)
         for queue in list(self._queues.values()):
             if queue.key[0] in names and queue.count:
+                self._pump(now, queue, out)
+
+    def _pump_dirty(self, now: float, out: list[Outgoing]) -> None:
+        """Deferred mode: pump, once each, the queues that messages touched since the last
+        turn (arrivals, and every queue of a model whose workers changed)."""
+        if self._dirty_models:
+            models, self._dirty_models = self._dirty_models, set()
+            for known in self._queues.values():
+                if known.key[0] in models and known.count:
+                    self._dirty[known.key] = None
+        if not self._dirty:
+            return
+        dirty, self._dirty = self._dirty, {}
+        for key in dirty:
+            queue = self._queues.get(key)
+            if queue is not None:
                 self._pump(now, queue, out)
 
     def _view(
@@ -839,21 +993,22 @@ def _disconnect(wid: WorkerId, reason: str) -> Outgoing:
 
 def _conform(
     spec: ModelSpec, inputs: Sequence[TensorMeta], payloads: Sequence[Frame]
-) -> tuple[tuple[TensorMeta, ...], list[Frame], int]:
-    """Check a request against the model's inputs; return them in spec order with their
-    payloads, and the request's sample count (dim 0, equal across inputs)."""
+) -> tuple[tuple[TensorMeta, ...], tuple[int, ...], int]:
+    """Check a request against the model's inputs; return them in spec order, the index
+    of each one's payload among the request's frames, and the request's sample count
+    (dim 0, equal across inputs)."""
     check_frame_sizes(inputs, payloads)
-    given = {t.name: (t, p) for t, p in zip(inputs, payloads, strict=True)}
+    given = {t.name: (i, t) for i, t in enumerate(inputs)}
     expected = [t.name for t in spec.inputs]
     if set(given) != set(expected):
         raise ProtocolError(
             f"model {spec.name!r} takes inputs {expected}, request has {sorted(given)}"
         )
     ordered_inputs: list[TensorMeta] = []
-    ordered_payloads: list[Frame] = []
+    order: list[int] = []
     samples = -1
     for want in spec.inputs:
-        got, payload = given[want.name]
+        index, got = given[want.name]
         if got.dtype != want.dtype:
             raise ProtocolError(f"input {want.name!r}: dtype {got.dtype}, model takes {want.dtype}")
         if len(got.shape) != len(want.shape):
@@ -871,8 +1026,13 @@ def _conform(
             raise ProtocolError("all inputs of a request must have the same dim 0 (samples)")
         samples = got.shape[0]
         ordered_inputs.append(got)
-        ordered_payloads.append(payload)
-    return tuple(ordered_inputs), ordered_payloads, samples
+        order.append(index)
+    return tuple(ordered_inputs), tuple(order), samples
+
+
+def _signature(submit: Submit) -> tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]:
+    """The lookup key of a request's layout, as _admit_known builds it from raw meta."""
+    return (submit.model, tuple((t.name, t.dtype, t.shape) for t in submit.inputs))
 
 
 def _spec_shape(shape: tuple[int, ...]) -> str:

@@ -94,6 +94,12 @@ class WorkerRegistry:
         self._by_model: dict[str, list[WorkerState]] = {}
         # First spec seen per model name; later workers must match it.
         self.specs: dict[str, ModelSpec] = {}
+        # Largest batch per model over live workers, and the earliest heartbeat or expiry
+        # (None: recompute). Kept up to date on add/remove/reschedule, so the per-message
+        # and per-turn paths do not scan every worker.
+        self._max_batch: dict[str, int] = {}
+        self._event_s: float | None = None
+        self._event_stale = False
 
     def __contains__(self, wid: object) -> bool:
         return wid in self._workers
@@ -140,6 +146,7 @@ class WorkerRegistry:
         for spec in ready.models:
             self.specs.setdefault(spec.name, spec)
             self._by_model.setdefault(spec.name, []).append(state)
+        self._changed(state.models)
         return state
 
     def remove(self, wid: WorkerId) -> WorkerState | None:
@@ -151,7 +158,19 @@ class WorkerRegistry:
                     peers.remove(state)
                 if not peers:
                     self._by_model.pop(name, None)
+            self._changed(state.models)
         return state
+
+    def _changed(self, models: Iterable[str]) -> None:
+        for name in models:
+            self._max_batch[name] = max(
+                (w.lanes[name].max_batch for w in self.serving(name)), default=0
+            )
+        self.reschedule()
+
+    def reschedule(self) -> None:
+        """Heartbeat times changed: recompute :meth:`next_event_s` when next asked."""
+        self._event_stale = True
 
     def touch(self, now: float, wid: WorkerId) -> WorkerState | None:
         state = self._workers.get(wid)
@@ -165,7 +184,7 @@ class WorkerRegistry:
 
     def max_batch(self, model: str) -> int:
         """The largest batch any live worker accepts for ``model`` (0 if none serves it)."""
-        return max((w.lanes[model].max_batch for w in self.serving(model)), default=0)
+        return self._max_batch.get(model, 0)
 
     def best_free(self, model: str, samples: int) -> WorkerState | None:
         """The worker to take the next batch of ``model``: the most free credits, then the
@@ -187,9 +206,16 @@ class WorkerRegistry:
         ]
 
     def next_event_s(self) -> float | None:
-        """Earliest heartbeat due or expiry among live workers."""
-        times = [
-            min(w.next_heartbeat_s, w.last_seen_s + self.liveness * w.heartbeat_s)
-            for w in self._workers.values()
-        ]
-        return min(times, default=None)
+        """Earliest heartbeat due or expiry among live workers. Cached: a worker heard from
+        since only moves its expiry later, so the cached time is never late (at worst the
+        caller looks early, finds nothing due and calls :meth:`reschedule`)."""
+        if self._event_stale:
+            self._event_stale = False
+            self._event_s = min(
+                (
+                    min(w.next_heartbeat_s, w.last_seen_s + self.liveness * w.heartbeat_s)
+                    for w in self._workers.values()
+                ),
+                default=None,
+            )
+        return self._event_s

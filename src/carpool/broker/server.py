@@ -45,7 +45,7 @@ class BrokerServer:
         record: str | None = None,
     ) -> None:
         self.config = config or BrokerConfig()
-        self.core = BrokerCore(self.config)
+        self.core = BrokerCore(self.config, defer_pumps=True)
         # carpool record: admitted arrivals go to a JSON-lines trace, flushed every turn.
         self._trace = open(record, "a", encoding="utf-8") if record else None  # noqa: SIM115
         if self._trace is not None:

@@ -149,6 +149,16 @@ def ids(msg: Msg) -> list[int]:
 
 # --------------------------------------------------------------------------- the harness
 
+#: Whether harness-made cores defer batch forming to the end of a turn (the server's mode).
+_DEFER = [False]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["immediate", "deferred"])
+def pump_mode(request: pytest.FixtureRequest) -> None:
+    """Run every test twice: each message pumps at once, or (as in the server) the core
+    defers pumping and the harness ends each message's turn with ``on_tick``."""
+    _DEFER[0] = request.param
+
 
 @dataclass
 class Broker:
@@ -162,13 +172,18 @@ class Broker:
         cls, max_batch: int = 4, max_wait_s: float = 0.01, policy: str = "fixed", **config: Any
     ) -> Broker:
         config.setdefault("batching", fixed(max_batch, max_wait_s, policy))
-        return cls(BrokerCore(BrokerConfig(**config)))
+        return cls(BrokerCore(BrokerConfig(**config), defer_pumps=_DEFER[0]))
+
+    def _turn(self, now: float, out: list[Outgoing]) -> list[Msg]:
+        if self.core.defer_pumps:  # the server ends every loop turn with a tick
+            out = out + self.core.on_tick(now)
+        return [parse(o) for o in out]
 
     def worker(self, now: float, wid: bytes, frames: list[Any]) -> list[Msg]:
-        return [parse(o) for o in self.core.on_worker(now, wid, frames)]
+        return self._turn(now, self.core.on_worker(now, wid, frames))
 
     def client(self, now: float, cid: bytes, frames: list[Any]) -> list[Msg]:
-        return [parse(o) for o in self.core.on_client(now, cid, frames)]
+        return self._turn(now, self.core.on_client(now, cid, frames))
 
     def tick(self, now: float) -> list[Msg]:
         return [parse(o) for o in self.core.on_tick(now)]
@@ -1074,9 +1089,9 @@ def test_conflicting_re_ready_ends_the_old_registration() -> None:
     other = model_spec(inputs=(("x", F32, (-1, 5)),))
     out = b.ready(T0 + 0.1, W1, other)
     assert W1 not in b.core.registry
-    assert [(m.to, m.command) for m in out if m.side is Side.BACKEND] == [
-        (W2, Command.BATCH),
+    assert sorted((m.to, m.command) for m in out if m.side is Side.BACKEND) == [
         (W1, Command.DISCONNECT),
+        (W2, Command.BATCH),
     ]
     assert ids(batches(out)[0]) == [1]  # requeued to the other worker
 
@@ -1594,3 +1609,97 @@ def test_every_request_gets_exactly_one_answer(
     assert world.answers == dict.fromkeys(world.owner, 1)
     assert world.anonymous_answers == world.anonymous_sent
     assert world.b.core.queued == 0
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def raw_request(rid: Any = 9, **changes: Any) -> list[Any]:
+    """A framed REQUEST built by hand, so fields can be wrong in ways Submit cannot be."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "model": "two",
+        "inputs": [
+            {"name": "b", "dtype": "uint8", "shape": [1, 2]},
+            {"name": "a", "dtype": F32, "shape": [1, 3]},
+        ],
+        "timeout_ms": 1000,
+    }
+    payloads = changes.pop("payloads", [b"\x01\x02", np.arange(3, dtype=np.float32).tobytes()])
+    meta.update(changes)
+    return [header(Command.REQUEST), codec.pack(meta), *payloads]
+
+
+def answer(b: Broker, frames: list[Any]) -> list[tuple[Command, Any, Any]]:
+    """What the broker answers to ``frames``: (command, id, code) per client message."""
+    return [
+        (m.command, m.meta.get("id"), m.meta.get("code"))
+        for m in b.client(T0, C1, frames)
+        if m.side is Side.FRONTEND
+    ]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rid": True},
+        {"rid": -1},
+        {"rid": None},
+        {"rid": "9"},
+        {"timeout_ms": 0},
+        {"timeout_ms": 1.5},
+        {"timeout_ms": False},
+        {"priority": 2},
+        {"priority": True},
+        {"priority": 1.0},
+        {"model": 3},
+        {"inputs": "ab"},
+        {"inputs": [{"name": "b", "dtype": "uint8", "shape": [True, 2]}, {"name": "a"}]},
+        {
+            "inputs": [
+                {"name": "b", "dtype": "uint8", "shape": [True, 2]},
+                {"name": "a", "dtype": F32, "shape": [1, 3]},
+            ]
+        },
+        {
+            "inputs": [
+                {"name": "b", "dtype": "uint8", "shape": [1.0, 2]},
+                {"name": "a", "dtype": F32, "shape": [1, 3]},
+            ]
+        },
+        {"inputs": [{"name": "b", "dtype": "uint8", "shape": [[1], 2]}]},
+        {"payloads": [b"\x01\x02"]},
+        {"payloads": [b"\x01\x02\x03", np.arange(3, dtype=np.float32).tobytes()]},
+        {"payloads": [np.arange(3, dtype=np.float32).tobytes(), b"\x01\x02"]},
+    ],
+)
+def test_a_known_layout_answers_bad_requests_like_a_fresh_broker(changes: dict[str, Any]) -> None:
+    """Once a request layout is cached, a request that differs in any field still gets
+    exactly the answer a broker that never saw the layout gives."""
+    warm, cold = Broker.make(max_batch=8, max_wait_s=0.0), Broker.make(max_batch=8, max_wait_s=0.0)
+    for b in (warm, cold):
+        b.ready(T0, W1, SPEC2, slots=2)
+    (first,) = batches(warm.client(T0, C2, raw_request(1)))  # caches the layout
+    assert ids(first) == [1]
+    assert warm.core._layouts  # the fast path is armed
+    frames = raw_request(**changes)
+    assert answer(warm, frames) == answer(cold, frames)
+
+
+def test_the_fast_path_reorders_inputs_into_spec_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = Broker.make(max_batch=3, max_wait_s=1.0)
+    b.ready(T0, W1, SPEC2, slots=2)
+    b.client(T0, C1, raw_request(1))  # the full path; the next two take the fast one
+
+    def no_full_decode(meta: Any) -> None:
+        raise AssertionError("a known layout took the full path")
+
+    monkeypatch.setattr("carpool.broker.core.decode_submit", no_full_decode)
+    b.client(T0, C1, raw_request(2))
+    a3 = np.full(3, 7, np.float32).tobytes()
+    (msg,) = batches(b.client(T0, C1, raw_request(3, payloads=[b"\x05\x06", a3])))
+    assert ids(msg) == [1, 2, 3]
+    assert [t.name for t in msg.batch.inputs] == ["a", "b"]
+    # Payloads travel in spec order (a, b) per request, whichever path admitted it.
+    a0 = np.arange(3, dtype=np.float32).tobytes()
+    assert [bytes(p) for p in msg.payloads] == [a0, b"\x01\x02", a0, b"\x01\x02", a3, b"\x05\x06"]

@@ -142,9 +142,29 @@ def test_next_event() -> None:
     a = reg.add(10.0, W1, ready("a"), 1.0)
     assert reg.next_event_s() == 11.0  # heartbeat due before expiry at 13
     a.next_heartbeat_s = 20.0
+    assert reg.next_event_s() == 11.0  # cached until the caller says times changed
+    reg.reschedule()
     assert reg.next_event_s() == 13.0  # expiry is earlier now
+    reg.touch(12.0, W1)
+    assert reg.next_event_s() == 13.0  # a later expiry: the cached time is early, never late
+    reg.reschedule()
+    assert reg.next_event_s() == 15.0
     reg.add(10.0, W2, ready("b"), 0.5)
     assert reg.next_event_s() == 10.5
+    reg.remove(W2)
+    assert reg.next_event_s() == 15.0
+
+
+def test_max_batch_follows_workers() -> None:
+    reg = WorkerRegistry()
+    assert reg.max_batch("m") == 0
+    reg.add(0.0, W1, ready("a", 2, spec("m", max_batch=4)), 1.0)
+    reg.add(0.0, W2, ready("b", 2, spec("m", max_batch=16)), 1.0)
+    assert reg.max_batch("m") == 16
+    reg.remove(W2)
+    assert reg.max_batch("m") == 4
+    reg.remove(W1)
+    assert reg.max_batch("m") == 0
 
 
 def test_all_lists_live_workers() -> None:
