@@ -19,6 +19,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 
 logger = logging.getLogger(__name__)
@@ -134,19 +135,22 @@ class BrokerServer:
     def _drain(self, sock: zmq.Socket[bytes], side: Side) -> int:
         core = self.core
         handler = core.on_client if side is Side.FRONTEND else core.on_worker
+        now = self.clock.now
         for n in range(BURST):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 return n
-            self._send(handler(self.clock.now(), frames[0].bytes, frames[1:]))
+            out = handler(now(), frames[0].bytes, frames[1:])
+            if out:
+                self._send(out)
         return BURST
 
     def _send(self, messages: list[Outgoing]) -> None:
         for msg in messages:
             sock = self._sockets[msg.side]
             try:
-                sock.send_multipart([msg.identity, *msg.frames], zmq.NOBLOCK, copy=False)
+                send_frames(sock, [msg.identity, *msg.frames], NOBLOCK)
             except zmq.Again:
                 logger.warning(
                     "peer=%s on %s is not reading; dropped", msg.identity.hex(), msg.side

@@ -21,6 +21,7 @@ from carpool.client.core import ClientCore, InferResult
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError
 from carpool.common.protocol import Priority
+from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 
 
 class ClientState(Enum):
@@ -114,7 +115,7 @@ class Client:
         rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)
         future = ReplyFuture(self, rid)
         self._futures[rid] = future
-        self.socket.send_multipart(frames, copy=False)
+        send_frames(self.socket, frames)
         return future
 
     def infer(
@@ -160,7 +161,7 @@ class Client:
         if self.socket.poll(wait_ms, zmq.POLLIN):
             while True:
                 try:
-                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv_frames(self.socket, NOBLOCK)
                 except zmq.Again:
                     break
                 completed += self._dispatch(frames)

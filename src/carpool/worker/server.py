@@ -24,6 +24,7 @@ from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import ModelSpec
+from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
@@ -135,7 +136,7 @@ class WorkerServer:
 
     def _send(self, sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
         try:
-            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            send_frames(sock, frames, NOBLOCK)
         except zmq.Again:
             # The broker is not taking messages; liveness will notice and reconnect.
             logger.warning("worker %s: broker not reading, message dropped", self.core.name)
@@ -173,7 +174,7 @@ class WorkerServer:
         dealer = self.dealer
         while True:
             try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(dealer, NOBLOCK)
             except zmq.Again:
                 return n
             n += 1
@@ -209,7 +210,7 @@ class WorkerServer:
         n = 0
         while True:
             try:
-                parts = self._results.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = recv_frames(self._results, NOBLOCK)
             except zmq.Again:
                 return n
             n += 1
@@ -284,7 +285,7 @@ class WorkerServer:
         try:
             while (job := self._jobs.get()) is not None:
                 header, frames = _run_job(engines, job, self.clock)
-                sock.send_multipart([codec.pack(header), *frames], copy=False)
+                send_frames(sock, [codec.pack(header), *frames])
         finally:
             sock.close(linger=0)
             for engine in engines.values():

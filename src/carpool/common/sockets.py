@@ -1,0 +1,69 @@
+"""sockets.py: multipart send and receive without pyzmq's per-frame Python layer.
+
+``Socket.send_multipart`` / ``recv_multipart`` are written in Python over the compiled
+``zmq.backend.Socket.send`` / ``recv``: per frame they re-check the buffer, combine enum
+flags and ask ``getsockopt(RCVMORE)`` through the option enum. For the small frames of a
+request that layer costs about twice the send and receive themselves (a 4-frame message
+over inproc, sent and received: ~34 µs through it, ~11 µs direct; py-spy put 38% of the
+broker's time in it). These helpers call the compiled methods directly with plain int
+flags and read ``Frame.more``, with the same semantics as ``copy=False``: frames arrive
+as ``zmq.Frame`` (payloads never copied into Python), sends of ``zmq.Frame`` share the
+message, small ``bytes`` are copied by libzmq as usual. Errors are pyzmq's own
+(``zmq.Again`` for a would-block, ``ZMQError`` otherwise).
+
+If the compiled class is not where pyzmq has kept it (``zmq.backend.Socket``, every
+release since 2013), the helpers fall back to the public methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+SNDMORE = int(zmq.SNDMORE)
+NOBLOCK = int(zmq.NOBLOCK)
+
+_Send = Callable[[Any, Any, int, bool, bool], Any]
+_Recv = Callable[[Any, int, bool, bool], zmq.Frame]
+
+
+def _compiled() -> tuple[_Send, _Recv] | None:
+    backend = getattr(getattr(zmq, "backend", None), "Socket", None)
+    send = getattr(backend, "send", None)
+    recv = getattr(backend, "recv", None)
+    if backend is None or send is None or recv is None or not issubclass(zmq.Socket, backend):
+        return None
+    return send, recv
+
+
+_COMPILED = _compiled()
+#: True when the helpers call pyzmq's compiled methods directly (False: the public ones).
+DIRECT = _COMPILED is not None
+
+
+def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
+    """Send ``frames`` as one multipart message (``send_multipart(..., copy=False)``)."""
+    if _COMPILED is None:
+        sock.send_multipart(frames, flags, copy=False)
+        return
+    send = _COMPILED[0]
+    more = flags | SNDMORE
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        send(sock, frame, more if i < last else flags, False, False)
+
+
+def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
+    """Receive one multipart message as ``zmq.Frame`` objects (``recv_multipart(...,
+    copy=False)``); raises ``zmq.Again`` with NOBLOCK when none is waiting."""
+    if _COMPILED is None:
+        return sock.recv_multipart(flags, copy=False)
+    recv = _COMPILED[1]
+    frame = recv(sock, flags, False, False)
+    frames = [frame]
+    while frame.more:
+        frame = recv(sock, flags, False, False)
+        frames.append(frame)
+    return frames
