@@ -247,6 +247,15 @@ class CpuMeter:
         t = self.process.cpu_times()
         return t.user, t.system
 
+    def read_main(self) -> tuple[float, float]:
+        """CPU seconds (user, system) of the process's main thread only: for carpool's
+        servers the thread that runs all of their Python. The rest of the process is
+        libzmq's I/O thread (the kernel's copies into and out of sockets land there)."""
+        for t in self.process.threads():
+            if t.id == self.process.pid:
+                return t.user_time, t.system_time
+        raise RuntimeError(f"no main thread listed for pid {self.process.pid}")
+
 
 # ---------------------------------------------------------------------- payloads
 
@@ -608,10 +617,12 @@ def _relay_main(frontend: str, target: str) -> int:
 
 
 def _workers_main(broker: str, count: int, models: list[dict[str, Any]], slots: int) -> int:
+    from carpool.common.memory import tune_allocator
     from carpool.common.testing import ServerThread
     from carpool.worker.engines.synthetic import SyntheticEngine
     from carpool.worker.server import WorkerServer
 
+    tune_allocator()  # as `carpool worker` does
     stopper = _Stopper()
     factories = {
         m["name"]: functools.partial(

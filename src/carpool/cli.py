@@ -20,6 +20,7 @@ from carpool import __version__
 from carpool.common.config import from_mapping, load_toml
 from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
+from carpool.common.memory import tune_allocator
 
 logger = logging.getLogger("carpool")
 
@@ -67,6 +68,7 @@ def _broker(args: argparse.Namespace) -> int:
     if overrides:
         batching = dataclasses.replace(config.batching, **overrides)
         config = dataclasses.replace(config, batching=batching)
+    tune_allocator()  # large tensor frames reuse heap memory (carpool.common.memory)
     with BrokerServer(config, record=getattr(args, "record", None)) as server:
         _stop_on_signals(server.stop)
         server.serve()
@@ -105,6 +107,7 @@ def _worker(args: argparse.Namespace) -> int:
         )
         config = dataclasses.replace(config, models=(model,))
     factories = {m.name: m.factory() for m in config.models}
+    tune_allocator()
     with WorkerServer(
         config.broker,
         factories,

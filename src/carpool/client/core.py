@@ -27,15 +27,15 @@ from carpool.common.protocol import (
     Frame,
     Priority,
     ReplyMeta,
-    Submit,
-    TensorMeta,
     check_frame_sizes,
     decode_meta,
     encode,
-    encode_request,
+    header,
     parse_header,
     view,
 )
+
+_REQUEST = header(Command.REQUEST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +83,23 @@ class ClientCore:
                 raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
             dtype = codec.wire_dtype(arr.dtype)
             arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
-            metas.append(TensorMeta(name, dtype, tuple(int(d) for d in arr.shape)))
+            # TensorMeta.to_wire, inlined: this runs for every request.
+            metas.append({"name": name, "dtype": dtype, "shape": [int(d) for d in arr.shape]})
             payloads.append(arr)
         rid = next(self._ids)
-        submit = Submit(rid, model, max(1, round(timeout * 1000)), tuple(metas), priority)
+        # Submit.to_wire, inlined.
+        meta: dict[str, Any] = {
+            "id": rid,
+            "model": model,
+            "inputs": metas,
+            "timeout_ms": max(1, round(timeout * 1000)),
+        }
+        if priority != Priority.INTERACTIVE:
+            meta["priority"] = int(priority)
         deadline = now + timeout + self.grace_s
         self.pending[rid] = deadline
         heapq.heappush(self._deadlines, (deadline, rid))
-        return rid, encode_request(submit, payloads)
+        return rid, [_REQUEST, codec.pack(meta), *payloads]
 
     def stats_request(self) -> tuple[int, list[Any]]:
         """A STATS request; the reply echoes the returned id."""

@@ -43,8 +43,18 @@ DTYPES: dict[str, np.dtype[Any]] = {
 ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
 
 
+#: numpy dtypes (either byte order) to wire names: one lookup for the common case.
+_WIRE_NAMES: dict[np.dtype[Any], str] = {
+    dt: name for name, little in DTYPES.items() for dt in (little, little.newbyteorder(">"))
+}
+
+
 def wire_dtype(dtype: np.dtype[Any] | str | type) -> str:
     """The wire name of a numpy dtype; raises ProtocolError for unsupported ones."""
+    if isinstance(dtype, np.dtype):
+        name = _WIRE_NAMES.get(dtype)
+        if name is not None:
+            return name
     dt = np.dtype(dtype)
     name = dt.name  # byte order is not part of the name: senders convert to little-endian
     if name not in DTYPES:

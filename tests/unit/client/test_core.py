@@ -34,6 +34,7 @@ from carpool.common.protocol import (
     encode,
     encode_error,
     encode_reply,
+    encode_request,
     header,
     parse_header,
 )
@@ -106,6 +107,20 @@ def test_request_meta_fields() -> None:
     _, frames = c.request(T0, "resnet", {"x": np.zeros((1, 2), np.float32)}, 0.25, Priority.BULK)
     submit = submit_of(frames)
     assert (submit.request_id, submit.timeout_ms, submit.priority) == (2, 250, Priority.BULK)
+
+
+@pytest.mark.parametrize("priority", [Priority.INTERACTIVE, Priority.BULK])
+def test_request_frames_are_exactly_what_encode_request_gives(priority: Priority) -> None:
+    """The REQUEST meta is built inline for speed; it must stay byte-identical to
+    Submit.to_wire through encode_request."""
+    x = np.arange(6, dtype=">f4").reshape(3, 2)  # big-endian: converted on the way out
+    m = np.ones((3,), np.uint8)
+    rid, frames = ClientCore().request(T0, "m", {"x": x, "mask": m}, 0.5, priority)
+    tensors = (TensorMeta("x", "float32", (3, 2)), TensorMeta("mask", "uint8", (3,)))
+    expected = encode_request(Submit(rid, "m", 500, tensors, priority), [x, m])
+    assert frames[:2] == expected[:2]
+    assert bytes(frames[2]) == x.astype("<f4").tobytes()
+    assert bytes(frames[3]) == m.tobytes()
 
 
 def test_request_ids_are_unique_and_shared_with_stats() -> None:

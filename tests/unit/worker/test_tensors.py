@@ -16,6 +16,7 @@ from carpool.common.protocol import (
     ReplyMeta,
     TensorMeta,
     decode_meta,
+    encode_reply,
     is_simple_form,
     parse_header,
 )
@@ -117,6 +118,38 @@ def test_replies_slice_rows_per_request() -> None:
         assert meta.compute_ms == 12.5
         np.testing.assert_array_equal(arrays["y"], y[rows[rid]])
         np.testing.assert_array_equal(arrays["z"], z[rows[rid]])
+
+
+def test_framed_replies_are_exactly_what_encode_reply_gives() -> None:
+    """The per-request reply meta is built inline for speed; it must stay byte-identical
+    to ReplyMeta.to_wire through encode_reply."""
+    b = batch((1, 1, False), (2, 2, False))
+    y = np.arange(6, dtype=np.float32).reshape(3, 2)
+    z = np.array([[1], [2], [3]], dtype=np.int16)
+    _, frames = replies(b, {"y": y, "z": z}, ["y", "z"], 12.34567)
+    start = 0
+    for item in b.items:
+        rows = slice(start, start + item.samples)
+        start += item.samples
+        expected = encode_reply(
+            ReplyMeta(
+                item.request_id,
+                (
+                    TensorMeta("y", "float32", (item.samples, 2)),
+                    TensorMeta("z", "int16", (item.samples, 1)),
+                ),
+                3,
+                item.queue_ms,
+                12.34567,
+            ),
+            [y[rows], z[rows]],
+            simple=False,
+        )
+        got, frames = frames[:4], frames[4:]
+        assert got[:2] == expected[:2]
+        assert [bytes(memoryview(f)) for f in got[2:]] == [
+            bytes(memoryview(f)) for f in expected[2:]
+        ]
 
 
 def test_replies_follow_output_names_order() -> None:
