@@ -1,0 +1,206 @@
+"""Where does the broker's time per request go? (the profiling harness behind the hot-path work)
+
+Not one of the six questions: the tool used to answer "what next" for questions 1-3.
+
+* ``core``: the broker's Python alone, no sockets. A ``BrokerCore`` in this process (the
+  server's deferred mode, one synthetic worker with 2 slots) is fed framed REQUESTs in
+  bursts of k (1, 4, 8), a tick per turn as the server does, and a RESULT for every BATCH.
+  Prints microseconds per request (including this harness's own msgpack encoding of the
+  requests and results, ~10 us) and the mean batch size, for the ``carpool`` and ``fixed``
+  policies. With ``--profile`` it prints cProfile's top functions for one setting.
+* ``spy``: the real processes (``carpool broker``, ``carpool worker --synthetic 0 0``), a
+  raw DEALER closed loop (8 in flight by default), CPU per request of broker and worker
+  (main thread and whole process), the broker's batch-size distribution, and with
+  ``--py-spy`` a ``py-spy record -f raw`` of both summarized as self / inclusive shares.
+
+Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
+      .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
+py-spy is not a dependency: ``.venv/bin/pip install py-spy`` first (it needs ptrace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import pstats
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import (
+    CpuMeter,
+    ProcessGroup,
+    dealer,
+    quiet_logs,
+    raw_loop,
+    request_frames,
+    tensor,
+    wait_workers,
+)
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.core import BrokerCore, Side
+from carpool.client import Client
+from carpool.common import codec
+from carpool.common.protocol import Command, ModelSpec, Ready, TensorMeta, encode, header
+
+
+def core_run(k: int, policy: str, n: int = 20_000) -> tuple[float, float]:
+    """us per request and mean batch size for bursts of ``k`` requests."""
+    core = BrokerCore(
+        BrokerConfig(batching=BatchingConfig(policy=policy, max_batch=32)), defer_pumps=True
+    )
+    x = TensorMeta("x", "float32", (-1, 16))
+    spec = ModelSpec("m", (x,), (TensorMeta("y", "float32", (-1, 16)),), 32)
+    core.on_worker(time.monotonic(), b"w", encode(Command.READY, Ready("w", 2, (spec,)).to_wire()))
+    data = np.zeros((1, 16), np.float32).tobytes()
+    inputs = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
+    reply_meta = codec.pack({"id": 1, "outputs": inputs, "batch_size": 1})
+    reply = [header(Command.REPLY), reply_meta, data]
+    request_header = header(Command.REQUEST)
+    rid = done = 0
+    pending: list[dict[str, Any]] = []
+
+    def collect(out: list[Any]) -> int:
+        answered = 0
+        for o in out:
+            if o.side is Side.FRONTEND:
+                answered += 1
+            else:
+                meta = codec.unpack(o.frames[1])
+                if "requests" in meta:
+                    pending.append(meta)
+        return answered
+
+    t0 = time.perf_counter()
+    while done < n:
+        out: list[Any] = []
+        for _ in range(k):
+            rid += 1
+            meta = codec.pack({"id": rid, "model": "m", "inputs": inputs, "timeout_ms": 10_000})
+            out += core.on_client(time.monotonic(), b"c", [request_header, meta, data])
+        done += collect(out + core.on_tick(time.monotonic()))
+        while pending:
+            batch = pending.pop()
+            count = len(batch["requests"])
+            result = {
+                "batch": batch["batch"],
+                "rho": 0.3,
+                "compute_ms": 0.05,
+                "frames": [3] * count,
+            }
+            frames = encode(Command.RESULT, result, reply * count)
+            now = time.monotonic()
+            done += collect(core.on_worker(now, b"w", frames) + core.on_tick(now))
+    elapsed = time.perf_counter() - t0
+    sizes = core.stats.batch_sizes["m"]
+    mean = sum(s * c for s, c in sizes.items()) / sum(sizes.values())
+    return 1e6 * elapsed / done, mean
+
+
+def core_main(args: argparse.Namespace) -> int:
+    if args.profile:
+        policy, k = args.profile.split(":")
+        profiler = cProfile.Profile()
+        profiler.runcall(core_run, int(k), policy, 10_000)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        return 0
+    print("BrokerCore alone, deferred mode: us per request (mean batch size)")
+    for policy in ("carpool", "fixed"):
+        cells = []
+        for k in (1, 4, 8):
+            us, mean = core_run(k, policy)
+            cells.append(f"burst {k}: {us:6.1f} us ({mean:.1f})")
+        print(f"{policy:8s} " + "   ".join(cells))
+    return 0
+
+
+def summarize(path: Path, top: int = 25) -> None:
+    """Self and inclusive shares of a py-spy raw (collapsed stacks) file."""
+    own: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        total += n
+        names = [f.split(" (")[0] for f in stack.split(";")]
+        own[names[-1]] += n
+        for name in set(names):
+            incl[name] += n
+    print(f"{path.name}: {total} samples")
+    for title, counter in (("self", own), ("inclusive", incl)):
+        print(f"  -- {title}")
+        for name, n in counter.most_common(top):
+            print(f"  {100 * n / total:5.1f}% {name}")
+
+
+def spy_main(args: argparse.Namespace) -> int:
+    quiet_logs()
+    x = tensor((1, 16))
+    frames = request_frames("synthetic", x)
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if args.py_spy and py_spy is None:
+        print("py-spy not found: .venv/bin/pip install py-spy")
+        return 2
+    out_dir = Path(__file__).resolve().parent / "out"
+    out_dir.mkdir(exist_ok=True)
+    with ProcessGroup("ipc") as group:
+        frontend, backend = group.endpoint("front"), group.endpoint("back")
+        broker = group.broker(frontend, backend)
+        worker = group.worker(backend, "--synthetic", "0", "0")
+        wait_workers(frontend, 1, group)
+        sock = dealer(frontend)
+        raw_loop(sock, frames, args.in_flight, 3000, 2.0)  # warm-up
+        meters = {"broker": CpuMeter(broker.pid), "worker": CpuMeter(worker.pid)}
+        spies = []
+        if args.py_spy:
+            for name, proc in (("broker", broker), ("worker", worker)):
+                cmd = [py_spy, "record", "-r", "200", "-d", str(int(args.seconds)), "-f", "raw"]
+                cmd += ["-o", str(out_dir / f"hot_path_{name}.txt"), "-p", str(proc.pid)]
+                spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+            time.sleep(1.0)  # py-spy attaches
+        before = {k: (m.read(), m.read_main()) for k, m in meters.items()}
+        result = raw_loop(
+            sock, frames, args.in_flight, 10**7, args.seconds, expect_command=Command.REPLY
+        )
+        after = {k: (m.read(), m.read_main()) for k, m in meters.items()}
+        for spy in spies:
+            spy.wait()
+        print(f"{result.rate:,.0f} req/s, {args.in_flight} in flight, {result.errors} errors")
+        for name in meters:
+            (u0, s0), (mu0, ms0) = before[name]
+            (u1, s1), (mu1, ms1) = after[name]
+            whole = 1e6 * (u1 - u0 + s1 - s0) / max(1, result.completed)
+            main = 1e6 * (mu1 - mu0 + ms1 - ms0) / max(1, result.completed)
+            print(f"{name}: {whole:.0f} us CPU per request ({main:.0f} us in its main thread)")
+        with Client(frontend) as client:
+            print("batch sizes:", json.dumps(client.stats()["batch_sizes"]))
+        sock.close()
+    if args.py_spy:
+        for name in ("broker", "worker"):
+            summarize(out_dir / f"hot_path_{name}.txt")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("core", help="BrokerCore alone, in this process")
+    c.add_argument("--profile", metavar="POLICY:K", help="cProfile one setting, e.g. carpool:1")
+    s = sub.add_parser("spy", help="broker and worker processes under a closed loop")
+    s.add_argument("--in-flight", type=int, default=8)
+    s.add_argument("--seconds", type=float, default=6.0)
+    s.add_argument("--py-spy", action="store_true", help="record both with py-spy")
+    args = p.parse_args(argv)
+    return core_main(args) if args.mode == "core" else spy_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
