@@ -34,6 +34,10 @@ class RequestState(Enum):
     FAILED = "failed"
 
 
+#: States of a request that still waits for its answer.
+_LIVE = frozenset((RequestState.QUEUED, RequestState.DISPATCHED))
+
+
 @dataclass(slots=True, eq=False)
 class PendingRequest:
     """One client request held by the broker."""
@@ -220,17 +224,33 @@ class RequestQueue:
 
 
 class DeadlineHeap:
-    """Every live request by deadline, queued or in flight; stale entries are skipped."""
+    """Every live request by deadline, queued or in flight; stale entries are skipped.
+
+    Answered requests leave their entries behind (lazy deletion). So that a fast stream
+    of requests with long deadlines does not grow the heap by the deadline × the rate
+    (10 s × 8,000/s is 80,000 entries, each pushed through a deep heap and popped again
+    at its deadline), the heap drops dead entries once they are half of it.
+    """
+
+    #: Size below which the heap is never compacted.
+    MIN_COMPACT = 1024
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, PendingRequest]] = []
+        self._compact_at = self.MIN_COMPACT
 
     def push(self, req: PendingRequest) -> None:
-        heapq.heappush(self._heap, (req.deadline_s, req))
+        heap = self._heap
+        heapq.heappush(heap, (req.deadline_s, req))
+        if len(heap) >= self._compact_at:
+            live = [e for e in heap if e[1].state in _LIVE]
+            heapq.heapify(live)
+            heap[:] = live
+            self._compact_at = max(self.MIN_COMPACT, 2 * len(live))
 
     def earliest(self) -> float | None:
         heap = self._heap
-        while heap and heap[0][1].state not in (RequestState.QUEUED, RequestState.DISPATCHED):
+        while heap and heap[0][1].state not in _LIVE:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
@@ -240,7 +260,7 @@ class DeadlineHeap:
         heap = self._heap
         while heap and heap[0][0] <= now:
             _, req = heapq.heappop(heap)
-            if req.state in (RequestState.QUEUED, RequestState.DISPATCHED):
+            if req.state in _LIVE:
                 out.append(req)
         return out
 

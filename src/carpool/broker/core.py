@@ -163,6 +163,8 @@ class BrokerCore:
         # model's spec never changes once registered, so entries stay valid.
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
+        # Best-case fleet throughput per key (samples/s, 0 = unknown) for admission.
+        self._fleet_rates: dict[RequestKey, float] = {}
 
     # ------------------------------------------------------------------ clients
 
@@ -373,19 +375,19 @@ class BrokerCore:
         if layout.order is not None:
             payloads = [payloads[i] for i in layout.order]
         self._seq += 1
-        req = PendingRequest(
-            seq=self._seq,
-            client=client,
-            delimited=delimited,
-            request_id=rid,
-            simple=simple,
-            model=model,
-            key=key,
-            samples=samples,
-            priority=priority,
-            arrival_s=now,
-            deadline_s=now + timeout_s,
-            payloads=payloads,
+        req = PendingRequest(  # positional: the fields in declaration order
+            self._seq,
+            client,
+            delimited,
+            rid,
+            simple,
+            model,
+            key,
+            samples,
+            priority,
+            now,
+            now + timeout_s,
+            payloads,
         )
         queue = self._queue(key)
         queue.push(req)
@@ -454,6 +456,7 @@ class BrokerCore:
             return
         lanes = {m.name: self._lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models}
         self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
+        self._fleet_rates.clear()
         logger.info(
             "worker joined name=%s models=%s slots=%d",
             ready.name,
@@ -476,6 +479,7 @@ class BrokerCore:
         lane = worker.lanes.get(batch.key[0])
         if lane is not None and result.compute_ms > 0:
             lane.observe(batch.key, batch.samples, result.compute_ms / 1000.0)
+            self._fleet_rates.pop(batch.key, None)
         self._on_load(now, worker, result.rho)
         if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):
             msg = (
@@ -538,6 +542,7 @@ class BrokerCore:
     ) -> None:
         """Forget a worker; its in-flight requests go back to their queues when they may."""
         self.registry.remove(worker.wid)
+        self._fleet_rates.clear()
         logger.info("worker left name=%s reason=%s", worker.name, reason)
         for batch_id in sorted(worker.outstanding, reverse=True):
             batch = self._inflight.pop(batch_id, None)
@@ -706,6 +711,14 @@ class BrokerCore:
     def _drain_time_s(self, model: str, key: RequestKey, samples: int) -> float:
         """Best-case time for the fleet to get through ``samples`` of ``model``: every
         worker running full batches back to back. 0 while any cost is still unknown."""
+        rate_sps = self._fleet_rates.get(key)
+        if rate_sps is None:
+            rate_sps = self._fleet_rates[key] = self._fleet_rate_sps(model, key)
+        return samples / rate_sps if rate_sps > 0 else 0.0
+
+    def _fleet_rate_sps(self, model: str, key: RequestKey) -> float:
+        """Samples/s of all workers of ``model`` at full batches; 0 if any cost is unknown.
+        Cached per key until a cost is refitted or a worker joins or leaves."""
         cap = self.config.batching_for(model).max_batch
         rate_sps = 0.0
         for w in self.registry.serving(model):
@@ -716,7 +729,7 @@ class BrokerCore:
             if not cost.calibrated or duration_s <= 0:
                 return 0.0
             rate_sps += size / duration_s
-        return samples / rate_sps if rate_sps > 0 else 0.0
+        return rate_sps
 
     def _pump_models(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
         if self.defer_pumps:

@@ -297,3 +297,20 @@ def test_deadline_heap_skips_finished_requests(state: RequestState, live: bool) 
     assert h.earliest() == (1.0 if live else 2.0)
     assert h.pop_expired(1.5) == ([r] if live else [])
     assert h.earliest() == 2.0
+
+
+def test_deadline_heap_drops_answered_entries_before_their_deadlines() -> None:
+    """A stream of answered requests with long deadlines keeps the heap near the number
+    of live requests, and what is live stays in deadline order."""
+    h = DeadlineHeap()
+    live = []
+    for seq in range(1, 20_001):
+        r = req(seq, deadline_s=10.0 + seq * 1e-4)
+        h.push(r)
+        if seq % 1000 == 0:
+            live.append(r)  # one in a thousand still waits
+        else:
+            r.state = RequestState.DONE
+    assert len(h) < 2 * DeadlineHeap.MIN_COMPACT
+    assert h.earliest() == live[0].deadline_s
+    assert h.pop_expired(100.0) == live
