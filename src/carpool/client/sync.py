@@ -97,6 +97,9 @@ class Client:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
+        # One poller for the socket's life (Socket.poll builds a new one on every call).
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
         self._futures: dict[int, ReplyFuture] = {}
         self._stats: list[dict[str, Any]] = []  # the STATS reply, once it arrives
         self._stats_id = 0
@@ -158,7 +161,7 @@ class Client:
             wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
         completed = 0
-        if self.socket.poll(wait_ms, zmq.POLLIN):
+        if self._poller.poll(wait_ms):
             while True:
                 try:
                     frames = recv_frames(self.socket, NOBLOCK)

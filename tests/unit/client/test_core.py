@@ -364,3 +364,94 @@ def test_answered_requests_do_not_expire() -> None:
     assert c.expire(T0 + 5.0) == []
     assert [rid for rid, _ in c.expire(T0 + 6.0)] == [b]
     assert c.next_deadline() is None
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def _reply_meta(rid: Any = 2, **changes: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "outputs": [
+            {"name": "y", "dtype": "float32", "shape": [1, 2]},
+            {"name": "m", "dtype": "uint8", "shape": [1]},
+        ],
+        "batch_size": 4,
+        "queue_ms": 1.5,
+        "compute_ms": 2.25,
+    }
+    meta.update(changes)
+    return meta
+
+
+GOOD_PAYLOADS = [np.array([[1.0, 2.0]], np.float32).tobytes(), b"\x07"]
+
+
+def _outcome(core: ClientCore, meta: dict[str, Any], payloads: list[bytes]) -> Any:
+    try:
+        rid, result = core.on_reply([header(Command.REPLY), codec.pack(meta), *payloads])
+    except ProtocolError as exc:
+        return ("ProtocolError", str(exc))
+    assert isinstance(result, InferResult)
+    outputs = {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in result.outputs.items()}
+    return rid, outputs, result.batch_size, result.queue_ms, result.compute_ms
+
+
+@pytest.mark.parametrize(
+    ("changes", "payloads"),
+    [
+        ({}, GOOD_PAYLOADS),
+        ({"rid": True}, GOOD_PAYLOADS),
+        ({"rid": -1}, GOOD_PAYLOADS),
+        ({"rid": None}, GOOD_PAYLOADS),
+        ({"batch_size": 1.0}, GOOD_PAYLOADS),
+        ({"batch_size": False}, GOOD_PAYLOADS),
+        ({"queue_ms": 1}, GOOD_PAYLOADS),
+        ({"queue_ms": "1"}, GOOD_PAYLOADS),
+        ({"compute_ms": math.inf}, GOOD_PAYLOADS),
+        ({"outputs": "ym"}, GOOD_PAYLOADS),
+        ({"outputs": [{"name": "y", "dtype": "float32", "shape": [True, 2]}]}, GOOD_PAYLOADS[:1]),
+        (
+            {
+                "outputs": [
+                    {"name": "y", "dtype": "float32", "shape": [1.0, 2]},
+                    {"name": "m", "dtype": "uint8", "shape": [1]},
+                ]
+            },
+            GOOD_PAYLOADS,
+        ),
+        ({}, GOOD_PAYLOADS[:1]),
+        ({}, [GOOD_PAYLOADS[0], b"\x07\x08"]),
+        ({}, [*GOOD_PAYLOADS, b""]),
+    ],
+)
+def test_a_known_reply_layout_decodes_like_a_fresh_client(
+    changes: dict[str, Any], payloads: list[bytes]
+) -> None:
+    """Once a reply layout is cached, any reply decodes (or fails) exactly as it does on a
+    client that never saw the layout."""
+    rid = changes.pop("rid", 2)
+    warm, cold = ClientCore(), ClientCore()
+    for core in (warm, cold):
+        core.request(T0, "m", {"x": [1]})
+        core.request(T0, "m", {"x": [1]})
+    assert _outcome(warm, _reply_meta(1), GOOD_PAYLOADS)[0] == 1  # caches the layout
+    assert warm._layouts
+    meta = _reply_meta(rid, **changes)
+    assert _outcome(warm, meta, payloads) == _outcome(cold, meta, payloads)
+
+
+def test_a_known_reply_layout_skips_the_full_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    core = ClientCore()
+    core.request(T0, "m", {"x": [1]})
+    core.request(T0, "m", {"x": [1]})
+    _outcome(core, _reply_meta(1), GOOD_PAYLOADS)
+
+    def no_full_decode(meta: Any) -> None:
+        raise AssertionError("a known layout took the full path")
+
+    monkeypatch.setattr(ReplyMeta, "from_wire", no_full_decode)
+    rid, outputs, *_ = _outcome(core, _reply_meta(2), GOOD_PAYLOADS)
+    assert rid == 2
+    assert outputs["y"] == ("<f4", (1, 2), GOOD_PAYLOADS[0])
+    assert outputs["m"] == ("|u1", (1,), b"\x07")
