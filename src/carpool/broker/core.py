@@ -75,9 +75,10 @@ class Side(Enum):
     BACKEND = "backend"  # workers
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outgoing:
-    """One message to send: to ``identity`` on the ROUTER of ``side``."""
+    """One message to send: to ``identity`` on the ROUTER of ``side``. (Not frozen: one is
+    made per reply, and a frozen dataclass's ``__init__`` costs ~4 x a plain one.)"""
 
     side: Side
     identity: bytes

@@ -19,7 +19,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
-from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,6 @@ class BrokerServer:
         self.context = context or zmq.Context()
         self.frontend = self._router(self.config.frontend)
         self.backend = self._router(self.config.backend)
-        self._sockets = {Side.FRONTEND: self.frontend, Side.BACKEND: self.backend}
         # stop() wakes a blocked poll from any thread or a signal handler.
         self._wake = WakePipe()
         self.poller = zmq.Poller()
@@ -137,10 +136,9 @@ class BrokerServer:
         handler = core.on_client if side is Side.FRONTEND else core.on_worker
         now = self.clock.now
         for n in range(BURST):
-            try:
-                frames = recv_frames(sock, NOBLOCK)
-            except zmq.Again:
+            if not readable(sock):
                 return n
+            frames = recv_frames(sock, NOBLOCK)
             out = handler(now(), frames[0].bytes, frames[1:])
             if out:
                 self._send(out)
@@ -148,7 +146,7 @@ class BrokerServer:
 
     def _send(self, messages: list[Outgoing]) -> None:
         for msg in messages:
-            sock = self._sockets[msg.side]
+            sock = self.frontend if msg.side is Side.FRONTEND else self.backend
             try:
                 send_frames(sock, [msg.identity, *msg.frames], NOBLOCK)
             except zmq.Again:

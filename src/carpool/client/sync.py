@@ -21,7 +21,7 @@ from carpool.client.core import ClientCore, InferResult
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError
 from carpool.common.protocol import Priority
-from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
 
 
 class ClientState(Enum):
@@ -54,6 +54,9 @@ class ReplyFuture:
             TimeoutError: ``timeout_s`` passed first (the request stays pending).
             RequestError: the request failed (a subclass per error code).
         """
+        ready = self._result
+        if ready is not None:  # the common case once polled: no clock reads
+            return ready
         clock = self._client.clock
         until = None if timeout_s is None else clock.now() + timeout_s
         while not self.done():
@@ -162,12 +165,8 @@ class Client:
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
         completed = 0
         if self._poller.poll(wait_ms):
-            while True:
-                try:
-                    frames = recv_frames(self.socket, NOBLOCK)
-                except zmq.Again:
-                    break
-                completed += self._dispatch(frames)
+            while readable(self.socket):
+                completed += self._dispatch(recv_frames(self.socket, NOBLOCK))
         for rid, error in self.core.expire(self.clock.now()):
             future = self._futures.pop(rid, None)
             if future is not None:
