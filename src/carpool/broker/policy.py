@@ -5,6 +5,10 @@ A policy looks at one queue (its size, oldest arrival, most urgent deadline) and
 worker that would take the batch (its batch limit, when it will be free, its fitted cost)
 and answers ``Dispatch(max_samples)`` now or ``WaitUntil(t)``. It also says which requests
 are hopeless (``shed_before``) and in which order a queue is served.
+
+The value objects here are built several times per batch on the broker's hot path, so
+they are plain slotted dataclasses: a frozen one's ``__init__`` costs ~4 x as much. Treat
+them as immutable all the same.
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ from typing import Protocol
 from carpool.broker.latency import CostEstimate
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Dispatch:
     """Send a batch now, of at most ``max_samples`` samples."""
 
     max_samples: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WaitUntil:
     """Nothing to do before monotonic time ``t``."""
 
@@ -33,7 +37,7 @@ class WaitUntil:
 Decision = Dispatch | WaitUntil
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QueueView:
     """What a policy may know about a queue."""
 
@@ -44,7 +48,7 @@ class QueueView:
     arrival_sps: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Capacity:
     """The worker that would take the batch."""
 

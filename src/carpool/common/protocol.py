@@ -532,9 +532,10 @@ class BatchItem:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchMeta:
-    """BATCH meta: requests of one model and one item shape, stacked along dim 0."""
+    """BATCH meta: requests of one model and one item shape, stacked along dim 0.
+    (Not frozen, like BatchItem and ResultMeta: built per batch on the hot path.)"""
 
     batch_id: int
     model: str
@@ -582,7 +583,7 @@ class BatchMeta:
         return tuple(TensorMeta(t.name, t.dtype, (item.samples, *t.shape[1:])) for t in self.inputs)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ResultMeta:
     """RESULT meta: a finished batch. ``frames[i]`` frames of replies follow per request."""
 
