@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -766,23 +767,30 @@ class BrokerCore:
             queue.samples, head.arrival_s, urgent.deadline_s, queue.arrival_sps(now) / workers
         )
 
-    def _shed(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> float | None:
+    def _shed(
+        self,
+        now: float,
+        queue: RequestQueue,
+        out: list[Outgoing],
+        caps: dict[WorkerId, Capacity],
+    ) -> float | None:
         """Answer the queue's hopeless requests now; return when the next one turns
-        hopeless (None if that cannot be predicted)."""
+        hopeless (None if that cannot be predicted). ``caps`` collects the workers'
+        capacities for the rest of the pump."""
         model = queue.key[0]
         policy = self._policy(model)
         workers = self.registry.serving(model)
-        if not policy.edf or not workers:
+        if not policy.edf or not workers or queue.count == 0:
             return None
         # Hopeless against the best worker: its earliest start plus the smallest batch the
         # policy would run there.
-        head = queue.head()
-        if head is None:
-            return None
-        view = self._view(now, queue, head, head)
-        lead_s = min(
-            policy.shed_before(now, view, self._capacity(now, w, queue.key)) - now for w in workers
-        )
+        key = queue.key
+        lead_s = math.inf
+        for w in workers:
+            capacity = caps.get(w.wid)
+            if capacity is None:
+                capacity = caps[w.wid] = self._capacity(now, w, key)
+            lead_s = min(lead_s, policy.shed_before(now, capacity) - now)
         if lead_s <= 0:
             return None
         for req in queue.shed(now + lead_s):
@@ -803,7 +811,9 @@ class BrokerCore:
         for key in self._expire(now, out):
             if key != queue.key:
                 self._wake_s[key] = now  # the next tick looks at what was behind it
-        shed_at = self._shed(now, queue, out)
+        # Capacities of this pump, per worker, until that worker takes a batch.
+        caps: dict[WorkerId, Capacity] = {}
+        shed_at = self._shed(now, queue, out, caps)
         while True:
             head = queue.head()
             if head is None:
@@ -814,7 +824,7 @@ class BrokerCore:
                 if shed_at is not None:
                     self._wake_s[queue.key] = shed_at
                 return
-            capacity = self._capacity(now, worker, queue.key)
+            capacity = caps.get(worker.wid) or self._capacity(now, worker, queue.key)
             # The request the batch starts with, and the most urgent one it must respect.
             promote_s = 0.0
             if policy.edf:
@@ -853,6 +863,7 @@ class BrokerCore:
                 if not requests:
                     continue
             out.append(self._dispatch(now, worker, queue.key, requests, capacity))
+            caps.pop(worker.wid, None)  # its backlog and credits changed
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]

@@ -73,8 +73,9 @@ class BatchPolicy(Protocol):
         """Decide for one non-empty queue."""
         ...
 
-    def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
-        """Requests with a deadline before this time cannot be answered in time."""
+    def shed_before(self, now: float, capacity: Capacity) -> float:
+        """Requests with a deadline before this time cannot be answered in time by the
+        worker ``capacity`` describes (it depends on the worker, not on the queue)."""
         ...
 
 
@@ -97,7 +98,7 @@ class FixedPolicy:
             return Dispatch(limit)
         return WaitUntil(leave_at)
 
-    def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
+    def shed_before(self, now: float, capacity: Capacity) -> float:
         return now
 
 
@@ -219,7 +220,7 @@ class DeadlinePolicy:
             capacity.ready_in_s + capacity.cost.estimate(samples)
         )
 
-    def shed_before(self, now: float, queue: QueueView, capacity: Capacity) -> float:
+    def shed_before(self, now: float, capacity: Capacity) -> float:
         if not capacity.cost.calibrated:
             return now
         # Even a batch of one, started as soon as the worker is free, would end too late.

@@ -87,8 +87,7 @@ def test_fixed_policy_waits_until_exactly_oldest_plus_t_max(oldest: float) -> No
 def test_fixed_policy_never_sheds_early_and_serves_fifo(cost: CostEstimate) -> None:
     policy = FixedPolicy(8, 0.005)
     # Even a request 1 ms from its deadline behind a 50 ms backlog is not called hopeless.
-    view = QueueView(1, NOW, NOW + 0.001)
-    assert policy.shed_before(NOW, view, Capacity(8, 0.05, cost)) == NOW
+    assert policy.shed_before(NOW, Capacity(8, 0.05, cost)) == NOW
     assert policy.edf is False
 
 
@@ -382,7 +381,7 @@ def test_floor_raises_the_target_above_a_lagging_adaptive_size() -> None:
 def test_shed_before(capacity: Capacity, expected: float) -> None:
     policy = carpool()
     assert policy.edf is True
-    got = policy.shed_before(NOW, QueueView(4, NOW, NOW + 0.001), capacity)
+    got = policy.shed_before(NOW, capacity)
     assert got == pytest.approx(expected, abs=1e-12)
 
 
@@ -449,7 +448,7 @@ def test_deadline_policy_never_waits_into_the_past(
         assert decision.t <= bound + 1e-9
     else:
         assert 1 <= decision.max_samples <= min(max_batch, capacity.hard_max)
-    shed = policy.shed_before(now, queue, capacity)
+    shed = policy.shed_before(now, capacity)
     assert shed >= now
 
 
@@ -466,4 +465,4 @@ def test_fixed_policy_never_waits_into_the_past(
         assert decision.t == queue.oldest_arrival_s + max_wait_s
     else:
         assert 1 <= decision.max_samples <= min(max_batch, capacity.max_batch)
-    assert policy.shed_before(now, queue, capacity) == now
+    assert policy.shed_before(now, capacity) == now

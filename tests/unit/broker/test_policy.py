@@ -82,5 +82,5 @@ def test_fixed_policy_ignores_deadlines_until_they_pass() -> None:
     assert policy.edf is False
     urgent = QueueView(1, 10.0, earliest_deadline_s=10.001)
     assert policy.decide(10.0, urgent, Capacity(8)) == WaitUntil(10.0 + 0.01)
-    assert policy.shed_before(10.0, urgent, Capacity(8)) == 10.0
-    assert policy.shed_before(12.5, urgent, Capacity(1, ready_in_s=3.0)) == 12.5
+    assert policy.shed_before(10.0, Capacity(8)) == 10.0
+    assert policy.shed_before(12.5, Capacity(1, ready_in_s=3.0)) == 12.5
