@@ -238,6 +238,9 @@ class BrokerCore:
         if spec is None:
             msg = f"model {submit.model!r} is not served by any worker"
             return [self._error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)]
+        if self.registry.max_batch(spec.name) == 0:  # before the payload checks (protocol §6.1)
+            msg = f"no live worker serves model {spec.name!r} right now"
+            return [self._error(client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple)]
         try:
             inputs, order, samples = _conform(spec, submit.inputs, payloads)
         except ProtocolError as exc:
@@ -759,12 +762,28 @@ class BrokerCore:
                 self._pump(now, queue, out)
 
     def _view(
-        self, now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest
+        self,
+        now: float,
+        queue: RequestQueue,
+        head: PendingRequest,
+        urgent: PendingRequest,
+        worker: WorkerState,
     ) -> QueueView:
-        """What the policy sees of a queue; its arrival rate is shared among the workers."""
-        workers = max(1, len(self.registry.serving(queue.key[0])))
+        """What the policy sees of a queue, for ``worker``; its arrival rate is shared among
+        the workers, and so is the queue while several of them are idle."""
+        model = queue.key[0]
+        workers = self.registry.serving(model)
+        idle = 1
+        if not worker.outstanding and len(workers) > 1:
+            idle = sum(
+                1 for w in workers if not w.outstanding and w.lanes[model].max_batch >= head.samples
+            )
         return QueueView(
-            queue.samples, head.arrival_s, urgent.deadline_s, queue.arrival_sps(now) / workers
+            queue.samples,
+            head.arrival_s,
+            urgent.deadline_s,
+            queue.arrival_sps(now) / max(1, len(workers)),
+            max(1, idle),
         )
 
     def _shed(
@@ -846,7 +865,7 @@ class BrokerCore:
                         self._wake_s[queue.key] = shed_at
                     return
                 worker, capacity = bigger, self._capacity(now, bigger, queue.key)
-            view = self._view(now, queue, head, urgent)
+            view = self._view(now, queue, head, urgent, worker)
             decision = policy.decide(now, view, capacity)
             if not isinstance(decision, Dispatch):
                 wake = decision.t if shed_at is None else min(decision.t, shed_at)

@@ -46,6 +46,8 @@ class QueueView:
     earliest_deadline_s: float = float("inf")  # most urgent queued request
     # Arrival rate this worker must keep up with: the queue's rate / workers serving it.
     arrival_sps: float = 0.0
+    # Workers, this one included, that could start a batch of this queue right now.
+    idle_workers: int = 1
 
 
 @dataclass(slots=True)
@@ -114,6 +116,8 @@ class DeadlinePolicy:
       yet). Otherwise until the earliest of T_max after the oldest arrival and the most
       urgent request's latest start; while the worker is still busy, the batch may keep
       filling until shortly before it is free, since leaving earlier would only queue there.
+    * Sharing: a batch that leaves while several workers are idle takes only its share
+      of the queue (the rest goes to the others in the same turn).
     * Shedding: a request whose deadline comes before the earliest possible completion
       (the best worker's backlog + a one-sample batch) is hopeless.
     """
@@ -176,14 +180,23 @@ class DeadlinePolicy:
         return min(cap, max(1, math.ceil(demand * cost.fixed_cost_s / room)))
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
+        decision = self._decide(now, queue, capacity)
+        if isinstance(decision, Dispatch) and queue.idle_workers > 1:
+            # Several workers idle: the queue is shared among them. Workers run in parallel,
+            # so a batch each ends sooner than all of it on one worker, whatever the cost.
+            share = -(-queue.samples // queue.idle_workers)
+            return Dispatch(max(1, min(decision.max_samples, share)))
+        return decision
+
+    def _decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         limit = self.batch_limit(now, queue, capacity)
         cost = capacity.cost
         batching_pays = cost.calibrated and cost.fixed_share(1) >= self.min_fixed_share
-        busy = capacity.ready_in_s > self.margin_s
-        if queue.samples >= limit and not (batching_pays and busy):
-            return Dispatch(limit)
         if not batching_pays:
             return Dispatch(limit)  # waiting would buy no throughput, only latency
+        busy = capacity.ready_in_s > self.margin_s
+        if queue.samples >= limit and not busy:
+            return Dispatch(limit)
         # The last moment the batch that is aboard may leave and still end by the most urgent
         # deadline. Sized by who is aboard now (every arrival re-decides): sized by the
         # limit instead, the guard would shrink the limit at that moment, push the moment

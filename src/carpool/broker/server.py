@@ -138,7 +138,10 @@ class BrokerServer:
         for n in range(BURST):
             if not readable(sock):
                 return n
-            frames = recv_frames(sock, NOBLOCK)
+            try:
+                frames = recv_frames(sock, NOBLOCK)
+            except zmq.Again:  # not expected after readable(); free when not raised
+                return n
             out = handler(now(), frames[0].bytes, frames[1:])
             if out:
                 self._send(out)

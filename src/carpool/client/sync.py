@@ -166,7 +166,11 @@ class Client:
         completed = 0
         if self._poller.poll(wait_ms):
             while readable(self.socket):
-                completed += self._dispatch(recv_frames(self.socket, NOBLOCK))
+                try:
+                    frames = recv_frames(self.socket, NOBLOCK)
+                except zmq.Again:  # not expected after readable(); free when not raised
+                    break
+                completed += self._dispatch(frames)
         for rid, error in self.core.expire(self.clock.now()):
             future = self._futures.pop(rid, None)
             if future is not None:

@@ -173,7 +173,10 @@ class WorkerServer:
         n = 0
         dealer = self.dealer
         while readable(dealer):
-            frames = recv_frames(dealer, NOBLOCK)
+            try:
+                frames = recv_frames(dealer, NOBLOCK)
+            except zmq.Again:  # not expected after readable(); free when not raised
+                return n
             n += 1
             action = self.core.on_broker(self.clock.now(), frames)
             if isinstance(action, RunBatch):
@@ -207,7 +210,10 @@ class WorkerServer:
     def _drain_results(self) -> int:
         n = 0
         while readable(self._results):
-            parts = recv_frames(self._results, NOBLOCK)
+            try:
+                parts = recv_frames(self._results, NOBLOCK)
+            except zmq.Again:  # not expected after readable(); free when not raised
+                return n
             n += 1
             if not self._finish_job(codec.unpack(parts[0].buffer), parts[1:]):
                 return n

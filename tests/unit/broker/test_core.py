@@ -1703,3 +1703,31 @@ def test_the_fast_path_reorders_inputs_into_spec_order(monkeypatch: pytest.Monke
     # Payloads travel in spec order (a, b) per request, whichever path admitted it.
     a0 = np.arange(3, dtype=np.float32).tobytes()
     assert [bytes(p) for p in msg.payloads] == [a0, b"\x01\x02", a0, b"\x01\x02", a3, b"\x05\x06"]
+
+
+@pytest.mark.parametrize("payloads", [None, [b"\x01\x02"]])
+def test_no_live_worker_is_answered_before_the_payload_checks(payloads: Any) -> None:
+    """Protocol §6.1's (informative) order: a known model with no live worker is
+    UNAVAILABLE even when the payloads are also wrong, with the layout cached or not."""
+    b = Broker.make(max_batch=8, max_wait_s=0.0)
+    b.ready(T0, W1, SPEC2, slots=2)
+    b.client(T0, C2, raw_request(1))  # caches the layout
+    b.disconnect(T0, W1)
+    changes = {} if payloads is None else {"payloads": payloads}
+    assert answer(b, raw_request(5, **changes)) == [(Command.ERROR, 5, int(ErrorCode.UNAVAILABLE))]
+
+
+def test_a_burst_is_shared_among_idle_workers_where_batching_buys_nothing() -> None:
+    """Deferred mode: four requests read in one turn, two idle workers, costs unknown (as
+    on a CPU, batching buys nothing): one batch each, not all four on one worker."""
+    core = BrokerCore(
+        BrokerConfig(batching=BatchingConfig(max_batch=8, policy="carpool")), defer_pumps=True
+    )
+    b = Broker(core)
+    b.ready(T0, W1, slots=2)
+    b.ready(T0, W2, slots=2)
+    for rid in range(1, 5):
+        assert core.on_client(T0, C1, b.request_frames(rid)) == []
+    sent = batches([parse(o) for o in core.on_tick(T0)])
+    assert sorted((m.to, len(m.batch.items)) for m in sent) == [(W1, 2), (W2, 2)]
+    assert sorted(i for m in sent for i in ids(m)) == [1, 2, 3, 4]
