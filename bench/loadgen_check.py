@@ -16,25 +16,38 @@ engine takes nothing (null). The plain pyzmq echo server runs too. Each round:
   --quick);
 * the echo round trip is timed with one request in flight, back to back (300 requests)
   and paced at the same 50/s (5 s; 1.5 s with --quick): processes that sleep between
-  requests answer later than busy ones, so the paced figure is the overhead to expect.
+  requests answer later than busy ones, so the paced figure is the overhead to expect;
+* a bare client (pre-encoded frames on a raw DEALER, one request at a time, the same
+  50/s) is timed against each fleet as well (250 requests; 75 with --quick): the round
+  trip the simplest possible client sees on the same fleet at the same pacing.
 
-Rounds alternate the three; 3 rounds (2 with --quick); medians are reported. Checked,
-each as an error in percent against a stated tolerance:
+Rounds alternate; 3 rounds (2 with --quick); medians are reported. Checked, each as an
+error in percent against a stated tolerance:
 
 * rate: loadgen's reported throughput against the set rate (+-2%);
+* p50 against a bare client: loadgen's median on the 10 ms fleet against the bare
+  client's median on it (+-5%). Same fleet, same pacing: what differs is the client, so
+  this is the generator's own error (its scheduling, its asyncio client, its decoding).
+
+Reported, not targets:
+
 * p50 difference: the 10 ms fleet's median minus the null fleet's, against the service
   time actually delivered (the engine's sleep oversleeps a little: the known time is the
   worker-measured engine time of the 10 ms fleet minus the null fleet's, read from the
-  brokers' cost models in STATS); the fleet's overhead cancels, so this isolates the
-  generator's timing (+-5%), up to one effect of the fleet's: in the 10 ms fleet the
-  reply's hops start after the processes have slept for 10 ms, in the null fleet at
-  once, and waking an idle process takes time (compare the echo back to back and paced);
+  brokers' cost models in STATS), +-5%. This was the first session's latency check; it
+  assumes the two fleets' own overheads cancel. They no longer do: the null engine runs
+  on the worker's loop thread (short batches of thread-free engines do), the 10 ms
+  engine on its inference thread (a hand-off each way), and since the hot-path work the
+  null path is cheaper than the threaded one by more than 5% of 10 ms. In the 10 ms fleet
+  the reply's hops also start after the processes have slept for 10 ms, and waking an
+  idle process takes time (compare the echo back to back and paced);
+* the null fleet's median against the bare client's on it (+-10%: at ~2 ms, the
+  generator's fixed cost per request is a larger share);
 * p50: the 10 ms fleet's median against its engine time + the paced echo's median
-  (+-10%). This
-  one holds only if the fleet adds little beyond the bare transport (broker and worker
-  hops); it measures the fleet more than the generator and is reported apart.
+  (+-10%). This one holds only if the fleet adds little beyond the bare transport
+  (broker and worker hops); it measures the fleet more than the generator.
 
-Target: the generator's checks (rate and p50 difference) within tolerance.
+Target: the generator's checks (rate, and p50 against a bare client) within tolerance.
 
 Run:  .venv/bin/python bench/loadgen_check.py            (about 1.5 minutes)
       .venv/bin/python bench/loadgen_check.py --quick    (a smoke run, under a minute)
@@ -75,7 +88,13 @@ MODEL = "synthetic"
 SERVICE_MS = 10.0
 RATE = 50.0
 NO_BATCHING = ["--policy", "fixed", "--max-batch", "1", "--max-wait-ms", "0"]
-TOLERANCE = {"rate": 2.0, "p50": 10.0, "p50_difference": 5.0}  # percent
+TOLERANCE = {  # percent
+    "rate": 2.0,
+    "p50_reference": 5.0,
+    "p50_difference": 5.0,
+    "p50_null": 10.0,
+    "p50": 10.0,
+}
 
 
 def sent_rate(report: BenchReport, warmup_s: float) -> float:
@@ -131,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             wait_workers(frontend, 1, group)
         wait_echo(echo_ep, group)
         sock = dealer(echo_ep)
+        fleet_socks = {name: dealer(frontend) for name, frontend in endpoints.items()}
         try:
             raw_loop(sock, frames, 1, 100, 10.0)  # warm-up
             for rnd in range(1, reps + 1):
@@ -142,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         s for s in report.samples if s.scheduled_s >= warmup_s and s.outcome == "ok"
                     ]
                     latencies[name] += [s.latency_s for s in answered]
+                    # The reference: the simplest client there is (pre-encoded frames on a
+                    # bare DEALER, one request at a time) at the same rate, same fleet.
+                    count = int(RATE * (1.5 if args.quick else 5))
+                    reference = paced_echo(fleet_socks[name], frames, RATE, count)
                     if report.errors:
                         print(f"  warning: errors {report.errors}")
                     rounds[name].append(
@@ -152,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "ok": report.ok,
                             "errors": report.errors,
                             "p50_ms": report.latency_ms["p50"],
+                            "reference_p50_ms": 1000 * pct(reference, 50),
                             "p99_ms": report.latency_ms["p99"],
                             "max_send_lag_ms": report.max_send_lag_ms,
                             # The engine's time per batch as the worker measured it (the
@@ -171,11 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"round {rnd}/{reps} done")
         finally:
             sock.close()
+            for fleet_sock in fleet_socks.values():
+                fleet_sock.close()
 
     numeric = (
         "reported_rate",
         "sent_rate",
         "p50_ms",
+        "reference_p50_ms",
         "paced_p50_ms",
         "p99_ms",
         "max_send_lag_ms",
@@ -204,14 +232,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for name in fleets:
         check("loadgen", f"rate, {name} fleet (req/s)", RATE, med[name]["reported_rate"], "rate")
-    # The service time actually delivered: the engine's sleep oversleeps a little.
-    service_ms = med["10 ms"]["engine_ms"] - med["null"]["engine_ms"]
     check(
         "loadgen",
+        "p50, 10 ms fleet, against a bare paced client (ms)",
+        med["10 ms"]["reference_p50_ms"],
+        med["10 ms"]["p50_ms"],
+        "p50_reference",
+    )
+    # Reported, not a target since the second session (see the docstring): the service
+    # time actually delivered (the engine's sleep oversleeps a little) against the
+    # difference of the two fleets' medians.
+    service_ms = med["10 ms"]["engine_ms"] - med["null"]["engine_ms"]
+    check(
+        "fleet",
         "p50 difference, 10 ms fleet - null fleet (ms)",
         service_ms,
         med["10 ms"]["p50_ms"] - med["null"]["p50_ms"],
         "p50_difference",
+    )
+    check(
+        "fleet",
+        "p50, null fleet, loadgen against a bare paced client (ms)",
+        med["null"]["reference_p50_ms"],
+        med["null"]["p50_ms"],
+        "p50_null",
     )
     check(
         "fleet",
@@ -249,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "reported req/s",
                 "sent req/s",
                 "p50 ms",
+                "bare client p50 ms",
                 "p99 ms",
                 "max send lag ms",
                 "engine ms",
@@ -259,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{med[name]['reported_rate']:.2f}",
                     f"{med[name]['sent_rate']:.2f}",
                     f"{med[name]['p50_ms']:.3f}",
+                    f"{med[name]['reference_p50_ms']:.3f}",
                     f"{med[name]['p99_ms']:.3f}",
                     f"{med[name]['max_send_lag_ms']:.2f}",
                     f"{med[name]['engine_ms']:.3f}",
@@ -274,15 +320,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "-",
                     "-",
                     "-",
+                    "-",
                 ],
-                ["echo, paced", f"{RATE:.2f}", "-", f"{echo_ms:.3f}", "-", "-", "-"],
+                ["echo, paced", f"{RATE:.2f}", "-", f"{echo_ms:.3f}", "-", "-", "-", "-"],
             ],
         )
     )
     ok = all(c["pass"] for c in checks if c["of"] == "loadgen")
     fleet_ok = all(c["pass"] for c in checks if c["of"] == "fleet")
     print(f"target: the generator's checks within tolerance: {verdict(ok)}")
-    print(f"(the fleet's p50 within 10% of service + paced echo: {verdict(fleet_ok)})")
+    print(f"(reported, not targets: the fleet rows above: {verdict(fleet_ok)})")
     write_json(
         "loadgen_check",
         {
@@ -294,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "service_ms": SERVICE_MS,
             "warmup_s": warmup_s,
             "window_s": window_s,
-            "target": "the generator's checks (rate, p50 difference) within tolerance",
+            "target": "the generator's checks (rate, p50 against a bare client) within tolerance",
             "pass": ok,
             "fleet_p50_pass": fleet_ok,
             "checks": checks,
