@@ -774,10 +774,14 @@ class BrokerCore:
         model = queue.key[0]
         workers = self.registry.serving(model)
         idle = 1
-        if not worker.outstanding and len(workers) > 1:
-            idle = sum(
-                1 for w in workers if not w.outstanding and w.lanes[model].max_batch >= head.samples
-            )
+        if queue.samples > 1 and not worker.outstanding and len(workers) > 1:
+            # Counted only as far as it can matter: one sample each at most.
+            idle = 0
+            for w in workers:
+                if not w.outstanding and w.lanes[model].max_batch >= head.samples:
+                    idle += 1
+                    if idle >= queue.samples:
+                        break
         return QueueView(
             queue.samples,
             head.arrival_s,
