@@ -286,7 +286,11 @@ class BrokerCore:
             return None
         if layout is None or len(payloads) != len(layout.sizes):
             return None
-        for tensor in sig[1]:  # a bool or float dim hashes like an int: not the same request
+        for t, tensor in zip(meta["inputs"], sig[1], strict=True):
+            # A bin or tuple shape, or a bool or float dim, hashes like the list of ints it
+            # resembles: not the same request.
+            if type(t["shape"]) is not list:
+                return None
             for d in tensor[2]:
                 if type(d) is not int:
                     return None
@@ -612,6 +616,8 @@ class BrokerCore:
                 del self._queues[key]
                 self._wake_s.pop(key, None)
                 self._inputs_cache.pop(key, None)
+            # A cache over every shape admitted (clients choose shapes): start it afresh.
+            self._fleet_rates.clear()
         return out
 
     def _expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
@@ -762,33 +768,27 @@ class BrokerCore:
                 self._pump(now, queue, out)
 
     def _view(
-        self,
-        now: float,
-        queue: RequestQueue,
-        head: PendingRequest,
-        urgent: PendingRequest,
-        worker: WorkerState,
+        self, now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest
     ) -> QueueView:
-        """What the policy sees of a queue, for ``worker``; its arrival rate is shared among
-        the workers, and so is the queue while several of them are idle."""
-        model = queue.key[0]
-        workers = self.registry.serving(model)
-        idle = 1
-        if queue.samples > 1 and not worker.outstanding and len(workers) > 1:
-            # Counted only as far as it can matter: one sample each at most.
-            idle = 0
-            for w in workers:
-                if not w.outstanding and w.lanes[model].max_batch >= head.samples:
-                    idle += 1
-                    if idle >= queue.samples:
-                        break
+        """What the policy sees of a queue; its arrival rate is shared among the workers."""
+        workers = max(1, len(self.registry.serving(queue.key[0])))
         return QueueView(
-            queue.samples,
-            head.arrival_s,
-            urgent.deadline_s,
-            queue.arrival_sps(now) / max(1, len(workers)),
-            max(1, idle),
+            queue.samples, head.arrival_s, urgent.deadline_s, queue.arrival_sps(now) / workers
         )
+
+    def _idle_workers(self, model: str, worker: WorkerState, samples: int, most: int) -> int:
+        """Workers of ``model`` that could start a batch now (``worker`` included, 1 if it
+        is busy itself), counted only up to ``most``."""
+        workers = self.registry.serving(model)
+        if most <= 1 or worker.outstanding or len(workers) < 2:
+            return 1
+        idle = 0
+        for w in workers:
+            if not w.outstanding and w.lanes[model].max_batch >= samples:
+                idle += 1
+                if idle >= most:
+                    break
+        return max(1, idle)
 
     def _shed(
         self,
@@ -837,6 +837,7 @@ class BrokerCore:
         # Capacities of this pump, per worker, until that worker takes a batch.
         caps: dict[WorkerId, Capacity] = {}
         shed_at = self._shed(now, queue, out, caps)
+        released = 0  # samples the policy let leave now, still to share among idle workers
         while True:
             head = queue.head()
             if head is None:
@@ -869,18 +870,33 @@ class BrokerCore:
                         self._wake_s[queue.key] = shed_at
                     return
                 worker, capacity = bigger, self._capacity(now, bigger, queue.key)
-            view = self._view(now, queue, head, urgent, worker)
-            decision = policy.decide(now, view, capacity)
-            if not isinstance(decision, Dispatch):
-                wake = decision.t if shed_at is None else min(decision.t, shed_at)
-                self._wake_s[queue.key] = wake
-                return
-            # A request larger than the policy's size still travels alone rather than starve;
-            # `first` is taken first either way, so a batch is never empty.
-            size = min(worker.lanes[model].max_batch, max(decision.max_samples, first.samples))
+            engine_max = worker.lanes[model].max_batch
+            if released > 0:
+                # The policy already let these leave now; this idle worker takes its share.
+                leaving = released
+            else:
+                view = self._view(now, queue, head, urgent)
+                decision = policy.decide(now, view, capacity)
+                if not isinstance(decision, Dispatch):
+                    wake = decision.t if shed_at is None else min(decision.t, shed_at)
+                    self._wake_s[queue.key] = wake
+                    return
+                # A request larger than the policy's size still travels alone rather than
+                # starve; `first` is taken first either way, so a batch is never empty.
+                leaving = min(engine_max, max(decision.max_samples, first.samples))
+            size = leaving
+            if policy.share_idle:
+                # Several workers idle: each takes a share of what leaves now (workers run in
+                # parallel, so a batch each ends sooner than all of it on one worker).
+                leaving = min(leaving, queue.samples)
+                idle = self._idle_workers(model, worker, first.samples, leaving)
+                size = min(engine_max, max(first.samples, -(-leaving // idle)))
             requests = queue.take_edf(size, now, promote_s) if policy.edf else queue.take(size)
             for req in requests:
                 self._dequeued(req)
+            released = (
+                max(0, leaving - sum(r.samples for r in requests)) if policy.share_idle else 0
+            )
             if policy.edf and capacity.cost.calibrated:
                 requests = self._drop_doomed(now, requests, capacity, out)
                 if not requests:

@@ -46,8 +46,6 @@ class QueueView:
     earliest_deadline_s: float = float("inf")  # most urgent queued request
     # Arrival rate this worker must keep up with: the queue's rate / workers serving it.
     arrival_sps: float = 0.0
-    # Workers, this one included, that could start a batch of this queue right now.
-    idle_workers: int = 1
 
 
 @dataclass(slots=True)
@@ -71,6 +69,11 @@ class BatchPolicy(Protocol):
         """Serve a queue earliest-deadline-first (with priorities) rather than by arrival."""
         ...
 
+    @property
+    def share_idle(self) -> bool:
+        """Split what may leave now among the workers idle at that moment."""
+        ...
+
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         """Decide for one non-empty queue."""
         ...
@@ -90,6 +93,8 @@ class FixedPolicy:
     max_batch: int
     max_wait_s: float
     edf: bool = False
+    # Triton's batcher gives a formed batch to one free instance; so does this baseline.
+    share_idle: bool = False
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         limit = min(self.max_batch, capacity.max_batch)
@@ -116,8 +121,8 @@ class DeadlinePolicy:
       yet). Otherwise until the earliest of T_max after the oldest arrival and the most
       urgent request's latest start; while the worker is still busy, the batch may keep
       filling until shortly before it is free, since leaving earlier would only queue there.
-    * Sharing: a batch that leaves while several workers are idle takes only its share
-      of the queue (the rest goes to the others in the same turn).
+    * Sharing (``share_idle``): what leaves at once while several workers are idle is
+      split among them by the broker (workers run in parallel: a batch each ends sooner).
     * Shedding: a request whose deadline comes before the earliest possible completion
       (the best worker's backlog + a one-sample batch) is hopeless.
     """
@@ -131,6 +136,7 @@ class DeadlinePolicy:
     min_jitter_share: float = 0.02
     min_fixed_share: float = 0.2
     edf: bool = True
+    share_idle: bool = True
 
     #: Capacity kept above the measured arrival rate by the sustainable-size floor.
     headroom: float = 1.0
@@ -180,15 +186,6 @@ class DeadlinePolicy:
         return min(cap, max(1, math.ceil(demand * cost.fixed_cost_s / room)))
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
-        decision = self._decide(now, queue, capacity)
-        if isinstance(decision, Dispatch) and queue.idle_workers > 1:
-            # Several workers idle: the queue is shared among them. Workers run in parallel,
-            # so a batch each ends sooner than all of it on one worker, whatever the cost.
-            share = -(-queue.samples // queue.idle_workers)
-            return Dispatch(max(1, min(decision.max_samples, share)))
-        return decision
-
-    def _decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         limit = self.batch_limit(now, queue, capacity)
         cost = capacity.cost
         batching_pays = cost.calibrated and cost.fixed_share(1) >= self.min_fixed_share

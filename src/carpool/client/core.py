@@ -184,8 +184,12 @@ class ClientCore:
             or not math.isfinite(queue_ms + compute_ms)
         ):
             return None
-        for _, _, shape in sig:
-            for d in shape:  # a bool or float dim hashes like an int: not the same reply
+        for t, (_, _, shape) in zip(meta["outputs"], sig, strict=True):
+            # A bin shape, or a bool or float dim, hashes like the list of ints it
+            # resembles: not the same reply.
+            if type(t["shape"]) is not list:
+                return None
+            for d in shape:
                 if type(d) is not int:
                     return None
         outputs = {}

@@ -36,7 +36,12 @@ TRIM_BYTES = 128 * 1024 * 1024
 
 def glibc() -> bool:
     """Whether this process runs on glibc (where the thresholds mean something)."""
-    return sys.platform.startswith("linux") and bool(os.confstr("CS_GNU_LIBC_VERSION") or "")
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (OSError, ValueError):  # musl raises EINVAL for this name
+        return False
 
 
 def tune_allocator() -> bool:

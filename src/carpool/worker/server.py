@@ -358,6 +358,9 @@ def _run_job(
             inputs = stack(batch, job.frames)
         except ProtocolError as exc:
             raise _JobError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+        except Exception as exc:  # a bug of ours must fail the batch, not the thread
+            logger.exception("stacking batch %d of %s failed", batch.batch_id, batch.model)
+            raise _JobError(ErrorCode.INTERNAL, f"stacking inputs failed: {exc}") from None
         try:
             outputs = engine.run(inputs)
         except Exception as exc:
@@ -369,6 +372,9 @@ def _run_job(
             counts, frames = replies(batch, outputs, names, 1000.0 * (end - start))
         except ProtocolError as exc:
             raise _JobError(ErrorCode.INTERNAL, str(exc)) from None
+        except Exception as exc:  # a bug of ours must fail the batch, not the thread
+            logger.exception("encoding batch %d of %s failed", batch.batch_id, batch.model)
+            raise _JobError(ErrorCode.INTERNAL, f"encoding outputs failed: {exc}") from None
     except _JobError as exc:
         header.update(end=clock.now(), error=[int(exc.code), exc.message])
         return header, []

@@ -55,9 +55,14 @@ def stack(batch: BatchMeta, frames: Sequence[Frame]) -> dict[str, Array]:
         if len(requests) == 1:
             data: Any = view(frames[j])  # one request: a view of its frame, no copy
         else:
-            # One copy of this input's frames into one buffer (bytes.join takes any
-            # buffer), then one array over it: no per-request numpy objects.
-            data = b"".join(frames[j::n_inputs])  # type: ignore[arg-type]
+            # One copy of this input's frames into one writable buffer, then one array
+            # over it: no per-request numpy objects (and engines may work in place).
+            data = bytearray(total * sample_bytes[j])
+            pos = 0
+            for frame in frames[j::n_inputs]:
+                size = len(frame)
+                data[pos : pos + size] = frame
+                pos += size
         out[spec.name] = np.frombuffer(data, dtypes[j]).reshape((total, *items[j]))
     return out
 
@@ -88,7 +93,8 @@ def replies(
         (name, arr.dtype.name, list(arr.shape[1:]))
         for name, arr in zip(output_names, arrays, strict=True)
     ]
-    rows = [memoryview(a).cast("B") for a in arrays]  # type: ignore[arg-type]
+    # (Through a flat uint8 view: memoryview.cast refuses arrays with a zero-size dim.)
+    rows = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]  # type: ignore[arg-type]
     row_bytes = [a.itemsize * math.prod(a.shape[1:]) for a in arrays]
     compute = round(compute_ms, 3)
     descs: dict[int, list[dict[str, Any]]] = {}  # reply "outputs" by sample count

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.registry import WorkerId
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
@@ -1668,6 +1669,12 @@ def answer(b: Broker, frames: list[Any]) -> list[tuple[Command, Any, Any]]:
             ]
         },
         {"inputs": [{"name": "b", "dtype": "uint8", "shape": [[1], 2]}]},
+        {
+            "inputs": [
+                {"name": "b", "dtype": "uint8", "shape": b"\x01\x02"},
+                {"name": "a", "dtype": F32, "shape": [1, 3]},
+            ]
+        },
         {"payloads": [b"\x01\x02"]},
         {"payloads": [b"\x01\x02\x03", np.arange(3, dtype=np.float32).tobytes()]},
         {"payloads": [np.arange(3, dtype=np.float32).tobytes(), b"\x01\x02"]},
@@ -1731,3 +1738,52 @@ def test_a_burst_is_shared_among_idle_workers_where_batching_buys_nothing() -> N
     sent = batches([parse(o) for o in core.on_tick(T0)])
     assert sorted((m.to, len(m.batch.items)) for m in sent) == [(W1, 2), (W2, 2)]
     assert sorted(i for m in sent for i in ids(m)) == [1, 2, 3, 4]
+
+
+def test_a_burst_is_shared_among_idle_workers_where_batching_pays() -> None:
+    """What the policy lets leave at once is split among the idle workers in the same
+    turn; the remainder does not wait for T_max on the second worker."""
+    core = BrokerCore(
+        BrokerConfig(batching=BatchingConfig(max_batch=8, max_wait_s=0.05, policy="carpool")),
+        defer_pumps=True,
+    )
+    b = Broker(core)
+    b.ready(T0, W1, slots=2)
+    b.ready(T0, W2, slots=2)
+    key = ("m", (("x", F32, (4,)),))
+    for wid in (W1, W2):  # 2 ms + 1 ms per sample, as RESULTs would teach it: batching pays
+        lane = core.registry.get(WorkerId(wid)).lanes["m"]  # type: ignore[union-attr]
+        for n in (1, 2, 1, 2):
+            lane.observe(key, n, 0.002 + 0.001 * n)
+        assert lane.cost(key).calibrated
+    now = T0
+    for rid in range(1, 9):
+        assert core.on_client(now, C1, b.request_frames(rid)) == []
+    sent = batches([parse(o) for o in core.on_tick(now)])
+    assert sorted((m.to, len(m.batch.items)) for m in sent) == [(W1, 4), (W2, 4)]
+    assert sorted(i for m in sent for i in ids(m)) == list(range(1, 9))
+
+
+def test_the_fixed_policy_gives_a_formed_batch_to_one_worker() -> None:
+    """The Triton-like baseline keeps Triton's behaviour: a full batch goes to one free
+    instance, even with another idle."""
+    core = BrokerCore(BrokerConfig(batching=fixed(8, 0.05)), defer_pumps=True)
+    b = Broker(core)
+    b.ready(T0, W1, slots=2)
+    b.ready(T0, W2, slots=2)
+    for rid in range(1, 9):
+        assert core.on_client(T0, C1, b.request_frames(rid)) == []
+    sent = batches([parse(o) for o in core.on_tick(T0)])
+    assert [len(m.batch.items) for m in sent] == [8]
+
+
+def test_the_fleet_rate_cache_is_dropped_with_idle_queues() -> None:
+    """Admission caches a best-case rate per request key; clients choose shapes, so the
+    cache is started afresh by the same sweep that forgets idle queues."""
+    b = Broker.make(max_batch=8, max_wait_s=0.0, policy="carpool")
+    b.ready(T0, W1, SPEC_DYN, slots=2)
+    for width in range(1, 50):
+        b.client(T0, C1, b.request_frames(width, model="dyn", item=(width,)))
+    assert len(b.core._fleet_rates) >= 40
+    b.core.on_tick(T0 + 5.0)
+    assert b.core._fleet_rates == {}

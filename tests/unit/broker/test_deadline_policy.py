@@ -466,31 +466,3 @@ def test_fixed_policy_never_waits_into_the_past(
     else:
         assert 1 <= decision.max_samples <= min(max_batch, capacity.max_batch)
     assert policy.shed_before(now, capacity) == now
-
-
-@pytest.mark.parametrize(
-    ("samples", "idle", "expected"),
-    [(4, 1, 16), (4, 2, 2), (5, 2, 3), (4, 4, 1), (2, 8, 1), (64, 2, 16)],
-)
-@pytest.mark.parametrize("cost", [CPU, UNKNOWN])
-def test_idle_workers_share_the_queue(
-    cost: CostEstimate, samples: int, idle: int, expected: int
-) -> None:
-    """A batch per idle worker ends sooner than all of them on one worker (capped by the
-    size limit as ever; with one idle worker the limit stands)."""
-    policy = carpool()
-    view = QueueView(samples, NOW, NOW + 10.0, idle_workers=idle)
-    assert policy.decide(NOW, view, Capacity(16, 0.0, cost)) == Dispatch(expected)
-
-
-def test_idle_workers_share_a_full_batch_where_batching_pays() -> None:
-    policy = carpool()
-    full = QueueView(16, NOW, NOW + 10.0)
-    assert policy.decide(NOW, full, Capacity(16, 0.0, GPU)) == Dispatch(16)
-    shared = QueueView(16, NOW, NOW + 10.0, idle_workers=4)
-    assert policy.decide(NOW, shared, Capacity(16, 0.0, GPU)) == Dispatch(4)
-    # Waiting for more is decided as before: the share applies when the batch leaves.
-    waiting = policy.decide(NOW, QueueView(1, NOW, NOW + 10.0), Capacity(16, 0.0, GPU))
-    assert waiting == policy.decide(
-        NOW, QueueView(1, NOW, NOW + 10.0, idle_workers=4), Capacity(16, 0.0, GPU)
-    )

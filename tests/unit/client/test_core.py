@@ -420,6 +420,15 @@ def _outcome(core: ClientCore, meta: dict[str, Any], payloads: list[bytes]) -> A
             },
             GOOD_PAYLOADS,
         ),
+        (
+            {
+                "outputs": [
+                    {"name": "y", "dtype": "float32", "shape": b"\x01\x02"},
+                    {"name": "m", "dtype": "uint8", "shape": [1]},
+                ]
+            },
+            GOOD_PAYLOADS,
+        ),
         ({}, GOOD_PAYLOADS[:1]),
         ({}, [GOOD_PAYLOADS[0], b"\x07\x08"]),
         ({}, [*GOOD_PAYLOADS, b""]),

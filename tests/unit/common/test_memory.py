@@ -45,12 +45,25 @@ def run_child(**env: str) -> str:
     return out.stdout.strip()
 
 
-pytestmark = pytest.mark.skipif(not memory.glibc(), reason="the thresholds are glibc's")
+glibc_only = pytest.mark.skipif(not memory.glibc(), reason="the thresholds are glibc's")
 
 
+@glibc_only
 def test_large_blocks_come_from_the_heap_once_tuned() -> None:
     assert run_child() == "True False"
 
 
+@glibc_only
 def test_opt_out_leaves_glibcs_defaults() -> None:
     assert run_child(CARPOOL_MALLOC_TUNING="0") == "False True"
+
+
+def test_a_libc_that_is_not_glibc_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """musl raises EINVAL for CS_GNU_LIBC_VERSION: no glibc, nothing tuned, no crash."""
+
+    def musl_confstr(name: str) -> str:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(memory.os, "confstr", musl_confstr)
+    assert memory.glibc() is False
+    assert memory.tune_allocator() is False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 from carpool.common import codec
@@ -343,3 +344,25 @@ def test_batches_taken_back_on_reconnect_leave_the_meter_idle() -> None:
     core.on_batches_dropped(5)
     assert core.meter.running_since is None
     assert core.meter.rho(10.5) == 0.0
+
+
+def test_an_unexpected_error_fails_the_batch_not_the_inference_thread() -> None:
+    """An engine whose outputs break our encoder (here: a declared output is missing)
+    yields a failed batch with INTERNAL, which the worker reports as FAILED."""
+    from carpool.common.clock import MonotonicClock
+    from carpool.common.protocol import BatchItem, BatchMeta, TensorMeta
+    from carpool.worker.core import RunBatch
+    from carpool.worker.engines.synthetic import SyntheticEngine
+    from carpool.worker.server import _run_job
+
+    class Forgetful(SyntheticEngine):
+        def run(self, inputs: Any) -> dict[str, Any]:
+            return {}  # "y" is declared but missing
+
+    engine = Forgetful(item_shape=(2,))
+    meta = BatchMeta(7, "m", (TensorMeta("x", "float32", (-1, 2)),), (BatchItem(1, 1, False, 0.0),))
+    job = RunBatch(1, meta, [np.zeros((1, 2), np.float32).tobytes()])
+    header, frames = _run_job({"m": engine}, job, MonotonicClock())
+    assert frames == []
+    assert header["error"][0] == int(ErrorCode.INTERNAL)
+    assert "encoding outputs failed" in header["error"][1]

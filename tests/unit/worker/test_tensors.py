@@ -199,3 +199,26 @@ def test_wrong_output_dim_0_raises(bad: Any) -> None:
     b = batch((1, 1, False), (2, 3, False))
     with pytest.raises(ProtocolError, match="expected dim 0 = 4"):
         replies(b, {"y": bad}, ["y"], 1.0)
+
+
+def test_stacked_batches_are_writable_for_engines_that_work_in_place() -> None:
+    b = batch((1, 1, False), (2, 1, False))
+    frames = [a.tobytes() for rid in (1, 2) for a in frames_for(rid, 1)]
+    arrays = stack(b, frames)
+    assert arrays["x"].flags.writeable
+    arrays["x"] /= 2  # an engine normalising its input in place
+    np.testing.assert_array_equal(arrays["x"][1], (np.arange(3) + 200) / 2)
+
+
+def test_replies_with_a_zero_size_dimension() -> None:
+    """A detector that found nothing returns (n, 0, 6): encoding gives every request its
+    (empty) rows instead of raising (protocol v1 then has the client refuse a 0 dim: an
+    error for that request, where an exception here would take a worker thread down)."""
+    b = batch((1, 1, False), (2, 2, False))
+    boxes = np.zeros((3, 0, 6), np.float32)
+    counts, frames = replies(b, {"boxes": boxes}, ["boxes"], 1.0)
+    assert counts == [3, 3]
+    for i, n in enumerate((1, 2)):
+        meta = decode_meta(frames[3 * i + 1])
+        assert meta["outputs"] == [{"name": "boxes", "dtype": "float32", "shape": [n, 0, 6]}]
+        assert len(frames[3 * i + 2]) == 0
