@@ -19,7 +19,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
-from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 
 logger = logging.getLogger(__name__)
@@ -136,11 +136,11 @@ class BrokerServer:
         handler = core.on_client if side is Side.FRONTEND else core.on_worker
         now = self.clock.now
         for n in range(BURST):
-            if not readable(sock):
-                return n
+            # Read until zmq.Again: raising it costs ~9 us once per drain, where asking
+            # ZMQ_EVENTS first would cost ~3.4 us per message (more than 1.6 a drain).
             try:
                 frames = recv_frames(sock, NOBLOCK)
-            except zmq.Again:  # not expected after readable(); free when not raised
+            except zmq.Again:
                 return n
             out = handler(now(), frames[0].bytes, frames[1:])
             if out:

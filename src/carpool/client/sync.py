@@ -21,7 +21,7 @@ from carpool.client.core import ClientCore, InferResult
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError
 from carpool.common.protocol import Priority
-from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 
 
 class ClientState(Enum):
@@ -165,10 +165,10 @@ class Client:
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
         completed = 0
         if self._poller.poll(wait_ms):
-            while readable(self.socket):
+            while True:
                 try:
                     frames = recv_frames(self.socket, NOBLOCK)
-                except zmq.Again:  # not expected after readable(); free when not raised
+                except zmq.Again:
                     break
                 completed += self._dispatch(frames)
         for rid, error in self.core.expire(self.clock.now()):

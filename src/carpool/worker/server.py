@@ -24,7 +24,7 @@ from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import ModelSpec
-from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
@@ -172,10 +172,10 @@ class WorkerServer:
     def _drain_broker(self) -> int:
         n = 0
         dealer = self.dealer
-        while readable(dealer):
+        while True:
             try:
                 frames = recv_frames(dealer, NOBLOCK)
-            except zmq.Again:  # not expected after readable(); free when not raised
+            except zmq.Again:
                 return n
             n += 1
             action = self.core.on_broker(self.clock.now(), frames)
@@ -193,7 +193,6 @@ class WorkerServer:
             elif isinstance(action, Reconnect):
                 self._reconnect(action.reason)
                 return n
-        return n
 
     def _runs_inline(self, job: RunBatch) -> bool:
         """Run a batch on this thread when that is safe and cheaper than the hand-off: the
@@ -209,15 +208,14 @@ class WorkerServer:
 
     def _drain_results(self) -> int:
         n = 0
-        while readable(self._results):
+        while True:
             try:
                 parts = recv_frames(self._results, NOBLOCK)
-            except zmq.Again:  # not expected after readable(); free when not raised
+            except zmq.Again:
                 return n
             n += 1
             if not self._finish_job(codec.unpack(parts[0].buffer), parts[1:]):
                 return n
-        return n
 
     def _finish_job(self, info: dict[str, Any], frames: list[Any]) -> bool:
         """Report a finished batch to the broker; False if it had to reconnect."""
