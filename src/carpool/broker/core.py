@@ -4,6 +4,12 @@ Inputs are events with ``now`` (monotonic seconds): a client message, a worker m
 tick, a peer that could not be sent to. Each returns the list of :class:`Outgoing` messages
 to send. No sockets, threads or clocks here; ``server.py`` owns those.
 
+Two modes: by default each message forms the batches it allows at once; with
+``defer_pumps=True`` (the server's mode) messages only queue work and the tick that ends
+each loop turn forms batches for everything that arrived in it. A framed request whose
+layout (model, input names, dtypes, shapes) passed validation before takes a fast path
+with the same checks and answers.
+
 Invariants:
 - every client request gets exactly one reply: its result or a typed error;
 - tensor payload frames are forwarded as the objects that arrived, never read or copied;
