@@ -59,6 +59,12 @@ ops = st.lists(
     st.one_of(arrive, arrive, arrive, advance, advance, finish, finish, fail, lose),
     max_size=80,
 )
+# Deferred mode (the server's): messages pile up until a loop turn ends with a tick.
+turn = st.tuples(st.just("turn"))
+turn_ops = st.lists(
+    st.one_of(arrive, arrive, arrive, advance, finish, finish, fail, lose, turn, turn),
+    max_size=100,
+)
 
 
 @dataclass
@@ -77,6 +83,9 @@ class World:
     requests: dict[int, tuple[int, float]] = field(default_factory=dict)  # rid -> (shape, dl)
     answers: Counter[int] = field(default_factory=Counter)
     next_rid: int = 1
+    # Deferred mode: a tick only ends a turn ("turn" op) or comes before time passes, as
+    # in the server, where every loop turn ends with one.
+    turns: bool = False
 
     def route(self, outgoing: list[Outgoing]) -> None:
         for out in outgoing:
@@ -121,6 +130,10 @@ class World:
 
     def apply(self, op: tuple[Any, ...]) -> None:
         kind = op[0]
+        if kind == "turn" or (self.turns and kind in ("advance", "finish")):
+            self.tick()  # the turn ends (before time passes)
+            if kind == "turn":
+                return
         if kind == "arrive":
             _, shape_index, samples, timeout_ms, priority = op
             rid = self.next_rid
@@ -155,18 +168,22 @@ class World:
             bye = encode(Command.DISCONNECT, {"reason": "test"})
             self.route(self.core.on_worker(self.now, worker.wid, bye))
             self.join(op[1])
-        self.tick()
+        if not self.turns:
+            self.tick()
 
     def drain(self) -> None:
         """Finish everything: run all batches, then let every deadline pass."""
         for _ in range(1000):
+            self.tick()
             busy = [i for i, w in enumerate(self.workers) if w.batches]
             if not busy:
                 break
             self.apply(("finish", busy[0], 5))
+        self.tick()
         self.now += 10.0
         self.tick()
         for _ in range(1000):
+            self.tick()
             busy = [i for i, w in enumerate(self.workers) if w.batches]
             if not busy:
                 break
@@ -182,6 +199,32 @@ def test_every_request_ends_exactly_once_within_the_rules(policy: str, script: l
         max_queued=50,
     )
     world = World(policy, BrokerCore(config))
+    world.join(0)
+    world.join(1)
+    for op in script:
+        world.apply(op)
+    world.drain()
+    assert set(world.answers) == set(world.requests)
+    assert all(count == 1 for count in world.answers.values()), world.answers
+    snapshot = world.core.snapshot()
+    assert snapshot["queued"] == 0
+    assert snapshot["inflight_batches"] == 0
+
+
+@pytest.mark.parametrize("policy", ["carpool", "fixed", "seed"])
+@pytest.mark.parametrize("max_queued", [3, 50])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=turn_ops)
+def test_deferred_mode_ends_every_request_exactly_once(
+    policy: str, max_queued: int, script: list[Any]
+) -> None:
+    """The server's mode: several messages per loop turn, batches formed at its end, a
+    full queue that pumps before it refuses."""
+    config = BrokerConfig(
+        batching=BatchingConfig(max_batch=B_MAX, max_wait_s=0.005, policy=policy),
+        max_queued=max_queued,
+    )
+    world = World(policy, BrokerCore(config, defer_pumps=True), turns=True)
     world.join(0)
     world.join(1)
     for op in script:
