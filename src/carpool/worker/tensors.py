@@ -7,12 +7,13 @@ only copy is the concatenation into the batch, and none when a batch has one req
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from carpool.common.codec import numpy_dtype, pack
+from carpool.common.codec import numpy_dtype, pack, wire_dtype
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol import (
     BatchMeta,
@@ -28,6 +29,7 @@ from carpool.common.protocol import (
 from carpool.worker.engines.base import Array
 
 _REPLY = header(Command.REPLY)
+_BIG_ENDIAN_HOST = sys.byteorder == "big"
 
 
 def stack(batch: BatchMeta, frames: Sequence[Frame]) -> dict[str, Array]:
@@ -82,20 +84,27 @@ def replies(
     """
     total = batch.total_samples
     arrays = []
+    described = []  # (name, wire dtype, item shape) per output, once per batch
     for name in output_names:
         arr = np.ascontiguousarray(outputs[name])
         if arr.ndim == 0 or arr.shape[0] != total:
             raise ProtocolError(f"output {name!r} has shape {arr.shape}, expected dim 0 = {total}")
-        arrays.append(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
-    # Names, dtypes and item shapes once per batch (dtype.name is slow in numpy), and each
-    # output as bytes: a request's rows are a memoryview slice, cheaper than a numpy one.
-    described = [
-        (name, arr.dtype.name, list(arr.shape[1:]))
-        for name, arr in zip(output_names, arrays, strict=True)
-    ]
-    # (Through a flat uint8 view: memoryview.cast refuses arrays with a zero-size dim.)
-    rows = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]  # type: ignore[arg-type]
-    row_bytes = [a.itemsize * math.prod(a.shape[1:]) for a in arrays]
+        order = arr.dtype.byteorder
+        if order == ">" or (order == "=" and _BIG_ENDIAN_HOST):
+            arr = arr.astype(arr.dtype.newbyteorder("<"))  # little-endian on the wire
+        arrays.append(arr)
+        # wire_dtype is a dict lookup; numpy's dtype.name costs ~5 us per call.
+        described.append((name, wire_dtype(arr.dtype), list(arr.shape[1:])))
+    single = len(batch.items) == 1
+    if single:
+        # One request: its rows are the whole outputs, sent as they are.
+        rows: list[Any] = arrays
+        row_bytes: list[int] = []
+    else:
+        # A request's rows as a slice of a flat byte view (cheaper than a numpy slice;
+        # flat uint8 because memoryview.cast refuses arrays with a zero-size dim).
+        rows = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]  # type: ignore[arg-type]
+        row_bytes = [a.itemsize * math.prod(a.shape[1:]) for a in arrays]
     compute = round(compute_ms, 3)
     descs: dict[int, list[dict[str, Any]]] = {}  # reply "outputs" by sample count
     counts: list[int] = []
@@ -104,7 +113,10 @@ def replies(
     for item in batch.items:
         n = item.samples
         stop = start + n
-        pieces = [mv[start * rb : stop * rb] for mv, rb in zip(rows, row_bytes, strict=True)]
+        if single:
+            pieces = rows
+        else:
+            pieces = [mv[start * rb : stop * rb] for mv, rb in zip(rows, row_bytes, strict=True)]
         start = stop
         if item.simple:
             meta = ReplyMeta(

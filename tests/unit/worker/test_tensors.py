@@ -222,3 +222,11 @@ def test_replies_with_a_zero_size_dimension() -> None:
         meta = decode_meta(frames[3 * i + 1])
         assert meta["outputs"] == [{"name": "boxes", "dtype": "float32", "shape": [n, 0, 6]}]
         assert len(frames[3 * i + 2]) == 0
+
+
+def test_an_output_dtype_the_wire_cannot_carry_fails_the_batch() -> None:
+    """complex64 is not a wire dtype: the batch fails here (the worker answers FAILED,
+    INTERNAL) instead of every client receiving a reply it must refuse."""
+    b = batch((1, 1, False))
+    with pytest.raises(ProtocolError, match="unsupported dtype"):
+        replies(b, {"y": np.zeros((1, 2), np.complex64)}, ["y"], 1.0)
