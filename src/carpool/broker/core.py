@@ -59,6 +59,7 @@ from carpool.common.protocol import (
     Priority,
     Ready,
     ResultMeta,
+    Signature,
     Submit,
     TensorMeta,
     VersionMismatch,
@@ -71,6 +72,7 @@ from carpool.common.protocol import (
     is_simple_form,
     parse_header,
     request_id_of,
+    tensor_signature,
     view,
 )
 
@@ -169,7 +171,7 @@ class BrokerCore:
         self._inputs_cache: dict[RequestKey, list[dict[str, Any]]] = {}
         # Request layouts validated once per (model, input names, dtypes, shapes); a
         # model's spec never changes once registered, so entries stay valid.
-        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        self._layouts: dict[tuple[str, Signature], _Layout] = {}
         self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
         # Best-case fleet throughput per key (samples/s, 0 = unknown) for admission.
         self._fleet_rates: dict[RequestKey, float] = {}
@@ -282,33 +284,23 @@ class BrokerCore:
         """The common request, checked against the layout cached when a request with the
         same model and input names, dtypes and shapes was first validated. None: anything
         unusual, which takes the full path (and its precise error messages)."""
-        try:
-            sig = (
-                meta["model"],
-                tuple([(t["name"], t["dtype"], tuple(t["shape"])) for t in meta["inputs"]]),
-            )
-            layout = self._layouts.get(sig)
-        except (KeyError, TypeError, AttributeError):
+        model = meta.get("model")
+        inputs = tensor_signature(meta.get("inputs"))
+        if type(model) is not str or inputs is None:
             return None
+        layout = self._layouts.get((model, inputs))
         if layout is None or len(payloads) != len(layout.sizes):
             return None
-        for t, tensor in zip(meta["inputs"], sig[1], strict=True):
-            # A bin or tuple shape, or a bool or float dim, hashes like the list of ints it
-            # resembles: not the same request.
-            if type(t["shape"]) is not list:
-                return None
-            for d in tensor[2]:
-                if type(d) is not int:
-                    return None
+        if self.registry.max_batch(model) == 0:
+            return None  # the full path answers UNAVAILABLE
         for frame, size in zip(payloads, layout.sizes, strict=True):
             if len(frame) != size:
                 return None
-        rid = meta.get("id")
+        rid = request_id_of(meta)
         timeout = meta.get("timeout_ms")
         prio = meta.get("priority", 0)
         if (
-            type(rid) is not int
-            or not 0 <= rid < 2**64
+            rid is None
             or (
                 timeout is not None
                 and (type(timeout) is not int or not 0 < timeout <= MAX_TIMEOUT_MS)
@@ -336,10 +328,7 @@ class BrokerCore:
         """Queue a valid request, unless no worker can take it or it cannot make its
         deadline; in deferred mode the batch forms at the end of the turn."""
         model = layout.model
-        max_batch = self.registry.max_batch(model)
-        if max_batch == 0:
-            msg = f"no live worker serves model {model!r} right now"
-            return [self._error(client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple)]
+        max_batch = self.registry.max_batch(model)  # > 0: both callers checked
         samples = layout.samples
         if samples > max_batch:
             msg = (
@@ -1100,8 +1089,9 @@ def _conform(
     return tuple(ordered_inputs), tuple(order), samples
 
 
-def _signature(submit: Submit) -> tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]:
-    """The lookup key of a request's layout, as _admit_known builds it from raw meta."""
+def _signature(submit: Submit) -> tuple[str, Signature]:
+    """The lookup key of a request's layout, as _admit_known builds it from raw meta
+    (the model name and tensor_signature of the inputs)."""
     return (submit.model, tuple((t.name, t.dtype, t.shape) for t in submit.inputs))
 
 

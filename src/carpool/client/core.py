@@ -28,11 +28,14 @@ from carpool.common.protocol import (
     Frame,
     Priority,
     ReplyMeta,
+    Signature,
     check_frame_sizes,
     decode_meta,
     encode,
     header,
     parse_header,
+    request_id_of,
+    tensor_signature,
     view,
 )
 
@@ -65,8 +68,8 @@ class ClientCore:
     pending: dict[int, float] = field(default_factory=dict)  # id -> local deadline
     # Reply output layouts validated once: (name, dtype, shape) per output -> what to
     # decode them with (name, numpy dtype, shape, bytes).
-    _layouts: dict[tuple[Any, ...], tuple[tuple[str, np.dtype[Any], tuple[int, ...], int], ...]] = (
-        field(default_factory=dict)
+    _layouts: dict[Signature, tuple[tuple[str, np.dtype[Any], tuple[int, ...], int], ...]] = field(
+        default_factory=dict
     )
 
     def request(
@@ -164,34 +167,22 @@ class ClientCore:
     ) -> tuple[int | None, InferResult] | None:
         """A REPLY whose outputs (names, dtypes, shapes) were validated before, decoded
         without building the metas again; None: anything else (the full path decides)."""
-        try:
-            sig = tuple([(t["name"], t["dtype"], tuple(t["shape"])) for t in meta["outputs"]])
-            layout = self._layouts.get(sig)
-        except (KeyError, TypeError, AttributeError):
-            return None
+        sig = tensor_signature(meta.get("outputs"))
+        layout = None if sig is None else self._layouts.get(sig)
         if layout is None or len(payloads) != len(layout):
             return None
-        rid = meta.get("id")
+        rid = request_id_of(meta)
         batch_size = meta.get("batch_size", 0)
         queue_ms = meta.get("queue_ms", 0.0)
         compute_ms = meta.get("compute_ms", 0.0)
         if (
-            type(rid) is not int
-            or not 0 <= rid < 2**64
+            rid is None
             or type(batch_size) is not int
             or type(queue_ms) is not float
             or type(compute_ms) is not float
             or not math.isfinite(queue_ms + compute_ms)
         ):
             return None
-        for t, (_, _, shape) in zip(meta["outputs"], sig, strict=True):
-            # A bin shape, or a bool or float dim, hashes like the list of ints it
-            # resembles: not the same reply.
-            if type(t["shape"]) is not list:
-                return None
-            for d in shape:
-                if type(d) is not int:
-                    return None
         outputs = {}
         for (name, dtype, shape, nbytes), payload in zip(layout, payloads, strict=True):
             if len(payload) != nbytes:

@@ -231,6 +231,32 @@ def _tensor_list(obj: Any, what: str, *, allow_dynamic: bool = False) -> tuple[T
     return tensors
 
 
+#: (name, dtype, shape) per tensor descriptor: the key under which a layout that passed
+#: full validation is remembered.
+Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def tensor_signature(descriptors: Any) -> Signature | None:
+    """The signature of wire tensor descriptors, for looking up a layout validated before;
+    None if they are not maps with a str name and dtype and a list-of-ints shape. Says
+    nothing of validity itself (a bool, float or bin shape would hash like the ints it
+    resembles, so those are refused here rather than matched)."""
+    if type(descriptors) is not list:
+        return None
+    sig = []
+    for t in descriptors:
+        if type(t) is not dict:
+            return None
+        name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+        if type(name) is not str or type(dtype) is not str or type(shape) is not list:
+            return None
+        for d in shape:
+            if type(d) is not int:
+                return None
+        sig.append((name, dtype, tuple(shape)))
+    return tuple(sig)
+
+
 def check_frame_sizes(tensors: Sequence[TensorMeta], frames: Sequence[Frame]) -> None:
     """Check one frame per tensor, each exactly as long as its dtype and shape say."""
     if len(frames) != len(tensors):

@@ -42,8 +42,10 @@ def stack(batch: BatchMeta, frames: Sequence[Frame]) -> dict[str, Array]:
         )
     # Per input, once per batch: dtype, item shape and bytes per sample.
     dtypes = [numpy_dtype(t.dtype) for t in batch.inputs]
-    items = [t.shape[1:] for t in batch.inputs]
-    sample_bytes = [math.prod(shape) * dt.itemsize for shape, dt in zip(items, dtypes, strict=True)]
+    item_shapes = [t.shape[1:] for t in batch.inputs]
+    sample_bytes = [
+        math.prod(shape) * dt.itemsize for shape, dt in zip(item_shapes, dtypes, strict=True)
+    ]
     requests = batch.items
     for i, item in enumerate(requests):
         n = item.samples
@@ -65,7 +67,7 @@ def stack(batch: BatchMeta, frames: Sequence[Frame]) -> dict[str, Array]:
                 size = len(frame)
                 data[pos : pos + size] = frame
                 pos += size
-        out[spec.name] = np.frombuffer(data, dtypes[j]).reshape((total, *items[j]))
+        out[spec.name] = np.frombuffer(data, dtypes[j]).reshape((total, *item_shapes[j]))
     return out
 
 
