@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NewType
+from typing import Any, NewType
 
 from carpool.common.protocol import Frame, Priority, TensorMeta
 
@@ -55,6 +55,8 @@ class PendingRequest:
     arrival_s: float
     deadline_s: float
     payloads: Sequence[Frame]  # in spec order; the key holds their names, dtypes, shapes
+    # BATCH ``requests[i].shm`` (spec order) when an input is in shared memory (§5.4).
+    shm: list[dict[str, Any] | None] | None = None
     state: RequestState = RequestState.QUEUED
     attempts: int = 0
 

@@ -59,6 +59,7 @@ from carpool.common.protocol import (
     Priority,
     Ready,
     ResultMeta,
+    ShmRef,
     Signature,
     Submit,
     TensorMeta,
@@ -72,6 +73,8 @@ from carpool.common.protocol import (
     is_simple_form,
     parse_header,
     request_id_of,
+    shm_refs,
+    shm_wire,
     tensor_signature,
     view,
 )
@@ -250,7 +253,7 @@ class BrokerCore:
             msg = f"no live worker serves model {spec.name!r} right now"
             return [self._error(client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple)]
         try:
-            inputs, order, samples = _conform(spec, submit.inputs, payloads)
+            inputs, order, samples = _conform(spec, submit.inputs, payloads, submit.shm)
         except ProtocolError as exc:
             code = ErrorCode.INVALID_ARGUMENT
             return [self._error(client, delimited, rid, code, str(exc), simple=simple)]
@@ -276,6 +279,7 @@ class BrokerCore:
             submit.timeout_ms,
             submit.priority,
             simple,
+            submit.shm,
         )
 
     def _admit_known(
@@ -293,9 +297,23 @@ class BrokerCore:
             return None
         if self.registry.max_batch(model) == 0:
             return None  # the full path answers UNAVAILABLE
-        for frame, size in zip(payloads, layout.sizes, strict=True):
-            if len(frame) != size:
-                return None
+        refs = None
+        descriptors = meta["inputs"]  # a list of maps: tensor_signature checked
+        for t in descriptors:
+            if "shm" in t:
+                try:
+                    refs = shm_refs(descriptors)
+                except ProtocolError:
+                    return None  # the full path says what is wrong
+                break
+        if refs is None:
+            for frame, size in zip(payloads, layout.sizes, strict=True):
+                if len(frame) != size:
+                    return None
+        else:
+            for frame, size, ref in zip(payloads, layout.sizes, refs, strict=True):
+                if len(frame) != (size if ref is None else 0):
+                    return None
         rid = request_id_of(meta)
         timeout = meta.get("timeout_ms")
         prio = meta.get("priority", 0)
@@ -310,7 +328,7 @@ class BrokerCore:
         ):
             return None
         return self._enqueue(
-            now, client, delimited, rid, layout, payloads, timeout, PRIORITIES[prio], False
+            now, client, delimited, rid, layout, payloads, timeout, PRIORITIES[prio], False, refs
         )
 
     def _enqueue(
@@ -324,9 +342,11 @@ class BrokerCore:
         timeout_ms: int | None,
         priority: Priority,
         simple: bool,
+        refs: tuple[ShmRef | None, ...] | None = None,
     ) -> list[Outgoing]:
         """Queue a valid request, unless no worker can take it or it cannot make its
-        deadline; in deferred mode the batch forms at the end of the turn."""
+        deadline; in deferred mode the batch forms at the end of the turn. ``refs``: the
+        inputs' shared-memory references, in the request's order (§5.4)."""
         model = layout.model
         max_batch = self.registry.max_batch(model)  # > 0: both callers checked
         samples = layout.samples
@@ -376,8 +396,13 @@ class BrokerCore:
                 code = ErrorCode.DEADLINE_EXCEEDED
                 out.append(self._error(client, delimited, rid, code, msg, simple=simple))
                 return out
+        shm = None
         if layout.order is not None:
             payloads = [payloads[i] for i in layout.order]
+            if refs is not None:
+                refs = tuple(refs[i] for i in layout.order)
+        if refs is not None:
+            shm = shm_wire(refs)
         self._seq += 1
         req = PendingRequest(  # positional: the fields in declaration order
             self._seq,
@@ -392,6 +417,7 @@ class BrokerCore:
             now,
             now + timeout_s,
             payloads,
+            shm,
         )
         queue = self._queue(key)
         queue.push(req)
@@ -936,14 +962,15 @@ class BrokerCore:
             samples += req.samples
             payloads.extend(req.payloads)
             # BatchItem.to_wire, inlined: this runs for every request.
-            items.append(
-                {
-                    "id": req.request_id,
-                    "n": req.samples,
-                    "simple": req.simple,
-                    "queue_ms": round(1000.0 * (now - req.arrival_s), 3),
-                }
-            )
+            item: dict[str, Any] = {
+                "id": req.request_id,
+                "n": req.samples,
+                "simple": req.simple,
+                "queue_ms": round(1000.0 * (now - req.arrival_s), 3),
+            }
+            if req.shm is not None:
+                item["shm"] = req.shm
+            items.append(item)
         meta = {
             "batch": batch_id,
             "model": model,
@@ -1051,12 +1078,15 @@ def _disconnect(wid: WorkerId, reason: str) -> Outgoing:
 
 
 def _conform(
-    spec: ModelSpec, inputs: Sequence[TensorMeta], payloads: Sequence[Frame]
+    spec: ModelSpec,
+    inputs: Sequence[TensorMeta],
+    payloads: Sequence[Frame],
+    refs: Sequence[ShmRef | None] | None = None,
 ) -> tuple[tuple[TensorMeta, ...], tuple[int, ...], int]:
     """Check a request against the model's inputs; return them in spec order, the index
     of each one's payload among the request's frames, and the request's sample count
     (dim 0, equal across inputs)."""
-    check_frame_sizes(inputs, payloads)
+    check_frame_sizes(inputs, payloads, refs)
     given = {t.name: (i, t) for i, t in enumerate(inputs)}
     expected = [t.name for t in spec.inputs]
     if set(given) != set(expected):

@@ -22,6 +22,7 @@ from carpool.client.sync import ClientState
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
+from carpool.common.shm import ShmArena
 
 
 class AsyncClient:
@@ -35,8 +36,14 @@ class AsyncClient:
         grace_s: float = 1.0,
         context: zmq.asyncio.Context | None = None,
         clock: Clock | None = None,
+        shared_memory: int = 0,
+        shared_memory_min_bytes: int = 64 * 1024,
+        shared_memory_mode: int = 0o600,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
+        if shared_memory:
+            self.core.arena = ShmArena(shared_memory, mode=shared_memory_mode)
+            self.core.shm_min_bytes = shared_memory_min_bytes
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.asyncio.Context()
@@ -168,6 +175,8 @@ class AsyncClient:
             self.socket.close(linger=0)
             if self._own_context:
                 self.context.term()
+            if self.core.arena is not None:
+                self.core.arena.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -38,6 +38,7 @@ from carpool.common.protocol import (
     tensor_signature,
     view,
 )
+from carpool.common.shm import ShmArena
 
 _REQUEST = header(Command.REQUEST)
 #: Reply layouts a client remembers (the cache stops growing when full).
@@ -71,6 +72,11 @@ class ClientCore:
     _layouts: dict[Signature, tuple[tuple[str, np.dtype[Any], tuple[int, ...], int], ...]] = field(
         default_factory=dict
     )
+    # Shared-memory inputs (protocol §5.4): inputs of at least shm_min_bytes go through
+    # the arena when it has room; their space is held until the request is settled.
+    arena: ShmArena | None = None
+    shm_min_bytes: int = 64 * 1024
+    _leases: dict[int, list[int]] = field(default_factory=dict)  # id -> arena offsets
 
     def request(
         self,
@@ -87,7 +93,9 @@ class ClientCore:
         if not 0 < timeout <= 3600:
             raise ValueError(f"timeout_s must be in (0, 3600], got {timeout}")
         metas = []
-        payloads = []
+        payloads: list[Any] = []
+        leases: list[int] = []
+        arena = self.arena
         for name, value in inputs.items():
             arr = np.asarray(value)
             if arr.ndim == 0:
@@ -95,9 +103,23 @@ class ClientCore:
             dtype = codec.wire_dtype(arr.dtype)
             arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
             # TensorMeta.to_wire, inlined: this runs for every request.
-            metas.append({"name": name, "dtype": dtype, "shape": [int(d) for d in arr.shape]})
+            desc: dict[str, Any] = {
+                "name": name,
+                "dtype": dtype,
+                "shape": [int(d) for d in arr.shape],
+            }
+            metas.append(desc)
+            if arena is not None and arr.nbytes >= self.shm_min_bytes:
+                offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+                if offset is not None:  # else no room: this one goes in its frame
+                    desc["shm"] = {"region": arena.name, "offset": offset}
+                    leases.append(offset)
+                    payloads.append(b"")
+                    continue
             payloads.append(arr)
         rid = next(self._ids)
+        if leases:
+            self._leases[rid] = leases
         # Submit.to_wire, inlined.
         meta: dict[str, Any] = {
             "id": rid,
@@ -194,10 +216,21 @@ class ClientCore:
     def _settle(self, request_id: int | None) -> int | None:
         if request_id is None or self.pending.pop(request_id, None) is None:
             return None  # late, duplicate or anonymous: nobody waits for it
+        if self._leases:
+            self._release(request_id)
         return request_id
+
+    def _release(self, request_id: int) -> None:
+        """Free a settled request's shared memory. A worker may still read it if the
+        broker answered first (a deadline): that batch's result is discarded."""
+        offsets = self._leases.pop(request_id, None)
+        if offsets is not None and self.arena is not None:
+            for offset in offsets:
+                self.arena.free(offset)
 
     def forget(self, request_id: int) -> None:
         self.pending.pop(request_id, None)
+        self._release(request_id)
 
     def expire(self, now: float) -> list[tuple[int, RequestError]]:
         """Pending requests whose local deadline passed without any reply."""
@@ -205,6 +238,7 @@ class ClientCore:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
             if self.pending.pop(rid, None) is not None:
+                self._release(rid)
                 out.append((rid, Unavailable("no reply from the broker", request_id=rid)))
         return out
 

@@ -21,6 +21,7 @@ from carpool.client.core import ClientCore, InferResult
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError
 from carpool.common.protocol import Priority
+from carpool.common.shm import ShmArena
 from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 
 
@@ -82,6 +83,14 @@ class Client:
         grace_s: how long past a request's timeout to wait for the broker's answer before
             raising :class:`Unavailable`.
         context: zmq context to use; by default the client owns a new one.
+        shared_memory: bytes of a shared-memory region (``/dev/shm/carpool-*``) for large
+            inputs; 0 (the default) sends every input in its frame. Use it only when every
+            worker of the models you call runs on this host and can read the region
+            (protocol §5.4): a worker that cannot answers that request ``UNAVAILABLE``.
+        shared_memory_min_bytes: inputs this large or larger go through the region (while
+            it has room; the rest go in their frames).
+        shared_memory_mode: the region's file permissions (0o600: only this user's
+            workers can read it; 0o640 for workers running as another user in its group).
     """
 
     def __init__(
@@ -92,8 +101,14 @@ class Client:
         grace_s: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Clock | None = None,
+        shared_memory: int = 0,
+        shared_memory_min_bytes: int = 64 * 1024,
+        shared_memory_mode: int = 0o600,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
+        if shared_memory:
+            self.core.arena = ShmArena(shared_memory, mode=shared_memory_mode)
+            self.core.shm_min_bytes = shared_memory_min_bytes
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.Context()
@@ -208,6 +223,8 @@ class Client:
         self.socket.close(linger=0)
         if self._own_context:
             self.context.term()
+        if self.core.arena is not None:
+            self.core.arena.close()
 
     def __enter__(self) -> Client:
         return self

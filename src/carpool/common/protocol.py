@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
 
-from carpool.common import codec
+from carpool.common import codec, shm
 from carpool.common.errors import ErrorCode, ProtocolError
 
 MAGIC = b"CP"
@@ -257,11 +257,27 @@ def tensor_signature(descriptors: Any) -> Signature | None:
     return tuple(sig)
 
 
-def check_frame_sizes(tensors: Sequence[TensorMeta], frames: Sequence[Frame]) -> None:
-    """Check one frame per tensor, each exactly as long as its dtype and shape say."""
+#: Where one input's bytes are, when not in its frame: (region, offset) in shared memory.
+ShmRef = tuple[str, int]
+
+
+def check_frame_sizes(
+    tensors: Sequence[TensorMeta],
+    frames: Sequence[Frame],
+    shm: Sequence[ShmRef | None] | None = None,
+) -> None:
+    """Check one frame per tensor, each exactly as long as its dtype and shape say (and
+    empty for a tensor whose bytes are in shared memory, §5.4)."""
     if len(frames) != len(tensors):
         raise ProtocolError(f"expected {len(tensors)} tensor frames, got {len(frames)}")
-    for t, f in zip(tensors, frames, strict=True):
+    for i, (t, f) in enumerate(zip(tensors, frames, strict=True)):
+        if shm is not None and shm[i] is not None:
+            if len(f):
+                raise ProtocolError(
+                    f"tensor {t.name!r} is in shared memory: its frame must be empty, "
+                    f"it has {len(f)} bytes"
+                )
+            continue
         if len(f) != t.nbytes:
             raise ProtocolError(
                 f"tensor {t.name!r}: {t.dtype}{list(t.shape)} needs {t.nbytes} bytes, "
@@ -282,12 +298,20 @@ class Submit:
     timeout_ms: int | None
     inputs: tuple[TensorMeta, ...]
     priority: Priority = Priority.INTERACTIVE
+    # Per input, in `inputs` order: where its bytes are in shared memory (§5.4), or None
+    # for an input sent in its frame; None when every input is sent in its frame.
+    shm: tuple[ShmRef | None, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
+        inputs = [t.to_wire() for t in self.inputs]
+        if self.shm is not None:
+            for t, ref in zip(inputs, self.shm, strict=True):
+                if ref is not None:
+                    t["shm"] = {"region": ref[0], "offset": ref[1]}
         meta: dict[str, Any] = {
             "id": self.request_id,
             "model": self.model,
-            "inputs": [t.to_wire() for t in self.inputs],
+            "inputs": inputs,
         }
         if self.timeout_ms is not None:
             meta["timeout_ms"] = self.timeout_ms
@@ -321,8 +345,24 @@ def decode_submit(meta: dict[str, Any]) -> Submit:
     prio = meta.get("priority", 0)
     if type(prio) is not int or prio not in (0, 1):
         raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
-    inputs = _tensor_list(meta.get("inputs"), "request inputs")
-    return Submit(rid, model, timeout, inputs, PRIORITIES[prio])
+    raw = meta.get("inputs")
+    inputs = _tensor_list(raw, "request inputs")
+    assert isinstance(raw, list)  # _tensor_list checked it
+    return Submit(rid, model, timeout, inputs, PRIORITIES[prio], shm_refs(raw))
+
+
+def shm_refs(descriptors: list[Any]) -> tuple[ShmRef | None, ...] | None:
+    """The ``shm`` references of a request's input descriptors (§5.4); None if none has
+    one. The descriptors are maps (validated before)."""
+    refs: list[ShmRef | None] | None = None
+    for i, t in enumerate(descriptors):
+        obj = t.get("shm")
+        if obj is None:
+            continue
+        if refs is None:
+            refs = [None] * len(descriptors)
+        refs[i] = shm.parse_ref(obj, f"tensor {t.get('name')!r}")
+    return None if refs is None else tuple(refs)
 
 
 def encode_request(submit: Submit, payloads: Sequence[object]) -> list[Any]:
@@ -344,6 +384,8 @@ def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes
         if version != PROTOCOL_VERSION:
             raise VersionMismatch(version)
         submit = decode_submit(obj)
+        if submit.shm is not None:
+            raise ProtocolError("simple request: shared-memory inputs need the framed form")
         payloads: list[bytes] = []
         for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
             data = raw.get("data")
@@ -548,14 +590,31 @@ class BatchItem:
     samples: int
     simple: bool
     queue_ms: float
+    # Per batch input, in spec order: where its bytes are in shared memory (§5.4), or
+    # None for an input in its frame; None when all are in frames.
+    shm: tuple[ShmRef | None, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "id": self.request_id,
             "n": self.samples,
             "simple": self.simple,
             "queue_ms": round(self.queue_ms, 3),
         }
+        if self.shm is not None:
+            wire["shm"] = shm_wire(self.shm)
+        return wire
+
+
+def shm_wire(refs: Sequence[ShmRef | None]) -> list[dict[str, Any] | None]:
+    """BATCH ``requests[i].shm``: one map or nil per input."""
+    return [None if r is None else {"region": r[0], "offset": r[1]} for r in refs]
+
+
+def _batch_refs(obj: Any, n_inputs: int) -> tuple[ShmRef | None, ...]:
+    if type(obj) is not list or len(obj) != n_inputs:
+        raise ProtocolError(f"batch: a request's 'shm' must be a list of {n_inputs} entries")
+    return tuple(None if r is None else shm.parse_ref(r, "batch request") for r in obj)
 
 
 @dataclass(slots=True)
@@ -601,7 +660,10 @@ class BatchMeta:
             queue_ms = r.get("queue_ms", 0.0)
             if type(queue_ms) is not float or not math.isfinite(queue_ms):
                 queue_ms = _optional_number(r, "queue_ms")
-            append(BatchItem(rid, n, bool(r.get("simple", False)), queue_ms))
+            refs = r.get("shm")
+            if refs is not None:
+                refs = _batch_refs(refs, len(inputs))
+            append(BatchItem(rid, n, bool(r.get("simple", False)), queue_ms, refs))
         return cls(batch_id, model, inputs, tuple(items))
 
     def request_tensors(self, item: BatchItem) -> tuple[TensorMeta, ...]:

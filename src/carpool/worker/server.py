@@ -23,12 +23,13 @@ import zmq
 from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
-from carpool.common.protocol import ModelSpec
+from carpool.common.protocol import BatchMeta, ErrorReply, ModelSpec, encode_error
+from carpool.common.shm import RegionReader
 from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
-from carpool.worker.tensors import replies, stack
+from carpool.worker.tensors import ItemError, replies, stack
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class WorkerServer:
         self._results.setsockopt(zmq.LINGER, 0)
         self._results.bind(self._inproc)
         self._jobs: queue.Queue[RunBatch | None] = queue.Queue()
+        # Shared-memory inputs (§5.4); used by whichever thread runs a batch.
+        self._shm = RegionReader()
         self._engines: dict[str, Engine] = {}
         # Smoothed engine time per model, for running short batches without the hand-off.
         self._run_ewma_s: dict[str, float] = {}
@@ -183,7 +186,7 @@ class WorkerServer:
                 inline = self._runs_inline(action)
                 self.core.on_batch_queued(self.clock.now())
                 if inline:
-                    header, out = _run_job(self._engines, action, self.clock)
+                    header, out = _run_job(self._engines, action, self.clock, self._shm)
                     if not self._finish_job(header, out):
                         return n
                 else:
@@ -284,7 +287,7 @@ class WorkerServer:
         sock.connect(self._inproc)
         try:
             while (job := self._jobs.get()) is not None:
-                header, frames = _run_job(engines, job, self.clock)
+                header, frames = _run_job(engines, job, self.clock, self._shm)
                 send_frames(sock, [codec.pack(header), *frames])
         finally:
             sock.close(linger=0)
@@ -307,6 +310,7 @@ class WorkerServer:
         self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
         self._results.close(linger=0)
         self._wake.close()
+        self._shm.close()
         if self._own_context:
             self.context.term()
 
@@ -332,7 +336,10 @@ def _warm_up(engine: Engine) -> None:
 
 
 def _run_job(
-    engines: Mapping[str, Engine], job: RunBatch, clock: Clock
+    engines: Mapping[str, Engine],
+    job: RunBatch,
+    clock: Clock,
+    reader: RegionReader | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """Run one batch; returns the internal header and the reply frames."""
     batch = job.batch
@@ -352,13 +359,29 @@ def _run_job(
                 ErrorCode.INVALID_ARGUMENT,
                 f"batch of {batch.total_samples} exceeds max_batch {engine.info.max_batch}",
             )
-        try:
-            inputs = stack(batch, job.frames)
-        except ProtocolError as exc:
-            raise _JobError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-        except Exception as exc:  # a bug of ours must fail the batch, not the thread
-            logger.exception("stacking batch %d of %s failed", batch.batch_id, batch.model)
-            raise _JobError(ErrorCode.INTERNAL, f"stacking inputs failed: {exc}") from None
+        frames = list(job.frames)
+        alive = list(range(len(batch.items)))  # positions in the original batch
+        failed: dict[int, list[bytes]] = {}  # position -> its ERROR reply
+        while True:
+            try:
+                inputs = stack(batch, frames, reader)
+                break
+            except ItemError as exc:
+                # One request's shared-memory input is unreadable: answer it, run the rest.
+                item = batch.items[exc.index]
+                error = ErrorReply(item.request_id, exc.code, exc.message)
+                failed[alive.pop(exc.index)] = encode_error(error, simple=item.simple)
+                batch, frames = _without(batch, frames, exc.index)
+                if not batch.items:
+                    end = clock.now()
+                    counts, out = _merge(failed, alive, [], [])
+                    header.update(end=end, counts=counts)
+                    return header, out
+            except ProtocolError as exc:
+                raise _JobError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+            except Exception as exc:  # a bug of ours must fail the batch, not the thread
+                logger.exception("stacking batch %d of %s failed", batch.batch_id, batch.model)
+                raise _JobError(ErrorCode.INTERNAL, f"stacking inputs failed: {exc}") from None
         try:
             outputs = engine.run(inputs)
         except Exception as exc:
@@ -368,6 +391,8 @@ def _run_job(
         names = [t.name for t in engine.info.outputs]
         try:
             counts, frames = replies(batch, outputs, names, 1000.0 * (end - start))
+            if failed:
+                counts, frames = _merge(failed, alive, counts, frames)
         except ProtocolError as exc:
             raise _JobError(ErrorCode.INTERNAL, str(exc)) from None
         except Exception as exc:  # a bug of ours must fail the batch, not the thread
@@ -378,6 +403,35 @@ def _run_job(
         return header, []
     header.update(end=end, counts=counts)
     return header, frames
+
+
+def _without(batch: BatchMeta, frames: list[Any], index: int) -> tuple[BatchMeta, list[Any]]:
+    """The batch and its frames less one request."""
+    n = len(batch.inputs)
+    items = batch.items[:index] + batch.items[index + 1 :]
+    rest = frames[: index * n] + frames[(index + 1) * n :]
+    return BatchMeta(batch.batch_id, batch.model, batch.inputs, items), rest
+
+
+def _merge(
+    failed: Mapping[int, list[bytes]], alive: list[int], counts: list[int], frames: list[Any]
+) -> tuple[list[int], list[Any]]:
+    """RESULT counts and frames in the original batch order: the replies of the requests
+    that ran (at positions ``alive``) and the errors of those that could not."""
+    replies_of = {}
+    pos = 0
+    for where, k in zip(alive, counts, strict=True):
+        replies_of[where] = frames[pos : pos + k]
+        pos += k
+    out_counts: list[int] = []
+    out_frames: list[Any] = []
+    for where in range(len(alive) + len(failed)):
+        reply = failed.get(where)
+        if reply is None:
+            reply = replies_of[where]
+        out_counts.append(len(reply))
+        out_frames.extend(reply)
+    return out_counts, out_frames
 
 
 class _JobError(Exception):

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from carpool.common.codec import numpy_dtype, pack, wire_dtype
-from carpool.common.errors import ProtocolError
+from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     BatchMeta,
     Command,
@@ -26,14 +26,34 @@ from carpool.common.protocol import (
     header,
     view,
 )
+from carpool.common.shm import RegionReader, ShmError
 from carpool.worker.engines.base import Array
 
 _REPLY = header(Command.REPLY)
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 
 
-def stack(batch: BatchMeta, frames: Sequence[Frame]) -> dict[str, Array]:
-    """Concatenate each input over the batch's requests (request-major frames)."""
+class ItemError(Exception):
+    """One request of a batch cannot be served (its shared-memory input, §5.4); the
+    rest of the batch can."""
+
+    def __init__(self, index: int, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.index = index  # position in the batch's items
+        self.code = code
+        self.message = message
+
+
+def stack(
+    batch: BatchMeta, frames: Sequence[Frame], reader: RegionReader | None = None
+) -> dict[str, Array]:
+    """Concatenate each input over the batch's requests (request-major frames); inputs
+    in shared memory are read from their regions straight into the batch buffer.
+
+    Raises:
+        ProtocolError: the frames do not match the batch (the whole batch is bad).
+        ItemError: one request's shared-memory input cannot be read.
+    """
     n_inputs = len(batch.inputs)
     if len(frames) != n_inputs * len(batch.items):
         raise ProtocolError(
@@ -47,25 +67,46 @@ def stack(batch: BatchMeta, frames: Sequence[Frame]) -> dict[str, Array]:
         math.prod(shape) * dt.itemsize for shape, dt in zip(item_shapes, dtypes, strict=True)
     ]
     requests = batch.items
+    shared = False
     for i, item in enumerate(requests):
         n = item.samples
+        refs = item.shm
+        if refs is not None:
+            shared = True
         for j in range(n_inputs):
-            if len(frames[i * n_inputs + j]) != n * sample_bytes[j]:
+            want = 0 if refs is not None and refs[j] is not None else n * sample_bytes[j]
+            if len(frames[i * n_inputs + j]) != want:
                 own = frames[i * n_inputs : (i + 1) * n_inputs]
-                check_frame_sizes(batch.request_tensors(item), own)  # raises, with details
+                # raises, with details
+                check_frame_sizes(batch.request_tensors(item), own, refs)
+    if shared and reader is None:
+        raise ProtocolError("this worker does not read shared-memory inputs")
     total = batch.total_samples
     out: dict[str, Array] = {}
     for j, spec in enumerate(batch.inputs):
-        if len(requests) == 1:
+        if len(requests) == 1 and not shared:
             data: Any = view(frames[j])  # one request: a view of its frame, no copy
         else:
             # One copy of this input's frames into one writable buffer, then one array
             # over it: no per-request numpy objects (and engines may work in place).
             data = bytearray(total * sample_bytes[j])
             pos = 0
-            for frame in frames[j::n_inputs]:
-                size = len(frame)
-                data[pos : pos + size] = frame
+            for i, frame in enumerate(frames[j::n_inputs]):
+                refs = requests[i].shm
+                ref = None if refs is None else refs[j]
+                if ref is None:
+                    size = len(frame)
+                    data[pos : pos + size] = frame
+                else:
+                    assert reader is not None
+                    size = requests[i].samples * sample_bytes[j]
+                    try:
+                        reader.read_into(ref[0], ref[1], memoryview(data)[pos : pos + size])
+                    except ShmError as exc:
+                        code = ErrorCode.INVALID_ARGUMENT
+                        if exc.unreachable:
+                            code = ErrorCode.UNAVAILABLE
+                        raise ItemError(i, code, f"input {spec.name!r}: {exc}") from None
                 pos += size
         out[spec.name] = np.frombuffer(data, dtypes[j]).reshape((total, *item_shapes[j]))
     return out

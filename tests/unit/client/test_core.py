@@ -464,3 +464,63 @@ def test_a_known_reply_layout_skips_the_full_decode(monkeypatch: pytest.MonkeyPa
     assert rid == 2
     assert outputs["y"] == ("<f4", (1, 2), GOOD_PAYLOADS[0])
     assert outputs["m"] == ("|u1", (1,), b"\x07")
+
+
+# --------------------------------------------------------------------------- shared memory (§5.4)
+
+
+@pytest.fixture
+def shm_core() -> Any:
+    import os
+
+    from carpool.common.shm import SHM_DIR, ShmArena
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip("no /dev/shm")
+    core = ClientCore()
+    core.arena = ShmArena(8192)
+    core.shm_min_bytes = 1024
+    yield core
+    core.arena.close()
+
+
+def test_large_inputs_go_through_shared_memory_small_ones_in_frames(shm_core: Any) -> None:
+    big = np.arange(512, dtype=np.float32).reshape(2, 256)  # 2 KiB
+    small = np.ones((2, 3), np.uint8)
+    _rid, frames = shm_core.request(0.0, "m", {"big": big, "small": small})
+    submit = decode_submit(decode_meta(frames[1]))
+    assert submit.shm is not None
+    region, offset = submit.shm[0]  # type: ignore[misc]
+    assert (region, submit.shm[1]) == (shm_core.arena.name, None)
+    assert len(frames[2]) == 0
+    assert bytes(frames[3]) == small.tobytes()
+    stored = np.frombuffer(shm_core.arena._map, np.float32, 512, offset).reshape(2, 256)
+    np.testing.assert_array_equal(stored, big)
+
+
+def test_a_full_arena_sends_inline(shm_core: Any) -> None:
+    big = np.zeros((1, 1536), np.float32)  # 6 KiB of the 8 KiB
+    _, first = shm_core.request(0.0, "m", {"x": big})
+    _, second = shm_core.request(0.0, "m", {"x": big})
+    assert len(first[2]) == 0
+    assert second[2] is not None
+    assert np.asarray(second[2]).nbytes == big.nbytes
+    assert decode_submit(decode_meta(second[1])).shm is None
+
+
+@pytest.mark.parametrize("outcome", ["reply", "error", "expire", "forget"])
+def test_shared_memory_is_freed_once_the_request_is_settled(shm_core: Any, outcome: str) -> None:
+    big = np.zeros((1, 1536), np.float32)
+    rid, _ = shm_core.request(0.0, "m", {"x": big}, timeout_s=1.0)
+    assert shm_core.arena.used_bytes > 0
+    if outcome == "reply":
+        reply = ReplyMeta(rid, (TensorMeta("y", "float32", (1, 1)),))
+        shm_core.on_reply(encode_reply(reply, [np.zeros(1, np.float32).tobytes()], simple=False))
+    elif outcome == "error":
+        shm_core.on_reply(encode_error(ErrorReply(rid, ErrorCode.OVERLOADED, "full")))
+    elif outcome == "expire":
+        assert [r for r, _ in shm_core.expire(100.0)] == [rid]
+    else:
+        shm_core.forget(rid)
+    assert shm_core.arena.used_bytes == 0
+    assert not shm_core._leases

@@ -796,3 +796,89 @@ def test_failed_meta_unknown_code_is_internal() -> None:
     f = FailedMeta.from_wire({"batch": 1, "code": 99, "message": "?"})
     assert f.code is ErrorCode.INTERNAL
     assert "99" in f.message
+
+
+# --------------------------------------------------------------------------- shared memory (§5.4)
+
+SHM_SUBMIT = Submit(
+    9,
+    "m",
+    500,
+    (TensorMeta("a", "float32", (1, 4)), TensorMeta("b", "uint8", (1, 2))),
+    shm=(("carpool-1-ab", 128), None),
+)
+
+
+def test_submit_with_shared_memory_round_trip() -> None:
+    obj = wire(SHM_SUBMIT.to_wire())
+    assert obj["inputs"][0]["shm"] == {"region": "carpool-1-ab", "offset": 128}
+    assert "shm" not in obj["inputs"][1]
+    assert decode_submit(obj) == SHM_SUBMIT
+    assert decode_submit(wire(Submit(1, "m", None, SHM_SUBMIT.inputs).to_wire())).shm is None
+
+
+def test_shm_nil_means_in_its_frame() -> None:
+    obj = wire(SHM_SUBMIT.to_wire())
+    obj["inputs"][0]["shm"] = None
+    assert decode_submit(obj).shm is None
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        {"region": "elsewhere", "offset": 0},
+        {"region": "carpool-x", "offset": -5},
+        {"region": "carpool-x"},
+        ["carpool-x", 0],
+    ],
+)
+def test_decode_submit_rejects_bad_shared_memory_references(ref: Any) -> None:
+    obj = wire(SHM_SUBMIT.to_wire())
+    obj["inputs"][1]["shm"] = ref
+    with pytest.raises(ProtocolError, match="shm"):
+        decode_submit(obj)
+
+
+def test_frames_of_shared_memory_inputs_must_be_empty() -> None:
+    tensors = SHM_SUBMIT.inputs
+    check_frame_sizes(tensors, [b"", b"\0\0"], SHM_SUBMIT.shm)
+    with pytest.raises(ProtocolError, match="must be empty"):
+        check_frame_sizes(tensors, [b"\0" * 16, b"\0\0"], SHM_SUBMIT.shm)
+    with pytest.raises(ProtocolError, match="needs 2 bytes"):
+        check_frame_sizes(tensors, [b"", b""], SHM_SUBMIT.shm)
+
+
+def test_simple_form_cannot_carry_shared_memory_references() -> None:
+    obj = SHM_SUBMIT.to_wire()
+    obj["v"] = PROTOCOL_VERSION
+    for t in obj["inputs"]:
+        t["data"] = b"\0" * 16
+    with pytest.raises(ProtocolError, match="framed form"):
+        decode_simple_request(codec.pack(obj))
+
+
+def test_batch_items_carry_shared_memory_references() -> None:
+    b = BatchMeta(
+        1,
+        "m",
+        BATCH.inputs,
+        (BatchItem(1, 2, False, 1.5, (None, ("carpool-z", 64))), BatchItem(2, 1, False, 0.0)),
+    )
+    obj = wire(b.to_wire())
+    assert obj["requests"][0]["shm"] == [None, {"region": "carpool-z", "offset": 64}]
+    assert "shm" not in obj["requests"][1]
+    assert BatchMeta.from_wire(obj) == b
+
+
+@pytest.mark.parametrize(
+    "refs",
+    [
+        [None],  # one per input: two inputs
+        [None, None, None],
+        "carpool-z",
+        [None, {"region": "nope", "offset": 0}],
+    ],
+)
+def test_batch_meta_rejects_bad_shared_memory_lists(refs: Any) -> None:
+    with pytest.raises(ProtocolError, match="shm"):
+        BatchMeta.from_wire(wire(batch(requests=[{"id": 1, "n": 1, "shm": refs}])))

@@ -1,0 +1,231 @@
+"""shm.py: shared-memory inputs for clients and workers on one host (protocol §5.4).
+
+A client that shares ``/dev/shm`` with the workers can put a large input tensor into a
+region of its own and send only a reference (region name and offset) through the broker;
+the worker reads the bytes straight from the region into its batch buffer. The payload
+then never crosses a socket: neither the broker's process nor the kernel's socket buffers
+see it. This is the same idea as Triton's system shared memory, without a registration
+step: a region is a file in ``/dev/shm`` whose name starts with ``carpool-``.
+
+- :class:`ShmArena` (client side) creates one region, places tensors in it and frees
+  them when the request is answered. It never shrinks or truncates its region.
+- :class:`RegionReader` (worker side) reads with ``preadv`` from file descriptors it
+  keeps open, never through a mapping: a region that is shorter than a reference claims
+  gives a short read (an error for that one request), not a SIGBUS that would kill the
+  worker.
+
+Trust: a worker reads only files named ``/dev/shm/carpool-*`` that it may open (file
+permissions decide; the arena creates its region ``0600`` unless told otherwise), never
+follows a symlink, and only reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from carpool.common.errors import ProtocolError
+
+#: Where POSIX shared memory lives on Linux (what ``shm_open`` uses).
+SHM_DIR = "/dev/shm"
+REGION_PREFIX = "carpool-"
+_REGION_RE = re.compile(r"carpool-[A-Za-z0-9_.-]{1,200}")
+#: Offsets are aligned so that every tensor starts on a cache line (and any dtype's
+#: alignment).
+ALIGN = 64
+#: The largest offset a reference may carry (and the largest region).
+MAX_OFFSET = 2**62
+
+
+class ShmError(Exception):
+    """A reference that this worker cannot serve: ``unreachable`` when the region cannot
+    be opened here (another host or container, permissions), else the reference is bad."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def valid_region(name: object) -> bool:
+    return type(name) is str and _REGION_RE.fullmatch(name) is not None
+
+
+def parse_ref(obj: Any, what: str) -> tuple[str, int]:
+    """Validate a tensor descriptor's ``shm`` map: ``{"region": str, "offset": uint}``."""
+    if type(obj) is not dict:
+        raise ProtocolError(f"{what}: 'shm' must be a map with 'region' and 'offset'")
+    region = obj.get("region")
+    offset = obj.get("offset")
+    if not valid_region(region):
+        raise ProtocolError(
+            f"{what}: shm region must match {REGION_PREFIX}[A-Za-z0-9_.-]{{1,200}}, got {region!r}"
+        )
+    if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
+        raise ProtocolError(f"{what}: shm offset must be an int in 0..2**62, got {offset!r}")
+    assert isinstance(region, str)
+    return region, offset
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class ShmArena:
+    """One shared-memory region owned by a client, and a first-fit allocator over it.
+
+    ``put`` copies an array's bytes into the region and returns its offset, or None when
+    there is no room (the caller sends that tensor inline instead). ``free`` gives the
+    space back. Not thread-safe (one per client, like its socket).
+
+    Args:
+        size: bytes in the region (rounded up to whole pages).
+        mode: file permissions of the region: 0o600 lets only this user's workers read
+            it; 0o640 or 0o644 let workers that run as another user (a systemd service
+            user) read it, and also anyone else in that group or on the host.
+    """
+
+    def __init__(self, size: int, *, mode: int = 0o600) -> None:
+        if not 0 < size <= MAX_OFFSET:
+            raise ValueError(f"shared-memory size must be in 1..2**62 bytes, got {size}")
+        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.name = f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            os.fchmod(fd, mode)  # not narrowed by the umask
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)  # the mapping keeps the region; the name lets workers open it
+        self._view = memoryview(self._map)
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted, merged
+        self._used: dict[int, int] = {}  # offset -> length
+        self.closed = False
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._used.values())
+
+    def put(self, data: memoryview) -> int | None:
+        """Copy ``data`` (a flat byte view) into the region; its offset, or None if full."""
+        need = max(ALIGN, -(-len(data) // ALIGN) * ALIGN)
+        for i, (start, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + need, length - need)
+                self._used[start] = need
+                self._view[start : start + len(data)] = data
+                return start
+        return None
+
+    def free(self, offset: int) -> None:
+        """Give back the space of a ``put`` (unknown offsets are ignored)."""
+        length = self._used.pop(offset, None)
+        if length is None:
+            return
+        free = self._free
+        i = bisect.bisect(free, (offset, length))
+        if i < len(free) and free[i][0] == offset + length:  # merge with the next block
+            length += free[i][1]
+            del free[i]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # and with the previous
+            offset, length = free[i - 1][0], free[i - 1][1] + length
+            del free[i - 1]
+            i -= 1
+        free.insert(i, (offset, length))
+
+    def close(self) -> None:
+        """Unlink the region (workers holding it open keep reading it until they let go)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._view.release()
+        self._map.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __del__(self) -> None:  # a client that is never closed still removes its region
+        if not getattr(self, "closed", True):
+            self.close()
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class RegionReader:
+    """Reads referenced bytes out of clients' regions; keeps the last ``max_open``
+    regions' file descriptors open."""
+
+    def __init__(self, max_open: int = 64, directory: str = SHM_DIR) -> None:
+        self.max_open = max_open
+        self.directory = directory
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        # A worker runs batches on its inference thread, or short ones on its loop
+        # thread: never two at once, but the lock makes that not matter.
+        self._lock = threading.Lock()
+
+    def read_into(self, region: str, offset: int, dest: memoryview) -> None:
+        """Fill ``dest`` with ``len(dest)`` bytes of ``region`` from ``offset``.
+
+        Raises:
+            ShmError: the region cannot be opened here, or is shorter than the reference.
+        """
+        with self._lock:
+            self._read(region, offset, dest)
+
+    def _read(self, region: str, offset: int, dest: memoryview) -> None:
+        fd = self._fd(region)
+        want = len(dest)
+        got = 0
+        while got < want:
+            try:
+                n = os.preadv(fd, [dest[got:]], offset + got)
+            except OSError as exc:
+                raise ShmError(f"shm region {region!r}: read failed: {exc.strerror}") from None
+            if n == 0:
+                raise ShmError(f"shm region {region!r} ends before offset {offset} + {want} bytes")
+            got += n
+
+    def _fd(self, region: str) -> int:
+        fd = self._fds.get(region)
+        if fd is not None:
+            self._fds.move_to_end(region)
+            return fd
+        if not valid_region(region):
+            raise ShmError(f"not a carpool shm region name: {region!r}")
+        path = os.path.join(self.directory, region)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            raise ShmError(
+                f"shm region {region!r} cannot be opened on this worker ({exc.strerror}); "
+                "shared-memory inputs need the client and the worker on one host",
+                unreachable=True,
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ShmError(f"shm region {region!r} is not a regular file")
+        self._fds[region] = fd
+        while len(self._fds) > self.max_open:
+            _, old = self._fds.popitem(last=False)
+            os.close(old)
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            while self._fds:
+                _, fd = self._fds.popitem()
+                os.close(fd)

@@ -1,0 +1,118 @@
+"""Shared-memory inputs end to end (protocol §5.4): a real broker and worker on loopback,
+a real ONNX model, clients whose large inputs travel through /dev/shm."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from carpool.client import AsyncClient, Client
+from carpool.common.errors import ErrorCode
+from carpool.common.shm import SHM_DIR
+from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
+from carpool.worker.models import locate
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+
+
+@pytest.fixture(scope="module")
+def reference() -> OnnxRuntimeEngine:
+    return OnnxRuntimeEngine(locate("ppocr-cls"), max_batch=8)
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_inputs_give_the_same_answers_as_frames(
+    fleet_factory: Any, reference: OnnxRuntimeEngine
+) -> None:
+    fleet = fleet_factory(max_batch=8, max_wait_s=0.005)
+    fleet.add_worker({"ppocr-cls": lambda: OnnxRuntimeEngine(locate("ppocr-cls"), max_batch=8)})
+    plain = fleet.ready()
+    shared = fleet.client(shared_memory=4 << 20, shared_memory_min_bytes=64 << 10)
+    region = shared.core.arena.path
+    assert os.path.exists(region)
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal((n, 3, 48, 192)).astype(np.float32) for n in (1, 2, 1, 3) * 4]
+    out_name = reference.info.outputs[0].name
+    want = [reference.run({"x": x})[out_name] for x in xs]
+    # Both clients pipelined, so batches mix requests in shared memory and in frames.
+    futures = [
+        (c.submit("ppocr-cls", {"x": x}), w)
+        for x, w in zip(xs, want, strict=True)
+        for c in (plain, shared)
+    ]
+    for future, expected in futures:
+        np.testing.assert_allclose(future.outputs(30)[out_name], expected, rtol=1e-4, atol=1e-5)
+    assert shared.core.arena.used_bytes == 0  # every request settled, its space freed
+    mixed = [k for k, v in plain.stats()["batch_sizes"]["ppocr-cls"].items() if int(k) > 1]
+    assert mixed, "no batch held more than one request"
+    shared.close()
+    assert not os.path.exists(region)
+
+
+@pytest.mark.timeout(60)
+def test_an_unreadable_region_fails_only_its_request(
+    fleet_factory: Any, context: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.05)
+    fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(4,), max_batch=4)})
+    client = fleet.ready()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(fleet.broker.frontend_endpoint)
+    meta = {
+        "id": 77,
+        "model": "syn",
+        "inputs": [
+            {
+                "name": "x",
+                "dtype": "float32",
+                "shape": [1, 4],
+                "shm": {"region": "carpool-no-such-region", "offset": 0},
+            }
+        ],
+    }
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    future = client.submit("syn", {"x": x})  # waits for company (50 ms) and gets it
+    sock.send_multipart([b"CP\x01\x01", msgpack.packb(meta), b""])
+    np.testing.assert_array_equal(future.outputs(10)["y"], synthetic_output(x))
+    assert sock.poll(10_000)
+    frames = sock.recv_multipart()
+    assert frames[0] == b"CP\x01\x03"
+    error = msgpack.unpackb(frames[1])
+    assert (error["id"], error["code"]) == (77, int(ErrorCode.UNAVAILABLE))
+    assert "carpool-no-such-region" in error["message"]
+    sock.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_the_async_client_uses_shared_memory_too(fleet_factory: Any) -> None:
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
+    fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=4)})
+    fleet.ready()
+
+    async def main() -> tuple[np.ndarray, bool, str]:
+        async with AsyncClient(fleet.broker.frontend_endpoint, shared_memory=1 << 20) as client:
+            path = client.core.arena.path
+            x = np.linspace(0, 1, 32768, dtype=np.float32).reshape(1, -1)  # 128 KiB
+            y = await client.infer("syn", {"x": x}, timeout_s=10)
+            assert client.core.arena.used_bytes == 0
+            existed = await asyncio.to_thread(os.path.exists, path)
+            return y["y"] - synthetic_output(x), existed, path
+
+    diff, existed, path = asyncio.run(main())
+    assert not diff.any()
+    assert existed
+    assert not os.path.exists(path)
+
+
+def test_clients_share_memory_only_when_asked(fleet_factory: Any) -> None:
+    fleet = fleet_factory()
+    with Client(fleet.broker.frontend_endpoint) as client:
+        assert client.core.arena is None

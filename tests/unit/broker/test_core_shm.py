@@ -1,0 +1,93 @@
+"""core.py with shared-memory inputs (protocol §5.4): the broker checks a reference and
+carries it into BATCH; it never opens a region. Uses test_core's harness (both pump modes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import Command
+from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, both modes)
+    C1,
+    SPEC2,
+    T0,
+    W1,
+    Broker,
+    answer,
+    batches,
+    ids,
+    pump_mode,
+    raw_request,
+)
+
+B = b"\x01\x02"
+A = np.arange(3, dtype=np.float32).tobytes()
+
+
+def shm_request(rid: int, offset: int = 0, **changes: Any) -> list[Any]:
+    """Request order (b, a), with `a` (spec input 0) in shared memory."""
+    inputs = [
+        {"name": "b", "dtype": "uint8", "shape": [1, 2]},
+        {
+            "name": "a",
+            "dtype": "float32",
+            "shape": [1, 3],
+            "shm": changes.pop("ref", {"region": "carpool-7-c1", "offset": offset}),
+        },
+    ]
+    changes.setdefault("payloads", [B, b""])
+    return raw_request(rid, inputs=inputs, **changes)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_references_ride_in_batch_in_spec_order_next_to_inline_requests(warm: bool) -> None:
+    b = Broker.make(max_batch=3, max_wait_s=1.0)
+    b.ready(T0, W1, SPEC2, slots=2)
+    if warm:  # an inline request first: its layout is cached and the rest take the fast path
+        b.client(T0, C1, raw_request(1))
+    else:  # a shared-memory request first: the full path admits it
+        b.client(T0, C1, shm_request(1, 64))
+    b.client(T0, C1, shm_request(2, 128))
+    (msg,) = batches(b.client(T0, C1, raw_request(3)))
+    assert ids(msg) == [1, 2, 3]
+    refs = [item.shm for item in msg.batch.items]
+    first = None if warm else (("carpool-7-c1", 64), None)
+    assert refs == [first, (("carpool-7-c1", 128), None), None]
+    # Frames stay per request in spec order (a, b); an input in shared memory has an
+    # empty frame, forwarded like any other.
+    sent = [bytes(p) for p in msg.payloads]
+    assert sent[2:] == [b"", B, A, B]
+    assert sent[:2] == ([A, B] if warm else [b"", B])
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"payloads": [B, A]},  # in shared memory and in the frame: which?
+        {"ref": {"region": "/etc/passwd", "offset": 0}},
+        {"ref": {"region": "carpool-x", "offset": -1}},
+        {"ref": {"region": "carpool-x"}},
+        {"ref": "carpool-x"},
+        {"payloads": [b"\x01", b""]},  # the inline input is still checked
+    ],
+)
+def test_bad_references_are_invalid_arguments_warm_or_cold(changes: dict[str, Any]) -> None:
+    warm, cold = Broker.make(max_batch=8, max_wait_s=0.0), Broker.make(max_batch=8, max_wait_s=0.0)
+    for b in (warm, cold):
+        b.ready(T0, W1, SPEC2, slots=2)
+    warm.client(T0, C1, raw_request(1))
+    warm.client(T0, C1, shm_request(2))  # both layouts seen
+    frames = shm_request(5, **changes)
+    expected = [(Command.ERROR, 5, int(ErrorCode.INVALID_ARGUMENT))]
+    assert answer(warm, frames) == answer(cold, frames) == expected
+
+
+def test_nil_reference_means_the_bytes_are_in_the_frame() -> None:
+    b = Broker.make(max_batch=1, max_wait_s=0.0)
+    b.ready(T0, W1, SPEC2, slots=2)
+    (msg,) = batches(b.client(T0, C1, shm_request(4, ref=None, payloads=[B, A])))
+    assert msg.batch.items[0].shm is None
+    assert [bytes(p) for p in msg.payloads] == [A, B]

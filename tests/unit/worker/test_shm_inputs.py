@@ -1,0 +1,162 @@
+"""Shared-memory inputs at the worker (protocol §5.4): stack reads them from real
+/dev/shm regions into the batch; a request whose region cannot be read gets its own
+error and the rest of its batch runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.common import codec
+from carpool.common.clock import MonotonicClock
+from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.protocol import BatchItem, BatchMeta, Command, TensorMeta, parse_header
+from carpool.common.shm import SHM_DIR, RegionReader, ShmArena
+from carpool.worker.core import RunBatch
+from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
+from carpool.worker.server import _run_job
+from carpool.worker.tensors import ItemError, stack
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+
+INPUTS = (TensorMeta("x", "float32", (-1, 3)),)
+
+
+@pytest.fixture
+def arena() -> Iterator[ShmArena]:
+    a = ShmArena(1 << 16)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def reader() -> Iterator[RegionReader]:
+    r = RegionReader()
+    yield r
+    r.close()
+
+
+def rows(rid: int, n: int) -> np.ndarray:
+    return (np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 100 * rid).astype(np.float32)
+
+
+def put(arena: ShmArena, arr: np.ndarray) -> tuple[str, int]:
+    off = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))
+    assert off is not None
+    return arena.name, off
+
+
+def test_a_single_shared_request_is_read_into_a_writable_batch(
+    arena: ShmArena, reader: RegionReader
+) -> None:
+    x = rows(1, 2)
+    meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 2, False, 0.0, (put(arena, x),)),))
+    out = stack(meta, [b""], reader)
+    np.testing.assert_array_equal(out["x"], x)
+    out["x"][0, 0] = -1  # a copy of its own: the client's region is not written
+    assert np.frombuffer(arena._map, np.float32, 6, 0)[0] == x[0, 0]
+
+
+def test_shared_and_inline_requests_stack_in_order(arena: ShmArena, reader: RegionReader) -> None:
+    a, b, c = rows(1, 1), rows(2, 2), rows(3, 1)
+    items = (
+        BatchItem(1, 1, False, 0.0),
+        BatchItem(2, 2, False, 0.0, (put(arena, b),)),
+        BatchItem(3, 1, False, 0.0),
+    )
+    out = stack(BatchMeta(1, "m", INPUTS, items), [a.tobytes(), b"", c.tobytes()], reader)
+    np.testing.assert_array_equal(out["x"], np.concatenate([a, b, c]))
+
+
+def test_a_shared_request_without_a_reader_fails_the_batch() -> None:
+    meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 1, False, 0.0, (("carpool-x", 0),)),))
+    with pytest.raises(ProtocolError, match="shared-memory"):
+        stack(meta, [b""])
+
+
+def test_a_shared_input_with_bytes_in_its_frame_fails_the_batch(reader: RegionReader) -> None:
+    meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 1, False, 0.0, (("carpool-x", 0),)),))
+    with pytest.raises(ProtocolError, match="must be empty"):
+        stack(meta, [rows(1, 1).tobytes()], reader)
+
+
+def test_unreadable_regions_name_the_request(arena: ShmArena, reader: RegionReader) -> None:
+    items = (
+        BatchItem(1, 1, False, 0.0),
+        BatchItem(2, 1, False, 0.0, (("carpool-gone-0", 0),)),
+    )
+    with pytest.raises(ItemError) as info:
+        stack(BatchMeta(1, "m", INPUTS, items), [rows(1, 1).tobytes(), b""], reader)
+    assert (info.value.index, info.value.code) == (1, ErrorCode.UNAVAILABLE)
+    items = (BatchItem(1, 1, False, 0.0, ((arena.name, arena.size - 4),)),)
+    with pytest.raises(ItemError) as info:
+        stack(BatchMeta(1, "m", INPUTS, items), [b""], reader)
+    assert (info.value.index, info.value.code) == (0, ErrorCode.INVALID_ARGUMENT)
+
+
+def reply_of(frames: list[Any]) -> tuple[Command, dict[str, Any], list[Any]]:
+    return parse_header(bytes(frames[0])), codec.unpack(bytes(frames[1])), frames[2:]
+
+
+def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
+    arena: ShmArena, reader: RegionReader
+) -> None:
+    engine = SyntheticEngine(item_shape=(3,))
+    seen: list[tuple[int, ...]] = []
+    run = engine.run
+    engine.run = lambda inputs: (seen.append(inputs["x"].shape), run(inputs))[1]  # type: ignore[method-assign]
+    good = [rows(1, 1), rows(3, 2), rows(5, 1)]
+    items = (
+        BatchItem(1, 1, False, 0.0),
+        BatchItem(2, 1, False, 0.0, (("carpool-gone-0", 0),)),
+        BatchItem(3, 2, False, 0.0, (put(arena, good[1]),)),
+        BatchItem(4, 1, False, 0.0, ((arena.name, arena.size - 8),)),  # runs off the end
+        BatchItem(5, 1, False, 0.0),
+    )
+    frames = [good[0].tobytes(), b"", b"", b"", good[2].tobytes()]
+    header, out = _run_job(
+        {"m": engine},
+        RunBatch(1, BatchMeta(9, "m", INPUTS, items), frames),
+        MonotonicClock(),
+        reader,
+    )
+    assert "error" not in header
+    assert seen == [(4, 3)]  # the engine ran once, on the three readable requests
+    assert len(header["counts"]) == 5
+    assert sum(header["counts"]) == len(out)
+    replies = []
+    pos = 0
+    for k in header["counts"]:
+        replies.append(reply_of(out[pos : pos + k]))
+        pos += k
+    assert [(cmd, meta["id"]) for cmd, meta, _ in replies] == [
+        (Command.REPLY, 1),
+        (Command.ERROR, 2),
+        (Command.REPLY, 3),
+        (Command.ERROR, 4),
+        (Command.REPLY, 5),
+    ]
+    assert replies[1][1]["code"] == int(ErrorCode.UNAVAILABLE)
+    assert "one host" in replies[1][1]["message"]
+    assert replies[3][1]["code"] == int(ErrorCode.INVALID_ARGUMENT)
+    for (_, meta, payloads), x in zip([replies[0], replies[2], replies[4]], good, strict=True):
+        assert meta["batch_size"] == 4
+        y = np.frombuffer(bytes(payloads[0]), np.float32).reshape(x.shape)
+        np.testing.assert_array_equal(y, synthetic_output(x))
+
+
+def test_a_batch_of_only_unreadable_requests_answers_each(reader: RegionReader) -> None:
+    engine = SyntheticEngine(item_shape=(3,))
+    items = tuple(BatchItem(i, 1, False, 0.0, (("carpool-gone-0", 0),)) for i in (1, 2))
+    header, out = _run_job(
+        {"m": engine},
+        RunBatch(1, BatchMeta(9, "m", INPUTS, items), [b"", b""]),
+        MonotonicClock(),
+        reader,
+    )
+    assert header["counts"] == [2, 2]
+    assert [reply_of(out[i : i + 2])[1]["id"] for i in (0, 2)] == [1, 2]
