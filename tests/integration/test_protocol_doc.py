@@ -356,11 +356,25 @@ class RawWorker:
         stacked = {}
         for j, spec in enumerate(inputs):
             parts = [
-                tensor(spec, batch.frames[i * width + j], [req["n"], *spec["shape"][1:]])
+                tensor(spec, self.bytes_of(batch, i, j), [req["n"], *spec["shape"][1:]])
                 for i, req in enumerate(batch.requests)
             ]
             stacked[spec["name"]] = np.concatenate(parts, axis=0)
         return stacked
+
+    def bytes_of(self, batch: Batch, i: int, j: int) -> bytes:
+        """Request i's input j: its frame, or (§5.4) the bytes its reference points at."""
+        frame = batch.frames[i * len(batch.meta["inputs"]) + j]
+        refs = batch.requests[i].get("shm")
+        if refs is None or refs[j] is None:
+            return frame
+        assert frame == b""
+        spec = batch.meta["inputs"][j]
+        size = int(np.prod([batch.requests[i]["n"], *spec["shape"][1:]]))
+        size *= DTYPES[spec["dtype"]].itemsize
+        with open(f"/dev/shm/{refs[j]['region']}", "rb") as f:
+            f.seek(refs[j]["offset"])
+            return f.read(size)
 
     def client_replies(
         self, batch: Batch, outputs: Mapping[str, Any], compute_ms: float = 1.0
@@ -1241,3 +1255,46 @@ def test_worked_example_replays_byte_for_byte(
         want.meta["id"],
         want.meta["code"],
     )
+
+
+# --------------------------------------------------------------------- §5.4 shared memory
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_an_input_in_shared_memory_reaches_the_worker_as_a_reference(
+    net: Net, start_broker: Callable[..., BrokerServer]
+) -> None:
+    broker = start_broker(max_batch=4, max_wait_s=0.0)
+    worker = RawWorker(net, broker.backend_endpoint, (PAIR,), slots=2)
+    client = RawClient(net, broker.frontend_endpoint)
+    client.wait_stats(registered("raw-worker"))
+    a = np.arange(6, dtype="<f4").reshape(3, 2)
+    b = np.arange(12, dtype="<i2").reshape(3, 4)
+    region = Path(f"/dev/shm/carpool-doc-test-{id(net):x}")
+    region.write_bytes(b"\xee" * 64 + payload(a))  # the client's own region, `a` at 64
+    try:
+        ref = {"region": region.name, "offset": 64}
+        meta = {
+            "id": 40,
+            "model": "pair",
+            "timeout_ms": 2000,
+            # Request order (b, a); `a` is in shared memory and its frame is empty.
+            "inputs": [descriptor("b", b), {**descriptor("a", a), "shm": ref}],
+        }
+        client.send([header(REQUEST), pack(meta), payload(b), b""])
+        batch = worker.next_batch()
+        # §8.3: one entry per input in spec order (a, b); the empty frame travels.
+        assert batch.requests[0]["shm"] == [ref, None]
+        assert batch.frames == [b"", payload(b)]
+        worker.answer(batch)
+        outputs = client.reply_outputs(client.recv())
+        np.testing.assert_array_equal(outputs["a2"], affine(a))
+        np.testing.assert_array_equal(outputs["b2"], affine(b))
+        # A reference next to a non-empty frame, or a region name outside carpool-*:
+        client.send([header(REQUEST), pack(meta), payload(b), payload(a)])
+        client.expect_error(INVALID_ARGUMENT, 40)
+        meta["inputs"][1]["shm"] = {"region": "../carpool-x", "offset": 0}
+        client.send([header(REQUEST), pack(meta), payload(b), b""])
+        client.expect_error(INVALID_ARGUMENT, 40)
+    finally:
+        region.unlink()
