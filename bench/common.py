@@ -269,6 +269,7 @@ class SyntheticModel:
     per_sample_ms: float = 0.0
     item_shape: tuple[int, ...] = (16,)
     max_batch: int = 8
+    output_items: int = 0  # 0: output shaped like the input; n: [B, n]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -277,6 +278,7 @@ class SyntheticModel:
             "per_sample_ms": self.per_sample_ms,
             "item_shape": list(self.item_shape),
             "max_batch": self.max_batch,
+            "output_items": self.output_items,
         }
 
 
@@ -631,6 +633,7 @@ def _workers_main(broker: str, count: int, models: list[dict[str, Any]], slots: 
             per_sample_s=m["per_sample_ms"] / 1000,
             item_shape=tuple(m["item_shape"]),
             max_batch=m["max_batch"],
+            output_items=m.get("output_items", 0),
         )
         for m in models
     }

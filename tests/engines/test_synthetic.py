@@ -32,3 +32,19 @@ def test_dtype_and_item_shape_are_configurable() -> None:
     assert engine.info.inputs[0].shape == (-1, -1, 3)
     x = np.ones((2, 5, 3), np.int32)
     assert engine.run({"x": x})["y"].dtype == np.int32
+
+
+def test_output_items_gives_a_classifier_shaped_output() -> None:
+    engine = SyntheticEngine(item_shape=(2, 8), output_items=3)
+    assert engine.info.outputs[0].shape == (-1, 3)
+    x = np.arange(32, dtype=np.float32).reshape(2, 2, 8)
+    y = engine.run({"x": x})["y"]
+    np.testing.assert_array_equal(y, (2 * x + 1).reshape(2, 16)[:, :3])
+    np.testing.assert_array_equal(y, synthetic_output(x, 3))
+    assert y.flags.c_contiguous
+
+
+@pytest.mark.parametrize(("item", "k"), [((4,), 5), ((-1,), 2), ((4,), -1)])
+def test_output_items_must_fit_a_fixed_sample(item: tuple[int, ...], k: int) -> None:
+    with pytest.raises(ValueError, match="output_items"):
+        SyntheticEngine(item_shape=item, output_items=k)

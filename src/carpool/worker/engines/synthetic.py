@@ -8,6 +8,7 @@ GPU would while the host thread waits for the device.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -19,9 +20,14 @@ from carpool.common.protocol import TensorMeta
 from carpool.worker.engines.base import Array, EngineInfo
 
 
-def synthetic_output(x: Array) -> Array:
-    """What SyntheticEngine computes; tests use it as the oracle."""
-    return (x * 2 + 1).astype(x.dtype, copy=False)
+def synthetic_output(x: Array, output_items: int = 0) -> Array:
+    """What SyntheticEngine computes; tests use it as the oracle. With ``output_items``,
+    only the first that many values of each sample (a classifier's shape: a large input,
+    a small output)."""
+    y = (x * 2 + 1).astype(x.dtype, copy=False)
+    if output_items:
+        y = np.ascontiguousarray(y.reshape(y.shape[0], -1)[:, :output_items])
+    return y
 
 
 class SyntheticEngine:
@@ -35,6 +41,8 @@ class SyntheticEngine:
         max_batch: largest batch accepted.
         preferred_batch: sizes to advertise (like TensorRT profile sizes).
         clock: how to wait; the real clock by default.
+        output_items: 0: ``y`` has the shape of ``x``; n: ``y`` is ``[B, n]``, the first n
+            values of each sample (at most the sample's size).
     """
 
     #: May be called from any one thread at a time (not bound to the thread that built it).
@@ -50,14 +58,21 @@ class SyntheticEngine:
         max_batch: int = 32,
         preferred_batch: tuple[int, ...] = (),
         clock: Clock | None = None,
+        output_items: int = 0,
     ) -> None:
+        if output_items < 0 or (output_items and -1 in item_shape):
+            raise ValueError("output_items needs a non-negative count and a fixed item shape")
+        if output_items and output_items > math.prod(item_shape):
+            raise ValueError(f"output_items {output_items} exceeds the sample's size")
         self.fixed_cost_s = fixed_cost_s
         self.per_sample_s = per_sample_s
+        self.output_items = output_items
         self.clock: Clock = clock or MonotonicClock()
         shape = (-1, *item_shape)
+        out_shape = (-1, output_items) if output_items else shape
         self._info = EngineInfo(
             inputs=(TensorMeta("x", dtype, shape),),
-            outputs=(TensorMeta("y", dtype, shape),),
+            outputs=(TensorMeta("y", dtype, out_shape),),
             max_batch=max_batch,
             preferred_batch=preferred_batch,
         )
@@ -80,7 +95,7 @@ class SyntheticEngine:
         self.clock.sleep(self.cost_s(batch))
         with self._lock:
             self.batches.append((batch, tuple(x.shape[1:])))
-        return {"y": synthetic_output(np.asarray(x))}
+        return {"y": synthetic_output(np.asarray(x), self.output_items)}
 
     def close(self) -> None:
         pass
