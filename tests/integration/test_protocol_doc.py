@@ -369,6 +369,10 @@ class RawWorker:
         if refs is None or refs[j] is None:
             return frame
         assert frame == b""
+        with open(f"/dev/shm/{refs[j]['region']}", "rb") as f:
+            head = f.read(32)
+        assert head[:16] == b"carpool-shm-v1\0\0", "not a carpool region"
+        assert head[16:32].hex() == refs[j]["key"], "the reference's key is not the region's"
         spec = batch.meta["inputs"][j]
         size = int(np.prod([batch.requests[i]["n"], *spec["shape"][1:]]))
         size *= DTYPES[spec["dtype"]].itemsize
@@ -1271,9 +1275,12 @@ def test_an_input_in_shared_memory_reaches_the_worker_as_a_reference(
     a = np.arange(6, dtype="<f4").reshape(3, 2)
     b = np.arange(12, dtype="<i2").reshape(3, 4)
     region = Path(f"/dev/shm/carpool-doc-test-{id(net):x}")
-    region.write_bytes(b"\xee" * 64 + payload(a))  # the client's own region, `a` at 64
+    # The client's own region: the header (magic, then its key), then `a` at offset 64.
+    key = bytes(range(16))
+    header_bytes = b"carpool-shm-v1\0\0" + key
+    region.write_bytes(header_bytes.ljust(64, b"\0") + payload(a))
     try:
-        ref = {"region": region.name, "offset": 64}
+        ref = {"region": region.name, "offset": 64, "key": key.hex()}
         meta = {
             "id": 40,
             "model": "pair",
@@ -1293,8 +1300,14 @@ def test_an_input_in_shared_memory_reaches_the_worker_as_a_reference(
         # A reference next to a non-empty frame, or a region name outside carpool-*:
         client.send([header(REQUEST), pack(meta), payload(b), payload(a)])
         client.expect_error(INVALID_ARGUMENT, 40)
-        meta["inputs"][1]["shm"] = {"region": "../carpool-x", "offset": 0}
+        meta["inputs"][1]["shm"] = {**ref, "region": "../carpool-x"}
         client.send([header(REQUEST), pack(meta), payload(b), b""])
         client.expect_error(INVALID_ARGUMENT, 40)
+        # A key that is not the region's reaches the worker (the broker never opens a
+        # region), which answers that request with an error (§8.4).
+        meta["inputs"][1]["shm"] = {**ref, "key": "ff" * 16}
+        client.send([header(REQUEST), pack(meta), payload(b), b""])
+        batch = worker.next_batch()
+        assert batch.requests[0]["shm"][0]["key"] == "ff" * 16
     finally:
         region.unlink()

@@ -74,7 +74,7 @@ def test_an_unreadable_region_fails_only_its_request(
                 "name": "x",
                 "dtype": "float32",
                 "shape": [1, 4],
-                "shm": {"region": "carpool-no-such-region", "offset": 0},
+                "shm": {"region": "carpool-no-such-region", "offset": 64, "key": "00" * 16},
             }
         ],
     }

@@ -112,7 +112,7 @@ class ClientCore:
             if arena is not None and arr.nbytes >= self.shm_min_bytes:
                 offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
                 if offset is not None:  # else no room: this one goes in its frame
-                    desc["shm"] = {"region": arena.name, "offset": offset}
+                    desc["shm"] = {"region": arena.name, "offset": offset, "key": arena.key}
                     leases.append(offset)
                     payloads.append(b"")
                     continue

@@ -257,8 +257,8 @@ def tensor_signature(descriptors: Any) -> Signature | None:
     return tuple(sig)
 
 
-#: Where one input's bytes are, when not in its frame: (region, offset) in shared memory.
-ShmRef = tuple[str, int]
+#: Where one input's bytes are, when not in its frame: (region, offset, key), §5.4.
+ShmRef = shm.ShmRef
 
 
 def check_frame_sizes(
@@ -307,7 +307,7 @@ class Submit:
         if self.shm is not None:
             for t, ref in zip(inputs, self.shm, strict=True):
                 if ref is not None:
-                    t["shm"] = {"region": ref[0], "offset": ref[1]}
+                    t["shm"] = shm.ref_wire(ref)
         meta: dict[str, Any] = {
             "id": self.request_id,
             "model": self.model,
@@ -608,7 +608,7 @@ class BatchItem:
 
 def shm_wire(refs: Sequence[ShmRef | None]) -> list[dict[str, Any] | None]:
     """BATCH ``requests[i].shm``: one map or nil per input."""
-    return [None if r is None else {"region": r[0], "offset": r[1]} for r in refs]
+    return [None if r is None else shm.ref_wire(r) for r in refs]
 
 
 def _batch_refs(obj: Any, n_inputs: int) -> tuple[ShmRef | None, ...]:

@@ -16,13 +16,17 @@ step: a region is a file in ``/dev/shm`` whose name starts with ``carpool-``.
 
 Trust: a worker reads only files named ``/dev/shm/carpool-*`` that it may open (file
 permissions decide; the arena creates its region ``0600`` unless told otherwise), never
-follows a symlink, and only reads.
+follows a symlink, and only reads. A region starts with a header holding a random key,
+and a reference must carry that key: region names are visible to every user of the host,
+the key only to those who can read the region, so one client cannot make a worker read
+another's region.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import hmac
 import mmap
 import os
 import re
@@ -43,6 +47,13 @@ _REGION_RE = re.compile(r"carpool-[A-Za-z0-9_.-]{1,200}")
 ALIGN = 64
 #: The largest offset a reference may carry (and the largest region).
 MAX_OFFSET = 2**62
+#: A region starts with a header: MAGIC, then the region's key (random bytes). A
+#: reference must carry the key, so only a client that could read the region (its owner)
+#: can make a worker read it: the name alone, visible to anyone in /dev/shm, is not enough.
+MAGIC = b"carpool-shm-v1\0\0"
+KEY_BYTES = 16
+HEADER_BYTES = ALIGN  # MAGIC + key, padded; tensors start after it
+_KEY_RE = re.compile(r"[0-9a-f]{32}")
 
 
 class ShmError(Exception):
@@ -54,24 +65,38 @@ class ShmError(Exception):
         self.unreachable = unreachable
 
 
+#: (region, offset, key): where an input's bytes are, and the region's key.
+ShmRef = tuple[str, int, str]
+
+
 def valid_region(name: object) -> bool:
     return type(name) is str and _REGION_RE.fullmatch(name) is not None
 
 
-def parse_ref(obj: Any, what: str) -> tuple[str, int]:
-    """Validate a tensor descriptor's ``shm`` map: ``{"region": str, "offset": uint}``."""
+def parse_ref(obj: Any, what: str) -> ShmRef:
+    """Validate a tensor descriptor's ``shm`` map: ``{region: str, offset: uint, key:
+    str}`` (§5.4)."""
     if type(obj) is not dict:
-        raise ProtocolError(f"{what}: 'shm' must be a map with 'region' and 'offset'")
+        raise ProtocolError(f"{what}: 'shm' must be a map with 'region', 'offset' and 'key'")
     region = obj.get("region")
     offset = obj.get("offset")
+    key = obj.get("key")
     if not valid_region(region):
         raise ProtocolError(
             f"{what}: shm region must match {REGION_PREFIX}[A-Za-z0-9_.-]{{1,200}}, got {region!r}"
         )
-    if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
-        raise ProtocolError(f"{what}: shm offset must be an int in 0..2**62, got {offset!r}")
+    if type(offset) is not int or not HEADER_BYTES <= offset <= MAX_OFFSET:
+        raise ProtocolError(
+            f"{what}: shm offset must be an int in {HEADER_BYTES}..2**62, got {offset!r}"
+        )
+    if type(key) is not str or _KEY_RE.fullmatch(key) is None:
+        raise ProtocolError(f"{what}: shm key must be {2 * KEY_BYTES} lowercase hex digits")
     assert isinstance(region, str)
-    return region, offset
+    return region, offset, key
+
+
+def ref_wire(ref: ShmRef) -> dict[str, Any]:
+    return {"region": ref[0], "offset": ref[1], "key": ref[2]}
 
 
 # --------------------------------------------------------------------------- client side
@@ -92,8 +117,10 @@ class ShmArena:
     """
 
     def __init__(self, size: int, *, mode: int = 0o600) -> None:
-        if not 0 < size <= MAX_OFFSET:
-            raise ValueError(f"shared-memory size must be in 1..2**62 bytes, got {size}")
+        if not HEADER_BYTES < size <= MAX_OFFSET:
+            raise ValueError(
+                f"shared-memory size must be in {HEADER_BYTES + 1}..2**62 bytes, got {size}"
+            )
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         self.name = f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self.path = os.path.join(SHM_DIR, self.name)
@@ -109,7 +136,11 @@ class ShmArena:
         os.close(fd)  # the mapping keeps the region; the name lets workers open it
         self._view = memoryview(self._map)
         self.size = size
-        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted, merged
+        key = secrets.token_bytes(KEY_BYTES)
+        self.key = key.hex()
+        self._view[: len(MAGIC) + KEY_BYTES] = MAGIC + key
+        # (offset, length) of free space, sorted and merged; the header is never free.
+        self._free: list[tuple[int, int]] = [(HEADER_BYTES, size - HEADER_BYTES)]
         self._used: dict[int, int] = {}  # offset -> length
         self.closed = False
 
@@ -172,22 +203,26 @@ class RegionReader:
     def __init__(self, max_open: int = 64, directory: str = SHM_DIR) -> None:
         self.max_open = max_open
         self.directory = directory
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fds: OrderedDict[str, tuple[int, str]] = OrderedDict()  # region -> fd, key
         # A worker runs batches on its inference thread, or short ones on its loop
         # thread: never two at once, but the lock makes that not matter.
         self._lock = threading.Lock()
 
-    def read_into(self, region: str, offset: int, dest: memoryview) -> None:
-        """Fill ``dest`` with ``len(dest)`` bytes of ``region`` from ``offset``.
+    def read_into(self, ref: ShmRef, dest: memoryview) -> None:
+        """Fill ``dest`` with ``len(dest)`` bytes of the referenced region from its offset.
 
         Raises:
-            ShmError: the region cannot be opened here, or is shorter than the reference.
+            ShmError: the region cannot be opened here, its key is not the reference's,
+                or it is shorter than the reference says.
         """
         with self._lock:
-            self._read(region, offset, dest)
+            self._read(ref, dest)
 
-    def _read(self, region: str, offset: int, dest: memoryview) -> None:
-        fd = self._fd(region)
+    def _read(self, ref: ShmRef, dest: memoryview) -> None:
+        region, offset, key = ref
+        fd, own_key = self._fd(region)
+        if not hmac.compare_digest(own_key, key):
+            raise ShmError(f"shm region {region!r}: the reference's key is not the region's")
         want = len(dest)
         got = 0
         while got < want:
@@ -199,11 +234,16 @@ class RegionReader:
                 raise ShmError(f"shm region {region!r} ends before offset {offset} + {want} bytes")
             got += n
 
-    def _fd(self, region: str) -> int:
-        fd = self._fds.get(region)
-        if fd is not None:
-            self._fds.move_to_end(region)
-            return fd
+    def _fd(self, region: str) -> tuple[int, str]:
+        """An open descriptor of ``region`` and the region's key (hex)."""
+        entry = self._fds.get(region)
+        if entry is not None:
+            if os.fstat(entry[0]).st_nlink:
+                self._fds.move_to_end(region)
+                return entry
+            # Removed by its client: let its memory go, and see whether it is back.
+            del self._fds[region]
+            os.close(entry[0])
         if not valid_region(region):
             raise ShmError(f"not a carpool shm region name: {region!r}")
         path = os.path.join(self.directory, region)
@@ -215,17 +255,40 @@ class RegionReader:
                 "shared-memory inputs need the client and the worker on one host",
                 unreachable=True,
             ) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ShmError(f"shm region {region!r} is not a regular file")
+            head = os.pread(fd, len(MAGIC) + KEY_BYTES, 0)
+        except OSError as exc:
             os.close(fd)
-            raise ShmError(f"shm region {region!r} is not a regular file")
-        self._fds[region] = fd
+            raise ShmError(f"shm region {region!r}: read failed: {exc.strerror}") from None
+        except ShmError:
+            os.close(fd)
+            raise
+        if len(head) < len(MAGIC) + KEY_BYTES or not head.startswith(MAGIC):
+            os.close(fd)
+            raise ShmError(f"shm region {region!r} is not a carpool region (no header)")
+        entry = (fd, head[len(MAGIC) :].hex())
+        self._fds[region] = entry
         while len(self._fds) > self.max_open:
-            _, old = self._fds.popitem(last=False)
+            _, (old, _) = self._fds.popitem(last=False)
             os.close(old)
-        return fd
+        return entry
+
+    def sweep(self) -> int:
+        """Close the descriptors of regions their clients have removed (an open
+        descriptor keeps a removed region's memory). Returns how many were closed."""
+        closed = 0
+        with self._lock:
+            for region, (fd, _) in list(self._fds.items()):
+                if not os.fstat(fd).st_nlink:
+                    del self._fds[region]
+                    os.close(fd)
+                    closed += 1
+        return closed
 
     def close(self) -> None:
         with self._lock:
             while self._fds:
-                _, fd = self._fds.popitem()
+                _, (fd, _) = self._fds.popitem()
                 os.close(fd)

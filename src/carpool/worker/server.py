@@ -166,6 +166,8 @@ class WorkerServer:
         if self._wake.fd in events:
             self._wake.clear()
         messages, reconnect = self.core.on_tick(self.clock.now())
+        if messages:  # heartbeats: about once a second
+            self._shm.sweep()
         for frames in messages:
             self._send(self.dealer, frames)
         if reconnect is not None:

@@ -101,7 +101,7 @@ def stack(
                     assert reader is not None
                     size = requests[i].samples * sample_bytes[j]
                     try:
-                        reader.read_into(ref[0], ref[1], memoryview(data)[pos : pos + size])
+                        reader.read_into(ref, memoryview(data)[pos : pos + size])
                     except ShmError as exc:
                         code = ErrorCode.INVALID_ARGUMENT
                         if exc.unreachable:

@@ -24,10 +24,11 @@ from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, bo
 )
 
 B = b"\x01\x02"
+KEY = "5e" * 16
 A = np.arange(3, dtype=np.float32).tobytes()
 
 
-def shm_request(rid: int, offset: int = 0, **changes: Any) -> list[Any]:
+def shm_request(rid: int, offset: int = 64, **changes: Any) -> list[Any]:
     """Request order (b, a), with `a` (spec input 0) in shared memory."""
     inputs = [
         {"name": "b", "dtype": "uint8", "shape": [1, 2]},
@@ -35,7 +36,7 @@ def shm_request(rid: int, offset: int = 0, **changes: Any) -> list[Any]:
             "name": "a",
             "dtype": "float32",
             "shape": [1, 3],
-            "shm": changes.pop("ref", {"region": "carpool-7-c1", "offset": offset}),
+            "shm": changes.pop("ref", {"region": "carpool-7-c1", "offset": offset, "key": KEY}),
         },
     ]
     changes.setdefault("payloads", [B, b""])
@@ -54,8 +55,8 @@ def test_references_ride_in_batch_in_spec_order_next_to_inline_requests(warm: bo
     (msg,) = batches(b.client(T0, C1, raw_request(3)))
     assert ids(msg) == [1, 2, 3]
     refs = [item.shm for item in msg.batch.items]
-    first = None if warm else (("carpool-7-c1", 64), None)
-    assert refs == [first, (("carpool-7-c1", 128), None), None]
+    first = None if warm else (("carpool-7-c1", 64, KEY), None)
+    assert refs == [first, (("carpool-7-c1", 128, KEY), None), None]
     # Frames stay per request in spec order (a, b); an input in shared memory has an
     # empty frame, forwarded like any other.
     sent = [bytes(p) for p in msg.payloads]
@@ -67,9 +68,11 @@ def test_references_ride_in_batch_in_spec_order_next_to_inline_requests(warm: bo
     "changes",
     [
         {"payloads": [B, A]},  # in shared memory and in the frame: which?
-        {"ref": {"region": "/etc/passwd", "offset": 0}},
-        {"ref": {"region": "carpool-x", "offset": -1}},
-        {"ref": {"region": "carpool-x"}},
+        {"ref": {"region": "/etc/passwd", "offset": 64, "key": KEY}},
+        {"ref": {"region": "carpool-x", "offset": -1, "key": KEY}},
+        {"ref": {"region": "carpool-x", "key": KEY}},
+        {"ref": {"region": "carpool-x", "offset": 64}},
+        {"ref": {"region": "carpool-x", "offset": 64, "key": 5}},
         {"ref": "carpool-x"},
         {"payloads": [b"\x01", b""]},  # the inline input is still checked
     ],

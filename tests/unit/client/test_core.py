@@ -490,8 +490,8 @@ def test_large_inputs_go_through_shared_memory_small_ones_in_frames(shm_core: An
     _rid, frames = shm_core.request(0.0, "m", {"big": big, "small": small})
     submit = decode_submit(decode_meta(frames[1]))
     assert submit.shm is not None
-    region, offset = submit.shm[0]  # type: ignore[misc]
-    assert (region, submit.shm[1]) == (shm_core.arena.name, None)
+    region, offset, key = submit.shm[0]  # type: ignore[misc]
+    assert (region, key, submit.shm[1]) == (shm_core.arena.name, shm_core.arena.key, None)
     assert len(frames[2]) == 0
     assert bytes(frames[3]) == small.tobytes()
     stored = np.frombuffer(shm_core.arena._map, np.float32, 512, offset).reshape(2, 256)

@@ -805,13 +805,13 @@ SHM_SUBMIT = Submit(
     "m",
     500,
     (TensorMeta("a", "float32", (1, 4)), TensorMeta("b", "uint8", (1, 2))),
-    shm=(("carpool-1-ab", 128), None),
+    shm=(("carpool-1-ab", 128, "ab" * 16), None),
 )
 
 
 def test_submit_with_shared_memory_round_trip() -> None:
     obj = wire(SHM_SUBMIT.to_wire())
-    assert obj["inputs"][0]["shm"] == {"region": "carpool-1-ab", "offset": 128}
+    assert obj["inputs"][0]["shm"] == {"region": "carpool-1-ab", "offset": 128, "key": "ab" * 16}
     assert "shm" not in obj["inputs"][1]
     assert decode_submit(obj) == SHM_SUBMIT
     assert decode_submit(wire(Submit(1, "m", None, SHM_SUBMIT.inputs).to_wire())).shm is None
@@ -826,10 +826,11 @@ def test_shm_nil_means_in_its_frame() -> None:
 @pytest.mark.parametrize(
     "ref",
     [
-        {"region": "elsewhere", "offset": 0},
-        {"region": "carpool-x", "offset": -5},
-        {"region": "carpool-x"},
-        ["carpool-x", 0],
+        {"region": "elsewhere", "offset": 64, "key": "ab" * 16},
+        {"region": "carpool-x", "offset": -5, "key": "ab" * 16},
+        {"region": "carpool-x", "key": "ab" * 16},
+        {"region": "carpool-x", "offset": 64},
+        ["carpool-x", 64, "ab" * 16],
     ],
 )
 def test_decode_submit_rejects_bad_shared_memory_references(ref: Any) -> None:
@@ -862,10 +863,14 @@ def test_batch_items_carry_shared_memory_references() -> None:
         1,
         "m",
         BATCH.inputs,
-        (BatchItem(1, 2, False, 1.5, (None, ("carpool-z", 64))), BatchItem(2, 1, False, 0.0)),
+        (
+            BatchItem(1, 2, False, 1.5, (None, ("carpool-z", 64, "cd" * 16))),
+            BatchItem(2, 1, False, 0.0),
+        ),
     )
     obj = wire(b.to_wire())
-    assert obj["requests"][0]["shm"] == [None, {"region": "carpool-z", "offset": 64}]
+    ref = {"region": "carpool-z", "offset": 64, "key": "cd" * 16}
+    assert obj["requests"][0]["shm"] == [None, ref]
     assert "shm" not in obj["requests"][1]
     assert BatchMeta.from_wire(obj) == b
 
@@ -876,7 +881,7 @@ def test_batch_items_carry_shared_memory_references() -> None:
         [None],  # one per input: two inputs
         [None, None, None],
         "carpool-z",
-        [None, {"region": "nope", "offset": 0}],
+        [None, {"region": "nope", "offset": 64, "key": "cd" * 16}],
     ],
 )
 def test_batch_meta_rejects_bad_shared_memory_lists(refs: Any) -> None:

@@ -12,7 +12,18 @@ import numpy as np
 import pytest
 
 from carpool.common.errors import ProtocolError
-from carpool.common.shm import ALIGN, SHM_DIR, RegionReader, ShmArena, ShmError, parse_ref
+from carpool.common.shm import (
+    ALIGN,
+    HEADER_BYTES,
+    MAGIC,
+    SHM_DIR,
+    RegionReader,
+    ShmArena,
+    ShmError,
+    parse_ref,
+)
+
+KEY = "0123456789abcdef" * 2
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
@@ -64,12 +75,22 @@ def test_put_writes_the_bytes_where_the_offset_says(arena: ShmArena) -> None:
 
 
 def test_full_arena_says_none_and_freeing_makes_room(arena: ShmArena) -> None:
-    offsets = [arena.put(data(16 * 1024)) for _ in range(4)]
+    offsets = [arena.put(data(16 * 1024)) for _ in range(3)]
+    offsets.append(arena.put(data(16 * 1024 - HEADER_BYTES)))  # the rest after the header
     assert None not in offsets
+    assert offsets[0] == HEADER_BYTES
     assert arena.put(data(1)) is None
     arena.free(offsets[1])
     assert arena.put(data(20 * 1024)) is None  # 16 KiB free: not enough
     assert arena.put(data(16 * 1024)) == offsets[1]
+
+
+def test_the_region_starts_with_its_header_and_key(arena: ShmArena) -> None:
+    with open(arena.path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    assert head.startswith(MAGIC)
+    assert head[len(MAGIC) : len(MAGIC) + 16].hex() == arena.key
+    assert ShmArena(4096).key != arena.key
 
 
 def test_free_merges_neighbours_back_into_one_block(arena: ShmArena) -> None:
@@ -77,7 +98,8 @@ def test_free_merges_neighbours_back_into_one_block(arena: ShmArena) -> None:
     for i in (1, 3, 2, 0, 7, 5, 6, 4):  # any order
         arena.free(offsets[i])  # type: ignore[arg-type]
     assert arena.used_bytes == 0
-    assert arena.put(data(64 * 1024)) == 0  # the whole region in one piece
+    whole = 64 * 1024 - HEADER_BYTES
+    assert arena.put(data(whole)) == HEADER_BYTES  # the whole region in one piece
 
 
 def test_random_puts_and_frees_never_overlap(arena: ShmArena) -> None:
@@ -99,7 +121,7 @@ def test_random_puts_and_frees_never_overlap(arena: ShmArena) -> None:
         assert all(end <= arena.size for _, end in spans)
     for off in list(live):
         arena.free(off)
-    assert arena.put(data(arena.size)) == 0
+    assert arena.put(data(arena.size - HEADER_BYTES)) == HEADER_BYTES
 
 
 def test_free_of_an_unknown_offset_is_ignored(arena: ShmArena) -> None:
@@ -116,8 +138,9 @@ def test_close_unlinks_the_region() -> None:
 
 
 def test_bad_sizes_are_refused() -> None:
-    with pytest.raises(ValueError, match="size"):
-        ShmArena(0)
+    for size in (0, HEADER_BYTES):
+        with pytest.raises(ValueError, match="size"):
+            ShmArena(size)
 
 
 # --------------------------------------------------------------------------- references
@@ -128,16 +151,21 @@ def test_bad_sizes_are_refused() -> None:
     [
         None,
         [],
-        {"region": "carpool-x"},
-        {"region": "other-x", "offset": 0},
-        {"region": "carpool-../etc", "offset": 0},
-        {"region": "carpool-a/b", "offset": 0},
-        {"region": "carpool-", "offset": 0},
-        {"region": b"carpool-x", "offset": 0},
-        {"region": "carpool-x", "offset": -1},
-        {"region": "carpool-x", "offset": True},
-        {"region": "carpool-x", "offset": 1.0},
-        {"region": "carpool-x", "offset": 2**62 + 1},
+        {"region": "carpool-x", "key": KEY},
+        {"region": "other-x", "offset": 64, "key": KEY},
+        {"region": "carpool-../etc", "offset": 64, "key": KEY},
+        {"region": "carpool-a/b", "offset": 64, "key": KEY},
+        {"region": "carpool-", "offset": 64, "key": KEY},
+        {"region": b"carpool-x", "offset": 64, "key": KEY},
+        {"region": "carpool-x", "offset": -1, "key": KEY},
+        {"region": "carpool-x", "offset": 0, "key": KEY},  # the header
+        {"region": "carpool-x", "offset": True, "key": KEY},
+        {"region": "carpool-x", "offset": 64.0, "key": KEY},
+        {"region": "carpool-x", "offset": 2**62 + 1, "key": KEY},
+        {"region": "carpool-x", "offset": 64},
+        {"region": "carpool-x", "offset": 64, "key": KEY.upper()},
+        {"region": "carpool-x", "offset": 64, "key": KEY[:-1]},
+        {"region": "carpool-x", "offset": 64, "key": bytes.fromhex(KEY)},
     ],
 )
 def test_bad_references_are_protocol_errors(obj: object) -> None:
@@ -146,7 +174,8 @@ def test_bad_references_are_protocol_errors(obj: object) -> None:
 
 
 def test_a_good_reference() -> None:
-    assert parse_ref({"region": "carpool-1-ab.c_d", "offset": 64}, "t") == ("carpool-1-ab.c_d", 64)
+    ref = {"region": "carpool-1-ab.c_d", "offset": 64, "key": KEY}
+    assert parse_ref(ref, "t") == ("carpool-1-ab.c_d", 64, KEY)
 
 
 # --------------------------------------------------------------------------- reader
@@ -158,12 +187,12 @@ def test_reader_reads_what_the_arena_wrote(arena: ShmArena) -> None:
     assert off is not None
     reader = RegionReader()
     dest = bytearray(5000)
-    reader.read_into(arena.name, off, memoryview(dest))
+    reader.read_into((arena.name, off, arena.key), memoryview(dest))
     assert bytes(dest) == payload.tobytes()
     # Written again at the same place: the reader sees the new bytes (no stale copy).
     arena.free(off)
     assert arena.put(data(5000, 10)) == off
-    reader.read_into(arena.name, off, memoryview(dest))
+    reader.read_into((arena.name, off, arena.key), memoryview(dest))
     assert bytes(dest) == data(5000, 10).tobytes()
     reader.close()
 
@@ -171,7 +200,7 @@ def test_reader_reads_what_the_arena_wrote(arena: ShmArena) -> None:
 def test_reader_refuses_a_read_past_the_end(arena: ShmArena) -> None:
     reader = RegionReader()
     with pytest.raises(ShmError, match="ends before") as info:
-        reader.read_into(arena.name, arena.size - 10, memoryview(bytearray(20)))
+        reader.read_into((arena.name, arena.size - 10, arena.key), memoryview(bytearray(20)))
     assert not info.value.unreachable
     reader.close()
 
@@ -179,23 +208,51 @@ def test_reader_refuses_a_read_past_the_end(arena: ShmArena) -> None:
 def test_a_missing_region_is_unreachable() -> None:
     reader = RegionReader()
     with pytest.raises(ShmError, match="cannot be opened") as info:
-        reader.read_into("carpool-does-not-exist-0", 0, memoryview(bytearray(4)))
+        reader.read_into(("carpool-does-not-exist-0", 64, KEY), memoryview(bytearray(4)))
     assert info.value.unreachable
 
 
 def test_reader_does_not_follow_symlinks_or_read_other_names(tmp_path: object) -> None:
     target = os.path.join(str(tmp_path), "secret")
     with open(target, "wb") as f:
-        f.write(b"x" * 100)
+        f.write(MAGIC + bytes.fromhex(KEY) + b"x" * 100)
     reader = RegionReader(directory=str(tmp_path))
     os.symlink(target, os.path.join(str(tmp_path), "carpool-link"))
     with pytest.raises(ShmError):
-        reader.read_into("carpool-link", 0, memoryview(bytearray(4)))
+        reader.read_into(("carpool-link", 64, KEY), memoryview(bytearray(4)))
     with pytest.raises(ShmError, match="not a carpool"):
-        reader.read_into("secret", 0, memoryview(bytearray(4)))
+        reader.read_into(("secret", 64, KEY), memoryview(bytearray(4)))
     os.mkdir(os.path.join(str(tmp_path), "carpool-dir"))
     with pytest.raises(ShmError):
-        reader.read_into("carpool-dir", 0, memoryview(bytearray(4)))
+        reader.read_into(("carpool-dir", 64, KEY), memoryview(bytearray(4)))
+    # The same file under a carpool name (not a link) is readable: the tests above
+    # failed for the link and the name, not for the content.
+    os.link(target, os.path.join(str(tmp_path), "carpool-hard"))
+    reader.read_into(("carpool-hard", 64, KEY), memoryview(bytearray(4)))
+
+
+def test_a_reference_needs_the_regions_key(arena: ShmArena) -> None:
+    """The name of a region is visible to anyone in /dev/shm; its key only to whoever
+    can read it. A worker reads for a reference only with the right key."""
+    off = arena.put(data(100))
+    assert off is not None
+    reader = RegionReader()
+    with pytest.raises(ShmError, match="key") as info:
+        reader.read_into((arena.name, off, KEY), memoryview(bytearray(100)))
+    assert not info.value.unreachable
+    reader.read_into((arena.name, off, arena.key), memoryview(bytearray(100)))  # cached fd
+    with pytest.raises(ShmError, match="key"):
+        reader.read_into((arena.name, off, KEY), memoryview(bytearray(100)))
+    reader.close()
+
+
+def test_a_file_without_the_header_is_not_a_region(tmp_path: object) -> None:
+    for name, content in (("carpool-empty", b""), ("carpool-plain", b"\0" * 4096)):
+        with open(os.path.join(str(tmp_path), name), "wb") as f:
+            f.write(content)
+        reader = RegionReader(directory=str(tmp_path))
+        with pytest.raises(ShmError, match="not a carpool region"):
+            reader.read_into((name, 64, "0" * 32), memoryview(bytearray(4)))
 
 
 def test_reader_keeps_a_bounded_number_of_regions_open() -> None:
@@ -204,10 +261,37 @@ def test_reader_keeps_a_bounded_number_of_regions_open() -> None:
         reader = RegionReader(max_open=2)
         for a in arenas:
             off = a.put(data(10))
-            reader.read_into(a.name, off or 0, memoryview(bytearray(10)))
+            assert off is not None
+            reader.read_into((a.name, off, a.key), memoryview(bytearray(10)))
         assert len(reader._fds) == 2
         reader.close()
         assert not reader._fds
     finally:
         for a in arenas:
             a.close()
+
+
+def test_removed_regions_are_let_go() -> None:
+    """An open descriptor keeps a removed region's memory: the reader drops it on its
+    next use or at the next sweep."""
+    a, b = ShmArena(4096), ShmArena(4096)
+    reader = RegionReader()
+    try:
+        for arena in (a, b):
+            off = arena.put(data(10))
+            assert off is not None
+            reader.read_into((arena.name, off, arena.key), memoryview(bytearray(10)))
+        assert set(reader._fds) == {a.name, b.name}
+        a.close()
+        assert reader.sweep() == 1
+        assert set(reader._fds) == {b.name}
+        b.close()
+        with pytest.raises(ShmError, match="cannot be opened") as info:
+            reader.read_into((b.name, HEADER_BYTES, b.key), memoryview(bytearray(10)))
+        assert info.value.unreachable
+        assert not reader._fds
+        assert reader.sweep() == 0
+    finally:
+        a.close()
+        b.close()
+        reader.close()

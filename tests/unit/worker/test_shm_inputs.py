@@ -15,7 +15,7 @@ from carpool.common import codec
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import BatchItem, BatchMeta, Command, TensorMeta, parse_header
-from carpool.common.shm import SHM_DIR, RegionReader, ShmArena
+from carpool.common.shm import HEADER_BYTES, SHM_DIR, RegionReader, ShmArena
 from carpool.worker.core import RunBatch
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.server import _run_job
@@ -44,10 +44,13 @@ def rows(rid: int, n: int) -> np.ndarray:
     return (np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 100 * rid).astype(np.float32)
 
 
-def put(arena: ShmArena, arr: np.ndarray) -> tuple[str, int]:
+KEY = "77" * 16
+
+
+def put(arena: ShmArena, arr: np.ndarray) -> tuple[str, int, str]:
     off = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))
     assert off is not None
-    return arena.name, off
+    return arena.name, off, arena.key
 
 
 def test_a_single_shared_request_is_read_into_a_writable_batch(
@@ -58,7 +61,7 @@ def test_a_single_shared_request_is_read_into_a_writable_batch(
     out = stack(meta, [b""], reader)
     np.testing.assert_array_equal(out["x"], x)
     out["x"][0, 0] = -1  # a copy of its own: the client's region is not written
-    assert np.frombuffer(arena._map, np.float32, 6, 0)[0] == x[0, 0]
+    assert np.frombuffer(arena._map, np.float32, 6, HEADER_BYTES)[0] == x[0, 0]
 
 
 def test_shared_and_inline_requests_stack_in_order(arena: ShmArena, reader: RegionReader) -> None:
@@ -73,13 +76,13 @@ def test_shared_and_inline_requests_stack_in_order(arena: ShmArena, reader: Regi
 
 
 def test_a_shared_request_without_a_reader_fails_the_batch() -> None:
-    meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 1, False, 0.0, (("carpool-x", 0),)),))
+    meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 1, False, 0.0, (("carpool-x", 64, KEY),)),))
     with pytest.raises(ProtocolError, match="shared-memory"):
         stack(meta, [b""])
 
 
 def test_a_shared_input_with_bytes_in_its_frame_fails_the_batch(reader: RegionReader) -> None:
-    meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 1, False, 0.0, (("carpool-x", 0),)),))
+    meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 1, False, 0.0, (("carpool-x", 64, KEY),)),))
     with pytest.raises(ProtocolError, match="must be empty"):
         stack(meta, [rows(1, 1).tobytes()], reader)
 
@@ -87,12 +90,12 @@ def test_a_shared_input_with_bytes_in_its_frame_fails_the_batch(reader: RegionRe
 def test_unreadable_regions_name_the_request(arena: ShmArena, reader: RegionReader) -> None:
     items = (
         BatchItem(1, 1, False, 0.0),
-        BatchItem(2, 1, False, 0.0, (("carpool-gone-0", 0),)),
+        BatchItem(2, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)),
     )
     with pytest.raises(ItemError) as info:
         stack(BatchMeta(1, "m", INPUTS, items), [rows(1, 1).tobytes(), b""], reader)
     assert (info.value.index, info.value.code) == (1, ErrorCode.UNAVAILABLE)
-    items = (BatchItem(1, 1, False, 0.0, ((arena.name, arena.size - 4),)),)
+    items = (BatchItem(1, 1, False, 0.0, ((arena.name, arena.size - 4, arena.key),)),)
     with pytest.raises(ItemError) as info:
         stack(BatchMeta(1, "m", INPUTS, items), [b""], reader)
     assert (info.value.index, info.value.code) == (0, ErrorCode.INVALID_ARGUMENT)
@@ -112,9 +115,9 @@ def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
     good = [rows(1, 1), rows(3, 2), rows(5, 1)]
     items = (
         BatchItem(1, 1, False, 0.0),
-        BatchItem(2, 1, False, 0.0, (("carpool-gone-0", 0),)),
+        BatchItem(2, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)),
         BatchItem(3, 2, False, 0.0, (put(arena, good[1]),)),
-        BatchItem(4, 1, False, 0.0, ((arena.name, arena.size - 8),)),  # runs off the end
+        BatchItem(4, 1, False, 0.0, ((arena.name, arena.size - 8, arena.key),)),  # runs off the end
         BatchItem(5, 1, False, 0.0),
     )
     frames = [good[0].tobytes(), b"", b"", b"", good[2].tobytes()]
@@ -151,7 +154,7 @@ def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
 
 def test_a_batch_of_only_unreadable_requests_answers_each(reader: RegionReader) -> None:
     engine = SyntheticEngine(item_shape=(3,))
-    items = tuple(BatchItem(i, 1, False, 0.0, (("carpool-gone-0", 0),)) for i in (1, 2))
+    items = tuple(BatchItem(i, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)) for i in (1, 2))
     header, out = _run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(9, "m", INPUTS, items), [b"", b""]),
