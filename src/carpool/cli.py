@@ -115,6 +115,9 @@ def _worker(args: argparse.Namespace) -> int:
         slots=config.slots,
         heartbeat_s=config.heartbeat_s,
         liveness=config.liveness,
+        shm_output_bytes=config.shm_output_mib << 20,
+        shm_output_mode=config.shm_output_mode,
+        shm_output_group=config.shm_output_group or None,
     ) as server:
         _stop_on_signals(server.stop)
         server.serve()

@@ -116,3 +116,24 @@ def test_clients_share_memory_only_when_asked(fleet_factory: Any) -> None:
     fleet = fleet_factory()
     with Client(fleet.broker.frontend_endpoint) as client:
         assert client.core.arena is None
+
+
+@pytest.mark.timeout(60)
+def test_large_outputs_come_back_through_the_workers_ring(fleet_factory: Any) -> None:
+    fleet = fleet_factory(max_batch=8, max_wait_s=0.002)
+    worker = fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=8)})
+    plain = fleet.ready()
+    shared = fleet.client(shared_memory=8 << 20)
+    inputs_only = fleet.client(shared_memory=8 << 20, shared_memory_outputs=False)
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1 + i % 2, 32768)).astype(np.float32) for i in range(24)]
+    futures = [(c.submit("syn", {"x": x}), x) for x in xs for c in (plain, shared, inputs_only)]
+    for future, x in futures:
+        np.testing.assert_array_equal(future.outputs(30)["y"], synthetic_output(x))
+    ring = worker._ring._ring
+    assert ring is not None
+    # Only `shared` asked: 24 requests, 128 or 256 KiB of output each.
+    assert ring.head >= sum(x.nbytes for x in xs) * 0.5  # a reader may have held a range
+    assert shared.core.reader is not None
+    assert inputs_only.core.reader is None  # never got a reference to read
+    assert os.path.exists(ring.path)  # removed when the worker closes (unit-tested)

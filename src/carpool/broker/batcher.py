@@ -57,6 +57,7 @@ class PendingRequest:
     payloads: Sequence[Frame]  # in spec order; the key holds their names, dtypes, shapes
     # BATCH ``requests[i].shm`` (spec order) when an input is in shared memory (§5.4).
     shm: list[dict[str, Any] | None] | None = None
+    shm_outputs: bool = False  # BATCH ``requests[i].shm_outputs`` (§5.5)
     state: RequestState = RequestState.QUEUED
     attempts: int = 0
 

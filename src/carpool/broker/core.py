@@ -78,6 +78,7 @@ from carpool.common.protocol import (
     tensor_signature,
     view,
 )
+from carpool.common.shm import MAX_REF_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +281,7 @@ class BrokerCore:
             submit.priority,
             simple,
             submit.shm,
+            submit.shm_outputs,
         )
 
     def _admit_known(
@@ -312,13 +314,15 @@ class BrokerCore:
                     return None
         else:
             for frame, size, ref in zip(payloads, layout.sizes, refs, strict=True):
-                if len(frame) != (size if ref is None else 0):
-                    return None
+                if len(frame) != (size if ref is None else 0) or size > MAX_REF_BYTES:
+                    return None  # (a claim that large: the full path says no)
         rid = request_id_of(meta)
         timeout = meta.get("timeout_ms")
         prio = meta.get("priority", 0)
+        shm_outputs = meta.get("shm_outputs", False)
         if (
             rid is None
+            or type(shm_outputs) is not bool
             or (
                 timeout is not None
                 and (type(timeout) is not int or not 0 < timeout <= MAX_TIMEOUT_MS)
@@ -328,7 +332,17 @@ class BrokerCore:
         ):
             return None
         return self._enqueue(
-            now, client, delimited, rid, layout, payloads, timeout, PRIORITIES[prio], False, refs
+            now,
+            client,
+            delimited,
+            rid,
+            layout,
+            payloads,
+            timeout,
+            PRIORITIES[prio],
+            False,
+            refs,
+            shm_outputs,
         )
 
     def _enqueue(
@@ -343,6 +357,7 @@ class BrokerCore:
         priority: Priority,
         simple: bool,
         refs: tuple[ShmRef | None, ...] | None = None,
+        shm_outputs: bool = False,
     ) -> list[Outgoing]:
         """Queue a valid request, unless no worker can take it or it cannot make its
         deadline; in deferred mode the batch forms at the end of the turn. ``refs``: the
@@ -418,6 +433,7 @@ class BrokerCore:
             now + timeout_s,
             payloads,
             shm,
+            shm_outputs,
         )
         queue = self._queue(key)
         queue.push(req)
@@ -970,6 +986,8 @@ class BrokerCore:
             }
             if req.shm is not None:
                 item["shm"] = req.shm
+            if req.shm_outputs:
+                item["shm_outputs"] = True
             items.append(item)
         meta = {
             "batch": batch_id,

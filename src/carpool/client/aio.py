@@ -39,11 +39,18 @@ class AsyncClient:
         shared_memory: int = 0,
         shared_memory_min_bytes: int = 64 * 1024,
         shared_memory_mode: int = 0o600,
+        shared_memory_outputs: bool | None = None,
+        shared_memory_group: str | None = None,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
         if shared_memory:
-            self.core.arena = ShmArena(shared_memory, mode=shared_memory_mode)
+            self.core.arena = ShmArena(
+                shared_memory, mode=shared_memory_mode, group=shared_memory_group
+            )
             self.core.shm_min_bytes = shared_memory_min_bytes
+        self.core.shm_outputs = (
+            bool(shared_memory) if shared_memory_outputs is None else shared_memory_outputs
+        )
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.asyncio.Context()
@@ -177,6 +184,8 @@ class AsyncClient:
                 self.context.term()
             if self.core.arena is not None:
                 self.core.arena.close()
+            if self.core.reader is not None:
+                self.core.reader.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

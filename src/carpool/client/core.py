@@ -38,7 +38,7 @@ from carpool.common.protocol import (
     tensor_signature,
     view,
 )
-from carpool.common.shm import ShmArena
+from carpool.common.shm import RegionReader, ShmArena, ShmError
 
 _REQUEST = header(Command.REQUEST)
 #: Reply layouts a client remembers (the cache stops growing when full).
@@ -77,6 +77,9 @@ class ClientCore:
     arena: ShmArena | None = None
     shm_min_bytes: int = 64 * 1024
     _leases: dict[int, list[int]] = field(default_factory=dict)  # id -> arena offsets
+    # Ask workers to put large outputs in their rings (§5.5); read them with `reader`.
+    shm_outputs: bool = False
+    reader: RegionReader | None = None
 
     def request(
         self,
@@ -92,31 +95,18 @@ class ClientCore:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not 0 < timeout <= 3600:
             raise ValueError(f"timeout_s must be in (0, 3600], got {timeout}")
-        metas = []
+        metas: list[dict[str, Any]] = []
         payloads: list[Any] = []
         leases: list[int] = []
         arena = self.arena
-        for name, value in inputs.items():
-            arr = np.asarray(value)
-            if arr.ndim == 0:
-                raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
-            dtype = codec.wire_dtype(arr.dtype)
-            arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
-            # TensorMeta.to_wire, inlined: this runs for every request.
-            desc: dict[str, Any] = {
-                "name": name,
-                "dtype": dtype,
-                "shape": [int(d) for d in arr.shape],
-            }
-            metas.append(desc)
-            if arena is not None and arr.nbytes >= self.shm_min_bytes:
-                offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
-                if offset is not None:  # else no room: this one goes in its frame
-                    desc["shm"] = {"region": arena.name, "offset": offset, "key": arena.key}
-                    leases.append(offset)
-                    payloads.append(b"")
-                    continue
-            payloads.append(arr)
+        try:
+            for name, value in inputs.items():
+                self._encode_input(name, value, metas, payloads, leases)
+        except BaseException:
+            for offset in leases:  # a later input was bad: give back what was placed
+                assert arena is not None
+                arena.free(offset)
+            raise
         rid = next(self._ids)
         if leases:
             self._leases[rid] = leases
@@ -129,10 +119,43 @@ class ClientCore:
         }
         if priority != Priority.INTERACTIVE:
             meta["priority"] = int(priority)
+        if self.shm_outputs:
+            meta["shm_outputs"] = True
         deadline = now + timeout + self.grace_s
         self.pending[rid] = deadline
         heapq.heappush(self._deadlines, (deadline, rid))
         return rid, [_REQUEST, codec.pack(meta), *payloads]
+
+    def _encode_input(
+        self,
+        name: str,
+        value: ArrayLike,
+        metas: list[dict[str, Any]],
+        payloads: list[Any],
+        leases: list[int],
+    ) -> None:
+        """One input's descriptor and payload (a frame, or a place in the arena)."""
+        arena = self.arena
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
+        dtype = codec.wire_dtype(arr.dtype)
+        arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
+        # TensorMeta.to_wire, inlined: this runs for every request.
+        desc: dict[str, Any] = {
+            "name": name,
+            "dtype": dtype,
+            "shape": [int(d) for d in arr.shape],
+        }
+        metas.append(desc)
+        if arena is not None and arr.nbytes >= self.shm_min_bytes:
+            offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            if offset is not None:  # else no room: this one goes in its frame
+                desc["shm"] = {"region": arena.name, "offset": offset, "key": arena.key}
+                leases.append(offset)
+                payloads.append(b"")
+                return
+        payloads.append(arr)
 
     def stats_request(self) -> tuple[int, list[Any]]:
         """A STATS request; the reply echoes the returned id."""
@@ -171,7 +194,12 @@ class ClientCore:
         if known is not None:
             return known
         reply = ReplyMeta.from_wire(meta)
-        check_frame_sizes(reply.outputs, payloads)
+        check_frame_sizes(reply.outputs, payloads, reply.shm)
+        if reply.shm is not None:
+            rid = self._settle(reply.request_id)
+            if rid is None:  # late or unknown: nobody waits, nothing to copy out
+                return None, Unavailable("a late reply", request_id=reply.request_id)
+            return rid, self._shared_outputs(reply, payloads)
         outputs = {
             t.name: np.frombuffer(view(p), codec.numpy_dtype(t.dtype)).reshape(t.shape)
             for t, p in zip(reply.outputs, payloads, strict=True)
@@ -183,6 +211,30 @@ class ClientCore:
             )
         result = InferResult(outputs, reply.batch_size, reply.queue_ms, reply.compute_ms)
         return self._settle(reply.request_id), result
+
+    def _shared_outputs(
+        self, reply: ReplyMeta, payloads: Sequence[Frame]
+    ) -> InferResult | RequestError:
+        """A reply whose large outputs are in a worker's ring (§5.5): copied out now,
+        before the ring comes round; an output that cannot be read fails the request."""
+        assert reply.shm is not None
+        outputs: dict[str, NDArray[Any]] = {}
+        for t, ref, payload in zip(reply.outputs, reply.shm, payloads, strict=True):
+            if ref is None:
+                outputs[t.name] = np.frombuffer(view(payload), codec.numpy_dtype(t.dtype)).reshape(
+                    t.shape
+                )
+                continue
+            arr = np.empty(t.shape, codec.numpy_dtype(t.dtype))
+            if self.reader is None:
+                self.reader = RegionReader()
+            try:
+                self.reader.read_output(ref, memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            except ShmError as exc:
+                msg = f"output {t.name!r} could not be read from shared memory: {exc}"
+                return Unavailable(msg, request_id=reply.request_id)
+            outputs[t.name] = arr
+        return InferResult(outputs, reply.batch_size, reply.queue_ms, reply.compute_ms)
 
     def _known_reply(
         self, meta: dict[str, Any], payloads: Sequence[Frame]

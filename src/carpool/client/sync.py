@@ -91,6 +91,12 @@ class Client:
             it has room; the rest go in their frames).
         shared_memory_mode: the region's file permissions (0o600: only this user's
             workers can read it; 0o640 for workers running as another user in its group).
+        shared_memory_outputs: ask workers to hand large outputs (64 KiB and up) over in
+            their shared-memory rings (protocol §5.5), which this client copies out when
+            the reply arrives; by default on when ``shared_memory`` is. The workers' rings
+            must be readable by this client's user.
+        shared_memory_group: the region's group, for workers that run as another user
+            in it (with ``shared_memory_mode=0o640``).
     """
 
     def __init__(
@@ -104,11 +110,18 @@ class Client:
         shared_memory: int = 0,
         shared_memory_min_bytes: int = 64 * 1024,
         shared_memory_mode: int = 0o600,
+        shared_memory_outputs: bool | None = None,
+        shared_memory_group: str | None = None,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
         if shared_memory:
-            self.core.arena = ShmArena(shared_memory, mode=shared_memory_mode)
+            self.core.arena = ShmArena(
+                shared_memory, mode=shared_memory_mode, group=shared_memory_group
+            )
             self.core.shm_min_bytes = shared_memory_min_bytes
+        self.core.shm_outputs = (
+            bool(shared_memory) if shared_memory_outputs is None else shared_memory_outputs
+        )
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.Context()
@@ -225,6 +238,8 @@ class Client:
             self.context.term()
         if self.core.arena is not None:
             self.core.arena.close()
+        if self.core.reader is not None:
+            self.core.reader.close()
 
     def __enter__(self) -> Client:
         return self

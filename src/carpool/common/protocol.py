@@ -264,18 +264,23 @@ ShmRef = shm.ShmRef
 def check_frame_sizes(
     tensors: Sequence[TensorMeta],
     frames: Sequence[Frame],
-    shm: Sequence[ShmRef | None] | None = None,
+    refs: Sequence[object | None] | None = None,
 ) -> None:
     """Check one frame per tensor, each exactly as long as its dtype and shape say (and
     empty for a tensor whose bytes are in shared memory, §5.4)."""
     if len(frames) != len(tensors):
         raise ProtocolError(f"expected {len(tensors)} tensor frames, got {len(frames)}")
     for i, (t, f) in enumerate(zip(tensors, frames, strict=True)):
-        if shm is not None and shm[i] is not None:
+        if refs is not None and refs[i] is not None:
             if len(f):
                 raise ProtocolError(
                     f"tensor {t.name!r} is in shared memory: its frame must be empty, "
                     f"it has {len(f)} bytes"
+                )
+            if t.nbytes > shm.MAX_REF_BYTES:
+                raise ProtocolError(
+                    f"tensor {t.name!r}: {t.nbytes} bytes in shared memory, at most "
+                    f"{shm.MAX_REF_BYTES} per tensor"
                 )
             continue
         if len(f) != t.nbytes:
@@ -301,6 +306,8 @@ class Submit:
     # Per input, in `inputs` order: where its bytes are in shared memory (§5.4), or None
     # for an input sent in its frame; None when every input is sent in its frame.
     shm: tuple[ShmRef | None, ...] | None = None
+    # The client can read outputs from a worker's ring on its host (§5.5).
+    shm_outputs: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         inputs = [t.to_wire() for t in self.inputs]
@@ -317,6 +324,8 @@ class Submit:
             meta["timeout_ms"] = self.timeout_ms
         if self.priority != Priority.INTERACTIVE:
             meta["priority"] = int(self.priority)
+        if self.shm_outputs:
+            meta["shm_outputs"] = True
         return meta
 
 
@@ -348,7 +357,10 @@ def decode_submit(meta: dict[str, Any]) -> Submit:
     raw = meta.get("inputs")
     inputs = _tensor_list(raw, "request inputs")
     assert isinstance(raw, list)  # _tensor_list checked it
-    return Submit(rid, model, timeout, inputs, PRIORITIES[prio], shm_refs(raw))
+    shm_outputs = meta.get("shm_outputs", False)
+    if type(shm_outputs) is not bool:
+        raise ProtocolError("request: shm_outputs must be true or false")
+    return Submit(rid, model, timeout, inputs, PRIORITIES[prio], shm_refs(raw), shm_outputs)
 
 
 def shm_refs(descriptors: list[Any]) -> tuple[ShmRef | None, ...] | None:
@@ -384,8 +396,8 @@ def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes
         if version != PROTOCOL_VERSION:
             raise VersionMismatch(version)
         submit = decode_submit(obj)
-        if submit.shm is not None:
-            raise ProtocolError("simple request: shared-memory inputs need the framed form")
+        if submit.shm is not None or submit.shm_outputs:
+            raise ProtocolError("simple request: shared memory needs the framed form")
         payloads: list[bytes] = []
         for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
             data = raw.get("data")
@@ -417,11 +429,19 @@ class ReplyMeta:
     batch_size: int = 0
     queue_ms: float = 0.0
     compute_ms: float = 0.0
+    # Per output: where its bytes are in a worker's ring (§5.5), or None for an output
+    # in its frame; None when all are in frames.
+    shm: tuple[shm.OutputRef | None, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
+        outputs = [t.to_wire() for t in self.outputs]
+        if self.shm is not None:
+            for t, ref in zip(outputs, self.shm, strict=True):
+                if ref is not None:
+                    t["shm"] = shm.output_ref_wire(ref)
         return {
             "id": self.request_id,
-            "outputs": [t.to_wire() for t in self.outputs],
+            "outputs": outputs,
             "batch_size": self.batch_size,
             "queue_ms": round(self.queue_ms, 3),
             "compute_ms": round(self.compute_ms, 3),
@@ -432,7 +452,16 @@ class ReplyMeta:
         rid = request_id_of(meta)
         if rid is None:
             raise ProtocolError("reply: field 'id' missing")
-        outputs = _tensor_list(meta.get("outputs"), "reply outputs")
+        raw = meta.get("outputs")
+        outputs = _tensor_list(raw, "reply outputs")
+        assert isinstance(raw, list)  # _tensor_list checked it
+        refs: list[shm.OutputRef | None] | None = None
+        for i, t in enumerate(raw):
+            obj = t.get("shm")
+            if obj is not None:
+                if refs is None:
+                    refs = [None] * len(raw)
+                refs[i] = shm.parse_output_ref(obj, f"reply tensor {t.get('name')!r}")
         batch_size = meta.get("batch_size", 0)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
             raise ProtocolError("reply: batch_size must be an int")
@@ -442,6 +471,7 @@ class ReplyMeta:
             batch_size,
             _optional_number(meta, "queue_ms"),
             _optional_number(meta, "compute_ms"),
+            None if refs is None else tuple(refs),
         )
 
 
@@ -593,6 +623,8 @@ class BatchItem:
     # Per batch input, in spec order: where its bytes are in shared memory (§5.4), or
     # None for an input in its frame; None when all are in frames.
     shm: tuple[ShmRef | None, ...] | None = None
+    # The client reads large outputs from this worker's ring (§5.5).
+    shm_outputs: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -603,6 +635,8 @@ class BatchItem:
         }
         if self.shm is not None:
             wire["shm"] = shm_wire(self.shm)
+        if self.shm_outputs:
+            wire["shm_outputs"] = True
         return wire
 
 
@@ -663,7 +697,16 @@ class BatchMeta:
             refs = r.get("shm")
             if refs is not None:
                 refs = _batch_refs(refs, len(inputs))
-            append(BatchItem(rid, n, bool(r.get("simple", False)), queue_ms, refs))
+            append(
+                BatchItem(
+                    rid,
+                    n,
+                    bool(r.get("simple", False)),
+                    queue_ms,
+                    refs,
+                    r.get("shm_outputs") is True,
+                )
+            )
         return cls(batch_id, model, inputs, tuple(items))
 
     def request_tensors(self, item: BatchItem) -> tuple[TensorMeta, ...]:

@@ -26,14 +26,19 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
+import fcntl
+import grp
 import hmac
 import mmap
 import os
 import re
 import secrets
 import stat
+import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from carpool.common.errors import ProtocolError
@@ -47,6 +52,9 @@ _REGION_RE = re.compile(r"carpool-[A-Za-z0-9_.-]{1,200}")
 ALIGN = 64
 #: The largest offset a reference may carry (and the largest region).
 MAX_OFFSET = 2**62
+#: The most bytes one referenced tensor may claim: without it, an empty frame could
+#: claim any size of a dynamic dim and make a worker allocate it.
+MAX_REF_BYTES = 2**31
 #: A region starts with a header: MAGIC, then the region's key (random bytes). A
 #: reference must carry the key, so only a client that could read the region (its owner)
 #: can make a worker read it: the name alone, visible to anyone in /dev/shm, is not enough.
@@ -74,8 +82,8 @@ def valid_region(name: object) -> bool:
 
 
 def parse_ref(obj: Any, what: str) -> ShmRef:
-    """Validate a tensor descriptor's ``shm`` map: ``{region: str, offset: uint, key:
-    str}`` (§5.4)."""
+    """Validate a request tensor descriptor's ``shm`` map: ``{region: str, offset: uint,
+    key: str}`` (§5.4)."""
     if type(obj) is not dict:
         raise ProtocolError(f"{what}: 'shm' must be a map with 'region', 'offset' and 'key'")
     region = obj.get("region")
@@ -99,7 +107,53 @@ def ref_wire(ref: ShmRef) -> dict[str, Any]:
     return {"region": ref[0], "offset": ref[1], "key": ref[2]}
 
 
+#: (region, offset, key, seq): where an output's bytes are in a worker's ring (§5.5).
+OutputRef = tuple[str, int, str, int]
+
+
+def output_ref_wire(ref: OutputRef) -> dict[str, Any]:
+    return {"region": ref[0], "offset": ref[1], "key": ref[2], "seq": ref[3]}
+
+
+def parse_output_ref(obj: Any, what: str) -> OutputRef:
+    """Validate a reply tensor descriptor's ``shm`` map: a request reference plus
+    ``seq``, the output's position in the ring's byte stream (§5.5)."""
+    region, offset, key = parse_ref(obj, what)
+    seq = obj.get("seq")
+    if type(seq) is not int or not 0 <= seq <= MAX_OFFSET:
+        raise ProtocolError(f"{what}: shm seq must be an int in 0..2**62, got {seq!r}")
+    return region, offset, key, seq
+
+
 # --------------------------------------------------------------------------- client side
+
+
+def _create(
+    size: int, mode: int, tag: str, group: str | None = None
+) -> tuple[str, str, int, mmap.mmap, str]:
+    """Create a region: (name, path, fd, mapping, key hex), header written; owned by
+    ``group`` when given (the process must be a member)."""
+    if not HEADER_BYTES < size <= MAX_OFFSET:
+        raise ValueError(
+            f"shared-memory size must be in {HEADER_BYTES + 1}..2**62 bytes, got {size}"
+        )
+    size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    name = f"{REGION_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        if group is not None:
+            os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
+        os.fchmod(fd, mode)  # not narrowed by the umask
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    key = secrets.token_bytes(KEY_BYTES)
+    mapping[: len(MAGIC) + KEY_BYTES] = MAGIC + key
+    return name, path, fd, mapping, key.hex()
 
 
 class ShmArena:
@@ -114,31 +168,16 @@ class ShmArena:
         mode: file permissions of the region: 0o600 lets only this user's workers read
             it; 0o640 or 0o644 let workers that run as another user (a systemd service
             user) read it, and also anyone else in that group or on the host.
+        group: the region's group (this process must belong to it); by default the
+            process's own.
     """
 
-    def __init__(self, size: int, *, mode: int = 0o600) -> None:
-        if not HEADER_BYTES < size <= MAX_OFFSET:
-            raise ValueError(
-                f"shared-memory size must be in {HEADER_BYTES + 1}..2**62 bytes, got {size}"
-            )
-        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-        self.name = f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        self.path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        try:
-            os.fchmod(fd, mode)  # not narrowed by the umask
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
+    def __init__(self, size: int, *, mode: int = 0o600, group: str | None = None) -> None:
+        self.name, self.path, fd, self._map, self.key = _create(size, mode, "", group)
         os.close(fd)  # the mapping keeps the region; the name lets workers open it
+        self._pid = os.getpid()  # a forked child must not remove its parent's region
         self._view = memoryview(self._map)
-        self.size = size
-        key = secrets.token_bytes(KEY_BYTES)
-        self.key = key.hex()
-        self._view[: len(MAGIC) + KEY_BYTES] = MAGIC + key
+        self.size = size = len(self._map)
         # (offset, length) of free space, sorted and merged; the header is never free.
         self._free: list[tuple[int, int]] = [(HEADER_BYTES, size - HEADER_BYTES)]
         self._used: dict[int, int] = {}  # offset -> length
@@ -185,12 +224,115 @@ class ShmArena:
         self.closed = True
         self._view.release()
         self._map.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if os.getpid() == self._pid:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def __del__(self) -> None:  # a client that is never closed still removes its region
         if not getattr(self, "closed", True):
             self.close()
+
+
+class ShmRing:
+    """A worker's output region (§5.5): outputs are written one after another, wrapping
+    around; a client copies its outputs out before the ring comes round again.
+
+    After MAGIC and the key, the header holds ``head`` (the end of the byte stream that
+    every output ever written lies in, at its ``seq``) and ``capacity`` (bytes after the
+    header), both little-endian u64. Byte-range locks (Linux open-file-description
+    locks) keep writer and readers apart: the writer changes ``head`` under an exclusive
+    lock on the header and an output's bytes under an exclusive lock on their range; a
+    reader holds a shared lock on its range while it checks ``head <= seq + capacity``
+    (under a shared lock on the header) and copies. The writer never waits for a lock:
+    where a reader holds one, that output goes in its frame instead, so a client that
+    keeps a lock can cost the worker its ring but cannot stall it.
+    """
+
+    def __init__(self, size: int, *, mode: int = 0o600, group: str | None = None) -> None:
+        self.name, self.path, self._fd, self._map, self.key = _create(size, mode, "out-", group)
+        self._pid = os.getpid()  # a forked child must not remove its parent's region
+        self._view = memoryview(self._map)
+        self.capacity = len(self._map) - HEADER_BYTES
+        self.head = 0
+        _RING.pack_into(self._map, _RING_AT, 0, self.capacity)
+        self.closed = False
+
+    def place(self, sizes: Sequence[int]) -> list[tuple[int, int] | None] | None:
+        """Reserve space for outputs of these sizes: (offset, seq) for each, None for
+        one larger than the ring; None for all when a reader holds the header now."""
+        if not _try_lock(self._fd, fcntl.F_WRLCK, 0, HEADER_BYTES):
+            return None
+        try:
+            out: list[tuple[int, int] | None] = []
+            for size in sizes:
+                need = max(ALIGN, -(-size // ALIGN) * ALIGN)
+                if need > self.capacity:
+                    out.append(None)
+                    continue
+                pos = self.head % self.capacity
+                if pos + need > self.capacity:  # never split an output: start over at 0
+                    self.head += self.capacity - pos
+                    pos = 0
+                out.append((HEADER_BYTES + pos, self.head))
+                self.head += need
+            # A reader that checks after this sees the reserved bytes as written over.
+            _RING.pack_into(self._map, _RING_AT, self.head, self.capacity)
+            return out
+        finally:
+            _unlock(self._fd, 0, HEADER_BYTES)
+
+    def write(self, offset: int, data: memoryview) -> bool:
+        """Copy ``data`` to a placed offset; False (nothing written) when a reader still
+        holds those bytes: the output then goes in its frame."""
+        if not _try_lock(self._fd, fcntl.F_WRLCK, offset, len(data)):
+            return False
+        try:
+            self._view[offset : offset + len(data)] = data
+        finally:
+            _unlock(self._fd, offset, len(data))
+        return True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._view.release()
+        self._map.close()
+        os.close(self._fd)
+        if os.getpid() == self._pid:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            self.close()
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock: type, whence, start, len, pid
+
+
+def _lock(fd: int, kind: int, start: int, length: int, *, wait: bool) -> None:
+    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
+
+
+def _try_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    try:
+        _lock(fd, kind, start, length, wait=False)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _unlock(fd: int, start: int, length: int) -> None:
+    _lock(fd, fcntl.F_UNLCK, start, length, wait=False)
+
+
+#: The ring's header fields after MAGIC and the key: head, capacity (little-endian u64).
+_RING = struct.Struct("<QQ")
+_RING_AT = len(MAGIC) + KEY_BYTES
 
 
 # --------------------------------------------------------------------------- worker side
@@ -216,13 +358,56 @@ class RegionReader:
                 or it is shorter than the reference says.
         """
         with self._lock:
-            self._read(ref, dest)
+            self._read(self._open(ref[0], ref[2]), ref[0], ref[1], dest)
 
-    def _read(self, ref: ShmRef, dest: memoryview) -> None:
-        region, offset, key = ref
+    def check(self, ref: ShmRef, size: int) -> None:
+        """Raise :class:`ShmError` unless ``size`` bytes at the reference can be read
+        (the region opens, its key matches, it is long enough): checked before a batch
+        buffer is allocated for them."""
+        with self._lock:
+            fd = self._open(ref[0], ref[2])
+            if os.fstat(fd).st_size < ref[1] + size:
+                raise ShmError(f"shm region {ref[0]!r} ends before offset {ref[1]} + {size} bytes")
+
+    def read_output(self, ref: OutputRef, dest: memoryview) -> None:
+        """Copy an output out of a worker's ring (§5.5), checking that it was not
+        written over before or while it was copied.
+
+        Raises:
+            ShmError: as :meth:`read_into`, or the ring came round over these bytes.
+        """
+        region, offset, key, seq = ref
+        size = len(dest)
+        with self._lock:
+            fd = self._open(region, key)
+            # The writer holds a range only while it copies into it, and never waits:
+            # these waits are short.
+            _lock(fd, fcntl.F_RDLCK, offset, size, wait=True)
+            try:
+                _lock(fd, fcntl.F_RDLCK, 0, HEADER_BYTES, wait=True)
+                try:
+                    raw = os.pread(fd, _RING.size, _RING_AT)
+                finally:
+                    _unlock(fd, 0, HEADER_BYTES)
+                head, capacity = _RING.unpack(raw) if len(raw) == _RING.size else (0, 0)
+                if not capacity or offset != HEADER_BYTES + seq % capacity:
+                    raise ShmError(f"shm region {region!r}: not a ring, or offset and seq differ")
+                if head > seq + capacity or seq + size > head:
+                    raise ShmError(
+                        f"shm region {region!r}: the output was written over before it was "
+                        "read (read replies sooner, or give the worker a larger ring)"
+                    )
+                self._read(fd, region, offset, dest)
+            finally:
+                _unlock(fd, offset, size)
+
+    def _open(self, region: str, key: str) -> int:
         fd, own_key = self._fd(region)
         if not hmac.compare_digest(own_key, key):
             raise ShmError(f"shm region {region!r}: the reference's key is not the region's")
+        return fd
+
+    def _read(self, fd: int, region: str, offset: int, dest: memoryview) -> None:
         want = len(dest)
         got = 0
         while got < want:
@@ -279,12 +464,16 @@ class RegionReader:
         """Close the descriptors of regions their clients have removed (an open
         descriptor keeps a removed region's memory). Returns how many were closed."""
         closed = 0
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return 0  # a batch is being read: next time (the caller must not stall)
+        try:
             for region, (fd, _) in list(self._fds.items()):
                 if not os.fstat(fd).st_nlink:
                     del self._fds[region]
                     os.close(fd)
                     closed += 1
+        finally:
+            self._lock.release()
         return closed
 
     def close(self) -> None:

@@ -80,6 +80,12 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     liveness: int = 3  # silent heartbeat intervals before reconnecting
     models: tuple[ModelConfig, ...] = field(default_factory=lambda: (ModelConfig(),))
+    # Shared-memory outputs (protocol §5.5) for clients on this host that ask for them:
+    # the ring's size (0: never, outputs always go in frames) and its file permissions
+    # (0o600: clients of this user only; 0o640: also the ring's group).
+    shm_output_mib: int = 64
+    shm_output_mode: int = 0o600
+    shm_output_group: str = ""  # the ring's group ("": the worker's own)
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,6 +97,10 @@ class WorkerConfig:
             problems.append("liveness must be in 1..100")
         if not self.models:
             problems.append("at least one [[models]] entry is needed")
+        if not 0 <= self.shm_output_mib <= 1 << 20:
+            problems.append("shm_output_mib must be in 0..1048576")
+        if not 0 <= self.shm_output_mode <= 0o777:
+            problems.append("shm_output_mode must be a file mode such as 0o600")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             problems.append("model names must be unique")

@@ -24,12 +24,12 @@ from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, ModelSpec, encode_error
-from carpool.common.shm import RegionReader
+from carpool.common.shm import RegionReader, ShmRing
 from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
-from carpool.worker.tensors import ItemError, replies, stack
+from carpool.worker.tensors import ItemError, replies, stack, unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class WorkerServer:
         warmup: bool = True,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Clock | None = None,
+        shm_output_bytes: int = 64 << 20,
+        shm_output_mode: int = 0o600,
+        shm_output_group: str | None = None,
     ) -> None:
         if not models:
             raise ConfigError("a worker needs at least one model")
@@ -79,8 +82,10 @@ class WorkerServer:
         self._results.setsockopt(zmq.LINGER, 0)
         self._results.bind(self._inproc)
         self._jobs: queue.Queue[RunBatch | None] = queue.Queue()
-        # Shared-memory inputs (§5.4); used by whichever thread runs a batch.
+        # Shared-memory inputs (§5.4) and outputs (§5.5); used by whichever thread runs
+        # a batch. The output ring is made when a client first asks for it.
         self._shm = RegionReader()
+        self._ring = _LazyRing(shm_output_bytes, shm_output_mode, shm_output_group)
         self._engines: dict[str, Engine] = {}
         # Smoothed engine time per model, for running short batches without the hand-off.
         self._run_ewma_s: dict[str, float] = {}
@@ -188,7 +193,7 @@ class WorkerServer:
                 inline = self._runs_inline(action)
                 self.core.on_batch_queued(self.clock.now())
                 if inline:
-                    header, out = _run_job(self._engines, action, self.clock, self._shm)
+                    header, out = _run_job(self._engines, action, self.clock, self._shm, self._ring)
                     if not self._finish_job(header, out):
                         return n
                 else:
@@ -289,7 +294,7 @@ class WorkerServer:
         sock.connect(self._inproc)
         try:
             while (job := self._jobs.get()) is not None:
-                header, frames = _run_job(engines, job, self.clock, self._shm)
+                header, frames = _run_job(engines, job, self.clock, self._shm, self._ring)
                 send_frames(sock, [codec.pack(header), *frames])
         finally:
             sock.close(linger=0)
@@ -313,6 +318,7 @@ class WorkerServer:
         self._results.close(linger=0)
         self._wake.close()
         self._shm.close()
+        self._ring.close()
         if self._own_context:
             self.context.term()
 
@@ -337,11 +343,52 @@ def _warm_up(engine: Engine) -> None:
     engine.run({s.name: zeros_like_spec(s, 1) for s in specs})
 
 
+class _LazyRing:
+    """The worker's output ring (§5.5), made on first use; None where it cannot be made
+    (no /dev/shm: outputs then go in their frames, and this is logged once)."""
+
+    def __init__(self, size: int, mode: int, group: str | None = None) -> None:
+        self.size = size
+        self.mode = mode
+        self.group = group
+        self._ring: ShmRing | None = None
+        self._failed = size <= 0
+        self._lock = threading.Lock()
+
+    def get(self) -> ShmRing | None:
+        if self._ring is not None or self._failed:
+            return self._ring
+        with self._lock:  # another thread may have made it meanwhile
+            ring = self._current()
+            if ring is not None or self._failed:
+                return ring
+            try:
+                ring = ShmRing(self.size, mode=self.mode, group=self.group)
+            except (OSError, ValueError, KeyError) as exc:  # KeyError: no such group
+                self._failed = True
+                logger.warning("no shared-memory output ring (%s): outputs go in frames", exc)
+                return None
+            logger.info("shared-memory output ring %s (%d bytes)", ring.name, self.size)
+            self._ring = ring
+            return ring
+
+    def _current(self) -> ShmRing | None:
+        return self._ring
+
+    def close(self) -> None:
+        with self._lock:
+            self._failed = True
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
+
+
 def _run_job(
     engines: Mapping[str, Engine],
     job: RunBatch,
     clock: Clock,
     reader: RegionReader | None = None,
+    rings: _LazyRing | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """Run one batch; returns the internal header and the reply frames."""
     batch = job.batch
@@ -364,21 +411,32 @@ def _run_job(
         frames = list(job.frames)
         alive = list(range(len(batch.items)))  # positions in the original batch
         failed: dict[int, list[bytes]] = {}  # position -> its ERROR reply
+        # Requests whose shared-memory inputs cannot be read are answered on their own
+        # and the rest of the batch runs: found up front, or (a region that changed
+        # since) while stacking.
+        skip: list[ItemError] = []
+        if reader is not None and len(frames) == len(batch.inputs) * len(batch.items):
+            try:
+                skip = unreadable(batch, reader)
+            except Exception as exc:  # a bug of ours must fail the batch, not the thread
+                logger.exception("checking batch %d's shared memory failed", batch.batch_id)
+                raise _JobError(ErrorCode.INTERNAL, f"stacking inputs failed: {exc}") from None
         while True:
+            for bad in sorted(skip, key=lambda e: -e.index):  # last first: indexes hold
+                item = batch.items[bad.index]
+                error = ErrorReply(item.request_id, bad.code, bad.message)
+                failed[alive.pop(bad.index)] = encode_error(error, simple=item.simple)
+                batch, frames = _without(batch, frames, bad.index)
+            if not batch.items:
+                end = clock.now()
+                counts, out = _merge(failed, alive, [], [])
+                header.update(end=end, counts=counts)
+                return header, out
             try:
                 inputs = stack(batch, frames, reader)
                 break
-            except ItemError as exc:
-                # One request's shared-memory input is unreadable: answer it, run the rest.
-                item = batch.items[exc.index]
-                error = ErrorReply(item.request_id, exc.code, exc.message)
-                failed[alive.pop(exc.index)] = encode_error(error, simple=item.simple)
-                batch, frames = _without(batch, frames, exc.index)
-                if not batch.items:
-                    end = clock.now()
-                    counts, out = _merge(failed, alive, [], [])
-                    header.update(end=end, counts=counts)
-                    return header, out
+            except ItemError as bad:
+                skip = [bad]
             except ProtocolError as exc:
                 raise _JobError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
             except Exception as exc:  # a bug of ours must fail the batch, not the thread
@@ -392,7 +450,10 @@ def _run_job(
         end = clock.now()
         names = [t.name for t in engine.info.outputs]
         try:
-            counts, frames = replies(batch, outputs, names, 1000.0 * (end - start))
+            ring = None
+            if rings is not None and any(i.shm_outputs for i in batch.items):
+                ring = rings.get()
+            counts, frames = replies(batch, outputs, names, 1000.0 * (end - start), ring)
             if failed:
                 counts, frames = _merge(failed, alive, counts, frames)
         except ProtocolError as exc:

@@ -26,7 +26,7 @@ from carpool.common.protocol import (
     header,
     view,
 )
-from carpool.common.shm import RegionReader, ShmError
+from carpool.common.shm import RegionReader, ShmError, ShmRing
 from carpool.worker.engines.base import Array
 
 _REPLY = header(Command.REPLY)
@@ -42,6 +42,31 @@ class ItemError(Exception):
         self.index = index  # position in the batch's items
         self.code = code
         self.message = message
+
+
+def unreadable(batch: BatchMeta, reader: RegionReader) -> list[ItemError]:
+    """The requests whose shared-memory inputs cannot be read (region missing, another
+    key, too short), all found in one pass before any batch buffer is allocated for
+    the sizes they claim."""
+    failed: list[ItemError] = []
+    sample_bytes = None
+    for i, item in enumerate(batch.items):
+        if item.shm is None:
+            continue
+        if sample_bytes is None:
+            sample_bytes = [
+                math.prod(t.shape[1:]) * numpy_dtype(t.dtype).itemsize for t in batch.inputs
+            ]
+        for j, ref in enumerate(item.shm):
+            if ref is None:
+                continue
+            try:
+                reader.check(ref, item.samples * sample_bytes[j])
+            except ShmError as exc:
+                code = ErrorCode.UNAVAILABLE if exc.unreachable else ErrorCode.INVALID_ARGUMENT
+                failed.append(ItemError(i, code, f"input {batch.inputs[j].name!r}: {exc}"))
+                break
+    return failed
 
 
 def stack(
@@ -112,13 +137,19 @@ def stack(
     return out
 
 
+#: Outputs at least this large go through the worker's ring when the client asked (§5.5).
+SHM_OUTPUT_MIN_BYTES = 64 * 1024
+
+
 def replies(
     batch: BatchMeta,
     outputs: Mapping[str, Array],
     output_names: Sequence[str],
     compute_ms: float,
+    ring: ShmRing | None = None,
 ) -> tuple[list[int], list[Any]]:
-    """Client reply frames for every request of a batch.
+    """Client reply frames for every request of a batch; the large outputs of requests
+    that asked for shared-memory outputs go into ``ring`` (when it is free) instead.
 
     Returns:
         (frame count per request, all frames in request order), ready for a RESULT.
@@ -153,6 +184,7 @@ def replies(
     counts: list[int] = []
     frames: list[Any] = []
     start = 0
+    use_ring = ring is not None and any(i.shm_outputs and not i.simple for i in batch.items)
     for item in batch.items:
         n = item.samples
         stop = start + n
@@ -176,6 +208,9 @@ def replies(
                 described_n = descs[n] = [
                     {"name": name, "dtype": d, "shape": [n, *shape]} for name, d, shape in described
                 ]
+            if use_ring and item.shm_outputs:
+                assert ring is not None
+                described_n, pieces = _into_ring(ring, described_n, pieces)
             # ReplyMeta(...).to_wire(), built directly: this runs for every request.
             wire = {
                 "id": item.request_id,
@@ -188,3 +223,26 @@ def replies(
         counts.append(len(encoded))
         frames.extend(encoded)
     return counts, frames
+
+
+def _into_ring(
+    ring: ShmRing, described: list[dict[str, Any]], pieces: Sequence[Any]
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """One reply's large outputs written into the ring: their descriptors get a
+    reference and their frames go empty. The rest, and what the ring cannot take now
+    (a reader holds the bytes), stay in their frames."""
+    datas = [
+        p if isinstance(p, memoryview) else memoryview(p.reshape(-1).view(np.uint8)) for p in pieces
+    ]
+    big = [i for i, d in enumerate(datas) if len(d) >= SHM_OUTPUT_MIN_BYTES]
+    placed = ring.place([len(datas[i]) for i in big]) if big else None
+    if placed is None:
+        return described, list(pieces)
+    out_desc = list(described)
+    out_pieces = list(pieces)
+    for i, spot in zip(big, placed, strict=True):
+        if spot is not None and ring.write(spot[0], datas[i]):
+            ref = {"region": ring.name, "offset": spot[0], "key": ring.key, "seq": spot[1]}
+            out_desc[i] = {**described[i], "shm": ref}
+            out_pieces[i] = b""
+    return out_desc, out_pieces

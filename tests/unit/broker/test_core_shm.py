@@ -94,3 +94,49 @@ def test_nil_reference_means_the_bytes_are_in_the_frame() -> None:
     (msg,) = batches(b.client(T0, C1, shm_request(4, ref=None, payloads=[B, A])))
     assert msg.batch.items[0].shm is None
     assert [bytes(p) for p in msg.payloads] == [A, B]
+
+
+def test_a_shared_memory_input_may_not_claim_more_than_the_limit() -> None:
+    """An empty frame costs nothing, so the size a reference claims (a dynamic dim)
+    is bounded at the door, on the cold and the warm path."""
+    from carpool.common.shm import MAX_REF_BYTES
+
+    b = Broker.make(max_batch=1, max_wait_s=0.0)
+    b.ready(T0, W1, SPEC2, slots=2)
+    huge = MAX_REF_BYTES // 4 + 1  # float32 items: one byte over the limit
+    ref = {"region": "carpool-x", "offset": 64, "key": KEY}
+    inputs = [
+        {"name": "b", "dtype": "uint8", "shape": [1, 2]},
+        {"name": "a", "dtype": "float32", "shape": [1, huge], "shm": ref},
+    ]
+    frames = raw_request(1, inputs=inputs, payloads=[B, b""])
+    assert answer(b, frames) == [(Command.ERROR, 1, int(ErrorCode.INVALID_ARGUMENT))]
+    inputs[1]["shape"] = [1, huge - 1]  # at the limit: admitted
+    (msg,) = batches(b.client(T0, C1, raw_request(2, inputs=inputs, payloads=[B, b""])))
+    assert ids(msg) == [2]
+    # One byte more again, now that the layout's model and names are known: still no.
+    inputs[1]["shape"] = [1, huge]
+    assert answer(b, raw_request(3, inputs=inputs, payloads=[B, b""])) == [
+        (Command.ERROR, 3, int(ErrorCode.INVALID_ARGUMENT))
+    ]
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_shm_outputs_rides_in_batch(warm: bool) -> None:
+    b = Broker.make(max_batch=3, max_wait_s=1.0)
+    b.ready(T0, W1, SPEC2, slots=2)
+    b.client(T0, C1, raw_request(1, **({"shm_outputs": True} if not warm else {})))
+    b.client(T0, C1, raw_request(2, shm_outputs=True))
+    (msg,) = batches(b.client(T0, C1, raw_request(3, shm_outputs=False)))
+    assert [i.shm_outputs for i in msg.batch.items] == [not warm, True, False]
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_a_bad_shm_outputs_is_invalid_warm_or_cold(value: Any) -> None:
+    warm, cold = Broker.make(max_batch=8, max_wait_s=0.0), Broker.make(max_batch=8, max_wait_s=0.0)
+    for b in (warm, cold):
+        b.ready(T0, W1, SPEC2, slots=2)
+    warm.client(T0, C1, raw_request(1))
+    frames = raw_request(5, shm_outputs=value)
+    expected = [(Command.ERROR, 5, int(ErrorCode.INVALID_ARGUMENT))]
+    assert answer(warm, frames) == answer(cold, frames) == expected

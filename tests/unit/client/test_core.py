@@ -524,3 +524,47 @@ def test_shared_memory_is_freed_once_the_request_is_settled(shm_core: Any, outco
         shm_core.forget(rid)
     assert shm_core.arena.used_bytes == 0
     assert not shm_core._leases
+
+
+def test_a_request_that_fails_to_encode_gives_its_shared_memory_back(shm_core: Any) -> None:
+    big = np.zeros((1, 1024), np.float32)
+    with pytest.raises(ValueError, match="scalar"):
+        shm_core.request(0.0, "m", {"a": big, "b": np.float32(1.0)})  # b: a scalar
+    assert shm_core.arena.used_bytes == 0
+    assert not shm_core._leases
+    assert not shm_core.pending
+
+
+def test_outputs_in_a_worker_ring_are_copied_out(shm_core: Any) -> None:
+    from carpool.common.shm import ShmRing
+
+    shm_core.shm_outputs = True
+    rid, frames = shm_core.request(0.0, "m", {"x": np.zeros((1, 2), np.float32)})
+    assert decode_meta(frames[1])["shm_outputs"] is True
+    ring = ShmRing(1 << 16)
+    try:
+        y = np.arange(4096, dtype=np.float32).reshape(1, 4096)
+        (spot,) = ring.place([y.nbytes])  # type: ignore[misc]
+        assert ring.write(spot[0], memoryview(y.reshape(-1).view(np.uint8)))
+        out = {"name": "y", "dtype": "float32", "shape": [1, 4096]}
+        ref = {"region": ring.name, "offset": spot[0], "key": ring.key, "seq": spot[1]}
+        meta = {"id": rid, "outputs": [{**out, "shm": ref}], "batch_size": 1}
+        got_id, result = shm_core.on_reply([header(Command.REPLY), codec.pack(meta), b""])
+        assert got_id == rid
+        assert isinstance(result, InferResult)
+        np.testing.assert_array_equal(result["y"], y)
+        # Another request whose output the ring has since come round over: an error
+        # for that request, never someone else's bytes.
+        rid2, _ = shm_core.request(0.0, "m", {"x": np.zeros((1, 2), np.float32)})
+        for _ in range(4):
+            (later,) = ring.place([y.nbytes])  # type: ignore[misc]
+            ring.write(later[0], memoryview(np.zeros(4096, np.float32).view(np.uint8)))
+        meta["id"] = rid2
+        got_id, result = shm_core.on_reply([header(Command.REPLY), codec.pack(meta), b""])
+        assert got_id == rid2
+        assert isinstance(result, Unavailable)
+        assert "written over" in str(result)
+    finally:
+        ring.close()
+        if shm_core.reader is not None:
+            shm_core.reader.close()

@@ -157,6 +157,8 @@ def test_tuple_of_dataclasses() -> None:
         ({"models": [{"max_batch": "8"}]}, "WorkerConfig.models[0].max_batch: expected int"),
         ({"models": [{"item_shape": 16}]}, "WorkerConfig.models[0].item_shape: expected a list"),
         ({"models": [{"nme": "a"}]}, "WorkerConfig.models[0].nme: unknown setting"),
+        ({"shm_output_mib": -1}, "shm_output_mib must be in 0..1048576"),
+        ({"shm_output_mode": 0o1777}, "shm_output_mode must be a file mode"),
     ],
 )
 def test_worker_config_problems(data: dict[str, Any], expected: str) -> None:
@@ -208,3 +210,11 @@ def test_check() -> None:
     check([], "here")
     with pytest.raises(ConfigError, match=r"^here: a; b$"):
         check(["a", "b"], "here")
+
+
+def test_worker_shared_memory_settings_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "worker.toml"
+    path.write_text("shm_output_mib = 16\nshm_output_mode = 0o640\n")
+    cfg = from_mapping(WorkerConfig, load_toml(path))
+    assert (cfg.shm_output_mib, cfg.shm_output_mode) == (16, 0o640)
+    assert (WorkerConfig().shm_output_mib, WorkerConfig().shm_output_mode) == (64, 0o600)

@@ -887,3 +887,59 @@ def test_batch_items_carry_shared_memory_references() -> None:
 def test_batch_meta_rejects_bad_shared_memory_lists(refs: Any) -> None:
     with pytest.raises(ProtocolError, match="shm"):
         BatchMeta.from_wire(wire(batch(requests=[{"id": 1, "n": 1, "shm": refs}])))
+
+
+# ------------------------------------------------------------- shared-memory outputs (§5.5)
+
+
+def test_shm_outputs_round_trip_and_default() -> None:
+    s = Submit(3, "m", None, SHM_SUBMIT.inputs, shm_outputs=True)
+    obj = wire(s.to_wire())
+    assert obj["shm_outputs"] is True
+    assert decode_submit(obj) == s
+    assert "shm_outputs" not in Submit(3, "m", None, SHM_SUBMIT.inputs).to_wire()
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None])
+def test_shm_outputs_must_be_a_bool(value: Any) -> None:
+    obj = wire(Submit(3, "m", None, SHM_SUBMIT.inputs).to_wire())
+    obj["shm_outputs"] = value
+    with pytest.raises(ProtocolError, match="shm_outputs"):
+        decode_submit(obj)
+
+
+def test_simple_form_cannot_ask_for_shared_memory_outputs() -> None:
+    obj = Submit(3, "m", None, (TensorMeta("x", "float32", (1, 1)),), shm_outputs=True).to_wire()
+    obj["v"] = PROTOCOL_VERSION
+    obj["inputs"][0]["data"] = b"\0" * 4
+    with pytest.raises(ProtocolError, match="framed form"):
+        decode_simple_request(codec.pack(obj))
+
+
+def test_batch_items_carry_shm_outputs() -> None:
+    b = BatchMeta(1, "m", BATCH.inputs, (BatchItem(1, 1, False, 0.0, None, True),))
+    obj = wire(b.to_wire())
+    assert obj["requests"][0]["shm_outputs"] is True
+    assert BatchMeta.from_wire(obj) == b
+    obj["requests"][0]["shm_outputs"] = 1  # only `true` means yes
+    assert BatchMeta.from_wire(obj).items[0].shm_outputs is False
+
+
+def test_reply_outputs_may_be_in_a_ring() -> None:
+    ref = ("carpool-out-1-ab", 128, "ef" * 16, 64)
+    r = ReplyMeta(
+        5,
+        (TensorMeta("y", "float32", (1, 4)), TensorMeta("z", "uint8", (1, 2))),
+        shm=(ref, None),
+    )
+    obj = wire(r.to_wire())
+    assert obj["outputs"][0]["shm"] == {
+        "region": "carpool-out-1-ab",
+        "offset": 128,
+        "key": "ef" * 16,
+        "seq": 64,
+    }
+    assert ReplyMeta.from_wire(obj) == r
+    del obj["outputs"][0]["shm"]["seq"]
+    with pytest.raises(ProtocolError, match="seq"):
+        ReplyMeta.from_wire(obj)

@@ -118,7 +118,13 @@ def test_random_puts_and_frees_never_overlap(arena: ShmArena) -> None:
         spans = sorted((o, o + n) for o, n in live.items())
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start
-        assert all(end <= arena.size for _, end in spans)
+        assert all(start >= HEADER_BYTES and end <= arena.size for start, end in spans)
+        assert all(start % ALIGN == 0 for start, _ in spans)
+        free = arena._free
+        assert free == sorted(free)
+        for (s1, l1), (s2, _) in itertools.pairwise(free):
+            assert s1 + l1 < s2  # merged: no two free blocks touch
+        assert sum(n for _, n in free) + arena.used_bytes == arena.size - HEADER_BYTES
     for off in list(live):
         arena.free(off)
     assert arena.put(data(arena.size - HEADER_BYTES)) == HEADER_BYTES
@@ -295,3 +301,19 @@ def test_removed_regions_are_let_go() -> None:
         a.close()
         b.close()
         reader.close()
+
+
+def test_a_forked_child_does_not_remove_its_parents_region() -> None:
+    arena = ShmArena(4096)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child drops its copy of the client's arena
+            try:
+                arena.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.path.exists(arena.path)
+    finally:
+        arena.close()
+    assert not os.path.exists(arena.path)

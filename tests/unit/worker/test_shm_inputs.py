@@ -163,3 +163,108 @@ def test_a_batch_of_only_unreadable_requests_answers_each(reader: RegionReader) 
     )
     assert header["counts"] == [2, 2]
     assert [reply_of(out[i : i + 2])[1]["id"] for i in (0, 2)] == [1, 2]
+
+
+def test_a_claimed_size_is_checked_before_anything_is_allocated(
+    arena: ShmArena, reader: RegionReader
+) -> None:
+    """A reference that claims more bytes than its region holds is answered on its own,
+    before a batch buffer of the claimed size exists (2**40 floats here)."""
+    engine = SyntheticEngine(item_shape=(-1,), max_batch=4)
+    inputs = (TensorMeta("x", "float32", (-1, 2**40)),)
+    items = (BatchItem(1, 1, False, 0.0, ((arena.name, HEADER_BYTES, arena.key),)),)
+    header, out = _run_job(
+        {"m": engine},
+        RunBatch(1, BatchMeta(1, "m", inputs, items), [b""]),
+        MonotonicClock(),
+        reader,
+    )
+    assert "error" not in header
+    cmd, meta, _ = reply_of(out)
+    assert (cmd, meta["code"]) == (Command.ERROR, int(ErrorCode.INVALID_ARGUMENT))
+    assert "ends before" in meta["message"]
+
+
+def test_bad_references_are_found_in_one_pass(arena: ShmArena, reader: RegionReader) -> None:
+    """k good and k bad references: each good one is read once, not once per bad one."""
+    engine = SyntheticEngine(item_shape=(4,), max_batch=64)
+    reads: list[Any] = []
+    read_into = reader.read_into
+    reader.read_into = lambda ref, dest: (reads.append(ref), read_into(ref, dest))[1]  # type: ignore[method-assign]
+    k = 8
+    good = [BatchItem(i, 1, False, 0.0, (put(arena, rows(i, 1)),)) for i in range(k)]
+    bad = [BatchItem(100 + i, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)) for i in range(k)]
+    items = tuple(x for pair in zip(good, bad, strict=True) for x in pair)
+    header, _ = _run_job(
+        {"m": engine},
+        RunBatch(1, BatchMeta(1, "m", INPUTS, items), [b""] * 2 * k),
+        MonotonicClock(),
+        reader,
+    )
+    assert "error" not in header
+    assert len(reads) == k
+    assert header["counts"] == [3, 2] * k  # REPLY (header, meta, y) and ERROR, alternating
+
+
+# --------------------------------------------------------------------------- outputs (§5.5)
+
+
+def test_large_outputs_of_requests_that_ask_go_into_the_ring(reader: RegionReader) -> None:
+    from carpool.common.shm import ShmRing
+    from carpool.worker.tensors import SHM_OUTPUT_MIN_BYTES, replies
+
+    ring = ShmRing(1 << 20)
+    try:
+        width = SHM_OUTPUT_MIN_BYTES // 4  # float32: exactly the threshold per sample
+        y = np.arange(3 * width, dtype=np.float32).reshape(3, width)
+        small = np.arange(3, dtype=np.float32).reshape(3, 1)
+        items = (
+            BatchItem(1, 1, False, 0.0, None, True),  # asks: y through the ring
+            BatchItem(2, 1, False, 0.0),  # does not ask
+            BatchItem(3, 1, True, 0.0, None, True),  # simple form: never
+        )
+        meta = BatchMeta(1, "m", INPUTS, items)
+        counts, frames = replies(meta, {"y": y, "s": small}, ["y", "s"], 1.0, ring)
+        assert counts == [4, 4, 1]
+        cmd, first, payloads = reply_of(frames[:4])
+        assert cmd is Command.REPLY
+        ref = first["outputs"][0]["shm"]
+        assert "shm" not in first["outputs"][1]  # 4 bytes: in its frame
+        assert bytes(payloads[0]) == b""
+        assert bytes(payloads[1]) == small[:1].tobytes()
+        dest = np.empty((1, width), np.float32)
+        reader.read_output(
+            (ref["region"], ref["offset"], ref["key"], ref["seq"]),
+            memoryview(dest.reshape(-1).view(np.uint8)),
+        )
+        np.testing.assert_array_equal(dest, y[:1])
+        _, second, payloads = reply_of(frames[4:8])
+        assert "shm" not in second["outputs"][0]
+        assert bytes(payloads[0]) == y[1:2].tobytes()
+    finally:
+        ring.close()
+
+
+def test_outputs_go_in_frames_when_the_ring_is_busy(reader: RegionReader) -> None:
+    import fcntl
+    import struct
+
+    from carpool.common.shm import ShmRing
+    from carpool.worker.tensors import replies
+
+    ring = ShmRing(1 << 20)
+    fd = os.open(ring.path, os.O_RDONLY)
+    try:
+        # A client holds the header (reading it, or misbehaving): the worker does not wait.
+        fcntl.fcntl(
+            fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_RDLCK, 0, 0, HEADER_BYTES, 0)
+        )
+        y = np.ones((1, 1 << 16), np.float32)
+        meta = BatchMeta(1, "m", INPUTS, (BatchItem(1, 1, False, 0.0, None, True),))
+        _, frames = replies(meta, {"y": y}, ["y"], 1.0, ring)
+        _, reply, payloads = reply_of(frames)
+        assert "shm" not in reply["outputs"][0]
+        assert np.asarray(payloads[0]).tobytes() == y.tobytes()
+    finally:
+        os.close(fd)
+        ring.close()

@@ -1,0 +1,153 @@
+"""shm.py ShmRing and RegionReader.read_output: a worker's output ring (protocol §5.5),
+on real /dev/shm regions and real byte-range locks."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from carpool.common.shm import HEADER_BYTES, SHM_DIR, RegionReader, ShmError, ShmRing
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+
+
+@pytest.fixture
+def ring() -> Iterator[ShmRing]:
+    r = ShmRing(4096 + HEADER_BYTES)  # rounded up to pages: capacity 8128 on 4 KiB pages
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def reader() -> Iterator[RegionReader]:
+    r = RegionReader()
+    yield r
+    r.close()
+
+
+def data(n: int, seed: int) -> memoryview:
+    return memoryview(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+
+
+def write(ring: ShmRing, payload: memoryview) -> tuple[str, int, str, int]:
+    (spot,) = ring.place([len(payload)])  # type: ignore[misc]
+    assert spot is not None
+    assert ring.write(spot[0], payload)
+    return ring.name, spot[0], ring.key, spot[1]
+
+
+def read(reader: RegionReader, ref: tuple[str, int, str, int], n: int) -> bytes:
+    dest = bytearray(n)
+    reader.read_output(ref, memoryview(dest))
+    return bytes(dest)
+
+
+def lock(fd: int, kind: int, start: int, length: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, 0, start, length, 0))
+
+
+def test_outputs_round_trip_in_order(ring: ShmRing, reader: RegionReader) -> None:
+    a, b = data(1000, 1), data(2000, 2)
+    ref_a, ref_b = write(ring, a), write(ring, b)
+    assert ref_a[1] == HEADER_BYTES
+    assert ref_a[3] == 0
+    assert ref_b[3] == 1024  # aligned to 64
+    assert read(reader, ref_b, 2000) == b.tobytes()
+    assert read(reader, ref_a, 1000) == a.tobytes()
+
+
+def test_a_written_over_output_is_refused_not_misread(ring: ShmRing, reader: RegionReader) -> None:
+    first = write(ring, data(3000, 1))
+    for seed in range(2, 6):  # the ring comes round over `first`
+        last = write(ring, data(3000, seed))
+    with pytest.raises(ShmError, match="written over"):
+        read(reader, first, 3000)
+    assert read(reader, last, 3000) == data(3000, 5).tobytes()
+
+
+def test_an_output_never_wraps_across_the_end(ring: ShmRing) -> None:
+    capacity = ring.capacity
+    write(ring, data(capacity - 100, 1))
+    _, offset, _, seq = write(ring, data(200, 2))
+    assert offset == HEADER_BYTES  # started over at the beginning
+    assert seq == capacity  # the skipped tail counts in the stream
+    assert ring.place([capacity + 1]) == [None]  # larger than the ring
+
+
+def test_the_writer_never_waits_for_a_reader(ring: ShmRing, reader: RegionReader) -> None:
+    """A reader's lock on a range makes the writer skip that range (the output then goes
+    in its frame); a lock on the header makes it skip the ring for now."""
+    ref = write(ring, data(1000, 1))
+    fd = os.open(ring.path, os.O_RDONLY)
+    try:
+        lock(fd, fcntl.F_RDLCK, ref[1], 1000)  # a client copying `ref`
+        # Come round over `ref`: placing works, writing over the locked bytes does not.
+        spots = ring.place([3000, 3000, 3000])
+        assert spots is not None
+        written = [ring.write(o, data(3000, 9)) for o, _ in spots]  # type: ignore[misc]
+        assert written == [True, True, False]  # the third lands on `ref`
+        lock(fd, fcntl.F_UNLCK, 0, 0)
+        lock(fd, fcntl.F_RDLCK, 0, HEADER_BYTES)  # a client reading the header
+        assert ring.place([10]) is None
+        lock(fd, fcntl.F_UNLCK, 0, 0)
+        assert ring.place([10]) is not None
+    finally:
+        os.close(fd)
+    with pytest.raises(ShmError, match="written over"):  # and `ref` is known to be gone
+        read(reader, ref, 1000)
+
+
+def test_references_that_do_not_fit_the_ring_are_refused(
+    ring: ShmRing, reader: RegionReader
+) -> None:
+    name, offset, key, seq = write(ring, data(100, 1))
+    with pytest.raises(ShmError, match="offset and seq"):
+        read(reader, (name, offset + 64, key, seq), 100)
+    with pytest.raises(ShmError, match="written over"):  # beyond what was written
+        read(reader, (name, offset, key, seq), 5000)
+    with pytest.raises(ShmError, match="key"):
+        read(reader, (name, offset, "0" * 32, seq), 100)
+
+
+def test_a_client_region_is_not_a_ring(reader: RegionReader) -> None:
+    from carpool.common.shm import ShmArena
+
+    arena = ShmArena(4096)
+    try:
+        off = arena.put(data(100, 1))
+        assert off is not None
+        with pytest.raises(ShmError, match="not a ring"):
+            read(reader, (arena.name, off, arena.key, off - HEADER_BYTES), 100)
+    finally:
+        arena.close()
+
+
+def test_close_removes_the_ring() -> None:
+    r = ShmRing(8192)
+    assert os.path.exists(r.path)
+    assert r.name.startswith("carpool-out-")
+    r.close()
+    r.close()
+    assert not os.path.exists(r.path)
+
+
+def test_regions_may_belong_to_a_group_of_this_process() -> None:
+    import grp
+
+    from carpool.common.shm import ShmArena
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    for region in (ShmRing(8192, mode=0o640, group=group), ShmArena(8192, group=group)):
+        try:
+            assert os.stat(region.path).st_gid == os.getgid()
+        finally:
+            region.close()
+    before = set(os.listdir(SHM_DIR))
+    with pytest.raises(KeyError):
+        ShmRing(8192, group="no-such-group-carpool")
+    assert set(os.listdir(SHM_DIR)) == before  # nothing left behind
