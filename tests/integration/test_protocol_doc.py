@@ -1287,11 +1287,13 @@ def test_an_input_in_shared_memory_reaches_the_worker_as_a_reference(
             "timeout_ms": 2000,
             # Request order (b, a); `a` is in shared memory and its frame is empty.
             "inputs": [descriptor("b", b), {**descriptor("a", a), "shm": ref}],
+            "shm_outputs": True,  # §5.5: a worker without a ring answers in frames
         }
         client.send([header(REQUEST), pack(meta), payload(b), b""])
         batch = worker.next_batch()
         # §8.3: one entry per input in spec order (a, b); the empty frame travels.
         assert batch.requests[0]["shm"] == [ref, None]
+        assert batch.requests[0]["shm_outputs"] is True
         assert batch.frames == [b"", payload(b)]
         worker.answer(batch)
         outputs = client.reply_outputs(client.recv())
