@@ -157,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker_meter = CpuMeter(worker.pid)
         # The shared-memory client sends 1 MiB inputs by reference (protocol §5.4) and
         # 1 KiB ones in their frames (below its 64 KiB threshold), as a user would.
-        with Client(frontend) as client, Client(frontend, shared_memory=64 << 20) as shm:
+        with (
+            Client(frontend) as client,
+            Client(frontend, shared_memory=64 << 20, shared_memory_outputs=True) as shm,
+        ):
             clients = {"broker": client, "shm": shm, "broker-c": client, "shm-c": shm}
             for c in (client, shm):
                 for name, x in inputs.items():
@@ -331,9 +334,7 @@ def plot(summary: dict[str, Any], reps: int) -> None:
         return
     fig, ax = plt.subplots(figsize=(15, 5))
     keys = list(summary)
-    names = [
-        f"{NAMES[k.split()[0]]}\n{LABEL[k.split()[1]]}".replace(", ", "\n") for k in keys
-    ]
+    names = [f"{NAMES[k.split()[0]]}\n{LABEL[k.split()[1]]}".replace(", ", "\n") for k in keys]
     ax.tick_params(axis="x", labelsize=7)
     user = [summary[k]["user_us"] for k in keys]
     system = [summary[k]["system_us"] for k in keys]

@@ -98,7 +98,9 @@ def test_the_async_client_uses_shared_memory_too(fleet_factory: Any) -> None:
     fleet.ready()
 
     async def main() -> tuple[np.ndarray, bool, str]:
-        async with AsyncClient(fleet.broker.frontend_endpoint, shared_memory=1 << 20) as client:
+        async with AsyncClient(
+            fleet.broker.frontend_endpoint, shared_memory=1 << 20, shared_memory_outputs=True
+        ) as client:
             path = client.core.arena.path
             x = np.linspace(0, 1, 32768, dtype=np.float32).reshape(1, -1)  # 128 KiB
             y = await client.infer("syn", {"x": x}, timeout_s=10)
@@ -123,8 +125,8 @@ def test_large_outputs_come_back_through_the_workers_ring(fleet_factory: Any) ->
     fleet = fleet_factory(max_batch=8, max_wait_s=0.002)
     worker = fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=8)})
     plain = fleet.ready()
-    shared = fleet.client(shared_memory=8 << 20)
-    inputs_only = fleet.client(shared_memory=8 << 20, shared_memory_outputs=False)
+    shared = fleet.client(shared_memory=8 << 20, shared_memory_outputs=True)
+    inputs_only = fleet.client(shared_memory=8 << 20)  # outputs in frames: the default
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((1 + i % 2, 32768)).astype(np.float32) for i in range(24)]
     futures = [(c.submit("syn", {"x": x}), x) for x in xs for c in (plain, shared, inputs_only)]

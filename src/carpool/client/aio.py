@@ -39,7 +39,7 @@ class AsyncClient:
         shared_memory: int = 0,
         shared_memory_min_bytes: int = 64 * 1024,
         shared_memory_mode: int = 0o600,
-        shared_memory_outputs: bool | None = None,
+        shared_memory_outputs: bool = False,
         shared_memory_group: str | None = None,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
@@ -48,9 +48,7 @@ class AsyncClient:
                 shared_memory, mode=shared_memory_mode, group=shared_memory_group
             )
             self.core.shm_min_bytes = shared_memory_min_bytes
-        self.core.shm_outputs = (
-            bool(shared_memory) if shared_memory_outputs is None else shared_memory_outputs
-        )
+        self.core.shm_outputs = shared_memory_outputs
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.asyncio.Context()

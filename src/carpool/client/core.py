@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from carpool.common.protocol import (
     view,
 )
 from carpool.common.shm import RegionReader, ShmArena, ShmError
+
+logger = logging.getLogger(__name__)
 
 _REQUEST = header(Command.REQUEST)
 #: Reply layouts a client remembers (the cache stops growing when full).
@@ -80,6 +83,7 @@ class ClientCore:
     # Ask workers to put large outputs in their rings (§5.5); read them with `reader`.
     shm_outputs: bool = False
     reader: RegionReader | None = None
+    _next_sweep_s: float = 0.0
 
     def request(
         self,
@@ -225,12 +229,21 @@ class ClientCore:
                     t.shape
                 )
                 continue
-            arr = np.empty(t.shape, codec.numpy_dtype(t.dtype))
             if self.reader is None:
-                self.reader = RegionReader()
+                self.reader = RegionReader(max_open=8)
             try:
+                arr = np.empty(t.shape, codec.numpy_dtype(t.dtype))
                 self.reader.read_output(ref, memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
-            except ShmError as exc:
+            except Exception as exc:  # the request is settled: it must get an answer
+                if isinstance(exc, ShmError) and exc.unreachable and self.shm_outputs:
+                    # This client cannot open the workers' rings (permissions, another
+                    # host): stop asking, so later requests get their outputs in frames.
+                    self.shm_outputs = False
+                    logger.warning(
+                        "cannot read a worker's shared-memory ring (%s); asking for "
+                        "outputs in frames from now on",
+                        exc,
+                    )
                 msg = f"output {t.name!r} could not be read from shared memory: {exc}"
                 return Unavailable(msg, request_id=reply.request_id)
             outputs[t.name] = arr
@@ -285,7 +298,11 @@ class ClientCore:
         self._release(request_id)
 
     def expire(self, now: float) -> list[tuple[int, RequestError]]:
-        """Pending requests whose local deadline passed without any reply."""
+        """Pending requests whose local deadline passed without any reply. (Also lets go
+        of removed worker rings, about once a second.)"""
+        if self.reader is not None and now >= self._next_sweep_s:
+            self._next_sweep_s = now + 1.0
+            self.reader.sweep()
         out: list[tuple[int, RequestError]] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)

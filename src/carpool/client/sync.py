@@ -93,8 +93,10 @@ class Client:
             workers can read it; 0o640 for workers running as another user in its group).
         shared_memory_outputs: ask workers to hand large outputs (64 KiB and up) over in
             their shared-memory rings (protocol §5.5), which this client copies out when
-            the reply arrives; by default on when ``shared_memory`` is. The workers' rings
-            must be readable by this client's user.
+            the reply arrives. Only for clients on the workers' host that can read their
+            rings (``shm_output_mode``/``shm_output_group`` in the worker's config); if a
+            ring cannot be opened, that request fails ``Unavailable`` and the client stops
+            asking.
         shared_memory_group: the region's group, for workers that run as another user
             in it (with ``shared_memory_mode=0o640``).
     """
@@ -110,7 +112,7 @@ class Client:
         shared_memory: int = 0,
         shared_memory_min_bytes: int = 64 * 1024,
         shared_memory_mode: int = 0o600,
-        shared_memory_outputs: bool | None = None,
+        shared_memory_outputs: bool = False,
         shared_memory_group: str | None = None,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
@@ -119,9 +121,7 @@ class Client:
                 shared_memory, mode=shared_memory_mode, group=shared_memory_group
             )
             self.core.shm_min_bytes = shared_memory_min_bytes
-        self.core.shm_outputs = (
-            bool(shared_memory) if shared_memory_outputs is None else shared_memory_outputs
-        )
+        self.core.shm_outputs = shared_memory_outputs
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.Context()

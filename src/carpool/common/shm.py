@@ -145,7 +145,9 @@ def _create(
         if group is not None:
             os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
         os.fchmod(fd, mode)  # not narrowed by the umask
-        os.ftruncate(fd, size)
+        # Reserve the pages now: writing through a mapping of a sparse file on a full
+        # tmpfs is a SIGBUS; this is an OSError (ENOSPC) here instead.
+        os.posix_fallocate(fd, 0, size)
         mapping = mmap.mmap(fd, size)
     except BaseException:
         os.close(fd)
@@ -257,24 +259,31 @@ class ShmRing:
         _RING.pack_into(self._map, _RING_AT, 0, self.capacity)
         self.closed = False
 
-    def place(self, sizes: Sequence[int]) -> list[tuple[int, int] | None] | None:
+    def place(
+        self, sizes: Sequence[int], since: int | None = None
+    ) -> list[tuple[int, int] | None] | None:
         """Reserve space for outputs of these sizes: (offset, seq) for each, None for
-        one larger than the ring; None for all when a reader holds the header now."""
+        one that does not fit (larger than the ring, or it would come round over an
+        output placed at stream position ``since`` or later: the first output of the
+        batch being written, whose replies are not sent yet); None for all when a reader
+        holds the header now."""
         if not _try_lock(self._fd, fcntl.F_WRLCK, 0, HEADER_BYTES):
             return None
         try:
             out: list[tuple[int, int] | None] = []
             for size in sizes:
                 need = max(ALIGN, -(-size // ALIGN) * ALIGN)
-                if need > self.capacity:
+                pos = self.head % self.capacity
+                skip = self.capacity - pos if pos + need > self.capacity else 0
+                end = self.head + skip + need
+                if need > self.capacity or (since is not None and end - since > self.capacity):
                     out.append(None)
                     continue
-                pos = self.head % self.capacity
-                if pos + need > self.capacity:  # never split an output: start over at 0
-                    self.head += self.capacity - pos
-                    pos = 0
-                out.append((HEADER_BYTES + pos, self.head))
-                self.head += need
+                self.head += skip  # never split an output: start over at 0
+                if since is None:
+                    since = self.head
+                out.append((HEADER_BYTES + (0 if skip else pos), self.head))
+                self.head = end
             # A reader that checks after this sees the reserved bytes as written over.
             _RING.pack_into(self._map, _RING_AT, self.head, self.capacity)
             return out
@@ -378,28 +387,37 @@ class RegionReader:
         """
         region, offset, key, seq = ref
         size = len(dest)
-        with self._lock:
-            fd = self._open(region, key)
-            # The writer holds a range only while it copies into it, and never waits:
-            # these waits are short.
-            _lock(fd, fcntl.F_RDLCK, offset, size, wait=True)
+        if size == 0:
+            return  # nothing to copy (a lock of length 0 would reach to the end)
+        try:
+            with self._lock:
+                self._read_output(region, offset, key, seq, dest)
+        except OSError as exc:  # a lock or a read the system refused
+            raise ShmError(f"shm region {region!r}: {exc.strerror or exc}") from None
+
+    def _read_output(self, region: str, offset: int, key: str, seq: int, dest: memoryview) -> None:
+        size = len(dest)
+        fd = self._open(region, key)
+        # The writer holds a range only while it copies into it, and never waits: these
+        # waits are short.
+        _lock(fd, fcntl.F_RDLCK, offset, size, wait=True)
+        try:
+            _lock(fd, fcntl.F_RDLCK, 0, HEADER_BYTES, wait=True)
             try:
-                _lock(fd, fcntl.F_RDLCK, 0, HEADER_BYTES, wait=True)
-                try:
-                    raw = os.pread(fd, _RING.size, _RING_AT)
-                finally:
-                    _unlock(fd, 0, HEADER_BYTES)
-                head, capacity = _RING.unpack(raw) if len(raw) == _RING.size else (0, 0)
-                if not capacity or offset != HEADER_BYTES + seq % capacity:
-                    raise ShmError(f"shm region {region!r}: not a ring, or offset and seq differ")
-                if head > seq + capacity or seq + size > head:
-                    raise ShmError(
-                        f"shm region {region!r}: the output was written over before it was "
-                        "read (read replies sooner, or give the worker a larger ring)"
-                    )
-                self._read(fd, region, offset, dest)
+                raw = os.pread(fd, _RING.size, _RING_AT)
             finally:
-                _unlock(fd, offset, size)
+                _unlock(fd, 0, HEADER_BYTES)
+            head, capacity = _RING.unpack(raw) if len(raw) == _RING.size else (0, 0)
+            if not capacity or offset != HEADER_BYTES + seq % capacity:
+                raise ShmError(f"shm region {region!r}: not a ring, or offset and seq differ")
+            if head > seq + capacity or seq + size > head:
+                raise ShmError(
+                    f"shm region {region!r}: the output was written over before it was "
+                    "read (read replies sooner, or give the worker a larger ring)"
+                )
+            self._read(fd, region, offset, dest)
+        finally:
+            _unlock(fd, offset, size)
 
     def _open(self, region: str, key: str) -> int:
         fd, own_key = self._fd(region)
@@ -431,6 +449,7 @@ class RegionReader:
             os.close(entry[0])
         if not valid_region(region):
             raise ShmError(f"not a carpool shm region name: {region!r}")
+        self._drop_removed()  # a new region: often one that replaced a removed one
         path = os.path.join(self.directory, region)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -463,17 +482,20 @@ class RegionReader:
     def sweep(self) -> int:
         """Close the descriptors of regions their clients have removed (an open
         descriptor keeps a removed region's memory). Returns how many were closed."""
-        closed = 0
         if not self._lock.acquire(blocking=False):
             return 0  # a batch is being read: next time (the caller must not stall)
         try:
-            for region, (fd, _) in list(self._fds.items()):
-                if not os.fstat(fd).st_nlink:
-                    del self._fds[region]
-                    os.close(fd)
-                    closed += 1
+            return self._drop_removed()
         finally:
             self._lock.release()
+
+    def _drop_removed(self) -> int:
+        closed = 0
+        for region, (fd, _) in list(self._fds.items()):
+            if not os.fstat(fd).st_nlink:
+                del self._fds[region]
+                os.close(fd)
+                closed += 1
         return closed
 
     def close(self) -> None:

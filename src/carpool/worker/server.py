@@ -317,8 +317,9 @@ class WorkerServer:
         self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
         self._results.close(linger=0)
         self._wake.close()
-        self._shm.close()
-        self._ring.close()
+        if not self._thread.is_alive():  # else a batch may still use them: leave to exit
+            self._shm.close()
+            self._ring.close()
         if self._own_context:
             self.context.term()
 

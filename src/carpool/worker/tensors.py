@@ -26,7 +26,7 @@ from carpool.common.protocol import (
     header,
     view,
 )
-from carpool.common.shm import RegionReader, ShmError, ShmRing
+from carpool.common.shm import MAX_REF_BYTES, RegionReader, ShmError, ShmRing
 from carpool.worker.engines.base import Array
 
 _REPLY = header(Command.REPLY)
@@ -185,6 +185,7 @@ def replies(
     frames: list[Any] = []
     start = 0
     use_ring = ring is not None and any(i.shm_outputs and not i.simple for i in batch.items)
+    since: int | None = None  # where this batch's first output went in the ring
     for item in batch.items:
         n = item.samples
         stop = start + n
@@ -210,7 +211,7 @@ def replies(
                 ]
             if use_ring and item.shm_outputs:
                 assert ring is not None
-                described_n, pieces = _into_ring(ring, described_n, pieces)
+                described_n, pieces, since = _into_ring(ring, described_n, pieces, since)
             # ReplyMeta(...).to_wire(), built directly: this runs for every request.
             wire = {
                 "id": item.request_id,
@@ -226,23 +227,28 @@ def replies(
 
 
 def _into_ring(
-    ring: ShmRing, described: list[dict[str, Any]], pieces: Sequence[Any]
-) -> tuple[list[dict[str, Any]], list[Any]]:
+    ring: ShmRing, described: list[dict[str, Any]], pieces: Sequence[Any], since: int | None
+) -> tuple[list[dict[str, Any]], list[Any], int | None]:
     """One reply's large outputs written into the ring: their descriptors get a
-    reference and their frames go empty. The rest, and what the ring cannot take now
-    (a reader holds the bytes), stay in their frames."""
+    reference and their frames go empty. The rest stay in their frames: what the ring
+    cannot take now (a reader holds the bytes, or it would come round over this batch's
+    own outputs since ``since``). Returns the batch's ``since`` too."""
     datas = [
         p if isinstance(p, memoryview) else memoryview(p.reshape(-1).view(np.uint8)) for p in pieces
     ]
-    big = [i for i, d in enumerate(datas) if len(d) >= SHM_OUTPUT_MIN_BYTES]
-    placed = ring.place([len(datas[i]) for i in big]) if big else None
+    big = [i for i, d in enumerate(datas) if SHM_OUTPUT_MIN_BYTES <= len(d) <= MAX_REF_BYTES]
+    placed = ring.place([len(datas[i]) for i in big], since) if big else None
     if placed is None:
-        return described, list(pieces)
+        return described, list(pieces), since
     out_desc = list(described)
     out_pieces = list(pieces)
     for i, spot in zip(big, placed, strict=True):
-        if spot is not None and ring.write(spot[0], datas[i]):
+        if spot is None:
+            continue
+        if since is None:
+            since = spot[1]
+        if ring.write(spot[0], datas[i]):
             ref = {"region": ring.name, "offset": spot[0], "key": ring.key, "seq": spot[1]}
             out_desc[i] = {**described[i], "shm": ref}
             out_pieces[i] = b""
-    return out_desc, out_pieces
+    return out_desc, out_pieces, since

@@ -568,3 +568,44 @@ def test_outputs_in_a_worker_ring_are_copied_out(shm_core: Any) -> None:
         ring.close()
         if shm_core.reader is not None:
             shm_core.reader.close()
+
+
+def test_an_unreadable_ring_fails_the_request_and_stops_the_asking(
+    shm_core: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any failure while copying an output out (here the system refuses a lock) answers
+    the request, which was settled already: it is never lost. A ring this client cannot
+    open at all also makes it stop asking for shared-memory outputs."""
+    from carpool.common.shm import RegionReader, ShmError
+
+    shm_core.shm_outputs = True
+    shm_core.reader = RegionReader()
+    ref = {"region": "carpool-out-1-abc", "offset": 64, "key": "0" * 32, "seq": 0}
+    out = {"name": "y", "dtype": "float32", "shape": [1, 1 << 14], "shm": ref}
+
+    def reply(rid: int) -> Any:
+        meta = {"id": rid, "outputs": [out], "batch_size": 1}
+        return shm_core.on_reply([header(Command.REPLY), codec.pack(meta), b""])
+
+    def no_locks(ref: Any, dest: Any) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(shm_core.reader, "read_output", no_locks)
+    rid, _ = shm_core.request(0.0, "m", {"x": np.zeros((1, 2), np.float32)})
+    got_id, outcome = reply(rid)
+    assert got_id == rid
+    assert isinstance(outcome, Unavailable)
+    assert not shm_core.pending
+    assert shm_core.shm_outputs  # a passing failure: keep asking
+
+    def unreachable(ref: Any, dest: Any) -> None:
+        raise ShmError("cannot be opened on this worker", unreachable=True)
+
+    monkeypatch.setattr(shm_core.reader, "read_output", unreachable)
+    rid, _ = shm_core.request(0.0, "m", {"x": np.zeros((1, 2), np.float32)})
+    got_id, outcome = reply(rid)
+    assert isinstance(outcome, Unavailable)
+    assert not shm_core.shm_outputs
+    _, frames = shm_core.request(0.0, "m", {"x": np.zeros((1, 2), np.float32)})
+    assert "shm_outputs" not in decode_meta(frames[1])
+    shm_core.reader.close()

@@ -86,10 +86,10 @@ def test_the_writer_never_waits_for_a_reader(ring: ShmRing, reader: RegionReader
     fd = os.open(ring.path, os.O_RDONLY)
     try:
         lock(fd, fcntl.F_RDLCK, ref[1], 1000)  # a client copying `ref`
-        # Come round over `ref`: placing works, writing over the locked bytes does not.
-        spots = ring.place([3000, 3000, 3000])
-        assert spots is not None
-        written = [ring.write(o, data(3000, 9)) for o, _ in spots]  # type: ignore[misc]
+        # Come round over `ref` (three batches): placing works, writing over the locked
+        # bytes does not.
+        spots = [ring.place([3000]) for _ in range(3)]
+        written = [ring.write(s[0][0], data(3000, 9)) for s in spots]  # type: ignore[index]
         assert written == [True, True, False]  # the third lands on `ref`
         lock(fd, fcntl.F_UNLCK, 0, 0)
         lock(fd, fcntl.F_RDLCK, 0, HEADER_BYTES)  # a client reading the header
@@ -151,3 +151,69 @@ def test_regions_may_belong_to_a_group_of_this_process() -> None:
     with pytest.raises(KeyError):
         ShmRing(8192, group="no-such-group-carpool")
     assert set(os.listdir(SHM_DIR)) == before  # nothing left behind
+
+
+def test_one_batch_never_comes_round_over_its_own_outputs(ring: ShmRing) -> None:
+    """Outputs placed since the batch's first one stay intact until its replies are
+    sent: what would come round over them is refused (it goes in its frame)."""
+    first = ring.place([3000])
+    assert first is not None
+    (spot,) = first
+    assert spot is not None
+    since = spot[1]
+    assert ring.place([3000, 3000], since) == [(HEADER_BYTES + 3008, 3008), None]
+    assert ring.place([3000], since) == [None]  # still this batch: still refused
+    assert ring.place([3000]) is not None  # a new batch may come round
+
+
+def _can_mount_a_private_tmpfs() -> bool:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        timeout=30,
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_private_tmpfs(), reason="needs root and unshare -m")
+def test_a_full_dev_shm_is_an_error_up_front_not_a_sigbus() -> None:
+    """A 4 MiB ring on a 1 MiB /dev/shm (a small container's): refused when it is made
+    (the worker then sends outputs in frames), never a SIGBUS on a later write."""
+    import subprocess
+    import sys
+
+    code = (
+        "from carpool.common.shm import ShmArena, ShmRing\n"
+        "for make in (ShmRing, ShmArena):\n"
+        "    try:\n"
+        "        make(4 << 20)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    raise SystemExit(3)\n"
+    )
+    cmd = f'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "{sys.executable}" -c "$0"'
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd, code], timeout=60)
+    assert proc.returncode == 0
+
+
+def test_a_reader_lets_go_of_a_removed_ring_when_it_opens_another() -> None:
+    """A worker restarts with a new ring: the client's reader closes the old ring's
+    descriptor (which would keep its memory) when it opens the new one."""
+    old, new = ShmRing(1 << 16), ShmRing(1 << 16)
+    reader = RegionReader()
+    try:
+        for r in (old, new):
+            ref = write(r, data(4096, 1))
+            read(reader, ref, 4096)
+            if r is old:
+                old.close()
+        assert list(reader._fds) == [new.name]
+    finally:
+        reader.close()
+        old.close()
+        new.close()

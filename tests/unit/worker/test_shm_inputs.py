@@ -268,3 +268,36 @@ def test_outputs_go_in_frames_when_the_ring_is_busy(reader: RegionReader) -> Non
     finally:
         os.close(fd)
         ring.close()
+
+
+def test_a_batch_never_writes_over_its_own_outputs(reader: RegionReader) -> None:
+    """Three 400 KiB outputs in a 1 MiB ring: the third would come round over the first
+    before either reply is sent, so it goes in its frame; every reference is readable."""
+    from carpool.common.shm import ShmRing
+    from carpool.worker.tensors import replies
+
+    ring = ShmRing(1 << 20)
+    try:
+        width = 400 * 1024 // 4
+        y = np.arange(3 * width, dtype=np.float32).reshape(3, width)
+        items = tuple(BatchItem(i, 1, False, 0.0, None, True) for i in (1, 2, 3))
+        counts, frames = replies(BatchMeta(1, "m", INPUTS, items), {"y": y}, ["y"], 1.0, ring)
+        in_ring = []
+        pos = 0
+        for i, k in enumerate(counts):
+            _, meta, payloads = reply_of(frames[pos : pos + k])
+            pos += k
+            ref = meta["outputs"][0].get("shm")
+            in_ring.append(ref is not None)
+            got = np.empty((1, width), np.float32)
+            if ref is None:
+                got[:] = np.frombuffer(bytes(payloads[0]), np.float32).reshape(1, width)
+            else:
+                reader.read_output(
+                    (ref["region"], ref["offset"], ref["key"], ref["seq"]),
+                    memoryview(got.reshape(-1).view(np.uint8)),
+                )
+            np.testing.assert_array_equal(got, y[i : i + 1])
+        assert in_ring == [True, True, False]
+    finally:
+        ring.close()
