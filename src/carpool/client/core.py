@@ -105,7 +105,26 @@ class ClientCore:
         arena = self.arena
         try:
             for name, value in inputs.items():
-                self._encode_input(name, value, metas, payloads, leases)
+                arr = np.asarray(value)
+                if arr.ndim == 0:
+                    raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
+                dtype = codec.wire_dtype(arr.dtype)
+                arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
+                # TensorMeta.to_wire, inlined: this runs for every request.
+                desc: dict[str, Any] = {
+                    "name": name,
+                    "dtype": dtype,
+                    "shape": [int(d) for d in arr.shape],
+                }
+                metas.append(desc)
+                if arena is not None and arr.nbytes >= self.shm_min_bytes:
+                    offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+                    if offset is not None:  # else no room: this one goes in its frame
+                        desc["shm"] = {"region": arena.name, "offset": offset, "key": arena.key}
+                        leases.append(offset)
+                        payloads.append(b"")
+                        continue
+                payloads.append(arr)
         except BaseException:
             for offset in leases:  # a later input was bad: give back what was placed
                 assert arena is not None
@@ -129,37 +148,6 @@ class ClientCore:
         self.pending[rid] = deadline
         heapq.heappush(self._deadlines, (deadline, rid))
         return rid, [_REQUEST, codec.pack(meta), *payloads]
-
-    def _encode_input(
-        self,
-        name: str,
-        value: ArrayLike,
-        metas: list[dict[str, Any]],
-        payloads: list[Any],
-        leases: list[int],
-    ) -> None:
-        """One input's descriptor and payload (a frame, or a place in the arena)."""
-        arena = self.arena
-        arr = np.asarray(value)
-        if arr.ndim == 0:
-            raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
-        dtype = codec.wire_dtype(arr.dtype)
-        arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
-        # TensorMeta.to_wire, inlined: this runs for every request.
-        desc: dict[str, Any] = {
-            "name": name,
-            "dtype": dtype,
-            "shape": [int(d) for d in arr.shape],
-        }
-        metas.append(desc)
-        if arena is not None and arr.nbytes >= self.shm_min_bytes:
-            offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
-            if offset is not None:  # else no room: this one goes in its frame
-                desc["shm"] = {"region": arena.name, "offset": offset, "key": arena.key}
-                leases.append(offset)
-                payloads.append(b"")
-                return
-        payloads.append(arr)
 
     def stats_request(self) -> tuple[int, list[Any]]:
         """A STATS request; the reply echoes the returned id."""
