@@ -13,7 +13,10 @@ soon as one returns) for 4 s (1.5 s with --quick), timing every request. As a
 reference, ``OnnxRuntimeEngine(locate("orientation"), intra_op_threads=1).run`` is timed
 in this process at batch 1 and batch 8 for 1 s each (0.5 s with --quick), while the fleets
 are idle. Before measuring, the fleets' answer for one image is checked against the
-direct call. Configurations alternate; 5 rounds (2 with --quick); the table shows
+direct call. The one-worker fleet is driven twice: by a plain client, and by one made with
+``Client(shared_memory=16 MiB, shared_memory_outputs=True)``, whose 602 KB images go
+through /dev/shm by reference (protocol §5.4), as a camera process on the workers' host
+would send them. Configurations alternate; 5 rounds (2 with --quick); the table shows
 medians. Batch sizes come from the brokers' STATS.
 Note: on a 2-core machine the client, the broker and two workers share two cores, so
 two workers cannot double the throughput here; the CPU column shows the client's and the
@@ -60,6 +63,10 @@ MODEL = "orientation"
 IN_FLIGHT = 4
 WORKERS = (1, 2)
 DIRECT_BATCHES = (1, 8)
+#: (label, workers, shared memory): the one-worker fleet also serves a client that sends
+#: its images through /dev/shm (protocol §5.4), as a camera process on the same host would.
+CONFIGS = (("1 worker", 1, False), ("1 worker, shared memory", 1, True), ("2 workers", 2, False))
+SHM = {"shared_memory": 16 << 20, "shared_memory_outputs": True}
 
 
 def direct(engine: OnnxRuntimeEngine, x: Any, batch: int, duration_s: float) -> dict[str, float]:
@@ -96,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = OnnxRuntimeEngine(locate(MODEL), max_batch=8, intra_op_threads=1)
     expected = engine.run({engine.info.inputs[0].name: x})
     out_name = engine.info.outputs[0].name
-    fleet_rounds: dict[int, list[dict[str, Any]]] = {w: [] for w in WORKERS}
+    fleet_rounds: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in CONFIGS}
     direct_rounds: dict[int, list[dict[str, float]]] = {b: [] for b in DIRECT_BATCHES}
     me = CpuMeter()
     with ProcessGroup(args.transport) as group:
@@ -110,8 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for count, (frontend, _) in fleets.items():
             wait_workers(frontend, count, group)
         for rnd in range(reps + 1):  # round 0 is the warm-up
-            for count, (frontend, broker_cpu) in fleets.items():
-                with Client(frontend) as client:
+            for label, count, shared in CONFIGS:
+                frontend, broker_cpu = fleets[count]
+                with Client(frontend, **(SHM if shared else {})) as client:  # type: ignore[arg-type]
                     if rnd == 0:
                         got = client.infer(MODEL, {"x": x})[out_name]
                         assert np.allclose(got, expected[out_name], atol=1e-4), "wrong answer"
@@ -128,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"  warning: {result.errors} requests failed")
                 if rnd:
                     batches = sum(sizes.values())
-                    fleet_rounds[count].append(
+                    fleet_rounds[label].append(
                         {
                             "completed": result.completed,
                             "errors": result.errors,
@@ -149,11 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.close()
 
     fleet = {
-        w: {
-            m: median([r[m] for r in fleet_rounds[w]])
+        label: {
+            m: median([r[m] for r in fleet_rounds[label]])
             for m in ("rate", "p50_ms", "p99_ms", "mean_batch", "client_cpu", "broker_cpu")
         }
-        for w in WORKERS
+        for label, _, _ in CONFIGS
     }
     base = {
         b: {m: median([r[m] for r in direct_rounds[b]]) for m in direct_rounds[b][0]}
@@ -175,16 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     rows += [
         [
-            f"fleet, {w} worker{'s' if w > 1 else ''}",
-            fleet[w]["rate"],
+            f"fleet, {label}",
+            fleet[label]["rate"],
             f"{IN_FLIGHT}",
-            fleet[w]["p50_ms"],
-            fleet[w]["p99_ms"],
-            fleet[w]["mean_batch"],
-            f"{100 * fleet[w]['client_cpu']:.0f}% / {100 * fleet[w]['broker_cpu']:.0f}%",
-            f"{fleet[w]['rate'] / ref:.2f}",
+            fleet[label]["p50_ms"],
+            fleet[label]["p99_ms"],
+            fleet[label]["mean_batch"],
+            f"{100 * fleet[label]['client_cpu']:.0f}% / {100 * fleet[label]['broker_cpu']:.0f}%",
+            f"{fleet[label]['rate'] / ref:.2f}",
         ]
-        for w in WORKERS
+        for label, _, _ in CONFIGS
     ]
     print(
         f"\norientation classifier, [1, 3, 224, 224] float32 per request, ONNX Runtime CPU, "
@@ -205,10 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows,
         )
     )
-    efficiency = fleet[1]["rate"] / ref
-    scaling = fleet[2]["rate"] / fleet[1]["rate"]
+    one = fleet["1 worker"]
+    efficiency = one["rate"] / ref
+    scaling = fleet["2 workers"]["rate"] / one["rate"]
+    shm = fleet["1 worker, shared memory"]
+    shm_rate, shm_p50 = shm["rate"] / one["rate"], shm["p50_ms"] / one["p50_ms"]
     print(f"fleet with 1 worker / direct at batch 1: {efficiency:.2f}")
     print(f"fleet with 2 workers / 1 worker: {scaling:.2f}")
+    print(f"1 worker, shared memory / sockets: rate {shm_rate:.2f}, p50 {shm_p50:.2f}")
     write_json(
         "real_model",
         {
@@ -221,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "direct": base,
             "efficiency_1_worker": efficiency,
             "scaling_2_over_1": scaling,
+            "shared_memory_over_sockets": {"rate": shm_rate, "p50": shm_p50},
             "fleet_rounds": fleet_rounds,
             "direct_rounds": direct_rounds,
         },
@@ -229,20 +242,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def plot(fleet: dict[int, dict[str, float]], base: dict[int, dict[str, float]], reps: int) -> None:
+def plot(fleet: dict[str, dict[str, float]], base: dict[int, dict[str, float]], reps: int) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    labels = [f"direct b{b}" for b in DIRECT_BATCHES] + [f"fleet {w}w" for w in WORKERS]
-    rates = [base[b]["samples_per_s"] for b in DIRECT_BATCHES] + [fleet[w]["rate"] for w in WORKERS]
-    axes[0].bar(labels, rates, color=["tab:gray"] * len(DIRECT_BATCHES) + ["tab:blue"] * 2)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    names = [c[0] for c in CONFIGS]
+    short = [n.replace(", shared memory", "\nshm").replace(" worker", "w") for n in names]
+    labels = [f"direct b{b}" for b in DIRECT_BATCHES] + [f"fleet {n}" for n in short]
+    rates = [base[b]["samples_per_s"] for b in DIRECT_BATCHES] + [fleet[n]["rate"] for n in names]
+    colors = ["tab:gray"] * len(DIRECT_BATCHES) + ["tab:blue"] * len(names)
+    axes[0].bar(labels, rates, color=colors)
+    axes[0].tick_params(axis="x", labelsize=7)
     axes[0].set_ylabel("images / s (median)")
     axes[0].set_title("throughput")
-    xs = np.arange(len(WORKERS))
-    axes[1].bar(xs - 0.2, [fleet[w]["p50_ms"] for w in WORKERS], 0.4, label="p50")
-    axes[1].bar(xs + 0.2, [fleet[w]["p99_ms"] for w in WORKERS], 0.4, label="p99")
-    axes[1].set_xticks(xs, [f"{w} worker{'s' if w > 1 else ''}" for w in WORKERS])
+    xs = np.arange(len(names))
+    axes[1].bar(xs - 0.2, [fleet[n]["p50_ms"] for n in names], 0.4, label="p50")
+    axes[1].bar(xs + 0.2, [fleet[n]["p99_ms"] for n in names], 0.4, label="p99")
+    axes[1].set_xticks(xs, short, fontsize=7)
     axes[1].set_ylabel(f"latency ms ({IN_FLIGHT} in flight)")
     axes[1].set_title("fleet latency")
     axes[1].legend(fontsize=8)
