@@ -53,6 +53,12 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--csv", help="write per-second figures as CSV")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument(
+        "--shared-memory-mib",
+        type=int,
+        default=0,
+        help="send inputs (and take outputs) of 64 KiB+ through /dev/shm: a fleet on this host",
+    )
     b.set_defaults(func=run_bench)
 
     r = sub.add_parser(
@@ -141,6 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
         warmup_s=warmup,
         progress=not args.no_progress,
         end_s=None if args.trace else args.warmup_s + args.duration_s,
+        shared_memory=args.shared_memory_mib << 20,
     )
     print_report(report)
     _write(report, args)

@@ -218,10 +218,16 @@ def run(
     clock: Clock | None = None,
     keep: bool = False,
     end_s: float | None = None,
+    shared_memory: int = 0,
 ) -> BenchReport:
-    """One open-loop run against a live broker (``keep`` keeps every sample)."""
+    """One open-loop run against a live broker (``keep`` keeps every sample;
+    ``shared_memory``: bytes of a /dev/shm region for large inputs and outputs, §5.4-5.5,
+    for a fleet on this host)."""
     clock = clock or MonotonicClock()
-    with Client(endpoint, grace_s=1.0) as client:
+    shm: dict[str, Any] = (
+        {"shared_memory": shared_memory, "shared_memory_outputs": True} if shared_memory else {}
+    )
+    with Client(endpoint, grace_s=1.0, **shm) as client:
         before = _batch_sizes(client.stats())
         samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
         after = _batch_sizes(client.stats())
