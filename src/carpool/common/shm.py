@@ -158,7 +158,39 @@ def _create(
     return name, path, fd, mapping, key.hex()
 
 
-class ShmArena:
+class _Region:
+    """A region this process made: its mapping, and removal when closed (only by the
+    process that made it: a forked child must not remove its parent's region)."""
+
+    def __init__(self, size: int, mode: int, tag: str, group: str | None, keep_fd: bool) -> None:
+        self.name, self.path, fd, self._map, self.key = _create(size, mode, tag, group)
+        self._pid = os.getpid()
+        self._fd: int | None = fd
+        if not keep_fd:  # the mapping keeps the region; the name lets peers open it
+            os.close(fd)
+            self._fd = None
+        self._view = memoryview(self._map)
+        self.closed = False
+
+    def close(self) -> None:
+        """Remove the region (peers holding it open keep it until they let go)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._view.release()
+        self._map.close()
+        if self._fd is not None:
+            os.close(self._fd)
+        if os.getpid() == self._pid:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def __del__(self) -> None:  # a region never closed is still removed
+        if not getattr(self, "closed", True):
+            self.close()
+
+
+class ShmArena(_Region):
     """One shared-memory region owned by a client, and a first-fit allocator over it.
 
     ``put`` copies an array's bytes into the region and returns its offset, or None when
@@ -175,15 +207,11 @@ class ShmArena:
     """
 
     def __init__(self, size: int, *, mode: int = 0o600, group: str | None = None) -> None:
-        self.name, self.path, fd, self._map, self.key = _create(size, mode, "", group)
-        os.close(fd)  # the mapping keeps the region; the name lets workers open it
-        self._pid = os.getpid()  # a forked child must not remove its parent's region
-        self._view = memoryview(self._map)
+        super().__init__(size, mode, "", group, keep_fd=False)
         self.size = size = len(self._map)
         # (offset, length) of free space, sorted and merged; the header is never free.
         self._free: list[tuple[int, int]] = [(HEADER_BYTES, size - HEADER_BYTES)]
         self._used: dict[int, int] = {}  # offset -> length
-        self.closed = False
 
     @property
     def used_bytes(self) -> int:
@@ -219,23 +247,8 @@ class ShmArena:
             i -= 1
         free.insert(i, (offset, length))
 
-    def close(self) -> None:
-        """Unlink the region (workers holding it open keep reading it until they let go)."""
-        if self.closed:
-            return
-        self.closed = True
-        self._view.release()
-        self._map.close()
-        if os.getpid() == self._pid:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
 
-    def __del__(self) -> None:  # a client that is never closed still removes its region
-        if not getattr(self, "closed", True):
-            self.close()
-
-
-class ShmRing:
+class ShmRing(_Region):
     """A worker's output region (§5.5): outputs are written one after another, wrapping
     around; a client copies its outputs out before the ring comes round again.
 
@@ -251,13 +264,12 @@ class ShmRing:
     """
 
     def __init__(self, size: int, *, mode: int = 0o600, group: str | None = None) -> None:
-        self.name, self.path, self._fd, self._map, self.key = _create(size, mode, "out-", group)
-        self._pid = os.getpid()  # a forked child must not remove its parent's region
-        self._view = memoryview(self._map)
+        super().__init__(size, mode, "out-", group, keep_fd=True)
+        assert self._fd is not None
+        self._lock_fd = self._fd  # the locks are taken on this descriptor
         self.capacity = len(self._map) - HEADER_BYTES
         self.head = 0
         _RING.pack_into(self._map, _RING_AT, 0, self.capacity)
-        self.closed = False
 
     def place(
         self, sizes: Sequence[int], since: int | None = None
@@ -267,7 +279,7 @@ class ShmRing:
         output placed at stream position ``since`` or later: the first output of the
         batch being written, whose replies are not sent yet); None for all when a reader
         holds the header now."""
-        if not _try_lock(self._fd, fcntl.F_WRLCK, 0, HEADER_BYTES):
+        if not _try_lock(self._lock_fd, fcntl.F_WRLCK, 0, HEADER_BYTES):
             return None
         try:
             out: list[tuple[int, int] | None] = []
@@ -288,33 +300,18 @@ class ShmRing:
             _RING.pack_into(self._map, _RING_AT, self.head, self.capacity)
             return out
         finally:
-            _unlock(self._fd, 0, HEADER_BYTES)
+            _unlock(self._lock_fd, 0, HEADER_BYTES)
 
     def write(self, offset: int, data: memoryview) -> bool:
         """Copy ``data`` to a placed offset; False (nothing written) when a reader still
         holds those bytes: the output then goes in its frame."""
-        if not _try_lock(self._fd, fcntl.F_WRLCK, offset, len(data)):
+        if not _try_lock(self._lock_fd, fcntl.F_WRLCK, offset, len(data)):
             return False
         try:
             self._view[offset : offset + len(data)] = data
         finally:
-            _unlock(self._fd, offset, len(data))
+            _unlock(self._lock_fd, offset, len(data))
         return True
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._view.release()
-        self._map.close()
-        os.close(self._fd)
-        if os.getpid() == self._pid:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            self.close()
 
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: type, whence, start, len, pid
