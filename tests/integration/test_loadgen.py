@@ -133,7 +133,7 @@ def test_bench_command_through_shared_memory(fleet_factory: Any, tmp_path: Path)
     request answered, none with an error."""
     fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
     engine = {"synthetic": lambda: SyntheticEngine(item_shape=(32768,), max_batch=8)}
-    worker = fleet.add_worker(engine, warmup=False)
+    worker = fleet.add_worker(engine, warmup=False, shm_output_bytes=4 << 20)
     fleet.ready()
     code = main(
         [
@@ -152,7 +152,7 @@ def test_bench_command_through_shared_memory(fleet_factory: Any, tmp_path: Path)
             "0.1",
             "--no-progress",
             "--shared-memory-mib",
-            "8",
+            "4",
             "--json",
             str(tmp_path / "r.json"),
         ]

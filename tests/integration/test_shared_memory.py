@@ -21,6 +21,10 @@ from carpool.worker.models import locate
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
+#: Rings and regions are allocated in full: keep them small (a container's /dev/shm may
+#: be 64 MiB in all).
+RING = 4 << 20
+
 
 @pytest.fixture(scope="module")
 def reference() -> OnnxRuntimeEngine:
@@ -94,7 +98,9 @@ def test_an_unreadable_region_fails_only_its_request(
 @pytest.mark.timeout(60)
 def test_the_async_client_uses_shared_memory_too(fleet_factory: Any) -> None:
     fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
-    fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=4)})
+    fleet.add_worker(
+        {"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=4)}, shm_output_bytes=RING
+    )
     fleet.ready()
 
     async def main() -> tuple[np.ndarray, bool, str]:
@@ -123,7 +129,9 @@ def test_clients_share_memory_only_when_asked(fleet_factory: Any) -> None:
 @pytest.mark.timeout(60)
 def test_large_outputs_come_back_through_the_workers_ring(fleet_factory: Any) -> None:
     fleet = fleet_factory(max_batch=8, max_wait_s=0.002)
-    worker = fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=8)})
+    worker = fleet.add_worker(
+        {"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=8)}, shm_output_bytes=RING
+    )
     plain = fleet.ready()
     shared = fleet.client(shared_memory=8 << 20, shared_memory_outputs=True)
     inputs_only = fleet.client(shared_memory=8 << 20)  # outputs in frames: the default
@@ -139,3 +147,62 @@ def test_large_outputs_come_back_through_the_workers_ring(fleet_factory: Any) ->
     assert shared.core.reader is not None
     assert inputs_only.core.reader is None  # never got a reference to read
     assert os.path.exists(ring.path)  # removed when the worker closes (unit-tested)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_written_from_the_document_reads_the_ring(
+    fleet_factory: Any, context: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """§5.5 followed by hand (raw DEALER, msgpack, fcntl): ask for shared-memory outputs,
+    then open the ring, check its header and key, take the range lock and then the header
+    lock, check offset/seq/head, and copy. Nothing of carpool's client code is used."""
+    import fcntl
+    import struct
+
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
+    fleet.add_worker(
+        {"syn": lambda: SyntheticEngine(item_shape=(32768,), max_batch=4)}, shm_output_bytes=RING
+    )
+    fleet.ready()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(fleet.broker.frontend_endpoint)
+    x = np.linspace(-1, 1, 32768, dtype="<f4").reshape(1, 32768)
+    meta = {
+        "id": 9,
+        "model": "syn",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 32768]}],
+        "shm_outputs": True,
+    }
+    sock.send_multipart([b"CP\x01\x01", msgpack.packb(meta), x.tobytes()])
+    assert sock.poll(10_000)
+    frames = sock.recv_multipart()
+    assert frames[0] == b"CP\x01\x02"
+    reply = msgpack.unpackb(frames[1])
+    (out,) = reply["outputs"]
+    ref = out["shm"]
+    assert frames[2] == b""  # the output's frame is empty: its bytes are in the ring
+    nbytes = 4 * int(np.prod(out["shape"]))
+
+    def lock(fd: int, kind: int, start: int, length: int) -> None:
+        flock = struct.pack("hhqqi4x", kind, 0, start, length, 0)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, flock)
+
+    fd = os.open(f"/dev/shm/{ref['region']}", os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        head_bytes = os.pread(fd, 32, 0)
+        assert head_bytes[:16] == b"carpool-shm-v1\0\0"
+        assert head_bytes[16:32].hex() == ref["key"]
+        lock(fd, fcntl.F_RDLCK, ref["offset"], nbytes)
+        lock(fd, fcntl.F_RDLCK, 0, 64)
+        head, capacity = struct.unpack("<QQ", os.pread(fd, 16, 32))
+        lock(fd, fcntl.F_UNLCK, 0, 64)
+        assert ref["offset"] == 64 + ref["seq"] % capacity
+        assert ref["seq"] + nbytes <= head <= ref["seq"] + capacity
+        data = os.pread(fd, nbytes, ref["offset"])
+        lock(fd, fcntl.F_UNLCK, ref["offset"], nbytes)
+    finally:
+        os.close(fd)
+    y = np.frombuffer(data, "<f4").reshape(out["shape"])
+    np.testing.assert_array_equal(y, synthetic_output(x))
+    sock.close(linger=0)
