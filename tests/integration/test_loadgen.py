@@ -13,6 +13,7 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.server import BrokerServer
 from carpool.cli import main
 from carpool.client import Client
+from carpool.common.shm import available as shm_available
 from carpool.common.testing import ServerThread
 from carpool.loadgen import Sample, run, summarize, synthetic_inputs
 from carpool.sim.workload import Arrival, read_trace
@@ -127,7 +128,7 @@ def test_bench_command_writes_json_and_csv(fleet_factory: Any, tmp_path: Path, c
     assert out_csv.read_text().startswith("second,sent,goodput,p99_ms")
 
 
-@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+@pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
 def test_bench_command_through_shared_memory(fleet_factory: Any, tmp_path: Path) -> None:
     """`carpool bench --shared-memory-mib`: 128 KiB inputs and outputs by reference; every
     request answered, none with an error."""

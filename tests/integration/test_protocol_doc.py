@@ -11,6 +11,7 @@ No sleeps: every wait is a poll whose timeout is only an upper-bound guard.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -1264,7 +1265,9 @@ def test_worked_example_replays_byte_for_byte(
 # --------------------------------------------------------------------- §5.4 shared memory
 
 
-@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+@pytest.mark.skipif(
+    not (Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK)), reason="no usable /dev/shm"
+)
 def test_an_input_in_shared_memory_reaches_the_worker_as_a_reference(
     net: Net, start_broker: Callable[..., BrokerServer]
 ) -> None:

@@ -14,12 +14,12 @@ import zmq
 
 from carpool.client import AsyncClient, Client
 from carpool.common.errors import ErrorCode
-from carpool.common.shm import SHM_DIR
+from carpool.common.shm import available as shm_available
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.models import locate
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
 
 #: Rings and regions are allocated in full: keep them small (a container's /dev/shm may
 #: be 64 MiB in all).

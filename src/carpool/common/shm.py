@@ -64,6 +64,16 @@ HEADER_BYTES = ALIGN  # MAGIC + key, padded; tensors start after it
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 
 
+def available() -> bool:
+    """Whether this host can use shared-memory tensors: a writable /dev/shm and
+    open-file-description locks (Linux)."""
+    return (
+        os.path.isdir(SHM_DIR)
+        and os.access(SHM_DIR, os.W_OK | os.X_OK)
+        and hasattr(fcntl, "F_OFD_SETLK")
+    )
+
+
 class ShmError(Exception):
     """A reference that this worker cannot serve: ``unreachable`` when the region cannot
     be opened here (another host or container, permissions), else the reference is bad."""

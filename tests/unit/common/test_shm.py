@@ -16,16 +16,16 @@ from carpool.common.shm import (
     ALIGN,
     HEADER_BYTES,
     MAGIC,
-    SHM_DIR,
     RegionReader,
     ShmArena,
     ShmError,
     parse_ref,
 )
+from carpool.common.shm import available as shm_available
 
 KEY = "0123456789abcdef" * 2
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
 
 
 def data(n: int, seed: int = 0) -> memoryview:

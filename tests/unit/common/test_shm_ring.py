@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from carpool.common.shm import HEADER_BYTES, SHM_DIR, RegionReader, ShmError, ShmRing
+from carpool.common.shm import available as shm_available
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
 
 
 @pytest.fixture

@@ -15,13 +15,14 @@ from carpool.common import codec
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import BatchItem, BatchMeta, Command, TensorMeta, parse_header
-from carpool.common.shm import HEADER_BYTES, SHM_DIR, RegionReader, ShmArena
+from carpool.common.shm import HEADER_BYTES, RegionReader, ShmArena
+from carpool.common.shm import available as shm_available
 from carpool.worker.core import RunBatch
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.server import _run_job
 from carpool.worker.tensors import ItemError, stack
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
 
 INPUTS = (TensorMeta("x", "float32", (-1, 3)),)
 
