@@ -1,18 +1,23 @@
-"""shm.py: shared-memory inputs for clients and workers on one host (protocol §5.4).
+"""shm.py: shared-memory tensors for clients and workers on one host (protocol §5.4, §5.5).
 
 A client that shares ``/dev/shm`` with the workers can put a large input tensor into a
-region of its own and send only a reference (region name and offset) through the broker;
-the worker reads the bytes straight from the region into its batch buffer. The payload
-then never crosses a socket: neither the broker's process nor the kernel's socket buffers
-see it. This is the same idea as Triton's system shared memory, without a registration
-step: a region is a file in ``/dev/shm`` whose name starts with ``carpool-``.
+region of its own and send only a reference (region, offset, key) through the broker; the
+worker reads the bytes straight from the region into its batch buffer. Large outputs can
+come back the same way, through a ring the worker owns. The payload then never crosses a
+socket: neither the broker's process nor the kernel's socket buffers see it. This is the
+idea of Triton's system shared memory, without a registration step: a region is a file
+in ``/dev/shm`` whose name starts with ``carpool-``.
 
 - :class:`ShmArena` (client side) creates one region, places tensors in it and frees
   them when the request is answered. It never shrinks or truncates its region.
-- :class:`RegionReader` (worker side) reads with ``preadv`` from file descriptors it
-  keeps open, never through a mapping: a region that is shorter than a reference claims
-  gives a short read (an error for that one request), not a SIGBUS that would kill the
-  worker.
+- :class:`ShmRing` (worker side) is the output ring; byte-range locks keep its writer and
+  its readers apart, and the writer never waits.
+- :class:`RegionReader` reads with ``preadv`` from file descriptors it keeps open, never
+  through a mapping: a region that is shorter than a reference claims gives a short read
+  (an error for that one request), not a SIGBUS. Workers use it for inputs, clients for
+  outputs (:meth:`RegionReader.read_output`).
+- Regions are allocated in full when made (``posix_fallocate``), so that the process
+  that writes through its mapping cannot meet a full tmpfs later.
 
 Trust: a worker reads only files named ``/dev/shm/carpool-*`` that it may open (file
 permissions decide; the arena creates its region ``0600`` unless told otherwise), never
