@@ -7,6 +7,7 @@ TOML file (``--config``), then ``CARPOOL_*`` environment variables, then flags.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -69,10 +70,58 @@ def _broker(args: argparse.Namespace) -> int:
         batching = dataclasses.replace(config.batching, **overrides)
         config = dataclasses.replace(config, batching=batching)
     tune_allocator()  # large tensor frames reuse heap memory (carpool.common.memory)
-    with BrokerServer(config, record=getattr(args, "record", None)) as server:
+    with contextlib.ExitStack() as stack:
+        embedded = [stack.enter_context(w) for w in _embedded_workers(args)]
+        server = stack.enter_context(
+            BrokerServer(config, record=getattr(args, "record", None), embedded=embedded)
+        )
         _stop_on_signals(server.stop)
         server.serve()
     return 0
+
+
+def _embedded_workers(args: argparse.Namespace) -> list[Any]:
+    """The worker to run inside the broker's process (``--embed-*``), if any."""
+    from carpool.worker.config import ModelConfig, WorkerConfig
+    from carpool.worker.server import WorkerServer
+
+    config = WorkerConfig(name="embedded")
+    models: list[ModelConfig] = []
+    if getattr(args, "embed_config", None):
+        config = from_mapping(WorkerConfig, load_toml(args.embed_config))
+        models += config.models
+    max_batch = getattr(args, "embed_max_batch", None)
+    for name in getattr(args, "embed_model", None) or ():
+        models.append(ModelConfig(name=name, max_batch=max_batch or 8))
+    synthetic = getattr(args, "embed_synthetic", None)
+    if synthetic:
+        fixed_ms, per_sample_ms = synthetic
+        models.append(
+            ModelConfig(
+                name="synthetic",
+                engine="synthetic",
+                max_batch=max_batch or 32,
+                fixed_cost_s=fixed_ms / 1000,
+                per_sample_s=per_sample_ms / 1000,
+            )
+        )
+    if not models:
+        return []
+    config = dataclasses.replace(config, models=tuple(models))  # checks unique names
+    return [
+        WorkerServer(
+            "embedded",
+            {m.name: m.factory() for m in config.models},
+            name=config.name,
+            slots=config.slots,
+            heartbeat_s=config.heartbeat_s,
+            liveness=config.liveness,
+            shm_output_bytes=config.shm_output_mib << 20,
+            shm_output_mode=config.shm_output_mode,
+            shm_output_group=config.shm_output_group or None,
+            embedded=True,
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- worker
@@ -169,6 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("broker", help="run a broker")
     _broker_args(b)
     b.add_argument("--record", help="append every admitted arrival to this JSON-lines trace")
+    e = b.add_argument_group(
+        "embedded worker",
+        "a worker inside the broker's process: no hops between them, short batches run on "
+        "the broker's thread; an engine failure can take the broker down with it",
+    )
+    e.add_argument("--embed-model", action="append", help="catalogue model (repeatable)")
+    e.add_argument(
+        "--embed-synthetic",
+        nargs=2,
+        type=float,
+        metavar=("FIXED_MS", "PER_SAMPLE_MS"),
+        help="a synthetic engine (model 'synthetic') costing FIXED_MS + PER_SAMPLE_MS * B",
+    )
+    e.add_argument("--embed-max-batch", type=int, help="largest batch of --embed-* models")
+    e.add_argument("--embed-config", help="worker TOML file (its models, slots, shm settings)")
     b.set_defaults(func=_broker)
 
     rec = sub.add_parser(

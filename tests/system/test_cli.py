@@ -118,3 +118,26 @@ def test_broker_and_worker_processes_serve_and_stop(tmp_path: Path, spawn: Spawn
     assert worker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
     broker.terminate()
     assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
+
+
+def test_a_broker_with_an_embedded_worker(tmp_path: Path, spawn: Spawn) -> None:
+    frontend = f"ipc://{tmp_path}/frontend"
+    broker = spawn(
+        "broker", "--frontend", frontend, "--backend", f"ipc://{tmp_path}/backend",
+        "--embed-synthetic", "0", "0",
+    )  # fmt: skip
+    with Client(frontend, default_timeout_s=5.0) as client:
+        clock = MonotonicClock()
+        until = clock.now() + 60.0
+        while True:
+            assert broker.poll() is None, _logs(tmp_path)
+            assert clock.now() < until, "no embedded worker\n" + _logs(tmp_path)
+            try:
+                if [w["name"] for w in client.stats(timeout_s=1.0)["workers"]] == ["embedded"]:
+                    break
+            except TimeoutError:
+                continue
+        x = np.arange(16, dtype=np.float32).reshape(1, 16)
+        np.testing.assert_array_equal(client.infer("synthetic", {"x": x})["y"], synthetic_output(x))
+    broker.terminate()
+    assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)

@@ -12,7 +12,10 @@ import errno
 import json
 import logging
 import math
+from collections import deque
+from collections.abc import Sequence
 from types import TracebackType
+from typing import Any, Protocol
 
 import zmq
 
@@ -26,6 +29,23 @@ logger = logging.getLogger(__name__)
 
 #: Messages taken from one socket before the loop looks at the other and at the clock.
 BURST = 256
+
+
+class EmbeddedWorker(Protocol):
+    """A worker in the broker's own process (``carpool.worker.server.WorkerServer`` made
+    with ``embedded=True``): messages pass as lists of frames, not through sockets, and a
+    short batch runs on the broker's thread."""
+
+    @property
+    def results_socket(self) -> zmq.Socket[bytes]: ...
+
+    def deliver(self, frames: list[Any]) -> list[list[Any]]: ...
+
+    def service(self, results_ready: bool) -> list[list[Any]]: ...
+
+    def take_outbox(self) -> list[list[Any]]: ...
+
+    def next_wakeup(self, now: float) -> float | None: ...
 
 
 class BrokerServer:
@@ -44,6 +64,7 @@ class BrokerServer:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Clock | None = None,
         record: str | None = None,
+        embedded: Sequence[EmbeddedWorker] = (),
     ) -> None:
         self.config = config or BrokerConfig()
         self.core = BrokerCore(self.config, defer_pumps=True)
@@ -62,6 +83,15 @@ class BrokerServer:
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.backend, zmq.POLLIN)
         self.poller.register(self._wake.fd, zmq.POLLIN)
+        # Embedded workers, by the routing id the core knows them by: zmq never gives a
+        # peer an id that starts with a zero byte and is this long.
+        self._embedded = {b"\x00embedded-%d" % i: w for i, w in enumerate(embedded)}
+        self._local: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
+        self._delivering = False
+        for wid, worker in self._embedded.items():
+            self.poller.register(worker.results_socket, zmq.POLLIN)
+            for frames in worker.take_outbox():  # READY
+                self._send(self.core.on_worker(self.clock.now(), wid, frames))
         self._stopping = False
         self._closed = False
         logger.info(
@@ -98,6 +128,10 @@ class BrokerServer:
         handle what arrived and what fell due. Returns the number of messages handled."""
         now = self.clock.now()
         wake = self.core.next_wakeup(now)
+        for worker in self._embedded.values():
+            due = worker.next_wakeup(now)
+            if due is not None and (wake is None or due < wake):
+                wake = due
         wait_s = None if wake is None else wake - now
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
@@ -110,6 +144,9 @@ class BrokerServer:
             handled += self._drain(self.backend, Side.BACKEND)
         if self._wake.fd in events:
             self._wake.clear()
+        for wid, worker in self._embedded.items():
+            for frames in worker.service(worker.results_socket in events):
+                self._send(self.core.on_worker(self.clock.now(), wid, frames))
         self._send(self.core.on_tick(self.clock.now()))
         if self._trace is not None and self.core.recording:
             self._write_trace()
@@ -149,6 +186,9 @@ class BrokerServer:
 
     def _send(self, messages: list[Outgoing]) -> None:
         for msg in messages:
+            if msg.side is Side.BACKEND and msg.identity in self._embedded:
+                self._local.append((msg.identity, list(msg.frames)))
+                continue
             sock = self.frontend if msg.side is Side.FRONTEND else self.backend
             try:
                 send_frames(sock, [msg.identity, *msg.frames], NOBLOCK)
@@ -162,6 +202,22 @@ class BrokerServer:
                     raise
                 logger.info("peer=%s on %s is gone", msg.identity.hex(), msg.side.value)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
+        if self._local:
+            self._deliver_local()
+
+    def _deliver_local(self) -> None:
+        """Messages for embedded workers, in order, one at a time: what they answer may
+        send more (to sockets, or back here), without recursing."""
+        if self._delivering:
+            return
+        self._delivering = True
+        try:
+            while self._local:
+                wid, frames = self._local.popleft()
+                for reply in self._embedded[wid].deliver(frames):
+                    self._send(self.core.on_worker(self.clock.now(), wid, reply))
+        finally:
+            self._delivering = False
 
     def serve(self) -> None:
         """Loop until :meth:`stop` is called (from any thread or a signal handler)."""

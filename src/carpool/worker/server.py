@@ -70,6 +70,7 @@ class WorkerServer:
         shm_output_bytes: int = 64 << 20,
         shm_output_mode: int = 0o600,
         shm_output_group: str | None = None,
+        embedded: bool = False,
     ) -> None:
         if not models:
             raise ConfigError("a worker needs at least one model")
@@ -111,11 +112,21 @@ class WorkerServer:
         self._wake = WakePipe()  # stop() wakes a blocked poll
         self._stopping = False
         self._closed = False
-        self.dealer = self._connect()
+        # Embedded in a broker's process (carpool.broker.server.BrokerServer(embedded=)):
+        # no socket to the broker; messages to it wait here for the broker's loop.
+        self._outbox: list[list[Any]] | None = [] if embedded else None
+        self._last_join_s = 0.0
+        self._rejoin_at: float | None = None  # embedded: when to say READY again
+        self.dealer: zmq.Socket[bytes] | None = self._connect()
 
     # ------------------------------------------------------------------ sockets
 
-    def _connect(self) -> zmq.Socket[bytes]:
+    def _connect(self) -> zmq.Socket[bytes] | None:
+        if self._outbox is not None:  # embedded: say READY to the broker's core directly
+            self._last_join_s = self.clock.now()
+            self._rejoin_at = None
+            self._to_broker(self.core.on_connect(self._last_join_s))
+            return None
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 1000)
@@ -125,12 +136,26 @@ class WorkerServer:
         self.poller.register(dealer, zmq.POLLIN)
         self.poller.register(self._results, zmq.POLLIN)
         self.poller.register(self._wake.fd, zmq.POLLIN)
-        self._send(dealer, self.core.on_connect(self.clock.now()))
+        self.dealer = dealer
+        self._to_broker(self.core.on_connect(self.clock.now()))
         logger.info("worker %s connected to %s", self.core.name, self.broker)
         return dealer
 
     def _reconnect(self, reason: str) -> None:
+        if self._outbox is not None:
+            # Embedded: the broker's core refused us (DISCONNECT) or went silent. Say
+            # READY again from service(), at most once a second: not in a loop with it.
+            logger.warning("embedded worker %s registering again: %s", self.core.name, reason)
+            self._drop_queued()
+            self._rejoin_at = self._last_join_s + 1.0
+            return
         logger.warning("worker %s reconnecting: %s", self.core.name, reason)
+        self._drop_queued()
+        if self.dealer is not None:
+            self.dealer.close(linger=0)
+        self.dealer = self._connect()
+
+    def _drop_queued(self) -> None:
         # Batches of the old connection not started yet would only delay the new ones: the
         # broker has requeued them (their results would be dropped anyway).
         dropped = 0
@@ -139,12 +164,14 @@ class WorkerServer:
                 self._jobs.get_nowait()
                 dropped += 1
         self.core.on_batches_dropped(dropped)
-        self.dealer.close(linger=0)
-        self.dealer = self._connect()
 
-    def _send(self, sock: zmq.Socket[bytes], frames: list[Any]) -> bool:
+    def _to_broker(self, frames: list[Any]) -> bool:
+        if self._outbox is not None:
+            self._outbox.append(frames)
+            return True
+        assert self.dealer is not None
         try:
-            send_frames(sock, frames, NOBLOCK)
+            send_frames(self.dealer, frames, NOBLOCK)
         except zmq.Again:
             # The broker is not taking messages; liveness will notice and reconnect.
             logger.warning("worker %s: broker not reading, message dropped", self.core.name)
@@ -174,7 +201,7 @@ class WorkerServer:
         if messages:  # heartbeats: about once a second
             self._shm.sweep()
         for frames in messages:
-            self._send(self.dealer, frames)
+            self._to_broker(frames)
         if reconnect is not None:
             self._reconnect(reconnect.reason)
         return handled
@@ -182,27 +209,77 @@ class WorkerServer:
     def _drain_broker(self) -> int:
         n = 0
         dealer = self.dealer
+        assert dealer is not None
         while True:
             try:
                 frames = recv_frames(dealer, NOBLOCK)
             except zmq.Again:
                 return n
             n += 1
-            action = self.core.on_broker(self.clock.now(), frames)
-            if isinstance(action, RunBatch):
-                inline = self._runs_inline(action)
-                self.core.on_batch_queued(self.clock.now())
-                if inline:
-                    header, out = _run_job(self._engines, action, self.clock, self._shm, self._ring)
-                    if not self._finish_job(header, out):
-                        return n
-                else:
-                    self._jobs.put(action)
-            elif isinstance(action, Answer):
-                self._send(dealer, action.frames)
-            elif isinstance(action, Reconnect):
-                self._reconnect(action.reason)
+            if not self._on_broker(frames):
                 return n
+
+    def _on_broker(self, frames: list[Any]) -> bool:
+        """One message from the broker; False when the connection was started over."""
+        action = self.core.on_broker(self.clock.now(), frames)
+        if isinstance(action, RunBatch):
+            inline = self._runs_inline(action)
+            self.core.on_batch_queued(self.clock.now())
+            if inline:
+                header, out = _run_job(self._engines, action, self.clock, self._shm, self._ring)
+                return self._finish_job(header, out)
+            self._jobs.put(action)
+        elif isinstance(action, Answer):
+            self._to_broker(action.frames)
+        elif isinstance(action, Reconnect):
+            self._reconnect(action.reason)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ embedded
+
+    def deliver(self, frames: list[Any]) -> list[list[Any]]:
+        """Embedded: a message from the broker's core; returns the messages for it (a
+        short batch runs right here, on the broker's thread, and its RESULT comes back)."""
+        assert self._outbox is not None, "not an embedded worker"
+        self._on_broker(frames)
+        return self.take_outbox()
+
+    def service(self, results_ready: bool) -> list[list[Any]]:
+        """Embedded, once per broker loop turn: finished batches of the inference thread
+        (when its socket is readable) and heartbeats due; returns the messages for the
+        broker's core."""
+        assert self._outbox is not None, "not an embedded worker"
+        if self._rejoin_at is not None:
+            if self.clock.now() < self._rejoin_at:
+                return self.take_outbox()
+            self._connect()
+        if results_ready:
+            self._drain_results()
+        messages, reconnect = self.core.on_tick(self.clock.now())
+        if messages:
+            self._shm.sweep()
+        for frames in messages:
+            self._to_broker(frames)
+        if reconnect is not None:
+            self._reconnect(reconnect.reason)
+        return self.take_outbox()
+
+    def next_wakeup(self, now: float) -> float | None:
+        """Embedded: when :meth:`service` is next due (a heartbeat, or READY again)."""
+        if self._rejoin_at is not None:
+            return self._rejoin_at
+        return self.core.next_wakeup(now)
+
+    def take_outbox(self) -> list[list[Any]]:
+        out, self._outbox = self._outbox or [], []
+        return out
+
+    @property
+    def results_socket(self) -> zmq.Socket[bytes]:
+        """Readable when the inference thread has finished a batch (embedded: the broker
+        polls it)."""
+        return self._results
 
     def _runs_inline(self, job: RunBatch) -> bool:
         """Run a batch on this thread when that is safe and cheaper than the hand-off: the
@@ -255,7 +332,7 @@ class WorkerServer:
                 info["counts"],
                 frames,
             )
-        if msg is not None and not self._send(self.dealer, msg):
+        if msg is not None and not self._to_broker(msg):
             # A lost RESULT would hold its credit at the broker for good while heartbeats
             # still arrive: start over, so the broker requeues what this worker held.
             self._reconnect("a result could not be sent")
@@ -307,14 +384,15 @@ class WorkerServer:
         if self._closed:
             return
         self._closed = True
-        self._send(self.dealer, self.core.on_stop())
+        self._to_broker(self.core.on_stop())
         # Batches not started yet are dropped: the broker requeues them on DISCONNECT.
         with contextlib.suppress(queue.Empty):
             while True:
                 self._jobs.get_nowait()
         self._jobs.put(None)
         self._thread.join(timeout=30)
-        self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
+        if self.dealer is not None:
+            self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
         self._results.close(linger=0)
         self._wake.close()
         if not self._thread.is_alive():  # else a batch may still use them: leave to exit
