@@ -12,6 +12,8 @@ process sends requests one at a time (the next only after the reply) with 64-byt
 * in-process engine: ``SyntheticEngine().run({"x": x})`` called directly (no sockets);
 * echo (raw DEALER): the request frames on a bare DEALER to the echo server;
 * fleet (raw DEALER): the same frames, encoded once, to the broker (no SDK cost);
+* embedded (raw DEALER / Client): the same against a second broker that runs its
+  null-engine worker inside its own process (``carpool broker --embed-synthetic 0 0``);
 * fleet (Client): ``carpool.client.Client.submit`` then ``poll`` until the reply, one
   request at a time, as ``Client.infer`` does (encode, send, wait, decode).
 
@@ -60,7 +62,14 @@ from carpool.worker.engines.synthetic import SyntheticEngine
 
 TARGET = 3.0
 MODEL = "synthetic"
-CONFIGS = ("in-process engine", "echo (raw DEALER)", "fleet (raw DEALER)", "fleet (Client)")
+CONFIGS = (
+    "in-process engine",
+    "echo (raw DEALER)",
+    "fleet (raw DEALER)",
+    "fleet (Client)",
+    "embedded (raw DEALER)",
+    "embedded (Client)",
+)
 
 
 def in_process(engine: SyntheticEngine, x: Any, n: int, max_s: float) -> list[float]:
@@ -92,10 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         frontend, backend, echo_ep = (group.endpoint(n) for n in ("front", "back", "echo"))
         group.broker(frontend, backend)
         group.worker(backend, "--synthetic", "0", "0")
+        emb_front, emb_back = group.endpoint("emb-front"), group.endpoint("emb-back")
+        group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0")
+        wait_workers(emb_front, 1, group)
         group.echo(echo_ep)
         wait_workers(frontend, 1, group)
         wait_echo(echo_ep, group)
-        with Client(frontend) as client:
+        with Client(frontend) as client, Client(emb_front) as emb_client:
+            y = emb_client.infer(MODEL, {"x": x})["y"]
+            assert np.allclose(y, 2 * x + 1), "the embedded fleet gave a wrong answer"
+            emb_raw = dealer(emb_front)
+            emb_loop = FleetLoop(emb_client, MODEL, {"x": x}, 1, latencies=True)
             y = client.infer(MODEL, {"x": x})["y"]
             assert np.allclose(y, 2 * x + 1), "the fleet gave a wrong answer"
             fleet_raw = dealer(frontend)
@@ -119,6 +135,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ).latencies_s
                     ),
                     "fleet (Client)": lambda k: loop.run(k, max_s).latencies_s,
+                    "embedded (raw DEALER)": lambda k: (
+                        raw_loop(
+                            emb_raw,
+                            frames,
+                            1,
+                            k,
+                            max_s,
+                            expect_command=Command.REPLY,
+                            latencies=True,
+                        ).latencies_s
+                    ),
+                    "embedded (Client)": lambda k: emb_loop.run(k, max_s).latencies_s,
                 }
                 for rnd in range(reps + 1):  # round 0 is the warm-up
                     for config in CONFIGS:
@@ -129,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"round {rnd}/{reps} done")
             finally:
                 fleet_raw.close()
+                emb_raw.close()
                 echo_raw.close()
 
     summary: dict[str, Any] = {}
@@ -164,7 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(["configuration", "p50 us", "p99 us", "mean us", "p50 x echo", "p99 x echo"], rows))
     ratio = summary["fleet (Client)"]["p50_x_echo"]
     ok = ratio <= TARGET
-    print(f"target fleet (Client) p50 <= {TARGET:g} x echo p50: {ratio:.2f} {verdict(ok)}")
+    emb = summary["embedded (Client)"]["p50_x_echo"]
+    print(
+        f"target fleet (Client) p50 <= {TARGET:g} x echo p50: {ratio:.2f} {verdict(ok)}; "
+        f"with the worker embedded in the broker: {emb:.2f} {verdict(emb <= TARGET)}"
+    )
     write_json(
         "added_latency",
         {
@@ -175,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "requests_per_round": n,
             "target": f"fleet (Client) p50 <= {TARGET:g} x echo p50",
             "pass": ok,
+            "pass_embedded": emb <= TARGET,
             "results": summary,
         },
     )

@@ -13,7 +13,10 @@ as a reply comes back, 64-byte float32 [1, 16] payloads.
 * fleet (Client): ``carpool.client.Client.submit`` / ``poll`` against the broker;
 * fleet (raw DEALER): the same request frames, encoded once, sent on a bare DEALER (no
   SDK cost per request), to show how much of the rate the client library takes;
-* echo (raw DEALER): the same frames on a bare DEALER against the echo server.
+* echo (raw DEALER): the same frames on a bare DEALER against the echo server;
+* embedded (Client / raw DEALER): the same against a second broker that runs its
+  null-engine worker inside its own process (``carpool broker --embed-synthetic 0 0``):
+  no worker process, no hops between broker and worker.
 
 Each configuration runs for a fixed time (bounded in requests too) after a warm-up; the
 configurations alternate and the whole round is repeated (5 times; 2 with --quick); the
@@ -64,7 +67,13 @@ from carpool.common.protocol import Command
 
 TARGET = 0.5
 IN_FLIGHT = (8, 64)
-CONFIGS = ("echo (raw DEALER)", "fleet (raw DEALER)", "fleet (Client)")
+CONFIGS = (
+    "echo (raw DEALER)",
+    "fleet (raw DEALER)",
+    "fleet (Client)",
+    "embedded (raw DEALER)",
+    "embedded (Client)",
+)
 MODEL = "synthetic"
 
 
@@ -109,7 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         broker = group.broker(frontend, backend)
         worker = group.worker(backend, "--synthetic", "0", "0")
         echo = group.echo(echo_ep)
+        emb_front, emb_back = group.endpoint("emb-front"), group.endpoint("emb-back")
+        embedded = group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0")
         wait_workers(frontend, 1, group)
+        wait_workers(emb_front, 1, group)
         wait_echo(echo_ep, group)
         me = CpuMeter()
         fleet_meters = {
@@ -118,29 +130,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             "worker_cpu": CpuMeter(worker.pid),
         }
         echo_meters = {"client_cpu": me, "server_cpu": CpuMeter(echo.pid)}
-        with Client(frontend) as client:
-            y = client.infer(MODEL, {"x": x})["y"]
-            assert np.allclose(y, 2 * x + 1), "the fleet gave a wrong answer"
+        embedded_meters = {"client_cpu": me, "broker_cpu": CpuMeter(embedded.pid)}
+        with Client(frontend) as client, Client(emb_front) as emb_client:
+            for c in (client, emb_client):
+                y = c.infer(MODEL, {"x": x})["y"]
+                assert np.allclose(y, 2 * x + 1), "the fleet gave a wrong answer"
             fleet_raw = dealer(frontend)
+            emb_raw = dealer(emb_front)
             echo_raw = dealer(echo_ep)
             try:
                 runs: dict[str, Run] = {}
 
-                def client_run(k: int, n: int, s: float) -> LoopResult:
-                    loop = FleetLoop(client, MODEL, {"x": x}, k)
-                    result = loop.run(n, s)
-                    loop.drain()
-                    return result
+                def client_run(c: Client) -> Run:
+                    def run(k: int, n: int, s: float) -> LoopResult:
+                        loop = FleetLoop(c, MODEL, {"x": x}, k)
+                        result = loop.run(n, s)
+                        loop.drain()
+                        return result
 
-                runs["fleet (Client)"] = client_run
+                    return run
+
+                runs["fleet (Client)"] = client_run(client)
+                runs["embedded (Client)"] = client_run(emb_client)
                 runs["fleet (raw DEALER)"] = lambda k, n, s: raw_loop(
                     fleet_raw, frames, k, n, s, expect_command=Command.REPLY
+                )
+                runs["embedded (raw DEALER)"] = lambda k, n, s: raw_loop(
+                    emb_raw, frames, k, n, s, expect_command=Command.REPLY
                 )
                 runs["echo (raw DEALER)"] = lambda k, n, s: raw_loop(echo_raw, frames, k, n, s)
                 for rnd in range(reps + 1):  # round 0 is the warm-up
                     for k in IN_FLIGHT:
                         for config in CONFIGS:
-                            meters = echo_meters if config.startswith("echo") else fleet_meters
+                            meters = (
+                                echo_meters
+                                if config.startswith("echo")
+                                else embedded_meters
+                                if config.startswith("embedded")
+                                else fleet_meters
+                            )
                             m = measure(
                                 runs[config], k, meters, warmup_s if rnd == 0 else duration_s
                             )
@@ -150,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"round {rnd}/{reps} done")
             finally:
                 fleet_raw.close()
+                emb_raw.close()
                 echo_raw.close()
 
     rows = []
@@ -174,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{min(rates):,.0f}..{max(rates):,.0f}",
                     f"{median(ratios):.3f}",
                     share(ss, "client_cpu"),
-                    share(ss, "broker_cpu" if config.startswith("fleet") else "server_cpu"),
+                    share(ss, "server_cpu" if config.startswith("echo") else "broker_cpu"),
                     share(ss, "worker_cpu"),
                 ]
             )
@@ -200,8 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = {k: summary[f"fleet (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in IN_FLIGHT}
     for k, ok in checks.items():
         ratio = summary[f"fleet (Client) @ {k}"]["ratio_to_echo"]
+        emb = summary[f"embedded (Client) @ {k}"]["ratio_to_echo"]
         print(
             f"target fleet (Client) >= {TARGET} x echo at {k} in flight: {ratio:.3f} {verdict(ok)}"
+            f"; with the worker embedded in the broker: {emb:.3f} {verdict(emb >= TARGET)}"
         )
     write_json(
         "broker_ceiling",
@@ -214,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "payload": "float32 [1, 16] (64 bytes)",
             "target": f"fleet (Client) >= {TARGET} x echo",
             "pass": all(checks.values()),
+            "pass_embedded": all(
+                summary[f"embedded (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in IN_FLIGHT
+            ),
             "results": summary,
         },
     )
@@ -226,14 +260,16 @@ def plot(summary: dict[str, Any], reps: int) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.25
+    width = 0.16
     xs = np.arange(len(IN_FLIGHT))
+    mid = (len(CONFIGS) - 1) / 2
     for i, config in enumerate(CONFIGS):
         rates = [summary[f"{config} @ {k}"]["median_rate"] for k in IN_FLIGHT]
-        ax.bar(xs + (i - 1) * width, rates, width, label=config)
+        ax.bar(xs + (i - mid) * width, rates, width, label=config)
     for j, k in enumerate(IN_FLIGHT):
         echo = summary[f"echo (raw DEALER) @ {k}"]["median_rate"]
-        ax.hlines(TARGET * echo, j - 1.5 * width, j + 1.5 * width, colors="k", linestyles=":")
+        half = (mid + 0.5) * width
+        ax.hlines(TARGET * echo, j - half, j + half, colors="k", linestyles=":")
     ax.set_xticks(xs, [f"{k} in flight" for k in IN_FLIGHT])
     ax.set_ylabel("requests / s (median)")
     ax.set_title(f"broker ceiling vs plain echo (dotted: target {TARGET} x echo), {reps} rounds")
