@@ -88,8 +88,10 @@ def _embedded_workers(args: argparse.Namespace) -> list[Any]:
     config = WorkerConfig(name="embedded")
     models: list[ModelConfig] = []
     if getattr(args, "embed_config", None):
-        config = from_mapping(WorkerConfig, load_toml(args.embed_config))
-        models += config.models
+        data = load_toml(args.embed_config)
+        config = from_mapping(WorkerConfig, {"name": "embedded", **data})
+        if "models" in data:  # else WorkerConfig's default model is not wanted here
+            models += config.models
     max_batch = getattr(args, "embed_max_batch", None)
     for name in getattr(args, "embed_model", None) or ():
         models.append(ModelConfig(name=name, max_batch=max_batch or 8))

@@ -4,14 +4,17 @@ embedded=True)])): real client sockets, no sockets between broker and worker."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from carpool.broker.server import BrokerServer
 from carpool.client import Client, InvalidArgument
+from carpool.common.protocol import Command, encode
 from carpool.common.testing import ServerThread
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.server import WorkerServer
@@ -127,3 +130,142 @@ def test_a_refused_embedded_worker_asks_again_slowly(embedded_fleet: Any) -> Non
         assert [w["name"] for w in client.stats()["workers"]] == ["e0"]
         x = np.ones((1, 4), np.float32)
         np.testing.assert_array_equal(client.infer("m", {"x": x})["y"], synthetic_output(x))
+
+
+# ---------------------------------------------------------------- from the review
+
+
+def test_a_backend_peer_cannot_speak_for_the_embedded_worker() -> None:
+    """zmq lets a peer choose the routing id b"\\x00embedded-0"; the broker then takes its
+    messages (here DISCONNECT) as the embedded worker's."""
+    with contextlib.ExitStack() as stack:
+        w = stack.enter_context(
+            WorkerServer(
+                "embedded",
+                {"syn": lambda: SyntheticEngine(item_shape=(4,))},
+                name="e0",
+                embedded=True,
+            )
+        )
+        broker = stack.enter_context(ServerThread(BrokerServer(loopback_config(), embedded=[w])))
+        ctx = zmq.Context.instance()
+        spoof = ctx.socket(zmq.DEALER)
+        stack.callback(spoof.close, 0)
+        spoof.setsockopt(zmq.ROUTING_ID, b"\x00embedded-0")
+        spoof.connect(broker.backend_endpoint)
+        with Client(broker.frontend_endpoint) as client:
+            wait_for_workers(client, 1)
+            spoof.send_multipart(encode(Command.DISCONNECT, {"reason": "spoofed"}))
+            client.poll(0.3)
+            names = [x["name"] for x in client.stats()["workers"]]
+            assert names == ["e0"], names
+
+
+def test_a_large_batch_of_a_fast_model_does_not_run_on_the_broker_thread() -> None:
+    """The inline rule predicts a batch's time from its size: after batches of one at
+    1.5 ms, a batch of 32 (48 ms) goes to the inference thread, not the broker's."""
+    engine = {"syn": lambda: SyntheticEngine(item_shape=(4,), per_sample_s=0.0015, max_batch=32)}
+    with contextlib.ExitStack() as stack:
+        w = stack.enter_context(WorkerServer("embedded", engine, name="e0", embedded=True))
+        config = loopback_config(max_batch=32, max_wait_s=0.05)
+        broker = stack.enter_context(BrokerServer(config, embedded=[w]))
+        client = stack.enter_context(Client(broker.frontend_endpoint))
+        x = np.ones((1, 4), np.float32)
+        for _ in range(4):  # batches of one: 1.5 ms each
+            f = client.submit("syn", {"x": x}, timeout_s=10)
+            until = time.monotonic() + 5
+            while not f.done() and time.monotonic() < until:
+                broker.step(0.01)
+                client.poll(0)
+        futures = [client.submit("syn", {"x": x}, timeout_s=30) for _ in range(32)]
+        client.poll(0.1)  # (no reply can come: the broker is not running) all 32 arrive
+        longest = 0.0
+        until = time.monotonic() + 10
+        while not all(f.done() for f in futures) and time.monotonic() < until:
+            t0 = time.monotonic()
+            broker.step(0.01)
+            longest = max(longest, time.monotonic() - t0)
+            client.poll(0)
+        assert all(f.done() for f in futures)
+        assert longest < 0.02, f"the broker's thread ran a batch for {longest * 1000:.0f} ms"
+
+
+def _syn_job(worker: WorkerServer) -> Any:
+    from carpool.common.protocol import BatchItem, BatchMeta, TensorMeta
+    from carpool.worker.core import RunBatch
+
+    meta = BatchMeta(1, "syn", (TensorMeta("x", "float32", (-1, 4)),), (BatchItem(1, 1, False, 0),))
+    return RunBatch(worker.core.epoch, meta, [b""])
+
+
+def test_embed_config_without_models_serves_only_the_flag_models(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """`--embed-config w.toml` (slots only) with `--embed-synthetic`: WorkerConfig's default
+    model (the catalogue 'orientation') is added too."""
+    import carpool.worker.server as ws
+    from carpool import cli
+
+    made: list[list[str]] = []
+
+    class Fake:
+        def __init__(self, broker: str, models: dict[str, Any], **kw: Any) -> None:
+            made.append(list(models))
+
+    monkeypatch.setattr(ws, "WorkerServer", Fake)
+    toml = tmp_path / "w.toml"
+    toml.write_text("slots = 4\n")
+    args = cli.build_parser().parse_args(
+        ["broker", "--embed-config", str(toml), "--embed-synthetic", "0", "0"]
+    )
+    cli._embedded_workers(args)
+    assert made == [["synthetic"]]
+
+
+def test_the_broker_does_not_spin_while_an_embedded_worker_waits_to_rejoin() -> None:
+    """After a DISCONNECT the embedded worker waits up to 1 s to say READY again; a batch
+    that finishes on its inference thread meanwhile is drained (and dropped), so its
+    readable results socket does not make every broker turn return at once. The request
+    is answered once, after the requeue."""
+    import threading
+
+    from carpool.broker.core import Outgoing, Side
+
+    started, release = threading.Event(), threading.Event()
+
+    class Gate(SyntheticEngine):
+        def run(self, inputs: Any) -> dict[str, Any]:
+            started.set()
+            release.wait(10)
+            return super().run(inputs)
+
+    with contextlib.ExitStack() as stack:
+        w = stack.enter_context(
+            WorkerServer(
+                "embedded", {"syn": lambda: Gate(item_shape=(4,))}, embedded=True, warmup=False
+            )
+        )
+        broker = stack.enter_context(BrokerServer(loopback_config(max_wait_s=0.0), embedded=[w]))
+        client = stack.enter_context(Client(broker.frontend_endpoint))
+        f = client.submit("syn", {"x": np.ones((1, 4), np.float32)}, timeout_s=10)
+        until = time.monotonic() + 5
+        while not started.is_set() and time.monotonic() < until:
+            broker.step(0.01)
+            client.poll(0)
+        assert started.is_set()  # the first batch of a model runs on the inference thread
+        disconnect = encode(Command.DISCONNECT, {"reason": "test"})
+        broker._send([Outgoing(Side.BACKEND, b"\x00embedded-0", disconnect)])
+        assert w._rejoin_at is not None
+        release.set()
+        assert w.results_socket.poll(5000)  # the result waits in the socket
+        steps = 0
+        while w._rejoin_at is not None and time.monotonic() < until:
+            broker.step(0.05)
+            steps += 1
+        assert steps < 40, f"{steps} broker turns while waiting to rejoin"
+        until = time.monotonic() + 5
+        while not f.done() and time.monotonic() < until:
+            broker.step(0.01)
+            client.poll(0)
+        assert f.done()
+        np.testing.assert_array_equal(f.outputs(0)["y"], synthetic_output(np.ones((1, 4))))

@@ -83,8 +83,8 @@ class BrokerServer:
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.backend, zmq.POLLIN)
         self.poller.register(self._wake.fd, zmq.POLLIN)
-        # Embedded workers, by the routing id the core knows them by: zmq never gives a
-        # peer an id that starts with a zero byte and is this long.
+        # Embedded workers, by the routing id the core knows them by (zmq generates no
+        # such id; a peer that sets one is refused in _drain).
         self._embedded = {b"\x00embedded-%d" % i: w for i, w in enumerate(embedded)}
         self._local: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
         self._delivering = False
@@ -172,6 +172,8 @@ class BrokerServer:
         core = self.core
         handler = core.on_client if side is Side.FRONTEND else core.on_worker
         now = self.clock.now
+        # A peer may set its own routing id: none may speak as an embedded worker.
+        taken = self._embedded if side is Side.BACKEND else None
         for n in range(BURST):
             # Read until zmq.Again: raising it costs ~9 us once per drain, where asking
             # ZMQ_EVENTS first would cost ~3.4 us per message (more than 1.6 a drain).
@@ -179,7 +181,11 @@ class BrokerServer:
                 frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 return n
-            out = handler(now(), frames[0].bytes, frames[1:])
+            identity = frames[0].bytes
+            if taken and identity in taken:
+                logger.warning("a backend peer used an embedded worker's id: dropped")
+                continue
+            out = handler(now(), identity, frames[1:])
             if out:
                 self._send(out)
         return BURST

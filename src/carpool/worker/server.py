@@ -88,7 +88,9 @@ class WorkerServer:
         self._shm = RegionReader()
         self._ring = _LazyRing(shm_output_bytes, shm_output_mode, shm_output_group)
         self._engines: dict[str, Engine] = {}
-        # Smoothed engine time per model, for running short batches without the hand-off.
+        # Smoothed engine time per sample, per model, for running short batches without
+        # the hand-off (a batch's time is predicted from its size: a large batch of a fast
+        # model is not short).
         self._run_ewma_s: dict[str, float] = {}
         self._startup: queue.Queue[list[ModelSpec] | BaseException] = queue.Queue()
         self._thread = threading.Thread(
@@ -145,8 +147,11 @@ class WorkerServer:
         if self._outbox is not None:
             # Embedded: the broker's core refused us (DISCONNECT) or went silent. Say
             # READY again from service(), at most once a second: not in a loop with it.
+            # Meanwhile what arrives is ignored and what finishes is dropped (a new epoch:
+            # the broker has requeued those batches).
             logger.warning("embedded worker %s registering again: %s", self.core.name, reason)
             self._drop_queued()
+            self.core.epoch += 1
             self._rejoin_at = self._last_join_s + 1.0
             return
         logger.warning("worker %s reconnecting: %s", self.core.name, reason)
@@ -242,7 +247,8 @@ class WorkerServer:
         """Embedded: a message from the broker's core; returns the messages for it (a
         short batch runs right here, on the broker's thread, and its RESULT comes back)."""
         assert self._outbox is not None, "not an embedded worker"
-        self._on_broker(frames)
+        if self._rejoin_at is None:  # else not registered: nothing is ours to answer
+            self._on_broker(frames)
         return self.take_outbox()
 
     def service(self, results_ready: bool) -> list[list[Any]]:
@@ -250,12 +256,13 @@ class WorkerServer:
         (when its socket is readable) and heartbeats due; returns the messages for the
         broker's core."""
         assert self._outbox is not None, "not an embedded worker"
+        if results_ready:  # always: a readable socket left unread would spin the broker
+            self._drain_results()
         if self._rejoin_at is not None:
             if self.clock.now() < self._rejoin_at:
-                return self.take_outbox()
+                self._outbox.clear()  # results of the old epoch: dropped already
+                return []
             self._connect()
-        if results_ready:
-            self._drain_results()
         messages, reconnect = self.core.on_tick(self.clock.now())
         if messages:
             self._shm.sweep()
@@ -272,7 +279,8 @@ class WorkerServer:
         return self.core.next_wakeup(now)
 
     def take_outbox(self) -> list[list[Any]]:
-        out, self._outbox = self._outbox or [], []
+        assert self._outbox is not None, "not an embedded worker"
+        out, self._outbox = self._outbox, []
         return out
 
     @property
@@ -290,7 +298,8 @@ class WorkerServer:
             engine is not None
             and not getattr(engine, "thread_bound", True)
             and self.core.idle_thread
-            and self._run_ewma_s.get(job.batch.model, math.inf) < INLINE_MAX_S
+            and self._run_ewma_s.get(job.batch.model, math.inf) * job.batch.total_samples
+            < INLINE_MAX_S
         )
 
     def _drain_results(self) -> int:
@@ -308,9 +317,11 @@ class WorkerServer:
         """Report a finished batch to the broker; False if it had to reconnect."""
         now = self.clock.now()
         model = info.get("model")
-        if isinstance(model, str):
-            last = self._run_ewma_s.get(model, info["end"] - info["start"])
-            self._run_ewma_s[model] = last + 0.2 * (info["end"] - info["start"] - last)
+        samples = info.get("samples")
+        if isinstance(model, str) and isinstance(samples, int) and samples > 0:
+            per_sample = (info["end"] - info["start"]) / samples
+            last = self._run_ewma_s.get(model, per_sample)
+            self._run_ewma_s[model] = last + 0.2 * (per_sample - last)
         if "error" in info:
             code, message = info["error"]
             msg = self.core.on_batch_failed(
@@ -476,6 +487,7 @@ def _run_job(
         "epoch": job.epoch,
         "batch": batch.batch_id,
         "model": batch.model,
+        "samples": batch.total_samples,
         "start": start,
     }
     engine = engines.get(batch.model)
