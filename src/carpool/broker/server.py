@@ -55,6 +55,9 @@ class BrokerServer:
         config: endpoints and batching settings; ``tcp://127.0.0.1:*`` picks a free port.
         context: the zmq context to use; by default the server owns a new one.
         clock: the time source handed to the core (a FakeClock in tests).
+        record: append every admitted arrival to this JSON-lines trace.
+        embedded: workers in this process (``WorkerServer(..., embedded=True)``); the
+            caller owns and closes them, after the broker.
     """
 
     def __init__(

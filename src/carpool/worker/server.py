@@ -53,6 +53,11 @@ class WorkerServer:
             the next batch is on its way.
         heartbeat_s, liveness: heartbeat interval and missed intervals before reconnecting.
         context, clock: injected zmq context and time source (tests).
+        shm_output_bytes, shm_output_mode, shm_output_group: the shared-memory output
+            ring (protocol §5.5), made when a client first asks; 0 bytes: never.
+        embedded: run inside a broker's process (``BrokerServer(embedded=[...])``): no
+            socket to the broker, which drives this worker through :meth:`deliver` and
+            :meth:`service`; :meth:`serve` is not used.
     """
 
     def __init__(
