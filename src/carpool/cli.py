@@ -83,7 +83,6 @@ def _broker(args: argparse.Namespace) -> int:
 def _embedded_workers(args: argparse.Namespace) -> list[Any]:
     """The worker to run inside the broker's process (``--embed-*``), if any."""
     from carpool.worker.config import ModelConfig, WorkerConfig
-    from carpool.worker.server import WorkerServer
 
     config = WorkerConfig(name="embedded")
     models: list[ModelConfig] = []
@@ -98,32 +97,11 @@ def _embedded_workers(args: argparse.Namespace) -> list[Any]:
     synthetic = getattr(args, "embed_synthetic", None)
     if synthetic:
         fixed_ms, per_sample_ms = synthetic
-        models.append(
-            ModelConfig(
-                name="synthetic",
-                engine="synthetic",
-                max_batch=max_batch or 32,
-                fixed_cost_s=fixed_ms / 1000,
-                per_sample_s=per_sample_ms / 1000,
-            )
-        )
+        models.append(ModelConfig.synthetic("synthetic", fixed_ms, per_sample_ms, max_batch or 32))
     if not models:
         return []
     config = dataclasses.replace(config, models=tuple(models))  # checks unique names
-    return [
-        WorkerServer(
-            "embedded",
-            {m.name: m.factory() for m in config.models},
-            name=config.name,
-            slots=config.slots,
-            heartbeat_s=config.heartbeat_s,
-            liveness=config.liveness,
-            shm_output_bytes=config.shm_output_mib << 20,
-            shm_output_mode=config.shm_output_mode,
-            shm_output_group=config.shm_output_group or None,
-            embedded=True,
-        )
-    ]
+    return [config.server(embedded=True)]
 
 
 # ---------------------------------------------------------------------- worker
@@ -131,7 +109,6 @@ def _embedded_workers(args: argparse.Namespace) -> list[Any]:
 
 def _worker(args: argparse.Namespace) -> int:
     from carpool.worker.config import ModelConfig, WorkerConfig
-    from carpool.worker.server import WorkerServer
 
     data = load_toml(args.config) if args.config else {}
     data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
@@ -149,27 +126,12 @@ def _worker(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, models=models)
     elif args.synthetic:
         fixed_ms, per_sample_ms = args.synthetic
-        model = ModelConfig(
-            name=args.synthetic_name,
-            engine="synthetic",
-            max_batch=args.max_batch or 32,
-            fixed_cost_s=fixed_ms / 1000,
-            per_sample_s=per_sample_ms / 1000,
+        model = ModelConfig.synthetic(
+            args.synthetic_name, fixed_ms, per_sample_ms, args.max_batch or 32
         )
         config = dataclasses.replace(config, models=(model,))
-    factories = {m.name: m.factory() for m in config.models}
     tune_allocator()
-    with WorkerServer(
-        config.broker,
-        factories,
-        name=config.name,
-        slots=config.slots,
-        heartbeat_s=config.heartbeat_s,
-        liveness=config.liveness,
-        shm_output_bytes=config.shm_output_mib << 20,
-        shm_output_mode=config.shm_output_mode,
-        shm_output_group=config.shm_output_group or None,
-    ) as server:
+    with config.server() as server:
         _stop_on_signals(server.stop)
         server.serve()
     return 0

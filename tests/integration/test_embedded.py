@@ -202,8 +202,8 @@ def test_embed_config_without_models_serves_only_the_flag_models(
     tmp_path: Any, monkeypatch: Any
 ) -> None:
     """`--embed-config w.toml` (slots only) with `--embed-synthetic`: WorkerConfig's default
-    model (the catalogue 'orientation') is added too."""
-    import carpool.worker.server as ws
+    model (the catalogue 'orientation') is not added too."""
+    import carpool.worker.config as wc
     from carpool import cli
 
     made: list[list[str]] = []
@@ -212,7 +212,7 @@ def test_embed_config_without_models_serves_only_the_flag_models(
         def __init__(self, broker: str, models: dict[str, Any], **kw: Any) -> None:
             made.append(list(models))
 
-    monkeypatch.setattr(ws, "WorkerServer", Fake)
+    monkeypatch.setattr(wc, "WorkerServer", Fake)
     toml = tmp_path / "w.toml"
     toml.write_text("slots = 4\n")
     args = cli.build_parser().parse_args(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from carpool.common.config import check
 from carpool.worker.engines.base import Engine
-from carpool.worker.server import EngineFactory
+from carpool.worker.server import EngineFactory, WorkerServer
 
 ENGINES = ("onnxruntime", "synthetic")
 
@@ -40,6 +40,19 @@ class ModelConfig:
         if self.intra_op_threads < 1:
             problems.append("intra_op_threads must be >= 1")
         check(problems, f"model {self.name}")
+
+    @classmethod
+    def synthetic(
+        cls, name: str, fixed_ms: float, per_sample_ms: float, max_batch: int
+    ) -> ModelConfig:
+        """A synthetic model whose batch costs ``fixed_ms + per_sample_ms * B``."""
+        return cls(
+            name=name,
+            engine="synthetic",
+            max_batch=max_batch,
+            fixed_cost_s=fixed_ms / 1000,
+            per_sample_s=per_sample_ms / 1000,
+        )
 
     def factory(self) -> EngineFactory:
         """A function that builds this model's engine (called on the inference thread)."""
@@ -105,3 +118,19 @@ class WorkerConfig:
         if len(set(names)) != len(names):
             problems.append("model names must be unique")
         check(problems, "worker")
+
+    def server(self, *, embedded: bool = False) -> WorkerServer:
+        """A WorkerServer with these settings (``embedded``: inside a broker's process,
+        see ``BrokerServer(embedded=)``; ``broker`` is not used then)."""
+        return WorkerServer(
+            self.broker,
+            {m.name: m.factory() for m in self.models},
+            name=self.name,
+            slots=self.slots,
+            heartbeat_s=self.heartbeat_s,
+            liveness=self.liveness,
+            shm_output_bytes=self.shm_output_mib << 20,
+            shm_output_mode=self.shm_output_mode,
+            shm_output_group=self.shm_output_group or None,
+            embedded=embedded,
+        )
