@@ -269,3 +269,29 @@ def test_the_broker_does_not_spin_while_an_embedded_worker_waits_to_rejoin() -> 
             client.poll(0)
         assert f.done()
         np.testing.assert_array_equal(f.outputs(0)["y"], synthetic_output(np.ones((1, 4))))
+
+
+def test_an_embedded_worker_takes_shared_memory_both_ways(embedded_fleet: Any) -> None:
+    """A client on the broker's host, an embedded worker: 128 KiB inputs and outputs by
+    reference (protocol §5.4, §5.5), no socket carries them."""
+    from carpool.common.shm import available
+
+    if not available():
+        pytest.skip("no usable /dev/shm")
+    broker, (worker,) = embedded_fleet(
+        {"big": lambda: SyntheticEngine(item_shape=(32768,), max_batch=4)},
+        shm_output_bytes=4 << 20,
+    )
+    with Client(
+        broker.frontend_endpoint, shared_memory=4 << 20, shared_memory_outputs=True
+    ) as client:
+        wait_for_workers(client, 1)
+        xs = [np.full((1, 32768), i, np.float32) for i in range(12)]
+        futures = [client.submit("big", {"x": x}) for x in xs]
+        for f, x in zip(futures, xs, strict=True):
+            np.testing.assert_array_equal(f.outputs(10)["y"], synthetic_output(x))
+        assert client.core.arena is not None
+        assert client.core.arena.used_bytes == 0
+    ring = worker._ring._ring
+    assert ring is not None
+    assert ring.head > 0
