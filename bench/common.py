@@ -449,12 +449,14 @@ def raw_loop(
             sent += 1
         if not sock.poll(math.ceil(1000 * min(0.1, until - now))):
             continue
-        last = time.perf_counter()
         while True:
             try:
                 reply = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            # A round trip ends when the reply has been received (as for the Client and
+            # paced loops), not when the poll says one is there.
+            last = time.perf_counter()
             received += 1
             t0 = sent_at.popleft()
             if expect_command is not None and reply[0].bytes[3] != expect_command:
