@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
@@ -651,6 +651,11 @@ def _batch_refs(obj: Any, n_inputs: int) -> tuple[ShmRef | None, ...]:
     return tuple(None if r is None else shm.parse_ref(r, "batch request") for r in obj)
 
 
+#: BATCH ``inputs`` lists that passed validation, by signature (a worker sees a few).
+_BATCH_INPUTS: dict[Signature, tuple[TensorMeta, ...]] = {}
+_MAX_BATCH_INPUTS = 256
+
+
 @dataclass(slots=True)
 class BatchMeta:
     """BATCH meta: requests of one model and one item shape, stacked along dim 0.
@@ -661,10 +666,14 @@ class BatchMeta:
     # Per-input spec with shape[0] == -1: each request brings `samples` rows.
     inputs: tuple[TensorMeta, ...]
     items: tuple[BatchItem, ...]
+    _total: int = field(default=-1, repr=False, compare=False)
 
     @property
     def total_samples(self) -> int:
-        return sum(i.samples for i in self.items)
+        total = self._total
+        if total < 0:  # the items never change: summed once
+            total = self._total = sum(i.samples for i in self.items)
+        return total
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -678,7 +687,16 @@ class BatchMeta:
     def from_wire(cls, meta: dict[str, Any]) -> BatchMeta:
         batch_id = _field(meta, "batch", int, "batch")
         model = _name(meta.get("model"), "batch model")
-        inputs = _tensor_list(meta.get("inputs"), "batch inputs", allow_dynamic=True)
+        raw_inputs = meta.get("inputs")
+        # The same few input lists come in every batch: each validated once.
+        sig = tensor_signature(raw_inputs)
+        inputs = None if sig is None else _BATCH_INPUTS.get(sig)
+        if inputs is None:
+            inputs = _tensor_list(raw_inputs, "batch inputs", allow_dynamic=True)
+            if sig is not None:
+                if len(_BATCH_INPUTS) >= _MAX_BATCH_INPUTS:
+                    _BATCH_INPUTS.clear()
+                _BATCH_INPUTS[sig] = inputs
         reqs = meta.get("requests")
         if not isinstance(reqs, list) or not reqs:
             raise ProtocolError("batch: requests must be a non-empty list")

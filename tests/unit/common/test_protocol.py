@@ -943,3 +943,21 @@ def test_reply_outputs_may_be_in_a_ring() -> None:
     del obj["outputs"][0]["shm"]["seq"]
     with pytest.raises(ProtocolError, match="seq"):
         ReplyMeta.from_wire(obj)
+
+
+def test_batch_inputs_validated_once_answer_as_a_fresh_parse() -> None:
+    """A BATCH's inputs are validated once per signature and then reused: a second
+    parse gives the same result, and lists that differ in anything are still checked."""
+    first = BatchMeta.from_wire(wire(BATCH.to_wire()))
+    second = BatchMeta.from_wire(wire(BATCH.to_wire()))
+    assert first == second == BATCH
+    assert second.inputs is first.inputs  # reused, not rebuilt
+    assert second.total_samples == 8
+    for bad in (
+        [{"name": "x", "dtype": "complex64", "shape": [-1, 4]}],
+        [{"name": "x", "dtype": "float32", "shape": [-1, 0]}],
+        [{"name": "x", "dtype": "float32", "shape": [-1, True]}],
+        [{"name": "x", "dtype": "float32", "shape": [-1, 4]}] * 2,
+    ):
+        with pytest.raises(ProtocolError):
+            BatchMeta.from_wire(wire(batch(inputs=bad)))
