@@ -14,7 +14,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -504,7 +504,7 @@ def _run_job(
                 ErrorCode.INVALID_ARGUMENT,
                 f"batch of {batch.total_samples} exceeds max_batch {engine.info.max_batch}",
             )
-        frames = list(job.frames)
+        frames: Sequence[Any] = job.frames
         alive = list(range(len(batch.items)))  # positions in the original batch
         failed: dict[int, list[bytes]] = {}  # position -> its ERROR reply
         # Requests whose shared-memory inputs cannot be read are answered on their own
@@ -564,11 +564,11 @@ def _run_job(
     return header, frames
 
 
-def _without(batch: BatchMeta, frames: list[Any], index: int) -> tuple[BatchMeta, list[Any]]:
+def _without(batch: BatchMeta, frames: Sequence[Any], index: int) -> tuple[BatchMeta, list[Any]]:
     """The batch and its frames less one request."""
     n = len(batch.inputs)
     items = batch.items[:index] + batch.items[index + 1 :]
-    rest = frames[: index * n] + frames[(index + 1) * n :]
+    rest = [*frames[: index * n], *frames[(index + 1) * n :]]
     return BatchMeta(batch.batch_id, batch.model, batch.inputs, items), rest
 
 

@@ -184,7 +184,6 @@ def replies(
     counts: list[int] = []
     frames: list[Any] = []
     start = 0
-    use_ring = ring is not None and any(i.shm_outputs and not i.simple for i in batch.items)
     since: int | None = None  # where this batch's first output went in the ring
     for item in batch.items:
         n = item.samples
@@ -209,8 +208,7 @@ def replies(
                 described_n = descs[n] = [
                     {"name": name, "dtype": d, "shape": [n, *shape]} for name, d, shape in described
                 ]
-            if use_ring and item.shm_outputs:
-                assert ring is not None
+            if ring is not None and item.shm_outputs:
                 described_n, pieces, since = _into_ring(ring, described_n, pieces, since)
             # ReplyMeta(...).to_wire(), built directly: this runs for every request.
             wire = {
