@@ -8,13 +8,20 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   Prints microseconds per request (including this harness's own msgpack encoding of the
   requests and results, ~10 us) and the mean batch size, for the ``carpool`` and ``fixed``
   policies. With ``--profile`` it prints cProfile's top functions for one setting.
+* ``embedded``: a ``BrokerServer`` with an embedded null-engine worker in this process,
+  stepped by hand under a DEALER at one request in flight (send, ``step()`` until the
+  reply is there, receive): microseconds per round trip with everything hot, the floor
+  under the embedded broker's low-load latency. ``--profile`` prints cProfile's top
+  functions.
 * ``spy``: the real processes (``carpool broker``, ``carpool worker --synthetic 0 0``), a
   raw DEALER closed loop (8 in flight by default), CPU per request of broker and worker
   (main thread and whole process), the broker's batch-size distribution, and with
   ``--py-spy`` a ``py-spy record -f raw`` of both summarized as self / inclusive shares.
 
 Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
+      .venv/bin/python bench/hot_path.py embedded [--profile] [--client]
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
+          [--embedded]   (the null-engine worker inside the broker's process)
 py-spy is not a dependency: ``.venv/bin/pip install py-spy`` first (it needs ptrace).
 """
 
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 from common import (
     CpuMeter,
     ProcessGroup,
@@ -121,6 +129,62 @@ def core_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def embedded_run(n: int, use_client: bool, chunk: int = 500) -> list[float]:
+    """us per round trip through an embedded broker stepped in this process, per chunk
+    of ``chunk`` round trips (the fastest chunk is the floor: the least disturbed)."""
+    from carpool.broker.server import BrokerServer
+    from carpool.worker.config import ModelConfig, WorkerConfig
+
+    model = ModelConfig.synthetic("synthetic", 0, 0, 32)
+    worker = WorkerConfig(name="embedded", models=[model]).server(embedded=True)
+    config = BrokerConfig(frontend="inproc://hot-front", backend="inproc://hot-back")
+    context = zmq.Context.instance()
+    chunks: list[float] = []
+    x = tensor((1, 16))
+    with worker, BrokerServer(config, context=context, embedded=[worker]) as broker:
+        if use_client:
+            client = Client(config.frontend, context=context)
+            for _ in range(n // chunk):
+                t0 = time.perf_counter()
+                for _ in range(chunk):
+                    future = client.submit("synthetic", {"x": x}, 10.0)
+                    while not client.poll(0):
+                        broker.step(0)
+                    future.result(0)
+                chunks.append(1e6 * (time.perf_counter() - t0) / chunk)
+            client.close()
+        else:
+            sock = dealer(config.frontend)
+            frames = request_frames("synthetic", x)
+            for _ in range(n // chunk):
+                t0 = time.perf_counter()
+                for _ in range(chunk):
+                    sock.send_multipart(frames, copy=False)
+                    while not sock.poll(0):
+                        broker.step(0)
+                    sock.recv_multipart(copy=False)
+                chunks.append(1e6 * (time.perf_counter() - t0) / chunk)
+            sock.close()
+    return chunks
+
+
+def embedded_main(args: argparse.Namespace) -> int:
+    quiet_logs()
+    embedded_run(2000, args.client)  # warm-up
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(embedded_run, 10_000, args.client)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+        return 0
+    chunks = embedded_run(20_000, args.client)
+    who = "Client" if args.client else "raw DEALER"
+    print(
+        f"embedded broker stepped in-process, {who}: floor {min(chunks):.1f} us per round "
+        f"trip, median {sorted(chunks)[len(chunks) // 2]:.1f} (chunks of 500)"
+    )
+    return 0
+
+
 def summarize(path: Path, top: int = 25) -> None:
     """Self and inclusive shares of a py-spy raw (collapsed stacks) file."""
     own: collections.Counter[str] = collections.Counter()
@@ -153,15 +217,19 @@ def spy_main(args: argparse.Namespace) -> int:
     out_dir.mkdir(exist_ok=True)
     with ProcessGroup("ipc") as group:
         frontend, backend = group.endpoint("front"), group.endpoint("back")
-        broker = group.broker(frontend, backend)
-        worker = group.worker(backend, "--synthetic", "0", "0")
+        if args.embedded:  # the null-engine worker inside the broker's process
+            broker = group.broker(frontend, backend, "--embed-synthetic", "0", "0")
+            procs = {"broker": broker}
+        else:
+            broker = group.broker(frontend, backend)
+            procs = {"broker": broker, "worker": group.worker(backend, "--synthetic", "0", "0")}
         wait_workers(frontend, 1, group)
         sock = dealer(frontend)
         raw_loop(sock, frames, args.in_flight, 3000, 2.0)  # warm-up
-        meters = {"broker": CpuMeter(broker.pid), "worker": CpuMeter(worker.pid)}
+        meters = {name: CpuMeter(proc.pid) for name, proc in procs.items()}
         spies = []
         if args.py_spy:
-            for name, proc in (("broker", broker), ("worker", worker)):
+            for name, proc in procs.items():
                 cmd = [py_spy, "record", "-r", "200", "-d", str(int(args.seconds)), "-f", "raw"]
                 cmd += ["-o", str(out_dir / f"hot_path_{name}.txt"), "-p", str(proc.pid)]
                 spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
@@ -184,7 +252,7 @@ def spy_main(args: argparse.Namespace) -> int:
             print("batch sizes:", json.dumps(client.stats()["batch_sizes"]))
         sock.close()
     if args.py_spy:
-        for name in ("broker", "worker"):
+        for name in procs:
             summarize(out_dir / f"hot_path_{name}.txt")
     return 0
 
@@ -194,12 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="mode", required=True)
     c = sub.add_parser("core", help="BrokerCore alone, in this process")
     c.add_argument("--profile", metavar="POLICY:K", help="cProfile one setting, e.g. carpool:1")
+    e = sub.add_parser("embedded", help="an embedded broker stepped in this process")
+    e.add_argument("--profile", action="store_true", help="cProfile it")
+    e.add_argument("--client", action="store_true", help="the Client, not a raw DEALER")
     s = sub.add_parser("spy", help="broker and worker processes under a closed loop")
     s.add_argument("--in-flight", type=int, default=8)
     s.add_argument("--seconds", type=float, default=6.0)
     s.add_argument("--py-spy", action="store_true", help="record both with py-spy")
+    s.add_argument("--embedded", action="store_true", help="the worker inside the broker")
     args = p.parse_args(argv)
-    return core_main(args) if args.mode == "core" else spy_main(args)
+    mains = {"core": core_main, "embedded": embedded_main, "spy": spy_main}
+    return mains[args.mode](args)
 
 
 if __name__ == "__main__":

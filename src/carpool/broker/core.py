@@ -51,6 +51,8 @@ from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     MAX_TIMEOUT_MS,
     PRIORITIES,
+    BatchItem,
+    BatchMeta,
     Command,
     ErrorReply,
     FailedMeta,
@@ -70,7 +72,9 @@ from carpool.common.protocol import (
     decode_submit,
     encode,
     encode_error,
+    header,
     is_simple_form,
+    parse_batch_refs,
     parse_header,
     request_id_of,
     shm_refs,
@@ -139,6 +143,8 @@ class _Layout:
 
 #: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
 _SWEEP_S = 0.5
+_BATCH_HEADER = header(Command.BATCH)
+_NO_META: dict[str, Any] = {}  # the meta of a message that came as an object (never mutated)
 
 #: Layouts remembered (clients choose shapes; the cache is dropped when full).
 _MAX_LAYOUTS = 1024
@@ -173,6 +179,10 @@ class BrokerCore:
         # shell writes it out (carpool record).
         self.recording: list[tuple[float, str, tuple[int, ...], int, int]] | None = None
         self._inputs_cache: dict[RequestKey, list[dict[str, Any]]] = {}
+        self._local_inputs: dict[RequestKey, tuple[TensorMeta, ...]] = {}
+        # Workers in this process (the server's embedded workers): their BATCH and RESULT
+        # metas pass as BatchMeta / ResultMeta objects, not msgpack (protocol.md §1).
+        self.local_workers: set[bytes] = set()
         # Request layouts validated once per (model, input names, dtypes, shapes); a
         # model's spec never changes once registered, so entries stay valid.
         self._layouts: dict[tuple[str, Signature], _Layout] = {}
@@ -455,8 +465,15 @@ class BrokerCore:
         try:
             if len(frames) < 2:
                 raise ProtocolError("worker messages have a header and a meta frame")
-            command = parse_header(view(frames[0]))
-            meta = decode_meta(view(frames[1]))
+            second: object = frames[1]
+            result: ResultMeta | None = None
+            if type(second) is ResultMeta:
+                # An embedded worker's RESULT (local_workers): built in this process, it
+                # passes as the object (no socket can deliver anything but bytes).
+                command, meta, result = Command.RESULT, _NO_META, second
+            else:
+                command = parse_header(view(frames[0]))
+                meta = decode_meta(view(frames[1]))
             if command is Command.READY:
                 self._on_ready(now, wid, Ready.from_wire(meta), out)
                 return out
@@ -473,7 +490,9 @@ class BrokerCore:
                 if isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0 <= rho <= 1:
                     self._on_load(now, worker, float(rho))
             elif command is Command.RESULT:
-                self._on_result(now, worker, ResultMeta.from_wire(meta), frames[2:], out)
+                if result is None:
+                    result = ResultMeta.from_wire(meta)
+                self._on_result(now, worker, result, frames[2:], out)
             elif command is Command.FAILED:
                 self._on_failed(now, worker, FailedMeta.from_wire(meta), out)
             elif command is Command.DISCONNECT:
@@ -653,6 +672,7 @@ class BrokerCore:
                 del self._queues[key]
                 self._wake_s.pop(key, None)
                 self._inputs_cache.pop(key, None)
+                self._local_inputs.pop(key, None)
             # A cache over every shape admitted (clients choose shapes): start it afresh.
             self._fleet_rates.clear()
         return out
@@ -970,13 +990,27 @@ class BrokerCore:
         batch_id = self._batch_seq
         model = key[0]
         payloads: list[Frame] = []
-        items = []
+        local = worker.wid in self.local_workers
+        items: list[Any] = []
         samples = 0
         for req in requests:
             req.state = RequestState.DISPATCHED
             req.attempts += 1
             samples += req.samples
             payloads.extend(req.payloads)
+            if local:  # an embedded worker: the BatchItem itself, nothing to parse there
+                refs = None if req.shm is None else parse_batch_refs(req.shm, len(key[1]))
+                items.append(
+                    BatchItem(
+                        req.request_id,
+                        req.samples,
+                        req.simple,
+                        1000.0 * (now - req.arrival_s),
+                        refs,
+                        req.shm_outputs,
+                    )
+                )
+                continue
             # BatchItem.to_wire, inlined: this runs for every request.
             item: dict[str, Any] = {
                 "id": req.request_id,
@@ -989,12 +1023,18 @@ class BrokerCore:
             if req.shm_outputs:
                 item["shm_outputs"] = True
             items.append(item)
-        meta = {
-            "batch": batch_id,
-            "model": model,
-            "inputs": self._inputs_wire(key),
-            "requests": items,
-        }
+        frames: list[Any]
+        if local:
+            batch = BatchMeta(batch_id, model, self._local_batch_inputs(key), tuple(items))
+            frames = [_BATCH_HEADER, batch, *payloads]
+        else:
+            meta = {
+                "batch": batch_id,
+                "model": model,
+                "inputs": self._inputs_wire(key),
+                "requests": items,
+            }
+            frames = encode(Command.BATCH, meta, payloads)
         self._inflight[batch_id] = InflightBatch(
             batch_id, worker.wid, requests, key, samples, capacity.cost.estimate(samples)
         )
@@ -1005,7 +1045,7 @@ class BrokerCore:
         logger.debug(
             "dispatch batch=%d model=%s n=%d worker=%s", batch_id, model, samples, worker.name
         )
-        return Outgoing(Side.BACKEND, worker.wid, encode(Command.BATCH, meta, payloads))
+        return Outgoing(Side.BACKEND, worker.wid, frames)
 
     def _inputs_wire(self, key: RequestKey) -> list[dict[str, Any]]:
         """The BATCH ``inputs`` of a queue key (dim 0 = -1), built once per key."""
@@ -1015,6 +1055,15 @@ class BrokerCore:
                 TensorMeta(name, dtype, (-1, *shape)).to_wire() for name, dtype, shape in key[1]
             ]
         return wire
+
+    def _local_batch_inputs(self, key: RequestKey) -> tuple[TensorMeta, ...]:
+        """The BATCH inputs of a queue key as TensorMetas (dim 0 = -1), built once per key."""
+        metas = self._local_inputs.get(key)
+        if metas is None:
+            metas = self._local_inputs[key] = tuple(
+                TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in key[1]
+            )
+        return metas
 
     # ------------------------------------------------------------------ replies
 

@@ -89,6 +89,7 @@ class BrokerServer:
         # Embedded workers, by the routing id the core knows them by (zmq generates no
         # such id; a peer that sets one is refused in _drain).
         self._embedded = {b"\x00embedded-%d" % i: w for i, w in enumerate(embedded)}
+        self.core.local_workers = set(self._embedded)  # metas pass as objects, not msgpack
         self._local: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
         self._delivering = False
         for wid, worker in self._embedded.items():

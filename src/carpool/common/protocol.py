@@ -645,7 +645,8 @@ def shm_wire(refs: Sequence[ShmRef | None]) -> list[dict[str, Any] | None]:
     return [None if r is None else shm.ref_wire(r) for r in refs]
 
 
-def _batch_refs(obj: Any, n_inputs: int) -> tuple[ShmRef | None, ...]:
+def parse_batch_refs(obj: Any, n_inputs: int) -> tuple[ShmRef | None, ...]:
+    """BATCH ``requests[i].shm``, checked: one reference or None per input."""
     if type(obj) is not list or len(obj) != n_inputs:
         raise ProtocolError(f"batch: a request's 'shm' must be a list of {n_inputs} entries")
     return tuple(None if r is None else shm.parse_ref(r, "batch request") for r in obj)
@@ -714,7 +715,7 @@ class BatchMeta:
                 queue_ms = _optional_number(r, "queue_ms")
             refs = r.get("shm")
             if refs is not None:
-                refs = _batch_refs(refs, len(inputs))
+                refs = parse_batch_refs(refs, len(inputs))
             append(
                 BatchItem(
                     rid,

@@ -29,11 +29,14 @@ from carpool.common.protocol import (
     ResultMeta,
     decode_meta,
     encode,
+    header,
     parse_header,
     view,
 )
 
 logger = logging.getLogger(__name__)
+
+_RESULT_HEADER = header(Command.RESULT)
 
 
 class WorkerState(Enum):
@@ -138,6 +141,9 @@ class WorkerCore:
         self.batches_done = 0
         self.batches_failed = 0
         self._in_thread = 0  # batches handed to the inference thread, not yet finished
+        # In the broker's process (embedded): BATCH arrives as a BatchMeta and RESULT
+        # leaves as a ResultMeta, with no msgpack in between (the broker's core built it).
+        self.local = False
 
     # ------------------------------------------------------------------ connection
 
@@ -158,6 +164,9 @@ class WorkerCore:
         try:
             if len(frames) < 2:
                 raise ProtocolError("broker messages have a header and a meta frame")
+            batch: object = frames[1]
+            if self.local and type(batch) is BatchMeta:  # from the broker's core, as is
+                return RunBatch(self.epoch, batch, frames[2:])
             command = parse_header(view(frames[0]))
             meta = decode_meta(view(frames[1]))
             if command is Command.BATCH:
@@ -242,6 +251,8 @@ class WorkerCore:
             return None
         compute_ms = 1000.0 * (ended_s - started_s)
         meta = ResultMeta(batch_id, self.meter.rho(now), compute_ms, tuple(counts))
+        if self.local:
+            return [_RESULT_HEADER, meta, *frames]
         return encode(Command.RESULT, meta.to_wire(), frames)
 
     def on_batch_failed(

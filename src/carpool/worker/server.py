@@ -122,6 +122,7 @@ class WorkerServer:
         # Embedded in a broker's process (carpool.broker.server.BrokerServer(embedded=)):
         # no socket to the broker; messages to it wait here for the broker's loop.
         self._outbox: list[list[Any]] | None = [] if embedded else None
+        self.core.local = embedded
         self._last_join_s = 0.0
         self._rejoin_at: float | None = None  # embedded: when to say READY again
         self.dealer: zmq.Socket[bytes] | None = self._connect()

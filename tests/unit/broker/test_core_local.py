@@ -1,0 +1,142 @@
+"""The in-process hand-off between BrokerCore and an embedded WorkerCore: for workers in
+``core.local_workers`` a BATCH carries its BatchMeta object and a RESULT its ResultMeta
+(no msgpack between the two); everything else about the messages is unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.common import codec
+from carpool.common.protocol import (
+    BatchMeta,
+    Command,
+    ReplyMeta,
+    ResultMeta,
+    TensorMeta,
+    decode_meta,
+    encode,
+    encode_reply,
+    header,
+    parse_header,
+)
+from carpool.worker.core import RunBatch, WorkerCore
+from tests.unit.broker.test_core import SPEC2, T0, W1, W2, raw_request, ready_frames
+from tests.unit.broker.test_core_shm import shm_request
+
+
+def core() -> BrokerCore:
+    batching = BatchingConfig(max_batch=4, max_wait_s=0.0005, policy="fixed")
+    return BrokerCore(BrokerConfig(batching=batching), defer_pumps=True)
+
+
+def batch_out(c: BrokerCore, wid: bytes, *requests: list[Any]) -> Outgoing:
+    """Admit ``requests`` from one client in one turn; the BATCH sent to ``wid``."""
+    c.on_worker(T0, wid, ready_frames(SPEC2, name=wid.decode(), slots=1))
+    for frames in requests:
+        c.on_client(T0 + 0.001, b"c1", frames)
+    (out,) = [o for o in c.on_tick(T0 + 0.002) if o.side is Side.BACKEND]
+    assert out.identity == wid
+    return out
+
+
+REQUESTS = [
+    raw_request(1),
+    shm_request(2, 128),
+    raw_request(3, shm_outputs=True),
+]
+
+
+def test_a_local_worker_gets_the_same_batch_as_an_object() -> None:
+    remote = batch_out(core(), W1, *REQUESTS)
+    local_core = core()
+    local_core.local_workers = {W2}
+    local = batch_out(local_core, W2, *REQUESTS)
+    assert parse_header(remote.frames[0]) is Command.BATCH
+    assert bytes(local.frames[0]) == header(Command.BATCH)
+    wire = BatchMeta.from_wire(decode_meta(remote.frames[1]))
+    obj = local.frames[1]
+    assert type(obj) is BatchMeta
+    assert (obj.batch_id, obj.model, obj.inputs) == (wire.batch_id, wire.model, wire.inputs)
+    assert obj.total_samples == wire.total_samples == 3
+    for a, b in zip(obj.items, wire.items, strict=True):
+        assert (a.request_id, a.samples, a.simple, a.shm, a.shm_outputs) == (
+            b.request_id,
+            b.samples,
+            b.simple,
+            b.shm,
+            b.shm_outputs,
+        )
+        assert a.queue_ms == pytest.approx(b.queue_ms, abs=1e-3)
+    assert obj.items[1].shm is not None
+    assert obj.items[2].shm_outputs
+    assert [bytes(p) for p in local.frames[2:]] == [bytes(p) for p in remote.frames[2:]]
+
+
+def replies_for(batch: BatchMeta) -> tuple[list[int], list[Any]]:
+    counts, frames = [], []
+    for item in batch.items:
+        y = np.full((item.samples, 2), item.request_id, np.float32)
+        reply = ReplyMeta(item.request_id, (TensorMeta("y", "float32", y.shape),), 3, 0.0, 1.0)
+        enc = encode_reply(reply, [y.tobytes()], simple=item.simple)
+        counts.append(len(enc))
+        frames += enc
+    return counts, frames
+
+
+@pytest.mark.parametrize("as_object", [False, True], ids=["msgpack", "object"])
+def test_a_result_object_from_a_local_worker_answers_like_the_encoded_one(
+    as_object: bool,
+) -> None:
+    c = core()
+    c.local_workers = {W1}
+    batch = batch_out(c, W1, *REQUESTS).frames[1]
+    counts, frames = replies_for(batch)
+    meta = ResultMeta(batch.batch_id, 0.25, 2.0, tuple(counts))
+    if as_object:
+        msg = [header(Command.RESULT), meta, *frames]
+    else:
+        msg = encode(Command.RESULT, meta.to_wire(), frames)
+    out = c.on_worker(T0 + 0.01, W1, msg)
+    replies = [o for o in out if o.side is Side.FRONTEND]
+    assert [codec.unpack(o.frames[1])["id"] for o in replies] == [1, 2, 3]
+    assert c.registry.get(W1).rho == 0.25  # type: ignore[union-attr]
+    assert c.stats.replies == 3
+    assert not c.stats.late_results
+
+
+def test_a_local_result_with_the_wrong_frame_count_fails_its_batch() -> None:
+    c = core()
+    c.local_workers = {W1}
+    batch = batch_out(c, W1, raw_request(1)).frames[1]
+    _, frames = replies_for(batch)
+    msg = [header(Command.RESULT), ResultMeta(batch.batch_id, 0.0, 1.0, (9,)), *frames]
+    out = c.on_worker(T0 + 0.01, W1, msg)
+    (err,) = [o for o in out if o.side is Side.FRONTEND]
+    assert parse_header(err.frames[0]) is Command.ERROR
+
+
+def test_a_local_worker_core_takes_batch_objects_and_gives_result_objects() -> None:
+    c = core()
+    c.local_workers = {W1}
+    batch = batch_out(c, W1, raw_request(1), raw_request(2)).frames
+    w = WorkerCore("e", [SPEC2])
+    w.local = True
+    w.on_connect(T0)
+    action = w.on_broker(T0, batch)
+    assert isinstance(action, RunBatch)
+    assert action.batch is batch[1]
+    counts, frames = replies_for(action.batch)
+    msg = w.on_batch_done(T0, action.epoch, action.batch.batch_id, T0, T0 + 0.001, counts, frames)
+    assert msg is not None
+    assert type(msg[1]) is ResultMeta
+    assert msg[2:] == frames
+    # The same core not marked local speaks msgpack (a worker process).
+    w.local = False
+    msg = w.on_batch_done(T0, w.epoch, 7, T0, T0 + 0.001, counts, frames)
+    assert msg is not None
+    assert decode_meta(msg[1])["batch"] == 7
