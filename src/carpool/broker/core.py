@@ -126,7 +126,10 @@ class BrokerStats:
         self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
 
     def batch(self, model: str, samples: int) -> None:
-        self.batch_sizes.setdefault(model, Counter())[samples] += 1
+        sizes = self.batch_sizes.get(model)
+        if sizes is None:  # (setdefault would build a Counter every call)
+            sizes = self.batch_sizes[model] = Counter()
+        sizes[samples] += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -801,7 +804,13 @@ class BrokerCore:
 
     def _pump_models(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
         if self.defer_pumps:
-            self._dirty_models.update(models)
+            # Only models with requests waiting: an arrival marks its own queue, and a
+            # model marked with nothing queued would cost the loop an empty turn.
+            queued = self._queued_samples
+            for model in models:
+                waiting = queued.get(model)
+                if waiting is not None and (waiting[0] or waiting[1]):
+                    self._dirty_models.add(model)
             return
         names = set(models)
         for queue in list(self._queues.values()):
