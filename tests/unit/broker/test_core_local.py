@@ -140,3 +140,25 @@ def test_a_local_worker_core_takes_batch_objects_and_gives_result_objects() -> N
     msg = w.on_batch_done(T0, w.epoch, 7, T0, T0 + 0.001, counts, frames)
     assert msg is not None
     assert decode_meta(msg[1])["batch"] == 7
+
+
+def test_a_result_with_nothing_queued_leaves_no_turn_due() -> None:
+    """The server polls with timeout 0 while the core has work due now: a RESULT that
+    frees a worker with nothing queued must not ask for an empty turn."""
+    c = core()
+    c.local_workers = {W1}
+    batch = batch_out(c, W1, raw_request(1)).frames[1]
+    counts, frames = replies_for(batch)
+    now = T0 + 0.01
+    c.on_worker(
+        now, W1, [header(Command.RESULT), ResultMeta(batch.batch_id, 0, 1, counts), *frames]
+    )
+    wake = c.next_wakeup(now)
+    assert wake is None or wake > now
+    # With a request queued behind the busy worker, the RESULT does ask for a pump now.
+    batch = batch_out(c, W1, raw_request(2), raw_request(3), raw_request(4), raw_request(5))
+    c.on_client(now, b"c1", raw_request(6))  # a fifth: waits for the worker
+    counts, frames = replies_for(batch.frames[1])
+    result = ResultMeta(batch.frames[1].batch_id, 0, 1, counts)
+    c.on_worker(now, W1, [header(Command.RESULT), result, *frames])
+    assert c.next_wakeup(now) == now
