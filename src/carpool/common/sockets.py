@@ -24,18 +24,30 @@ import zmq
 
 SNDMORE = int(zmq.SNDMORE)
 NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 _Send = Callable[[Any, Any, int, bool, bool], Any]
 _Recv = Callable[[Any, int, bool, bool], zmq.Frame]
 
 
-def _compiled() -> tuple[_Send, _Recv] | None:
+_Get = Callable[[Any, int], Any]
+
+
+def _compiled() -> tuple[_Send, _Recv, _Get] | None:
     backend = getattr(getattr(zmq, "backend", None), "Socket", None)
     send = getattr(backend, "send", None)
     recv = getattr(backend, "recv", None)
-    if backend is None or send is None or recv is None or not issubclass(zmq.Socket, backend):
+    get = getattr(backend, "get", None)
+    if (
+        backend is None
+        or send is None
+        or recv is None
+        or get is None
+        or not issubclass(zmq.Socket, backend)
+    ):
         return None
-    return send, recv
+    return send, recv, get
 
 
 _COMPILED = _compiled()
@@ -67,3 +79,11 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
         frame = recv(sock, flags, False, False)
         frames.append(frame)
     return frames
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message is waiting (ZMQ_EVENTS). This costs ~3.5 us, where reading on
+    until ``zmq.Again`` costs ~8.5 us (pyzmq builds the exception, an import included):
+    a loop that mostly finds one message asks this after the first."""
+    events = sock.getsockopt(zmq.EVENTS) if _COMPILED is None else _COMPILED[2](sock, _EVENTS)
+    return bool(int(events) & _POLLIN)

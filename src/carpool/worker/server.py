@@ -25,7 +25,7 @@ from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, ModelSpec, encode_error
 from carpool.common.shm import RegionReader, ShmRing
-from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
 from carpool.common.wake import WakePipe
 from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
@@ -222,6 +222,8 @@ class WorkerServer:
         dealer = self.dealer
         assert dealer is not None
         while True:
+            if n == 1 and not readable(dealer):  # one message: no zmq.Again to raise
+                return n
             try:
                 frames = recv_frames(dealer, NOBLOCK)
             except zmq.Again:
@@ -311,6 +313,8 @@ class WorkerServer:
     def _drain_results(self) -> int:
         n = 0
         while True:
+            if n == 1 and not readable(self._results):  # one result: no zmq.Again
+                return n
             try:
                 parts = recv_frames(self._results, NOBLOCK)
             except zmq.Again:

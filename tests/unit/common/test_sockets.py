@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from carpool.common import sockets
-from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
 
 
 @pytest.fixture(params=["direct", "fallback"])
@@ -58,6 +58,19 @@ def test_noblock_raises_again_when_nothing_waits(pair: Any) -> None:
     _, b = pair
     with pytest.raises(zmq.Again):
         recv_frames(b, NOBLOCK)
+
+
+def test_readable_says_whether_a_message_waits(pair: Any) -> None:
+    a, b = pair
+    assert not readable(b)
+    send_frames(a, [b"one", b"two"])
+    send_frames(a, [b"three"])
+    assert b.poll(1000)
+    assert readable(b)
+    recv_frames(b, NOBLOCK)
+    assert readable(b)  # the second message
+    recv_frames(b, NOBLOCK)
+    assert not readable(b)
 
 
 def test_a_mandatory_router_reports_an_unknown_peer() -> None:
