@@ -22,6 +22,7 @@ Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
       .venv/bin/python bench/hot_path.py embedded [--profile] [--client]
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
           [--embedded]   (the null-engine worker inside the broker's process)
+          [--client]     (the carpool Client drives it, not a raw DEALER)
 py-spy is not a dependency: ``.venv/bin/pip install py-spy`` first (it needs ptrace).
 """
 
@@ -43,6 +44,7 @@ import numpy as np
 import zmq
 from common import (
     CpuMeter,
+    FleetLoop,
     ProcessGroup,
     dealer,
     quiet_logs,
@@ -235,9 +237,16 @@ def spy_main(args: argparse.Namespace) -> int:
                 spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
             time.sleep(1.0)  # py-spy attaches
         before = {k: (m.read(), m.read_main()) for k, m in meters.items()}
-        result = raw_loop(
-            sock, frames, args.in_flight, 10**7, args.seconds, expect_command=Command.REPLY
-        )
+        if args.client:  # the carpool Client instead of pre-encoded frames
+            with Client(frontend) as client:
+                loop = FleetLoop(client, "synthetic", {"x": x}, args.in_flight)
+                loop.fill(2.0)
+                result = loop.run(10**7, args.seconds)
+                loop.drain()
+        else:
+            result = raw_loop(
+                sock, frames, args.in_flight, 10**7, args.seconds, expect_command=Command.REPLY
+            )
         after = {k: (m.read(), m.read_main()) for k, m in meters.items()}
         for spy in spies:
             spy.wait()
@@ -270,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seconds", type=float, default=6.0)
     s.add_argument("--py-spy", action="store_true", help="record both with py-spy")
     s.add_argument("--embedded", action="store_true", help="the worker inside the broker")
+    s.add_argument("--client", action="store_true", help="drive it with the carpool Client")
     args = p.parse_args(argv)
     mains = {"core": core_main, "embedded": embedded_main, "spy": spy_main}
     return mains[args.mode](args)
