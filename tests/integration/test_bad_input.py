@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -9,9 +10,12 @@ import numpy as np
 import pytest
 import zmq
 
+from carpool.broker.server import BrokerServer
 from carpool.client import InvalidArgument, NotFound, UnsupportedVersion
 from carpool.common.errors import ErrorCode
+from carpool.common.testing import ServerThread
 from carpool.worker.engines.synthetic import SyntheticEngine
+from tests.conftest import loopback_config
 
 GOOD = np.ones((1, 4), np.float32)
 
@@ -175,3 +179,31 @@ def test_client_sdk_raises_typed_errors(fleet: Any) -> None:
     with pytest.raises(InvalidArgument, match="shape"):
         client.infer("syn", {"x": np.ones((1, 3), np.float32)})
     assert issubclass(UnsupportedVersion, InvalidArgument)
+
+
+def test_a_frame_over_the_brokers_limit_is_refused_and_others_are_served(
+    context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """max_frame_mib (ZMQ_MAXMSGSIZE): libzmq drops the peer that sends a larger frame
+    before buffering it; the broker goes on serving everyone else."""
+    config = dataclasses.replace(loopback_config(), max_frame_mib=1)
+    with ServerThread(BrokerServer(config, context=context)) as broker:
+        endpoint = broker.frontend_endpoint
+        big, small = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+        try:
+            for sock in (big, small):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)
+            shape = {"inputs": [{"name": "x", "dtype": "float32", "shape": [1, 1 << 18]}]}
+            # 1 MiB + 4 bytes: over the limit. No worker serves "syn" here: a request
+            # the broker reads is answered NOT_FOUND.
+            over = np.zeros((1, (1 << 18) + 1), np.float32)
+            big.send_multipart([HEADER, _request_meta(**shape), over.tobytes()])
+            assert not big.poll(1000), "a frame over the limit was read and answered"
+            under = np.zeros((1, 1 << 18), np.float32)
+            small.send_multipart([HEADER, _request_meta(**shape), under.tobytes()])
+            assert small.poll(5000), "the broker stopped serving"
+            assert _error(small.recv_multipart())["code"] == ErrorCode.NOT_FOUND
+        finally:
+            big.close(linger=0)
+            small.close(linger=0)

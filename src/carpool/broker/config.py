@@ -59,6 +59,9 @@ class BrokerConfig:
     max_queued: int = 10_000  # requests queued across all models; more are OVERLOADED
     liveness: int = 3  # heartbeat intervals of silence before a worker is gone
     max_attempts: int = 2  # dispatches of one request before a lost worker fails it
+    # Largest frame a peer may send (ZMQ_MAXMSGSIZE on both sockets; 0: no limit). A peer
+    # that announces a larger one is disconnected by libzmq before it is buffered.
+    max_frame_mib: int = 2048
 
     def __post_init__(self) -> None:
         problems = []
@@ -70,6 +73,8 @@ class BrokerConfig:
             problems.append("liveness must be in 1..100")
         if not 1 <= self.max_attempts <= 10:
             problems.append("max_attempts must be in 1..10")
+        if not 0 <= self.max_frame_mib <= 1 << 20:
+            problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
         check(problems, "broker")
 
     def batching_for(self, model: str) -> BatchingConfig:

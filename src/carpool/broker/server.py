@@ -110,6 +110,8 @@ class BrokerServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        if self.config.max_frame_mib:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_mib << 20)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError:

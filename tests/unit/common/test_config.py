@@ -85,6 +85,7 @@ def test_several_problems_in_one_error() -> None:
             "batching": {"max_batch": 0, "extra": True},
             "liveness": 0,
             "max_attempts": 11,
+            "max_frame_mib": -1,
         },
     )
     assert msg.startswith("invalid configuration:")
@@ -95,6 +96,7 @@ def test_several_problems_in_one_error() -> None:
         "max_batch must be in 1..4096",
         "liveness must be in 1..100",
         "max_attempts must be in 1..10",
+        "max_frame_mib must be in 0..1048576",
     ):
         assert part in msg, part
     assert len(msg.splitlines()) >= 5
