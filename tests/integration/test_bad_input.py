@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
+from carpool.broker.config import BrokerConfig
 from carpool.broker.server import BrokerServer
 from carpool.client import InvalidArgument, NotFound, UnsupportedVersion
 from carpool.common.errors import ErrorCode
@@ -188,6 +189,8 @@ def test_a_frame_over_the_brokers_limit_is_refused_and_others_are_served(
     before buffering it; the broker goes on serving everyone else."""
     config = dataclasses.replace(loopback_config(), max_frame_mib=1)
     with ServerThread(BrokerServer(config, context=context)) as broker:
+        assert broker.frontend.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+        assert broker.backend.getsockopt(zmq.MAXMSGSIZE) == -1  # workers: not limited
         endpoint = broker.frontend_endpoint
         big, small = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
         try:
@@ -207,3 +210,29 @@ def test_a_frame_over_the_brokers_limit_is_refused_and_others_are_served(
         finally:
             big.close(linger=0)
             small.close(linger=0)
+
+
+def test_one_drain_takes_every_waiting_message_and_a_later_one_the_rest(
+    context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The drain asks ZMQ_EVENTS after the first message rather than reading until
+    zmq.Again: several waiting messages are all handled in one turn, and one that comes
+    after the drain ended wakes the next poll (level-triggered). Over inproc, a sent
+    message is in the broker's queue when send returns."""
+    config = BrokerConfig(frontend="inproc://drain-front", backend="inproc://drain-back")
+    with BrokerServer(config, context=context) as broker:
+        sock = context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(config.frontend)
+            for rid in (1, 2, 3):
+                sock.send_multipart([b"CP\x01\x04", msgpack.packb({"id": rid})])  # STATS
+            assert broker.step(1.0) == 3
+            sock.send_multipart([b"CP\x01\x04", msgpack.packb({"id": 4})])
+            assert broker.step(5.0) == 1
+            got = []
+            while len(got) < 4 and sock.poll(1000):
+                got.append(msgpack.unpackb(sock.recv_multipart()[1])["id"])
+            assert got == [1, 2, 3, 4]
+        finally:
+            sock.close(linger=0)

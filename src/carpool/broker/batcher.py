@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NewType
 
-from carpool.common.protocol import Frame, Priority, TensorMeta
+from carpool.common.protocol import Frame, Priority, ShmRef, TensorMeta
 
 ClientId = NewType("ClientId", bytes)
 RequestKey = tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]
@@ -58,6 +58,8 @@ class PendingRequest:
     # BATCH ``requests[i].shm`` (spec order) when an input is in shared memory (§5.4).
     shm: list[dict[str, Any] | None] | None = None
     shm_outputs: bool = False  # BATCH ``requests[i].shm_outputs`` (§5.5)
+    # The same references, parsed (spec order): what an embedded worker's BatchItem takes.
+    refs: tuple[ShmRef | None, ...] | None = None
     state: RequestState = RequestState.QUEUED
     attempts: int = 0
 

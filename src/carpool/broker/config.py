@@ -59,8 +59,8 @@ class BrokerConfig:
     max_queued: int = 10_000  # requests queued across all models; more are OVERLOADED
     liveness: int = 3  # heartbeat intervals of silence before a worker is gone
     max_attempts: int = 2  # dispatches of one request before a lost worker fails it
-    # Largest frame a peer may send (ZMQ_MAXMSGSIZE on both sockets; 0: no limit). A peer
-    # that announces a larger one is disconnected by libzmq before it is buffered.
+    # Largest frame a client may send (ZMQ_MAXMSGSIZE on the frontend; 0: no limit). A
+    # client that announces a larger one is disconnected by libzmq before it is buffered.
     max_frame_mib: int = 2048
 
     def __post_init__(self) -> None:

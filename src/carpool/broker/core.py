@@ -74,7 +74,6 @@ from carpool.common.protocol import (
     encode_error,
     header,
     is_simple_form,
-    parse_batch_refs,
     parse_header,
     request_id_of,
     shm_refs,
@@ -447,6 +446,7 @@ class BrokerCore:
             payloads,
             shm,
             shm_outputs,
+            refs,
         )
         queue = self._queue(key)
         queue.push(req)
@@ -472,7 +472,10 @@ class BrokerCore:
             result: ResultMeta | None = None
             if type(second) is ResultMeta:
                 # An embedded worker's RESULT (local_workers): built in this process, it
-                # passes as the object (no socket can deliver anything but bytes).
+                # passes as the object (no socket can deliver anything but bytes). What
+                # from_wire checks and _on_result does not: every reply has a frame.
+                if any(k < 1 for k in second.frames):
+                    raise ProtocolError("result: frames must be a list of ints >= 1")
                 command, meta, result = Command.RESULT, _NO_META, second
             else:
                 command = parse_header(view(frames[0]))
@@ -1008,14 +1011,13 @@ class BrokerCore:
             samples += req.samples
             payloads.extend(req.payloads)
             if local:  # an embedded worker: the BatchItem itself, nothing to parse there
-                refs = None if req.shm is None else parse_batch_refs(req.shm, len(key[1]))
                 items.append(
                     BatchItem(
                         req.request_id,
                         req.samples,
                         req.simple,
                         1000.0 * (now - req.arrival_s),
-                        refs,
+                        req.refs,
                         req.shm_outputs,
                     )
                 )

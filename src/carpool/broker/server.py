@@ -39,6 +39,11 @@ class EmbeddedWorker(Protocol):
     @property
     def results_socket(self) -> zmq.Socket[bytes]: ...
 
+    @property
+    def local_metas(self) -> bool:
+        """BATCH and RESULT metas pass as BatchMeta / ResultMeta objects, not msgpack."""
+        ...
+
     def deliver(self, frames: list[Any]) -> list[list[Any]]: ...
 
     def service(self, results_ready: bool) -> list[list[Any]]: ...
@@ -78,7 +83,10 @@ class BrokerServer:
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.Context()
-        self.frontend = self._router(self.config.frontend)
+        # Clients are the untrusted side: a frame over the limit drops that connection
+        # (libzmq refuses it before buffering). Workers are not limited: an output over it
+        # would look like a lost worker, and its batches would run again.
+        self.frontend = self._router(self.config.frontend, self.config.max_frame_mib)
         self.backend = self._router(self.config.backend)
         # stop() wakes a blocked poll from any thread or a signal handler.
         self._wake = WakePipe()
@@ -89,7 +97,8 @@ class BrokerServer:
         # Embedded workers, by the routing id the core knows them by (zmq generates no
         # such id; a peer that sets one is refused in _drain).
         self._embedded = {b"\x00embedded-%d" % i: w for i, w in enumerate(embedded)}
-        self.core.local_workers = set(self._embedded)  # metas pass as objects, not msgpack
+        # Metas pass as objects, not msgpack, to the workers that take them so.
+        self.core.local_workers = {wid for wid, w in self._embedded.items() if w.local_metas}
         self._local: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
         self._delivering = False
         for wid, worker in self._embedded.items():
@@ -104,14 +113,14 @@ class BrokerServer:
             self.backend_endpoint,
         )
 
-    def _router(self, endpoint: str) -> zmq.Socket[bytes]:
+    def _router(self, endpoint: str, max_frame_mib: int = 0) -> zmq.Socket[bytes]:
         sock = self.context.socket(zmq.ROUTER)
+        if max_frame_mib:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_mib << 20)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
-        if self.config.max_frame_mib:
-            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_mib << 20)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError:

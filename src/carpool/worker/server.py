@@ -292,6 +292,12 @@ class WorkerServer:
         return out
 
     @property
+    def local_metas(self) -> bool:
+        """Embedded: BATCH arrives as a BatchMeta and RESULT leaves as a ResultMeta (the
+        broker's core and this worker's share the process: no msgpack in between)."""
+        return self.core.local
+
+    @property
     def results_socket(self) -> zmq.Socket[bytes]:
         """Readable when the inference thread has finished a batch (embedded: the broker
         polls it)."""

@@ -158,7 +158,25 @@ def test_a_result_with_nothing_queued_leaves_no_turn_due() -> None:
     # With a request queued behind the busy worker, the RESULT does ask for a pump now.
     batch = batch_out(c, W1, raw_request(2), raw_request(3), raw_request(4), raw_request(5))
     c.on_client(now, b"c1", raw_request(6))  # a fifth: waits for the worker
+    c.on_tick(now)  # (the arrival's own turn: the worker is busy, it stays queued)
+    assert c.next_wakeup(now) != now
     counts, frames = replies_for(batch.frames[1])
     result = ResultMeta(batch.frames[1].batch_id, 0, 1, counts)
     c.on_worker(now, W1, [header(Command.RESULT), result, *frames])
     assert c.next_wakeup(now) == now
+
+
+def test_a_local_result_claiming_an_empty_reply_is_a_protocol_error() -> None:
+    """A reply of zero frames would reach the client as a bare routing id (dropped by
+    ROUTER) while the request counted as answered: refused as from_wire refuses it."""
+    c = core()
+    c.local_workers = {W1}
+    batch = batch_out(c, W1, raw_request(1), raw_request(2)).frames[1]
+    counts, frames = replies_for(batch)
+    bad = ResultMeta(batch.batch_id, 0.0, 1.0, (0, counts[0] + counts[1]))
+    out = c.on_worker(T0 + 0.01, W1, [header(Command.RESULT), bad, *frames])
+    assert [parse_header(o.frames[0]) for o in out if o.side is Side.BACKEND] == [
+        Command.DISCONNECT
+    ]
+    assert not [o for o in out if o.side is Side.FRONTEND]  # requeued, not answered
+    assert c.stats.replies == 0
