@@ -19,7 +19,7 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   ``--py-spy`` a ``py-spy record -f raw`` of both summarized as self / inclusive shares.
 
 Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
-      .venv/bin/python bench/hot_path.py embedded [--profile] [--client]
+      .venv/bin/python bench/hot_path.py embedded [--profile] [--client] [--burst K]
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
           [--embedded]   (the null-engine worker inside the broker's process)
           [--client]     (the carpool Client drives it, not a raw DEALER)
@@ -131,9 +131,10 @@ def core_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def embedded_run(n: int, use_client: bool, chunk: int = 500) -> list[float]:
-    """us per round trip through an embedded broker stepped in this process, per chunk
-    of ``chunk`` round trips (the fastest chunk is the floor: the least disturbed)."""
+def embedded_run(n: int, use_client: bool, chunk: int = 500, burst: int = 1) -> list[float]:
+    """us per request through an embedded broker stepped in this process, per chunk of
+    ``chunk`` requests (the fastest chunk is the floor: the least disturbed), sent
+    ``burst`` at a time (all answered before the next burst)."""
     from carpool.broker.server import BrokerServer
     from carpool.worker.config import ModelConfig, WorkerConfig
 
@@ -148,11 +149,13 @@ def embedded_run(n: int, use_client: bool, chunk: int = 500) -> list[float]:
             client = Client(config.frontend, context=context)
             for _ in range(n // chunk):
                 t0 = time.perf_counter()
-                for _ in range(chunk):
-                    future = client.submit("synthetic", {"x": x}, 10.0)
-                    while not client.poll(0):
+                for _ in range(chunk // burst):
+                    futures = [client.submit("synthetic", {"x": x}, 10.0) for _ in range(burst)]
+                    while client.in_flight:
                         broker.step(0)
-                    future.result(0)
+                        client.poll(0)
+                    for future in futures:
+                        future.result(0)
                 chunks.append(1e6 * (time.perf_counter() - t0) / chunk)
             client.close()
         else:
@@ -160,11 +163,16 @@ def embedded_run(n: int, use_client: bool, chunk: int = 500) -> list[float]:
             frames = request_frames("synthetic", x)
             for _ in range(n // chunk):
                 t0 = time.perf_counter()
-                for _ in range(chunk):
-                    sock.send_multipart(frames, copy=False)
-                    while not sock.poll(0):
-                        broker.step(0)
-                    sock.recv_multipart(copy=False)
+                for _ in range(chunk // burst):
+                    for _ in range(burst):
+                        sock.send_multipart(frames, copy=False)
+                    received = 0
+                    while received < burst:
+                        if not sock.poll(0):
+                            broker.step(0)
+                            continue
+                        sock.recv_multipart(copy=False)
+                        received += 1
                 chunks.append(1e6 * (time.perf_counter() - t0) / chunk)
             sock.close()
     return chunks
@@ -172,17 +180,18 @@ def embedded_run(n: int, use_client: bool, chunk: int = 500) -> list[float]:
 
 def embedded_main(args: argparse.Namespace) -> int:
     quiet_logs()
-    embedded_run(2000, args.client)  # warm-up
+    embedded_run(2000, args.client, burst=args.burst)  # warm-up
     if args.profile:
         profiler = cProfile.Profile()
-        profiler.runcall(embedded_run, 10_000, args.client)
+        profiler.runcall(embedded_run, 10_000, args.client, burst=args.burst)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
         return 0
-    chunks = embedded_run(20_000, args.client)
+    chunks = embedded_run(20_000, args.client, burst=args.burst)
     who = "Client" if args.client else "raw DEALER"
     print(
-        f"embedded broker stepped in-process, {who}: floor {min(chunks):.1f} us per round "
-        f"trip, median {sorted(chunks)[len(chunks) // 2]:.1f} (chunks of 500)"
+        f"embedded broker stepped in-process, {who}, bursts of {args.burst}: floor "
+        f"{min(chunks):.1f} us per request, median {sorted(chunks)[len(chunks) // 2]:.1f} "
+        "(chunks of 500)"
     )
     return 0
 
@@ -274,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("embedded", help="an embedded broker stepped in this process")
     e.add_argument("--profile", action="store_true", help="cProfile it")
     e.add_argument("--client", action="store_true", help="the Client, not a raw DEALER")
+    e.add_argument("--burst", type=int, default=1, help="requests sent at a time (1)")
     s = sub.add_parser("spy", help="broker and worker processes under a closed loop")
     s.add_argument("--in-flight", type=int, default=8)
     s.add_argument("--seconds", type=float, default=6.0)

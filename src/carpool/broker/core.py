@@ -98,7 +98,7 @@ class Outgoing:
 
     side: Side
     identity: bytes
-    frames: list[Any]
+    frames: Sequence[Any]
 
 
 @dataclass(slots=True)
@@ -562,14 +562,19 @@ class BrokerCore:
             self._fail_batch(batch, ErrorCode.INTERNAL, msg, out)
         else:
             start = 0
+            answered = 0
             for req, count in zip(batch.requests, result.frames, strict=True):
-                frames = reply_frames[start : start + count]
-                start += count
-                if req.state is not RequestState.DISPATCHED:
-                    continue  # already answered (deadline passed while in flight)
-                _finish(req, RequestState.DONE)
-                self.stats.replies += 1
-                out.append(self._to_client(req.client, req.delimited, frames))
+                stop = start + count
+                if req.state is RequestState.DISPATCHED:  # else answered already (expired)
+                    _finish(req, RequestState.DONE)
+                    answered += 1
+                    # _to_client, inlined (per reply): the slice is this message's list.
+                    frames = reply_frames[start:stop]
+                    if req.delimited:
+                        frames = [b"", *frames]
+                    out.append(Outgoing(Side.FRONTEND, req.client, frames))
+                start = stop
+            self.stats.replies += answered
         self._pump_models(now, worker.models, out)
 
     def _on_failed(

@@ -215,7 +215,7 @@ class BrokerServer:
                 continue
             sock = self.frontend if msg.side is Side.FRONTEND else self.backend
             try:
-                send_frames(sock, [msg.identity, *msg.frames], NOBLOCK)
+                send_frames(sock, msg.frames, NOBLOCK, msg.identity)
             except zmq.Again:
                 logger.warning(
                     "peer=%s on %s is not reading; dropped", msg.identity.hex(), msg.side

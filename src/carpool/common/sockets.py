@@ -55,14 +55,19 @@ _COMPILED = _compiled()
 DIRECT = _COMPILED is not None
 
 
-def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
-    """Send ``frames`` as one multipart message (``send_multipart(..., copy=False)``)."""
+def send_frames(
+    sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0, first: Any = None
+) -> None:
+    """Send ``frames`` as one multipart message (``send_multipart(..., copy=False)``);
+    ``first``, if given, goes before them (a ROUTER's routing id: no list to build)."""
     if _COMPILED is None:
-        sock.send_multipart(frames, flags, copy=False)
+        sock.send_multipart(frames if first is None else [first, *frames], flags, copy=False)
         return
     send = _COMPILED[0]
     more = flags | SNDMORE
     last = len(frames) - 1
+    if first is not None:
+        send(sock, first, more if last >= 0 else flags, False, False)
     for i, frame in enumerate(frames):
         send(sock, frame, more if i < last else flags, False, False)
 

@@ -80,3 +80,11 @@ def test_a_mandatory_router_reports_an_unknown_peer() -> None:
         with pytest.raises(zmq.ZMQError) as info:
             send_frames(router, [b"nobody", b"hello"], NOBLOCK)
         assert info.value.errno == zmq.EHOSTUNREACH
+
+
+def test_a_first_frame_goes_before_the_others(pair: Any) -> None:
+    a, b = pair
+    send_frames(a, [b"two", b"three"], first=b"one")
+    send_frames(a, [], first=b"alone")
+    assert [f.bytes for f in recv_frames(b)] == [b"one", b"two", b"three"]
+    assert [f.bytes for f in recv_frames(b)] == [b"alone"]
