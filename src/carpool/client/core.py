@@ -44,6 +44,9 @@ from carpool.common.shm import RegionReader, ShmArena, ShmError
 logger = logging.getLogger(__name__)
 
 _REQUEST = header(Command.REQUEST)
+# Read per request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
+_STATS, _ERROR, _REPLY = Command.STATS, Command.ERROR, Command.REPLY
+_INTERACTIVE = Priority.INTERACTIVE
 #: Reply layouts a client remembers (the cache stops growing when full).
 _MAX_LAYOUTS = 256
 
@@ -140,7 +143,7 @@ class ClientCore:
             "inputs": metas,
             "timeout_ms": max(1, round(timeout * 1000)),
         }
-        if priority != Priority.INTERACTIVE:
+        if priority != _INTERACTIVE:
             meta["priority"] = int(priority)
         if self.shm_outputs:
             meta["shm_outputs"] = True
@@ -170,16 +173,16 @@ class ClientCore:
             raise ProtocolError("broker replies have a header and a meta frame")
         command = parse_header(view(frames[0]))
         meta = decode_meta(view(frames[1]))
-        if command is Command.STATS:
+        if command is _STATS:
             return None, meta
-        if command is Command.ERROR:
+        if command is _ERROR:
             err = ErrorReply.from_wire(meta)
             retry = None if err.retry_after_ms is None else err.retry_after_ms / 1000.0
             exc = error_for_code(
                 err.code, err.message, request_id=err.request_id, retry_after_s=retry
             )
             return self._settle(err.request_id), exc
-        if command is not Command.REPLY:
+        if command is not _REPLY:
             raise ProtocolError(f"unexpected command {command.name} from the broker")
         payloads = frames[2:]
         known = self._known_reply(meta, payloads)

@@ -30,6 +30,9 @@ class ClientState(Enum):
     CLOSED = "closed"
 
 
+_OPEN = ClientState.OPEN  # (checked per call: a global is cheaper than Enum.MEMBER)
+
+
 class ReplyFuture:
     """The pending reply of one request; :meth:`result` waits for it."""
 
@@ -232,7 +235,7 @@ class Client:
         return len(self._futures)
 
     def _check_open(self) -> None:
-        if self.state is not ClientState.OPEN:
+        if self.state is not _OPEN:
             raise CarpoolError("the client is closed")
 
     def close(self) -> None:
