@@ -7,6 +7,7 @@ always packs with ``use_bin_type=True`` and unpacks with ``raw=False`` and
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
@@ -70,9 +71,20 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
         raise ProtocolError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
 
 
+_packers = threading.local()
+
+
 def pack(obj: object) -> bytes:
-    """msgpack-encode ``obj`` (maps, lists, str, bytes, ints, floats, bool, None)."""
-    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    """msgpack-encode ``obj`` (maps, lists, str, bytes, ints, floats, bool, None).
+
+    One ``Packer`` per thread, reused: ``msgpack.packb`` builds a new one per call, about
+    half of its cost for a small meta (1.3 -> 0.7 us). A Packer resets itself after each
+    call, also when the object cannot be packed."""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)  # type: ignore[no-any-return]
 
 
 def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_META_BYTES) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
@@ -97,6 +98,25 @@ def test_pack_uses_bin_type_for_bytes() -> None:
     assert packed[0] == 0xC4  # bin 8, never raw str
     assert codec.unpack(packed) == b"ab"
     assert isinstance(codec.unpack(codec.pack("ab")), str)
+
+
+def test_pack_after_a_failed_pack_and_from_other_threads() -> None:
+    """The per-thread Packer starts clean after an object it could not pack, and each
+    thread's packs are whole."""
+    with pytest.raises(TypeError):
+        codec.pack({"a": [1, object()]})
+    assert codec.pack({"b": 1}) == msgpack.packb({"b": 1})
+    results: list[bytes] = []
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(codec.pack({"t": i, "x": [i] * 50})))
+        for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codec.unpack(r)["t"] for r in results) == list(range(8))
+    assert all(codec.unpack(r)["x"] == [codec.unpack(r)["t"]] * 50 for r in results)
 
 
 def test_unpack_accepts_memoryview() -> None:
