@@ -185,11 +185,14 @@ def replies(
     frames: list[Any] = []
     start = 0
     since: int | None = None  # where this batch's first output went in the ring
+    one = rows[0] if len(rows) == 1 and not single else None  # (the common case)
     for item in batch.items:
         n = item.samples
         stop = start + n
         if single:
             pieces = rows
+        elif one is not None:
+            pieces = [one[start * row_bytes[0] : stop * row_bytes[0]]]
         else:
             pieces = [mv[start * rb : stop * rb] for mv, rb in zip(rows, row_bytes, strict=True)]
         start = stop
@@ -218,7 +221,11 @@ def replies(
                 "queue_ms": round(item.queue_ms, 3),
                 "compute_ms": compute,
             }
-            encoded = [_REPLY, pack(wire), *pieces]
+            frames.append(_REPLY)
+            frames.append(pack(wire))
+            frames.extend(pieces)
+            counts.append(2 + len(pieces))
+            continue
         counts.append(len(encoded))
         frames.extend(encoded)
     return counts, frames
