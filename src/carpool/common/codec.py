@@ -72,6 +72,8 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
 
 
 _packers = threading.local()
+#: A Packer whose output was larger than this is not kept (its buffer would stay that big).
+_PACKER_KEEP_BYTES = 1 << 20
 
 
 def pack(obj: object) -> bytes:
@@ -79,12 +81,18 @@ def pack(obj: object) -> bytes:
 
     One ``Packer`` per thread, reused: ``msgpack.packb`` builds a new one per call, about
     half of its cost for a small meta (1.3 -> 0.7 us). A Packer resets itself after each
-    call, also when the object cannot be packed."""
+    call, also when the object cannot be packed, but keeps its buffer at the largest
+    size it ever needed: after a large object (a simple-form message carries its tensors
+    inline, up to 64 MiB) the thread's Packer is dropped. Not reentrant: nothing packed
+    here may call back into ``pack`` (no ``default`` hook, plain containers only)."""
     try:
         packer = _packers.packer
     except AttributeError:
         packer = _packers.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(obj)  # type: ignore[no-any-return]
+    out: bytes = packer.pack(obj)
+    if len(out) > _PACKER_KEEP_BYTES:
+        del _packers.packer
+    return out
 
 
 def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_META_BYTES) -> Any:

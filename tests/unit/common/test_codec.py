@@ -119,6 +119,17 @@ def test_pack_after_a_failed_pack_and_from_other_threads() -> None:
     assert all(codec.unpack(r)["x"] == [codec.unpack(r)["t"]] * 50 for r in results)
 
 
+def test_a_large_pack_does_not_keep_its_buffer() -> None:
+    codec.pack({"small": 1})
+    kept = codec._packers.packer
+    assert codec.pack({"small": 2}) == msgpack.packb({"small": 2})
+    assert codec._packers.packer is kept  # reused for small objects
+    big = codec.pack({"d": b"x" * (2 << 20)})
+    assert len(big) > 2 << 20
+    assert not hasattr(codec._packers, "packer")  # dropped: its buffer was that big
+    assert codec.pack({"small": 3}) == msgpack.packb({"small": 3})
+
+
 def test_unpack_accepts_memoryview() -> None:
     assert codec.unpack(memoryview(codec.pack({"x": 1}))) == {"x": 1}
 
