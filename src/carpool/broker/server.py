@@ -22,7 +22,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
-from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 
 logger = logging.getLogger(__name__)
@@ -191,16 +191,9 @@ class BrokerServer:
         now = self.clock.now
         # A peer may set its own routing id: none may speak as an embedded worker.
         taken = self._embedded if side is _BACKEND else None
-        for n in range(BURST):
-            # Read until zmq.Again (raising it costs ~5-9 us once per drain, asking
-            # ZMQ_EVENTS ~2-3 us per message), except after the first message: at low load
-            # a drain finds one, and asking once is cheaper than the raise.
-            if n == 1 and not readable(sock):
-                return 1
-            try:
-                frames = recv_frames(sock, NOBLOCK)
-            except zmq.Again:
-                return n
+        n = 0
+        for frames in waiting(sock, BURST):
+            n += 1
             identity = frames[0].bytes
             if taken and identity in taken:
                 logger.warning("a backend peer used an embedded worker's id: dropped")
@@ -208,7 +201,7 @@ class BrokerServer:
             out = handler(now(), identity, frames[1:])
             if out:
                 self._send(out)
-        return BURST
+        return n
 
     def _send(self, messages: list[Outgoing]) -> None:
         for msg in messages:

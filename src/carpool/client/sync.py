@@ -22,7 +22,7 @@ from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError
 from carpool.common.protocol import Priority
 from carpool.common.shm import ShmArena
-from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
+from carpool.common.sockets import send_frames, waiting
 
 
 class ClientState(Enum):
@@ -196,17 +196,7 @@ class Client:
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
         completed = 0
         if self._poller.poll(wait_ms):
-            received = 0
-            while True:
-                # After the first message ask whether another waits (cheaper than the
-                # zmq.Again a read would raise: at low load one reply is all there is).
-                if received == 1 and not readable(self.socket):
-                    break
-                try:
-                    frames = recv_frames(self.socket, NOBLOCK)
-                except zmq.Again:
-                    break
-                received += 1
+            for frames in waiting(self.socket):
                 completed += self._dispatch(frames)
         for rid, error in self.core.expire(self.clock.now()):
             future = self._futures.pop(rid, None)

@@ -25,7 +25,7 @@ from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, ModelSpec, encode_error
 from carpool.common.shm import RegionReader, ShmRing
-from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 from carpool.worker.core import Answer, Reconnect, RunBatch, WorkerCore
 from carpool.worker.engines.base import Engine, zeros_like_spec
@@ -221,16 +221,11 @@ class WorkerServer:
         n = 0
         dealer = self.dealer
         assert dealer is not None
-        while True:
-            if n == 1 and not readable(dealer):  # one message: no zmq.Again to raise
-                return n
-            try:
-                frames = recv_frames(dealer, NOBLOCK)
-            except zmq.Again:
-                return n
+        for frames in waiting(dealer):
             n += 1
             if not self._on_broker(frames):
                 return n
+        return n
 
     def _on_broker(self, frames: list[Any]) -> bool:
         """One message from the broker; False when the connection was started over."""
@@ -318,16 +313,11 @@ class WorkerServer:
 
     def _drain_results(self) -> int:
         n = 0
-        while True:
-            if n == 1 and not readable(self._results):  # one result: no zmq.Again
-                return n
-            try:
-                parts = recv_frames(self._results, NOBLOCK)
-            except zmq.Again:
-                return n
+        for parts in waiting(self._results):
             n += 1
             if not self._finish_job(codec.unpack(parts[0].buffer), parts[1:]):
                 return n
+        return n
 
     def _finish_job(self, info: dict[str, Any], frames: list[Any]) -> bool:
         """Report a finished batch to the broker; False if it had to reconnect."""

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from carpool.common import sockets
-from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames
+from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames, waiting
 
 
 @pytest.fixture(params=["direct", "fallback"])
@@ -88,3 +88,14 @@ def test_a_first_frame_goes_before_the_others(pair: Any) -> None:
     send_frames(a, [], first=b"alone")
     assert [f.bytes for f in recv_frames(b)] == [b"one", b"two", b"three"]
     assert [f.bytes for f in recv_frames(b)] == [b"alone"]
+
+
+def test_waiting_yields_what_waits_up_to_a_limit(pair: Any) -> None:
+    a, b = pair
+    assert list(waiting(b)) == []
+    for i in range(4):
+        send_frames(a, [b"m%d" % i, b"x"])
+    assert b.poll(1000)
+    assert [[f.bytes for f in m] for m in waiting(b, 3)] == [[b"m%d" % i, b"x"] for i in range(3)]
+    assert [m[0].bytes for m in waiting(b)] == [b"m3"]  # what the limit left
+    assert list(waiting(b)) == []
