@@ -15,7 +15,11 @@ process sends requests one at a time (the next only after the reply) with 64-byt
 * embedded (raw DEALER / Client): the same against a second broker that runs its
   null-engine worker inside its own process (``carpool broker --embed-synthetic 0 0``);
 * fleet (Client): ``carpool.client.Client.submit`` then ``poll`` until the reply, one
-  request at a time, as ``Client.infer`` does (encode, send, wait, decode).
+  request at a time, as ``Client.infer`` does (encode, send, wait, decode);
+* bare relays (raw DEALER): the same frames through ``bench/common.py bare-broker`` and
+  ``bare-worker``, the echo server's loop as a broker and as a worker: the fleet's three
+  processes and four hops with no carpool code (no validation, batching, deadlines or
+  errors), the floor of that topology in Python on this machine.
 
 The configurations alternate within a round of 3,000 requests each (300 with --quick)
 after a warm-up; the round is repeated 5 times (2 with --quick). The table shows the
@@ -69,6 +73,7 @@ CONFIGS = (
     "fleet (Client)",
     "embedded (raw DEALER)",
     "embedded (Client)",
+    "bare relays (raw DEALER)",
 )
 
 
@@ -105,8 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0")
         wait_workers(emb_front, 1, group)
         group.echo(echo_ep)
+        bare_front, bare_back = group.endpoint("bare-front"), group.endpoint("bare-back")
+        group.bare_fleet(bare_front, bare_back)
         wait_workers(frontend, 1, group)
         wait_echo(echo_ep, group)
+        wait_echo(bare_front, group)
         with Client(frontend) as client, Client(emb_front) as emb_client:
             y = emb_client.infer(MODEL, {"x": x})["y"]
             assert np.allclose(y, 2 * x + 1), "the embedded fleet gave a wrong answer"
@@ -116,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert np.allclose(y, 2 * x + 1), "the fleet gave a wrong answer"
             fleet_raw = dealer(frontend)
             echo_raw = dealer(echo_ep)
+            bare_raw = dealer(bare_front)
             loop = FleetLoop(client, MODEL, {"x": x}, 1, latencies=True)
             try:
                 runs: dict[str, Callable[[int], list[float]]] = {
@@ -147,6 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ).latencies_s
                     ),
                     "embedded (Client)": lambda k: emb_loop.run(k, max_s).latencies_s,
+                    "bare relays (raw DEALER)": lambda k: (
+                        raw_loop(
+                            bare_raw,
+                            frames,
+                            1,
+                            k,
+                            max_s,
+                            expect_command=Command.REPLY,
+                            latencies=True,
+                        ).latencies_s
+                    ),
                 }
                 for rnd in range(reps + 1):  # round 0 is the warm-up
                     for config in CONFIGS:
@@ -159,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fleet_raw.close()
                 emb_raw.close()
                 echo_raw.close()
+                bare_raw.close()
 
     summary: dict[str, Any] = {}
     for config in CONFIGS:
@@ -194,9 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio = summary["fleet (Client)"]["p50_x_echo"]
     ok = ratio <= TARGET
     emb = summary["embedded (Client)"]["p50_x_echo"]
+    bare = summary["bare relays (raw DEALER)"]["p50_x_echo"]
     print(
         f"target fleet (Client) p50 <= {TARGET:g} x echo p50: {ratio:.2f} {verdict(ok)}; "
-        f"with the worker embedded in the broker: {emb:.2f} {verdict(emb <= TARGET)}"
+        f"with the worker embedded in the broker: {emb:.2f} {verdict(emb <= TARGET)}; "
+        f"the bare relays (this topology with no carpool code): {bare:.2f}"
     )
     write_json(
         "added_latency",

@@ -16,7 +16,11 @@ as a reply comes back, 64-byte float32 [1, 16] payloads.
 * echo (raw DEALER): the same frames on a bare DEALER against the echo server;
 * embedded (Client / raw DEALER): the same against a second broker that runs its
   null-engine worker inside its own process (``carpool broker --embed-synthetic 0 0``):
-  no worker process, no hops between broker and worker.
+  no worker process, no hops between broker and worker;
+* bare relays (raw DEALER): the same frames through ``bench/common.py bare-broker`` and
+  ``bare-worker``, the echo server's loop as a broker and as a worker (each request
+  forwarded alone, no batching): the fleet's three processes and four hops with no
+  carpool code, the floor of that topology in Python on this machine.
 
 Each configuration runs for a fixed time (bounded in requests too) after a warm-up; the
 configurations alternate and the whole round is repeated (5 times; 2 with --quick); the
@@ -73,6 +77,7 @@ CONFIGS = (
     "fleet (Client)",
     "embedded (raw DEALER)",
     "embedded (Client)",
+    "bare relays (raw DEALER)",
 )
 MODEL = "synthetic"
 
@@ -120,9 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         echo = group.echo(echo_ep)
         emb_front, emb_back = group.endpoint("emb-front"), group.endpoint("emb-back")
         embedded = group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0")
+        bare_front, bare_back = group.endpoint("bare-front"), group.endpoint("bare-back")
+        bare_broker, bare_worker = group.bare_fleet(bare_front, bare_back)
         wait_workers(frontend, 1, group)
         wait_workers(emb_front, 1, group)
         wait_echo(echo_ep, group)
+        wait_echo(bare_front, group)
         me = CpuMeter()
         fleet_meters = {
             "client_cpu": me,
@@ -131,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         echo_meters = {"client_cpu": me, "server_cpu": CpuMeter(echo.pid)}
         embedded_meters = {"client_cpu": me, "broker_cpu": CpuMeter(embedded.pid)}
+        bare_meters = {
+            "client_cpu": me,
+            "broker_cpu": CpuMeter(bare_broker.pid),
+            "worker_cpu": CpuMeter(bare_worker.pid),
+        }
         with Client(frontend) as client, Client(emb_front) as emb_client:
             for c in (client, emb_client):
                 y = c.infer(MODEL, {"x": x})["y"]
@@ -138,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fleet_raw = dealer(frontend)
             emb_raw = dealer(emb_front)
             echo_raw = dealer(echo_ep)
+            bare_raw = dealer(bare_front)
             try:
                 runs: dict[str, Run] = {}
 
@@ -159,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     emb_raw, frames, k, n, s, expect_command=Command.REPLY
                 )
                 runs["echo (raw DEALER)"] = lambda k, n, s: raw_loop(echo_raw, frames, k, n, s)
+                runs["bare relays (raw DEALER)"] = lambda k, n, s: raw_loop(
+                    bare_raw, frames, k, n, s, expect_command=Command.REPLY
+                )
                 for rnd in range(reps + 1):  # round 0 is the warm-up
                     for k in IN_FLIGHT:
                         for config in CONFIGS:
@@ -167,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 if config.startswith("echo")
                                 else embedded_meters
                                 if config.startswith("embedded")
+                                else bare_meters
+                                if config.startswith("bare")
                                 else fleet_meters
                             )
                             m = measure(
@@ -180,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fleet_raw.close()
                 emb_raw.close()
                 echo_raw.close()
+                bare_raw.close()
 
     rows = []
     summary: dict[str, Any] = {}
@@ -230,9 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k, ok in checks.items():
         ratio = summary[f"fleet (Client) @ {k}"]["ratio_to_echo"]
         emb = summary[f"embedded (Client) @ {k}"]["ratio_to_echo"]
+        bare = summary[f"bare relays (raw DEALER) @ {k}"]["ratio_to_echo"]
         print(
             f"target fleet (Client) >= {TARGET} x echo at {k} in flight: {ratio:.3f} {verdict(ok)}"
             f"; with the worker embedded in the broker: {emb:.3f} {verdict(emb >= TARGET)}"
+            f"; the bare relays: {bare:.3f}"
         )
     write_json(
         "broker_ceiling",
@@ -260,7 +282,7 @@ def plot(summary: dict[str, Any], reps: int) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.16
+    width = 0.8 / len(CONFIGS)
     xs = np.arange(len(IN_FLIGHT))
     mid = (len(CONFIGS) - 1) / 2
     for i, config in enumerate(CONFIGS):

@@ -11,6 +11,13 @@ first on ``sys.path``). It is also the helper process that some benchmarks start
         server behind it makes a broker's topology, four socket transfers per request,
         with no Python per message)
 
+    python bench/common.py bare-broker FRONTEND BACKEND
+    python bench/common.py bare-worker BACKEND
+        the echo server's loop as a broker (client messages to the one worker, tagged with
+        the client's id; its answers back) and as a worker (a REPLY for each request, its
+        payload sent back as the output): the fleet's processes and four hops with no
+        carpool code, the floor of that topology in Python
+
     python bench/common.py workers BROKER --count N --models JSON
         N carpool WorkerServers with SyntheticEngines, on threads of ONE process and one
         zmq context (so 32 workers do not mean 32 processes on a 2-core machine)
@@ -141,6 +148,15 @@ class ProcessGroup:
     def echo(self, endpoint: str) -> subprocess.Popen[bytes]:
         """The plain pyzmq ROUTER echo server as a process."""
         return self.start("echo", [sys.executable, str(HERE), "echo", endpoint])
+
+    def bare_fleet(self, frontend: str, backend: str) -> list[subprocess.Popen[bytes]]:
+        """The bare broker and bare worker (see the module docstring) as two processes;
+        :func:`wait_echo` on ``frontend`` returns once they are connected."""
+        me = [sys.executable, str(HERE)]
+        return [
+            self.start("bare broker", [*me, "bare-broker", frontend, backend]),
+            self.start("bare worker", [*me, "bare-worker", backend]),
+        ]
 
     def relay(self, frontend: str, target: str) -> subprocess.Popen[bytes]:
         """A ``zmq.proxy`` (ROUTER ``frontend`` <-> DEALER connected to ``target``) as a
@@ -603,6 +619,92 @@ def _echo_main(endpoint: str) -> int:
     return 0
 
 
+def _bare_broker_main(frontend: str, backend: str) -> int:
+    """Client [id, *frames] -> worker [id, *frames]; worker [id, *frames] -> client."""
+    stopper = _Stopper()
+    ctx = zmq.Context()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    for sock in (front, back):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+    front.bind(frontend)
+    back.bind(backend)
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    worker: bytes | None = None
+    held: list[list[Any]] = []  # client messages from before the worker said hello
+    try:
+        while not stopper.should_stop():
+            events = dict(poller.poll(100))
+            if back in events:
+                for _ in range(256):
+                    try:
+                        frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if len(frames) == 2 and frames[1].bytes == b"hello":
+                        worker = frames[0].bytes
+                        for msg in held:
+                            back.send_multipart([worker, *msg], copy=False)
+                        held.clear()
+                    else:
+                        front.send_multipart(frames[1:], copy=False)
+            if front in events:
+                for _ in range(256):
+                    try:
+                        frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if worker is None:
+                        held.append(frames)
+                    else:
+                        back.send_multipart([worker, *frames], copy=False)
+    finally:
+        front.close()
+        back.close()
+        ctx.term()
+    return 0
+
+
+def _bare_worker_main(backend: str) -> int:
+    """[client, header, meta, *payloads] -> [client, REPLY, reply meta, *payloads]; any
+    other message goes back as it came (the ping of :func:`wait_echo`)."""
+    import msgpack
+
+    from carpool.common.protocol import Command, header
+
+    stopper = _Stopper()
+    reply = header(Command.REPLY)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.RCVHWM, 10_000)
+    sock.connect(backend)
+    sock.send(b"hello")
+    try:
+        while not stopper.should_stop():
+            if not sock.poll(100):
+                continue
+            for _ in range(256):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(frames) < 4:
+                    sock.send_multipart(frames, copy=False)
+                    continue
+                meta = msgpack.unpackb(frames[2].buffer)
+                out = {"id": meta["id"], "outputs": meta["inputs"], "batch_size": 1}
+                sock.send_multipart([frames[0], reply, msgpack.packb(out), *frames[3:]], copy=False)
+    finally:
+        sock.close()
+        ctx.term()
+    return 0
+
+
 def _relay_main(frontend: str, target: str) -> int:
     stopper = _Stopper()
     ctx = zmq.Context()
@@ -665,6 +767,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("relay", help="zmq.proxy: ROUTER frontend <-> DEALER to a target")
     r.add_argument("frontend")
     r.add_argument("target")
+    b = sub.add_parser("bare-broker", help="the echo's loop as a broker (one worker)")
+    b.add_argument("frontend")
+    b.add_argument("backend")
+    bw = sub.add_parser("bare-worker", help="the echo's loop as a worker")
+    bw.add_argument("backend")
     w = sub.add_parser("workers", help="synthetic workers on threads of one process")
     w.add_argument("broker", help="the broker's backend endpoint")
     w.add_argument("--count", type=int, default=1)
@@ -676,6 +783,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _echo_main(args.endpoint)
     if args.command == "relay":
         return _relay_main(args.frontend, args.target)
+    if args.command == "bare-broker":
+        return _bare_broker_main(args.frontend, args.backend)
+    if args.command == "bare-worker":
+        return _bare_worker_main(args.backend)
     models = [SyntheticModel(**m).to_json() for m in json.loads(args.models)]
     return _workers_main(args.broker, args.count, models, args.slots)
 
