@@ -13,6 +13,11 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   reply is there, receive): microseconds per round trip with everything hot, the floor
   under the embedded broker's low-load latency. ``--profile`` prints cProfile's top
   functions.
+* ``worker``: a ``WorkerServer`` with a null engine in this process, under a ROUTER that
+  plays the broker (inproc): a BATCH of ``--burst`` requests (1 by default) sent, the
+  worker stepped by hand until its RESULT is there, received. Microseconds per batch with
+  everything hot: the worker's share of a worker process's round trip. ``--profile``
+  prints cProfile's top functions.
 * ``spy``: the real processes (``carpool broker``, ``carpool worker --synthetic 0 0``), a
   raw DEALER closed loop (8 in flight by default), CPU per request of broker and worker
   (main thread and whole process), the broker's batch-size distribution, and with
@@ -20,6 +25,7 @@ Not one of the six questions: the tool used to answer "what next" for questions 
 
 Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
       .venv/bin/python bench/hot_path.py embedded [--profile] [--client] [--burst K]
+      .venv/bin/python bench/hot_path.py worker [--profile] [--burst K]
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
           [--embedded]   (the null-engine worker inside the broker's process)
           [--client]     (the carpool Client drives it, not a raw DEALER)
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import itertools
 import json
 import pstats
 import shutil
@@ -196,6 +203,66 @@ def embedded_main(args: argparse.Namespace) -> int:
     return 0
 
 
+_RUNS = itertools.count()
+
+
+def worker_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
+    """us per BATCH of ``burst`` requests through a WorkerServer stepped in this process,
+    per chunk of ``chunk`` batches (the fastest chunk is the floor)."""
+    from carpool.worker.config import ModelConfig
+    from carpool.worker.server import WorkerServer
+
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"inproc://hot-worker-{next(_RUNS)}"  # an inproc name is freed late
+    router.bind(endpoint)
+    model = ModelConfig.synthetic("synthetic", 0, 0, 32)
+    worker = WorkerServer(endpoint, {model.name: model.factory()}, name="hot", context=context)
+    chunks: list[float] = []
+    payload = tensor((1, 16)).tobytes()
+    items = [{"id": i + 1, "n": 1, "simple": False, "queue_ms": 0.123} for i in range(burst)]
+    inputs = [{"name": "x", "dtype": "float32", "shape": [-1, 16]}]
+    meta = {"batch": 1, "model": "synthetic", "inputs": inputs, "requests": items}
+    batch = encode(Command.BATCH, meta, [payload] * burst)
+    with worker:
+        while not router.poll(0):
+            worker.step(0)
+        wid = router.recv_multipart()[0]  # READY
+        for _ in range(n // chunk):
+            t0 = time.perf_counter()
+            for _ in range(chunk):
+                router.send(wid, zmq.SNDMORE)
+                router.send_multipart(batch, copy=False)
+                while True:
+                    worker.step(0)
+                    if router.poll(0):
+                        break
+                frames = router.recv_multipart(copy=False)
+                if frames[1].bytes != header(Command.RESULT):
+                    continue  # a heartbeat: the RESULT is still to come
+            chunks.append(1e6 * (time.perf_counter() - t0) / chunk)
+    router.close()
+    return chunks
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    quiet_logs()
+    worker_run(2000, burst=args.burst)  # warm-up
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(worker_run, 10_000, burst=args.burst)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+        return 0
+    chunks = worker_run(20_000, burst=args.burst)
+    print(
+        f"worker stepped in-process under a ROUTER, batches of {args.burst}: floor "
+        f"{min(chunks):.1f} us per batch, median {sorted(chunks)[len(chunks) // 2]:.1f} "
+        "(chunks of 500)"
+    )
+    return 0
+
+
 def summarize(path: Path, top: int = 25) -> None:
     """Self and inclusive shares of a py-spy raw (collapsed stacks) file."""
     own: collections.Counter[str] = collections.Counter()
@@ -284,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--profile", action="store_true", help="cProfile it")
     e.add_argument("--client", action="store_true", help="the Client, not a raw DEALER")
     e.add_argument("--burst", type=int, default=1, help="requests sent at a time (1)")
+    w = sub.add_parser("worker", help="a worker stepped in this process under a ROUTER")
+    w.add_argument("--profile", action="store_true", help="cProfile it")
+    w.add_argument("--burst", type=int, default=1, help="requests per batch (1)")
     s = sub.add_parser("spy", help="broker and worker processes under a closed loop")
     s.add_argument("--in-flight", type=int, default=8)
     s.add_argument("--seconds", type=float, default=6.0)
@@ -291,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--embedded", action="store_true", help="the worker inside the broker")
     s.add_argument("--client", action="store_true", help="drive it with the carpool Client")
     args = p.parse_args(argv)
-    mains = {"core": core_main, "embedded": embedded_main, "spy": spy_main}
+    mains = {"core": core_main, "embedded": embedded_main, "worker": worker_main, "spy": spy_main}
     return mains[args.mode](args)
 
 
