@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from carpool.common.codec import pack
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     BatchMeta,
@@ -80,9 +81,10 @@ class BusyMeter:
         return min(1.0, max(0.0, busy / self.window_s))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunBatch:
-    """Hand this batch to the inference thread."""
+    """Hand this batch to the inference thread. (Not frozen: one per batch, and a frozen
+    dataclass's ``__init__`` costs several times a plain one's.)"""
 
     epoch: int
     batch: BatchMeta
@@ -250,10 +252,17 @@ class WorkerCore:
         if epoch != self.epoch:
             return None
         compute_ms = 1000.0 * (ended_s - started_s)
-        meta = ResultMeta(batch_id, self.meter.rho(now), compute_ms, tuple(counts))
+        rho = self.meter.rho(now)
         if self.local:
-            return [_RESULT_HEADER, meta, *frames]
-        return encode(Command.RESULT, meta.to_wire(), frames)
+            return [_RESULT_HEADER, ResultMeta(batch_id, rho, compute_ms, tuple(counts)), *frames]
+        # ResultMeta(...).to_wire(), built directly: this runs for every batch.
+        wire = {
+            "batch": batch_id,
+            "rho": round(rho, 4),
+            "compute_ms": round(compute_ms, 3),
+            "frames": list(counts),
+        }
+        return [_RESULT_HEADER, pack(wire), *frames]
 
     def on_batch_failed(
         self,

@@ -240,6 +240,10 @@ def test_result_message() -> None:
     assert result.frames == (3, 1)
     assert result.compute_ms == pytest.approx(300.0)
     assert result.rho == pytest.approx(0.3)  # [0.1, 0.4] in the window [-0.5, 0.5]
+    # The meta is built directly: byte for byte what ResultMeta.to_wire gives.
+    compute_ms = 1000.0 * ((T0 + 0.4) - (T0 + 0.1))
+    expected = ResultMeta(7, w.meter.rho(T0 + 0.5), compute_ms, (3, 1))
+    assert bytes(msg[1]) == codec.pack(expected.to_wire())
     assert all(a is b for a, b in zip(payloads, frames, strict=True))
     assert w.batches_done == 1
 

@@ -88,6 +88,35 @@ def test_stack_rejects_bad_frames(frames: list[bytes], match: str) -> None:
         stack(batch((1, 1, False), (2, 1, False)), frames)
 
 
+@pytest.mark.parametrize(
+    ("frames", "match"),
+    [
+        ([bytes(24)], "1 frames for 1 requests"),
+        ([bytes(24), bytes(3)], "needs 4 bytes, frame has 3"),
+        ([bytes(23), bytes(4)], "needs 24 bytes, frame has 23"),
+    ],
+)
+def test_stack_rejects_bad_frames_of_one_request(frames: list[bytes], match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        stack(batch((1, 2, False)), frames)
+
+
+def test_each_input_list_gets_its_own_layout() -> None:
+    """The per-input-list layout is cached: another list, even of the same names, is
+    read with its own dtypes and shapes."""
+    data = np.arange(6, dtype=np.uint8).tobytes()
+    for dtype, shape, expected in (
+        ("uint8", (-1, 6), np.arange(6, dtype=np.uint8).reshape(1, 6)),
+        ("uint16", (-1, 3), np.frombuffer(data, np.uint16).reshape(1, 3)),
+        ("uint8", (-1, 3, 2), np.arange(6, dtype=np.uint8).reshape(1, 3, 2)),
+    ):
+        b = BatchMeta(1, "m", (TensorMeta("x", dtype, shape),), (BatchItem(1, 1, False, 0.0),))
+        for _ in range(2):
+            out = stack(b, [data])["x"]
+            assert out.dtype == expected.dtype
+            np.testing.assert_array_equal(out, expected)
+
+
 # --------------------------------------------------------------------------- replies
 
 
