@@ -18,6 +18,11 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   worker stepped by hand until its RESULT is there, received. Microseconds per batch with
   everything hot: the worker's share of a worker process's round trip. ``--profile``
   prints cProfile's top functions.
+* ``client``: the ``Client`` in this process under a ROUTER that plays the broker
+  (inproc): ``--burst`` requests submitted, answered by the ROUTER at once (a REPLY
+  packed per request), polled until done. Microseconds per request with everything hot,
+  the harness's own ROUTER included: the SDK's share of a round trip and of the client's
+  CPU under load. ``--profile`` prints cProfile's top functions.
 * ``spy``: the real processes (``carpool broker``, ``carpool worker --synthetic 0 0``), a
   raw DEALER closed loop (8 in flight by default), CPU per request of broker and worker
   (main thread and whole process), the broker's batch-size distribution, and with
@@ -26,6 +31,7 @@ Not one of the six questions: the tool used to answer "what next" for questions 
 Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
       .venv/bin/python bench/hot_path.py embedded [--profile] [--client] [--burst K]
       .venv/bin/python bench/hot_path.py worker [--profile] [--burst K]
+      .venv/bin/python bench/hot_path.py client [--profile] [--burst K]
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
           [--embedded]   (the null-engine worker inside the broker's process)
           [--client]     (the carpool Client drives it, not a raw DEALER)
@@ -263,6 +269,61 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def client_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
+    """us per request through a Client under a ROUTER in this process, per chunk of
+    ``chunk`` requests sent ``burst`` at a time (the fastest chunk is the floor)."""
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"inproc://hot-client-{next(_RUNS)}"
+    router.bind(endpoint)
+    x = tensor((1, 16))
+    reply_header = header(Command.REPLY)
+    outputs = [{"name": "y", "dtype": "float32", "shape": [1, 16]}]
+    chunks: list[float] = []
+    with Client(endpoint, context=context) as client:
+        for _ in range(n // chunk):
+            t0 = time.perf_counter()
+            for _ in range(chunk // burst):
+                futures = [client.submit("synthetic", {"x": x}, 10.0) for _ in range(burst)]
+                for _ in range(burst):
+                    frames = router.recv_multipart(copy=False)
+                    meta = codec.unpack(frames[2].buffer)
+                    wire = {
+                        "id": meta["id"],
+                        "outputs": outputs,
+                        "batch_size": burst,
+                        "queue_ms": 0.125,
+                        "compute_ms": 0.01,
+                    }
+                    reply = [frames[0], reply_header, codec.pack(wire), frames[3]]
+                    router.send_multipart(reply, copy=False)
+                while client.in_flight:
+                    client.poll(0)
+                for future in futures:
+                    future.result(0)
+            chunks.append(1e6 * (time.perf_counter() - t0) / chunk)
+    router.close()
+    return chunks
+
+
+def client_main(args: argparse.Namespace) -> int:
+    quiet_logs()
+    client_run(2000, burst=args.burst)  # warm-up
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(client_run, 10_000, burst=args.burst)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+        return 0
+    chunks = client_run(20_000, burst=args.burst)
+    print(
+        f"Client in-process under a ROUTER, bursts of {args.burst}: floor "
+        f"{min(chunks):.1f} us per request, median {sorted(chunks)[len(chunks) // 2]:.1f} "
+        "(chunks of 500)"
+    )
+    return 0
+
+
 def summarize(path: Path, top: int = 25) -> None:
     """Self and inclusive shares of a py-spy raw (collapsed stacks) file."""
     own: collections.Counter[str] = collections.Counter()
@@ -354,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker", help="a worker stepped in this process under a ROUTER")
     w.add_argument("--profile", action="store_true", help="cProfile it")
     w.add_argument("--burst", type=int, default=1, help="requests per batch (1)")
+    cl = sub.add_parser("client", help="the Client in this process under a ROUTER")
+    cl.add_argument("--profile", action="store_true", help="cProfile it")
+    cl.add_argument("--burst", type=int, default=1, help="requests sent at a time (1)")
     s = sub.add_parser("spy", help="broker and worker processes under a closed loop")
     s.add_argument("--in-flight", type=int, default=8)
     s.add_argument("--seconds", type=float, default=6.0)
@@ -361,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--embedded", action="store_true", help="the worker inside the broker")
     s.add_argument("--client", action="store_true", help="drive it with the carpool Client")
     args = p.parse_args(argv)
-    mains = {"core": core_main, "embedded": embedded_main, "worker": worker_main, "spy": spy_main}
+    mains = {
+        "core": core_main,
+        "embedded": embedded_main,
+        "worker": worker_main,
+        "client": client_main,
+        "spy": spy_main,
+    }
     return mains[args.mode](args)
 
 
