@@ -1,0 +1,86 @@
+"""The benchmarks' reference servers answer as the scripts expect.
+
+The scripts in bench/ do not run in CI (they take minutes and measure speed); their
+baselines stand on the helper processes of ``bench/common.py``. These tests start the
+echo server and the bare relays as the scripts do and check what comes back, and that
+every script still imports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from carpool.common import codec
+from carpool.common.protocol import Command, header
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    """``bench/common.py``, imported as the scripts import it (their directory on the path)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+
+        yield common
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_every_bench_script_imports(bench: ModuleType, script: str) -> None:
+    name = f"bench_{script[:-3]}"
+    spec = importlib.util.spec_from_file_location(name, BENCH / script)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up while it executes)
+    try:
+        spec.loader.exec_module(module)  # scripts only run under `if __name__ == "__main__"`
+    finally:
+        del sys.modules[name]
+    assert module.__doc__, f"{script} says what it measures in its docstring"
+
+
+def test_echo_and_bare_relays_answer_as_the_scripts_expect(bench: ModuleType) -> None:
+    x = bench.tensor((1, 16))
+    frames = bench.request_frames("synthetic", x)
+    request_meta = codec.unpack(frames[1])
+    with bench.ProcessGroup("ipc") as group:
+        echo, front, back = (group.endpoint(n) for n in ("echo", "bare-front", "bare-back"))
+        group.echo(echo)
+        group.bare_fleet(front, back)
+        bench.wait_echo(echo, group)
+        bench.wait_echo(front, group)  # through both bare processes once they are connected
+
+        sock = bench.dealer(echo)
+        try:
+            sock.send_multipart(frames)
+            assert sock.poll(10_000)
+            assert sock.recv_multipart() == [bytes(f) for f in frames]  # back as it was sent
+        finally:
+            sock.close()
+
+        sock = bench.dealer(front)
+        try:
+            sock.send_multipart(frames)
+            assert sock.poll(10_000)
+            reply = sock.recv_multipart()
+            # A REPLY to that request: its id, the input's descriptor, the payload back.
+            assert reply[0] == header(Command.REPLY)
+            meta = codec.unpack(reply[1])
+            assert meta["id"] == request_meta["id"]
+            assert meta["outputs"] == request_meta["inputs"]
+            assert reply[2] == x.tobytes()
+            # The closed loop the scripts run, several in flight: every reply comes back.
+            result = bench.raw_loop(sock, frames, 4, 40, 20.0, expect_command=Command.REPLY)
+            assert (result.completed, result.errors) == (40, 0)
+        finally:
+            sock.close()
