@@ -19,7 +19,10 @@ process sends requests one at a time (the next only after the reply) with 64-byt
 * bare relays (raw DEALER): the same frames through ``bench/common.py bare-broker`` and
   ``bare-worker``, the echo server's loop as a broker and as a worker: the fleet's three
   processes and four hops with no carpool code (no validation, batching, deadlines or
-  errors), the floor of that topology in Python on this machine.
+  errors), the floor of that topology in Python on this machine;
+* bare relays, unix link (raw DEALER): the same two processes with a unix stream socket
+  between them instead of the backend ROUTER/DEALER: what the broker-worker hops cost
+  outside libzmq's I/O threads.
 
 The configurations alternate within a round of 3,000 requests each (300 with --quick)
 after a warm-up; the round is repeated 5 times (2 with --quick). The table shows the
@@ -74,6 +77,7 @@ CONFIGS = (
     "embedded (raw DEALER)",
     "embedded (Client)",
     "bare relays (raw DEALER)",
+    "bare relays, unix link (raw DEALER)",
 )
 
 
@@ -112,9 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         group.echo(echo_ep)
         bare_front, bare_back = group.endpoint("bare-front"), group.endpoint("bare-back")
         group.bare_fleet(bare_front, bare_back)
+        unix_front = group.endpoint("unix-front")
+        group.bare_fleet(unix_front, f"unix:{group.tmp}/bare-link")
         wait_workers(frontend, 1, group)
         wait_echo(echo_ep, group)
         wait_echo(bare_front, group)
+        wait_echo(unix_front, group)
         with Client(frontend) as client, Client(emb_front) as emb_client:
             y = emb_client.infer(MODEL, {"x": x})["y"]
             assert np.allclose(y, 2 * x + 1), "the embedded fleet gave a wrong answer"
@@ -125,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fleet_raw = dealer(frontend)
             echo_raw = dealer(echo_ep)
             bare_raw = dealer(bare_front)
+            unix_raw = dealer(unix_front)
             loop = FleetLoop(client, MODEL, {"x": x}, 1, latencies=True)
             try:
                 runs: dict[str, Callable[[int], list[float]]] = {
@@ -167,6 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                             latencies=True,
                         ).latencies_s
                     ),
+                    "bare relays, unix link (raw DEALER)": lambda k: (
+                        raw_loop(
+                            unix_raw,
+                            frames,
+                            1,
+                            k,
+                            max_s,
+                            expect_command=Command.REPLY,
+                            latencies=True,
+                        ).latencies_s
+                    ),
                 }
                 for rnd in range(reps + 1):  # round 0 is the warm-up
                     for config in CONFIGS:
@@ -180,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 emb_raw.close()
                 echo_raw.close()
                 bare_raw.close()
+                unix_raw.close()
 
     summary: dict[str, Any] = {}
     for config in CONFIGS:
@@ -216,10 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = ratio <= TARGET
     emb = summary["embedded (Client)"]["p50_x_echo"]
     bare = summary["bare relays (raw DEALER)"]["p50_x_echo"]
+    unix = summary["bare relays, unix link (raw DEALER)"]["p50_x_echo"]
     print(
         f"target fleet (Client) p50 <= {TARGET:g} x echo p50: {ratio:.2f} {verdict(ok)}; "
         f"with the worker embedded in the broker: {emb:.2f} {verdict(emb <= TARGET)}; "
-        f"the bare relays (this topology with no carpool code): {bare:.2f}"
+        f"the bare relays (this topology with no carpool code): {bare:.2f}, "
+        f"with a unix link between them: {unix:.2f}"
     )
     write_json(
         "added_latency",

@@ -16,7 +16,10 @@ first on ``sys.path``). It is also the helper process that some benchmarks start
         the echo server's loop as a broker (client messages to the one worker, tagged with
         the client's id; its answers back) and as a worker (a REPLY for each request, its
         payload sent back as the output): the fleet's processes and four hops with no
-        carpool code, the floor of that topology in Python
+        carpool code, the floor of that topology in Python. A BACKEND of ``unix:PATH``
+        links the two by a unix stream socket (length-prefixed msgpack lists of frames)
+        instead of a ROUTER/DEALER pair: the same relays with the broker-worker hops
+        outside libzmq's I/O threads
 
     python bench/common.py workers BROKER --count N --models JSON
         N carpool WorkerServers with SyntheticEngines, on threads of ONE process and one
@@ -39,9 +42,11 @@ import json
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -619,9 +624,89 @@ def _echo_main(endpoint: str) -> int:
     return 0
 
 
+_LINK_LEN = struct.Struct("<I")
+
+
+def _link_send(sock: socket.socket, frames: Sequence[Any]) -> None:
+    """One message on a bare unix link: a 4-byte length, then a msgpack list of frames."""
+    import msgpack
+
+    body = msgpack.packb([bytes(f) for f in frames])
+    sock.sendall(_LINK_LEN.pack(len(body)) + body)
+
+
+def _link_recv(sock: socket.socket) -> list[bytes] | None:
+    """The next message of a bare unix link (blocking: the relays' messages are small);
+    None when the peer has gone."""
+    import msgpack
+
+    head = _recv_exactly(sock, _LINK_LEN.size)
+    if head is None:
+        return None
+    body = _recv_exactly(sock, _LINK_LEN.unpack(head)[0])
+    return None if body is None else list(msgpack.unpackb(body))
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    return bytes(buf)
+
+
+def _bare_broker_unix_main(frontend: str, path: str, stopper: _Stopper) -> int:
+    """The bare broker with its worker on a unix stream socket at ``path``."""
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.bind(frontend)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(0.2)
+    conn: socket.socket | None = None
+    try:
+        while conn is None and not stopper.should_stop():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = listener.accept()
+        if conn is None:
+            return 0
+        conn.settimeout(None)
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        poller.register(conn.fileno(), zmq.POLLIN)
+        while not stopper.should_stop():
+            events = dict(poller.poll(100))
+            if conn.fileno() in events:
+                msg = _link_recv(conn)
+                if msg is None:
+                    return 0
+                front.send_multipart(msg, copy=False)
+            if front in events:
+                for _ in range(256):
+                    try:
+                        frames = front.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    _link_send(conn, frames)
+    finally:
+        if conn is not None:
+            conn.close()
+        listener.close()
+        front.close()
+        ctx.term()
+    return 0
+
+
 def _bare_broker_main(frontend: str, backend: str) -> int:
     """Client [id, *frames] -> worker [id, *frames]; worker [id, *frames] -> client."""
     stopper = _Stopper()
+    if backend.startswith("unix:"):
+        return _bare_broker_unix_main(frontend, backend[len("unix:") :], stopper)
     ctx = zmq.Context()
     front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
     for sock in (front, back):
@@ -677,6 +762,36 @@ def _bare_worker_main(backend: str) -> int:
 
     stopper = _Stopper()
     reply = header(Command.REPLY)
+
+    def answer(frames: Sequence[Any]) -> list[Any]:
+        if len(frames) < 4:
+            return list(frames)
+        meta = msgpack.unpackb(frames[2])
+        out = {"id": meta["id"], "outputs": meta["inputs"], "batch_size": 1}
+        return [frames[0], reply, msgpack.packb(out), *frames[3:]]
+
+    if backend.startswith("unix:"):
+        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        until = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                link.connect(backend[len("unix:") :])
+                break
+            except OSError:
+                if stopper.should_stop() or time.monotonic() > until:
+                    return 1
+                time.sleep(0.05)
+        try:
+            while not stopper.should_stop():
+                if not select.select([link], [], [], 0.1)[0]:
+                    continue
+                msg = _link_recv(link)
+                if msg is None:
+                    return 0
+                _link_send(link, answer(msg))
+        finally:
+            link.close()
+        return 0
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -693,12 +808,7 @@ def _bare_worker_main(backend: str) -> int:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                if len(frames) < 4:
-                    sock.send_multipart(frames, copy=False)
-                    continue
-                meta = msgpack.unpackb(frames[2].buffer)
-                out = {"id": meta["id"], "outputs": meta["inputs"], "batch_size": 1}
-                sock.send_multipart([frames[0], reply, msgpack.packb(out), *frames[3:]], copy=False)
+                sock.send_multipart(answer(frames), copy=False)
     finally:
         sock.close()
         ctx.term()

@@ -49,12 +49,15 @@ def test_every_bench_script_imports(bench: ModuleType, script: str) -> None:
     assert module.__doc__, f"{script} says what it measures in its docstring"
 
 
-def test_echo_and_bare_relays_answer_as_the_scripts_expect(bench: ModuleType) -> None:
+@pytest.mark.parametrize("link", ["zmq", "unix"])
+def test_echo_and_bare_relays_answer_as_the_scripts_expect(bench: ModuleType, link: str) -> None:
     x = bench.tensor((1, 16))
     frames = bench.request_frames("synthetic", x)
     request_meta = codec.unpack(frames[1])
     with bench.ProcessGroup("ipc") as group:
         echo, front, back = (group.endpoint(n) for n in ("echo", "bare-front", "bare-back"))
+        if link == "unix":
+            back = f"unix:{group.tmp}/bare-link"
         group.echo(echo)
         group.bare_fleet(front, back)
         bench.wait_echo(echo, group)
