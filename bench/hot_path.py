@@ -23,6 +23,10 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   packed per request), polled until done. Microseconds per request with everything hot,
   the harness's own ROUTER included: the SDK's share of a round trip and of the client's
   CPU under load. ``--profile`` prints cProfile's top functions.
+* ``hops``: one hop's price. Two processes pass 64 bytes back and forth, one at a time,
+  over a pipe and over a pyzmq DEALER/ROUTER pair on ``ipc://``: the p50 round trip of
+  each (a ZeroMQ hop wakes the sender's I/O thread, the receiver's, then the receiving
+  thread; a pipe wakes the receiving thread).
 * ``spy``: the real processes (``carpool broker``, ``carpool worker --synthetic 0 0``), a
   raw DEALER closed loop (8 in flight by default), CPU per request of broker and worker
   (main thread and whole process), the broker's batch-size distribution, and with
@@ -32,6 +36,7 @@ Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
       .venv/bin/python bench/hot_path.py embedded [--profile] [--client] [--burst K]
       .venv/bin/python bench/hot_path.py worker [--profile] [--burst K]
       .venv/bin/python bench/hot_path.py client [--profile] [--burst K]
+      .venv/bin/python bench/hot_path.py hops
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
           [--embedded]   (the null-engine worker inside the broker's process)
           [--client]     (the carpool Client drives it, not a raw DEALER)
@@ -45,10 +50,12 @@ import collections
 import cProfile
 import itertools
 import json
+import os
 import pstats
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -324,6 +331,72 @@ def client_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipe_round_trips(n: int) -> list[float]:
+    from_parent, to_child = os.pipe()
+    from_child, to_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the echo: read 64 bytes, write them back
+        try:
+            for _ in range(n):
+                os.write(to_parent, os.read(from_parent, 64))
+        finally:
+            os._exit(0)
+    out = []
+    message = bytes(64)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        os.write(to_child, message)
+        os.read(from_child, 64)
+        out.append(time.perf_counter() - t0)
+    os.waitpid(pid, 0)
+    for fd in (to_child, from_parent, from_child, to_parent):
+        os.close(fd)
+    return out
+
+
+def _zmq_round_trips(n: int, endpoint: str) -> list[float]:
+    pid = os.fork()
+    if pid == 0:  # the echo: a ROUTER sending each message back
+        try:
+            ctx = zmq.Context()
+            router = ctx.socket(zmq.ROUTER)
+            router.bind(endpoint)
+            for _ in range(n + 1):
+                router.send_multipart(router.recv_multipart())
+            router.close(linger=1000)
+            ctx.term()
+        finally:
+            os._exit(0)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send(b"hello")  # connected both ways before timing
+    sock.recv()
+    out = []
+    message = bytes(64)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sock.send(message)
+        sock.recv()
+        out.append(time.perf_counter() - t0)
+    os.waitpid(pid, 0)
+    sock.close(linger=0)
+    ctx.term()
+    return out
+
+
+def hops_main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="carpool-hops-") as tmp:
+        for rnd in range(3):
+            pipe = sorted(_pipe_round_trips(5000)[500:])
+            ipc = sorted(_zmq_round_trips(5000, f"ipc://{tmp}/hops-{rnd}")[500:])
+            print(
+                f"round {rnd + 1}: p50 round trip, pipe {1e6 * pipe[len(pipe) // 2]:.0f} us, "
+                f"pyzmq ipc {1e6 * ipc[len(ipc) // 2]:.0f} us"
+            )
+    return 0
+
+
 def summarize(path: Path, top: int = 25) -> None:
     """Self and inclusive shares of a py-spy raw (collapsed stacks) file."""
     own: collections.Counter[str] = collections.Counter()
@@ -418,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     cl = sub.add_parser("client", help="the Client in this process under a ROUTER")
     cl.add_argument("--profile", action="store_true", help="cProfile it")
     cl.add_argument("--burst", type=int, default=1, help="requests sent at a time (1)")
+    sub.add_parser("hops", help="round trip over a pipe and over pyzmq ipc")
     s = sub.add_parser("spy", help="broker and worker processes under a closed loop")
     s.add_argument("--in-flight", type=int, default=8)
     s.add_argument("--seconds", type=float, default=6.0)
@@ -430,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "embedded": embedded_main,
         "worker": worker_main,
         "client": client_main,
+        "hops": hops_main,
         "spy": spy_main,
     }
     return mains[args.mode](args)
