@@ -19,7 +19,9 @@ first on ``sys.path``). It is also the helper process that some benchmarks start
         carpool code, the floor of that topology in Python. A BACKEND of ``unix:PATH``
         links the two by a unix stream socket (length-prefixed msgpack lists of frames)
         instead of a ROUTER/DEALER pair: the same relays with the broker-worker hops
-        outside libzmq's I/O threads
+        outside libzmq's I/O threads. That link is a latency probe for small messages
+        and few in flight: both ends write blocking, so large messages in both
+        directions at once can wedge it (then the group's SIGKILL ends them)
 
     python bench/common.py workers BROKER --count N --models JSON
         N carpool WorkerServers with SyntheticEngines, on threads of ONE process and one

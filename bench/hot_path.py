@@ -247,13 +247,13 @@ def worker_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
             for _ in range(chunk):
                 router.send(wid, zmq.SNDMORE)
                 router.send_multipart(batch, copy=False)
-                while True:
+                while True:  # until the RESULT (a heartbeat may come first)
                     worker.step(0)
-                    if router.poll(0):
+                    if not router.poll(0):
+                        continue
+                    frames = router.recv_multipart(copy=False)
+                    if frames[1].bytes == header(Command.RESULT):
                         break
-                frames = router.recv_multipart(copy=False)
-                if frames[1].bytes != header(Command.RESULT):
-                    continue  # a heartbeat: the RESULT is still to come
             chunks.append(1e6 * (time.perf_counter() - t0) / chunk)
     router.close()
     return chunks

@@ -240,12 +240,18 @@ def test_result_message() -> None:
     assert result.frames == (3, 1)
     assert result.compute_ms == pytest.approx(300.0)
     assert result.rho == pytest.approx(0.3)  # [0.1, 0.4] in the window [-0.5, 0.5]
-    # The meta is built directly: byte for byte what ResultMeta.to_wire gives.
-    compute_ms = 1000.0 * ((T0 + 0.4) - (T0 + 0.1))
-    expected = ResultMeta(7, w.meter.rho(T0 + 0.5), compute_ms, (3, 1))
-    assert bytes(msg[1]) == codec.pack(expected.to_wire())
     assert all(a is b for a, b in zip(payloads, frames, strict=True))
     assert w.batches_done == 1
+    # The meta is built directly: byte for byte what ResultMeta.to_wire gives (times
+    # with more digits than the wire keeps, so that each rounding shows).
+    w.on_batch_queued(T0 + 0.6)
+    end = T0 + 0.9001234
+    msg = w.on_batch_done(end, 1, 8, T0 + 0.6, end, [3], frames[:3])
+    assert msg is not None
+    expected = ResultMeta(8, w.meter.rho(end), 1000.0 * (end - (T0 + 0.6)), (3,))
+    assert round(expected.rho, 3) != round(expected.rho, 4)
+    assert round(expected.compute_ms, 2) != round(expected.compute_ms, 3)
+    assert bytes(msg[1]) == codec.pack(expected.to_wire())
 
 
 def test_failed_message() -> None:
