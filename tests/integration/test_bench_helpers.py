@@ -34,8 +34,7 @@ def bench() -> Iterator[ModuleType]:
         sys.path.remove(str(BENCH))
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
-def test_every_bench_script_imports(bench: ModuleType, script: str) -> None:
+def load_script(script: str) -> ModuleType:
     name = f"bench_{script[:-3]}"
     spec = importlib.util.spec_from_file_location(name, BENCH / script)
     assert spec is not None
@@ -46,7 +45,30 @@ def test_every_bench_script_imports(bench: ModuleType, script: str) -> None:
         spec.loader.exec_module(module)  # scripts only run under `if __name__ == "__main__"`
     finally:
         del sys.modules[name]
+    return module
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_every_bench_script_imports(bench: ModuleType, script: str) -> None:
+    module = load_script(script)
     assert module.__doc__, f"{script} says what it measures in its docstring"
+
+
+def test_the_in_process_harnesses_run(bench: ModuleType) -> None:
+    """hot_path.py's harnesses (core, embedded, worker, client), a few hundred requests
+    each: every request answered (they wait for each reply), a time per request out."""
+    hot_path = load_script("hot_path.py")
+    us, mean_batch = hot_path.core_run(4, "carpool", n=200)
+    assert us > 0
+    assert 1 <= mean_batch <= 4
+    for chunks in (
+        hot_path.embedded_run(200, False, chunk=100),
+        hot_path.embedded_run(200, True, chunk=100, burst=4),
+        hot_path.worker_run(200, chunk=100, burst=2),
+        hot_path.client_run(200, chunk=100, burst=4),
+    ):
+        assert len(chunks) == 2
+        assert all(0 < c < 1e6 for c in chunks)
 
 
 @pytest.mark.parametrize("link", ["zmq", "unix"])
