@@ -33,6 +33,7 @@ two cores, the echo's two do not; the CPU columns show where the time went.
 Target: fleet (Client) >= 0.5 x echo, at each in-flight count.
 
 Run:  .venv/bin/python bench/broker_ceiling.py            (about 1.5 minutes)
+      .venv/bin/python bench/broker_ceiling.py --in-flight 64 --reps 4   (one depth)
       .venv/bin/python bench/broker_ceiling.py --quick    (a smoke run, under a minute)
 Writes bench/out/broker_ceiling.json and bench/out/broker_ceiling.png.
 """
@@ -107,7 +108,12 @@ def share(rounds: list[dict[str, Any]], key: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument(
+        "--in-flight", type=int, nargs="+", default=list(IN_FLIGHT), help="depths (8 64)"
+    )
+    args = p.parse_args(argv)
+    in_flight = tuple(args.in_flight)
     quiet_logs()
     reps = args.reps or (2 if args.quick else 5)
     duration_s = 0.6 if args.quick else 2.0
@@ -116,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     frames = request_frames(MODEL, x, timeout_s=10.0)
     # samples[(config, in_flight)] = one dict per round
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {
-        (c, k): [] for c in CONFIGS for k in IN_FLIGHT
+        (c, k): [] for c in CONFIGS for k in in_flight
     }
     with ProcessGroup(args.transport) as group:
         frontend, backend, echo_ep = (group.endpoint(n) for n in ("front", "back", "echo"))
@@ -177,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bare_raw, frames, k, n, s, expect_command=Command.REPLY
                 )
                 for rnd in range(reps + 1):  # round 0 is the warm-up
-                    for k in IN_FLIGHT:
+                    for k in in_flight:
                         for config in CONFIGS:
                             meters = (
                                 echo_meters
@@ -203,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = []
     summary: dict[str, Any] = {}
-    for k in IN_FLIGHT:
+    for k in in_flight:
         echo_rates = [s["rate"] for s in samples[("echo (raw DEALER)", k)]]
         for config in CONFIGS:
             ss = samples[(config, k)]
@@ -246,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows,
         )
     )
-    checks = {k: summary[f"fleet (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in IN_FLIGHT}
+    checks = {k: summary[f"fleet (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in in_flight}
     for k, ok in checks.items():
         ratio = summary[f"fleet (Client) @ {k}"]["ratio_to_echo"]
         emb = summary[f"embedded (Client) @ {k}"]["ratio_to_echo"]
@@ -264,35 +270,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             "quick": args.quick,
             "rounds": reps,
             "duration_s": duration_s,
+            "in_flight": list(in_flight),
             "payload": "float32 [1, 16] (64 bytes)",
             "target": f"fleet (Client) >= {TARGET} x echo",
             "pass": all(checks.values()),
             "pass_embedded": all(
-                summary[f"embedded (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in IN_FLIGHT
+                summary[f"embedded (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in in_flight
             ),
             "results": summary,
         },
     )
-    plot(summary, reps)
+    plot(summary, reps, in_flight)
     return 0
 
 
-def plot(summary: dict[str, Any], reps: int) -> None:
+def plot(summary: dict[str, Any], reps: int, in_flight: tuple[int, ...] = IN_FLIGHT) -> None:
     plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(CONFIGS)
-    xs = np.arange(len(IN_FLIGHT))
+    xs = np.arange(len(in_flight))
     mid = (len(CONFIGS) - 1) / 2
     for i, config in enumerate(CONFIGS):
-        rates = [summary[f"{config} @ {k}"]["median_rate"] for k in IN_FLIGHT]
+        rates = [summary[f"{config} @ {k}"]["median_rate"] for k in in_flight]
         ax.bar(xs + (i - mid) * width, rates, width, label=config)
-    for j, k in enumerate(IN_FLIGHT):
+    for j, k in enumerate(in_flight):
         echo = summary[f"echo (raw DEALER) @ {k}"]["median_rate"]
         half = (mid + 0.5) * width
         ax.hlines(TARGET * echo, j - half, j + half, colors="k", linestyles=":")
-    ax.set_xticks(xs, [f"{k} in flight" for k in IN_FLIGHT])
+    ax.set_xticks(xs, [f"{k} in flight" for k in in_flight])
     ax.set_ylabel("requests / s (median)")
     ax.set_title(f"broker ceiling vs plain echo (dotted: target {TARGET} x echo), {reps} rounds")
     ax.legend(fontsize=8)
