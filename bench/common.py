@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -602,24 +602,45 @@ class _Stopper:
         return self.event.is_set() or os.getppid() != self.parent
 
 
-def _echo_main(endpoint: str) -> int:
-    stopper = _Stopper()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
+def _helper_socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    """A socket of the helper processes: no linger, 10,000 messages queued each way."""
+    sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     sock.setsockopt(zmq.RCVHWM, 10_000)
+    return sock
+
+
+def _answer_each(
+    sock: zmq.Socket[Any],
+    stopper: _Stopper,
+    answer: Callable[[list[zmq.Frame]], Sequence[Any]] | None = None,
+) -> None:
+    """The echo server's loop: wait for messages, then for each of up to 256 waiting send
+    ``answer(message)`` (the message itself without ``answer``)."""
+    while not stopper.should_stop():
+        if not sock.poll(100):
+            continue
+        for frames in _waiting(sock):
+            sock.send_multipart(frames if answer is None else answer(frames), copy=False)
+
+
+def _waiting(sock: zmq.Socket[Any]) -> Iterator[list[zmq.Frame]]:
+    """Up to 256 messages waiting on ``sock``, received without blocking."""
+    for _ in range(256):
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+
+
+def _echo_main(endpoint: str) -> int:
+    stopper = _Stopper()
+    ctx = zmq.Context()
+    sock = _helper_socket(ctx, zmq.ROUTER)
     sock.bind(endpoint)
     try:
-        while not stopper.should_stop():
-            if not sock.poll(100):
-                continue
-            for _ in range(256):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                sock.send_multipart(frames, copy=False)
+        _answer_each(sock, stopper)
     finally:
         sock.close()
         ctx.term()
@@ -663,8 +684,7 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
 def _bare_broker_unix_main(frontend: str, path: str, stopper: _Stopper) -> int:
     """The bare broker with its worker on a unix stream socket at ``path``."""
     ctx = zmq.Context()
-    front = ctx.socket(zmq.ROUTER)
-    front.setsockopt(zmq.LINGER, 0)
+    front = _helper_socket(ctx, zmq.ROUTER)
     front.bind(frontend)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -689,11 +709,7 @@ def _bare_broker_unix_main(frontend: str, path: str, stopper: _Stopper) -> int:
                     return 0
                 front.send_multipart(msg, copy=False)
             if front in events:
-                for _ in range(256):
-                    try:
-                        frames = front.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                for frames in _waiting(front):
                     _link_send(conn, frames)
     finally:
         if conn is not None:
@@ -710,11 +726,7 @@ def _bare_broker_main(frontend: str, backend: str) -> int:
     if backend.startswith("unix:"):
         return _bare_broker_unix_main(frontend, backend[len("unix:") :], stopper)
     ctx = zmq.Context()
-    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-    for sock in (front, back):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
+    front, back = _helper_socket(ctx, zmq.ROUTER), _helper_socket(ctx, zmq.ROUTER)
     front.bind(frontend)
     back.bind(backend)
     poller = zmq.Poller()
@@ -726,11 +738,7 @@ def _bare_broker_main(frontend: str, backend: str) -> int:
         while not stopper.should_stop():
             events = dict(poller.poll(100))
             if back in events:
-                for _ in range(256):
-                    try:
-                        frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                for frames in _waiting(back):
                     if len(frames) == 2 and frames[1].bytes == b"hello":
                         worker = frames[0].bytes
                         for msg in held:
@@ -739,11 +747,7 @@ def _bare_broker_main(frontend: str, backend: str) -> int:
                     else:
                         front.send_multipart(frames[1:], copy=False)
             if front in events:
-                for _ in range(256):
-                    try:
-                        frames = front.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                for frames in _waiting(front):
                     if worker is None:
                         held.append(frames)
                     else:
@@ -795,22 +799,11 @@ def _bare_worker_main(backend: str) -> int:
             link.close()
         return 0
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 10_000)
-    sock.setsockopt(zmq.RCVHWM, 10_000)
+    sock = _helper_socket(ctx, zmq.DEALER)
     sock.connect(backend)
     sock.send(b"hello")
     try:
-        while not stopper.should_stop():
-            if not sock.poll(100):
-                continue
-            for _ in range(256):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                sock.send_multipart(answer(frames), copy=False)
+        _answer_each(sock, stopper, answer)
     finally:
         sock.close()
         ctx.term()
@@ -820,12 +813,7 @@ def _bare_worker_main(backend: str) -> int:
 def _relay_main(frontend: str, target: str) -> int:
     stopper = _Stopper()
     ctx = zmq.Context()
-    front = ctx.socket(zmq.ROUTER)
-    back = ctx.socket(zmq.DEALER)
-    for sock in (front, back):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
+    front, back = _helper_socket(ctx, zmq.ROUTER), _helper_socket(ctx, zmq.DEALER)
     front.bind(frontend)
     back.connect(target)
     # zmq.proxy never returns; it runs on a daemon thread and the process exits under it.

@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,22 +199,31 @@ def embedded_run(n: int, use_client: bool, chunk: int = 500, burst: int = 1) -> 
     return chunks
 
 
-def embedded_main(args: argparse.Namespace) -> int:
+def floor_main(run: Callable[[int], list[float]], what: str, unit: str, profile: bool) -> int:
+    """Warm ``run`` up, then cProfile it or print its floor and median per ``unit``."""
     quiet_logs()
-    embedded_run(2000, args.client, burst=args.burst)  # warm-up
-    if args.profile:
+    run(2000)  # warm-up
+    if profile:
         profiler = cProfile.Profile()
-        profiler.runcall(embedded_run, 10_000, args.client, burst=args.burst)
+        profiler.runcall(run, 10_000)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
         return 0
-    chunks = embedded_run(20_000, args.client, burst=args.burst)
-    who = "Client" if args.client else "raw DEALER"
+    chunks = run(20_000)
     print(
-        f"embedded broker stepped in-process, {who}, bursts of {args.burst}: floor "
-        f"{min(chunks):.1f} us per request, median {sorted(chunks)[len(chunks) // 2]:.1f} "
-        "(chunks of 500)"
+        f"{what}: floor {min(chunks):.1f} us per {unit}, "
+        f"median {sorted(chunks)[len(chunks) // 2]:.1f} (chunks of 500)"
     )
     return 0
+
+
+def embedded_main(args: argparse.Namespace) -> int:
+    who = "Client" if args.client else "raw DEALER"
+    return floor_main(
+        lambda n: embedded_run(n, args.client, burst=args.burst),
+        f"embedded broker stepped in-process, {who}, bursts of {args.burst}",
+        "request",
+        args.profile,
+    )
 
 
 _RUNS = itertools.count()
@@ -260,20 +270,12 @@ def worker_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    quiet_logs()
-    worker_run(2000, burst=args.burst)  # warm-up
-    if args.profile:
-        profiler = cProfile.Profile()
-        profiler.runcall(worker_run, 10_000, burst=args.burst)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
-        return 0
-    chunks = worker_run(20_000, burst=args.burst)
-    print(
-        f"worker stepped in-process under a ROUTER, batches of {args.burst}: floor "
-        f"{min(chunks):.1f} us per batch, median {sorted(chunks)[len(chunks) // 2]:.1f} "
-        "(chunks of 500)"
+    return floor_main(
+        lambda n: worker_run(n, burst=args.burst),
+        f"worker stepped in-process under a ROUTER, batches of {args.burst}",
+        "batch",
+        args.profile,
     )
-    return 0
 
 
 def client_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
@@ -315,20 +317,12 @@ def client_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
 
 
 def client_main(args: argparse.Namespace) -> int:
-    quiet_logs()
-    client_run(2000, burst=args.burst)  # warm-up
-    if args.profile:
-        profiler = cProfile.Profile()
-        profiler.runcall(client_run, 10_000, burst=args.burst)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
-        return 0
-    chunks = client_run(20_000, burst=args.burst)
-    print(
-        f"Client in-process under a ROUTER, bursts of {args.burst}: floor "
-        f"{min(chunks):.1f} us per request, median {sorted(chunks)[len(chunks) // 2]:.1f} "
-        "(chunks of 500)"
+    return floor_main(
+        lambda n: client_run(n, burst=args.burst),
+        f"Client in-process under a ROUTER, bursts of {args.burst}",
+        "request",
+        args.profile,
     )
-    return 0
 
 
 def _pipe_round_trips(n: int) -> list[float]:
