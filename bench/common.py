@@ -16,7 +16,8 @@ first on ``sys.path``). It is also the helper process that some benchmarks start
         the echo server's loop as a broker (client messages to the one worker, tagged with
         the client's id; its answers back) and as a worker (a REPLY for each request, its
         payload sent back as the output): the fleet's processes and four hops with no
-        carpool code, the floor of that topology in Python. A BACKEND of ``unix:PATH``
+        carpool code, for the round trip the floor of that topology in Python (not for
+        the rate: they forward each request alone). A BACKEND of ``unix:PATH``
         links the two by a unix stream socket (length-prefixed msgpack lists of frames)
         instead of a ROUTER/DEALER pair: the same relays with the broker-worker hops
         outside libzmq's I/O threads. That link is a latency probe for small messages
