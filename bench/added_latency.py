@@ -135,57 +135,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             unix_raw = dealer(unix_front)
             loop = FleetLoop(client, MODEL, {"x": x}, 1, latencies=True)
             try:
+
+                def replies(sock: Any) -> Callable[[int], list[float]]:
+                    """One in flight on a raw DEALER; a reply that is not a REPLY fails."""
+                    return lambda k: (
+                        raw_loop(
+                            sock, frames, 1, k, max_s, expect_command=Command.REPLY, latencies=True
+                        ).latencies_s
+                    )
+
                 runs: dict[str, Callable[[int], list[float]]] = {
                     "in-process engine": lambda k: in_process(engine, x, k, max_s),
                     "echo (raw DEALER)": lambda k: (
                         raw_loop(echo_raw, frames, 1, k, max_s, latencies=True).latencies_s
                     ),
-                    "fleet (raw DEALER)": lambda k: (
-                        raw_loop(
-                            fleet_raw,
-                            frames,
-                            1,
-                            k,
-                            max_s,
-                            expect_command=Command.REPLY,
-                            latencies=True,
-                        ).latencies_s
-                    ),
+                    "fleet (raw DEALER)": replies(fleet_raw),
                     "fleet (Client)": lambda k: loop.run(k, max_s).latencies_s,
-                    "embedded (raw DEALER)": lambda k: (
-                        raw_loop(
-                            emb_raw,
-                            frames,
-                            1,
-                            k,
-                            max_s,
-                            expect_command=Command.REPLY,
-                            latencies=True,
-                        ).latencies_s
-                    ),
+                    "embedded (raw DEALER)": replies(emb_raw),
                     "embedded (Client)": lambda k: emb_loop.run(k, max_s).latencies_s,
-                    "bare relays (raw DEALER)": lambda k: (
-                        raw_loop(
-                            bare_raw,
-                            frames,
-                            1,
-                            k,
-                            max_s,
-                            expect_command=Command.REPLY,
-                            latencies=True,
-                        ).latencies_s
-                    ),
-                    "bare relays, unix link (raw DEALER)": lambda k: (
-                        raw_loop(
-                            unix_raw,
-                            frames,
-                            1,
-                            k,
-                            max_s,
-                            expect_command=Command.REPLY,
-                            latencies=True,
-                        ).latencies_s
-                    ),
+                    "bare relays (raw DEALER)": replies(bare_raw),
+                    "bare relays, unix link (raw DEALER)": replies(unix_raw),
                 }
                 for rnd in range(reps + 1):  # round 0 is the warm-up
                     for config in CONFIGS:
