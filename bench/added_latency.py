@@ -12,6 +12,9 @@ process sends requests one at a time (the next only after the reply) with 64-byt
 * in-process engine: ``SyntheticEngine().run({"x": x})`` called directly (no sockets);
 * echo (raw DEALER): the request frames on a bare DEALER to the echo server;
 * fleet (raw DEALER): the same frames, encoded once, to the broker (no SDK cost);
+* local link (raw DEALER / Client): the same against a broker whose worker connects
+  over its local endpoint, a unix stream socket (``carpool broker --local unix:PATH``,
+  ``carpool worker --broker unix:PATH``; carpool.common.link) instead of ZeroMQ;
 * embedded (raw DEALER / Client): the same against a second broker that runs its
   null-engine worker inside its own process (``carpool broker --embed-synthetic 0 0``);
 * fleet (Client): ``carpool.client.Client.submit`` then ``poll`` until the reply, one
@@ -74,6 +77,8 @@ CONFIGS = (
     "echo (raw DEALER)",
     "fleet (raw DEALER)",
     "fleet (Client)",
+    "local link (raw DEALER)",
+    "local link (Client)",
     "embedded (raw DEALER)",
     "embedded (Client)",
     "bare relays (raw DEALER)",
@@ -110,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         frontend, backend, echo_ep = (group.endpoint(n) for n in ("front", "back", "echo"))
         group.broker(frontend, backend)
         group.worker(backend, "--synthetic", "0", "0")
+        link_front, link_back = group.endpoint("link-front"), group.endpoint("link-back")
+        group.broker(link_front, link_back, "--local", f"unix:{group.tmp}/local-link")
+        group.worker(f"unix:{group.tmp}/local-link", "--synthetic", "0", "0")
         emb_front, emb_back = group.endpoint("emb-front"), group.endpoint("emb-back")
         group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0")
         wait_workers(emb_front, 1, group)
@@ -119,10 +127,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         unix_front = group.endpoint("unix-front")
         group.bare_fleet(unix_front, f"unix:{group.tmp}/bare-link")
         wait_workers(frontend, 1, group)
+        wait_workers(link_front, 1, group)
         wait_echo(echo_ep, group)
         wait_echo(bare_front, group)
         wait_echo(unix_front, group)
-        with Client(frontend) as client, Client(emb_front) as emb_client:
+        with (
+            Client(frontend) as client,
+            Client(emb_front) as emb_client,
+            Client(link_front) as link_client,
+        ):
+            y = link_client.infer(MODEL, {"x": x})["y"]
+            assert np.allclose(y, 2 * x + 1), "the fleet over a local link gave a wrong answer"
+            link_raw = dealer(link_front)
+            link_loop = FleetLoop(link_client, MODEL, {"x": x}, 1, latencies=True)
             y = emb_client.infer(MODEL, {"x": x})["y"]
             assert np.allclose(y, 2 * x + 1), "the embedded fleet gave a wrong answer"
             emb_raw = dealer(emb_front)
@@ -151,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ),
                     "fleet (raw DEALER)": replies(fleet_raw),
                     "fleet (Client)": lambda k: loop.run(k, max_s).latencies_s,
+                    "local link (raw DEALER)": replies(link_raw),
+                    "local link (Client)": lambda k: link_loop.run(k, max_s).latencies_s,
                     "embedded (raw DEALER)": replies(emb_raw),
                     "embedded (Client)": lambda k: emb_loop.run(k, max_s).latencies_s,
                     "bare relays (raw DEALER)": replies(bare_raw),
@@ -165,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"round {rnd}/{reps} done")
             finally:
                 fleet_raw.close()
+                link_raw.close()
                 emb_raw.close()
                 echo_raw.close()
                 bare_raw.close()
@@ -206,8 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     emb = summary["embedded (Client)"]["p50_x_echo"]
     bare = summary["bare relays (raw DEALER)"]["p50_x_echo"]
     unix = summary["bare relays, unix link (raw DEALER)"]["p50_x_echo"]
+    local = summary["local link (Client)"]["p50_x_echo"]
     print(
         f"target fleet (Client) p50 <= {TARGET:g} x echo p50: {ratio:.2f} {verdict(ok)}; "
+        f"with the worker on the local link: {local:.2f} {verdict(local <= TARGET)}; "
         f"with the worker embedded in the broker: {emb:.2f} {verdict(emb <= TARGET)}; "
         f"the bare relays (this topology with no carpool code): {bare:.2f}, "
         f"with a unix link between them: {unix:.2f}"
@@ -223,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "target": f"fleet (Client) p50 <= {TARGET:g} x echo p50",
             "pass": ok,
             "pass_embedded": emb <= TARGET,
+            "pass_local_link": local <= TARGET,
             "results": summary,
         },
     )

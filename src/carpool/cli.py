@@ -55,9 +55,13 @@ def _broker(args: argparse.Namespace) -> int:
         {
             "frontend": os.environ.get("CARPOOL_FRONTEND"),
             "backend": os.environ.get("CARPOOL_BACKEND"),
+            "local_backend": os.environ.get("CARPOOL_LOCAL_BACKEND"),
         },
     )
-    data = _overlay(data, {"frontend": args.frontend, "backend": args.backend})
+    data = _overlay(
+        data,
+        {"frontend": args.frontend, "backend": args.backend, "local_backend": args.local},
+    )
     config = from_mapping(BrokerConfig, data)
     overrides: dict[str, Any] = {}
     if args.max_batch is not None:
@@ -160,6 +164,11 @@ def _broker_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--config", help="broker TOML file")
     b.add_argument("--frontend", help="endpoint for clients (default tcp://127.0.0.1:5555)")
     b.add_argument("--backend", help="endpoint for workers (default tcp://127.0.0.1:5556)")
+    b.add_argument(
+        "--local",
+        metavar="unix:PATH",
+        help="also take workers on this host on a unix socket (cheaper hops than ZeroMQ)",
+    )
     b.add_argument("--max-batch", type=int, help="B_max: samples per batch at most")
     b.add_argument("--max-wait-ms", type=float, help="T_max: longest wait of the oldest request")
     b.add_argument(
@@ -211,7 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run a worker")
     w.add_argument("--config", help="worker TOML file")
-    w.add_argument("--broker", help="broker backend endpoint (default tcp://127.0.0.1:5556)")
+    w.add_argument(
+        "--broker",
+        help="broker backend endpoint (default tcp://127.0.0.1:5556), or its --local unix:PATH",
+    )
     w.add_argument("--name", help="worker name")
     w.add_argument("--slots", type=int, help="batches outstanding at most")
     w.add_argument(

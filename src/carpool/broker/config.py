@@ -52,6 +52,9 @@ class BatchingConfig:
 class BrokerConfig:
     frontend: str = "tcp://127.0.0.1:5555"  # clients connect here
     backend: str = "tcp://127.0.0.1:5556"  # workers connect here
+    # Workers on this host may connect here instead: ``unix:PATH``, a plain unix stream
+    # socket (carpool.common.link), one wake-up a hop instead of ZeroMQ's three. "": none.
+    local_backend: str = ""
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     # Per-model overrides of `batching`, by model name.
     models: dict[str, BatchingConfig] = field(default_factory=dict)
@@ -75,6 +78,8 @@ class BrokerConfig:
             problems.append("max_attempts must be in 1..10")
         if not 0 <= self.max_frame_mib <= 1 << 20:
             problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
+        if self.local_backend and not self.local_backend.startswith("unix:"):
+            problems.append(f"local_backend must be unix:PATH, got {self.local_backend!r}")
         check(problems, "broker")
 
     def batching_for(self, model: str) -> BatchingConfig:

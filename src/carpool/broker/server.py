@@ -1,9 +1,11 @@
 """server.py: BrokerServer — the broker's sockets and loop around :class:`BrokerCore`.
 
 The only I/O of the broker. One thread owns everything: two ROUTER sockets (clients on the
-frontend, workers on the backend) and a ``zmq.Poller`` whose timeout comes from
-``core.next_wakeup`` (no fixed tick, no busy polling). Sends use ROUTER_MANDATORY and
-DONTWAIT, so a vanished or slow peer is reported to the core instead of stalling the loop.
+frontend, workers on the backend), optionally a unix socket that workers on this host
+connect to (``local_backend``, carpool.common.link), and a ``zmq.Poller`` whose timeout
+comes from ``core.next_wakeup`` (no fixed tick, no busy polling). Sends use
+ROUTER_MANDATORY and DONTWAIT (links: a bounded queue), so a vanished or slow peer is
+reported to the core instead of stalling the loop.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.link import Link, LinkFull, LinkListener, link_path
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 
@@ -103,16 +106,32 @@ class BrokerServer:
         self.core.local_workers = {wid for wid, w in self._embedded.items() if w.local_metas}
         self._local: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
         self._delivering = False
+        # Workers on this host over unix stream sockets: each link is a worker, known to
+        # the core by a routing id zmq never generates (a peer that sets one is refused).
+        self._listener: LinkListener | None = None
+        self._links: dict[bytes, Link] = {}
+        self._link_ids: dict[int, bytes] = {}  # fd -> routing id
+        self._linked = 0
+        self._stopping = False
+        self._closed = False
         for wid, worker in self._embedded.items():
             self.poller.register(worker.results_socket, zmq.POLLIN)
             for frames in worker.take_outbox():  # READY
                 self._send(self.core.on_worker(self.clock.now(), wid, frames))
-        self._stopping = False
-        self._closed = False
+        if self.config.local_backend:
+            path = link_path(self.config.local_backend)
+            assert path is not None  # BrokerConfig checked the scheme
+            try:
+                self._listener = LinkListener(path)
+            except OSError:
+                self.close()
+                raise
+            self.poller.register(self._listener.fileno(), zmq.POLLIN)
         logger.info(
-            "broker listening frontend=%s backend=%s",
+            "broker listening frontend=%s backend=%s%s",
             self.frontend_endpoint,
             self.backend_endpoint,
+            f" local={self.config.local_backend}" if self._listener else "",
         )
 
     def _router(self, endpoint: str, max_frame_mib: int = 0) -> zmq.Socket[bytes]:
@@ -138,6 +157,11 @@ class BrokerServer:
     def backend_endpoint(self) -> str:
         return str(self.backend.getsockopt_string(zmq.LAST_ENDPOINT))
 
+    @property
+    def local_endpoint(self) -> str:
+        """Where workers on this host connect (``unix:PATH``); "" when there is none."""
+        return self.config.local_backend
+
     # ------------------------------------------------------------------ loop
 
     def step(self, timeout_s: float | None = None) -> int:
@@ -153,6 +177,8 @@ class BrokerServer:
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+        if self._links:
+            self._flush_links()
         events = dict(self.poller.poll(wait_ms))
         handled = 0
         if self.frontend in events:
@@ -161,6 +187,8 @@ class BrokerServer:
             handled += self._drain(self.backend, _BACKEND)
         if self._wake.fd in events:
             self._wake.clear()
+        if self._listener is not None:
+            handled += self._on_links(events)
         for wid, worker in self._embedded.items():
             for frames in worker.service(worker.results_socket in events):
                 self._send(self.core.on_worker(self.clock.now(), wid, frames))
@@ -185,18 +213,73 @@ class BrokerServer:
         records.clear()
         trace.flush()
 
+    def _on_links(self, events: dict[Any, int]) -> int:
+        listener = self._listener
+        assert listener is not None
+        if listener.fileno() in events:
+            for new in listener.accept():
+                self._linked += 1
+                wid = b"\x00link-%d" % self._linked
+                self._links[wid] = new
+                self._link_ids[new.fileno()] = wid
+                self.poller.register(new.fileno(), zmq.POLLIN)
+                logger.info("a local worker connected (link %d)", self._linked)
+        n = 0
+        for fd, wid in list(self._link_ids.items()):
+            flags = events.get(fd)
+            link = self._links.get(wid)  # a send above may have dropped it
+            if not flags or link is None:
+                continue
+            if flags & zmq.POLLOUT:
+                link.flush()
+            if flags & (zmq.POLLIN | zmq.POLLERR):
+                core = self.core
+                now = self.clock.now
+                for frames in link.receive(BURST):
+                    n += 1
+                    out = core.on_worker(now(), wid, frames)
+                    if out:
+                        self._send(out)
+            if link.closed:
+                self._drop_link(wid, link.error or "the worker closed the link")
+            elif not link.wants_write:
+                self.poller.modify(link.fileno(), zmq.POLLIN)
+        return n
+
+    def _flush_links(self) -> None:
+        """Before the poll: write what waits for local workers (a send writes what the
+        kernel takes at once); poll for POLLOUT where some is left."""
+        for wid, link in list(self._links.items()):
+            if not link.wants_write:
+                continue
+            link.flush()
+            if link.closed:
+                self._drop_link(wid, link.error or "closed")
+            elif link.wants_write:
+                self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
+
+    def _drop_link(self, wid: bytes, reason: str) -> None:
+        link = self._links.pop(wid, None)
+        if link is None:
+            return
+        del self._link_ids[link.fileno()]
+        self.poller.unregister(link.fileno())
+        link.close()
+        logger.info("local worker link %s closed: %s", wid[1:].decode(), reason)
+        self._send(self.core.on_unreachable(self.clock.now(), _BACKEND, wid))
+
     def _drain(self, sock: zmq.Socket[bytes], side: Side) -> int:
         core = self.core
         handler = core.on_client if side is _FRONTEND else core.on_worker
         now = self.clock.now
-        # A peer may set its own routing id: none may speak as an embedded worker.
-        taken = self._embedded if side is _BACKEND else None
+        # A peer may set its own routing id: none may speak as an embedded or local worker.
+        embedded, links = (self._embedded, self._links) if side is _BACKEND else ({}, {})
         n = 0
         for frames in waiting(sock, BURST):
             n += 1
             identity = frames[0].bytes
-            if taken and identity in taken:
-                logger.warning("a backend peer used an embedded worker's id: dropped")
+            if identity in embedded or identity in links:
+                logger.warning("a backend peer used a local worker's id: dropped")
                 continue
             out = handler(now(), identity, frames[1:])
             if out:
@@ -205,9 +288,14 @@ class BrokerServer:
 
     def _send(self, messages: list[Outgoing]) -> None:
         for msg in messages:
-            if msg.side is _BACKEND and msg.identity in self._embedded:
-                self._local.append((msg.identity, list(msg.frames)))
-                continue
+            if msg.side is _BACKEND:
+                if msg.identity in self._embedded:
+                    self._local.append((msg.identity, list(msg.frames)))
+                    continue
+                link = self._links.get(msg.identity)
+                if link is not None:
+                    self._send_link(msg.identity, link, msg.frames)
+                    continue
             sock = self.frontend if msg.side is _FRONTEND else self.backend
             try:
                 send_frames(sock, msg.frames, NOBLOCK, msg.identity)
@@ -223,6 +311,14 @@ class BrokerServer:
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
         if self._local:
             self._deliver_local()
+
+    def _send_link(self, wid: bytes, link: Link, frames: Sequence[Any]) -> None:
+        try:
+            link.send(frames)
+        except LinkFull:
+            logger.warning("local worker link %s is not reading; dropped", wid[1:].decode())
+            self._drop_link(wid, "not reading")
+            return
 
     def _deliver_local(self) -> None:
         """Messages for embedded workers, in order, one at a time: what they answer may
@@ -256,6 +352,11 @@ class BrokerServer:
         self._closed = True
         if self._trace is not None:
             self._trace.close()
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        if self._listener is not None:
+            self._listener.close()
         self.frontend.close(linger=0)
         self.backend.close(linger=0)
         self._wake.close()

@@ -23,6 +23,7 @@ import zmq
 from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
+from carpool.common.link import Link, LinkFull, link_path
 from carpool.common.protocol import BatchMeta, ErrorReply, ModelSpec, encode_error
 from carpool.common.shm import RegionReader, ShmRing
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
@@ -45,7 +46,8 @@ class WorkerServer:
     """A worker serving one or more models to one broker.
 
     Args:
-        broker: the broker's backend endpoint, e.g. ``tcp://127.0.0.1:5556``.
+        broker: the broker's backend endpoint, e.g. ``tcp://127.0.0.1:5556``, or its local
+            one, ``unix:PATH`` (same host: a unix stream socket, carpool.common.link).
         models: model name → a factory that builds its engine (called on the inference
             thread, once, at start).
         name: worker name for logs and broker stats.
@@ -80,6 +82,8 @@ class WorkerServer:
         if not models:
             raise ConfigError("a worker needs at least one model")
         self.broker = broker
+        self._link_path = link_path(broker)
+        self.link: Link | None = None
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
         self.context = context or zmq.Context()
@@ -135,19 +139,37 @@ class WorkerServer:
             self._rejoin_at = None
             self._to_broker(self.core.on_connect(self._last_join_s))
             return None
+        self.poller = zmq.Poller()
+        self.poller.register(self._results, zmq.POLLIN)
+        self.poller.register(self._wake.fd, zmq.POLLIN)
+        if self._link_path is not None:
+            self._link()
+            return None
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 1000)
         dealer.setsockopt(zmq.RCVHWM, 1000)
         dealer.connect(self.broker)
-        self.poller = zmq.Poller()
         self.poller.register(dealer, zmq.POLLIN)
-        self.poller.register(self._results, zmq.POLLIN)
-        self.poller.register(self._wake.fd, zmq.POLLIN)
         self.dealer = dealer
         self._to_broker(self.core.on_connect(self.clock.now()))
         logger.info("worker %s connected to %s", self.core.name, self.broker)
         return dealer
+
+    def _link(self) -> None:
+        """Connect to the broker's local endpoint. If nobody listens yet, READY is lost
+        and the core's liveness check starts over (at most ``heartbeat_s * liveness``
+        later), as it does for a broker that stopped answering."""
+        assert self._link_path is not None
+        try:
+            self.link = Link.connect(self._link_path)
+        except OSError as exc:
+            self.link = None
+            logger.warning("worker %s: no broker at %s (%s)", self.core.name, self.broker, exc)
+        else:
+            self.poller.register(self.link.fileno(), zmq.POLLIN)
+            logger.info("worker %s connected to %s", self.core.name, self.broker)
+        self._to_broker(self.core.on_connect(self.clock.now()))
 
     def _reconnect(self, reason: str) -> None:
         if self._outbox is not None:
@@ -164,6 +186,9 @@ class WorkerServer:
         self._drop_queued()
         if self.dealer is not None:
             self.dealer.close(linger=0)
+        if self.link is not None:
+            self.link.close()
+            self.link = None
         self.dealer = self._connect()
 
     def _drop_queued(self) -> None:
@@ -180,6 +205,8 @@ class WorkerServer:
         if self._outbox is not None:
             self._outbox.append(frames)
             return True
+        if self._link_path is not None:
+            return self._to_link(frames)
         assert self.dealer is not None
         try:
             send_frames(self.dealer, frames, NOBLOCK)
@@ -188,6 +215,44 @@ class WorkerServer:
             logger.warning("worker %s: broker not reading, message dropped", self.core.name)
             return False
         return True
+
+    def _to_link(self, frames: list[Any]) -> bool:
+        link = self.link
+        if link is None or link.closed:
+            return False  # not connected: liveness starts over
+        try:
+            link.send(frames)  # what the socket does not take now: _flush_link, POLLOUT
+        except LinkFull:
+            logger.warning("worker %s: broker not reading, message dropped", self.core.name)
+            return False
+        return True
+
+    def _flush_link(self) -> None:
+        link = self.link
+        if link is None or not link.wants_write:
+            return
+        link.flush()
+        if link.closed:
+            self._reconnect(f"the broker closed the link ({link.error})")
+        elif link.wants_write:
+            self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
+
+    def _drain_link(self, flags: int) -> int:
+        link = self.link
+        assert link is not None
+        n = 0
+        if flags & zmq.POLLOUT:
+            link.flush()
+            if not link.wants_write:
+                self.poller.modify(link.fileno(), zmq.POLLIN)
+        if flags & (zmq.POLLIN | zmq.POLLERR):
+            for frames in link.receive():
+                n += 1
+                if not self._on_broker(frames):
+                    return n  # started over: the rest belonged to the old link
+        if link.closed:
+            self._reconnect(f"the broker closed the link ({link.error or 'end of stream'})")
+        return n
 
     # ------------------------------------------------------------------ loop
 
@@ -200,12 +265,15 @@ class WorkerServer:
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+        self._flush_link()
         events = dict(self.poller.poll(wait_ms))
         handled = 0
         if self._results in events:
             handled += self._drain_results()
         if self.dealer in events:
             handled += self._drain_broker()
+        if self.link is not None and self.link.fileno() in events:
+            handled += self._drain_link(events[self.link.fileno()])
         if self._wake.fd in events:
             self._wake.clear()
         messages, reconnect = self.core.on_tick(self.clock.now())
@@ -410,6 +478,9 @@ class WorkerServer:
         self._thread.join(timeout=30)
         if self.dealer is not None:
             self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
+        if self.link is not None:
+            self.link.flush()  # DISCONNECT, into the kernel's buffer if it takes it
+            self.link.close()
         self._results.close(linger=0)
         self._wake.close()
         if not self._thread.is_alive():  # else a batch may still use them: leave to exit

@@ -1,0 +1,213 @@
+"""Workers on the broker's host over its local endpoint (``unix:PATH``, carpool.common.link):
+real unix sockets, real ONNX models, real processes for the crash."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.server import BrokerServer
+from carpool.client import Client
+from carpool.common.clock import MonotonicClock
+from carpool.common.errors import ConfigError
+from carpool.common.testing import ServerThread
+from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
+from carpool.worker.models import locate
+from carpool.worker.server import WorkerServer
+from tests.conftest import wait_for_workers
+
+CARPOOL = [sys.executable, "-m", "carpool"]
+
+
+def local_config(tmp_path: Path, **batching: Any) -> BrokerConfig:
+    return BrokerConfig(
+        frontend="tcp://127.0.0.1:*",
+        backend="tcp://127.0.0.1:*",
+        local_backend=f"unix:{tmp_path}/workers.sock",
+        batching=BatchingConfig(**batching),
+    )
+
+
+@pytest.fixture
+def stack() -> Iterator[contextlib.ExitStack]:
+    with contextlib.ExitStack() as s:
+        yield s
+
+
+def worker_names(client: Client) -> list[str]:
+    return sorted(w["name"] for w in client.stats()["workers"])
+
+
+@pytest.mark.timeout(120)
+def test_a_real_model_and_large_tensors_over_the_local_link(
+    tmp_path: Path, stack: contextlib.ExitStack
+) -> None:
+    broker = stack.enter_context(ServerThread(BrokerServer(local_config(tmp_path, max_batch=8))))
+    assert broker.local_endpoint == f"unix:{tmp_path}/workers.sock"
+    big = SyntheticEngine(item_shape=(1 << 20,), max_batch=2)  # 4 MiB a sample
+    worker = WorkerServer(
+        broker.local_endpoint,
+        {
+            "ppocr-cls": lambda: OnnxRuntimeEngine(locate("ppocr-cls"), max_batch=8),
+            "big": lambda: big,
+        },
+        name="local",
+        shm_output_bytes=0,  # outputs in frames: the link carries them
+    )
+    stack.enter_context(ServerThread(worker))
+    client = stack.enter_context(Client(broker.frontend_endpoint))
+    wait_for_workers(client, 1)
+    assert worker_names(client) == ["local"]
+
+    reference = OnnxRuntimeEngine(locate("ppocr-cls"), max_batch=8)
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal((1, 3, 48, 192)).astype(np.float32) for _ in range(120)]
+    futures = [client.submit("ppocr-cls", {"x": x}, timeout_s=60) for x in inputs]
+    name = reference.info.outputs[0].name
+    for x, future in zip(inputs, futures, strict=True):
+        np.testing.assert_allclose(
+            future.outputs(timeout_s=60)[name], reference.run({"x": x})[name], rtol=1e-5, atol=1e-6
+        )
+    reference.close()
+
+    x = rng.standard_normal((2, 1 << 20)).astype(np.float32)  # 8 MiB in, 8 MiB out
+    np.testing.assert_array_equal(
+        client.infer("big", {"x": x}, timeout_s=30)["y"], synthetic_output(x)
+    )
+    assert client.stats()["replies"] == 121
+
+
+@pytest.mark.timeout(60)
+def test_zeromq_and_local_workers_share_the_work(
+    tmp_path: Path, stack: contextlib.ExitStack
+) -> None:
+    broker = stack.enter_context(ServerThread(BrokerServer(local_config(tmp_path, max_batch=1))))
+    engines = {
+        "local": SyntheticEngine(fixed_cost_s=0.02, item_shape=(2,), max_batch=1),
+        "remote": SyntheticEngine(fixed_cost_s=0.02, item_shape=(2,), max_batch=1),
+    }
+    for name, endpoint in (("local", broker.local_endpoint), ("remote", broker.backend_endpoint)):
+        engine = engines[name]
+        server = WorkerServer(endpoint, {"m": lambda e=engine: e}, name=name, warmup=False)
+        stack.enter_context(ServerThread(server))
+    client = stack.enter_context(Client(broker.frontend_endpoint))
+    wait_for_workers(client, 2)
+    assert worker_names(client) == ["local", "remote"]
+    xs = [np.full((1, 2), i, np.float32) for i in range(16)]
+    futures = [client.submit("m", {"x": x}, timeout_s=20) for x in xs]
+    for x, future in zip(xs, futures, strict=True):
+        np.testing.assert_array_equal(future.outputs(timeout_s=20)["y"], synthetic_output(x))
+    assert engines["local"].batches
+    assert engines["remote"].batches
+    assert len(engines["local"].batches) + len(engines["remote"].batches) == 16
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_started_before_its_broker_joins_and_rejoins_a_restarted_one(
+    tmp_path: Path, stack: contextlib.ExitStack
+) -> None:
+    config = local_config(tmp_path, max_batch=4)
+    config = BrokerConfig(
+        frontend=f"ipc://{tmp_path}/frontend",
+        backend=f"ipc://{tmp_path}/backend",
+        local_backend=config.local_backend,
+        batching=config.batching,
+    )
+    engine = SyntheticEngine(item_shape=(2,), max_batch=4)
+    # Nobody listens yet: READY is lost and the worker tries again after its liveness.
+    worker = WorkerServer(
+        config.local_backend, {"m": lambda: engine}, heartbeat_s=0.1, liveness=3, warmup=False
+    )
+    stack.enter_context(ServerThread(worker))
+    x = np.ones((1, 2), np.float32)
+    for _ in range(2):  # the first broker, then a second on the same paths
+        with ServerThread(BrokerServer(config)), Client(config.frontend) as client:
+            wait_for_workers(client, 1, timeout_s=20)
+            assert client.infer("m", {"x": x}, timeout_s=5)["y"][0, 0] == 3.0
+        assert not os.path.exists(f"{tmp_path}/workers.sock")  # removed on close
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_local_worker_is_dropped_at_once_not_after_its_heartbeats(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL closes the worker's end of the link: the broker drops the worker when the
+    stream ends, long before its liveness window (3 x a 30 s heartbeat) would, and the
+    request it held goes back to the queue for the next worker."""
+    frontend, local = f"ipc://{tmp_path}/frontend", f"unix:{tmp_path}/workers.sock"
+    (tmp_path / "worker.toml").write_text("heartbeat_s = 30.0\n")
+    logs = open(tmp_path / "procs.log", "wb")  # noqa: SIM115
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(*args: str) -> subprocess.Popen[bytes]:
+        procs.append(
+            subprocess.Popen([*CARPOOL, *args], stdin=subprocess.DEVNULL, stdout=logs, stderr=logs)
+        )
+        return procs[-1]
+
+    def worker(name: str, cost_ms: str) -> subprocess.Popen[bytes]:
+        config = str(tmp_path / "worker.toml")
+        return spawn(
+            "worker", "--broker", local, "--config", config, "--synthetic", cost_ms, "0",
+            "--name", name,
+        )  # fmt: skip
+
+    clock = MonotonicClock()
+
+    def wait(what: str, done: Any, client: Client, limit_s: float = 30.0) -> None:
+        until = clock.now() + limit_s
+        while not done():
+            assert clock.now() < until, f"{what} did not happen in {limit_s} s"
+            client.poll(0.05)
+
+    try:
+        spawn(
+            "broker", "--frontend", frontend, "--backend", f"ipc://{tmp_path}/b", "--local", local
+        )
+        doomed = worker("doomed", "5000")  # a 5 s batch: still running when killed
+        with Client(frontend) as client:
+            wait_for_workers(client, 1, timeout_s=60)
+            x = np.arange(16, dtype=np.float32).reshape(1, 16)
+            future = client.submit("synthetic", {"x": x}, timeout_s=90)
+            wait("dispatch", lambda: client.stats()["workers"][0]["outstanding"] > 0, client)
+            os.kill(doomed.pid, signal.SIGKILL)
+            doomed.wait(timeout=10)
+            # 30 s is a third of the liveness window: only the link's end can explain it.
+            wait("dropping the killed worker", lambda: client.stats()["workers"] == [], client)
+            assert client.stats()["requeued"] == 1
+            assert not future.done()
+            worker("heir", "0")
+            np.testing.assert_array_equal(future.outputs(timeout_s=60)["y"], synthetic_output(x))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        logs.close()
+
+
+def test_a_local_backend_must_be_a_unix_endpoint() -> None:
+    with pytest.raises(ConfigError, match="local_backend must be unix:PATH"):
+        BrokerConfig(local_backend="ipc:///tmp/x")
+
+
+def test_a_second_broker_on_a_live_local_endpoint_fails_cleanly(tmp_path: Path) -> None:
+    config = local_config(tmp_path)
+    with ServerThread(BrokerServer(config)), pytest.raises(OSError, match="listening"):
+        BrokerServer(config)

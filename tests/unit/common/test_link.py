@@ -1,0 +1,239 @@
+"""Link: multipart messages over a real unix stream socket pair (no fakes)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from carpool.common.link import (
+    MAX_FRAMES,
+    SMALL,
+    Link,
+    LinkFull,
+    LinkListener,
+    link_path,
+)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Link, Link]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    left, right = Link(a), Link(b)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def pump(sender: Link, receiver: Link, want: int, rounds: int = 10_000) -> list[list[bytes]]:
+    """Flush and receive until ``want`` messages have arrived (bounded)."""
+    got: list[list[bytes]] = []
+    for _ in range(rounds):
+        sender.flush()
+        got += [[bytes(f) for f in m] for m in receiver.receive()]
+        if len(got) >= want:
+            return got
+    raise AssertionError(f"only {len(got)} of {want} messages arrived")
+
+
+def test_frames_of_every_kind_arrive_as_sent(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    messages: list[list[object]] = [
+        [b"CP\x01\x12", b"meta", array, memoryview(b"view"), zmq.Frame(b"zmq frame")],
+        [],  # no frames at all
+        [b"", b"", b"x"],  # empty frames
+    ]
+    for m in messages:
+        left.send(m)
+    got = pump(left, right, 3)
+    assert got[0] == [b"CP\x01\x12", b"meta", array.tobytes(), b"view", b"zmq frame"]
+    assert got[1] == []
+    assert got[2] == [b"", b"", b"x"]
+    assert not left.wants_write
+    assert not right.closed
+
+
+def test_receive_returns_at_most_limit_and_keeps_the_rest(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    for i in range(10):
+        left.send([b"%d" % i])
+    first = right.receive(limit=4)
+    rest = right.receive()
+    assert [bytes(m[0]) for m in first + rest] == [b"%d" % i for i in range(10)]
+    assert len(first) == 4
+
+
+def test_a_message_split_at_every_byte_is_put_back_together() -> None:
+    raw, end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = Link(end)
+    frames = [b"head", b"", b"payload" * 3]
+    sizes = [len(f) for f in frames]
+    wire = struct.pack("<II", 3, sum(sizes)) + struct.pack("<3I", *sizes) + b"".join(frames)
+    got = []
+    for i in range(len(wire)):
+        raw.sendall(wire[i : i + 1])
+        got += link.receive()
+        if i < len(wire) - 1:
+            assert got == [], f"a message came out after {i + 1} of {len(wire)} bytes"
+    assert [[bytes(f) for f in m] for m in got] == [frames]
+    raw.close()
+    link.close()
+
+
+def test_a_large_message_gets_a_buffer_of_its_own_and_partial_writes_queue() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for s in (a, b):  # small kernel buffers: the sender must queue and resume
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    left, right = Link(a), Link(b)
+    rng = np.random.default_rng(3)
+    big = rng.integers(0, 255, size=3 << 20, dtype=np.uint8)
+    left.send([b"meta", big, b"tail"])
+    assert left.wants_write, "3 MiB should not fit a 16 KiB socket buffer at once"
+    left.send([b"next"])  # queued behind the first, in order
+    got: list[list[memoryview]] = []
+    for _ in range(100_000):
+        left.flush()
+        got += right.receive()
+        if len(got) == 2:
+            break
+    assert len(got) == 2
+    meta, payload, tail = got[0]
+    assert bytes(meta) == b"meta"
+    assert bytes(tail) == b"tail"
+    assert np.array_equal(np.frombuffer(payload, dtype=np.uint8), big)
+    assert payload.obj is meta.obj, "a large message's frames are views of one buffer"
+    assert len(payload.obj) > SMALL
+    assert [bytes(f) for f in got[1]] == [b"next"]
+    assert not left.wants_write
+    left.close()
+    right.close()
+
+
+def test_more_frames_than_one_sendmsg_takes(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    frames = [b"%d" % i for i in range(3000)]  # over the 512 buffers of one sendmsg
+    left.send(frames)
+    assert pump(left, right, 1) == [frames]
+
+
+def test_end_of_stream_closes_after_the_messages_before_it(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    left.send([b"last words"])
+    left.close()
+    got = right.receive()
+    assert [[bytes(f) for f in m] for m in got] == [[b"last words"]]
+    assert right.closed
+    assert right.error is None
+    assert right.receive() == []
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        struct.pack("<II", MAX_FRAMES + 1, 0),  # too many frames
+        struct.pack("<II", 2, 10) + struct.pack("<2I", 3, 4),  # lengths do not add up
+    ],
+)
+def test_a_malformed_header_closes_the_link(wire: bytes) -> None:
+    raw, end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = Link(end)
+    raw.sendall(wire + b"\0" * 16)
+    assert link.receive() == []
+    assert link.closed
+    assert link.error is not None
+    assert "malformed" in link.error
+    raw.close()
+    link.close()
+
+
+def test_a_peer_that_does_not_read_gets_link_full() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    left = Link(a, max_queued=1 << 20)
+    chunk = b"x" * (256 << 10)
+    refused_at = None
+    for i in range(100):  # bounded: 25 MiB at most
+        try:
+            left.send([chunk])
+        except LinkFull:
+            refused_at = i
+            break
+    assert refused_at is not None
+    assert refused_at >= 3, "a 1 MiB queue takes a few 256 KiB messages before it refuses"
+    assert left.wants_write
+    assert not left.closed
+    left.close()
+    b.close()
+
+
+def test_writing_to_a_closed_peer_closes_the_link(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    right.close()
+    left.send([b"anyone?"])  # EPIPE, not SIGPIPE
+    assert left.closed
+    assert left.error is not None
+    left.send([b"again"])  # a closed link ignores sends
+    assert left.receive() == []
+
+
+def test_endpoint_paths() -> None:
+    assert link_path("unix:/run/carpool/w.sock") == "/run/carpool/w.sock"
+    assert link_path("unix:///run/carpool/w.sock") == "/run/carpool/w.sock"
+    assert link_path("unix:rel.sock") == "rel.sock"
+    assert link_path("ipc:///tmp/x") is None
+    assert link_path("tcp://127.0.0.1:5556") is None
+    with pytest.raises(ValueError, match="no socket path"):
+        link_path("unix:")
+
+
+def test_listener_accepts_replaces_a_stale_file_and_refuses_a_live_one(tmp_path: Path) -> None:
+    path = str(tmp_path / "w.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # a socket file nobody listens on: a killed broker's
+    stale.close()
+    listener = LinkListener(path)
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o660)
+    with pytest.raises(OSError, match="listening") as info:
+        LinkListener(path)
+    assert info.value.errno == errno.EADDRINUSE
+    probe = listener.accept()  # the second listener's probe: connected, then gone
+    assert len(probe) == 1
+    assert probe[0].receive() == []
+    assert probe[0].closed
+    probe[0].close()
+    client = Link.connect(path)
+    accepted: list[Link] = []
+    for _ in range(1000):
+        accepted += listener.accept()
+        if accepted:
+            break
+    assert len(accepted) == 1
+    client.send([b"ready"])
+    assert pump(client, accepted[0], 1) == [[b"ready"]]
+    client.close()
+    accepted[0].close()
+    listener.close()
+    assert not os.path.exists(path)
+
+
+def test_listener_will_not_replace_a_file_that_is_not_a_socket(tmp_path: Path) -> None:
+    path = tmp_path / "w.sock"
+    path.write_text("not a socket")
+    with pytest.raises(OSError, match="not a socket") as info:
+        LinkListener(str(path))
+    assert info.value.errno == errno.EEXIST
+    assert path.read_text() == "not a socket"
+
+
+def test_connect_to_nobody_raises(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        Link.connect(str(tmp_path / "nobody.sock"))
