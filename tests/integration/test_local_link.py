@@ -4,8 +4,11 @@ real unix sockets, real ONNX models, real processes for the crash."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import grp
 import os
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -209,5 +212,18 @@ def test_a_local_backend_must_be_a_unix_endpoint() -> None:
 
 def test_a_second_broker_on_a_live_local_endpoint_fails_cleanly(tmp_path: Path) -> None:
     config = local_config(tmp_path)
-    with ServerThread(BrokerServer(config)), pytest.raises(OSError, match="listening"):
+    with ServerThread(BrokerServer(config)), pytest.raises(ConfigError, match="listening"):
         BrokerServer(config)
+    assert not os.path.exists(f"{tmp_path}/workers.sock")  # the first one's, removed
+
+
+def test_the_local_endpoint_takes_the_configured_group(tmp_path: Path) -> None:
+    group = grp.getgrgid(os.getgid()).gr_name  # one this process belongs to
+    config = dataclasses.replace(local_config(tmp_path), local_backend_group=group)
+    with ServerThread(BrokerServer(config)):
+        st = os.stat(f"{tmp_path}/workers.sock")
+        assert st.st_gid == os.getgid()
+        assert stat.S_IMODE(st.st_mode) == 0o660
+    bad = dataclasses.replace(config, local_backend_group="no-such-group-carpool")
+    with pytest.raises(ConfigError, match="no such group"):
+        BrokerServer(bad)

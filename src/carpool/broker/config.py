@@ -55,6 +55,9 @@ class BrokerConfig:
     # Workers on this host may connect here instead: ``unix:PATH``, a plain unix stream
     # socket (carpool.common.link), one wake-up a hop instead of ZeroMQ's three. "": none.
     local_backend: str = ""
+    # The local endpoint's socket file gets this group (the broker must belong to it) and
+    # mode 0660: workers that run as other users (systemd DynamicUser=) join that group.
+    local_backend_group: str | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     # Per-model overrides of `batching`, by model name.
     models: dict[str, BatchingConfig] = field(default_factory=dict)

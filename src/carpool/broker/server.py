@@ -24,6 +24,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.errors import ConfigError
 from carpool.common.link import Link, LinkFull, LinkListener, link_path
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
@@ -121,11 +122,15 @@ class BrokerServer:
         if self.config.local_backend:
             path = link_path(self.config.local_backend)
             assert path is not None  # BrokerConfig checked the scheme
+            group = self.config.local_backend_group
             try:
-                self._listener = LinkListener(path)
-            except OSError:
+                self._listener = LinkListener(path, group=group)
+            except KeyError:
                 self.close()
-                raise
+                raise ConfigError(f"local_backend_group {group!r}: no such group") from None
+            except OSError as exc:
+                self.close()
+                raise ConfigError(f"local_backend {self.config.local_backend}: {exc}") from None
             self.poller.register(self._listener.fileno(), zmq.POLLIN)
         logger.info(
             "broker listening frontend=%s backend=%s%s",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import os
 import socket
 import stat
@@ -268,18 +269,27 @@ class LinkListener:
 
     A stale socket file (nobody listening: a broker that was killed) is replaced; a live
     one raises ``OSError(EADDRINUSE)``, as a second broker on the same endpoint should.
-    The file gets ``mode`` (default: owner and group may connect)."""
+    The file gets ``mode`` (default: owner and group may connect) and, when given,
+    ``group`` (this process must belong to it): under systemd's ``DynamicUser=`` broker
+    and workers have users of their own and share a group to meet here."""
 
-    def __init__(self, path: str, *, mode: int = 0o660) -> None:
+    def __init__(self, path: str, *, mode: int = 0o660, group: str | None = None) -> None:
         self.path = path
+        gid = -1 if group is None else grp.getgrnam(group).gr_gid  # KeyError: no such group
         _remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
+        except OSError:
+            sock.close()
+            raise
+        try:
+            os.chown(path, -1, gid)
             os.chmod(path, mode)
             sock.listen(64)
         except OSError:
             sock.close()
+            os.unlink(path)  # ours: bound a moment ago
             raise
         sock.setblocking(False)
         self._sock = sock
