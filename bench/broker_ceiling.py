@@ -14,6 +14,10 @@ as a reply comes back, 64-byte float32 [1, 16] payloads.
 * fleet (raw DEALER): the same request frames, encoded once, sent on a bare DEALER (no
   SDK cost per request), to show how much of the rate the client library takes;
 * echo (raw DEALER): the same frames on a bare DEALER against the echo server;
+* local link (Client / raw DEALER): the same against a broker whose null-engine worker
+  (a process) connects over the broker's local endpoint, a unix stream socket
+  (``carpool broker --local unix:PATH``, ``carpool worker --broker unix:PATH``) instead
+  of ZeroMQ;
 * embedded (Client / raw DEALER): the same against a second broker that runs its
   null-engine worker inside its own process (``carpool broker --embed-synthetic 0 0``):
   no worker process, no hops between broker and worker;
@@ -76,6 +80,8 @@ CONFIGS = (
     "echo (raw DEALER)",
     "fleet (raw DEALER)",
     "fleet (Client)",
+    "local link (raw DEALER)",
+    "local link (Client)",
     "embedded (raw DEALER)",
     "embedded (Client)",
     "bare relays (raw DEALER)",
@@ -129,12 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         broker = group.broker(frontend, backend)
         worker = group.worker(backend, "--synthetic", "0", "0")
         echo = group.echo(echo_ep)
+        link_front, link_back = group.endpoint("link-front"), group.endpoint("link-back")
+        link_broker = group.broker(link_front, link_back, "--local", f"unix:{group.tmp}/local")
+        link_worker = group.worker(f"unix:{group.tmp}/local", "--synthetic", "0", "0")
         emb_front, emb_back = group.endpoint("emb-front"), group.endpoint("emb-back")
         embedded = group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0")
         bare_front, bare_back = group.endpoint("bare-front"), group.endpoint("bare-back")
         bare_broker, bare_worker = group.bare_fleet(bare_front, bare_back)
         wait_workers(frontend, 1, group)
         wait_workers(emb_front, 1, group)
+        wait_workers(link_front, 1, group)
         wait_echo(echo_ep, group)
         wait_echo(bare_front, group)
         me = CpuMeter()
@@ -145,16 +155,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         echo_meters = {"client_cpu": me, "server_cpu": CpuMeter(echo.pid)}
         embedded_meters = {"client_cpu": me, "broker_cpu": CpuMeter(embedded.pid)}
+        link_meters = {
+            "client_cpu": me,
+            "broker_cpu": CpuMeter(link_broker.pid),
+            "worker_cpu": CpuMeter(link_worker.pid),
+        }
         bare_meters = {
             "client_cpu": me,
             "broker_cpu": CpuMeter(bare_broker.pid),
             "worker_cpu": CpuMeter(bare_worker.pid),
         }
-        with Client(frontend) as client, Client(emb_front) as emb_client:
-            for c in (client, emb_client):
+        with (
+            Client(frontend) as client,
+            Client(emb_front) as emb_client,
+            Client(link_front) as link_client,
+        ):
+            for c in (client, emb_client, link_client):
                 y = c.infer(MODEL, {"x": x})["y"]
                 assert np.allclose(y, 2 * x + 1), "the fleet gave a wrong answer"
             fleet_raw = dealer(frontend)
+            link_raw = dealer(link_front)
             emb_raw = dealer(emb_front)
             echo_raw = dealer(echo_ep)
             bare_raw = dealer(bare_front)
@@ -172,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 runs["fleet (Client)"] = client_run(client)
                 runs["embedded (Client)"] = client_run(emb_client)
+                runs["local link (Client)"] = client_run(link_client)
+                runs["local link (raw DEALER)"] = lambda k, n, s: raw_loop(
+                    link_raw, frames, k, n, s, expect_command=Command.REPLY
+                )
                 runs["fleet (raw DEALER)"] = lambda k, n, s: raw_loop(
                     fleet_raw, frames, k, n, s, expect_command=Command.REPLY
                 )
@@ -192,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 if config.startswith("embedded")
                                 else bare_meters
                                 if config.startswith("bare")
+                                else link_meters
+                                if config.startswith("local")
                                 else fleet_meters
                             )
                             m = measure(
@@ -203,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"round {rnd}/{reps} done")
             finally:
                 fleet_raw.close()
+                link_raw.close()
                 emb_raw.close()
                 echo_raw.close()
                 bare_raw.close()
@@ -257,8 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratio = summary[f"fleet (Client) @ {k}"]["ratio_to_echo"]
         emb = summary[f"embedded (Client) @ {k}"]["ratio_to_echo"]
         bare = summary[f"bare relays (raw DEALER) @ {k}"]["ratio_to_echo"]
+        local = summary[f"local link (Client) @ {k}"]["ratio_to_echo"]
         print(
             f"target fleet (Client) >= {TARGET} x echo at {k} in flight: {ratio:.3f} {verdict(ok)}"
+            f"; with the worker on the local link: {local:.3f} {verdict(local >= TARGET)}"
             f"; with the worker embedded in the broker: {emb:.3f} {verdict(emb >= TARGET)}"
             f"; the bare relays: {bare:.3f}"
         )
@@ -274,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "payload": "float32 [1, 16] (64 bytes)",
             "target": f"fleet (Client) >= {TARGET} x echo",
             "pass": all(checks.values()),
+            "pass_local_link": all(
+                summary[f"local link (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in in_flight
+            ),
             "pass_embedded": all(
                 summary[f"embedded (Client) @ {k}"]["ratio_to_echo"] >= TARGET for k in in_flight
             ),
