@@ -17,12 +17,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.server import BrokerServer
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ConfigError
+from carpool.common.protocol import Command, encode
 from carpool.common.testing import ServerThread
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
@@ -227,3 +229,25 @@ def test_the_local_endpoint_takes_the_configured_group(tmp_path: Path) -> None:
     bad = dataclasses.replace(config, local_backend_group="no-such-group-carpool")
     with pytest.raises(ConfigError, match="no such group"):
         BrokerServer(bad)
+
+
+def test_a_backend_peer_cannot_speak_for_a_local_worker(
+    tmp_path: Path, stack: contextlib.ExitStack
+) -> None:
+    """zmq lets a peer choose the routing id b"\\x00link-1"; the broker must not take its
+    messages (here DISCONNECT) as the local worker's."""
+    broker = stack.enter_context(ServerThread(BrokerServer(local_config(tmp_path))))
+    engine = SyntheticEngine(item_shape=(2,))
+    worker = WorkerServer(broker.local_endpoint, {"m": lambda: engine}, name="l0", warmup=False)
+    stack.enter_context(ServerThread(worker))
+    spoof = zmq.Context.instance().socket(zmq.DEALER)
+    stack.callback(spoof.close, 0)
+    spoof.setsockopt(zmq.ROUTING_ID, b"\x00link-1")
+    spoof.connect(broker.backend_endpoint)
+    client = stack.enter_context(Client(broker.frontend_endpoint))
+    wait_for_workers(client, 1)
+    spoof.send_multipart(encode(Command.DISCONNECT, {"reason": "spoofed"}))
+    client.poll(0.3)
+    assert worker_names(client) == ["l0"]
+    x = np.ones((1, 2), np.float32)
+    np.testing.assert_array_equal(client.infer("m", {"x": x})["y"], synthetic_output(x))

@@ -324,6 +324,8 @@ class BrokerServer:
             logger.warning("local worker link %s is not reading; dropped", wid[1:].decode())
             self._drop_link(wid, "not reading")
             return
+        if link.closed:  # the write failed: the worker is gone
+            self._drop_link(wid, link.error or "closed")
 
     def _deliver_local(self) -> None:
         """Messages for embedded workers, in order, one at a time: what they answer may
