@@ -24,9 +24,16 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   the harness's own ROUTER included: the SDK's share of a round trip and of the client's
   CPU under load. ``--profile`` prints cProfile's top functions.
 * ``hops``: one hop's price. Two processes pass 64 bytes back and forth, one at a time,
-  over a pipe and over a pyzmq DEALER/ROUTER pair on ``ipc://``: the p50 round trip of
-  each (a ZeroMQ hop wakes the sender's I/O thread, the receiver's, then the receiving
-  thread; a pipe wakes the receiving thread).
+  over a pipe, over carpool's ``Link`` (a unix socket pair, polled, as the broker's local
+  endpoint) and over a pyzmq DEALER/ROUTER pair on ``ipc://``: the p50 round trip of each
+  (a ZeroMQ hop wakes the sender's I/O thread, the receiver's, then the receiving thread;
+  a pipe or a unix socket wakes the receiving thread).
+* ``wake``: what it costs to wake a process whose CPU has been idle. A child pinned to
+  one CPU blocks on a pipe; the parent, pinned to the other, spins for a set time (the
+  child's CPU idles that long), then writes its clock; the child reads it and sends back
+  how long it took to run. The p50 by idle time. On a VM whose guest halts idle CPUs and
+  whose host polls a halted vCPU for a while before descheduling it (KVM's halt_poll_ns,
+  200 us by default), the price steps up past that window.
 * ``spy``: the real processes (``carpool broker``, ``carpool worker --synthetic 0 0``), a
   raw DEALER closed loop (8 in flight by default), CPU per request of broker and worker
   (main thread and whole process), the broker's batch-size distribution, and with
@@ -37,6 +44,7 @@ Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
       .venv/bin/python bench/hot_path.py worker [--profile] [--burst K]
       .venv/bin/python bench/hot_path.py client [--profile] [--burst K]
       .venv/bin/python bench/hot_path.py hops
+      .venv/bin/python bench/hot_path.py wake
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
           [--embedded]   (the null-engine worker inside the broker's process)
           [--client]     (the carpool Client drives it, not a raw DEALER)
@@ -379,15 +387,91 @@ def _zmq_round_trips(n: int, endpoint: str) -> list[float]:
     return out
 
 
+def _link_round_trips(n: int) -> list[float]:
+    import select
+    import socket
+
+    from carpool.common.link import Link
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # the echo: each message back as it came
+        try:
+            ours.close()
+            link = Link(theirs)
+            done = 0
+            while done < n:
+                select.select([link], [], [])
+                for message in link.receive():
+                    link.send(message)
+                    done += 1
+        finally:
+            os._exit(0)
+    theirs.close()
+    link = Link(ours)
+    out = []
+    message = [bytes(64)]
+    for _ in range(n):
+        t0 = time.perf_counter()
+        link.send(message)
+        while not link.receive():
+            select.select([link], [], [])
+        out.append(time.perf_counter() - t0)
+    os.waitpid(pid, 0)
+    link.close()
+    return out
+
+
 def hops_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="carpool-hops-") as tmp:
         for rnd in range(3):
             pipe = sorted(_pipe_round_trips(5000)[500:])
+            link = sorted(_link_round_trips(5000)[500:])
             ipc = sorted(_zmq_round_trips(5000, f"ipc://{tmp}/hops-{rnd}")[500:])
             print(
                 f"round {rnd + 1}: p50 round trip, pipe {1e6 * pipe[len(pipe) // 2]:.0f} us, "
+                f"carpool Link {1e6 * link[len(link) // 2]:.0f} us, "
                 f"pyzmq ipc {1e6 * ipc[len(ipc) // 2]:.0f} us"
             )
+    return 0
+
+
+def wake_main(args: argparse.Namespace) -> int:
+    import struct
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        print("needs two CPUs")
+        return 1
+    to_child, from_parent = os.pipe()[::-1]
+    from_child, to_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # blocks on the pipe; answers how long it took to run once written
+        try:
+            os.close(to_child)  # else the read below never sees the end
+            os.close(from_child)
+            os.sched_setaffinity(0, {cpus[1]})
+            while data := os.read(from_parent, 8):
+                woke = time.perf_counter()
+                os.write(to_parent, struct.pack("d", woke - struct.unpack("d", data)[0]))
+        finally:
+            os._exit(0)
+    os.sched_setaffinity(0, {cpus[0]})
+    print("idle us  wake p50 us  p90 us")
+    for idle_us in (10, 50, 100, 150, 200, 300, 500, 1000, 2000):
+        lat = []
+        for _ in range(400):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < idle_us / 1e6:
+                pass  # spin: this CPU stays busy while the child's idles
+            os.write(to_child, struct.pack("d", time.perf_counter()))
+            lat.append(1e6 * struct.unpack("d", os.read(from_child, 8))[0])
+        lat.sort()
+        print(f"{idle_us:7d}  {lat[len(lat) // 2]:11.1f}  {lat[int(len(lat) * 0.9)]:6.1f}")
+    os.close(to_child)
+    os.waitpid(pid, 0)
+    for fd in (from_parent, from_child, to_parent):
+        os.close(fd)
     return 0
 
 
@@ -485,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     cl = sub.add_parser("client", help="the Client in this process under a ROUTER")
     cl.add_argument("--profile", action="store_true", help="cProfile it")
     cl.add_argument("--burst", type=int, default=1, help="requests sent at a time (1)")
-    sub.add_parser("hops", help="round trip over a pipe and over pyzmq ipc")
+    sub.add_parser("hops", help="round trip over a pipe, a Link and pyzmq ipc")
+    sub.add_parser("wake", help="the price of waking a process on an idle CPU")
     s = sub.add_parser("spy", help="broker and worker processes under a closed loop")
     s.add_argument("--in-flight", type=int, default=8)
     s.add_argument("--seconds", type=float, default=6.0)
@@ -499,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         "worker": worker_main,
         "client": client_main,
         "hops": hops_main,
+        "wake": wake_main,
         "spy": spy_main,
     }
     return mains[args.mode](args)
