@@ -1701,7 +1701,7 @@ def test_the_fast_path_reorders_inputs_into_spec_order(monkeypatch: pytest.Monke
     def no_full_decode(meta: Any) -> None:
         raise AssertionError("a known layout took the full path")
 
-    monkeypatch.setattr("carpool.broker.core.decode_submit", no_full_decode)
+    monkeypatch.setattr("carpool.broker.admission.decode_submit", no_full_decode)
     b.client(T0, C1, raw_request(2))
     a3 = np.full(3, 7, np.float32).tobytes()
     (msg,) = batches(b.client(T0, C1, raw_request(3, payloads=[b"\x05\x06", a3])))

@@ -1,0 +1,400 @@
+"""admission.py: Admission — requests from clients, checked and queued or answered at once.
+
+The second layer of :class:`carpool.broker.core.BrokerCore` (pure): a client message is
+decoded (the framed form, the simple form, STATS), validated against its model's spec
+(names, dtypes, shapes, sizes, shared-memory references), refused at the door when no
+worker can take it, the queue is full, or even the best case would miss its deadline,
+and otherwise queued for :mod:`carpool.broker.scheduler`'s pump. A request layout that
+passed once is remembered, and the next request with it takes a fast path with the same
+checks and answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from carpool.broker.batcher import (
+    ClientId,
+    PendingRequest,
+    RequestKey,
+    request_key,
+)
+from carpool.broker.config import BrokerConfig
+from carpool.broker.scheduler import BatchScheduler, Outgoing
+from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.protocol import (
+    MAX_TIMEOUT_MS,
+    PRIORITIES,
+    Command,
+    Frame,
+    ModelSpec,
+    Priority,
+    ShmRef,
+    Signature,
+    Submit,
+    TensorMeta,
+    VersionMismatch,
+    check_frame_sizes,
+    decode_meta,
+    decode_simple_request,
+    decode_submit,
+    encode,
+    is_simple_form,
+    parse_header,
+    request_id_of,
+    shm_refs,
+    shm_wire,
+    tensor_signature,
+    view,
+)
+from carpool.common.shm import MAX_REF_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A request shape already validated against its model (for the fast path)."""
+
+    model: str
+    key: RequestKey
+    shape: tuple[int, ...]  # the first input's shape, for the arrival trace
+    samples: int
+    sizes: tuple[int, ...]  # each payload frame's length, in the request's order
+    order: tuple[int, ...] | None  # request frame index per spec input; None: the same
+
+
+#: Layouts remembered (clients choose shapes; the cache is dropped when full).
+_MAX_LAYOUTS = 1024
+
+
+class Admission(BatchScheduler):
+    """Client messages: see the module docstring."""
+
+    def __init__(self, config: BrokerConfig | None = None, *, defer_pumps: bool = False) -> None:
+        super().__init__(config, defer_pumps=defer_pumps)
+        # Request layouts validated once per (model, input names, dtypes, shapes); a
+        # model's spec never changes once registered, so entries stay valid.
+        self._layouts: dict[tuple[str, Signature], _Layout] = {}
+
+    # ------------------------------------------------------------------ clients
+
+    def on_client(self, now: float, identity: bytes, frames: Sequence[Frame]) -> list[Outgoing]:
+        """A message from a client arrived on the frontend."""
+        client = ClientId(identity)
+        self.stats.requests += 1
+        # A REQ socket puts an empty delimiter frame first; answer it in kind.
+        delimited = len(frames) > 1 and len(frames[0]) == 0
+        if delimited:
+            frames = frames[1:]
+        if len(frames) == 1 and is_simple_form(view(frames[0])):
+            return self._on_simple(now, client, delimited, frames[0])
+        meta: dict[str, Any] | None = None
+        try:
+            if not frames:
+                raise ProtocolError("empty message")
+            command = parse_header(view(frames[0]))
+            if command is Command.STATS:
+                snapshot = self.snapshot()
+                if len(frames) > 1:  # echo the caller's id, so it can match the reply
+                    snapshot["id"] = request_id_of(decode_meta(view(frames[1])))
+                return [self._to_client(client, delimited, encode(Command.STATS, snapshot))]
+            if command is not Command.REQUEST:
+                raise ProtocolError(f"command {command.name} is not valid from a client")
+            if len(frames) < 2:
+                raise ProtocolError("REQUEST needs a meta frame")
+            meta = decode_meta(view(frames[1]))
+            known = self._admit_known(now, client, delimited, meta, frames[2:])
+            if known is not None:
+                return known
+            submit = decode_submit(meta)
+        except VersionMismatch as exc:
+            logger.info("client=%s sent protocol version %d", identity.hex(), exc.version)
+            return [self._error(client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc))]
+        except ProtocolError as exc:
+            rid = request_id_of(meta)
+            return [self._error(client, delimited, rid, ErrorCode.INVALID_ARGUMENT, str(exc))]
+        return self._admit(now, client, delimited, submit, frames[2:], simple=False)
+
+    def _on_simple(
+        self, now: float, client: ClientId, delimited: bool, frame: Frame
+    ) -> list[Outgoing]:
+        try:
+            submit, payloads = decode_simple_request(view(frame))
+        except ProtocolError as exc:
+            code = (
+                ErrorCode.UNSUPPORTED_VERSION
+                if isinstance(exc, VersionMismatch)
+                else ErrorCode.INVALID_ARGUMENT
+            )
+            rid = request_id_of(exc.meta)
+            return [self._error(client, delimited, rid, code, str(exc), simple=True)]
+        return self._admit(now, client, delimited, submit, payloads, simple=True)
+
+    def _admit(
+        self,
+        now: float,
+        client: ClientId,
+        delimited: bool,
+        submit: Submit,
+        payloads: Sequence[Frame],
+        *,
+        simple: bool,
+    ) -> list[Outgoing]:
+        """Validate a decoded request against its model; queue it or answer an error."""
+        rid = submit.request_id
+        spec = self.registry.specs.get(submit.model)
+        if spec is None:
+            msg = f"model {submit.model!r} is not served by any worker"
+            return [self._error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)]
+        if self.registry.max_batch(spec.name) == 0:  # before the payload checks (protocol §6.1)
+            msg = f"no live worker serves model {spec.name!r} right now"
+            return [self._error(client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple)]
+        try:
+            inputs, order, samples = _conform(spec, submit.inputs, payloads, submit.shm)
+        except ProtocolError as exc:
+            code = ErrorCode.INVALID_ARGUMENT
+            return [self._error(client, delimited, rid, code, str(exc), simple=simple)]
+        layout = _Layout(
+            spec.name,
+            request_key(spec.name, inputs),
+            inputs[0].shape,
+            samples,
+            tuple(t.nbytes for t in submit.inputs),
+            None if order == tuple(range(len(order))) else order,
+        )
+        if not simple:
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            self._layouts[_signature(submit)] = layout
+        return self._enqueue(
+            now,
+            client,
+            delimited,
+            rid,
+            layout,
+            payloads,
+            submit.timeout_ms,
+            submit.priority,
+            simple,
+            submit.shm,
+            submit.shm_outputs,
+        )
+
+    def _admit_known(
+        self, now: float, client: ClientId, delimited: bool, meta: Any, payloads: Sequence[Frame]
+    ) -> list[Outgoing] | None:
+        """The common request, checked against the layout cached when a request with the
+        same model and input names, dtypes and shapes was first validated. None: anything
+        unusual, which takes the full path (and its precise error messages)."""
+        model = meta.get("model")
+        inputs = tensor_signature(meta.get("inputs"))
+        if type(model) is not str or inputs is None:
+            return None
+        layout = self._layouts.get((model, inputs))
+        if layout is None or len(payloads) != len(layout.sizes):
+            return None
+        if self.registry.max_batch(model) == 0:
+            return None  # the full path answers UNAVAILABLE
+        refs = None
+        descriptors = meta["inputs"]  # a list of maps: tensor_signature checked
+        for t in descriptors:
+            if "shm" in t:
+                try:
+                    refs = shm_refs(descriptors)
+                except ProtocolError:
+                    return None  # the full path says what is wrong
+                break
+        if refs is None:
+            for frame, size in zip(payloads, layout.sizes, strict=True):
+                if len(frame) != size:
+                    return None
+        else:
+            for frame, size, ref in zip(payloads, layout.sizes, refs, strict=True):
+                if len(frame) != (size if ref is None else 0) or size > MAX_REF_BYTES:
+                    return None  # (a claim that large: the full path says no)
+        rid = request_id_of(meta)
+        timeout = meta.get("timeout_ms")
+        prio = meta.get("priority", 0)
+        shm_outputs = meta.get("shm_outputs", False)
+        if (
+            rid is None
+            or type(shm_outputs) is not bool
+            or (
+                timeout is not None
+                and (type(timeout) is not int or not 0 < timeout <= MAX_TIMEOUT_MS)
+            )
+            or type(prio) is not int
+            or prio not in (0, 1)
+        ):
+            return None
+        return self._enqueue(
+            now,
+            client,
+            delimited,
+            rid,
+            layout,
+            payloads,
+            timeout,
+            PRIORITIES[prio],
+            False,
+            refs,
+            shm_outputs,
+        )
+
+    def _enqueue(
+        self,
+        now: float,
+        client: ClientId,
+        delimited: bool,
+        rid: int,
+        layout: _Layout,
+        payloads: Sequence[Frame],
+        timeout_ms: int | None,
+        priority: Priority,
+        simple: bool,
+        refs: tuple[ShmRef | None, ...] | None = None,
+        shm_outputs: bool = False,
+    ) -> list[Outgoing]:
+        """Queue a valid request, unless no worker can take it or it cannot make its
+        deadline; in deferred mode the batch forms at the end of the turn. ``refs``: the
+        inputs' shared-memory references, in the request's order (§5.4)."""
+        model = layout.model
+        max_batch = self.registry.max_batch(model)  # > 0: both callers checked
+        samples = layout.samples
+        if samples > max_batch:
+            msg = (
+                f"request has {samples} samples; model {model!r} accepts at most "
+                f"{max_batch} per batch"
+            )
+            code = ErrorCode.INVALID_ARGUMENT
+            return [self._error(client, delimited, rid, code, msg, simple=simple)]
+        timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s
+        if self.recording is not None:
+            self.recording.append(
+                (now, model, layout.shape, round(1000 * timeout_s), int(priority))
+            )
+        key = layout.key
+        out: list[Outgoing] = []
+        if self.queued >= self.config.max_queued and (self._dirty or self._dirty_models):
+            # Deferred mode: what can leave this turn leaves before the door closes.
+            self._pump_dirty(now, out)
+        if self.queued >= self.config.max_queued:
+            # Until costs are fitted the drain time is unknown: suggest a modest pause.
+            drain_s = self._drain_time_s(model, key, self.queued) or 0.05
+            out.append(
+                self._error(
+                    client,
+                    delimited,
+                    rid,
+                    ErrorCode.OVERLOADED,
+                    f"broker queue full ({self.queued} requests)",
+                    simple=simple,
+                    retry_after_ms=max(1, round(1000 * drain_s)),
+                )
+            )
+            return out
+        if self._policy(model).edf:
+            # The SLA countdown at the door: if even the best case (the work queued ahead
+            # at full speed, then this request) ends past the deadline, say so now.
+            ahead = self._samples_ahead(model, priority)
+            finish_s = self._drain_time_s(model, key, ahead + samples)
+            if finish_s > timeout_s:
+                self.stats.shed += 1
+                msg = (
+                    f"cannot meet the {1000 * timeout_s:.0f} ms deadline: predicted "
+                    f"completion in {1000 * finish_s:.0f} ms"
+                )
+                code = ErrorCode.DEADLINE_EXCEEDED
+                out.append(self._error(client, delimited, rid, code, msg, simple=simple))
+                return out
+        shm = None
+        if layout.order is not None:
+            payloads = [payloads[i] for i in layout.order]
+            if refs is not None:
+                refs = tuple(refs[i] for i in layout.order)
+        if refs is not None:
+            shm = shm_wire(refs)
+        self._seq += 1
+        req = PendingRequest(  # positional: the fields in declaration order
+            self._seq,
+            client,
+            delimited,
+            rid,
+            simple,
+            model,
+            key,
+            samples,
+            priority,
+            now,
+            now + timeout_s,
+            payloads,
+            shm,
+            shm_outputs,
+            refs,
+        )
+        queue = self._queue(key)
+        queue.push(req)
+        queue.note_arrival(now, samples)
+        self._enqueued(req)
+        self._deadlines.push(req)
+        if self.defer_pumps:
+            self._dirty[key] = None
+        else:
+            self._pump(now, queue, out)
+        return out
+
+
+def _conform(
+    spec: ModelSpec,
+    inputs: Sequence[TensorMeta],
+    payloads: Sequence[Frame],
+    refs: Sequence[ShmRef | None] | None = None,
+) -> tuple[tuple[TensorMeta, ...], tuple[int, ...], int]:
+    """Check a request against the model's inputs; return them in spec order, the index
+    of each one's payload among the request's frames, and the request's sample count
+    (dim 0, equal across inputs)."""
+    check_frame_sizes(inputs, payloads, refs)
+    given = {t.name: (i, t) for i, t in enumerate(inputs)}
+    expected = [t.name for t in spec.inputs]
+    if set(given) != set(expected):
+        raise ProtocolError(
+            f"model {spec.name!r} takes inputs {expected}, request has {sorted(given)}"
+        )
+    ordered_inputs: list[TensorMeta] = []
+    order: list[int] = []
+    samples = -1
+    for want in spec.inputs:
+        index, got = given[want.name]
+        if got.dtype != want.dtype:
+            raise ProtocolError(f"input {want.name!r}: dtype {got.dtype}, model takes {want.dtype}")
+        if len(got.shape) != len(want.shape):
+            raise ProtocolError(
+                f"input {want.name!r}: shape {list(got.shape)} has rank {len(got.shape)}, "
+                f"model takes rank {len(want.shape)} {_spec_shape(want.shape)}"
+            )
+        for g, w in zip(got.shape[1:], want.shape[1:], strict=True):
+            if w != -1 and g != w:
+                raise ProtocolError(
+                    f"input {want.name!r}: shape {list(got.shape)} does not fit "
+                    f"{_spec_shape(want.shape)}"
+                )
+        if samples not in (-1, got.shape[0]):
+            raise ProtocolError("all inputs of a request must have the same dim 0 (samples)")
+        samples = got.shape[0]
+        ordered_inputs.append(got)
+        order.append(index)
+    return tuple(ordered_inputs), tuple(order), samples
+
+
+def _signature(submit: Submit) -> tuple[str, Signature]:
+    """The lookup key of a request's layout, as _admit_known builds it from raw meta
+    (the model name and tensor_signature of the inputs)."""
+    return (submit.model, tuple((t.name, t.dtype, t.shape) for t in submit.inputs))
+
+
+def _spec_shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join("?" if d == -1 else str(d) for d in shape) + "]"
