@@ -70,7 +70,7 @@ def test_help_lists_the_commands() -> None:
 def test_broker_help_lists_its_flags() -> None:
     result = _carpool("broker", "--help")
     assert result.returncode == 0, result.stderr
-    for flag in ("--frontend", "--backend", "--max-batch", "--max-wait-ms", "--config"):
+    for flag in ("--frontend", "--backend", "--local", "--max-batch", "--max-wait-ms", "--config"):
         assert flag in result.stdout
 
 
