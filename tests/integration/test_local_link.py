@@ -8,7 +8,9 @@ import dataclasses
 import grp
 import os
 import signal
+import socket
 import stat
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,11 +22,11 @@ import pytest
 import zmq
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.server import BrokerServer
+from carpool.broker.server import BURST, BrokerServer
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ConfigError
-from carpool.common.protocol import Command, encode
+from carpool.common.protocol import Command, ModelSpec, Ready, TensorMeta, encode
 from carpool.common.testing import ServerThread
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
@@ -251,3 +253,102 @@ def test_a_backend_peer_cannot_speak_for_a_local_worker(
     assert worker_names(client) == ["l0"]
     x = np.ones((1, 2), np.float32)
     np.testing.assert_array_equal(client.infer("m", {"x": x})["y"], synthetic_output(x))
+
+
+def _ready(name: str) -> list[Any]:
+    x, y = TensorMeta("x", "float32", (-1, 2)), TensorMeta("y", "float32", (-1, 2))
+    spec = ModelSpec("m", (x,), (y,), 4)
+    return encode(Command.READY, Ready(name, 2, (spec,), 60_000).to_wire())
+
+
+def _wire(*messages: list[Any]) -> bytes:
+    """Messages in the link's framing (docs/protocol.md §1), back to back: written with
+    one sendall, they arrive in one read."""
+    out = []
+    for frames in messages:
+        data = [bytes(f) for f in frames]
+        sizes = [len(f) for f in data]
+        out.append(struct.pack(f"<IQ{len(sizes)}Q", len(sizes), sum(sizes), *sizes))
+        out += data
+    return b"".join(out)
+
+
+def _heartbeats_then_disconnect(count: int) -> bytes:
+    heartbeat = encode(Command.HEARTBEAT, {})
+    return _wire(*[heartbeat] * count, encode(Command.DISCONNECT, {"reason": "done"}))
+
+
+@pytest.mark.timeout(30)
+def test_the_broker_takes_messages_read_past_its_burst(tmp_path: Path) -> None:
+    """A worker's burst larger than the broker's per-turn limit arrives in one read; the
+    last message (DISCONNECT) must still be handled, though the socket is not readable
+    again and the worker sends nothing more."""
+    with contextlib.closing(BrokerServer(local_config(tmp_path))) as broker:
+        fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fake.connect(broker.local_endpoint[len("unix:") :])
+        fake.sendall(_wire(_ready("burst")))
+        for _ in range(20):
+            broker.step(0.05)
+            if broker.core.registry.all():
+                break
+        assert [w.name for w in broker.core.registry.all()] == ["burst"]
+        fake.sendall(_heartbeats_then_disconnect(BURST + 40))
+        for _ in range(5):
+            broker.step(0.05)
+        assert list(broker.core.registry.all()) == []
+        fake.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_worker_takes_messages_read_past_its_burst(tmp_path: Path) -> None:
+    """The same on the worker's side: a fake broker sends heartbeats past the worker's
+    per-turn limit, then DISCONNECT, in one write; the worker must connect again."""
+    path = str(tmp_path / "w.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.settimeout(0.01)
+    engine = SyntheticEngine(item_shape=(2,), max_batch=4)
+    worker = WorkerServer(f"unix:{path}", {"m": lambda: engine}, warmup=False)
+    accepted: list[socket.socket] = []
+
+    def accept() -> bool:
+        with contextlib.suppress(TimeoutError):
+            accepted.append(listener.accept()[0])
+            return True
+        return False
+
+    try:
+        assert accept(), "the worker did not connect"
+        accepted[0].sendall(_heartbeats_then_disconnect(300))
+        for _ in range(10):
+            worker.step(0.05)
+            if accept():
+                break
+        assert len(accepted) == 2, "the worker never took the DISCONNECT behind the burst"
+    finally:
+        for conn in accepted:
+            conn.close()
+        worker.close()
+        listener.close()
+
+
+def test_a_backend_peer_cannot_take_a_local_worker_id_before_it_is_used(
+    tmp_path: Path, stack: contextlib.ExitStack
+) -> None:
+    broker = stack.enter_context(ServerThread(BrokerServer(local_config(tmp_path))))
+    spoof = zmq.Context.instance().socket(zmq.DEALER)
+    stack.callback(spoof.close, 0)
+    spoof.setsockopt(zmq.ROUTING_ID, b"\x00link-9")
+    spoof.connect(broker.backend_endpoint)
+    spoof.send_multipart(_ready("spoof"))
+    client = stack.enter_context(Client(broker.frontend_endpoint))
+    client.poll(0.3)
+    assert worker_names(client) == []
+
+
+def test_an_endpoint_without_a_path_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="local_backend must be unix:PATH"):
+        BrokerConfig(local_backend="unix:")
+    with pytest.raises(ConfigError, match="no socket path"):
+        WorkerServer("unix:", {"m": lambda: SyntheticEngine(item_shape=(2,))}, warmup=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from carpool.common.config import check
+from carpool.common.link import link_path
 
 POLICIES = ("carpool", "fixed", "seed")
 
@@ -81,9 +82,16 @@ class BrokerConfig:
             problems.append("max_attempts must be in 1..10")
         if not 0 <= self.max_frame_mib <= 1 << 20:
             problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
-        if self.local_backend and not self.local_backend.startswith("unix:"):
+        if self.local_backend and not _unix_path(self.local_backend):
             problems.append(f"local_backend must be unix:PATH, got {self.local_backend!r}")
         check(problems, "broker")
 
     def batching_for(self, model: str) -> BatchingConfig:
         return self.models.get(model, self.batching)
+
+
+def _unix_path(endpoint: str) -> bool:
+    try:
+        return link_path(endpoint) is not None
+    except ValueError:  # "unix:" with no path
+        return False

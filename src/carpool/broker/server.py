@@ -25,7 +25,7 @@ from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError
-from carpool.common.link import Link, LinkFull, LinkListener, link_path
+from carpool.common.link import Link, LinkFull, LinkListener, TooManyFrames, link_path
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 BURST = 256
 # Read per message: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
+# Routing ids of workers in this process and on the local endpoint (no zmq peer's).
+_EMBEDDED_ID, _LINK_ID = b"\x00embedded-", b"\x00link-"
+_LOCAL_IDS = (_EMBEDDED_ID, _LINK_ID)
 
 
 class EmbeddedWorker(Protocol):
@@ -102,7 +105,7 @@ class BrokerServer:
         self.poller.register(self._wake.fd, zmq.POLLIN)
         # Embedded workers, by the routing id the core knows them by (zmq generates no
         # such id; a peer that sets one is refused in _drain).
-        self._embedded = {b"\x00embedded-%d" % i: w for i, w in enumerate(embedded)}
+        self._embedded = {_EMBEDDED_ID + b"%d" % i: w for i, w in enumerate(embedded)}
         # Metas pass as objects, not msgpack, to the workers that take them so.
         self.core.local_workers = {wid for wid, w in self._embedded.items() if w.local_metas}
         self._local: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
@@ -182,8 +185,8 @@ class BrokerServer:
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
-        if self._links:
-            self._flush_links()
+        if self._links and self._flush_links():
+            wait_ms = 0  # whole messages wait in a link's buffer: no poll would say so
         events = dict(self.poller.poll(wait_ms))
         handled = 0
         if self.frontend in events:
@@ -224,20 +227,20 @@ class BrokerServer:
         if listener.fileno() in events:
             for new in listener.accept():
                 self._linked += 1
-                wid = b"\x00link-%d" % self._linked
+                wid = _LINK_ID + b"%d" % self._linked
                 self._links[wid] = new
                 self._link_ids[new.fileno()] = wid
                 self.poller.register(new.fileno(), zmq.POLLIN)
                 logger.info("a local worker connected (link %d)", self._linked)
         n = 0
         for fd, wid in list(self._link_ids.items()):
-            flags = events.get(fd)
+            flags = events.get(fd, 0)
             link = self._links.get(wid)  # a send above may have dropped it
-            if not flags or link is None:
+            if link is None or not (flags or link.pending):
                 continue
             if flags & zmq.POLLOUT:
                 link.flush()
-            if flags & (zmq.POLLIN | zmq.POLLERR):
+            if flags & (zmq.POLLIN | zmq.POLLERR) or link.pending:
                 core = self.core
                 now = self.clock.now
                 for frames in link.receive(BURST):
@@ -245,16 +248,23 @@ class BrokerServer:
                     out = core.on_worker(now(), wid, frames)
                     if out:
                         self._send(out)
+                        if wid not in self._links:
+                            break  # dropped by that send: the rest is a lost worker's
+                if wid not in self._links:
+                    continue
             if link.closed:
                 self._drop_link(wid, link.error or "the worker closed the link")
             elif not link.wants_write:
                 self.poller.modify(link.fileno(), zmq.POLLIN)
         return n
 
-    def _flush_links(self) -> None:
+    def _flush_links(self) -> bool:
         """Before the poll: write what waits for local workers (a send writes what the
-        kernel takes at once); poll for POLLOUT where some is left."""
+        kernel takes at once); poll for POLLOUT where some is left. True when a link
+        holds whole messages already read (``Link.pending``): the poll must not wait."""
+        pending = False
         for wid, link in list(self._links.items()):
+            pending = pending or link.pending
             if not link.wants_write:
                 continue
             link.flush()
@@ -262,6 +272,7 @@ class BrokerServer:
                 self._drop_link(wid, link.error or "closed")
             elif link.wants_write:
                 self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
+        return pending
 
     def _drop_link(self, wid: bytes, reason: str) -> None:
         link = self._links.pop(wid, None)
@@ -277,13 +288,14 @@ class BrokerServer:
         core = self.core
         handler = core.on_client if side is _FRONTEND else core.on_worker
         now = self.clock.now
-        # A peer may set its own routing id: none may speak as an embedded or local worker.
-        embedded, links = (self._embedded, self._links) if side is _BACKEND else ({}, {})
+        # A peer may set its own routing id: none may speak as an embedded or local worker,
+        # now or later (zmq's own ids are 5 bytes: a zero byte and a counter).
+        guard = side is _BACKEND
         n = 0
         for frames in waiting(sock, BURST):
             n += 1
             identity = frames[0].bytes
-            if identity in embedded or identity in links:
+            if guard and identity.startswith(_LOCAL_IDS):
                 logger.warning("a backend peer used a local worker's id: dropped")
                 continue
             out = handler(now(), identity, frames[1:])
@@ -323,6 +335,10 @@ class BrokerServer:
         except LinkFull:
             logger.warning("local worker link %s is not reading; dropped", wid[1:].decode())
             self._drop_link(wid, "not reading")
+            return
+        except TooManyFrames as exc:  # a batch the link cannot carry: the worker is lost
+            logger.error("local worker link %s: %s; dropped", wid[1:].decode(), exc)
+            self._drop_link(wid, str(exc))
             return
         if link.closed:  # the write failed: the worker is gone
             self._drop_link(wid, link.error or "closed")

@@ -11,7 +11,7 @@ hops``). A link is written and read by the thread that owns it: one wake-up per 
 
 Wire format, per message::
 
-    <u32 frames n> <u32 data bytes> <u32 length> × n   then the n frames back to back
+    <u32 frames n> <u64 data bytes> <u64 length> × n   then the n frames back to back
 
 All little-endian. A sender writes the header and the frames with one ``sendmsg`` (the
 payloads are not joined first); a receiver reads small messages into one buffer and a
@@ -33,6 +33,7 @@ import contextlib
 import errno
 import functools
 import grp
+import logging
 import os
 import socket
 import stat
@@ -41,17 +42,19 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 #: The scheme of a link endpoint: ``unix:/run/carpool/workers.sock``.
 SCHEME = "unix:"
 
-_HEAD = struct.Struct("<II")  # frames, data bytes
-#: More frames than this in one message is a malformed header (a batch of 4096 requests
-#: with a few tensors each stays below).
-MAX_FRAMES = 1 << 16
+_HEAD = struct.Struct("<IQ")  # frames, data bytes
+#: Frames a message may have: a batch of 4096 requests with 30 tensors each stays below;
+#: more in a header is malformed, and ``send`` refuses them (:class:`TooManyFrames`).
+MAX_FRAMES = 1 << 17
 #: Messages up to this size are read into the shared buffer; larger ones get their own.
 SMALL = 64 << 10
-# Holds a small message or the largest frame-length table, whichever is larger.
-_BUFFER = max(SMALL, 8 + 4 * MAX_FRAMES) + (64 << 10)
+# Holds a small message or the largest frame-length table, whichever is larger (~1 MiB).
+_BUFFER = max(SMALL, _HEAD.size + 8 * MAX_FRAMES) + (64 << 10)
 #: Buffers passed to one sendmsg (IOV_MAX is 1024 on Linux).
 _IOV = 512
 #: Bytes a link queues for a peer that is not reading before ``send`` refuses.
@@ -60,6 +63,10 @@ MAX_QUEUED = 256 << 20
 
 class LinkFull(Exception):
     """The peer is not reading: ``max_queued`` bytes are waiting already."""
+
+
+class TooManyFrames(ValueError):
+    """A message with more than :data:`MAX_FRAMES` frames: not sent."""
 
 
 def link_path(endpoint: str) -> str | None:
@@ -77,12 +84,12 @@ def link_path(endpoint: str) -> str | None:
 @functools.cache
 def _head(n: int) -> struct.Struct:
     """The header of a message of ``n`` frames: n, data bytes, n lengths."""
-    return struct.Struct(f"<II{n}I")
+    return struct.Struct(f"<IQ{n}Q")
 
 
 @functools.cache
 def _lengths(n: int) -> struct.Struct:
-    return struct.Struct(f"<{n}I")
+    return struct.Struct(f"<{n}Q")
 
 
 def _nbytes(frame: Any) -> int:
@@ -113,8 +120,10 @@ class Link:
 
     @classmethod
     def connect(cls, path: str, **kwargs: Any) -> Link:
-        """Connect to a listening link (raises OSError when nobody listens at ``path``)."""
+        """Connect to a listening link. Raises OSError when nobody listens at ``path``, and
+        BlockingIOError when its backlog is full (a stuck listener): never blocks."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
             sock.connect(path)
         except OSError:
@@ -130,6 +139,28 @@ class Link:
         """Bytes wait to be written: poll the socket for POLLOUT and call :meth:`flush`."""
         return bool(self._out)
 
+    @property
+    def pending(self) -> bool:
+        """A whole message (or a malformed header) waits in the link's buffer, read from
+        the socket before :meth:`receive` stopped at its limit: call it again without
+        waiting for the socket to be readable, which it may never be again."""
+        big = self._big
+        if big is not None:
+            return self._big_have == len(big)
+        lo = self._lo
+        buffered = self._hi - lo
+        if buffered < _HEAD.size:
+            return False
+        n: int
+        size: int
+        n, size = _HEAD.unpack_from(self._buf, lo)
+        if n > MAX_FRAMES:
+            return True  # receive() closes the link
+        table = _HEAD.size + 8 * n
+        if table + size > SMALL:  # large: receive() moves it to a buffer of its own
+            return buffered >= table
+        return buffered >= table + size
+
     # ------------------------------------------------------------------ sending
 
     def send(self, frames: Sequence[Any]) -> None:
@@ -140,6 +171,8 @@ class Link:
         if self.closed:
             return
         sizes = [len(f) if type(f) is bytes else _nbytes(f) for f in frames]
+        if len(sizes) > MAX_FRAMES:
+            raise TooManyFrames(f"{len(sizes)} frames: a link carries at most {MAX_FRAMES}")
         total = sum(sizes)
         head = _head(len(sizes)).pack(len(sizes), total, *sizes)
         if self._out:  # a backlog: this message goes behind it, in flush()
@@ -226,16 +259,16 @@ class Link:
             return _split(memoryview(big), self._big_lengths)
         lo = self._lo
         buffered = self._hi - lo
-        if buffered < 8:
+        if buffered < _HEAD.size:
             return None
         n, size = _HEAD.unpack_from(self._buf, lo)
         if n > MAX_FRAMES:
             self._close(f"malformed header: {n} frames")
             return None
-        table = 8 + 4 * n
+        table = _HEAD.size + 8 * n
         if buffered < table:
             return None
-        lengths = _lengths(n).unpack_from(self._buf, lo + 8)
+        lengths = _lengths(n).unpack_from(self._buf, lo + _HEAD.size)
         if sum(lengths) != size:
             self._close("malformed header: frame lengths do not add up")
             return None
@@ -336,6 +369,9 @@ class LinkListener:
         sock.setblocking(False)
         self._sock = sock
         self._ino = os.stat(path).st_ino
+        # Kept to be given up when the process runs out of descriptors: a connection left
+        # in the backlog keeps the listener readable, and the broker's poll would spin.
+        self._spare: int | None = os.open(os.devnull, os.O_RDONLY)
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -348,12 +384,34 @@ class LinkListener:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return links
-            except OSError:  # e.g. EMFILE: try again on the next readiness
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._turn_away(exc)
                 return links
             links.append(Link(conn))
 
+    def _turn_away(self, exc: OSError) -> None:
+        """Out of descriptors: accept the waiting connection with the spare one and close
+        it (the worker sees its link end and tries again later), so the listener is not
+        left readable forever."""
+        logger.warning("a local worker was turned away: %s", exc)
+        if self._spare is None:
+            return
+        os.close(self._spare)
+        self._spare = None
+        try:
+            conn, _ = self._sock.accept()
+            conn.close()
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            self._spare = os.open(os.devnull, os.O_RDONLY)
+
     def close(self) -> None:
         self._sock.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         # Remove the file only if it is still ours (not a later broker's).
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self._ino:
@@ -368,11 +426,14 @@ def _remove_stale(path: str) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # a stuck listener with a full backlog: EAGAIN, not a hang
     try:
         probe.connect(path)
     except ConnectionRefusedError:
         os.unlink(path)  # nobody listens: a stale file
         return
+    except BlockingIOError:
+        pass  # somebody listens, with a full backlog
     except OSError:
         return  # let bind report it
     finally:

@@ -23,7 +23,7 @@ import zmq
 from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
-from carpool.common.link import Link, LinkFull, link_path
+from carpool.common.link import Link, LinkFull, TooManyFrames, link_path
 from carpool.common.protocol import BatchMeta, ErrorReply, ModelSpec, encode_error
 from carpool.common.shm import RegionReader, ShmRing
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
@@ -82,7 +82,10 @@ class WorkerServer:
         if not models:
             raise ConfigError("a worker needs at least one model")
         self.broker = broker
-        self._link_path = link_path(broker)
+        try:
+            self._link_path = link_path(broker)
+        except ValueError as exc:
+            raise ConfigError(f"broker endpoint: {exc}") from None
         self.link: Link | None = None
         self.clock: Clock = clock or MonotonicClock()
         self._own_context = context is None
@@ -225,17 +228,25 @@ class WorkerServer:
         except LinkFull:
             logger.warning("worker %s: broker not reading, message dropped", self.core.name)
             return False
+        except TooManyFrames as exc:
+            logger.error("worker %s: message dropped: %s", self.core.name, exc)
+            return False
         return True
 
-    def _flush_link(self) -> None:
+    def _flush_link(self) -> bool:
+        """Before the poll: write what waits. True when whole messages already read wait
+        in the link's buffer (``Link.pending``): the poll must not wait."""
         link = self.link
-        if link is None or not link.wants_write:
-            return
-        link.flush()
-        if link.closed:
-            self._reconnect(f"the broker closed the link ({link.error})")
-        elif link.wants_write:
-            self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
+        if link is None:
+            return False
+        if link.wants_write:
+            link.flush()
+            if link.closed:
+                self._reconnect(f"the broker closed the link ({link.error})")
+                return False
+            if link.wants_write:
+                self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
+        return link.pending
 
     def _drain_link(self, flags: int) -> int:
         link = self.link
@@ -245,7 +256,7 @@ class WorkerServer:
             link.flush()
             if not link.wants_write:
                 self.poller.modify(link.fileno(), zmq.POLLIN)
-        if flags & (zmq.POLLIN | zmq.POLLERR):
+        if flags & (zmq.POLLIN | zmq.POLLERR) or link.pending:
             for frames in link.receive():
                 n += 1
                 if not self._on_broker(frames):
@@ -265,15 +276,17 @@ class WorkerServer:
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
         wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
-        self._flush_link()
+        if self._flush_link():
+            wait_ms = 0  # whole messages wait in the link's buffer: no poll would say so
         events = dict(self.poller.poll(wait_ms))
         handled = 0
         if self._results in events:
             handled += self._drain_results()
         if self.dealer in events:
             handled += self._drain_broker()
-        if self.link is not None and self.link.fileno() in events:
-            handled += self._drain_link(events[self.link.fileno()])
+        link = self.link
+        if link is not None and (link.fileno() in events or link.pending):
+            handled += self._drain_link(events.get(link.fileno(), 0))
         if self._wake.fd in events:
             self._wake.clear()
         messages, reconnect = self.core.on_tick(self.clock.now())

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from carpool.common.link import (
     Link,
     LinkFull,
     LinkListener,
+    TooManyFrames,
     link_path,
 )
 
@@ -76,7 +80,7 @@ def test_a_message_split_at_every_byte_is_put_back_together() -> None:
     link = Link(end)
     frames = [b"head", b"", b"payload" * 3]
     sizes = [len(f) for f in frames]
-    wire = struct.pack("<II", 3, sum(sizes)) + struct.pack("<3I", *sizes) + b"".join(frames)
+    wire = struct.pack("<IQ", 3, sum(sizes)) + struct.pack("<3Q", *sizes) + b"".join(frames)
     got = []
     for i in range(len(wire)):
         raw.sendall(wire[i : i + 1])
@@ -141,8 +145,8 @@ def test_end_of_stream_closes_after_the_messages_before_it(pair: tuple[Link, Lin
 @pytest.mark.parametrize(
     "wire",
     [
-        struct.pack("<II", MAX_FRAMES + 1, 0),  # too many frames
-        struct.pack("<II", 2, 10) + struct.pack("<2I", 3, 4),  # lengths do not add up
+        struct.pack("<IQ", MAX_FRAMES + 1, 0),  # too many frames
+        struct.pack("<IQ", 2, 10) + struct.pack("<2Q", 3, 4),  # lengths do not add up
     ],
 )
 def test_a_malformed_header_closes_the_link(wire: bytes) -> None:
@@ -239,3 +243,103 @@ def test_listener_will_not_replace_a_file_that_is_not_a_socket(tmp_path: Path) -
 def test_connect_to_nobody_raises(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         Link.connect(str(tmp_path / "nobody.sock"))
+
+
+def test_messages_read_past_the_limit_are_pending_until_taken(pair: tuple[Link, Link]) -> None:
+    """One read can hold more messages than receive() hands out; the socket is then no
+    longer readable, so the owner must see them as pending or they wait for the peer's
+    next message (or for ever)."""
+    left, right = pair
+    for i in range(40):
+        left.send([b"%d" % i])
+    first = right.receive(limit=30)
+    assert len(first) == 30
+    assert right.pending
+    readable, _, _ = select.select([right], [], [], 0)
+    assert readable == [], "the socket was drained into the buffer"
+    rest = right.receive(limit=30)
+    assert [bytes(m[0]) for m in first + rest] == [b"%d" % i for i in range(40)]
+    assert not right.pending
+
+
+def test_frames_handed_out_stay_valid_while_the_buffer_is_reused(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    kept: list[memoryview] = []
+    expected: list[bytes] = []
+    for round_ in range(50):  # enough traffic to wrap and compact the receive buffer
+        batch = [bytes([round_]) * (100 + 37 * i) for i in range(30)]
+        left.send(batch)
+        expected += batch
+        for _ in range(100):
+            left.flush()
+            got = right.receive()
+            if got:
+                kept += got[0]  # the memoryviews themselves, not copies
+                break
+    assert [bytes(f) for f in kept] == expected
+
+
+def test_too_many_frames_are_refused_before_anything_is_sent(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    with pytest.raises(TooManyFrames):
+        left.send([b""] * (MAX_FRAMES + 1))
+    assert not left.wants_write
+    left.send([b"fine"])
+    assert pump(left, right, 1) == [[b"fine"]]
+
+
+@pytest.mark.timeout(20)
+def test_a_stuck_listener_neither_hangs_a_connect_nor_a_new_broker(tmp_path: Path) -> None:
+    """A listener that never accepts (a stopped broker) fills its backlog: connecting
+    must fail at once, and a second broker must see the path as taken, not hang."""
+    path = str(tmp_path / "stuck.sock")
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.bind(path)
+    stuck.listen(0)
+    waiting: list[socket.socket] = []
+    try:
+        refused = False
+        for _ in range(1000):  # bounded; the backlog fills after one or two
+            try:
+                waiting.append(Link.connect(path)._sock)
+            except BlockingIOError:
+                refused = True
+                break
+        assert refused, "connect() should say EAGAIN once the backlog is full"
+        with pytest.raises(OSError, match="listening") as info:
+            LinkListener(path)
+        assert info.value.errno == errno.EADDRINUSE
+    finally:
+        for s in waiting:
+            s.close()
+        stuck.close()
+
+
+def test_a_listener_out_of_descriptors_turns_connections_away(tmp_path: Path) -> None:
+    """At the descriptor limit accept() fails and the connection stays in the backlog,
+    leaving the listener readable: without the spare descriptor the broker's poll spins.
+    Run in a child process, which lowers its own limit."""
+    script = f"""
+import os, resource, select, socket, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[3] / "src")!r})
+from carpool.common.link import Link, LinkListener
+listener = LinkListener({str(tmp_path / "w.sock")!r})
+client = Link.connect(listener.path)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 1, hard))
+hog = []
+try:
+    while True:
+        hog.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print("accepted", len(listener.accept()))
+print("readable", bool(select.select([listener], [], [], 0)[0]))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "accepted 0" in result.stdout
+    assert "readable False" in result.stdout, result.stdout + result.stderr
