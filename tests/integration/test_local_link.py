@@ -255,10 +255,10 @@ def test_a_backend_peer_cannot_speak_for_a_local_worker(
     np.testing.assert_array_equal(client.infer("m", {"x": x})["y"], synthetic_output(x))
 
 
-def _ready(name: str) -> list[Any]:
+def _ready(name: str, heartbeat_ms: int = 60_000) -> list[Any]:
     x, y = TensorMeta("x", "float32", (-1, 2)), TensorMeta("y", "float32", (-1, 2))
     spec = ModelSpec("m", (x,), (y,), 4)
-    return encode(Command.READY, Ready(name, 2, (spec,), 60_000).to_wire())
+    return encode(Command.READY, Ready(name, 2, (spec,), heartbeat_ms).to_wire())
 
 
 def _wire(*messages: list[Any]) -> bytes:
@@ -352,3 +352,32 @@ def test_an_endpoint_without_a_path_is_a_config_error() -> None:
         BrokerConfig(local_backend="unix:")
     with pytest.raises(ConfigError, match="no socket path"):
         WorkerServer("unix:", {"m": lambda: SyntheticEngine(item_shape=(2,))}, warmup=False)
+
+
+@pytest.mark.timeout(30)
+def test_a_silent_local_worker_loses_its_link_when_the_broker_forgets_it(tmp_path: Path) -> None:
+    """A hung worker misses its heartbeats: the core forgets it, and the broker closes
+    its link (no descriptor held for it; a worker that wakes up connects anew)."""
+    with contextlib.closing(BrokerServer(local_config(tmp_path))) as broker:
+        fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fake.connect(broker.local_endpoint[len("unix:") :])
+        fake.sendall(_wire(_ready("hung", heartbeat_ms=50)))
+        for _ in range(20):
+            broker.step(0.05)
+            if broker.core.registry.all():
+                break
+        assert [w.name for w in broker.core.registry.all()] == ["hung"]
+        fake.settimeout(0.05)
+        ended = False
+        for _ in range(100):  # liveness 3 x 50 ms; bounded at ~10 s
+            broker.step(0.05)
+            try:
+                while fake.recv(65536):  # the broker's heartbeats, then the end
+                    pass
+                ended = True
+                break
+            except TimeoutError:
+                continue
+        assert ended, "the broker kept the forgotten worker's link open"
+        assert list(broker.core.registry.all()) == []
+        fake.close()

@@ -23,6 +23,7 @@ import zmq
 
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.registry import WorkerId
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError
 from carpool.common.link import Link, LinkFull, LinkListener, TooManyFrames, link_path
@@ -116,6 +117,9 @@ class BrokerServer:
         self._links: dict[bytes, Link] = {}
         self._link_ids: dict[int, bytes] = {}  # fd -> routing id
         self._linked = 0
+        # Links whose worker the core has registered: when the core forgets one (missed
+        # heartbeats), its link is closed, and a worker that is still there connects anew.
+        self._registered: set[bytes] = set()
         self._stopping = False
         self._closed = False
         for wid, worker in self._embedded.items():
@@ -201,6 +205,8 @@ class BrokerServer:
             for frames in worker.service(worker.results_socket in events):
                 self._send(self.core.on_worker(self.clock.now(), wid, frames))
         self._send(self.core.on_tick(self.clock.now()))
+        if self._registered:
+            self._close_forgotten()
         if self._trace is not None and self.core.recording:
             self._write_trace()
         return handled
@@ -252,6 +258,8 @@ class BrokerServer:
                             break  # dropped by that send: the rest is a lost worker's
                 if wid not in self._links:
                     continue
+                if wid not in self._registered and core.registry.get(WorkerId(wid)):
+                    self._registered.add(wid)
             if link.closed:
                 self._drop_link(wid, link.error or "the worker closed the link")
             elif not link.wants_write:
@@ -274,7 +282,15 @@ class BrokerServer:
                 self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
         return pending
 
+    def _close_forgotten(self) -> None:
+        """Close the links of workers the core has forgotten (silent past their liveness,
+        or gone on their own word), so they do not hold a descriptor here."""
+        registry = self.core.registry
+        for wid in [w for w in self._registered if registry.get(WorkerId(w)) is None]:
+            self._drop_link(wid, "the broker forgot this worker")
+
     def _drop_link(self, wid: bytes, reason: str) -> None:
+        self._registered.discard(wid)
         link = self._links.pop(wid, None)
         if link is None:
             return
