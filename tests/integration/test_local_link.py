@@ -22,16 +22,18 @@ import pytest
 import zmq
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.core import Outgoing, Side
 from carpool.broker.server import BURST, BrokerServer
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ConfigError
+from carpool.common.link import MAX_FRAMES, PREAMBLE
 from carpool.common.protocol import Command, ModelSpec, Ready, TensorMeta, encode
 from carpool.common.testing import ServerThread
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.models import locate
-from carpool.worker.server import WorkerServer
+from carpool.worker.server import WorkerServer, _too_large_for_a_link
 from tests.conftest import wait_for_workers
 
 CARPOOL = [sys.executable, "-m", "carpool"]
@@ -264,7 +266,7 @@ def _ready(name: str, heartbeat_ms: int = 60_000) -> list[Any]:
 def _wire(*messages: list[Any]) -> bytes:
     """Messages in the link's framing (docs/protocol.md §1), back to back: written with
     one sendall, they arrive in one read."""
-    out = []
+    out: list[bytes] = []
     for frames in messages:
         data = [bytes(f) for f in frames]
         sizes = [len(f) for f in data]
@@ -286,7 +288,7 @@ def test_the_broker_takes_messages_read_past_its_burst(tmp_path: Path) -> None:
     with contextlib.closing(BrokerServer(local_config(tmp_path))) as broker:
         fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fake.connect(broker.local_endpoint[len("unix:") :])
-        fake.sendall(_wire(_ready("burst")))
+        fake.sendall(PREAMBLE + _wire(_ready("burst")))
         for _ in range(20):
             broker.step(0.05)
             if broker.core.registry.all():
@@ -320,7 +322,7 @@ def test_the_worker_takes_messages_read_past_its_burst(tmp_path: Path) -> None:
 
     try:
         assert accept(), "the worker did not connect"
-        accepted[0].sendall(_heartbeats_then_disconnect(300))
+        accepted[0].sendall(PREAMBLE + _heartbeats_then_disconnect(300))
         for _ in range(10):
             worker.step(0.05)
             if accept():
@@ -361,7 +363,7 @@ def test_a_silent_local_worker_loses_its_link_when_the_broker_forgets_it(tmp_pat
     with contextlib.closing(BrokerServer(local_config(tmp_path))) as broker:
         fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fake.connect(broker.local_endpoint[len("unix:") :])
-        fake.sendall(_wire(_ready("hung", heartbeat_ms=50)))
+        fake.sendall(PREAMBLE + _wire(_ready("hung", heartbeat_ms=50)))
         for _ in range(20):
             broker.step(0.05)
             if broker.core.registry.all():
@@ -381,3 +383,48 @@ def test_a_silent_local_worker_loses_its_link_when_the_broker_forgets_it(tmp_pat
         assert ended, "the broker kept the forgotten worker's link open"
         assert list(broker.core.registry.all()) == []
         fake.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_broker_survives_a_header_that_claims_too_much(tmp_path: Path) -> None:
+    with contextlib.closing(BrokerServer(local_config(tmp_path))) as broker:
+        fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fake.connect(broker.local_endpoint[len("unix:") :])
+        fake.sendall(PREAMBLE + _wire(_ready("liar")))
+        huge = 1 << 45
+        fake.sendall(struct.pack("<IQQ", 1, huge, huge))
+        for _ in range(10):
+            broker.step(0.05)
+        assert list(broker.core.registry.all()) == []  # registered, then dropped
+        assert broker._links == {}
+        fake.close()
+
+
+def test_nothing_meant_for_a_dropped_local_worker_reaches_a_zeromq_peer(
+    tmp_path: Path, stack: contextlib.ExitStack
+) -> None:
+    """A message the core addressed to a local worker whose link has just gone must not
+    fall through to the ZeroMQ backend, where a peer may have taken that routing id."""
+    broker = BrokerServer(local_config(tmp_path))
+    stack.callback(broker.close)
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    stack.callback(rogue.close, 0)
+    rogue.setsockopt(zmq.ROUTING_ID, b"\x00link-1")
+    rogue.connect(broker.backend_endpoint)
+    rogue.send_multipart(encode(Command.HEARTBEAT, {}))  # the ROUTER now knows the id
+    broker.step(0.2)
+    broker._send([Outgoing(Side.BACKEND, b"\x00link-1", encode(Command.HEARTBEAT, {}))])
+    assert rogue.poll(300) == 0
+
+
+def test_a_model_whose_full_batch_a_link_cannot_carry_is_refused() -> None:
+    x, y = TensorMeta("x", "float32", (-1, 2)), TensorMeta("y", "float32", (-1, 2))
+    fits = ModelSpec("fits", (x,), (y,), 4096)
+    outputs = tuple(TensorMeta(f"y{i}", "float32", (-1, 2)) for i in range(31))
+    wide = ModelSpec("wide", (x,), outputs, 4096)  # 4096 x (2 + 31) frames in a RESULT
+    assert _too_large_for_a_link([fits]) is None
+    reason = _too_large_for_a_link([fits, wide])
+    assert reason is not None
+    assert "'wide'" in reason
+    assert str(MAX_FRAMES) in reason
+    assert _too_large_for_a_link([dataclasses.replace(wide, max_batch=512)]) is None

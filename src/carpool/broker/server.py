@@ -26,7 +26,7 @@ from carpool.broker.core import BrokerCore, Outgoing, Side
 from carpool.broker.registry import WorkerId
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError
-from carpool.common.link import Link, LinkFull, LinkListener, TooManyFrames, link_path
+from carpool.common.link import Link, LinkFull, LinkListener, TooLarge, link_path
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 
@@ -329,6 +329,8 @@ class BrokerServer:
                 if link is not None:
                     self._send_link(msg.identity, link, msg.frames)
                     continue
+                if msg.identity.startswith(_LOCAL_IDS):
+                    continue  # a local worker's link dropped meanwhile: nobody to send to
             sock = self.frontend if msg.side is _FRONTEND else self.backend
             try:
                 send_frames(sock, msg.frames, NOBLOCK, msg.identity)
@@ -346,18 +348,22 @@ class BrokerServer:
             self._deliver_local()
 
     def _send_link(self, wid: bytes, link: Link, frames: Sequence[Any]) -> None:
+        if link.closed:
+            # Its end was read in this turn's burst: the rest of the burst (results that
+            # did arrive) goes to the core first, then _on_links drops the link.
+            return
         try:
             link.send(frames)
         except LinkFull:
             logger.warning("local worker link %s is not reading; dropped", wid[1:].decode())
             self._drop_link(wid, "not reading")
             return
-        except TooManyFrames as exc:  # a batch the link cannot carry: the worker is lost
+        except TooLarge as exc:  # a batch the link cannot carry: the worker is lost
             logger.error("local worker link %s: %s; dropped", wid[1:].decode(), exc)
             self._drop_link(wid, str(exc))
             return
-        if link.closed:  # the write failed: the worker is gone
-            self._drop_link(wid, link.error or "closed")
+        if link.error is not None:  # the write failed (it was open): the worker is gone
+            self._drop_link(wid, link.error)
 
     def _deliver_local(self) -> None:
         """Messages for embedded workers, in order, one at a time: what they answer may

@@ -9,7 +9,8 @@ on a small VM each wake-up costs tens of microseconds. Two processes passing 64 
 over a pipe take 7–17 µs a round trip, over pyzmq ipc 66–89 µs (``bench/hot_path.py
 hops``). A link is written and read by the thread that owns it: one wake-up per hop.
 
-Wire format, per message::
+Wire format: each side first writes the 8 bytes ``carpool\x01`` (the framing's
+version; a peer that sends anything else is closed), then per message::
 
     <u32 frames n> <u64 data bytes> <u64 length> × n   then the n frames back to back
 
@@ -48,9 +49,14 @@ logger = logging.getLogger(__name__)
 SCHEME = "unix:"
 
 _HEAD = struct.Struct("<IQ")  # frames, data bytes
+#: What each side writes first: the framing's name and version.
+PREAMBLE = b"carpool\x01"
 #: Frames a message may have: a batch of 4096 requests with 30 tensors each stays below;
-#: more in a header is malformed, and ``send`` refuses them (:class:`TooManyFrames`).
+#: more in a header is malformed, and ``send`` refuses them (:class:`TooLarge`).
 MAX_FRAMES = 1 << 17
+#: Bytes a message may carry (4 GiB): a header that claims more is malformed (it would be
+#: allocated before its data arrives), and ``send`` refuses more.
+MAX_BYTES = 1 << 32
 #: Messages up to this size are read into the shared buffer; larger ones get their own.
 SMALL = 64 << 10
 # Holds a small message or the largest frame-length table, whichever is larger (~1 MiB).
@@ -65,8 +71,9 @@ class LinkFull(Exception):
     """The peer is not reading: ``max_queued`` bytes are waiting already."""
 
 
-class TooManyFrames(ValueError):
-    """A message with more than :data:`MAX_FRAMES` frames: not sent."""
+class TooLarge(ValueError):
+    """A message with more than :data:`MAX_FRAMES` frames or :data:`MAX_BYTES` bytes: not
+    sent."""
 
 
 def link_path(endpoint: str) -> str | None:
@@ -117,6 +124,10 @@ class Link:
         self._big: bytearray | None = None  # a large message's data, being read
         self._big_have = 0
         self._big_lengths: tuple[int, ...] = ()
+        self._greeted = False  # the peer's PREAMBLE has arrived
+        self._out.append(PREAMBLE)
+        self._queued = len(PREAMBLE)
+        self.flush()
 
     @classmethod
     def connect(cls, path: str, **kwargs: Any) -> Link:
@@ -149,6 +160,8 @@ class Link:
             return self._big_have == len(big)
         lo = self._lo
         buffered = self._hi - lo
+        if not self._greeted:
+            return buffered >= len(PREAMBLE)
         if buffered < _HEAD.size:
             return False
         n: int
@@ -172,8 +185,10 @@ class Link:
             return
         sizes = [len(f) if type(f) is bytes else _nbytes(f) for f in frames]
         if len(sizes) > MAX_FRAMES:
-            raise TooManyFrames(f"{len(sizes)} frames: a link carries at most {MAX_FRAMES}")
+            raise TooLarge(f"{len(sizes)} frames: a link carries at most {MAX_FRAMES}")
         total = sum(sizes)
+        if total > MAX_BYTES:
+            raise TooLarge(f"{total} bytes: a link carries at most {MAX_BYTES} a message")
         head = _head(len(sizes)).pack(len(sizes), total, *sizes)
         if self._out:  # a backlog: this message goes behind it, in flush()
             if self._queued > self.max_queued:
@@ -259,11 +274,20 @@ class Link:
             return _split(memoryview(big), self._big_lengths)
         lo = self._lo
         buffered = self._hi - lo
+        if not self._greeted:
+            if buffered < len(PREAMBLE):
+                return None
+            if self._view[lo : lo + len(PREAMBLE)] != PREAMBLE:
+                self._close("not a carpool link, or another version of its framing")
+                return None
+            self._greeted = True
+            self._lo = lo = lo + len(PREAMBLE)
+            buffered -= len(PREAMBLE)
         if buffered < _HEAD.size:
             return None
         n, size = _HEAD.unpack_from(self._buf, lo)
-        if n > MAX_FRAMES:
-            self._close(f"malformed header: {n} frames")
+        if n > MAX_FRAMES or size > MAX_BYTES:
+            self._close(f"malformed header: {n} frames, {size} bytes")
             return None
         table = _HEAD.size + 8 * n
         if buffered < table:
@@ -281,7 +305,11 @@ class Link:
             return _split(memoryview(data), lengths)
         # A large message: its data gets a buffer of its own, read into directly.
         have = min(buffered - table, size)
-        big = bytearray(size)
+        try:
+            big = bytearray(size)
+        except MemoryError:
+            self._close(f"no memory for a message of {size} bytes")
+            return None
         big[:have] = self._view[start : start + have]
         self._lo = start + have
         self._big, self._big_have, self._big_lengths = big, have, lengths
@@ -395,6 +423,9 @@ class LinkListener:
         it (the worker sees its link end and tries again later), so the listener is not
         left readable forever."""
         logger.warning("a local worker was turned away: %s", exc)
+        if self._spare is None:  # the last turn-away could not take it back: try again
+            with contextlib.suppress(OSError):
+                self._spare = os.open(os.devnull, os.O_RDONLY)
         if self._spare is None:
             return
         os.close(self._spare)

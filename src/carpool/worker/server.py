@@ -23,7 +23,7 @@ import zmq
 from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
-from carpool.common.link import Link, LinkFull, TooManyFrames, link_path
+from carpool.common.link import MAX_FRAMES, Link, LinkFull, TooLarge, link_path
 from carpool.common.protocol import BatchMeta, ErrorReply, ModelSpec, encode_error
 from carpool.common.shm import RegionReader, ShmRing
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
@@ -120,6 +120,15 @@ class WorkerServer:
                 self.context.term()
             raise started
         self.specs = started
+        if self._link_path is not None:
+            too_large = _too_large_for_a_link(started)
+            if too_large:
+                self._jobs.put(None)
+                self._thread.join(timeout=30)
+                self._results.close()
+                if self._own_context:
+                    self.context.term()
+                raise ConfigError(too_large)
         self.core = WorkerCore(
             name, started, slots=slots, heartbeat_s=heartbeat_s, liveness=liveness
         )
@@ -228,7 +237,7 @@ class WorkerServer:
         except LinkFull:
             logger.warning("worker %s: broker not reading, message dropped", self.core.name)
             return False
-        except TooManyFrames as exc:
+        except TooLarge as exc:
             logger.error("worker %s: message dropped: %s", self.core.name, exc)
             return False
         return True
@@ -512,6 +521,21 @@ class WorkerServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _too_large_for_a_link(specs: Sequence[ModelSpec]) -> str | None:
+    """Why a model's full batch would not fit the local link's frame limit (a BATCH has a
+    frame per request and input, a RESULT up to two plus one per output), or None."""
+    for spec in specs:
+        per_request = max(len(spec.inputs), 2 + len(spec.outputs))
+        frames = 2 + spec.max_batch * per_request
+        if frames > MAX_FRAMES:
+            return (
+                f"model {spec.name!r}: a batch of {spec.max_batch} takes up to {frames} "
+                f"frames, over the local link's {MAX_FRAMES}; use a smaller max_batch or "
+                "the broker's ZeroMQ backend"
+            )
+    return None
 
 
 def _warm_up(engine: Engine) -> None:

@@ -17,12 +17,14 @@ import pytest
 import zmq
 
 from carpool.common.link import (
+    MAX_BYTES,
     MAX_FRAMES,
+    PREAMBLE,
     SMALL,
     Link,
     LinkFull,
     LinkListener,
-    TooManyFrames,
+    TooLarge,
     link_path,
 )
 
@@ -80,7 +82,8 @@ def test_a_message_split_at_every_byte_is_put_back_together() -> None:
     link = Link(end)
     frames = [b"head", b"", b"payload" * 3]
     sizes = [len(f) for f in frames]
-    wire = struct.pack("<IQ", 3, sum(sizes)) + struct.pack("<3Q", *sizes) + b"".join(frames)
+    head = struct.pack("<IQ", 3, sum(sizes)) + struct.pack("<3Q", *sizes)
+    wire = PREAMBLE + head + b"".join(frames)
     got = []
     for i in range(len(wire)):
         raw.sendall(wire[i : i + 1])
@@ -132,6 +135,7 @@ def test_more_frames_than_one_sendmsg_takes(pair: tuple[Link, Link]) -> None:
 def test_end_of_stream_closes_after_the_messages_before_it(pair: tuple[Link, Link]) -> None:
     left, right = pair
     left.send([b"last words"])
+    assert left.receive() == []  # the peer's preamble: a socket closed unread resets
     left.close()
     got = right.receive()
     assert [[bytes(f) for f in m] for m in got] == [[b"last words"]]
@@ -152,7 +156,7 @@ def test_end_of_stream_closes_after_the_messages_before_it(pair: tuple[Link, Lin
 def test_a_malformed_header_closes_the_link(wire: bytes) -> None:
     raw, end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     link = Link(end)
-    raw.sendall(wire + b"\0" * 16)
+    raw.sendall(PREAMBLE + wire + b"\0" * 16)
     assert link.receive() == []
     assert link.closed
     assert link.error is not None
@@ -281,7 +285,7 @@ def test_frames_handed_out_stay_valid_while_the_buffer_is_reused(pair: tuple[Lin
 
 def test_too_many_frames_are_refused_before_anything_is_sent(pair: tuple[Link, Link]) -> None:
     left, right = pair
-    with pytest.raises(TooManyFrames):
+    with pytest.raises(TooLarge):
         left.send([b""] * (MAX_FRAMES + 1))
     assert not left.wants_write
     left.send([b"fine"])
@@ -343,3 +347,38 @@ print("readable", bool(select.select([listener], [], [], 0)[0]))
     assert result.returncode == 0, result.stderr
     assert "accepted 0" in result.stdout
     assert "readable False" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_header_claiming_too_much_closes_the_link_before_allocating() -> None:
+    raw, end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = Link(end)
+    huge = 1 << 45  # 32 TiB: allocating it first would take the process down
+    raw.sendall(PREAMBLE + struct.pack("<IQQ", 1, huge, huge))
+    assert link.receive() == []
+    assert link.closed
+    assert link.error is not None
+    assert "malformed" in link.error
+    raw.close()
+    link.close()
+
+
+def test_a_peer_that_is_not_a_link_is_closed() -> None:
+    raw, end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = Link(end)
+    raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    assert link.receive() == []
+    assert link.closed
+    assert link.error is not None
+    assert "not a carpool link" in link.error
+    raw.close()
+    link.close()
+
+
+def test_messages_over_the_byte_limit_are_refused(pair: tuple[Link, Link]) -> None:
+    left, right = pair
+    # A view that claims MAX_BYTES + 1 bytes over a one-byte buffer: nothing allocated.
+    huge = np.broadcast_to(np.zeros(1, np.uint8), (MAX_BYTES + 1,))
+    with pytest.raises(TooLarge):
+        left.send([b"x", huge])
+    left.send([b"fine"])
+    assert pump(left, right, 1) == [[b"fine"]]
