@@ -21,11 +21,12 @@ those (never copied again, never reused).
 
 Non-blocking both ways. ``send`` writes what the kernel takes at once; the rest waits in
 the link's queue until the socket is writable (``wants_write``: owners poll for POLLOUT
-and call ``flush``). ``send`` refuses a message with
-:class:`LinkFull` when ``max_queued`` bytes are waiting already, as a ZeroMQ socket at its
-high-water mark would. The end of the stream, a reset or a
-malformed header marks the link ``closed``: the owner drops it (a broker treats it as a
-lost worker, a worker connects again).
+and call ``flush``). ``send`` refuses a message with :class:`LinkFull` when
+``max_queued`` bytes are waiting already, as a ZeroMQ socket at its high-water mark
+would. ``receive`` hands out at most ``limit`` messages; whole messages it read past that
+stay ``pending`` (the socket may never be readable again: owners must not wait for it).
+The end of the stream, a reset or a malformed header marks the link ``closed``: the owner
+drops it (a broker treats it as a lost worker, a worker connects again).
 """
 
 from __future__ import annotations
@@ -88,13 +89,13 @@ def link_path(endpoint: str) -> str | None:
     return path
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)
 def _head(n: int) -> struct.Struct:
     """The header of a message of ``n`` frames: n, data bytes, n lengths."""
     return struct.Struct(f"<IQ{n}Q")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)
 def _lengths(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}Q")
 
@@ -219,7 +220,7 @@ class Link:
     def flush(self) -> None:
         """Write what is queued, as far as the socket takes it. (A send writes at once,
         not at the end of the loop turn: the reader starts while the writer finishes its
-        turn, 5-15% off the fleet's round trip in a probe.)"""
+        turn: 3-14% off the fleet's round trip in a probe.)"""
         out = self._out
         while out and not self.closed:
             bufs = [out[i] for i in range(min(len(out), _IOV))]
