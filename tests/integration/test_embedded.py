@@ -106,7 +106,8 @@ def test_an_embedded_and_a_remote_worker_share_the_work(embedded_fleet: Any) -> 
         stack.enter_context(ServerThread(remote))
         with Client(broker.frontend_endpoint) as client:
             wait_for_workers(client, 2)
-            assert sorted(w["name"] for w in client.stats()["workers"]) == ["e0", "remote"]
+            transports = {w["name"]: w["transport"] for w in client.stats()["workers"]}
+            assert transports == {"e0": "embedded", "remote": "zeromq"}
             xs = [np.full((1, 4), i, np.float32) for i in range(200)]
             futures = [client.submit("syn", {"x": x}) for x in xs]
             for f, x in zip(futures, xs, strict=True):

@@ -113,6 +113,8 @@ def test_zeromq_and_local_workers_share_the_work(
     client = stack.enter_context(Client(broker.frontend_endpoint))
     wait_for_workers(client, 2)
     assert worker_names(client) == ["local", "remote"]
+    transports = {w["name"]: w["transport"] for w in client.stats()["workers"]}
+    assert transports == {"local": "local", "remote": "zeromq"}
     xs = [np.full((1, 2), i, np.float32) for i in range(16)]
     futures = [client.submit("m", {"x": x}, timeout_s=20) for x in xs]
     for x, future in zip(xs, futures, strict=True):

@@ -578,10 +578,20 @@ class BatchScheduler:
                     "outstanding": len(w.outstanding),
                     "rho": w.rho,
                     "lanes": {name: _lane_snapshot(lane) for name, lane in w.lanes.items()},
+                    "transport": _transport(w.wid),
                 }
                 for w in self.registry.all()
             ],
         }
+
+
+def _transport(wid: bytes) -> str:
+    """How a worker is connected, from the routing id the server gave it."""
+    if wid.startswith(b"\x00link-"):
+        return "local"  # the server's unix-socket endpoint
+    if wid.startswith(b"\x00embedded-"):
+        return "embedded"  # in the broker's process
+    return "zeromq"
 
 
 def _finish(req: PendingRequest, state: RequestState) -> None:

@@ -1401,6 +1401,7 @@ def test_stats_snapshot_counts() -> None:
                 "outstanding": 2,
                 "rho": 0.5,
                 "lanes": {"m": snap["workers"][0]["lanes"]["m"]},
+                "transport": "zeromq",
             }
         ],
     }
