@@ -37,6 +37,8 @@ from carpool.broker.scheduler import (
     _DONE,
     _FRONTEND,
     _QUEUED,
+    EMBEDDED_ID,
+    LINK_ID,
     BrokerStats,
     InflightBatch,
     Outgoing,
@@ -58,7 +60,15 @@ from carpool.common.protocol import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BrokerCore", "BrokerStats", "InflightBatch", "Outgoing", "Side"]
+__all__ = [
+    "EMBEDDED_ID",
+    "LINK_ID",
+    "BrokerCore",
+    "BrokerStats",
+    "InflightBatch",
+    "Outgoing",
+    "Side",
+]
 
 #: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
 _SWEEP_S = 0.5

@@ -70,6 +70,11 @@ class Outgoing:
     frames: Sequence[Any]
 
 
+#: Routing-id prefixes of workers the server connects without ZeroMQ: in its process
+#: (``EMBEDDED_ID`` + n) and on its local unix endpoint (``LINK_ID`` + n). ZeroMQ's own
+#: ids are 5 bytes (a zero byte and a counter), so it never makes these.
+EMBEDDED_ID, LINK_ID = b"\x00embedded-", b"\x00link-"
+
 # Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
 _QUEUED, _DISPATCHED, _DONE = RequestState.QUEUED, RequestState.DISPATCHED, RequestState.DONE
@@ -587,9 +592,9 @@ class BatchScheduler:
 
 def _transport(wid: bytes) -> str:
     """How a worker is connected, from the routing id the server gave it."""
-    if wid.startswith(b"\x00link-"):
+    if wid.startswith(LINK_ID):
         return "local"  # the server's unix-socket endpoint
-    if wid.startswith(b"\x00embedded-"):
+    if wid.startswith(EMBEDDED_ID):
         return "embedded"  # in the broker's process
     return "zeromq"
 

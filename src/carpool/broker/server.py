@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import zmq
 
 from carpool.broker.config import BrokerConfig
-from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.core import EMBEDDED_ID, LINK_ID, BrokerCore, Outgoing, Side
 from carpool.broker.registry import WorkerId
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError
@@ -37,8 +37,7 @@ BURST = 256
 # Read per message: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
 # Routing ids of workers in this process and on the local endpoint (no zmq peer's).
-_EMBEDDED_ID, _LINK_ID = b"\x00embedded-", b"\x00link-"
-_LOCAL_IDS = (_EMBEDDED_ID, _LINK_ID)
+_LOCAL_IDS = (EMBEDDED_ID, LINK_ID)
 
 
 class EmbeddedWorker(Protocol):
@@ -106,7 +105,7 @@ class BrokerServer:
         self.poller.register(self._wake.fd, zmq.POLLIN)
         # Embedded workers, by the routing id the core knows them by (zmq generates no
         # such id; a peer that sets one is refused in _drain).
-        self._embedded = {_EMBEDDED_ID + b"%d" % i: w for i, w in enumerate(embedded)}
+        self._embedded = {EMBEDDED_ID + b"%d" % i: w for i, w in enumerate(embedded)}
         # Metas pass as objects, not msgpack, to the workers that take them so.
         self.core.local_workers = {wid for wid, w in self._embedded.items() if w.local_metas}
         self._local: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
@@ -233,7 +232,7 @@ class BrokerServer:
         if listener.fileno() in events:
             for new in listener.accept():
                 self._linked += 1
-                wid = _LINK_ID + b"%d" % self._linked
+                wid = LINK_ID + b"%d" % self._linked
                 self._links[wid] = new
                 self._link_ids[new.fileno()] = wid
                 self.poller.register(new.fileno(), zmq.POLLIN)
