@@ -25,10 +25,19 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import Outgoing, Side
 from carpool.broker.server import BURST, BrokerServer
 from carpool.client import Client
+from carpool.common import codec
 from carpool.common.clock import MonotonicClock
-from carpool.common.errors import ConfigError
+from carpool.common.errors import ConfigError, RequestError
 from carpool.common.link import MAX_FRAMES, PREAMBLE
-from carpool.common.protocol import Command, ModelSpec, Ready, TensorMeta, encode
+from carpool.common.protocol import (
+    Command,
+    ModelSpec,
+    Ready,
+    ReplyMeta,
+    TensorMeta,
+    encode,
+    encode_reply,
+)
 from carpool.common.testing import ServerThread
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
@@ -430,3 +439,78 @@ def test_a_model_whose_full_batch_a_link_cannot_carry_is_refused() -> None:
     assert "'wide'" in reason
     assert str(MAX_FRAMES) in reason
     assert _too_large_for_a_link([dataclasses.replace(wide, max_batch=512)]) is None
+
+
+def _read_link_messages(sock: socket.socket, count: int) -> list[list[bytes]]:
+    """``count`` messages a fake worker reads off its end of a link (preamble first)."""
+    data = b""
+    sock.settimeout(5)
+    while len(data) < len(PREAMBLE):
+        data += sock.recv(65536)
+    assert data.startswith(PREAMBLE)
+    data = data[len(PREAMBLE) :]
+    messages: list[list[bytes]] = []
+    while len(messages) < count:
+        if len(data) >= 12:
+            n, size = struct.unpack_from("<IQ", data)
+            table = 12 + 8 * n
+            if len(data) >= table + size:
+                lengths = struct.unpack_from(f"<{n}Q", data, 12)
+                at, frames = table, []
+                for length in lengths:
+                    frames.append(data[at : at + length])
+                    at += length
+                messages.append(frames)
+                data = data[at:]
+                continue
+        data += sock.recv(65536)
+    return messages
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_answered_and_left_keeps_its_answer(
+    tmp_path: Path, stack: contextlib.ExitStack
+) -> None:
+    """A worker sends its RESULT and exits; before the broker reads the link it sends that
+    worker another BATCH, which fails (EPIPE). The RESULT sitting in the socket must still
+    answer its request: not be dropped with the link, the request rerun or failed."""
+    broker = BrokerServer(local_config(tmp_path, max_batch=1))
+    stack.callback(broker.close)
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stack.callback(fake.close)
+    fake.connect(broker.local_endpoint[len("unix:") :])
+    fake.sendall(PREAMBLE + _wire(_ready("leaving")))  # 2 slots
+    for _ in range(20):
+        broker.step(0.05)
+        if broker.core.registry.all():
+            break
+    client = stack.enter_context(Client(broker.frontend_endpoint))
+    x = np.array([[1.0, 2.0]], np.float32)
+    first = client.submit("m", {"x": x}, timeout_s=2)
+    for _ in range(20):
+        broker.step(0.05)
+        if broker.core.stats.batch_sizes:
+            break
+    batch = codec.unpack(_read_link_messages(fake, 1)[0][1])
+    reply_meta = ReplyMeta(batch["requests"][0]["id"], (TensorMeta("y", "float32", (1, 2)),), 1)
+    reply = encode_reply(reply_meta, [synthetic_output(x)], simple=False)
+    result = {"batch": batch["batch"], "rho": 0.1, "compute_ms": 0.1, "frames": [len(reply)]}
+    fake.sendall(_wire(encode(Command.RESULT, result, reply)))
+    fake.close()  # the worker is gone; its RESULT waits in the broker's end of the link
+
+    second = client.submit("m", {"x": x}, timeout_s=0.5)
+    assert broker.frontend.poll(5000)
+    broker._drain(broker.frontend, Side.FRONTEND)  # admitted, and (below) dispatched
+    broker._send(broker.core.on_tick(broker.clock.now()))  # before the link is read
+    assert broker.core.stats.batch_sizes["m"][1] == 2  # the BATCH that found it gone
+
+    for _ in range(40):
+        broker.step(0.05)
+        client.poll(0)
+        if first.done() and second.done():
+            break
+    np.testing.assert_array_equal(first.outputs(timeout_s=0)["y"], synthetic_output(x))
+    with pytest.raises(RequestError):  # no worker left: an error, not silence
+        second.outputs(timeout_s=0)
+    assert broker._links == {}
+    assert list(broker.core.registry.all()) == []

@@ -260,7 +260,7 @@ class BrokerServer:
                 if wid not in self._registered and core.registry.get(WorkerId(wid)):
                     self._registered.add(wid)
             if link.closed:
-                self._drop_link(wid, link.error or "the worker closed the link")
+                self._lost_link(wid, link, link.error or "the worker closed the link")
             elif not link.wants_write:
                 self.poller.modify(link.fileno(), zmq.POLLIN)
         return n
@@ -271,12 +271,13 @@ class BrokerServer:
         holds whole messages already read (``Link.pending``): the poll must not wait."""
         pending = False
         for wid, link in list(self._links.items()):
-            pending = pending or link.pending
-            if not link.wants_write:
-                continue
-            link.flush()
+            if not link.closed:  # (closed: a send found the worker gone since the last turn)
+                pending = pending or link.pending
+                if not link.wants_write:
+                    continue
+                link.flush()
             if link.closed:
-                self._drop_link(wid, link.error or "closed")
+                self._lost_link(wid, link, link.error or "closed")
             elif link.wants_write:
                 self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
         return pending
@@ -287,6 +288,17 @@ class BrokerServer:
         registry = self.core.registry
         for wid in [w for w in self._registered if registry.get(WorkerId(w)) is None]:
             self._drop_link(wid, "the broker forgot this worker")
+
+    def _lost_link(self, wid: bytes, link: Link, reason: str) -> None:
+        """A link that ended: first what its worker sent before it went (results that a
+        send to it, failing, left unread), then the loss (its batches are requeued)."""
+        for frames in link.leftovers():
+            if wid not in self._links:
+                return  # dropped meanwhile (a reply sent below failed for it)
+            out = self.core.on_worker(self.clock.now(), wid, frames)
+            if out:
+                self._send(out)
+        self._drop_link(wid, reason)
 
     def _drop_link(self, wid: bytes, reason: str) -> None:
         self._registered.discard(wid)
@@ -347,9 +359,10 @@ class BrokerServer:
             self._deliver_local()
 
     def _send_link(self, wid: bytes, link: Link, frames: Sequence[Any]) -> None:
+        """Send to a local worker. A send that finds it gone only closes the link: what
+        it sent before (this turn's burst, results still in the socket) reaches the core
+        first; ``_on_links`` or, before the next poll, ``_flush_links`` drops it then."""
         if link.closed:
-            # Its end was read in this turn's burst: the rest of the burst (results that
-            # did arrive) goes to the core first, then _on_links drops the link.
             return
         try:
             link.send(frames)
@@ -360,9 +373,6 @@ class BrokerServer:
         except TooLarge as exc:  # a batch the link cannot carry: the worker is lost
             logger.error("local worker link %s: %s; dropped", wid[1:].decode(), exc)
             self._drop_link(wid, str(exc))
-            return
-        if link.error is not None:  # the write failed (it was open): the worker is gone
-            self._drop_link(wid, link.error)
 
     def _deliver_local(self) -> None:
         """Messages for embedded workers, in order, one at a time: what they answer may

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import grp
 import logging
@@ -126,6 +127,9 @@ class Link:
         self._big_have = 0
         self._big_lengths: tuple[int, ...] = ()
         self._greeted = False  # the peer's PREAMBLE has arrived
+        # The read side is still open. A send that finds the peer gone closes the link
+        # but not this: what the peer wrote before it went is still there (`leftovers`).
+        self._reading = True
         self._out.append(PREAMBLE)
         self._queued = len(PREAMBLE)
         self.flush()
@@ -279,7 +283,7 @@ class Link:
             if buffered < len(PREAMBLE):
                 return None
             if self._view[lo : lo + len(PREAMBLE)] != PREAMBLE:
-                self._close("not a carpool link, or another version of its framing")
+                self._end_read("not a carpool link, or another version of its framing")
                 return None
             self._greeted = True
             self._lo = lo = lo + len(PREAMBLE)
@@ -288,14 +292,14 @@ class Link:
             return None
         n, size = _HEAD.unpack_from(self._buf, lo)
         if n > MAX_FRAMES or size > MAX_BYTES:
-            self._close(f"malformed header: {n} frames, {size} bytes")
+            self._end_read(f"malformed header: {n} frames, {size} bytes")
             return None
         table = _HEAD.size + 8 * n
         if buffered < table:
             return None
         lengths = _lengths(n).unpack_from(self._buf, lo + _HEAD.size)
         if sum(lengths) != size:
-            self._close("malformed header: frame lengths do not add up")
+            self._end_read("malformed header: frame lengths do not add up")
             return None
         start = lo + table
         if table + size <= SMALL:
@@ -309,7 +313,7 @@ class Link:
         try:
             big = bytearray(size)
         except MemoryError:
-            self._close(f"no memory for a message of {size} bytes")
+            self._end_read(f"no memory for a message of {size} bytes")
             return None
         big[:have] = self._view[start : start + have]
         self._lo = start + have
@@ -335,16 +339,34 @@ class Link:
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
-            self._close(f"receive failed: {exc}")
+            self._end_read(f"receive failed: {exc}")
             return False
         if n == 0:
-            self._close(None)
+            self._end_read(None)
             return False
         if self._big is not None:
             self._big_have += n
         else:
             self._hi += n
         return n == len(target)
+
+    def leftovers(self, limit: int = 1 << 20) -> list[list[memoryview]]:
+        """After a send found the peer gone (``closed``, ``error`` says why): the whole
+        messages it wrote before it went, read without blocking. A unix socket hands a
+        writer's bytes to the reader's side when they are written, so they are all there
+        (a broker must not lose a worker's last RESULT to its own next BATCH). Empty
+        once the end of the stream was read, or when the link is open."""
+        messages: list[list[memoryview]] = []
+        more = True
+        while self.closed and len(messages) < limit:
+            message = self._parse()
+            if message is not None:
+                messages.append(message)
+            elif not self._reading or not more:
+                break
+            else:
+                more = self._fill()
+        return messages
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -354,7 +376,15 @@ class Link:
         self._out.clear()
         self._queued = 0
 
+    def _end_read(self, error: str | None) -> None:
+        """The read side is done: the end of the stream, a reset or a malformed message.
+        (After a failed send the link is closed already, and keeps that error.)"""
+        self._reading = False
+        if not self.closed:
+            self._close(error)
+
     def close(self) -> None:
+        self._reading = False
         self._close(self.error)
         self._sock.close()
 
@@ -373,30 +403,21 @@ class LinkListener:
 
     A stale socket file (nobody listening: a broker that was killed) is replaced; a live
     one raises ``OSError(EADDRINUSE)``, as a second broker on the same endpoint should.
-    The file gets ``mode`` (default: owner and group may connect) and, when given,
-    ``group`` (this process must belong to it): under systemd's ``DynamicUser=`` broker
-    and workers have users of their own and share a group to meet here."""
+    Brokers take ``PATH.lock`` (``flock``, released when the process ends) before they
+    look, so two started at once cannot both find the file stale and take it from each
+    other. The socket file gets ``mode`` (default: owner and group may connect) and, when
+    given, ``group`` (this process must belong to it): under systemd's ``DynamicUser=``
+    broker and workers have users of their own and share a group to meet here."""
 
     def __init__(self, path: str, *, mode: int = 0o660, group: str | None = None) -> None:
         self.path = path
         gid = -1 if group is None else grp.getgrnam(group).gr_gid  # KeyError: no such group
-        _remove_stale(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._lock = _lock(path)
         try:
-            sock.bind(path)
-        except OSError:
-            sock.close()
+            self._sock = _listen(path, mode, gid)
+        except BaseException:
+            os.close(self._lock)
             raise
-        try:
-            os.chown(path, -1, gid)
-            os.chmod(path, mode)
-            sock.listen(64)
-        except OSError:
-            sock.close()
-            os.unlink(path)  # ours: bound a moment ago
-            raise
-        sock.setblocking(False)
-        self._sock = sock
         self._ino = os.stat(path).st_ino
         # Kept to be given up when the process runs out of descriptors: a connection left
         # in the backlog keeps the listener readable, and the broker's poll would spin.
@@ -440,14 +461,56 @@ class LinkListener:
             self._spare = os.open(os.devnull, os.O_RDONLY)
 
     def close(self) -> None:
+        if self._lock < 0:
+            return
         self._sock.close()
         if self._spare is not None:
             os.close(self._spare)
             self._spare = None
-        # Remove the file only if it is still ours (not a later broker's).
+        # Remove the file only if it is still ours (not a later broker's); then let the
+        # next broker in. (The lock file stays: removing it would race with one opening it.)
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self._ino:
                 os.unlink(self.path)
+        os.close(self._lock)
+        self._lock = -1
+
+
+def _lock(path: str) -> int:
+    """Hold ``PATH.lock`` for this listener's life; EADDRINUSE when a broker holds it. Opened
+    read-only (``flock`` needs no more), so a broker restarted as another user (systemd's
+    ``DynamicUser=``) can take a lock file its predecessor left."""
+    lock = path + ".lock"
+    fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(errno.EADDRINUSE, f"a broker is listening at {path} already") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _listen(path: str, mode: int, gid: int) -> socket.socket:
+    _remove_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    try:
+        os.chown(path, -1, gid)
+        os.chmod(path, mode)
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        os.unlink(path)  # ours: bound a moment ago
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 def _remove_stale(path: str) -> None:

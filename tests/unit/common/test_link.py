@@ -200,6 +200,29 @@ def test_writing_to_a_closed_peer_closes_the_link(pair: tuple[Link, Link]) -> No
     assert left.receive() == []
 
 
+def test_what_a_peer_sent_before_it_went_is_left_over_after_a_failed_send(
+    pair: tuple[Link, Link],
+) -> None:
+    """A worker writes its last RESULT and exits; the broker, not having read it, sends
+    it a BATCH (EPIPE). The messages are still in the socket: ``leftovers`` has them."""
+    left, right = pair
+    assert left.leftovers() == []  # open: nothing is left over
+    big = bytes(range(256)) * (SMALL // 128)  # one message larger than the shared buffer
+    for frames in ([b"last", b"result"], [big], [b"bye"]):
+        right.send(frames)
+    assert not right.wants_write
+    right.close()
+    left.send([b"a batch"])
+    assert left.closed
+    assert left.error is not None
+    assert "send failed" in left.error
+    assert left.receive() == []  # closed: receive reads nothing more
+    got = [[bytes(f) for f in m] for m in left.leftovers()]
+    assert got == [[b"last", b"result"], [big], [b"bye"]]
+    assert left.leftovers() == []  # the end of the stream was read
+    assert "send failed" in (left.error or "")  # the first reason stays
+
+
 def test_endpoint_paths() -> None:
     assert link_path("unix:/run/carpool/w.sock") == "/run/carpool/w.sock"
     assert link_path("unix:///run/carpool/w.sock") == "/run/carpool/w.sock"
@@ -220,11 +243,7 @@ def test_listener_accepts_replaces_a_stale_file_and_refuses_a_live_one(tmp_path:
     with pytest.raises(OSError, match="listening") as info:
         LinkListener(path)
     assert info.value.errno == errno.EADDRINUSE
-    probe = listener.accept()  # the second listener's probe: connected, then gone
-    assert len(probe) == 1
-    assert probe[0].receive() == []
-    assert probe[0].closed
-    probe[0].close()
+    assert listener.accept() == []  # refused by the lock: no probe reached this one
     client = Link.connect(path)
     accepted: list[Link] = []
     for _ in range(1000):
@@ -238,6 +257,35 @@ def test_listener_accepts_replaces_a_stale_file_and_refuses_a_live_one(tmp_path:
     accepted[0].close()
     listener.close()
     assert not os.path.exists(path)
+
+
+def test_two_listeners_starting_at_once_cannot_both_take_the_path(tmp_path: Path) -> None:
+    """The race the lock closes: broker A has found the file stale and removed it, and
+    not yet bound its own; broker B, looking now, must not find the path free."""
+    path = str(tmp_path / "w.sock")
+    first = LinkListener(path)
+    os.unlink(path)  # A's moment between the stale check and bind(), frozen
+    with pytest.raises(OSError, match="listening") as info:
+        LinkListener(path)
+    assert info.value.errno == errno.EADDRINUSE
+    first.close()
+    assert os.path.exists(path + ".lock")  # stays: removing it would race
+    again = LinkListener(path)  # the lock is free once the holder closes (or dies)
+    again.close()
+    again.close()  # twice is harmless
+
+
+def test_a_dead_brokers_lock_does_not_hold_the_path(tmp_path: Path) -> None:
+    path = str(tmp_path / "w.sock")
+    code = (
+        "import os, sys\n"
+        "from carpool.common.link import LinkListener\n"
+        f"LinkListener({path!r})\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], timeout=60, check=False)
+    assert os.path.exists(path)  # killed: its socket file is left behind, stale
+    LinkListener(path).close()
 
 
 def test_listener_will_not_replace_a_file_that_is_not_a_socket(tmp_path: Path) -> None:
