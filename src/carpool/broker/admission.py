@@ -12,6 +12,7 @@ checks and answers.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -293,7 +294,7 @@ class Admission(BatchScheduler):
                     ErrorCode.OVERLOADED,
                     f"broker queue full ({self.queued} requests)",
                     simple=simple,
-                    retry_after_ms=max(1, round(1000 * drain_s)),
+                    retry_after_ms=_retry_after_ms(drain_s),
                 )
             )
             return out
@@ -398,3 +399,11 @@ def _signature(submit: Submit) -> tuple[str, Signature]:
 
 def _spec_shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join("?" if d == -1 else str(d) for d in shape) + "]"
+
+
+def _retry_after_ms(drain_s: float) -> int:
+    """OVERLOADED's hint: the queue's drain time, in 1 ms..MAX_TIMEOUT_MS (a fitted cost
+    can be anything a worker reported; the hint must stay a small integer)."""
+    if not math.isfinite(drain_s):
+        return MAX_TIMEOUT_MS
+    return min(MAX_TIMEOUT_MS, max(1, round(1000 * drain_s)))

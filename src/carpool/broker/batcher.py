@@ -142,6 +142,7 @@ class RequestQueue:
         """Account for a request that left QUEUED while still indexed (lazy removal)."""
         self.samples -= req.samples
         self.count -= 1
+        self._compact()
 
     def head(self) -> PendingRequest | None:
         """The oldest request still queued (arrival order)."""
@@ -220,12 +221,22 @@ class RequestQueue:
         for req in taken:
             self.samples -= req.samples
             self.count -= 1
-        # FIFO takes never pop the deadline heaps: rebuild them once stale entries dominate.
-        for i, heap in enumerate(self._heaps):
-            if len(heap) > 2 * self.count + 64:
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop the records that left QUEUED once they dominate a view. Removal is lazy, and
+        each view is trimmed only where it is read: FIFO takes never pop the deadline heaps,
+        EDF takes leave the arrival order behind a request that stays (a bulk one that
+        interactive ones overtake), and requests that expire while no worker is free leave
+        both. Rebuilt at twice the live size, each costs O(1) per request amortized."""
+        bound = 2 * self.count + 64
+        if len(self._arrivals) > bound:
+            self._arrivals = deque(r for r in self._arrivals if r.state is _QUEUED)
+        for heap in self._heaps:
+            if len(heap) > bound:
                 live = [e for e in heap if e[2].state is _QUEUED]
                 heapq.heapify(live)
-                self._heaps[i][:] = live
+                heap[:] = live
 
     def __iter__(self) -> Iterator[PendingRequest]:
         return (r for r in self._arrivals if r.state is _QUEUED)

@@ -47,6 +47,7 @@ from carpool.broker.scheduler import (
 )
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
+    MAX_TIMEOUT_MS,
     Command,
     FailedMeta,
     Frame,
@@ -72,6 +73,8 @@ __all__ = [
 
 #: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
 _SWEEP_S = 0.5
+#: The longest engine time a RESULT may report and be learned from: no request waits longer.
+_MAX_COMPUTE_MS = float(MAX_TIMEOUT_MS)
 _NO_META: dict[str, Any] = {}  # the meta of a message that came as an object (never mutated)
 
 
@@ -169,10 +172,12 @@ class BrokerCore(Admission):
         if batch is None:
             return
         lane = worker.lanes.get(batch.key[0])
-        if lane is not None and result.compute_ms > 0:
+        # A time no batch can take (longer than any deadline) would only break the fit.
+        if lane is not None and 0 < result.compute_ms <= _MAX_COMPUTE_MS:
             lane.observe(batch.key, batch.samples, result.compute_ms / 1000.0)
             self._fleet_rates.pop(batch.key, None)
-        self._on_load(now, worker, result.rho)
+        if 0 <= result.rho <= 1:  # as HEARTBEAT's: a load out of range is ignored
+            self._on_load(now, worker, result.rho)
         if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):
             msg = (
                 f"worker {worker.name} returned a malformed result for batch {batch.batch_id}: "
@@ -204,7 +209,8 @@ class BrokerCore(Admission):
         batch = self._take_batch(now, worker, failed.batch_id)
         if batch is None:
             return
-        self._on_load(now, worker, failed.rho)
+        if 0 <= failed.rho <= 1:
+            self._on_load(now, worker, failed.rho)
         logger.warning(
             "batch failed worker=%s model=%s code=%s: %s",
             worker.name,
@@ -277,17 +283,23 @@ class BrokerCore(Admission):
     def on_tick(self, now: float) -> list[Outgoing]:
         """Expire deadlines and workers, send due heartbeats, and leave due batches."""
         out: list[Outgoing] = []
-        for key in self._expire(now, out):
-            self._pump(now, self._queues[key], out)
+        touched = self._expire(now, out)
         event_s = self.registry.next_event_s()
         if event_s is not None and event_s <= now:
-            for worker in self.registry.expired(now):
+            silent = self.registry.expired(now)
+            # All of them go before any is mourned: requests requeued from one must not be
+            # sent to another that is gone too (an attempt spent, a batch to nobody).
+            for worker in silent:
+                self.registry.remove(worker.wid)
+            for worker in silent:
                 self._lose_worker(now, worker, "heartbeat expired", out)
             for worker in self.registry.all():
                 if worker.next_heartbeat_s <= now:
                     worker.next_heartbeat_s = now + worker.heartbeat_s
                     out.append(Outgoing(_BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
             self.registry.reschedule()
+        for key in touched:  # what waited behind an expired request, now the fleet is known
+            self._pump(now, self._queues[key], out)
         self._pump_dirty(now, out)
         if self._wake_s:
             for key in [k for k, t in self._wake_s.items() if t <= now]:

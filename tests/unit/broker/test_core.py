@@ -1788,3 +1788,103 @@ def test_the_fleet_rate_cache_is_dropped_with_idle_queues() -> None:
     assert len(b.core._fleet_rates) >= 40
     b.core.on_tick(T0 + 5.0)
     assert b.core._fleet_rates == {}
+
+
+# --------------------------------------------------------------------------- what a review found
+
+
+def test_an_absurd_compute_time_neither_crashes_overloaded_nor_is_learned() -> None:
+    """A worker may report any finite compute_ms; learned, 1.7e308 ms made OVERLOADED's
+    retry hint overflow (an exception out of the core: no reply at all)."""
+    b = Broker.make(max_batch=4, max_queued=8, policy="carpool")
+    b.ready(T0, W1, slots=1)
+    now = T0
+    for rid, n in ((901, 1), (902, 2)):
+        (msg,) = batches(b.request(now, rid, n=n) + b.tick(now + 0.01))
+        b.result(now + 0.01, msg, compute_ms=1.7e308)
+        now += 0.02
+    lane = b.core.registry.get(WorkerId(W1)).lanes["m"]  # type: ignore[union-attr]
+    assert not lane.cost(next(iter(b.core._queues))).calibrated  # not learned from
+    assert len(batches(b.request(now, 1, n=4))) == 1  # the worker is busy now
+    for rid in range(2, 10):
+        b.request(now, rid)
+    assert b.core.queued == 8
+    (refused,) = b.request(now, 99)
+    assert refused.code is ErrorCode.OVERLOADED
+    assert 1 <= refused.meta["retry_after_ms"] <= 3_600_000
+
+
+def test_a_load_out_of_range_in_a_result_is_ignored() -> None:
+    b = Broker.make(max_batch=1, max_wait_s=0.0)
+    b.ready(T0, W1, slots=1)
+    b.heartbeat(T0, W1, rho=0.25)
+    (msg,) = batches(b.request(T0, 1))
+    b.result(T0 + 0.01, msg, rho=-5.0)
+    assert b.core.registry.get(WorkerId(W1)).rho == 0.25  # type: ignore[union-attr]
+
+
+def test_a_silent_workers_requests_are_not_sent_to_another_silent_one() -> None:
+    """Two workers fall silent together: the requests of the first lost must not be
+    dispatched to the second, lost a moment later in the same tick (an attempt spent on a
+    worker known dead; with max_attempts 2, UNAVAILABLE with a minute to spare)."""
+    b = Broker.make(max_batch=1, max_attempts=2)
+    b.ready(T0, W1, slots=1)
+    b.ready(T0, W2, slots=1)
+    assert len(batches(b.request(T0, 1, timeout_ms=60_000))) == 1
+    out = b.tick(T0 + 3.0)  # both silent for 3 heartbeat intervals
+    assert batches(out) == []
+    assert to_clients(out) == []  # 57 s left: requeued, not failed
+    (again,) = batches(b.ready(T0 + 3.1, W3))
+    assert ids(again) == [1]
+
+
+def test_a_tick_drops_silent_workers_before_it_pumps_behind_an_expired_request() -> None:
+    b = Broker.make(max_batch=4, max_wait_s=0.5, max_attempts=1)
+    b.ready(T0, W1, slots=1)
+    b.ready(T0, W2, slots=1)
+    b.request(T0 + 2.5, 1, timeout_ms=60_000)  # waits for T_max, until T0 + 3.0
+    b.request(T0 + 2.5, 2, timeout_ms=500)  # expires at T0 + 3.0
+    b.heartbeat(T0 + 2.9, W1, rho=0.5)  # W1 lives; W2 silent since T0
+    out = b.tick(T0 + 3.0)
+    assert [m.to for m in batches(out)] == [W1]
+    assert [(m.rid, m.code) for m in to_clients(out)] == [(2, ErrorCode.DEADLINE_EXCEEDED)]
+
+
+def test_the_arrival_order_does_not_hold_answered_requests_behind_a_bulk_one() -> None:
+    """EDF takes leave the arrival order untouched; a bulk request that interactive ones
+    keep overtaking stayed at its head and pinned every later one (for up to an hour)."""
+    b = Broker.make(max_batch=1, max_wait_s=0.0, policy="carpool")
+    b.ready(T0, W1, slots=1)
+    now = T0
+    (inflight,) = batches(b.request(now, 1))
+    b.request(now, 2, timeout_ms=3_600_000, priority=Priority.BULK)
+    for rid in range(11, 3011):
+        b.request(now, rid)
+        now += 0.001
+        out, _ = b.result(now, inflight)
+        (inflight,) = batches(out)
+        assert ids(inflight) == [rid]
+    (queue,) = b.core._queues.values()
+    assert queue.count == 1  # the bulk request
+    assert len(queue._arrivals) <= 2 * queue.count + 64
+
+
+@pytest.mark.parametrize("policy", ["fixed", "carpool"])
+def test_a_queue_stays_small_while_requests_expire_and_no_worker_is_free(policy: str) -> None:
+    """A hung engine that still heartbeats holds its worker's only slot; requests keep
+    coming and expiring. Lazy removal left each one's entries in the queue for as long."""
+    b = Broker.make(max_batch=1, max_wait_s=0.0, policy=policy)
+    b.ready(T0, W1, slots=1)
+    assert len(batches(b.request(T0, 1, timeout_ms=3_600_000))) == 1  # never answered
+    now = T0
+    for rid in range(2, 5002):
+        now += 0.001
+        b.request(now, rid, timeout_ms=5)
+        b.tick(now)
+        if rid % 500 == 0:
+            b.heartbeat(now, W1)
+    assert b.core.queued <= 6
+    (queue,) = b.core._queues.values()
+    bound = 2 * queue.count + 64
+    assert len(queue._arrivals) <= bound
+    assert all(len(heap) <= bound for heap in queue._heaps)
