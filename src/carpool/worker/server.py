@@ -601,9 +601,8 @@ def _run_job(
         "epoch": job.epoch,
         "batch": batch.batch_id,
         "model": batch.model,
-        "samples": batch.total_samples,
         "start": start,
-    }
+    }  # + "samples" once the engine has run them: what the inline decision learns from
     engine = engines.get(batch.model)
     try:
         if engine is None:
@@ -653,6 +652,10 @@ def _run_job(
             logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)
             raise _JobError(ErrorCode.INTERNAL, f"engine error: {exc}") from None
         end = clock.now()
+        # Only a batch the engine ran times it: batches answered without it (unreadable
+        # inputs, a bad batch) are fast, and would make a slow model look short enough to
+        # run on the loop thread, which then sends no heartbeat for the whole batch.
+        header["samples"] = batch.total_samples
         names = [t.name for t in engine.info.outputs]
         try:
             ring = None
