@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -13,8 +15,10 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.server import BrokerServer
 from carpool.client import InvalidArgument, NotFound, UnsupportedVersion
-from carpool.common.errors import ErrorCode
+from carpool.common.errors import ErrorCode, InternalError
+from carpool.common.protocol import TensorMeta
 from carpool.common.testing import ServerThread
+from carpool.worker.engines.base import Array, EngineInfo
 from carpool.worker.engines.synthetic import SyntheticEngine
 from tests.conftest import loopback_config
 
@@ -236,3 +240,37 @@ def test_one_drain_takes_every_waiting_message_and_a_later_one_the_rest(
             assert got == [1, 2, 3, 4]
         finally:
             sock.close(linger=0)
+
+
+class _EmptyDetections:
+    """A detector whose output has a zero-size dimension (or, with ``rank``, too many):
+    something protocol v1 cannot carry (docs/protocol.md §5.1)."""
+
+    thread_bound = True
+
+    def __init__(self, item_shape: tuple[int, ...]) -> None:
+        self.item_shape = item_shape
+        outputs = (TensorMeta("boxes", "float32", (-1, -1, 6)),)  # what it says it gives
+        self.info = EngineInfo((TensorMeta("x", "float32", (-1, 4)),), outputs, 4)
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        return {"boxes": np.zeros((len(inputs["x"]), *self.item_shape), np.float32)}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("item_shape", [(0, 6), (1,) * 8], ids=["zero-size", "rank-9"])
+def test_an_output_the_protocol_cannot_carry_fails_the_request_at_once(
+    fleet_factory: Any, item_shape: tuple[int, ...]
+) -> None:
+    """The worker sent it as a REPLY the client could not read; the client dropped it and
+    the request failed at its local deadline as if the broker were gone."""
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.0)
+    fleet.add_worker({"det": lambda: _EmptyDetections(item_shape)}, warmup=False)
+    client = fleet.ready()
+    started = time.monotonic()
+    with pytest.raises(InternalError, match="no zero-size dimension"):
+        client.infer("det", {"x": GOOD}, timeout_s=20)
+    assert time.monotonic() - started < 10  # an answer, not the local deadline

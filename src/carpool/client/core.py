@@ -22,7 +22,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from carpool.common import codec
-from carpool.common.errors import ProtocolError, RequestError, Unavailable, error_for_code
+from carpool.common.errors import (
+    InternalError,
+    ProtocolError,
+    RequestError,
+    Unavailable,
+    error_for_code,
+)
 from carpool.common.protocol import (
     Command,
     ErrorReply,
@@ -173,6 +179,20 @@ class ClientCore:
             raise ProtocolError("broker replies have a header and a meta frame")
         command = parse_header(view(frames[0]))
         meta = decode_meta(view(frames[1]))
+        try:
+            return self._decode(command, meta, frames)
+        except ProtocolError as exc:
+            # An answer that names a request waiting here still answers it: with the
+            # reason, now, rather than dropped (and the request failed at its timeout).
+            rid = request_id_of(meta)
+            if command is _STATS or rid is None or rid not in self.pending:
+                raise
+            msg = f"the broker's answer could not be read: {exc}"
+            return self._settle(rid), InternalError(msg, request_id=rid)
+
+    def _decode(
+        self, command: Command, meta: dict[str, Any], frames: Sequence[Frame]
+    ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
         if command is _STATS:
             return None, meta
         if command is _ERROR:

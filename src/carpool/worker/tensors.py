@@ -16,6 +16,7 @@ import numpy as np
 from carpool.common.codec import numpy_dtype, pack, wire_dtype
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
+    MAX_RANK,
     BatchMeta,
     Command,
     Frame,
@@ -189,6 +190,13 @@ def replies(
         arr = np.ascontiguousarray(outputs[name])
         if arr.ndim == 0 or arr.shape[0] != total:
             raise ProtocolError(f"output {name!r} has shape {arr.shape}, expected dim 0 = {total}")
+        if arr.ndim > MAX_RANK or 0 in arr.shape:
+            # A reply the client could not read would leave it waiting until its timeout:
+            # the batch fails now, with the reason.
+            raise ProtocolError(
+                f"output {name!r} has shape {arr.shape}: protocol v1 carries tensors of rank "
+                f"1..{MAX_RANK} with no zero-size dimension (docs/protocol.md §5.1)"
+            )
         order = arr.dtype.byteorder
         if order == ">" or (order == "=" and _BIG_ENDIAN_HOST):
             arr = arr.astype(arr.dtype.newbyteorder("<"))  # little-endian on the wire

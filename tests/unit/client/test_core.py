@@ -328,13 +328,29 @@ def test_invalid_broker_messages_raise(frames: list[Any]) -> None:
 
 
 @pytest.mark.parametrize("payloads", [[], [bytes(7)], [bytes(8), bytes(8)]])
-def test_reply_with_wrong_payload_raises_and_keeps_waiting(payloads: list[bytes]) -> None:
+def test_a_reply_that_cannot_be_read_fails_its_request_at_once(payloads: list[bytes]) -> None:
+    """Dropped, it left the request waiting out its timeout for an answer that had come."""
     c = ClientCore()
     rid, _ = c.request(T0, "m", {"x": [1]})
     meta = ReplyMeta(rid, (TensorMeta("y", "float32", (1, 2)),))
-    with pytest.raises(ProtocolError):
+    got, outcome = c.on_reply(encode(Command.REPLY, meta.to_wire(), payloads))
+    assert got == rid
+    assert isinstance(outcome, InternalError)
+    assert outcome.request_id == rid
+    assert "could not be read" in str(outcome)
+    assert rid not in c.pending
+    with pytest.raises(ProtocolError):  # the same again: nobody waits for it now
         c.on_reply(encode(Command.REPLY, meta.to_wire(), payloads))
-    assert rid in c.pending
+
+
+@pytest.mark.parametrize("shape", [[1, 0, 6], [1] * 9], ids=["zero-size", "rank-9"])
+def test_a_reply_outside_protocol_v1_fails_its_request_at_once(shape: list[int]) -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    meta = {"id": rid, "outputs": [{"name": "y", "dtype": "float32", "shape": shape}]}
+    got, outcome = c.on_reply(encode(Command.REPLY, meta, [b""]))
+    assert got == rid
+    assert isinstance(outcome, InternalError)
 
 
 # --------------------------------------------------------------------------- local deadlines
@@ -392,6 +408,8 @@ def _outcome(core: ClientCore, meta: dict[str, Any], payloads: list[bytes]) -> A
         rid, result = core.on_reply([header(Command.REPLY), codec.pack(meta), *payloads])
     except ProtocolError as exc:
         return ("ProtocolError", str(exc))
+    if isinstance(result, RequestError):  # an answer to a waiting request, unreadable
+        return (type(result).__name__, rid, str(result))
     assert isinstance(result, InferResult)
     outputs = {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in result.outputs.items()}
     return rid, outputs, result.batch_size, result.queue_ms, result.compute_ms

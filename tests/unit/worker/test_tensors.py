@@ -239,18 +239,15 @@ def test_stacked_batches_are_writable_for_engines_that_work_in_place() -> None:
     np.testing.assert_array_equal(arrays["x"][1], (np.arange(3) + 200) / 2)
 
 
-def test_replies_with_a_zero_size_dimension() -> None:
-    """A detector that found nothing returns (n, 0, 6): encoding gives every request its
-    (empty) rows instead of raising (protocol v1 then has the client refuse a 0 dim: an
-    error for that request, where an exception here would take a worker thread down)."""
+@pytest.mark.parametrize("shape", [(3, 0, 6), (3,) + (1,) * 8], ids=["zero-size", "rank-9"])
+def test_outputs_protocol_v1_cannot_carry_fail_the_batch(shape: tuple[int, ...]) -> None:
+    """A detector that found nothing returns (n, 0, 6); protocol v1 has no zero-size
+    dimensions (§5.1), nor ranks over 8. Sent as replies, the clients could not read them
+    (and dropped them: each request failed at its timeout); the batch fails here instead
+    (the worker answers FAILED, INTERNAL, with this reason)."""
     b = batch((1, 1, False), (2, 2, False))
-    boxes = np.zeros((3, 0, 6), np.float32)
-    counts, frames = replies(b, {"boxes": boxes}, ["boxes"], 1.0)
-    assert counts == [3, 3]
-    for i, n in enumerate((1, 2)):
-        meta = decode_meta(frames[3 * i + 1])
-        assert meta["outputs"] == [{"name": "boxes", "dtype": "float32", "shape": [n, 0, 6]}]
-        assert len(frames[3 * i + 2]) == 0
+    with pytest.raises(ProtocolError, match="no zero-size dimension"):
+        replies(b, {"boxes": np.zeros(shape, np.float32)}, ["boxes"], 1.0)
 
 
 def test_an_output_dtype_the_wire_cannot_carry_fails_the_batch() -> None:
