@@ -69,12 +69,26 @@ class AsyncClient:
         *,
         priority: Priority = Priority.INTERACTIVE,
     ) -> asyncio.Future[InferResult]:
-        """Send a request; returns a future that resolves to its result or typed error."""
+        """Send a request; returns a future that resolves to its result or typed error
+        (as :meth:`carpool.client.Client.submit`: inputs may be reused at once; a broker
+        that takes nothing for the whole timeout fails it ``Unavailable``)."""
         self._check_open()
         rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
         self._futures[rid] = future
-        await self.socket.send_multipart(frames, copy=False)
+        # ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
+        # away or not reading; past it a send waits for as long as the broker does.
+        send_s = self.core.pending[rid] - self.core.grace_s - self.clock.now()
+        try:
+            await asyncio.wait_for(self.socket.send_multipart(frames, copy=False), send_s)
+        except TimeoutError:
+            self.core.forget(rid)
+            self._settle(rid, Unavailable("the broker is not taking requests", request_id=rid))
+            return future
+        except BaseException:  # cancelled (or the socket failed): nothing was sent
+            self.core.forget(rid)
+            self._futures.pop(rid, None)
+            raise
         self._ensure_reader()
         return future
 
@@ -95,7 +109,11 @@ class AsyncClient:
         self._check_open()
         self._stats = asyncio.get_running_loop().create_future()
         self._stats_id, frames = self.core.stats_request()
-        await self.socket.send_multipart(frames)
+        try:
+            await asyncio.wait_for(self.socket.send_multipart(frames), timeout_s)
+        except TimeoutError:
+            self._stats = None
+            raise TimeoutError("the broker is not taking requests") from None
         self._ensure_reader()
         try:
             return await asyncio.wait_for(self._stats, timeout_s)

@@ -53,6 +53,9 @@ _REQUEST = header(Command.REQUEST)
 # Read per request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _STATS, _ERROR, _REPLY = Command.STATS, Command.ERROR, Command.REPLY
 _INTERACTIVE = Priority.INTERACTIVE
+#: Inputs at least this large are sent without a copy (pyzmq's zmq.COPY_THRESHOLD);
+#: the client copies those that are the caller's memory first.
+_ALIAS_MIN_BYTES = 65536
 #: Reply layouts a client remembers (the cache stops growing when full).
 _MAX_LAYOUTS = 256
 
@@ -118,6 +121,7 @@ class ClientCore:
                 if arr.ndim == 0:
                     raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
                 dtype = codec.wire_dtype(arr.dtype)
+                given = arr
                 arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
                 # TensorMeta.to_wire, inlined: this runs for every request.
                 desc: dict[str, Any] = {
@@ -133,6 +137,16 @@ class ClientCore:
                         leases.append(offset)
                         payloads.append(b"")
                         continue
+                if (
+                    arr.nbytes >= _ALIAS_MIN_BYTES
+                    and not isinstance(value, list | tuple)  # (made here: nobody else has it)
+                    and np.may_share_memory(arr, given)
+                ):
+                    # Sent without a copy, the caller's own buffer would be read when the
+                    # socket gets to it: a camera loop that refills its frame after
+                    # submit() would change a request already made. Smaller frames are
+                    # copied by pyzmq itself.
+                    arr = arr.copy()
                 payloads.append(arr)
         except BaseException:
             for offset in leases:  # a later input was bad: give back what was placed

@@ -19,10 +19,10 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.core import ClientCore, InferResult
 from carpool.common.clock import Clock, MonotonicClock
-from carpool.common.errors import CarpoolError, ProtocolError, RequestError
+from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
 from carpool.common.shm import ShmArena
-from carpool.common.sockets import send_frames, waiting
+from carpool.common.sockets import NOBLOCK, send_frames, waiting
 
 
 class ClientState(Enum):
@@ -147,13 +147,41 @@ class Client:
         *,
         priority: Priority = Priority.INTERACTIVE,
     ) -> ReplyFuture:
-        """Send a request without waiting; returns a future for its reply."""
+        """Send a request without waiting; returns a future for its reply.
+
+        The inputs may be reused (refilled) as soon as this returns. If the broker takes
+        nothing for the request's whole timeout (it is away and 1,000 messages wait for
+        it already), the future fails ``Unavailable`` then."""
         self._check_open()
-        rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)
+        now = self.clock.now()
+        rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
         future = ReplyFuture(self, rid)
+        if not self._send(frames, self.core.pending[rid] - self.core.grace_s):
+            # Its timeout passed with the broker taking nothing (down, or not reading):
+            # an answer now, not a send that blocks for as long as the broker is away.
+            self.core.forget(rid)
+            future._set(Unavailable("the broker is not taking requests", request_id=rid))
+            return future
         self._futures[rid] = future
-        send_frames(self.socket, frames)
         return future
+
+    def _send(self, frames: list[Any], until_s: float) -> bool:
+        """Send a message, waiting for room at most until ``until_s``. (ZeroMQ queues up
+        to its high-water mark, 1,000 messages, for a broker that is away or not
+        reading; a blocking send would then wait for it for ever.)"""
+        try:
+            send_frames(self.socket, frames, NOBLOCK)
+            return True
+        except zmq.Again:
+            pass
+        while (left := until_s - self.clock.now()) > 0:
+            if self.socket.poll(max(1, math.ceil(left * 1000)), zmq.POLLOUT):
+                try:
+                    send_frames(self.socket, frames, NOBLOCK)
+                    return True
+                except zmq.Again:
+                    continue
+        return False
 
     def infer(
         self,
@@ -175,8 +203,9 @@ class Client:
         self._check_open()
         self._stats.clear()
         self._stats_id, frames = self.core.stats_request()
-        self.socket.send_multipart(frames)
         until = self.clock.now() + timeout_s
+        if not self._send(frames, until):
+            raise TimeoutError("the broker is not taking requests")
         while not self._stats:
             left = until - self.clock.now()
             if left <= 0:
@@ -232,6 +261,10 @@ class Client:
         if self.state is ClientState.CLOSED:
             return
         self.state = ClientState.CLOSED
+        for rid, future in self._futures.items():  # each still gets an answer
+            self.core.forget(rid)
+            future._set(Unavailable("the client was closed", request_id=rid))
+        self._futures.clear()
         self.socket.close(linger=0)
         if self._own_context:
             self.context.term()
