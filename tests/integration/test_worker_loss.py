@@ -81,14 +81,15 @@ def test_worker_reregisters_after_broker_restart(context: Any, tmp_path: Any) ->
     worker = WorkerServer(
         backend, {"m": lambda: engine}, heartbeat_s=0.1, liveness=3, warmup=False, context=context
     )
+    from tests.conftest import wait_for_workers
+
     x = np.ones((1, 2), np.float32)
     with ServerThread(worker):
         with ServerThread(first), Client(frontend, context=context) as client:
+            wait_for_workers(client, 1, timeout_s=10)  # (else NOT_FOUND, now and then)
             assert client.infer("m", {"x": x}, timeout_s=5)["y"][0, 0] == 3.0
         # Same endpoints, new broker process state: the worker must notice and re-register.
         second = BrokerServer(BrokerConfig(frontend=frontend, backend=backend), context=context)
         with ServerThread(second), Client(frontend, context=context) as client:
-            from tests.conftest import wait_for_workers
-
             wait_for_workers(client, 1, timeout_s=10)
             assert client.infer("m", {"x": x}, timeout_s=5)["y"][0, 0] == 3.0

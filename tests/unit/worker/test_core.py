@@ -363,7 +363,7 @@ def test_an_unexpected_error_fails_the_batch_not_the_inference_thread() -> None:
     from carpool.common.protocol import BatchItem, BatchMeta, TensorMeta
     from carpool.worker.core import RunBatch
     from carpool.worker.engines.synthetic import SyntheticEngine
-    from carpool.worker.server import _run_job
+    from carpool.worker.run import run_job
 
     class Forgetful(SyntheticEngine):
         def run(self, inputs: Any) -> dict[str, Any]:
@@ -372,7 +372,7 @@ def test_an_unexpected_error_fails_the_batch_not_the_inference_thread() -> None:
     engine = Forgetful(item_shape=(2,))
     meta = BatchMeta(7, "m", (TensorMeta("x", "float32", (-1, 2)),), (BatchItem(1, 1, False, 0.0),))
     job = RunBatch(1, meta, [np.zeros((1, 2), np.float32).tobytes()])
-    header, frames = _run_job({"m": engine}, job, MonotonicClock())
+    header, frames = run_job({"m": engine}, job, MonotonicClock())
     assert frames == []
     assert header["error"][0] == int(ErrorCode.INTERNAL)
     assert "encoding outputs failed" in header["error"][1]

@@ -19,7 +19,7 @@ from carpool.common.shm import HEADER_BYTES, RegionReader, ShmArena
 from carpool.common.shm import available as shm_available
 from carpool.worker.core import RunBatch
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
-from carpool.worker.server import _run_job
+from carpool.worker.run import run_job
 from carpool.worker.tensors import ItemError, stack
 
 pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
@@ -122,7 +122,7 @@ def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
         BatchItem(5, 1, False, 0.0),
     )
     frames = [good[0].tobytes(), b"", b"", b"", good[2].tobytes()]
-    header, out = _run_job(
+    header, out = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(9, "m", INPUTS, items), frames),
         MonotonicClock(),
@@ -156,7 +156,7 @@ def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
 def test_a_batch_of_only_unreadable_requests_answers_each(reader: RegionReader) -> None:
     engine = SyntheticEngine(item_shape=(3,))
     items = tuple(BatchItem(i, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)) for i in (1, 2))
-    header, out = _run_job(
+    header, out = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(9, "m", INPUTS, items), [b"", b""]),
         MonotonicClock(),
@@ -174,7 +174,7 @@ def test_a_claimed_size_is_checked_before_anything_is_allocated(
     engine = SyntheticEngine(item_shape=(-1,), max_batch=4)
     inputs = (TensorMeta("x", "float32", (-1, 2**40)),)
     items = (BatchItem(1, 1, False, 0.0, ((arena.name, HEADER_BYTES, arena.key),)),)
-    header, out = _run_job(
+    header, out = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(1, "m", inputs, items), [b""]),
         MonotonicClock(),
@@ -196,7 +196,7 @@ def test_bad_references_are_found_in_one_pass(arena: ShmArena, reader: RegionRea
     good = [BatchItem(i, 1, False, 0.0, (put(arena, rows(i, 1)),)) for i in range(k)]
     bad = [BatchItem(100 + i, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)) for i in range(k)]
     items = tuple(x for pair in zip(good, bad, strict=True) for x in pair)
-    header, _ = _run_job(
+    header, _ = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(1, "m", INPUTS, items), [b""] * 2 * k),
         MonotonicClock(),
