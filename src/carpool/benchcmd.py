@@ -15,6 +15,8 @@ import argparse
 import csv
 import json
 import logging
+import signal
+from types import FrameType
 from typing import Any
 
 from carpool.common.codec import DTYPES
@@ -111,19 +113,41 @@ def print_report(report: BenchReport) -> None:
         f"throughput:  {report.throughput_rps:.1f}/s   goodput (within deadline): "
         f"{report.goodput_rps:.1f}/s"
     )
-    print("latency ms:  " + "  ".join(f"{k} {v:.2f}" for k, v in lat.items()))
+    print(
+        "latency ms:  "
+        + "  ".join(f"{k} {v:.2f}" for k, v in lat.items())
+        + "  (answered requests, from the time each was due)"
+    )
     print(f"errors:      {errors}")
     for model, sizes in sorted(report.batch_sizes.items()):
         n = sum(sizes.values())
         mean = sum(k * v for k, v in sizes.items()) / n if n else 0.0
         top = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
-        print(f"batches ({model}): {n}, mean size {mean:.2f} [{top}]")
+        print(f"batches ({model}, whole run): {n}, mean size {mean:.2f} [{top}]")
     verdict = "stable" if report.stable else "NOT stable (goodput drifted between halves)"
     print(
         f"window halves goodput: {report.halves_goodput_rps[0]:.1f}/s, "
         f"{report.halves_goodput_rps[1]:.1f}/s: {verdict}"
     )
-    print(f"generator send lag: max {report.max_send_lag_ms:.2f} ms")
+    print(
+        f"generator: sent {report.sent_rps:.1f}/s of {report.scheduled_rps:.1f}/s scheduled, "
+        f"send lag p99 {report.p99_send_lag_ms:.2f} ms, max {report.max_send_lag_ms:.2f} ms"
+    )
+    if not report.kept_up:
+        print(
+            "WARNING: the generator fell behind its schedule; these figures describe the "
+            "generator as much as the fleet (run it on another core or host, or lower --rate)"
+        )
+
+
+def _end_on_sigterm() -> None:
+    """SIGTERM (a timeout, a CI cancel, systemd) ends a run as Ctrl-C does: the client
+    closes and removes its shared-memory region instead of leaving it in /dev/shm."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _write(report: BenchReport, args: argparse.Namespace) -> None:
@@ -138,6 +162,7 @@ def _write(report: BenchReport, args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    _end_on_sigterm()
     items = _arrivals(args)
     warmup = args.warmup_s if not args.trace else 0.0
     report = run(
@@ -155,6 +180,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    _end_on_sigterm()
     items = workload.read_trace(args.trace)
     if not items:
         raise ConfigError(f"trace {args.trace} has no arrivals")

@@ -31,6 +31,8 @@ from carpool.sim.simulator import SimResult
 from carpool.sim.workload import Arrival
 
 QUANTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
+#: The send lag (p99) past which a run says the generator did not keep up.
+LAG_TOLERANCE_MS = 5.0
 
 
 @dataclass(slots=True)
@@ -41,11 +43,18 @@ class Sample:
     sent_s: float
     done_s: float = math.nan
     outcome: str = "pending"  # "ok" or an error code name
-    deadline_s: float = math.inf
+    deadline_s: float = math.inf  # the schedule's time + the timeout
 
     @property
     def latency_s(self) -> float:
-        return self.done_s - self.sent_s
+        """From the time the request was due, not the time it went out: a generator
+        that sends late (held up itself) must not hide that wait (coordinated omission).
+        How late it sent is :attr:`lag_s`, reported on its own."""
+        return self.done_s - self.scheduled_s
+
+    @property
+    def lag_s(self) -> float:
+        return self.sent_s - self.scheduled_s
 
     @property
     def on_time(self) -> bool:
@@ -56,7 +65,7 @@ class Sample:
 class BenchReport:
     """Measurement-window figures of one run."""
 
-    window_s: float
+    window_s: float  # the schedule's window, or the time the sends took if longer
     sent: int
     ok: int
     on_time: int
@@ -66,6 +75,9 @@ class BenchReport:
     max_send_lag_ms: float
     halves_goodput_rps: tuple[float, float]
     stable: bool
+    scheduled_rps: float = 0.0  # what the schedule asked for in the window
+    sent_rps: float = 0.0  # what the generator sent at, from its send times
+    p99_send_lag_ms: float = 0.0
     per_second: list[dict[str, float]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)  # only when asked to keep them
 
@@ -76,6 +88,15 @@ class BenchReport:
     @property
     def goodput_rps(self) -> float:
         return self.on_time / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def kept_up(self) -> bool:
+        """Whether the generator sent on schedule (its rate within 2% of the schedule's,
+        99% of sends within 5 ms): if not, the figures describe the generator."""
+        if self.sent < 2:
+            return True
+        rate_ok = self.sent_rps >= 0.98 * self.scheduled_rps
+        return rate_ok and self.p99_send_lag_ms <= LAG_TOLERANCE_MS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +112,10 @@ class BenchReport:
                 m: {str(k): v for k, v in s.items()} for m, s in self.batch_sizes.items()
             },
             "max_send_lag_ms": self.max_send_lag_ms,
+            "p99_send_lag_ms": self.p99_send_lag_ms,
+            "scheduled_rps": self.scheduled_rps,
+            "sent_rps": self.sent_rps,
+            "kept_up": self.kept_up,
             "halves_goodput_rps": list(self.halves_goodput_rps),
             "stable": self.stable,
             "per_second": self.per_second,
@@ -112,9 +137,21 @@ def summarize(
     *,
     drift_tolerance: float = 0.1,
 ) -> BenchReport:
-    """Figures over requests scheduled in [warmup_s, end_s)."""
+    """Figures over requests scheduled in [warmup_s, end_s). Rates are per second of the
+    window, or of the time the generator took to send its requests if that was longer
+    (a generator that fell behind delivered less than its schedule asked for)."""
     window = [s for s in samples if warmup_s <= s.scheduled_s < end_s]
-    span = max(0.0, end_s - warmup_s)
+    scheduled_span = max(0.0, end_s - warmup_s)
+    span = scheduled_span
+    sent_rps = 0.0
+    if len(window) > 1:
+        sends = [s.sent_s for s in window]
+        n = len(sends)
+        # From the first send to one mean gap after the last (n sends, n gaps), as end_s.
+        sent_span = (max(sends) - min(sends)) * n / (n - 1)
+        if sent_span > 0:
+            sent_rps = n / sent_span
+        span = max(span, sent_span)
     ok = [s for s in window if s.outcome == "ok"]
     errors = Counter(s.outcome for s in window if s.outcome != "ok")
     mid = warmup_s + span / 2
@@ -123,10 +160,10 @@ def summarize(
         sum(1 for s in window if s.on_time and s.scheduled_s >= mid) / (span / 2 or 1),
     )
     stable = abs(halves[0] - halves[1]) <= drift_tolerance * max(*halves, 1e-9)
-    seconds: dict[int, list[Sample]] = {}
+    seconds: dict[int, list[Sample]] = {k: [] for k in range(math.ceil(scheduled_span))}
     for s in window:
         seconds.setdefault(int(s.scheduled_s - warmup_s), []).append(s)
-    per_second = [
+    per_second = [  # by scheduled second; one without arrivals is a row of zeros
         {
             "second": float(k),
             "sent": float(len(v)),
@@ -135,6 +172,7 @@ def summarize(
         }
         for k, v in sorted(seconds.items())
     ]
+    lags = [s.lag_s for s in window]
     return BenchReport(
         window_s=span,
         sent=len(window),
@@ -143,10 +181,13 @@ def summarize(
         errors=dict(errors),
         latency_ms=percentiles_ms([s.latency_s for s in ok]),
         batch_sizes=batch_sizes,
-        max_send_lag_ms=1000 * max((s.sent_s - s.scheduled_s for s in window), default=0.0),
+        max_send_lag_ms=1000 * max(lags, default=0.0),
         halves_goodput_rps=halves,
         stable=stable,
         per_second=per_second,
+        scheduled_rps=len(window) / scheduled_span if scheduled_span > 0 else 0.0,
+        sent_rps=sent_rps,
+        p99_send_lag_ms=float(np.percentile(lags, 99)) * 1000 if lags else 0.0,
     )
 
 
@@ -181,21 +222,19 @@ def drive(
             future = client.submit(
                 a.model, inputs[i], a.timeout_ms / 1000, priority=Priority(a.priority)
             )
-            sample = Sample(a.t_s, sent - start, deadline_s=sent - start + a.timeout_ms / 1000)
+            sample = Sample(a.t_s, sent - start, deadline_s=a.t_s + a.timeout_ms / 1000)
             samples.append(sample)
-            pending[future.request_id] = (future, sample)
+            if future.done():  # refused on the spot (the broker takes nothing)
+                _settle(future, sample, clock.now() - start)
+            else:
+                pending[future.request_id] = (future, sample)
             i += 1
         wait_s = (start + arrivals[i].t_s - clock.now()) if i < total else 0.05
         if client.poll(max(0.0, wait_s)):
             done = clock.now() - start
             for rid in [rid for rid, (f, _) in pending.items() if f.done()]:
                 future, sample = pending.pop(rid)
-                sample.done_s = done
-                try:
-                    future.result(0)
-                    sample.outcome = "ok"
-                except RequestError as exc:
-                    sample.outcome = exc.code.name
+                _settle(future, sample, done)
         if progress and total:
             shown = int(20 * i / total)
             if shown != last_shown:
@@ -206,6 +245,15 @@ def drive(
     if progress:
         sys.stderr.write("\n")
     return samples
+
+
+def _settle(future: ReplyFuture, sample: Sample, done_s: float) -> None:
+    sample.done_s = done_s
+    try:
+        future.result(0)
+        sample.outcome = "ok"
+    except RequestError as exc:
+        sample.outcome = exc.code.name
 
 
 def run(
@@ -227,7 +275,9 @@ def run(
     shm: dict[str, Any] = (
         {"shared_memory": shared_memory, "shared_memory_outputs": True} if shared_memory else {}
     )
-    with Client(endpoint, grace_s=1.0, **shm) as client:
+    # send_timeout_s=0: a send never waits for room (that wait would hold up every later
+    # send); a request the broker does not take fails UNAVAILABLE at once.
+    with Client(endpoint, grace_s=1.0, send_timeout_s=0.0, **shm) as client:
         before = _batch_sizes(client.stats())
         samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
         after = _batch_sizes(client.stats())

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.server import BrokerServer
 from carpool.cli import main
 from carpool.client import Client
+from carpool.common.clock import MonotonicClock
 from carpool.common.shm import available as shm_available
-from carpool.common.testing import ServerThread
-from carpool.loadgen import Sample, run, summarize, synthetic_inputs
+from carpool.common.testing import FakeClock, ServerThread
+from carpool.loadgen import Sample, drive, run, summarize, synthetic_inputs
 from carpool.sim.workload import Arrival, read_trace
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.server import WorkerServer
@@ -120,7 +123,7 @@ def test_bench_command_writes_json_and_csv(fleet_factory: Any, tmp_path: Path, c
     )
     assert code == 0
     text = capsys.readouterr().out
-    for needle in ("throughput", "p99.9", "batches (synthetic)", "stable"):
+    for needle in ("throughput", "p99.9", "batches (synthetic, whole run)", "stable"):
         assert needle in text
     report = json.loads(out_json.read_text())
     assert report["sent"] == 50
@@ -165,3 +168,90 @@ def test_bench_command_through_shared_memory(fleet_factory: Any, tmp_path: Path)
     ring = worker._ring._ring
     assert ring is not None
     assert ring.head > 0  # outputs went through the worker's ring
+
+
+# --------------------------------------------------------------------------- what a review found
+
+
+class _Answered:
+    """A future answered as soon as it is polled for."""
+
+    def __init__(self, rid: int) -> None:
+        self.request_id = rid
+        self.answered = False
+
+    def done(self) -> bool:
+        return self.answered
+
+    def result(self, timeout_s: float | None = None) -> object:
+        assert self.answered
+        return object()
+
+
+class _SlowToSend:
+    """A client (our own seam) that answers every request at once, but whose sends hold
+    the generator up on a fake clock: the first for ``first_s``, or each for ``each_s``."""
+
+    def __init__(self, clock: FakeClock, first_s: float = 0.0, each_s: float = 0.0) -> None:
+        self.clock, self.first_s, self.each_s = clock, first_s, each_s
+        self.futures: list[_Answered] = []
+
+    def submit(self, model: str, inputs: Any, timeout_s: Any = None, **kw: Any) -> _Answered:
+        self.clock.advance(self.each_s + (self.first_s if not self.futures else 0.0))
+        self.futures.append(_Answered(len(self.futures) + 1))
+        return self.futures[-1]
+
+    def poll(self, timeout_s: float | None = 0.0) -> int:
+        self.clock.advance(min(timeout_s or 0.0, 0.001))
+        fresh = [f for f in self.futures if not f.answered]
+        for f in fresh:
+            f.answered = True
+        return len(fresh)
+
+
+def test_latency_and_deadlines_count_from_the_time_a_request_was_due() -> None:
+    """Coordinated omission: the first send holds the generator up 0.5 s; the requests
+    due at 10..200 ms go out at ~0.5 s and are answered at once. Measured from their send
+    they took ~0 ms and were on time; from their schedule, 300-490 ms, all late."""
+    arrivals = [Arrival(i / 100, "m", (1, 4), 100) for i in range(21)]
+    inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
+    clock = FakeClock()
+    samples = drive(_SlowToSend(clock, first_s=0.5), arrivals, inputs, clock=clock)  # type: ignore[arg-type]
+    report = summarize(samples, 0.0, 0.21, {})
+    assert report.latency_ms["p50"] >= 250
+    assert report.on_time <= 1
+    assert report.max_send_lag_ms > 250
+    assert not report.kept_up
+
+
+def test_the_rate_reported_is_the_rate_delivered() -> None:
+    """A generator that can send only 25/s against a 50/s schedule reported 50/s: the
+    rate came from the schedule, so the load-generator check's rate row could not fail."""
+    arrivals = [Arrival(i / 50, "m", (1, 4), 5000) for i in range(25)]
+    inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
+    clock = FakeClock()
+    samples = drive(_SlowToSend(clock, each_s=0.04), arrivals, inputs, clock=clock)  # type: ignore[arg-type]
+    report = summarize(samples, 0.0, 0.5, {})
+    assert report.scheduled_rps == pytest.approx(50)
+    assert report.sent_rps < 30
+    assert report.throughput_rps < 30
+    assert not report.kept_up
+
+
+@pytest.mark.timeout(30)
+def test_the_generator_ends_when_a_request_is_refused_at_once(
+    context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A broker that takes nothing: the client fails a request it cannot send, and the
+    future is done when submit returns. The generator collected outcomes only when a
+    poll completed something, so with nothing else in flight it never ended."""
+    context.setsockopt(zmq.SNDHWM, 1)
+    nobody = socket.socket()
+    nobody.bind(("127.0.0.1", 0))
+    port = nobody.getsockname()[1]
+    nobody.close()
+    arrivals = [Arrival(0.0, "m", (1, 4), 100)] * 3 + [Arrival(0.4, "m", (1, 4), 100)]
+    inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
+    with Client(f"tcp://127.0.0.1:{port}", context=context, grace_s=0.05) as client:
+        samples = drive(client, arrivals, inputs, clock=MonotonicClock())
+    assert [s.outcome for s in samples] == ["UNAVAILABLE"] * 4

@@ -41,8 +41,10 @@ class AsyncClient:
         shared_memory_mode: int = 0o600,
         shared_memory_outputs: bool = False,
         shared_memory_group: str | None = None,
+        send_timeout_s: float | None = None,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
+        self.send_timeout_s = send_timeout_s
         if shared_memory:
             self.core.arena = ShmArena(
                 shared_memory, mode=shared_memory_mode, group=shared_memory_group
@@ -79,6 +81,8 @@ class AsyncClient:
         # ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
         # away or not reading; past it a send waits for as long as the broker does.
         send_s = self.core.pending[rid] - self.core.grace_s - self.clock.now()
+        if self.send_timeout_s is not None:
+            send_s = min(send_s, self.send_timeout_s)
         try:
             await asyncio.wait_for(self.socket.send_multipart(frames, copy=False), send_s)
         except TimeoutError:

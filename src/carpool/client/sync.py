@@ -102,6 +102,10 @@ class Client:
             asking.
         shared_memory_group: the region's group, for workers that run as another user
             in it (with ``shared_memory_mode=0o640``).
+        send_timeout_s: how long a request may wait to be sent while the broker takes
+            nothing (it is away, and 1,000 messages wait for it already); None: up to
+            the request's own timeout; 0: not at all (a load generator must not wait).
+            A request not sent in that time fails ``Unavailable``.
     """
 
     def __init__(
@@ -117,8 +121,10 @@ class Client:
         shared_memory_mode: int = 0o600,
         shared_memory_outputs: bool = False,
         shared_memory_group: str | None = None,
+        send_timeout_s: float | None = None,
     ) -> None:
         self.core = ClientCore(default_timeout_s, grace_s)
+        self.send_timeout_s = send_timeout_s
         if shared_memory:
             self.core.arena = ShmArena(
                 shared_memory, mode=shared_memory_mode, group=shared_memory_group
@@ -156,7 +162,10 @@ class Client:
         now = self.clock.now()
         rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
         future = ReplyFuture(self, rid)
-        if not self._send(frames, self.core.pending[rid] - self.core.grace_s):
+        until = self.core.pending[rid] - self.core.grace_s
+        if self.send_timeout_s is not None:
+            until = min(until, now + self.send_timeout_s)
+        if not self._send(frames, until):
             # Its timeout passed with the broker taking nothing (down, or not reading):
             # an answer now, not a send that blocks for as long as the broker is away.
             self.core.forget(rid)
