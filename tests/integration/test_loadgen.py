@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +261,37 @@ def test_the_generator_ends_when_a_request_is_refused_at_once(
     with Client(f"tcp://127.0.0.1:{port}", context=context, grace_s=0.05) as client:
         samples = drive(client, arrivals, inputs, clock=MonotonicClock())
     assert [s.outcome for s in samples] == ["UNAVAILABLE"] * 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
+def test_bench_removes_its_shared_memory_region_on_sigterm() -> None:
+    """`timeout 60 carpool bench --shared-memory-mib ...`, a CI cancel or systemd sends
+    SIGTERM: the region stayed in /dev/shm (RAM) for good."""
+    nobody = socket.socket()
+    nobody.bind(("127.0.0.1", 0))
+    port = nobody.getsockname()[1]
+    nobody.close()
+    command = ["bench", "--endpoint", f"tcp://127.0.0.1:{port}", "--shared-memory-mib", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "carpool", *command, "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    pattern = f"/dev/shm/carpool-{proc.pid}-*"
+    try:
+        for _ in range(400):  # until it has made its region (it then waits for STATS)
+            if glob.glob(pattern) or proc.poll() is not None:
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.05)
+        assert glob.glob(pattern), "bench never made its region"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 128 + signal.SIGTERM
+        assert glob.glob(pattern) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        for path in glob.glob(pattern):
+            os.unlink(path)

@@ -206,3 +206,43 @@ def test_a_client_written_from_the_document_reads_the_ring(
     y = np.frombuffer(data, "<f4").reshape(out["shape"])
     np.testing.assert_array_equal(y, synthetic_output(x))
     sock.close(linger=0)
+
+
+# --------------------------------------------------------------------------- what a review found
+
+N = 32768  # float32: 128 KiB, large enough for the ring
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_never_reads_its_output_ring_as_an_input(
+    fleet_factory: Any, context: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """A confused deputy: every client that asks for shared-memory outputs learns the
+    worker's ring name and key, even one on another host that cannot open it. Handed back
+    as an input reference, the worker read another client's output for it."""
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
+    engine = {"syn": lambda: SyntheticEngine(item_shape=(N,), max_batch=4)}
+    fleet.add_worker(engine, shm_output_bytes=RING, warmup=False)
+    fleet.ready()
+    victim = fleet.client(shared_memory_outputs=True)
+    secret = np.random.default_rng(1).standard_normal((1, N)).astype(np.float32)
+    victim.infer("syn", {"x": secret}, timeout_s=10)  # its output: in the ring at 64
+
+    thief = context.socket(zmq.DEALER)
+    thief.setsockopt(zmq.LINGER, 0)
+    thief.connect(fleet.broker.frontend_endpoint)
+    x = [{"name": "x", "dtype": "float32", "shape": [1, N]}]
+    probe = {"id": 1, "model": "syn", "shm_outputs": True, "inputs": x}
+    thief.send_multipart([b"CP\x01\x01", msgpack.packb(probe), bytes(4 * N)])
+    assert thief.poll(10_000)
+    ring = msgpack.unpackb(thief.recv_multipart()[1])["outputs"][0]["shm"]
+    steal = {"region": ring["region"], "offset": 64, "key": ring["key"]}
+    meta = {"id": 2, "model": "syn", "inputs": [{**x[0], "shm": steal}]}
+    thief.send_multipart([b"CP\x01\x01", msgpack.packb(meta), b""])
+    assert thief.poll(10_000)
+    frames = thief.recv_multipart()
+    thief.close(linger=0)
+    assert frames[0] == b"CP\x01\x03", "the worker served its output ring as an input"
+    error = msgpack.unpackb(frames[1])
+    assert error["code"] == ErrorCode.INVALID_ARGUMENT
+    assert "output ring" in error["message"]

@@ -16,8 +16,11 @@ in ``/dev/shm`` whose name starts with ``carpool-``.
   through a mapping: a region that is shorter than a reference claims gives a short read
   (an error for that one request), not a SIGBUS. Workers use it for inputs, clients for
   outputs (:meth:`RegionReader.read_output`).
-- Regions are allocated in full when made (``posix_fallocate``), so that the process
-  that writes through its mapping cannot meet a full tmpfs later.
+- Regions are allocated in full when made (``posix_fallocate``), so that a full tmpfs
+  is an error then, not later; they are written with ``pwrite``, never through a
+  mapping (a region truncated under its owner must not be a SIGBUS), and may not be
+  group- or world-writable. An owner holds a shared ``flock`` on its region while it
+  lives; :func:`sweep_orphans` removes this user's regions nobody holds.
 
 Trust: a worker reads only files named ``/dev/shm/carpool-*`` that it may open (file
 permissions decide; the arena creates its region ``0600`` unless told otherwise), never
@@ -35,13 +38,13 @@ import errno
 import fcntl
 import grp
 import hmac
-import mmap
 import os
 import re
 import secrets
 import stat
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +54,8 @@ from carpool.common.errors import ProtocolError
 #: Where POSIX shared memory lives on Linux (what ``shm_open`` uses).
 SHM_DIR = "/dev/shm"
 REGION_PREFIX = "carpool-"
+#: What follows the prefix in the names of workers' output rings (§5.5).
+RING_TAG = "out-"
 _REGION_RE = re.compile(r"carpool-[A-Za-z0-9_.-]{1,200}")
 #: Offsets are aligned so that every tensor starts on a cache line (and any dtype's
 #: alignment).
@@ -66,6 +71,7 @@ MAX_REF_BYTES = 2**31
 MAGIC = b"carpool-shm-v1\0\0"
 KEY_BYTES = 16
 HEADER_BYTES = ALIGN  # MAGIC + key, padded; tensors start after it
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -143,48 +149,91 @@ def parse_output_ref(obj: Any, what: str) -> OutputRef:
 # --------------------------------------------------------------------------- client side
 
 
-def _create(
-    size: int, mode: int, tag: str, group: str | None = None
-) -> tuple[str, str, int, mmap.mmap, str]:
-    """Create a region: (name, path, fd, mapping, key hex), header written; owned by
-    ``group`` when given (the process must be a member)."""
+def _create(size: int, mode: int, tag: str, group: str | None = None) -> tuple[str, str, int, str]:
+    """Create a region: (name, path, fd, key hex), header written, held (``flock``) for
+    as long as this process keeps ``fd`` open; owned by ``group`` when given (the process
+    must be a member). Regions of processes that died are removed first."""
     if not HEADER_BYTES < size <= MAX_OFFSET:
         raise ValueError(
             f"shared-memory size must be in {HEADER_BYTES + 1}..2**62 bytes, got {size}"
         )
-    size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    if mode & ~0o777 or mode & 0o022:
+        raise ValueError(
+            f"shared-memory mode {mode:#o}: group and others may read a region, never write "
+            "it (a writer could truncate it under its owner)"
+        )
+    with contextlib.suppress(OSError):
+        sweep_orphans()
+    size = -(-size // _PAGE) * _PAGE
     name = f"{REGION_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # "in use": released when the process ends
         if group is not None:
             os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
         os.fchmod(fd, mode)  # not narrowed by the umask
-        # Reserve the pages now: writing through a mapping of a sparse file on a full
-        # tmpfs is a SIGBUS; this is an OSError (ENOSPC) here instead.
+        # Reserve the pages now: a full tmpfs is an OSError (ENOSPC) here, not later.
         os.posix_fallocate(fd, 0, size)
-        mapping = mmap.mmap(fd, size)
+        key = secrets.token_bytes(KEY_BYTES)
+        _write_at(fd, memoryview(MAGIC + key), 0)
     except BaseException:
         os.close(fd)
         os.unlink(path)
         raise
-    key = secrets.token_bytes(KEY_BYTES)
-    mapping[: len(MAGIC) + KEY_BYTES] = MAGIC + key
-    return name, path, fd, mapping, key.hex()
+    return name, path, fd, key.hex()
+
+
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``. With ``pwrite``, not through a mapping: a
+    region truncated under its owner (by anyone who may write it) is then extended
+    again, where a write through a mapping would kill the process with SIGBUS."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def sweep_orphans(directory: str = SHM_DIR, min_age_s: float = 10.0) -> list[str]:
+    """Remove this user's regions whose process is gone: a region's owner holds a shared
+    ``flock`` on it for as long as it lives (the kernel lets go when it dies, however it
+    dies), so one that can be locked exclusively has no owner. (A region made in the last
+    ``min_age_s`` may not be locked yet: it is left alone.) Returns the paths removed.
+    Called whenever a region is made, so a crash loop does not fill /dev/shm."""
+    removed: list[str] = []
+    uid = os.getuid()
+    now = time.time()  # noqa: TID251 (compared with file times, which are wall-clock)
+    for entry in os.scandir(directory):
+        if not entry.name.startswith(REGION_PREFIX) or not valid_region(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or now - st.st_ctime < min_age_s:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(entry.path).st_ino == os.fstat(fd).st_ino:  # still that file
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 class _Region:
-    """A region this process made: its mapping, and removal when closed (only by the
+    """A region this process made: its descriptor, and removal when closed (only by the
     process that made it: a forked child must not remove its parent's region)."""
 
-    def __init__(self, size: int, mode: int, tag: str, group: str | None, keep_fd: bool) -> None:
-        self.name, self.path, fd, self._map, self.key = _create(size, mode, tag, group)
+    def __init__(self, size: int, mode: int, tag: str, group: str | None) -> None:
+        self.name, self.path, self._fd, self.key = _create(size, mode, tag, group)
+        self.size = os.fstat(self._fd).st_size
         self._pid = os.getpid()
-        self._fd: int | None = fd
-        if not keep_fd:  # the mapping keeps the region; the name lets peers open it
-            os.close(fd)
-            self._fd = None
-        self._view = memoryview(self._map)
         self.closed = False
 
     def close(self) -> None:
@@ -192,13 +241,10 @@ class _Region:
         if self.closed:
             return
         self.closed = True
-        self._view.release()
-        self._map.close()
-        if self._fd is not None:
-            os.close(self._fd)
         if os.getpid() == self._pid:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        os.close(self._fd)
 
     def __del__(self) -> None:  # a region never closed is still removed
         if not getattr(self, "closed", True):
@@ -222,8 +268,8 @@ class ShmArena(_Region):
     """
 
     def __init__(self, size: int, *, mode: int = 0o600, group: str | None = None) -> None:
-        super().__init__(size, mode, "", group, keep_fd=False)
-        self.size = size = len(self._map)
+        super().__init__(size, mode, "", group)
+        size = self.size
         # (offset, length) of free space, sorted and merged; the header is never free.
         self._free: list[tuple[int, int]] = [(HEADER_BYTES, size - HEADER_BYTES)]
         self._used: dict[int, int] = {}  # offset -> length
@@ -242,7 +288,7 @@ class ShmArena(_Region):
                 else:
                     self._free[i] = (start + need, length - need)
                 self._used[start] = need
-                self._view[start : start + len(data)] = data
+                _write_at(self._fd, data, start)
                 return start
         return None
 
@@ -279,12 +325,11 @@ class ShmRing(_Region):
     """
 
     def __init__(self, size: int, *, mode: int = 0o600, group: str | None = None) -> None:
-        super().__init__(size, mode, "out-", group, keep_fd=True)
-        assert self._fd is not None
+        super().__init__(size, mode, RING_TAG, group)
         self._lock_fd = self._fd  # the locks are taken on this descriptor
-        self.capacity = len(self._map) - HEADER_BYTES
+        self.capacity = self.size - HEADER_BYTES
         self.head = 0
-        _RING.pack_into(self._map, _RING_AT, 0, self.capacity)
+        os.pwrite(self._fd, _RING.pack(0, self.capacity), _RING_AT)
 
     def place(
         self, sizes: Sequence[int], since: int | None = None
@@ -312,7 +357,7 @@ class ShmRing(_Region):
                 out.append((HEADER_BYTES + (0 if skip else pos), self.head))
                 self.head = end
             # A reader that checks after this sees the reserved bytes as written over.
-            _RING.pack_into(self._map, _RING_AT, self.head, self.capacity)
+            os.pwrite(self._lock_fd, _RING.pack(self.head, self.capacity), _RING_AT)
             return out
         finally:
             _unlock(self._lock_fd, 0, HEADER_BYTES)
@@ -323,7 +368,7 @@ class ShmRing(_Region):
         if not _try_lock(self._lock_fd, fcntl.F_WRLCK, offset, len(data)):
             return False
         try:
-            self._view[offset : offset + len(data)] = data
+            _write_at(self._lock_fd, data, offset)
         finally:
             _unlock(self._lock_fd, offset, len(data))
         return True
@@ -359,6 +404,15 @@ _RING_AT = len(MAGIC) + KEY_BYTES
 # --------------------------------------------------------------------------- worker side
 
 
+def _not_a_ring(region: str) -> None:
+    """An input is read from a client's region, never from a worker's output ring: every
+    client that asks for shared-memory outputs learns a ring's name and key (even one on
+    another host, which cannot open it), and could hand them back as an input reference
+    to make the worker read other clients' outputs for it."""
+    if region.startswith(REGION_PREFIX + RING_TAG):
+        raise ShmError(f"shm region {region!r} is a worker's output ring, not an input region")
+
+
 class RegionReader:
     """Reads referenced bytes out of clients' regions; keeps the last ``max_open``
     regions' file descriptors open."""
@@ -378,6 +432,7 @@ class RegionReader:
             ShmError: the region cannot be opened here, its key is not the reference's,
                 or it is shorter than the reference says.
         """
+        _not_a_ring(ref[0])
         with self._lock:
             self._read(self._open(ref[0], ref[2]), ref[0], ref[1], dest)
 
@@ -385,6 +440,7 @@ class RegionReader:
         """Raise :class:`ShmError` unless ``size`` bytes at the reference can be read
         (the region opens, its key matches, it is long enough): checked before a batch
         buffer is allocated for them."""
+        _not_a_ring(ref[0])
         with self._lock:
             fd = self._open(ref[0], ref[2])
             if os.fstat(fd).st_size < ref[1] + size:

@@ -112,8 +112,11 @@ class WorkerConfig:
             problems.append("at least one [[models]] entry is needed")
         if not 0 <= self.shm_output_mib <= 1 << 20:
             problems.append("shm_output_mib must be in 0..1048576")
-        if not 0 <= self.shm_output_mode <= 0o777:
-            problems.append("shm_output_mode must be a file mode such as 0o600")
+        if not 0 <= self.shm_output_mode <= 0o777 or self.shm_output_mode & 0o022:
+            problems.append(
+                "shm_output_mode must be a file mode such as 0o600 or 0o640: clients may "
+                "read the ring, never write it (a writer could truncate it under the worker)"
+            )
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             problems.append("model names must be unique")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -511,7 +512,8 @@ def test_large_inputs_go_through_shared_memory_small_ones_in_frames(shm_core: An
     assert (region, key, submit.shm[1]) == (shm_core.arena.name, shm_core.arena.key, None)
     assert len(frames[2]) == 0
     assert bytes(frames[3]) == small.tobytes()
-    stored = np.frombuffer(shm_core.arena._map, np.float32, 512, offset).reshape(2, 256)
+    region = Path(shm_core.arena.path).read_bytes()
+    stored = np.frombuffer(region, np.float32, 512, offset).reshape(2, 256)
     np.testing.assert_array_equal(stored, big)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,7 +22,9 @@ from carpool.common.shm import (
     RegionReader,
     ShmArena,
     ShmError,
+    ShmRing,
     parse_ref,
+    sweep_orphans,
 )
 from carpool.common.shm import available as shm_available
 
@@ -317,3 +322,78 @@ def test_a_forked_child_does_not_remove_its_parents_region() -> None:
     finally:
         arena.close()
     assert not os.path.exists(arena.path)
+
+
+# --------------------------------------------------------------------------- what a review found
+
+
+def test_a_region_truncated_under_its_owner_does_not_kill_it() -> None:
+    """Writes went through a mapping: anyone who could write the file could truncate it
+    and the owner died of SIGBUS at its next write. They go through pwrite now."""
+    code = (
+        "import os\n"
+        "import numpy as np\n"
+        "from carpool.common.shm import ShmArena, ShmRing\n"
+        "ring, arena = ShmRing(1 << 20), ShmArena(1 << 20)\n"
+        "for path in (ring.path, arena.path):\n"
+        "    fd = os.open(path, os.O_RDWR)\n"
+        "    os.ftruncate(fd, 0)\n"
+        "    os.close(fd)\n"
+        "(spot,) = ring.place([1 << 17])\n"
+        "assert ring.write(spot[0], memoryview(np.ones(1 << 17, np.uint8)))\n"
+        "assert arena.put(memoryview(np.ones(1 << 17, np.uint8))) is not None\n"
+        "ring.close()\n"
+        "arena.close()\n"
+        "print('survived')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"rc={out.returncode} {out.stderr[-500:]}"
+    assert out.stdout.strip() == "survived"
+
+
+@pytest.mark.parametrize("mode", [0o660, 0o622, 0o666, 0o1600])
+def test_regions_others_could_write_are_refused(mode: int) -> None:
+    with pytest.raises(ValueError, match="never write"):
+        ShmArena(1 << 16, mode=mode)
+    with pytest.raises(ValueError, match="never write"):
+        ShmRing(1 << 16, mode=mode)
+
+
+def test_the_regions_of_a_process_that_died_are_removed_and_live_ones_kept() -> None:
+    """A worker killed in a crash loop left its ring in /dev/shm each time (RAM, for
+    good). Owners hold a shared flock; a region nobody holds is an orphan."""
+    made = (
+        "import os, sys\n"
+        "from carpool.common.shm import ShmRing\n"
+        "ring = ShmRing(1 << 16)\n"
+        "print(ring.path, flush=True)\n"
+        "if sys.argv[1] == 'die':\n"
+        "    os.kill(os.getpid(), 9)\n"
+        "sys.stdin.read()\n"
+    )
+    dead = subprocess.run(
+        [sys.executable, "-c", made, "die"], capture_output=True, text=True, timeout=60
+    ).stdout.strip()
+    live = subprocess.Popen(
+        [sys.executable, "-c", made, "live"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    mine = ShmArena(1 << 16)
+    try:
+        assert live.stdout is not None
+        alive = live.stdout.readline().strip()
+        assert os.path.exists(dead)
+        removed = sweep_orphans(min_age_s=0.0)
+        assert dead in removed
+        assert not os.path.exists(dead)
+        assert os.path.exists(alive)
+        assert os.path.exists(mine.path)
+        assert sweep_orphans(min_age_s=3600.0) == []  # a young orphan is left alone
+    finally:
+        mine.close()
+        live.communicate("", timeout=30)
+        for path in (dead, alive):
+            with contextlib.suppress(FileNotFoundError, NameError):
+                os.unlink(path)
