@@ -334,7 +334,7 @@ def test_the_worker_takes_messages_read_past_its_burst(tmp_path: Path) -> None:
     try:
         assert accept(), "the worker did not connect"
         accepted[0].sendall(PREAMBLE + _heartbeats_then_disconnect(300))
-        for _ in range(10):
+        for _ in range(60):  # a refusal right after joining: it waits 1 s (back-off)
             worker.step(0.05)
             if accept():
                 break

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any
 
 import numpy as np
@@ -93,3 +95,36 @@ def test_worker_reregisters_after_broker_restart(context: Any, tmp_path: Any) ->
         with ServerThread(second), Client(frontend, context=context) as client:
             wait_for_workers(client, 1, timeout_s=10)
             assert client.infer("m", {"x": x}, timeout_s=5)["y"][0, 0] == 3.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["zeromq", "local"])
+def test_a_refused_worker_backs_off_instead_of_reconnecting_in_a_loop(
+    tmp_path: Any, transport: str
+) -> None:
+    """A worker whose READY the broker refuses (its spec conflicts with a registered
+    one) opened a new connection and said READY again about a thousand times a second
+    (protocol §10.4: back off after repeated failures)."""
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.server import BrokerServer
+    from carpool.client import Client
+    from tests.conftest import wait_for_workers
+
+    config = BrokerConfig(
+        frontend="tcp://127.0.0.1:*",
+        backend="tcp://127.0.0.1:*",
+        local_backend=f"unix:{tmp_path}/w.sock",
+    )
+    with contextlib.ExitStack() as stack:
+        broker = stack.enter_context(ServerThread(BrokerServer(config)))
+        endpoint = broker.local_endpoint if transport == "local" else broker.backend_endpoint
+        first = SyntheticEngine(item_shape=(4,))
+        stack.enter_context(ServerThread(WorkerServer(endpoint, {"m": lambda: first})))
+        wait_for_workers(stack.enter_context(Client(broker.frontend_endpoint)), 1)
+        other = SyntheticEngine(item_shape=(5,))  # model "m" with another shape: refused
+        bad = stack.enter_context(WorkerServer(endpoint, {"m": lambda: other}, warmup=False))
+        joined = bad.core.epoch
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:
+            bad.step(0.05)
+        assert bad.core.epoch - joined <= 6  # (each refusal: two epochs; 1 s, then 2 s)

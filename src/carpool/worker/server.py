@@ -40,6 +40,10 @@ _STARTUP_TIMEOUT_S = 300.0
 #: Batches of thread-free engines that have been taking less than this run on the loop
 #: thread: the hand-off to the inference thread and back costs ~0.25 ms.
 INLINE_MAX_S = 0.002
+#: A worker refused (or dropped) within this long of joining waits before it joins again,
+#: this long the first time, doubling up to the most (protocol §10.4, back-off).
+_REJOIN_MIN_S = 1.0
+_REJOIN_MAX_S = 10.0
 
 
 class WorkerServer:
@@ -140,20 +144,19 @@ class WorkerServer:
         self._outbox: list[list[Any]] | None = [] if embedded else None
         self.core.local = embedded
         self._last_join_s = 0.0
-        self._rejoin_at: float | None = None  # embedded: when to say READY again
+        self._rejoin_at: float | None = None  # when to connect (say READY) again
+        self._backoff_s = 0.0  # how long the last wait before connecting again was
         self.dealer: zmq.Socket[bytes] | None = self._connect()
 
     # ------------------------------------------------------------------ sockets
 
     def _connect(self) -> zmq.Socket[bytes] | None:
+        self._last_join_s = self.clock.now()
+        self._rejoin_at = None
         if self._outbox is not None:  # embedded: say READY to the broker's core directly
-            self._last_join_s = self.clock.now()
-            self._rejoin_at = None
             self._to_broker(self.core.on_connect(self._last_join_s))
             return None
-        self.poller = zmq.Poller()
-        self.poller.register(self._results, zmq.POLLIN)
-        self.poller.register(self._wake.fd, zmq.POLLIN)
+        self._new_poller()
         if self._link_path is not None:
             self._link()
             return None
@@ -167,6 +170,13 @@ class WorkerServer:
         self._to_broker(self.core.on_connect(self.clock.now()))
         logger.info("worker %s connected to %s", self.core.name, self.broker)
         return dealer
+
+    def _new_poller(self) -> None:
+        """A poller for the inference thread's results and the wake pipe (a connection
+        adds its socket)."""
+        self.poller = zmq.Poller()
+        self.poller.register(self._results, zmq.POLLIN)
+        self.poller.register(self._wake.fd, zmq.POLLIN)
 
     def _link(self) -> None:
         """Connect to the broker's local endpoint. If nobody listens yet, READY is lost
@@ -194,13 +204,26 @@ class WorkerServer:
             self.core.epoch += 1
             self._rejoin_at = self._last_join_s + 1.0
             return
+        if self._rejoin_at is not None:
+            return  # not connected: it connects at _rejoin_at
         logger.warning("worker %s reconnecting: %s", self.core.name, reason)
         self._drop_queued()
+        self.core.epoch += 1  # what is still running answers nobody: the broker requeues it
         if self.dealer is not None:
             self.dealer.close(linger=0)
+            self.dealer = None
         if self.link is not None:
             self.link.close()
             self.link = None
+        if self.clock.now() - self._last_join_s < _REJOIN_MIN_S:
+            # Refused (or dropped) right after joining: back off, 1 s doubling up to 10 s,
+            # rather than a new connection and READY a thousand times a second.
+            self._backoff_s = min(_REJOIN_MAX_S, max(_REJOIN_MIN_S, 2 * self._backoff_s))
+            self._rejoin_at = self._last_join_s + self._backoff_s
+            self._new_poller()
+            logger.warning("worker %s: connecting again in %.0f s", self.core.name, self._backoff_s)
+            return
+        self._backoff_s = 0.0
         self.dealer = self._connect()
 
     def _drop_queued(self) -> None:
@@ -219,7 +242,8 @@ class WorkerServer:
             return True
         if self._link_path is not None:
             return self._to_link(frames)
-        assert self.dealer is not None
+        if self.dealer is None:
+            return False  # waiting to connect again: heartbeats go nowhere meanwhile
         try:
             send_frames(self.dealer, frames, NOBLOCK)
         except zmq.Again:
@@ -280,7 +304,11 @@ class WorkerServer:
         """One loop turn: wait (bounded by ``timeout_s`` and the next heartbeat), handle
         broker messages and finished batches, send heartbeats. Returns messages handled."""
         now = self.clock.now()
+        if self._rejoin_at is not None and now >= self._rejoin_at:
+            self.dealer = self._connect()
         wake = self.core.next_wakeup(now)
+        if self._rejoin_at is not None:
+            wake = self._rejoin_at if wake is None else min(wake, self._rejoin_at)
         wait_s = None if wake is None else wake - now
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
