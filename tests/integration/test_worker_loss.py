@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any
 
@@ -128,3 +129,44 @@ def test_a_refused_worker_backs_off_instead_of_reconnecting_in_a_loop(
         while time.monotonic() < until:
             bad.step(0.05)
         assert bad.core.epoch - joined <= 6  # (each refusal: two epochs; 1 s, then 2 s)
+
+
+class _Stuck(SyntheticEngine):
+    """A batch that runs until released (a stuck kernel, a huge model)."""
+
+    thread_bound = True  # on the inference thread, never inline
+
+    def __init__(self) -> None:
+        super().__init__(item_shape=(4,))
+        self.running = threading.Event()
+        self.release = threading.Event()
+
+    def run(self, inputs: Any) -> Any:
+        self.running.set()
+        self.release.wait(60)
+        return super().run(inputs)
+
+
+@pytest.mark.timeout(60)
+def test_close_returns_after_its_wait_while_a_batch_still_runs(fleet_factory: Any) -> None:
+    """close() gave a running batch its wait, then blocked in the context's term() until
+    the batch ended anyway: a SIGTERM during a long batch was not honoured."""
+    fleet = fleet_factory(max_batch=1, max_wait_s=0.0)
+    stuck = _Stuck()
+    worker = WorkerServer(fleet.broker.backend_endpoint, {"m": lambda: stuck}, warmup=False)
+    serving = threading.Thread(target=worker.serve, daemon=True)
+    closing = threading.Thread(target=worker.close, kwargs={"wait_s": 0.2}, daemon=True)
+    try:
+        serving.start()
+        client = fleet.ready(1)
+        client.submit("m", {"x": np.ones((1, 4), np.float32)}, timeout_s=30)
+        assert stuck.running.wait(10)
+        worker.stop()  # what SIGTERM does; then the command closes the worker
+        serving.join(10)
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "close() waited for the batch"
+    finally:
+        stuck.release.set()
+        closing.join(10)
+        worker.close()

@@ -43,6 +43,9 @@ INLINE_MAX_S = 0.002
 #: A worker refused (or dropped) within this long of joining waits before it joins again,
 #: this long the first time, doubling up to the most (protocol §10.4, back-off).
 _REJOIN_MIN_S = 1.0
+#: How long close() waits for a running batch (a worker process; an embedded worker).
+_CLOSE_WAIT_S = 25.0
+_CLOSE_WAIT_EMBEDDED_S = 2.0
 _REJOIN_MAX_S = 10.0
 
 
@@ -109,6 +112,9 @@ class WorkerServer:
         # model is not short).
         self._run_ewma_s: dict[str, float] = {}
         self._startup: queue.Queue[list[ModelSpec] | BaseException] = queue.Queue()
+        self._close_lock = threading.Lock()
+        self._thread_done = False  # the inference thread has ended (under _close_lock)
+        self._left_behind = False  # close() returned before it did (under _close_lock)
         self._thread = threading.Thread(
             target=self._inference_loop,
             args=(dict(models), warmup),
@@ -498,6 +504,8 @@ class WorkerServer:
         except BaseException as exc:
             for engine in engines.values():
                 engine.close()
+            with self._close_lock:
+                self._thread_done = True
             self._startup.put(exc)
             return
         self._startup.put(specs)
@@ -507,15 +515,28 @@ class WorkerServer:
         try:
             while (job := self._jobs.get()) is not None:
                 header, frames = run_job(engines, job, self.clock, self._shm, self._ring)
+                if self._closed:
+                    continue  # closed while it ran: nobody reads results (nor would the
+                    # send to the closed peer ever return)
                 send_frames(sock, [codec.pack(header), *frames])
         finally:
             sock.close(linger=0)
             for engine in engines.values():
                 engine.close()
+            with self._close_lock:
+                self._thread_done = True
+                left_behind = self._left_behind
+            if left_behind:  # close() returned while this batch ran: finish its work
+                self._release()
 
     # ------------------------------------------------------------------ lifecycle
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Say DISCONNECT (the broker requeues what this worker holds), then wait up to
+        ``wait_s`` for a batch that is running, so that the engines close cleanly: 25 s by
+        default (the worker unit's TimeoutStopSec is 30 s), 2 s for an embedded worker
+        (its broker has stopped: the broker unit allows 10 s). A batch still running
+        then is left to the process's exit, and so is what it uses."""
         if self._closed:
             return
         self._closed = True
@@ -525,7 +546,9 @@ class WorkerServer:
             while True:
                 self._jobs.get_nowait()
         self._jobs.put(None)
-        self._thread.join(timeout=30)
+        if wait_s is None:
+            wait_s = _CLOSE_WAIT_EMBEDDED_S if self._outbox is not None else _CLOSE_WAIT_S
+        self._thread.join(timeout=wait_s)
         if self.dealer is not None:
             self.dealer.close(linger=100)  # give DISCONNECT a moment to leave
         if self.link is not None:
@@ -533,9 +556,19 @@ class WorkerServer:
             self.link.close()
         self._results.close(linger=0)
         self._wake.close()
-        if not self._thread.is_alive():  # else a batch may still use them: leave to exit
-            self._shm.close()
-            self._ring.close()
+        with self._close_lock:
+            if not self._thread_done:
+                # A batch still runs: it may still use the regions, and its results
+                # socket keeps the context open (term() would wait for the batch). The
+                # inference thread lets them go when it ends (or the process exits).
+                self._left_behind = True
+                logger.warning("worker %s: a batch still runs; not waiting", self.core.name)
+                return
+        self._release()
+
+    def _release(self) -> None:
+        self._shm.close()
+        self._ring.close()
         if self._own_context:
             self.context.term()
 
