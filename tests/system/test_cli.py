@@ -89,6 +89,31 @@ def test_an_invalid_worker_setting_is_a_config_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["broker", "--frontend", "tcp://127.0.0.1", "--backend", "tcp://127.0.0.1:*"], "bind"),
+        (["worker", "--broker", "tcp://127.0.0.1", "--synthetic", "0", "0"], "connect to"),
+    ],
+    ids=["broker", "worker"],
+)
+def test_a_malformed_endpoint_is_a_config_error(args: list[str], says: str) -> None:
+    """It was a zmq.ZMQError with a traceback and exit 1."""
+    result = _carpool(*args)
+    assert result.returncode == 2, result.stderr
+    assert f"cannot {says} 'tcp://127.0.0.1'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_model_the_wire_cannot_carry_is_a_config_error(tmp_path: Path) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text('[[models]]\nname = "m"\nengine = "synthetic"\ndtype = "complex64"\n')
+    result = _carpool("worker", "--broker", f"ipc://{tmp_path}/b", "--config", str(toml))
+    assert result.returncode == 2, result.stderr
+    assert "dtype must be one of" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.timeout(90)
 def test_broker_and_worker_processes_serve_and_stop(tmp_path: Path, spawn: Spawn) -> None:
     frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"

@@ -155,9 +155,14 @@ class BrokerServer:
         sock.setsockopt(zmq.RCVHWM, 10_000)
         try:
             sock.bind(endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:  # a malformed endpoint, an address in use
             sock.close()
-            raise
+            frontend = getattr(self, "frontend", None)  # (the backend's bind failed)
+            if frontend is not None:
+                frontend.close()
+            if self._own_context:
+                self.context.term()
+            raise ConfigError(f"cannot bind {endpoint!r}: {exc}") from None
         return sock
 
     @property

@@ -53,6 +53,7 @@ MAX_TENSORS = 64
 MAX_RANK = 8
 MAX_TIMEOUT_MS = 3_600_000
 MAX_NAME_CHARS = 256
+MAX_MODELS = 256  # a READY's models
 
 
 class Command(IntEnum):
@@ -598,8 +599,8 @@ class Ready:
         if not 1 <= slots <= 1024:
             raise ProtocolError("ready: slots must be in 1..1024")
         models = meta.get("models")
-        if not isinstance(models, list) or not models or len(models) > 256:
-            raise ProtocolError("ready: models must be a list of 1..256 model specs")
+        if not isinstance(models, list) or not models or len(models) > MAX_MODELS:
+            raise ProtocolError(f"ready: models must be a list of 1..{MAX_MODELS} model specs")
         specs = tuple(ModelSpec.from_wire(m) for m in models)
         if len({s.name for s in specs}) != len(specs):
             raise ProtocolError("ready: duplicate model names")

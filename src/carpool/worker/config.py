@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from carpool.common.codec import DTYPES
 from carpool.common.config import check
+from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
 from carpool.worker.engines.base import Engine
 from carpool.worker.server import EngineFactory, WorkerServer
 
@@ -29,6 +31,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if not 1 <= len(self.name) <= MAX_NAME_CHARS:
+            problems.append(f"name must have 1..{MAX_NAME_CHARS} characters")
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 1 <= self.max_batch <= 4096:
@@ -39,7 +43,16 @@ class ModelConfig:
             problems.append("fixed_cost_s and per_sample_s must be >= 0")
         if self.intra_op_threads < 1:
             problems.append("intra_op_threads must be >= 1")
-        check(problems, f"model {self.name}")
+        if self.engine == "synthetic":  # (an ONNX model's shapes come from its file)
+            rank = len(self.item_shape)
+            if not 1 <= rank < MAX_RANK or any(d < 1 and d != -1 for d in self.item_shape):
+                problems.append(
+                    f"item_shape must have 1..{MAX_RANK - 1} dims, each at least 1 or -1 "
+                    f"(dynamic); the batch dim makes {MAX_RANK}"
+                )
+            if self.dtype not in DTYPES:
+                problems.append(f"dtype must be one of {', '.join(sorted(DTYPES))}")
+        check(problems, f"model {self.name!r}")
 
     @classmethod
     def synthetic(
@@ -108,8 +121,10 @@ class WorkerConfig:
             problems.append("heartbeat_s must be in 0.01..600")
         if not 1 <= self.liveness <= 100:
             problems.append("liveness must be in 1..100")
-        if not self.models:
-            problems.append("at least one [[models]] entry is needed")
+        if not 1 <= len(self.name) <= MAX_NAME_CHARS:
+            problems.append(f"name must have 1..{MAX_NAME_CHARS} characters")
+        if not 1 <= len(self.models) <= MAX_MODELS:
+            problems.append(f"1..{MAX_MODELS} [[models]] entries are needed")
         if not 0 <= self.shm_output_mib <= 1 << 20:
             problems.append("shm_output_mib must be in 0..1048576")
         if not 0 <= self.shm_output_mode <= 0o777 or self.shm_output_mode & 0o022:

@@ -152,7 +152,12 @@ class WorkerServer:
         self._last_join_s = 0.0
         self._rejoin_at: float | None = None  # when to connect (say READY) again
         self._backoff_s = 0.0  # how long the last wait before connecting again was
-        self.dealer: zmq.Socket[bytes] | None = self._connect()
+        self.dealer: zmq.Socket[bytes] | None = None
+        try:
+            self.dealer = self._connect()
+        except ConfigError:  # a malformed endpoint: nothing of this worker stays behind
+            self.close(wait_s=5.0)
+            raise
 
     # ------------------------------------------------------------------ sockets
 
@@ -170,7 +175,11 @@ class WorkerServer:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 1000)
         dealer.setsockopt(zmq.RCVHWM, 1000)
-        dealer.connect(self.broker)
+        try:
+            dealer.connect(self.broker)
+        except zmq.ZMQError as exc:  # a malformed endpoint (it was fine if this is again)
+            dealer.close()
+            raise ConfigError(f"cannot connect to {self.broker!r}: {exc}") from None
         self.poller.register(dealer, zmq.POLLIN)
         self.dealer = dealer
         self._to_broker(self.core.on_connect(self.clock.now()))

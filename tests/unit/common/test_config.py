@@ -153,7 +153,7 @@ def test_tuple_of_dataclasses() -> None:
     ("data", "expected"),
     [
         ({"models": {"name": "a"}}, "WorkerConfig.models: expected a list"),
-        ({"models": []}, "at least one [[models]] entry is needed"),
+        ({"models": []}, "1..256 [[models]] entries are needed"),
         ({"models": [{"name": "a"}, {"name": "a"}]}, "model names must be unique"),
         ({"slots": 0, "liveness": 0}, "slots must be in 1..1024; liveness must be in 1..100"),
         ({"models": [{"max_batch": "8"}]}, "WorkerConfig.models[0].max_batch: expected int"),
@@ -161,6 +161,15 @@ def test_tuple_of_dataclasses() -> None:
         ({"models": [{"nme": "a"}]}, "WorkerConfig.models[0].nme: unknown setting"),
         ({"shm_output_mib": -1}, "shm_output_mib must be in 0..1048576"),
         ({"shm_output_mode": 0o1777}, "shm_output_mode must be a file mode"),
+        ({"shm_output_mode": 0o660}, "never write it"),
+        # Settings whose READY the broker would refuse (the worker then never joins):
+        ({"name": ""}, "worker: name must have 1..256 characters"),
+        ({"name": "w" * 257}, "worker: name must have 1..256 characters"),
+        ({"models": [{"name": ""}]}, "model '': name must have 1..256 characters"),
+        ({"models": [{"name": "m", "engine": "synthetic", "item_shape": [0]}]}, "item_shape"),
+        ({"models": [{"name": "m", "engine": "synthetic", "item_shape": [1] * 8}]}, "item_shape"),
+        ({"models": [{"name": "m", "engine": "synthetic", "dtype": "complex64"}]}, "dtype must"),
+        ({"models": [{"name": f"m{i}"} for i in range(257)]}, "1..256 [[models]] entries"),
     ],
 )
 def test_worker_config_problems(data: dict[str, Any], expected: str) -> None:
