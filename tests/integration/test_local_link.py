@@ -38,7 +38,7 @@ from carpool.common.protocol import (
     encode,
     encode_reply,
 )
-from carpool.common.testing import ServerThread
+from carpool.common.testing import FakeClock, ServerThread
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.models import locate
@@ -514,3 +514,25 @@ def test_a_worker_that_answered_and_left_keeps_its_answer(
         second.outputs(timeout_s=0)
     assert broker._links == {}
     assert list(broker.core.registry.all()) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_local_peer_that_never_says_ready_loses_its_link(tmp_path: Path) -> None:
+    """It held a descriptor and a 1 MiB buffer in the broker for as long as it liked."""
+    clock = FakeClock()
+    with contextlib.closing(BrokerServer(local_config(tmp_path), clock=clock)) as broker:
+        mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        mute.connect(broker.local_endpoint[len("unix:") :])
+        mute.sendall(PREAMBLE)
+        broker.step(0.05)
+        assert len(broker._links) == 1
+        clock.advance(9.0)
+        broker.step(0.01)
+        assert len(broker._links) == 1  # still within its time
+        clock.advance(1.5)
+        broker.step(0.01)
+        assert broker._links == {}
+        mute.settimeout(5)
+        assert mute.recv(65536) == PREAMBLE  # the broker's greeting, then the end
+        assert mute.recv(65536) == b""
+        mute.close()

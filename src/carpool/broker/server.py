@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: Messages taken from one socket before the loop looks at the other and at the clock.
 BURST = 256
+#: How long a local link may stay connected without saying READY (or after a refusal).
+_JOIN_WITHIN_S = 10.0
 # Read per message: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
 # Routing ids of workers in this process and on the local endpoint (no zmq peer's).
@@ -119,6 +121,9 @@ class BrokerServer:
         # Links whose worker the core has registered: when the core forgets one (missed
         # heartbeats), its link is closed, and a worker that is still there connects anew.
         self._registered: set[bytes] = set()
+        # Links that have not said READY yet, by when they connected: closed after
+        # _JOIN_WITHIN_S (a peer that never does must not hold a descriptor and a buffer).
+        self._unjoined: dict[bytes, float] = {}
         self._stopping = False
         self._closed = False
         for wid, worker in self._embedded.items():
@@ -189,6 +194,9 @@ class BrokerServer:
             due = worker.next_wakeup(now)
             if due is not None and (wake is None or due < wake):
                 wake = due
+        if self._unjoined:  # the first link that must have joined by then
+            due = min(self._unjoined.values()) + _JOIN_WITHIN_S
+            wake = due if wake is None else min(wake, due)
         wait_s = None if wake is None else wake - now
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
@@ -211,6 +219,8 @@ class BrokerServer:
         self._send(self.core.on_tick(self.clock.now()))
         if self._registered:
             self._close_forgotten()
+        if self._unjoined:
+            self._close_unjoined()
         if self._trace is not None and self.core.recording:
             self._write_trace()
         return handled
@@ -240,6 +250,7 @@ class BrokerServer:
                 wid = LINK_ID + b"%d" % self._linked
                 self._links[wid] = new
                 self._link_ids[new.fileno()] = wid
+                self._unjoined[wid] = self.clock.now()
                 self.poller.register(new.fileno(), zmq.POLLIN)
                 logger.info("a local worker connected (link %d)", self._linked)
         n = 0
@@ -264,6 +275,7 @@ class BrokerServer:
                     continue
                 if wid not in self._registered and core.registry.get(WorkerId(wid)):
                     self._registered.add(wid)
+                    self._unjoined.pop(wid, None)
             if link.closed:
                 self._lost_link(wid, link, link.error or "the worker closed the link")
             elif not link.wants_write:
@@ -287,6 +299,13 @@ class BrokerServer:
                 self.poller.modify(link.fileno(), zmq.POLLIN | zmq.POLLOUT)
         return pending
 
+    def _close_unjoined(self) -> None:
+        """Close the links that have not said READY within _JOIN_WITHIN_S of connecting
+        (or were refused, and stayed)."""
+        late = self.clock.now() - _JOIN_WITHIN_S
+        for wid in [w for w, since in self._unjoined.items() if since <= late]:
+            self._drop_link(wid, f"no READY within {_JOIN_WITHIN_S:g} s")
+
     def _close_forgotten(self) -> None:
         """Close the links of workers the core has forgotten (silent past their liveness,
         or gone on their own word), so they do not hold a descriptor here."""
@@ -307,6 +326,7 @@ class BrokerServer:
 
     def _drop_link(self, wid: bytes, reason: str) -> None:
         self._registered.discard(wid)
+        self._unjoined.pop(wid, None)
         link = self._links.pop(wid, None)
         if link is None:
             return
