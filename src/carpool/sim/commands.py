@@ -94,6 +94,15 @@ def add_parsers(sub: Any) -> None:
 
 
 def _workers(args: argparse.Namespace) -> list[SimWorker]:
+    problems = []
+    if args.workers < 1 or args.slots < 1 or args.engine_max_batch < 1:
+        problems.append("--workers, --slots and --engine-max-batch must be at least 1")
+    if args.alpha_ms < 0 or args.beta_ms < 0 or args.jitter < 0:
+        problems.append("--alpha-ms, --beta-ms and --jitter must be at least 0")
+    if getattr(args, "sla_ms", None) is not None and args.sla_ms < 1:
+        problems.append("--sla-ms must be at least 1")
+    if problems:
+        raise ConfigError("; ".join(problems))
     cost = EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, args.jitter)
     return [
         SimWorker(f"sim-{i}", cost, args.engine_max_batch, args.slots) for i in range(args.workers)
@@ -135,10 +144,12 @@ def _quiet() -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     _quiet()
+    workers = _workers(args)
     items = _arrivals(args)
+    if not items:
+        raise ConfigError("the workload has no arrivals (a rate or a duration of 0?)")
     if args.save_trace:
         workload.write_trace(args.save_trace, items)
-    workers = _workers(args)
     span = items[-1].t_s - items[0].t_s
     print(
         f"workload: {len(items)} requests over {span:.1f} s "
@@ -172,6 +183,12 @@ def run_tune(args: argparse.Namespace) -> int:
     points = grid_search(items, _workers(args), seed=args.seed, progress=_progress)
     best = points[0]
     print(table([p.result for p in points[: args.top]]))
+    if best.result.on_time == 0:
+        print(
+            "\nno setting answered any request in time: nothing to recommend (is the SLA "
+            "shorter than one batch of the engine?)"
+        )
+        return 1
     print(
         f"\nrecommended: max_batch = {best.max_batch}, max_wait_s = {best.max_wait_s:g}  "
         f"(goodput {best.result.goodput_rps:.1f}/s, p99 {best.result.percentile_ms(99):.1f} ms, "

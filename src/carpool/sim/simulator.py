@@ -78,7 +78,7 @@ class SimResult:
     """What happened to every request of one simulated run."""
 
     label: str
-    span_s: float  # from the first to the last arrival
+    span_s: float  # the time the arrivals cover (or, all at one instant, the run)
     sent: int = 0
     ok: int = 0  # replies with outputs
     on_time: int = 0  # ... that arrived by the request's deadline
@@ -147,9 +147,10 @@ def simulate(
     max_queued: int = 100_000,
 ) -> SimResult:
     """Run ``arrivals`` through a BrokerCore with ``batching`` and simulated ``workers``."""
+    arrivals = sorted(arrivals, key=lambda a: a.t_s)  # (stable) time never runs backwards
     rng = random.Random(seed)
     core = BrokerCore(BrokerConfig(batching=batching, max_queued=max_queued))
-    result = SimResult(label, arrivals[-1].t_s - arrivals[0].t_s if arrivals else 0.0)
+    result = SimResult(label, _span_s(arrivals))
     result.workers = len(workers)
     events: list[tuple[float, int, int, object]] = []
     seq = 0
@@ -218,18 +219,19 @@ def simulate(
         if worker.queue and worker.running is None:
             start(worker, now)
 
-    models = sorted({a.model for a in arrivals}) or ["synthetic"]
-    ranks = {len(a.shape) for a in arrivals} or {2}
-    rank = ranks.pop()
+    # Each model as its arrivals have it: its rank, every dim dynamic.
+    ranks: dict[str, int] = {}
+    for arrival in arrivals:
+        ranks.setdefault(arrival.model, len(arrival.shape))
+    models = sorted(ranks) or ["synthetic"]
     for i, spec in enumerate(workers):
         wid = f"sim-{i}".encode()
         worker = sim_workers[wid] = _Worker(spec, wid, rho_window_s)
-        dyn = (-1,) * rank
         specs = tuple(
             ModelSpec(
                 m,
-                (TensorMeta("x", "float32", dyn),),
-                (TensorMeta("y", "float32", dyn),),
+                (TensorMeta("x", "float32", (-1,) * ranks.get(m, 2)),),
+                (TensorMeta("y", "float32", (-1,) * ranks.get(m, 2)),),
                 spec.max_batch,
                 spec.preferred_batch,
             )
@@ -243,7 +245,9 @@ def simulate(
     arrival_index = 0
     rid = 0
     now = 0.0
-    horizon = (arrivals[-1].t_s if arrivals else 0.0) + 60.0
+    # Every request is answered by its deadline: wait for the last one's, and a minute.
+    last_deadline_s = max((a.t_s + a.timeout_ms / 1000 for a in arrivals), default=0.0)
+    horizon = last_deadline_s + 60.0
     while arrival_index < len(arrivals) or sent_s:
         next_arrival = arrivals[arrival_index].t_s if arrival_index < len(arrivals) else math.inf
         if events and events[0][0] <= next_arrival:
@@ -292,5 +296,16 @@ def simulate(
     for _ in sent_s:
         result.errors["NO_REPLY"] += 1
     result.end_s = now
+    if result.span_s <= 0 and arrivals:  # all at one instant: per second of the run
+        result.span_s = max(0.0, now - arrivals[0].t_s)
     result.broker = core.snapshot()
     return result
+
+
+def _span_s(arrivals: Sequence[Arrival]) -> float:
+    """The time the arrivals cover: n arrivals, n gaps (one mean gap after the last, as
+    the load generator counts), so that n arrivals at a steady rate r give n / r."""
+    n = len(arrivals)
+    if n < 2:
+        return 0.0
+    return (arrivals[-1].t_s - arrivals[0].t_s) * n / (n - 1)

@@ -150,6 +150,8 @@ def read_trace(path: str | Path) -> list[Arrival]:
                     continue
                 try:
                     obj = json.loads(line)
+                    if not isinstance(obj, dict) or not isinstance(obj.get("shape"), list):
+                        raise TypeError("a line is a map whose shape is a list of ints")
                     arrival = Arrival(
                         float(obj["t_s"]),
                         str(obj["model"]),

@@ -1,0 +1,113 @@
+"""The simulator and ``carpool tune`` at the edges a review found: mixed models, traces at
+one instant, long timeouts, unsorted arrivals, empty workloads, impossible settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from carpool.broker.config import BatchingConfig
+from carpool.cli import main
+from carpool.common.errors import ConfigError
+from carpool.sim.compare import grid_search
+from carpool.sim.simulator import EngineCost, SimWorker, simulate
+from carpool.sim.workload import Arrival, read_trace
+
+GPU = [SimWorker("w", EngineCost(0.005, 0.0005))]
+FIXED = BatchingConfig(max_batch=8, max_wait_s=0.002, policy="fixed")
+
+
+def test_models_of_different_ranks_are_all_served() -> None:
+    """Every model was declared with one rank, so the other model's requests were
+    refused (INVALID_ARGUMENT) where a live fleet serves them."""
+    arrivals = [
+        Arrival(0.01 * i, "vec" if i % 2 else "img", (1, 16) if i % 2 else (1, 3, 8, 8), 50)
+        for i in range(20)
+    ]
+    result = simulate(arrivals, GPU, FIXED)
+    assert dict(result.errors) == {}
+    assert result.on_time == 20
+
+
+def test_tune_ranks_by_answers_in_time_on_a_trace_at_one_instant() -> None:
+    """100 requests at one instant: goodput per second of a zero span was 0 for every
+    setting, and the ranking went by p99 alone (B=32, 34 in time, over B=64, 66)."""
+    arrivals = [Arrival(0.0, "m", (1, 16), 50) for _ in range(100)]
+    points = grid_search(arrivals, GPU)
+    assert points[0].result.on_time == max(p.result.on_time for p in points)
+    assert points[0].result.goodput_rps > 0
+
+
+def test_a_single_arrival_answered_in_time_has_a_goodput() -> None:
+    result = simulate([Arrival(0.0, "m", (1, 16), 50)], GPU, FIXED)
+    assert result.on_time == 1
+    assert result.goodput_rps > 0
+
+
+def test_requests_with_long_timeouts_are_answered_past_a_minute() -> None:
+    """The run stopped a minute after the last arrival: 140 of these were NO_REPLY."""
+    arrivals = [Arrival(0.0, "m", (1, 16), 600_000) for _ in range(200)]
+    slow = [SimWorker("w", EngineCost(1.0, 0.0))]
+    result = simulate(arrivals, slow, BatchingConfig(max_batch=1, max_wait_s=0.0, policy="fixed"))
+    assert "NO_REPLY" not in result.errors
+    assert result.on_time == 200
+
+
+def test_unsorted_arrivals_do_not_run_time_backwards() -> None:
+    arrivals = [Arrival(0.01 * i, "m", (1, 16), 50) for i in range(10)]
+    result = simulate(arrivals[::-1], GPU, FIXED)
+    assert result.span_s > 0
+    assert min(result.latencies_s) >= 0
+
+
+@pytest.mark.parametrize(
+    "args", [["--rate", "0"], ["--load", "steps", "--rates", "0,0"]], ids=["rate", "steps"]
+)
+def test_simulate_refuses_an_empty_workload(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It ended in an IndexError traceback."""
+    assert main(["simulate", "--no-oracle", *args]) == 2
+    assert "no arrivals" in capsys.readouterr().err
+
+
+def _trace(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    lines = [{"t_s": 0.01 * i, "model": "m", "shape": [1, 16], "timeout_ms": 50} for i in range(5)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--engine-max-batch", "0"],
+        ["--workers", "0"],
+        ["--slots", "0"],
+        ["--sla-ms", "0"],
+        ["--alpha-ms", "-5"],
+    ],
+)
+def test_tune_refuses_impossible_settings(
+    tmp_path: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They crashed (IndexError, ValueError) or recommended a setting at 100% misses."""
+    assert main(["tune", "--trace", str(_trace(tmp_path)), *extra]) == 2
+    assert "must be at least" in capsys.readouterr().err
+
+
+def test_tune_recommends_nothing_when_nothing_is_answered_in_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["tune", "--trace", str(_trace(tmp_path)), "--alpha-ms", "100"]) == 1
+    assert "nothing to recommend" in capsys.readouterr().out
+
+
+def test_a_trace_shape_must_be_a_list(tmp_path: Path) -> None:
+    """ "16" was read as the shape (1, 6), one dim per character."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"t_s": 0, "model": "m", "shape": "16", "timeout_ms": 50}\n')
+    with pytest.raises(ConfigError, match="shape"):
+        read_trace(path)
