@@ -170,3 +170,39 @@ def test_close_returns_after_its_wait_while_a_batch_still_runs(fleet_factory: An
         stuck.release.set()
         closing.join(10)
         worker.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_backing_off_sleeps_until_it_connects_again(context: Any) -> None:
+    """While it waited, its core still counted the broker's silence: past liveness it
+    said 'due now' on every turn, and the worker spun a core until it connected again."""
+    import zmq
+
+    from carpool.common.protocol import Command, encode
+
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    engine = SyntheticEngine(item_shape=(4,))
+    worker = WorkerServer(
+        f"tcp://127.0.0.1:{port}", {"m": lambda: engine}, warmup=False, heartbeat_s=0.1, liveness=2
+    )
+    try:
+        assert router.poll(5000)
+        wid = router.recv_multipart()[0]  # READY: refused at once
+        router.send_multipart([wid, *encode(Command.DISCONNECT, {"reason": "refused"})])
+        until = time.monotonic() + 5
+        while worker._rejoin_at is None and time.monotonic() < until:
+            worker.step(0.05)
+        assert worker._rejoin_at is not None, "it did not back off"
+        while time.monotonic() < worker._last_join_s + 0.3:  # past liveness (0.2 s)
+            worker.step(0.05)
+        turns = 0
+        until = worker._rejoin_at - 0.05
+        while time.monotonic() < until:
+            worker.step()  # no timeout of its own: it sleeps until it connects again
+            turns += 1
+        assert turns < 20
+    finally:
+        worker.close(wait_s=2)
+        router.close()

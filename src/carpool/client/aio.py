@@ -85,7 +85,7 @@ class AsyncClient:
             send_s = min(send_s, self.send_timeout_s)
         try:
             await asyncio.wait_for(self.socket.send_multipart(frames, copy=False), send_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # (one class from 3.11 on)
             self.core.forget(rid)
             self._settle(rid, Unavailable("the broker is not taking requests", request_id=rid))
             return future
@@ -115,7 +115,7 @@ class AsyncClient:
         self._stats_id, frames = self.core.stats_request()
         try:
             await asyncio.wait_for(self.socket.send_multipart(frames), timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # (one class from 3.11 on)
             self._stats = None
             raise TimeoutError("the broker is not taking requests") from None
         self._ensure_reader()

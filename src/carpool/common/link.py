@@ -416,8 +416,10 @@ class LinkListener:
         try:
             self._sock = _listen(path, mode, gid)
         except BaseException:
-            os.close(self._lock)
+            if self._lock is not None:
+                os.close(self._lock)
             raise
+        self._closed = False
         self._ino = os.stat(path).st_ino
         # Kept to be given up when the process runs out of descriptors: a connection left
         # in the backlog keeps the listener readable, and the broker's poll would spin.
@@ -461,8 +463,9 @@ class LinkListener:
             self._spare = os.open(os.devnull, os.O_RDONLY)
 
     def close(self) -> None:
-        if self._lock < 0:
+        if self._closed:
             return
+        self._closed = True
         self._sock.close()
         if self._spare is not None:
             os.close(self._spare)
@@ -472,16 +475,25 @@ class LinkListener:
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self._ino:
                 os.unlink(self.path)
-        os.close(self._lock)
-        self._lock = -1
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
-def _lock(path: str) -> int:
+def _lock(path: str) -> int | None:
     """Hold ``PATH.lock`` for this listener's life; EADDRINUSE when a broker holds it. Opened
-    read-only (``flock`` needs no more), so a broker restarted as another user (systemd's
-    ``DynamicUser=``) can take a lock file its predecessor left."""
+    read-only (``flock`` needs no more) and made readable by all, so a broker restarted as
+    another user (systemd's ``DynamicUser=``) can take a lock file its predecessor left.
+    None where the file cannot be opened (one another user made unreadable): the socket
+    file's own check is all there is then, as before there was a lock."""
     lock = path + ".lock"
-    fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except PermissionError as exc:
+        logger.warning("cannot open %s (%s): starting without the lock", lock, exc.strerror)
+        return None
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o644)  # not narrowed by the umask (ours, or another user's: EPERM)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

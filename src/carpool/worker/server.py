@@ -321,9 +321,10 @@ class WorkerServer:
         now = self.clock.now()
         if self._rejoin_at is not None and now >= self._rejoin_at:
             self.dealer = self._connect()
-        wake = self.core.next_wakeup(now)
-        if self._rejoin_at is not None:
-            wake = self._rejoin_at if wake is None else min(wake, self._rejoin_at)
+        # Not connected (backing off): nothing is due but connecting again; the core's
+        # heartbeats and its count of the broker's silence wait for the connection.
+        waiting = self._rejoin_at is not None
+        wake = self._rejoin_at if waiting else self.core.next_wakeup(now)
         wait_s = None if wake is None else wake - now
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
@@ -341,6 +342,8 @@ class WorkerServer:
             handled += self._drain_link(events.get(link.fileno(), 0))
         if self._wake.fd in events:
             self._wake.clear()
+        if waiting:
+            return handled
         messages, reconnect = self.core.on_tick(self.clock.now())
         if messages:  # heartbeats: about once a second
             self._shm.sweep()

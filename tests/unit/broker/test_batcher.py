@@ -237,8 +237,9 @@ def test_shed_pops_what_is_due_at_or_before_the_limit() -> None:
     assert q.shed(1.0) == [a]  # no slack left is hopeless
     assert q.shed(2.5) == [b]
     assert (q.count, q.samples) == (1, 1)
-    # shed() only pops and counts; the caller decides the requests' fate.
-    assert a.state is RequestState.QUEUED
+    # shed() pops, counts and marks them EXPIRED (so that the queue can drop them at
+    # once); the caller answers them.
+    assert a.state is RequestState.EXPIRED
 
 
 def test_arrival_rate_over_two_windows() -> None:
@@ -314,3 +315,29 @@ def test_deadline_heap_drops_answered_entries_before_their_deadlines() -> None:
     assert len(h) < 2 * DeadlineHeap.MIN_COMPACT
     assert h.earliest() == live[0].deadline_s
     assert h.pop_expired(100.0) == live
+
+
+def test_shedding_a_full_queue_rebuilds_it_once_not_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compaction per forgotten request, while the shed ones were all still QUEUED,
+    rebuilt the arrival order ~n/2 times: seconds of the broker's loop at 10,000."""
+    queue = RequestQueue(KEY)
+    for i in range(10_000):
+        queue.push(req(i, deadline_s=1.0 + i * 1e-6))
+    rebuilt = 0
+    compact = RequestQueue._compact
+
+    def counting(self: RequestQueue) -> None:
+        nonlocal rebuilt
+        before = self._arrivals
+        compact(self)
+        rebuilt += self._arrivals is not before
+
+    monkeypatch.setattr(RequestQueue, "_compact", counting)
+    out = queue.shed(10.0)
+    assert len(out) == 10_000
+    assert queue.count == 0
+    assert all(r.state is RequestState.EXPIRED for r in out)
+    assert rebuilt <= 1
+    assert len(queue._arrivals) == 0

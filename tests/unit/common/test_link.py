@@ -410,3 +410,16 @@ def test_messages_over_the_byte_limit_are_refused(pair: tuple[Link, Link]) -> No
         left.send([b"x", huge])
     left.send([b"fine"])
     assert pump(left, right, 1) == [[b"fine"]]
+
+
+def test_the_lock_file_is_readable_by_a_broker_restarted_as_another_user(tmp_path: Path) -> None:
+    """Made under the service's umask (UMask=0077), it was 0600: a broker restarted under
+    another DynamicUser= uid could not open it, and did not start."""
+    path = str(tmp_path / "w.sock")
+    old = os.umask(0o077)
+    try:
+        listener = LinkListener(path)
+    finally:
+        os.umask(old)
+    listener.close()
+    assert os.stat(path + ".lock").st_mode & 0o777 == 0o644
