@@ -14,6 +14,7 @@ runs print alike (``bench/batching.py``).
 from __future__ import annotations
 
 import math
+import select
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import zmq
 from numpy.typing import NDArray
 
 from carpool.client import Client, ReplyFuture, RequestError
@@ -33,6 +35,9 @@ from carpool.sim.workload import Arrival
 QUANTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
 #: The send lag (p99) past which a run says the generator did not keep up.
 LAG_TOLERANCE_MS = 5.0
+#: The last stretch before a send is polled without waiting (a process woken from sleep
+#: runs tens of microseconds late on small VMs).
+_SPIN_S = 0.0002
 
 
 @dataclass(slots=True)
@@ -231,9 +236,16 @@ def drive(
             i += 1
         wait_s = (start + arrivals[i].t_s - clock.now()) if i < total else 0.05
         # A poll waits whole milliseconds, rounded up: it would send up to 1 ms late, and
-        # that lag counts in every latency. Wake a millisecond early instead and poll
-        # without waiting until the send is due.
-        if client.poll(max(0.0, wait_s - 0.001) if i < total else wait_s):
+        # that lag counts in every latency. Wake a millisecond early instead, then wait
+        # out the rest on the socket's descriptor, to the microsecond (no spinning).
+        if i < total and wait_s < 0.001:
+            completed = client.poll(0)
+            left = start + arrivals[i].t_s - clock.now() - _SPIN_S
+            if not completed and left > 0:
+                _wait_readable(client, left)
+        else:
+            completed = client.poll(max(0.0, wait_s - 0.001) if i < total else wait_s)
+        if completed:
             done = clock.now() - start
             for rid in [rid for rid, (f, _) in pending.items() if f.done()]:
                 future, sample = pending.pop(rid)
@@ -248,6 +260,18 @@ def drive(
     if progress:
         sys.stderr.write("\n")
     return samples
+
+
+def _wait_readable(client: Client, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` (to the microsecond) for the client's socket to have
+    something: ``select`` on its ZMQ_FD, which zmq_poll (whole milliseconds) is not. The
+    descriptor only says that the socket may have news (the next poll looks); a client
+    without one (a test's) polls without waiting."""
+    socket = getattr(client, "socket", None)
+    if socket is None:
+        client.poll(0)
+        return
+    select.select([socket.getsockopt(zmq.FD)], [], [], timeout_s)
 
 
 def _settle(future: ReplyFuture, sample: Sample, done_s: float) -> None:

@@ -503,6 +503,10 @@ def test_a_worker_that_answered_and_left_keeps_its_answer(
     broker._drain(broker.frontend, Side.FRONTEND)  # admitted, and (below) dispatched
     broker._send(broker.core.on_tick(broker.clock.now()))  # before the link is read
     assert broker.core.stats.batch_sizes["m"][1] == 2  # the BATCH that found it gone
+    # Lost at once, its RESULT handled first: no further batch goes its way this turn
+    # (each would spend an attempt of its requests).
+    assert broker._links == {}
+    assert list(broker.core.registry.all()) == []
 
     for _ in range(40):
         broker.step(0.05)

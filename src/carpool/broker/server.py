@@ -124,6 +124,7 @@ class BrokerServer:
         # Links that have not said READY yet, by when they connected: closed after
         # _JOIN_WITHIN_S (a peer that never does must not hold a descriptor and a buffer).
         self._unjoined: dict[bytes, float] = {}
+        self._in_burst: bytes | None = None  # the link whose messages are being handled
         self._stopping = False
         self._closed = False
         for wid, worker in self._embedded.items():
@@ -264,13 +265,17 @@ class BrokerServer:
             if flags & (zmq.POLLIN | zmq.POLLERR) or link.pending:
                 core = self.core
                 now = self.clock.now
-                for frames in link.receive(BURST):
-                    n += 1
-                    out = core.on_worker(now(), wid, frames)
-                    if out:
-                        self._send(out)
-                        if wid not in self._links:
-                            break  # dropped by that send: the rest is a lost worker's
+                self._in_burst = wid
+                try:
+                    for frames in link.receive(BURST):
+                        n += 1
+                        out = core.on_worker(now(), wid, frames)
+                        if out:
+                            self._send(out)
+                            if wid not in self._links:
+                                break  # dropped by that send: the rest is a lost worker's
+                finally:
+                    self._in_burst = None
                 if wid not in self._links:
                     continue
                 if wid not in self._registered and core.registry.get(WorkerId(wid)):
@@ -384,9 +389,11 @@ class BrokerServer:
             self._deliver_local()
 
     def _send_link(self, wid: bytes, link: Link, frames: Sequence[Any]) -> None:
-        """Send to a local worker. A send that finds it gone only closes the link: what
-        it sent before (this turn's burst, results still in the socket) reaches the core
-        first; ``_on_links`` or, before the next poll, ``_flush_links`` drops it then."""
+        """Send to a local worker. A send that finds it gone closes the link; what the
+        worker sent before (results still in the socket) reaches the core first, then
+        the loss, at once (so no more batches go its way this turn, each spending an
+        attempt of its requests). In the middle of that worker's own burst the rest of
+        the burst comes first: ``_on_links`` ends the link after it."""
         if link.closed:
             return
         try:
@@ -398,6 +405,9 @@ class BrokerServer:
         except TooLarge as exc:  # a batch the link cannot carry: the worker is lost
             logger.error("local worker link %s: %s; dropped", wid[1:].decode(), exc)
             self._drop_link(wid, str(exc))
+            return
+        if link.error is not None and wid != self._in_burst:  # the write found it gone
+            self._lost_link(wid, link, link.error)
 
     def _deliver_local(self) -> None:
         """Messages for embedded workers, in order, one at a time: what they answer may

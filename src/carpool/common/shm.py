@@ -184,6 +184,23 @@ def _create(size: int, mode: int, tag: str, group: str | None = None) -> tuple[s
     return name, path, fd, key.hex()
 
 
+#: A region's name as _create makes it: the maker's pid, then random hex.
+_OWNER_RE = re.compile(r"carpool-(?:out-)?(\d{1,10})-[0-9a-f]+")
+
+
+def _alive(pid: int, me: int) -> bool:
+    """Whether ``pid`` runs (in this pid namespace; elsewhere the lock decides)."""
+    if pid == me:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it runs, as another user
+        return True
+    return True
+
+
 def _write_at(fd: int, data: memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset``. With ``pwrite``, not through a mapping: a
     region truncated under its owner (by anyone who may write it) is then extended
@@ -196,15 +213,19 @@ def _write_at(fd: int, data: memoryview, offset: int) -> None:
 def sweep_orphans(directory: str = SHM_DIR, min_age_s: float = 10.0) -> list[str]:
     """Remove this user's regions whose process is gone: a region's owner holds a shared
     ``flock`` on it for as long as it lives (the kernel lets go when it dies, however it
-    dies), so one that can be locked exclusively has no owner. (A region made in the last
-    ``min_age_s`` may not be locked yet: it is left alone.) Returns the paths removed.
+    dies), so one that can be locked exclusively has no owner; and the pid in its name
+    must not run (a carpool from before the lock holds none). A region made in the last
+    ``min_age_s`` may not be locked yet: it is left alone. Returns the paths removed.
     Called whenever a region is made, so a crash loop does not fill /dev/shm."""
     removed: list[str] = []
     uid = os.getuid()
+    me = os.getpid()
     now = time.time()  # noqa: TID251 (compared with file times, which are wall-clock)
     for entry in os.scandir(directory):
-        if not entry.name.startswith(REGION_PREFIX) or not valid_region(entry.name):
-            continue
+        named = _OWNER_RE.fullmatch(entry.name)
+        if named is None or not valid_region(entry.name) or _alive(int(named[1]), me):
+            continue  # not one of ours by name, or its maker runs (one from before the
+            # lock existed holds none: its pid is what says it lives)
         try:
             st = entry.stat(follow_symlinks=False)
             if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or now - st.st_ctime < min_age_s:

@@ -397,3 +397,34 @@ def test_the_regions_of_a_process_that_died_are_removed_and_live_ones_kept() -> 
         for path in (dead, alive):
             with contextlib.suppress(FileNotFoundError, NameError):
                 os.unlink(path)
+
+
+def test_a_region_of_a_running_process_that_holds_no_lock_is_kept() -> None:
+    """A carpool from before the lock (its regions hold none) may still run on the host:
+    the pid in a region's name must be gone too."""
+    live = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    paths = [
+        f"/dev/shm/carpool-{live.pid}-0123abcd",
+        f"/dev/shm/carpool-{dead.stdout.strip()}-0123abcd",
+    ]
+    try:
+        for path in paths:
+            with open(path, "wb") as f:
+                f.write(MAGIC + bytes(64))
+        removed = sweep_orphans(min_age_s=0.0)
+        assert paths[0] not in removed
+        assert os.path.exists(paths[0])
+        assert paths[1] in removed
+    finally:
+        live.communicate(b"", timeout=30)
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
