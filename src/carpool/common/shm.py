@@ -38,6 +38,7 @@ import errno
 import fcntl
 import grp
 import hmac
+import logging
 import os
 import re
 import secrets
@@ -50,6 +51,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from carpool.common.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
 
 #: Where POSIX shared memory lives on Linux (what ``shm_open`` uses).
 SHM_DIR = "/dev/shm"
@@ -162,8 +165,10 @@ def _create(size: int, mode: int, tag: str, group: str | None = None) -> tuple[s
             f"shared-memory mode {mode:#o}: group and others may read a region, never write "
             "it (a writer could truncate it under its owner)"
         )
-    with contextlib.suppress(OSError):
+    try:
         sweep_orphans()
+    except Exception as exc:  # tidying up must never stop a region from being made
+        logger.warning("could not sweep /dev/shm for orphaned regions: %s", exc)
     size = -(-size // _PAGE) * _PAGE
     name = f"{REGION_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}"
     path = os.path.join(SHM_DIR, name)
@@ -194,7 +199,7 @@ def _alive(pid: int, me: int) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (OverflowError: no pid is that large)
         return False
     except OSError:  # EPERM: it runs, as another user
         return True
@@ -223,13 +228,14 @@ def sweep_orphans(directory: str = SHM_DIR, min_age_s: float = 10.0) -> list[str
     now = time.time()  # noqa: TID251 (compared with file times, which are wall-clock)
     for entry in os.scandir(directory):
         named = _OWNER_RE.fullmatch(entry.name)
-        if named is None or not valid_region(entry.name) or _alive(int(named[1]), me):
-            continue  # not one of ours by name, or its maker runs (one from before the
-            # lock existed holds none: its pid is what says it lives)
+        if named is None or not valid_region(entry.name):
+            continue  # not one of ours by name
         try:
             st = entry.stat(follow_symlinks=False)
             if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or now - st.st_ctime < min_age_s:
                 continue
+            if _alive(int(named[1]), me):
+                continue  # its maker runs (one from before the lock existed holds none)
             fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             continue

@@ -76,6 +76,9 @@ def bursts(
     base_rps: float, burst_rps: float, duration_s: float, period_s: float, burst_s: float
 ) -> list[Phase]:
     """``base_rps``, with ``burst_rps`` for ``burst_s`` at the end of every ``period_s``."""
+    if not period_s > 0 or not 0 <= burst_s <= period_s:
+        # (a period of 0 never ended; a burst longer than its period made time go back)
+        raise ConfigError(f"bursts need 0 <= burst_s ({burst_s}) <= period_s ({period_s}) > 0")
     phases: list[Phase] = []
     t = 0.0
     while t < duration_s - 1e-9:

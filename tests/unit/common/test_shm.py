@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -428,3 +429,11 @@ def test_a_region_of_a_running_process_that_holds_no_lock_is_kept() -> None:
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def test_a_name_with_a_pid_no_process_can_have_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """os.kill(4000000000, 0) raises OverflowError, not OSError: one such file (anyone may
+    make one in /dev/shm) stopped every region from being made."""
+    odd = tmp_path / "carpool-4000000000-abcdef"
+    odd.write_bytes(MAGIC + bytes(64))
+    assert sweep_orphans(str(tmp_path), min_age_s=0.0) == [str(odd)]

@@ -111,3 +111,18 @@ def test_a_trace_shape_must_be_a_list(tmp_path: Path) -> None:
     path.write_text('{"t_s": 0, "model": "m", "shape": "16", "timeout_ms": 50}\n')
     with pytest.raises(ConfigError, match="shape"):
         read_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("period_s", "burst_s"),
+    [(0.0, 0.0), (-1.0, 0.1), (0.2, 0.3)],
+    ids=["zero", "negative", "short"],
+)
+def test_bursts_need_a_period_that_holds_its_burst(
+    period_s: float, burst_s: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A period of 0 never ended (phases appended for ever); one shorter than its burst
+    gave quiet phases of negative length and arrivals before time 0."""
+    args = ["--load", "bursts", "--period-s", str(period_s), "--burst-s", str(burst_s)]
+    assert main(["simulate", "--no-oracle", "--duration-s", "1", *args]) == 2
+    assert "bursts need" in capsys.readouterr().err
