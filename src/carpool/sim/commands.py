@@ -16,7 +16,7 @@ from typing import Any
 from carpool.common.errors import ConfigError
 from carpool.sim import workload
 from carpool.sim.compare import as_json, compare, grid_search, table
-from carpool.sim.simulator import EngineCost, SimWorker
+from carpool.sim.simulator import EngineCost, SimWorker, span_s
 from carpool.sim.workload import Arrival
 
 
@@ -150,7 +150,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("the workload has no arrivals (a rate or a duration of 0?)")
     if args.save_trace:
         workload.write_trace(args.save_trace, items)
-    span = items[-1].t_s - items[0].t_s
+    span = span_s(items)  # as the table's rates count it: n arrivals, n gaps
     print(
         f"workload: {len(items)} requests over {span:.1f} s "
         f"({len(items) / span if span else 0:.0f}/s mean); engine {args.alpha_ms:g} ms + "

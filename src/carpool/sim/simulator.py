@@ -150,7 +150,7 @@ def simulate(
     arrivals = sorted(arrivals, key=lambda a: a.t_s)  # (stable) time never runs backwards
     rng = random.Random(seed)
     core = BrokerCore(BrokerConfig(batching=batching, max_queued=max_queued))
-    result = SimResult(label, _span_s(arrivals))
+    result = SimResult(label, span_s(arrivals))
     result.workers = len(workers)
     events: list[tuple[float, int, int, object]] = []
     seq = 0
@@ -302,7 +302,7 @@ def simulate(
     return result
 
 
-def _span_s(arrivals: Sequence[Arrival]) -> float:
+def span_s(arrivals: Sequence[Arrival]) -> float:
     """The time the arrivals cover: n arrivals, n gaps (one mean gap after the last, as
     the load generator counts), so that n arrivals at a steady rate r give n / r."""
     n = len(arrivals)
