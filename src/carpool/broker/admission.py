@@ -280,10 +280,23 @@ class Admission(BatchScheduler):
             )
         key = layout.key
         out: list[Outgoing] = []
-        if self.queued >= self.config.max_queued and (self._dirty or self._dirty_models):
+        nbytes = 0
+        for frame in payloads:
+            nbytes += len(frame)
+        room = self.config.max_queued_mib << 20
+        if nbytes > room:
+            msg = (
+                f"request of {nbytes} payload bytes exceeds the broker's queue "
+                f"(max_queued_mib {self.config.max_queued_mib})"
+            )
+            code = ErrorCode.INVALID_ARGUMENT
+            return [self._error(client, delimited, rid, code, msg, simple=simple)]
+        full = self.queued >= self.config.max_queued or self.queued_bytes + nbytes > room
+        if full and (self._dirty or self._dirty_models):
             # Deferred mode: what can leave this turn leaves before the door closes.
             self._pump_dirty(now, out)
-        if self.queued >= self.config.max_queued:
+            full = self.queued >= self.config.max_queued or self.queued_bytes + nbytes > room
+        if full:
             # Until costs are fitted the drain time is unknown: suggest a modest pause.
             drain_s = self._drain_time_s(model, key, self.queued) or 0.05
             out.append(
@@ -292,7 +305,7 @@ class Admission(BatchScheduler):
                     delimited,
                     rid,
                     ErrorCode.OVERLOADED,
-                    f"broker queue full ({self.queued} requests)",
+                    f"broker queue full ({self.queued} requests, {self.queued_bytes} bytes)",
                     simple=simple,
                     retry_after_ms=_retry_after_ms(drain_s),
                 )
@@ -336,6 +349,7 @@ class Admission(BatchScheduler):
             shm,
             shm_outputs,
             refs,
+            nbytes=nbytes,
         )
         queue = self._queue(key)
         queue.push(req)

@@ -65,6 +65,7 @@ class PendingRequest:
     refs: tuple[ShmRef | None, ...] | None = None
     state: RequestState = _QUEUED
     attempts: int = 0
+    nbytes: int = 0  # payload bytes held in its frames (what max_queued_mib counts)
 
     def __lt__(self, other: PendingRequest) -> bool:
         return self.seq < other.seq

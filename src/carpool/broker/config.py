@@ -64,6 +64,9 @@ class BrokerConfig:
     models: dict[str, BatchingConfig] = field(default_factory=dict)
     default_timeout_s: float = 10.0  # for requests that carry no timeout_ms
     max_queued: int = 10_000  # requests queued across all models; more are OVERLOADED
+    # Their payload bytes too (MiB; inputs in shared memory count nothing here): 10,000
+    # camera frames of 6 MB would be 60 GB, and a Jetson shares its RAM with its GPU.
+    max_queued_mib: int = 4096
     liveness: int = 3  # heartbeat intervals of silence before a worker is gone
     max_attempts: int = 2  # dispatches of one request before a lost worker fails it
     # Largest frame a client may send (ZMQ_MAXMSGSIZE on the frontend; 0: no limit). A
@@ -76,6 +79,8 @@ class BrokerConfig:
             problems.append("default_timeout_s must be in 0.001..3600")
         if self.max_queued < 1:
             problems.append("max_queued must be >= 1")
+        if not 1 <= self.max_queued_mib <= 1 << 24:
+            problems.append("max_queued_mib must be in 1..16777216")
         if not 1 <= self.liveness <= 100:
             problems.append("liveness must be in 1..100")
         if not 1 <= self.max_attempts <= 10:

@@ -137,6 +137,7 @@ class BatchScheduler:
         self._seq = 0
         self._batch_seq = 0
         self.queued = 0
+        self.queued_bytes = 0  # payload bytes of the queued requests
         # Queued samples per model, by priority (interactive, bulk): admission estimates.
         self._queued_samples: dict[str, list[int]] = {}
         # Arrival trace (time, model, shape, timeout_ms, priority) while recording; the
@@ -192,11 +193,13 @@ class BatchScheduler:
 
     def _enqueued(self, req: PendingRequest) -> None:
         self.queued += 1
+        self.queued_bytes += req.nbytes
         per_model = self._queued_samples.setdefault(req.model, [0, 0])
         per_model[req.priority] += req.samples
 
     def _dequeued(self, req: PendingRequest) -> None:
         self.queued -= 1
+        self.queued_bytes -= req.nbytes
         self._queued_samples[req.model][req.priority] -= req.samples
 
     def _samples_ahead(self, model: str, priority: int) -> int:
@@ -570,6 +573,7 @@ class BatchScheduler:
                 for model, sizes in self.stats.batch_sizes.items()
             },
             "queued": self.queued,
+            "queued_bytes": self.queued_bytes,
             "inflight_batches": len(self._inflight),
             "requeued": self.stats.requeued,
             "undeliverable": self.stats.undeliverable,

@@ -1388,6 +1388,7 @@ def test_stats_snapshot_counts() -> None:
         "errors": {"NOT_FOUND": 1},
         "batch_sizes": {"m": {"1": 2, "2": 1}},
         "queued": 0,
+        "queued_bytes": 0,
         "inflight_batches": 2,
         "requeued": 0,
         "undeliverable": 1,
@@ -1888,3 +1889,22 @@ def test_a_queue_stays_small_while_requests_expire_and_no_worker_is_free(policy:
     bound = 2 * queue.count + 64
     assert len(queue._arrivals) <= bound
     assert all(len(heap) <= bound for heap in queue._heaps)
+
+
+def test_queued_payload_bytes_are_bounded_too() -> None:
+    """max_queued counts requests: 10,000 camera frames of 6 MB would be 60 GB. The
+    payload bytes queued are bounded as well (max_queued_mib): OVERLOADED past it, and a
+    request larger than the bound by itself is INVALID_ARGUMENT."""
+    b = Broker.make(max_batch=1, max_queued_mib=1)
+    b.ready(T0, W1, SPEC_DYN, slots=1)
+    item = (64 * 1024,)  # float32: 256 KiB a sample
+    assert len(batches(b.request(T0, 1, model="dyn", item=item))) == 1  # the worker is busy now
+    for rid in (2, 3, 4, 5):
+        assert b.request(T0, rid, model="dyn", item=item) == []  # 1 MiB queued
+    assert b.core.queued_bytes == 4 * 256 * 1024
+    (full,) = b.request(T0, 6, model="dyn", item=item)
+    assert full.code is ErrorCode.OVERLOADED
+    assert "bytes" in full.meta["message"]
+    (huge,) = b.request(T0, 7, model="dyn", item=(300 * 1024,))  # 1.2 MiB alone
+    assert huge.code is ErrorCode.INVALID_ARGUMENT
+    assert b.core.snapshot()["queued_bytes"] == 4 * 256 * 1024

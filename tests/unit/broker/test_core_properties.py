@@ -208,6 +208,7 @@ def test_every_request_ends_exactly_once_within_the_rules(policy: str, script: l
     assert all(count == 1 for count in world.answers.values()), world.answers
     snapshot = world.core.snapshot()
     assert snapshot["queued"] == 0
+    assert snapshot["queued_bytes"] == 0  # every byte counted in was counted out
     assert snapshot["inflight_batches"] == 0
 
 
@@ -234,6 +235,7 @@ def test_deferred_mode_ends_every_request_exactly_once(
     assert all(count == 1 for count in world.answers.values()), world.answers
     snapshot = world.core.snapshot()
     assert snapshot["queued"] == 0
+    assert snapshot["queued_bytes"] == 0  # every byte counted in was counted out
     assert snapshot["inflight_batches"] == 0
 
 
