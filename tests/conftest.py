@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
@@ -15,6 +16,16 @@ from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.common.testing import ServerThread
 from carpool.worker.server import EngineFactory, WorkerServer
+
+
+@pytest.fixture
+def nobody() -> str:
+    """A loopback TCP endpoint nobody listens on (yet): a broker that is away."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"tcp://127.0.0.1:{port}"
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ is closed with requests in flight: every request still gets exactly one answer."
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -18,16 +17,6 @@ from carpool.common.errors import Unavailable
 from carpool.worker.engines.synthetic import SyntheticEngine
 
 X = np.ones((1, 4), np.float32)
-
-
-@pytest.fixture
-def nobody() -> str:
-    """A loopback endpoint nobody listens on (yet)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"tcp://127.0.0.1:{port}"
 
 
 @pytest.mark.timeout(60)

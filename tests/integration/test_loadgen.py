@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -247,33 +246,25 @@ def test_the_rate_reported_is_the_rate_delivered() -> None:
 
 @pytest.mark.timeout(30)
 def test_the_generator_ends_when_a_request_is_refused_at_once(
-    context: zmq.Context[zmq.Socket[bytes]],
+    context: zmq.Context[zmq.Socket[bytes]], nobody: str
 ) -> None:
     """A broker that takes nothing: the client fails a request it cannot send, and the
     future is done when submit returns. The generator collected outcomes only when a
     poll completed something, so with nothing else in flight it never ended."""
     context.setsockopt(zmq.SNDHWM, 1)
-    nobody = socket.socket()
-    nobody.bind(("127.0.0.1", 0))
-    port = nobody.getsockname()[1]
-    nobody.close()
     arrivals = [Arrival(0.0, "m", (1, 4), 100)] * 3 + [Arrival(0.4, "m", (1, 4), 100)]
     inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
-    with Client(f"tcp://127.0.0.1:{port}", context=context, grace_s=0.05) as client:
+    with Client(nobody, context=context, grace_s=0.05) as client:
         samples = drive(client, arrivals, inputs, clock=MonotonicClock())
     assert [s.outcome for s in samples] == ["UNAVAILABLE"] * 4
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
-def test_bench_removes_its_shared_memory_region_on_sigterm() -> None:
+def test_bench_removes_its_shared_memory_region_on_sigterm(nobody: str) -> None:
     """`timeout 60 carpool bench --shared-memory-mib ...`, a CI cancel or systemd sends
     SIGTERM: the region stayed in /dev/shm (RAM) for good."""
-    nobody = socket.socket()
-    nobody.bind(("127.0.0.1", 0))
-    port = nobody.getsockname()[1]
-    nobody.close()
-    command = ["bench", "--endpoint", f"tcp://127.0.0.1:{port}", "--shared-memory-mib", "1"]
+    command = ["bench", "--endpoint", nobody, "--shared-memory-mib", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "carpool", *command, "--no-progress"],
         stdout=subprocess.DEVNULL,
