@@ -258,13 +258,19 @@ class Link:
         """The messages that have arrived (at most ``limit``), without blocking. Sets
         ``closed`` at the end of the stream, a reset or a malformed header; the messages
         before it are still returned."""
+        return self._messages(limit, after_close=False)
+
+    def _messages(self, limit: int, *, after_close: bool) -> list[list[memoryview]]:
+        """Whole messages, parsed from the buffer and read from the socket while it
+        fills the buffer: until the link closes, or (``after_close``) until its read
+        side ends."""
         messages: list[list[memoryview]] = []
         more = True  # the socket may hold more than was read
         while len(messages) < limit:
             message = self._parse()
             if message is not None:
                 messages.append(message)
-            elif self.closed or not more:
+            elif not more or not (self._reading if after_close else not self.closed):
                 break
             else:
                 more = self._fill()
@@ -356,17 +362,7 @@ class Link:
         writer's bytes to the reader's side when they are written, so they are all there
         (a broker must not lose a worker's last RESULT to its own next BATCH). Empty
         once the end of the stream was read, or when the link is open."""
-        messages: list[list[memoryview]] = []
-        more = True
-        while self.closed and len(messages) < limit:
-            message = self._parse()
-            if message is not None:
-                messages.append(message)
-            elif not self._reading or not more:
-                break
-            else:
-                more = self._fill()
-        return messages
+        return self._messages(limit, after_close=True) if self.closed else []
 
     # ------------------------------------------------------------------ lifecycle
 
