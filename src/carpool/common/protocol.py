@@ -206,7 +206,12 @@ class TensorMeta:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
     @classmethod
-    def from_wire(cls, obj: Any, *, allow_dynamic: bool = False) -> TensorMeta:
+    def from_wire(
+        cls, obj: Any, *, allow_dynamic: bool = False, allow_empty: bool = False
+    ) -> TensorMeta:
+        """A descriptor checked (§5.1). ``allow_dynamic``: dims may be -1 (model specs);
+        ``allow_empty``: dims after the batch dim may be 0 (replies: a detector that
+        found nothing answers ``[n, 0, 6]``)."""
         m = _map(obj, "tensor")
         name = _name(m.get("name"), "tensor")
         dtype = m.get("dtype")
@@ -217,16 +222,22 @@ class TensorMeta:
             # Rank >= 1: dim 0 is the batch (sample) dimension.
             raise ProtocolError(f"tensor {name!r}: shape must be a list of 1..{MAX_RANK} ints")
         low = -1 if allow_dynamic else 1
-        for d in shape:
+        for i, d in enumerate(shape):
             if isinstance(d, bool) or not isinstance(d, int) or d < low or d == 0:
+                if d == 0 and allow_empty and i > 0 and type(d) is int:
+                    continue
                 raise ProtocolError(f"tensor {name!r}: bad dimension {d!r} in shape {shape}")
         return cls(name, dtype, tuple(shape))
 
 
-def _tensor_list(obj: Any, what: str, *, allow_dynamic: bool = False) -> tuple[TensorMeta, ...]:
+def _tensor_list(
+    obj: Any, what: str, *, allow_dynamic: bool = False, allow_empty: bool = False
+) -> tuple[TensorMeta, ...]:
     if not isinstance(obj, list) or not obj or len(obj) > MAX_TENSORS:
         raise ProtocolError(f"{what}: expected a list of 1..{MAX_TENSORS} tensors")
-    tensors = tuple(TensorMeta.from_wire(t, allow_dynamic=allow_dynamic) for t in obj)
+    tensors = tuple(
+        TensorMeta.from_wire(t, allow_dynamic=allow_dynamic, allow_empty=allow_empty) for t in obj
+    )
     if len({t.name for t in tensors}) != len(tensors):
         raise ProtocolError(f"{what}: duplicate tensor names")
     return tensors
@@ -454,7 +465,7 @@ class ReplyMeta:
         if rid is None:
             raise ProtocolError("reply: field 'id' missing")
         raw = meta.get("outputs")
-        outputs = _tensor_list(raw, "reply outputs")
+        outputs = _tensor_list(raw, "reply outputs", allow_empty=True)
         assert isinstance(raw, list)  # _tensor_list checked it
         refs: list[shm.OutputRef | None] | None = None
         for i, t in enumerate(raw):

@@ -344,12 +344,36 @@ def test_a_reply_that_cannot_be_read_fails_its_request_at_once(payloads: list[by
         c.on_reply(encode(Command.REPLY, meta.to_wire(), payloads))
 
 
-@pytest.mark.parametrize("shape", [[1, 0, 6], [1] * 9], ids=["zero-size", "rank-9"])
-def test_a_reply_outside_protocol_v1_fails_its_request_at_once(shape: list[int]) -> None:
+def test_a_reply_outside_protocol_v1_fails_its_request_at_once() -> None:
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    meta = {"id": rid, "outputs": [{"name": "y", "dtype": "float32", "shape": [1] * 9}]}
+    got, outcome = c.on_reply(encode(Command.REPLY, meta, [b""]))
+    assert got == rid
+    assert isinstance(outcome, InternalError)
+
+
+def test_a_reply_with_zero_size_dims_is_an_empty_array() -> None:
+    """A detector that found nothing (§5.1); read twice, so the known-layout path that
+    the second reply takes answers it the same."""
+    c = ClientCore()
+    for _ in range(2):
+        rid, _ = c.request(T0, "m", {"x": [1]})
+        meta = {"id": rid, "outputs": [{"name": "y", "dtype": "float32", "shape": [2, 0, 6]}]}
+        got, outcome = c.on_reply(encode(Command.REPLY, meta, [b""]))
+        assert got == rid
+        assert isinstance(outcome, InferResult)
+        assert outcome["y"].shape == (2, 0, 6)
+        assert outcome["y"].dtype == np.float32
+
+
+@pytest.mark.parametrize("shape", [[0, 6], [1, 0, 6]], ids=["dim-0", "with-bytes"])
+def test_zero_samples_or_bytes_for_an_empty_output_are_refused(shape: list[int]) -> None:
+    """Dim 0 counts samples and is never 0; an empty output has an empty frame."""
     c = ClientCore()
     rid, _ = c.request(T0, "m", {"x": [1]})
     meta = {"id": rid, "outputs": [{"name": "y", "dtype": "float32", "shape": shape}]}
-    got, outcome = c.on_reply(encode(Command.REPLY, meta, [b""]))
+    got, outcome = c.on_reply(encode(Command.REPLY, meta, [b"" if shape[0] == 0 else b"1234"]))
     assert got == rid
     assert isinstance(outcome, InternalError)
 

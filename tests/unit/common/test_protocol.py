@@ -193,6 +193,19 @@ def test_tensor_meta_dynamic_dims_only_when_allowed() -> None:
             TensorMeta.from_wire(tensor(shape=bad), allow_dynamic=True)
 
 
+def test_zero_size_dims_only_after_dim_0_and_only_when_allowed() -> None:
+    """Replies may carry empty arrays (a detector that found nothing, §5.1); requests,
+    specs and dim 0 (the sample count) never have a 0."""
+    obj = tensor(shape=[2, 0, 6])
+    assert TensorMeta.from_wire(obj, allow_empty=True).shape == (2, 0, 6)
+    assert TensorMeta.from_wire(obj, allow_empty=True).nbytes == 0
+    with pytest.raises(ProtocolError, match="bad dimension 0"):
+        TensorMeta.from_wire(obj)
+    for bad in ([0, 6], [0], [2, False, 6], [2, -1]):
+        with pytest.raises(ProtocolError, match="bad dimension"):
+            TensorMeta.from_wire(tensor(shape=bad), allow_empty=True)
+
+
 def test_max_rank_and_name_length_are_accepted() -> None:
     t = TensorMeta.from_wire(tensor(name="n" * MAX_NAME_CHARS, shape=[1] * MAX_RANK))
     assert len(t.shape) == MAX_RANK

@@ -15,6 +15,7 @@ from carpool.common.protocol import (
     Command,
     ReplyMeta,
     TensorMeta,
+    check_frame_sizes,
     decode_meta,
     encode_reply,
     is_simple_form,
@@ -239,15 +240,42 @@ def test_stacked_batches_are_writable_for_engines_that_work_in_place() -> None:
     np.testing.assert_array_equal(arrays["x"][1], (np.arange(3) + 200) / 2)
 
 
-@pytest.mark.parametrize("shape", [(3, 0, 6), (3,) + (1,) * 8], ids=["zero-size", "rank-9"])
-def test_outputs_protocol_v1_cannot_carry_fail_the_batch(shape: tuple[int, ...]) -> None:
-    """A detector that found nothing returns (n, 0, 6); protocol v1 has no zero-size
-    dimensions (§5.1), nor ranks over 8. Sent as replies, the clients could not read them
-    (and dropped them: each request failed at its timeout); the batch fails here instead
-    (the worker answers FAILED, INTERNAL, with this reason)."""
+def test_outputs_of_rank_over_8_fail_the_batch() -> None:
+    """Protocol v1 carries ranks 1..8 (§5.1). Sent as replies, the clients could not read
+    them; the batch fails here instead (the worker answers FAILED, INTERNAL, with this
+    reason)."""
     b = batch((1, 1, False), (2, 2, False))
-    with pytest.raises(ProtocolError, match="no zero-size dimension"):
-        replies(b, {"boxes": np.zeros(shape, np.float32)}, ["boxes"], 1.0)
+    with pytest.raises(ProtocolError, match=r"rank 1\.\.8"):
+        replies(b, {"boxes": np.zeros((3,) + (1,) * 8, np.float32)}, ["boxes"], 1.0)
+
+
+@pytest.mark.parametrize("simple", [False, True], ids=["framed", "simple"])
+@pytest.mark.parametrize("items", [((1, 1),), ((1, 1), (2, 2))], ids=["one", "two"])
+def test_a_detector_that_found_nothing_answers_empty_arrays(
+    items: tuple[tuple[int, int], ...], simple: bool
+) -> None:
+    """(n, 0, 6): zero-size dims after dim 0 are carried (§5.1), as empty frames."""
+    b = batch(*((rid, n, simple) for rid, n in items))
+    total = sum(n for _, n in items)
+    counts, frames = replies(b, {"boxes": np.zeros((total, 0, 6), np.float32)}, ["boxes"], 1.0)
+    assert len(counts) == len(items)
+    at = 0
+    for (rid, n), count in zip(items, counts, strict=True):
+        message = frames[at : at + count]
+        at += count
+        if simple:
+            (frame,) = message
+            meta = codec.unpack(frame)
+            (out,) = meta["outputs"]
+            assert out["shape"] == [n, 0, 6]
+            assert bytes(out["data"]) == b""
+            continue
+        reply = ReplyMeta.from_wire(codec.unpack(message[1]))
+        assert reply.request_id == rid
+        assert reply.outputs[0].shape == (n, 0, 6)
+        wire = [bytes(memoryview(f)) for f in message[2:]]  # as the socket sends them
+        check_frame_sizes(reply.outputs, wire)
+        assert wire == [b""]
 
 
 def test_an_output_dtype_the_wire_cannot_carry_fails_the_batch() -> None:
