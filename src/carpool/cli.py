@@ -28,8 +28,11 @@ logger = logging.getLogger("carpool")
 
 def _stop_on_signals(stop: Any) -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
-        logger.info("signal %s: stopping", signal.Signals(signum).name)
+        # Stop first: the handler runs between two bytecodes of whatever the main thread
+        # was doing, and a log line can fail there (a reentrant write to a stderr that
+        # was mid-write); the stop must not depend on it.
         stop()
+        logger.info("signal %s: stopping", signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
