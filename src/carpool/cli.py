@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -36,6 +37,9 @@ def _stop_on_signals(stop: Any) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    # SIGUSR1 writes every thread's Python stack to stderr (the journal, under systemd)
+    # and the process goes on: what a broker or worker that will not stop is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _overlay(data: dict[str, Any], pairs: dict[str, Any]) -> dict[str, Any]:

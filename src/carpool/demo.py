@@ -353,6 +353,14 @@ def _reap(name: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     try:
         proc.wait(timeout=max(0.0, timeout_s))
     except subprocess.TimeoutExpired:
-        print(f"carpool demo: {name} ignored SIGTERM; killing it", file=sys.stderr)
+        print(
+            f"carpool demo: {name} did not stop within {STOP_TIMEOUT_S:g} s of SIGTERM; "
+            "its threads' stacks follow (SIGUSR1), then it is killed",
+            file=sys.stderr,
+            flush=True,
+        )
+        proc.send_signal(signal.SIGUSR1)  # carpool's commands dump their stacks on it
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
         proc.kill()
         proc.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -141,6 +142,35 @@ def test_broker_and_worker_processes_serve_and_stop(tmp_path: Path, spawn: Spawn
 
     worker.terminate()
     assert worker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
+    broker.terminate()
+    assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_dumps_the_stacks_and_the_broker_goes_on(tmp_path: Path, spawn: Spawn) -> None:
+    """What a broker that will not stop is doing: SIGUSR1 writes every thread's stack
+    to stderr (the journal, under systemd); the broker keeps serving."""
+    frontend = f"ipc://{tmp_path}/frontend"
+    broker = spawn("broker", "--frontend", frontend, "--backend", f"ipc://{tmp_path}/backend")
+    with Client(frontend, default_timeout_s=5.0) as client:
+        clock = MonotonicClock()
+        until = clock.now() + 30.0
+        while True:  # up and serving (its handlers are installed before it serves)
+            assert broker.poll() is None, _logs(tmp_path)
+            assert clock.now() < until, "the broker never answered\n" + _logs(tmp_path)
+            try:
+                client.stats(timeout_s=1.0)
+                break
+            except TimeoutError:
+                continue
+        broker.send_signal(signal.SIGUSR1)
+        until = clock.now() + 10.0
+        while "in serve" not in _logs(tmp_path):
+            assert clock.now() < until, "no stack dump\n" + _logs(tmp_path)
+            client.poll(0.05)
+        assert "Current thread" in _logs(tmp_path)
+        assert broker.poll() is None
+        assert client.stats(timeout_s=5.0)["workers"] == []  # still serving
     broker.terminate()
     assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
 

@@ -78,3 +78,30 @@ def test_demo_rejects_bad_arguments() -> None:
     assert result.returncode == 2
     assert "workers must be > 0" in result.stderr
     assert "fps must be > 0" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_child_that_does_not_stop_has_its_stacks_dumped_then_is_killed(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """So that the next one that will not stop says where it is stuck."""
+    from carpool.demo import _reap
+
+    stuck = (
+        "import faulthandler, signal, sys, threading\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "def wait_forever():\n"
+        "    threading.Event().wait()\n"
+        "print('ready', flush=True)\n"
+        "wait_forever()\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", stuck], stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"
+        proc.terminate()  # ignored
+        _reap("broker", proc, timeout_s=0.2)
+    assert proc.returncode == -9  # killed, after the dump
+    err = capfd.readouterr().err
+    assert "broker did not stop within" in err
+    assert "in wait_forever" in err  # the child's stack, on the shared stderr
