@@ -98,7 +98,8 @@ def tensor(desc: Mapping[str, Any], frame: bytes, shape: Sequence[int] | None = 
     """§5.1: rebuild an array from a descriptor and its payload frame, checking the length."""
     dtype = DTYPES[desc["dtype"]]
     shape = list(desc["shape"] if shape is None else shape)
-    assert all(isinstance(d, int) and d >= 1 for d in shape), shape
+    # Dim 0 counts samples; later dims may be 0 in replies (an empty output).
+    assert all(isinstance(d, int) and d >= (1 if i == 0 else 0) for i, d in enumerate(shape))
     assert len(frame) == int(np.prod(shape)) * dtype.itemsize, (desc, len(frame))
     return np.frombuffer(frame, dtype).reshape(shape)
 

@@ -54,6 +54,8 @@ MAX_RANK = 8
 MAX_TIMEOUT_MS = 3_600_000
 MAX_NAME_CHARS = 256
 MAX_MODELS = 256  # a READY's models
+#: An empty reply tensor's shape, its zero dims read as 1, spans at most this many bytes.
+MAX_EMPTY_SPAN_BYTES = 1 << 48
 
 
 class Command(IntEnum):
@@ -222,11 +224,24 @@ class TensorMeta:
             # Rank >= 1: dim 0 is the batch (sample) dimension.
             raise ProtocolError(f"tensor {name!r}: shape must be a list of 1..{MAX_RANK} ints")
         low = -1 if allow_dynamic else 1
+        empty = False
         for i, d in enumerate(shape):
             if isinstance(d, bool) or not isinstance(d, int) or d < low or d == 0:
                 if d == 0 and allow_empty and i > 0 and type(d) is int:
+                    empty = True
                     continue
                 raise ProtocolError(f"tensor {name!r}: bad dimension {d!r} in shape {shape}")
+        if empty:
+            # An empty payload bounds nothing: the other dims could describe an array no
+            # client can build (numpy refuses [1, 0, 2**61] float32). §14's limit.
+            span = codec.ITEMSIZE[dtype]
+            for d in shape:
+                span *= d or 1
+            if span > MAX_EMPTY_SPAN_BYTES:
+                raise ProtocolError(
+                    f"tensor {name!r}: shape {shape} spans {span} bytes without its zero "
+                    f"dims; at most {MAX_EMPTY_SPAN_BYTES}"
+                )
         return cls(name, dtype, tuple(shape))
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from carpool.common.codec import numpy_dtype, pack, wire_dtype
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
+    MAX_EMPTY_SPAN_BYTES,
     MAX_RANK,
     BatchMeta,
     Command,
@@ -190,13 +191,17 @@ def replies(
         arr = np.ascontiguousarray(outputs[name])
         if arr.ndim == 0 or arr.shape[0] != total:
             raise ProtocolError(f"output {name!r} has shape {arr.shape}, expected dim 0 = {total}")
-        if arr.ndim > MAX_RANK:
+        if arr.ndim > MAX_RANK or (
+            arr.size == 0
+            and arr.itemsize * math.prod(d or 1 for d in arr.shape) > MAX_EMPTY_SPAN_BYTES
+        ):
             # A reply the client could not read would leave it waiting until its timeout:
             # the batch fails now, with the reason. (Zero-size dims after dim 0 are fine:
             # a detector that found nothing answers [n, 0, 6], §5.1.)
             raise ProtocolError(
                 f"output {name!r} has shape {arr.shape}: protocol v1 carries tensors of rank "
-                f"1..{MAX_RANK} (docs/protocol.md §5.1)"
+                f"1..{MAX_RANK}, and empty ones whose other dims span at most "
+                f"{MAX_EMPTY_SPAN_BYTES} bytes (docs/protocol.md §5.1, §14)"
             )
         order = arr.dtype.byteorder
         if order == ">" or (order == "=" and _BIG_ENDIAN_HOST):

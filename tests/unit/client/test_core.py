@@ -367,6 +367,19 @@ def test_a_reply_with_zero_size_dims_is_an_empty_array() -> None:
         assert outcome["y"].dtype == np.float32
 
 
+@pytest.mark.parametrize("shape", [[1, 0, 2**61], [1, 0, 2**63], [1, 0, 2**40, 2**40]])
+def test_an_empty_reply_no_array_could_have_fails_its_request_at_once(shape: list[int]) -> None:
+    """An empty frame bounds none of the other dims: numpy refused these with a ValueError
+    that escaped the client (the request then failed at its deadline)."""
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    meta = {"id": rid, "outputs": [{"name": "y", "dtype": "float32", "shape": shape}]}
+    got, outcome = c.on_reply(encode(Command.REPLY, meta, [b""]))
+    assert got == rid
+    assert isinstance(outcome, InternalError)
+    assert "at most" in str(outcome)
+
+
 @pytest.mark.parametrize("shape", [[0, 6], [1, 0, 6]], ids=["dim-0", "with-bytes"])
 def test_zero_samples_or_bytes_for_an_empty_output_are_refused(shape: list[int]) -> None:
     """Dim 0 counts samples and is never 0; an empty output has an empty frame."""

@@ -12,6 +12,7 @@ from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     HEADER_BYTES,
     MAGIC,
+    MAX_EMPTY_SPAN_BYTES,
     MAX_NAME_CHARS,
     MAX_RANK,
     MAX_TENSORS,
@@ -204,6 +205,11 @@ def test_zero_size_dims_only_after_dim_0_and_only_when_allowed() -> None:
     for bad in ([0, 6], [0], [2, False, 6], [2, -1]):
         with pytest.raises(ProtocolError, match="bad dimension"):
             TensorMeta.from_wire(tensor(shape=bad), allow_empty=True)
+    # An empty frame bounds nothing: the other dims are bounded by §14's limit instead.
+    edge = tensor(shape=[1, 0, MAX_EMPTY_SPAN_BYTES // 4])  # float32
+    assert TensorMeta.from_wire(edge, allow_empty=True).nbytes == 0
+    with pytest.raises(ProtocolError, match="at most"):
+        TensorMeta.from_wire(tensor(shape=[1, 0, MAX_EMPTY_SPAN_BYTES // 4 + 1]), allow_empty=True)
 
 
 def test_max_rank_and_name_length_are_accepted() -> None:

@@ -240,6 +240,14 @@ def test_stacked_batches_are_writable_for_engines_that_work_in_place() -> None:
     np.testing.assert_array_equal(arrays["x"][1], (np.arange(3) + 200) / 2)
 
 
+def test_an_empty_output_no_client_could_shape_fails_the_batch() -> None:
+    """numpy builds (2, 0, 2**50) float32; its span without the zero is past §14's limit."""
+    b = batch((1, 2, False))
+    empty = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (2, 0, 2**50), (0, 0, 0))
+    with pytest.raises(ProtocolError, match="at most"):
+        replies(b, {"y": empty}, ["y"], 1.0)
+
+
 def test_outputs_of_rank_over_8_fail_the_batch() -> None:
     """Protocol v1 carries ranks 1..8 (§5.1). Sent as replies, the clients could not read
     them; the batch fails here instead (the worker answers FAILED, INTERNAL, with this
