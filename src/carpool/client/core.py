@@ -195,12 +195,19 @@ class ClientCore:
         meta = decode_meta(view(frames[1]))
         try:
             return self._decode(command, meta, frames)
-        except ProtocolError as exc:
+        except Exception as exc:
+            # Whatever a message from the network makes the decoding raise (numpy's own
+            # refusals included) is a message that cannot be read, never a client that
+            # stops: the callers' read loops go on past a ProtocolError.
+            if not isinstance(exc, ProtocolError):
+                logger.warning("a message from the broker could not be read", exc_info=True)
             # An answer that names a request waiting here still answers it: with the
             # reason, now, rather than dropped (and the request failed at its timeout).
             rid = request_id_of(meta)
             if command is _STATS or rid is None or rid not in self.pending:
-                raise
+                if isinstance(exc, ProtocolError):
+                    raise
+                raise ProtocolError(f"unreadable message from the broker: {exc!r}") from exc
             msg = f"the broker's answer could not be read: {exc}"
             return self._settle(rid), InternalError(msg, request_id=rid)
 

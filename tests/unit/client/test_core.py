@@ -380,6 +380,35 @@ def test_an_empty_reply_no_array_could_have_fails_its_request_at_once(shape: lis
     assert "at most" in str(outcome)
 
 
+@pytest.mark.parametrize("waiting", [True, False], ids=["pending", "late"])
+def test_whatever_decoding_raises_is_an_unreadable_message(
+    monkeypatch: pytest.MonkeyPatch, waiting: bool
+) -> None:
+    """Not only ProtocolError: numpy's own refusals (a ValueError) escaped on_reply, out
+    of Client.poll and out of the asyncio client's reader, which then failed every
+    request it had. Now a request that waits gets INTERNAL, anything else a
+    ProtocolError the read loops step over."""
+    c = ClientCore()
+    rid, _ = c.request(T0, "m", {"x": [1]})
+    if not waiting:
+        c.forget(rid)
+
+    def refuse(*args: Any) -> Any:
+        raise ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger ...")
+
+    monkeypatch.setattr(ClientCore, "_decode", refuse)
+    meta = {"id": rid, "outputs": [{"name": "y", "dtype": "float32", "shape": [1]}]}
+    message = encode(Command.REPLY, meta, [b"1234"])
+    if not waiting:
+        with pytest.raises(ProtocolError, match="unreadable"):
+            c.on_reply(message)
+        return
+    got, outcome = c.on_reply(message)
+    assert got == rid
+    assert isinstance(outcome, InternalError)
+    assert rid not in c.pending
+
+
 @pytest.mark.parametrize("shape", [[0, 6], [1, 0, 6]], ids=["dim-0", "with-bytes"])
 def test_zero_samples_or_bytes_for_an_empty_output_are_refused(shape: list[int]) -> None:
     """Dim 0 counts samples and is never 0; an empty output has an empty frame."""
