@@ -1,14 +1,20 @@
 """sync.py: Client — the blocking SDK over one DEALER socket.
 
-Not thread-safe (like a zmq socket): use one Client per thread. Futures from
-:meth:`Client.submit` are completed by whichever call pumps the socket next
+Futures from :meth:`Client.submit` are completed by whichever call pumps the socket next
 (``ReplyFuture.result``, ``Client.infer`` or ``Client.poll``), so many requests can be in
 flight from one thread without a background thread.
+
+Threads may share a Client (one camera loop per thread, say). A zmq socket may be used by
+one thread at a time, so one thread at a time owns it: the *pumper* receives for every
+thread while the others wait on a condition, and a thread that must send (``submit``,
+``stats``, ``close``) wakes the pumper through a pipe in its poll, takes the socket, and
+hands it back. With one thread, owning it costs an uncontended lock's acquire and release.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from enum import Enum
 from types import TracebackType
@@ -23,6 +29,7 @@ from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Una
 from carpool.common.protocol import Priority
 from carpool.common.shm import ShmArena
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
+from carpool.common.wake import WakePipe
 
 
 class ClientState(Enum):
@@ -31,6 +38,9 @@ class ClientState(Enum):
 
 
 _OPEN = ClientState.OPEN  # (checked per call: a global is cheaper than Enum.MEMBER)
+#: How long a thread waiting for another's socket sleeps before it looks again (it is
+#: woken sooner when the other lets go); bounds any wake-up lost to a race.
+_RECHECK_S = 0.05
 
 
 class ReplyFuture:
@@ -141,9 +151,17 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self.socket, zmq.POLLIN)
         self._futures: dict[int, ReplyFuture] = {}
-        self._stats: list[dict[str, Any]] = []  # the STATS reply, once it arrives
-        self._stats_id = 0
+        # STATS replies by id: None until it arrives (stats() calls may overlap).
+        self._stats: dict[int, dict[str, Any] | None] = {}
         self.state = ClientState.OPEN
+        # Threads (module docstring): the socket's owner, if any, and how many threads
+        # wait to send; a sender wakes the pumper through _wake, which its poll watches.
+        self._own = threading.Lock()  # held by the thread that uses the socket
+        self._cond = threading.Condition(threading.Lock())  # for threads waiting for it
+        self._waiting = 0  # threads waiting on _cond
+        self._senders = 0  # of which waiting to send: the owner lets go for them
+        self._wake = WakePipe()
+        self._poller.register(self._wake.fd, zmq.POLLIN)
 
     def submit(
         self,
@@ -158,21 +176,28 @@ class Client:
         The inputs may be reused (refilled) as soon as this returns. If the broker takes
         nothing for the request's whole timeout (it is away and 1,000 messages wait for
         it already), the future fails ``Unavailable`` then."""
-        self._check_open()
-        now = self.clock.now()
-        rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
-        future = ReplyFuture(self, rid)
-        until = self.core.pending[rid] - self.core.grace_s
-        if self.send_timeout_s is not None:
-            until = min(until, now + self.send_timeout_s)
-        if not self._send(frames, until):
-            # Its timeout passed with the broker taking nothing (down, or not reading):
-            # an answer now, not a send that blocks for as long as the broker is away.
-            self.core.forget(rid)
-            future._set(Unavailable("the broker is not taking requests", request_id=rid))
+        if not self._own.acquire(False):
+            self._take_to_send()
+        try:
+            self._check_open()
+            now = self.clock.now()
+            rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
+            future = ReplyFuture(self, rid)
+            until = self.core.pending[rid] - self.core.grace_s
+            if self.send_timeout_s is not None:
+                until = min(until, now + self.send_timeout_s)
+            if not self._send(frames, until):
+                # Its timeout passed with the broker taking nothing (down, or not
+                # reading): an answer now, not a send that blocks while the broker is away.
+                self.core.forget(rid)
+                future._set(Unavailable("the broker is not taking requests", request_id=rid))
+                return future
+            self._futures[rid] = future
             return future
-        self._futures[rid] = future
-        return future
+        finally:
+            self._own.release()  # _let_go(), inlined: this runs for every request
+            if self._waiting:
+                self._notify()
 
     def _send(self, frames: list[Any], until_s: float) -> bool:
         """Send a message, waiting for room at most until ``until_s``. (ZeroMQ queues up
@@ -210,38 +235,98 @@ class Client:
     def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The broker's counters: batch-size distribution per model, errors, workers."""
         self._check_open()
-        self._stats.clear()
-        self._stats_id, frames = self.core.stats_request()
-        until = self.clock.now() + timeout_s
-        if not self._send(frames, until):
-            raise TimeoutError("the broker is not taking requests")
-        while not self._stats:
-            left = until - self.clock.now()
-            if left <= 0:
-                raise TimeoutError("no STATS reply from the broker")
-            self.poll(left)
-        return self._stats.pop()
+        if not self._own.acquire(False):
+            self._take_to_send()
+        try:
+            self._check_open()
+            sid, frames = self.core.stats_request()
+            until = self.clock.now() + timeout_s
+            if not self._send(frames, until):
+                raise TimeoutError("the broker is not taking requests")
+            self._stats[sid] = None  # wanted: _dispatch fills it in
+        finally:
+            self._let_go()
+        try:
+            while (got := self._stats[sid]) is None:
+                left = until - self.clock.now()
+                if left <= 0:
+                    raise TimeoutError("no STATS reply from the broker")
+                self.poll(left)
+            return got
+        finally:
+            del self._stats[sid]
+
+    # ------------------------------------------------------------------ threads
+
+    def _take_to_send(self) -> None:
+        """Own the socket to send, or to close it: wake a thread blocked in its poll and
+        wait for it to let go. (The caller tried ``_own.acquire(False)`` first:
+        with one thread that is all it costs.)"""
+        own = self._own
+        with self._cond:
+            self._senders += 1
+            self._waiting += 1
+            try:
+                while not own.acquire(False):
+                    # (Under _cond, which close() holds to close the pipe.)
+                    self._check_open()
+                    self._wake.wake()  # the owner, if polling, returns and lets go
+                    self._cond.wait(_RECHECK_S)
+            finally:
+                self._senders -= 1
+                self._waiting -= 1
+
+    def _let_go(self) -> None:
+        self._own.release()
+        if self._waiting:
+            self._notify()
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def poll(self, timeout_s: float | None = 0.0) -> int:
         """Receive what has arrived (waiting at most ``timeout_s``, or until the next local
-        deadline) and complete futures. Returns the number of futures completed."""
-        self._check_open()
-        deadline = self.core.next_deadline()
-        now = self.clock.now()
-        wait_s = timeout_s
-        if deadline is not None:
-            wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
-        wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
-        completed = 0
-        if self._poller.poll(wait_ms):
-            for frames in waiting(self.socket):
-                completed += self._dispatch(frames)
-        for rid, error in self.core.expire(self.clock.now()):
-            future = self._futures.pop(rid, None)
-            if future is not None:
-                future._set(error)
-                completed += 1
-        return completed
+        deadline) and complete futures. Returns the number of futures completed (by this
+        call: while another thread owns the socket, this waits as long for it to let go,
+        and that thread completes every thread's futures)."""
+        if self._senders or not self._own.acquire(False):
+            with self._cond:
+                self._waiting += 1
+                try:
+                    # Re-checked under the condition: the owner notifies under it after
+                    # letting go, so a wake-up cannot fall between the check and the wait.
+                    if self._senders or not self._own.acquire(False):
+                        if timeout_s is None or timeout_s > 0:
+                            self._cond.wait(_RECHECK_S if timeout_s is None else timeout_s)
+                        return 0
+                finally:
+                    self._waiting -= 1
+        try:  # the socket is this thread's until _let_go
+            self._check_open()
+            deadline = self.core.next_deadline()
+            now = self.clock.now()
+            wait_s = timeout_s
+            if deadline is not None:
+                wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
+            wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+            completed = 0
+            for which, _ in self._poller.poll(wait_ms):
+                if which is self.socket:
+                    for frames in waiting(self.socket):
+                        completed += self._dispatch(frames)
+                else:
+                    self._wake.clear()  # a sender's wake-up: it takes the socket next
+            for rid, error in self.core.expire(self.clock.now()):
+                future = self._futures.pop(rid, None)
+                if future is not None:
+                    future._set(error)
+                    completed += 1
+            return completed
+        finally:
+            self._own.release()  # _let_go(), inlined: this runs for every request
+            if self._waiting:
+                self._notify()
 
     def _dispatch(self, frames: list[zmq.Frame]) -> int:
         try:
@@ -249,8 +334,9 @@ class Client:
         except ProtocolError:
             return 0  # not a message we can read; nothing waits on it
         if isinstance(outcome, dict):
-            if outcome.get("id") == self._stats_id:  # not a late answer to an older call
-                self._stats[:] = [outcome]
+            sid = outcome.get("id")
+            if type(sid) is int and sid in self._stats:  # not a late answer to a past call
+                self._stats[sid] = outcome
             return 0
         future = None if rid is None else self._futures.pop(rid, None)
         if future is None:
@@ -269,11 +355,23 @@ class Client:
     def close(self) -> None:
         if self.state is ClientState.CLOSED:
             return
-        self.state = ClientState.CLOSED
-        for rid, future in self._futures.items():  # each still gets an answer
-            self.core.forget(rid)
-            future._set(Unavailable("the client was closed", request_id=rid))
-        self._futures.clear()
+        if not self._own.acquire(False):  # no other thread in the socket then
+            try:
+                self._take_to_send()
+            except CarpoolError:  # another thread closed it meanwhile
+                return
+        try:
+            if self.state is not _OPEN:  # (closed by another thread meanwhile)
+                return
+            with self._cond:  # no thread is waking the pipe while it closes
+                self.state = ClientState.CLOSED
+                self._wake.close()
+            for rid, future in self._futures.items():  # each still gets an answer
+                self.core.forget(rid)
+                future._set(Unavailable("the client was closed", request_id=rid))
+            self._futures.clear()
+        finally:
+            self._let_go()
         self.socket.close(linger=0)
         if self._own_context:
             self.context.term()
