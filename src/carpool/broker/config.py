@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from carpool.common.config import check
 from carpool.common.link import link_path
@@ -31,22 +33,59 @@ class BatchingConfig:
     adapt_interval_s: float = 0.5  # at most one B_max step per interval
 
     def __post_init__(self) -> None:
-        problems = []
-        if not 1 <= self.max_batch <= 4096:
-            problems.append(f"max_batch must be in 1..4096, got {self.max_batch}")
-        if not 0.0 <= self.max_wait_s <= 60.0:
-            problems.append(f"max_wait_s must be in 0..60, got {self.max_wait_s}")
-        if self.policy not in POLICIES:
-            problems.append(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not 0.0 <= self.margin_s <= 10.0:
-            problems.append("margin_s must be in 0..10")
-        if not 0.05 <= self.target_rho <= 1.0:
-            problems.append("target_rho must be in 0.05..1")
-        if not 0.0 < self.learning_rate <= 1.0:
-            problems.append("learning_rate must be in (0, 1] (larger steps overshoot)")
-        if not 0.0 <= self.adapt_interval_s <= 60.0:
-            problems.append("adapt_interval_s must be in 0..60")
-        check(problems, "batching")
+        check(_batching_problems(self), "batching")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingOverride:
+    """A ``[models.<name>]`` table: the keys of ``[batching]`` it sets for that one model.
+
+    A key left unset (None) is not a default: it comes from ``BrokerConfig.batching`` as
+    finally configured (the file's ``[batching]`` plus the command line's ``--policy``,
+    ``--max-wait-ms``, ``--max-batch``), merged on every look-up by
+    ``BrokerConfig.batching_for``. The keys it does set win over both. Its values are
+    checked by the BrokerConfig that holds it (the errors name the model).
+    """
+
+    max_batch: int | None = None
+    max_wait_s: float | None = None
+    policy: str | None = None
+    margin_s: float | None = None
+    target_rho: float | None = None
+    learning_rate: float | None = None
+    adapt_interval_s: float | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """The keys this table sets, with their values."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    def over(self, base: BatchingConfig) -> BatchingConfig:
+        """``base`` with the keys this table sets replaced."""
+        return dataclasses.replace(base, **self.settings())
+
+
+def _batching_problems(b: BatchingConfig | BatchingOverride) -> list[str]:
+    """What is wrong with the keys ``b`` sets (an override's unset keys pass)."""
+    problems = []
+    if b.max_batch is not None and not 1 <= b.max_batch <= 4096:
+        problems.append(f"max_batch must be in 1..4096, got {b.max_batch}")
+    if b.max_wait_s is not None and not 0.0 <= b.max_wait_s <= 60.0:
+        problems.append(f"max_wait_s must be in 0..60, got {b.max_wait_s}")
+    if b.policy is not None and b.policy not in POLICIES:
+        problems.append(f"policy must be one of {', '.join(POLICIES)}, got {b.policy!r}")
+    if b.margin_s is not None and not 0.0 <= b.margin_s <= 10.0:
+        problems.append("margin_s must be in 0..10")
+    if b.target_rho is not None and not 0.05 <= b.target_rho <= 1.0:
+        problems.append("target_rho must be in 0.05..1")
+    if b.learning_rate is not None and not 0.0 < b.learning_rate <= 1.0:
+        problems.append("learning_rate must be in (0, 1] (larger steps overshoot)")
+    if b.adapt_interval_s is not None and not 0.0 <= b.adapt_interval_s <= 60.0:
+        problems.append("adapt_interval_s must be in 0..60")
+    return problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +99,9 @@ class BrokerConfig:
     # mode 0660: workers that run as other users (systemd DynamicUser=) join that group.
     local_backend_group: str | None = None
     batching: BatchingConfig = field(default_factory=BatchingConfig)
-    # Per-model overrides of `batching`, by model name.
-    models: dict[str, BatchingConfig] = field(default_factory=dict)
+    # Per-model overrides of `batching`, by model name: each sets only some keys, and the
+    # rest come from `batching` (see BatchingOverride; read them with batching_for).
+    models: dict[str, BatchingOverride] = field(default_factory=dict)
     default_timeout_s: float = 10.0  # for requests that carry no timeout_ms
     max_queued: int = 10_000  # requests queued across all models; more are OVERLOADED
     # Their payload bytes too (MiB; inputs in shared memory count nothing here): 10,000
@@ -89,10 +129,14 @@ class BrokerConfig:
             problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
         if self.local_backend and not _unix_path(self.local_backend):
             problems.append(f"local_backend must be unix:PATH, got {self.local_backend!r}")
+        for name, override in self.models.items():
+            problems.extend(f"models.{name}.{p}" for p in _batching_problems(override))
         check(problems, "broker")
 
     def batching_for(self, model: str) -> BatchingConfig:
-        return self.models.get(model, self.batching)
+        """``model``'s batching settings: its ``[models.<name>]`` keys over ``batching``."""
+        override = self.models.get(model)
+        return self.batching if override is None else override.over(self.batching)
 
 
 def _unix_path(endpoint: str) -> bool:

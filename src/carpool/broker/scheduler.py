@@ -134,6 +134,9 @@ class BatchScheduler:
         self._deadlines = DeadlineHeap()
         self._inflight: dict[int, InflightBatch] = {}
         self._policies: dict[str, BatchPolicy] = {}
+        # Each model's batching settings ([models.X] over [batching]), merged once: the
+        # config does not change under a core, and the merge is a dataclasses.replace.
+        self._batching: dict[str, BatchingConfig] = {}
         self._seq = 0
         self._batch_seq = 0
         self.queued = 0
@@ -163,7 +166,7 @@ class BatchScheduler:
     def _policy(self, model: str) -> BatchPolicy:
         policy = self._policies.get(model)
         if policy is None:
-            cfg = self.config.batching_for(model)
+            cfg = self._batching_for(model)
             if cfg.policy == "carpool":
                 policy = DeadlinePolicy(cfg.max_batch, cfg.max_wait_s, cfg.margin_s)
             else:
@@ -171,8 +174,14 @@ class BatchScheduler:
             self._policies[model] = policy
         return policy
 
+    def _batching_for(self, model: str) -> BatchingConfig:
+        cfg = self._batching.get(model)
+        if cfg is None:
+            cfg = self._batching[model] = self.config.batching_for(model)
+        return cfg
+
     def _lane(self, model: str, engine_max: int, preferred: Sequence[int]) -> Lane:
-        cfg: BatchingConfig = self.config.batching_for(model)
+        cfg = self._batching_for(model)
         controller = None
         if cfg.policy != "fixed":
             adaptive = AdaptiveConfig(
@@ -234,7 +243,7 @@ class BatchScheduler:
     def _fleet_rate_sps(self, model: str, key: RequestKey) -> float:
         """Samples/s of all workers of ``model`` at full batches; 0 if any cost is unknown.
         Cached per key until a cost is refitted or a worker joins or leaves."""
-        cap = self.config.batching_for(model).max_batch
+        cap = self._batching_for(model).max_batch
         rate_sps = 0.0
         for w in self.registry.serving(model):
             lane = w.lanes[model]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.config import BatchingConfig, BatchingOverride, BrokerConfig
 from carpool.common.config import check, from_mapping, load_toml
 from carpool.common.errors import ConfigError
 from carpool.worker.config import ModelConfig, WorkerConfig
@@ -62,7 +62,7 @@ def test_floats_do_not_become_ints() -> None:
         ({"batching": {"max_size": 1}}, "BrokerConfig.batching.max_size: unknown setting"),
         ({"liveness": 0}, "liveness must be in 1..100"),
         ({"batching": {"max_batch": 0}}, "max_batch must be in 1..4096, got 0"),
-        ({"models": {"m": {"max_wait_s": 61}}}, "max_wait_s must be in 0..60"),
+        ({"models": {"m": {"max_wait_s": 61}}}, "models.m.max_wait_s must be in 0..60"),
     ],
 )
 def test_broker_config_problems(data: dict[str, Any], expected: str) -> None:
@@ -116,9 +116,11 @@ def test_nested_dataclass_and_dict_of_dataclasses() -> None:
         },
     )
     assert cfg.batching == BatchingConfig(4, 0.01)
-    assert cfg.models == {"a": BatchingConfig(2, 0.005), "b": BatchingConfig(8, 1.0)}
+    # A model's table sets only its own keys; the rest come from [batching].
+    assert cfg.models == {"a": BatchingOverride(max_batch=2), "b": BatchingOverride(max_wait_s=1.0)}
     assert type(cfg.models["b"].max_wait_s) is float
-    assert cfg.batching_for("a") == BatchingConfig(2, 0.005)
+    assert cfg.batching_for("a") == BatchingConfig(2, 0.01)
+    assert cfg.batching_for("b") == BatchingConfig(4, 1.0)
     assert cfg.batching_for("zzz") == cfg.batching
 
 
@@ -202,7 +204,8 @@ def test_load_toml(tmp_path: Path) -> None:
     assert cfg.frontend == "tcp://*:6000"
     assert cfg.default_timeout_s == 3.0
     assert cfg.batching.max_batch == 16
-    assert cfg.models == {"resnet": BatchingConfig(8, 0.002)}
+    assert cfg.models == {"resnet": BatchingOverride(max_wait_s=0.002)}
+    assert cfg.batching_for("resnet") == BatchingConfig(16, 0.002)
 
 
 def test_load_toml_missing_file(tmp_path: Path) -> None:

@@ -1,0 +1,136 @@
+"""[models.<name>] tables override only the keys they set; every other key comes from
+[batching] as finally configured (the file plus the command line's flags)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from carpool import cli
+from carpool.broker.config import BatchingConfig, BatchingOverride, BrokerConfig
+from carpool.broker.core import BrokerCore
+from carpool.broker.policy import FixedPolicy
+from carpool.common.config import from_mapping, load_toml
+from carpool.common.errors import ConfigError
+from tests.unit.broker.test_core import C1, T0, W1, Broker, batches, model_spec
+
+# The reviewer's case: `synthetic` sets only max_batch.
+REVIEWER_TOML = """
+[batching]
+policy = "fixed"
+max_wait_s = 0.05
+
+[models.synthetic]
+max_batch = 4
+"""
+
+
+def load(tmp_path: Path, text: str) -> BrokerConfig:
+    path = tmp_path / "broker.toml"
+    path.write_text(text)
+    return from_mapping(BrokerConfig, load_toml(path))
+
+
+def test_a_model_table_inherits_the_keys_it_leaves_unset(tmp_path: Path) -> None:
+    config = load(tmp_path, REVIEWER_TOML)
+    assert config.batching_for("synthetic") == BatchingConfig(
+        max_batch=4, max_wait_s=0.05, policy="fixed"
+    )
+    assert config.batching_for("other") == BatchingConfig(max_wait_s=0.05, policy="fixed")
+    assert config.models == {"synthetic": BatchingOverride(max_batch=4)}
+
+
+class _Server:
+    """Stands in for BrokerServer in ``carpool broker``: keeps the config it was given."""
+
+    configs: list[BrokerConfig] = []  # noqa: RUF012 - one test's record
+
+    def __init__(self, config: BrokerConfig, **_: Any) -> None:
+        self.configs.append(config)
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def serve(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def broker_config_from_cli(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> BrokerConfig:
+    """The BrokerConfig ``carpool broker ARGV`` would serve with (cli._broker's own code)."""
+    for name in ("CARPOOL_FRONTEND", "CARPOOL_BACKEND", "CARPOOL_LOCAL_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("carpool.broker.server.BrokerServer", _Server)
+    monkeypatch.setattr(cli, "_stop_on_signals", lambda stop: None)
+    monkeypatch.setattr(cli, "tune_allocator", lambda: None)
+    _Server.configs = []
+    args = cli.build_parser().parse_args(["broker", *argv])
+    assert args.func(args) == 0
+    (config,) = _Server.configs
+    return config
+
+
+def test_command_line_flags_reach_models_with_a_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "broker.toml"
+    path.write_text(REVIEWER_TOML + '[models.pinned]\npolicy = "carpool"\nmax_wait_s = 0.001\n')
+    flags = ["--policy", "seed", "--max-wait-ms", "20", "--max-batch", "16"]
+    config = broker_config_from_cli(monkeypatch, ["--config", str(path), *flags])
+    assert config.batching == BatchingConfig(max_batch=16, max_wait_s=0.02, policy="seed")
+    # Unset keys follow the flags; keys the model's table sets stay as set.
+    assert config.batching_for("synthetic") == BatchingConfig(
+        max_batch=4, max_wait_s=0.02, policy="seed"
+    )
+    assert config.batching_for("pinned") == BatchingConfig(
+        max_batch=16, max_wait_s=0.001, policy="carpool"
+    )
+
+
+def test_the_broker_core_batches_the_model_with_the_inherited_settings(tmp_path: Path) -> None:
+    core = BrokerCore(load(tmp_path, REVIEWER_TOML), defer_pumps=True)
+    policy = core._policy("synthetic")
+    assert isinstance(policy, FixedPolicy)
+    assert (policy.max_batch, policy.max_wait_s) == (4, 0.05)
+    b = Broker(core)
+    b.ready(T0, W1, model_spec("synthetic"), slots=1)
+    assert core.snapshot()["workers"][0]["lanes"]["synthetic"]["b_max"] == 4
+    assert batches(b.request(T0, 1, C1, model="synthetic")) == []
+    # The fixed rule waits the inherited 50 ms T_max (not the 5 ms default, and not the
+    # carpool policy's "leave at once where batching buys nothing").
+    assert batches(b.tick(T0 + 0.01)) == []
+    assert batches(b.tick(T0 + 0.049)) == []
+    (sent,) = batches(b.tick(T0 + 0.051))
+    assert sent.batch.model == "synthetic"
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ({"policy": "fixd"}, "models.m.policy must be one of carpool, fixed, seed, got 'fixd'"),
+        ({"max_wait_s": 61}, "models.m.max_wait_s must be in 0..60, got 61"),
+        ({"max_batch": 0}, "models.m.max_batch must be in 1..4096, got 0"),
+        ({"learning_rate": 0}, "models.m.learning_rate must be in (0, 1]"),
+        ({"max_batch": "4"}, "BrokerConfig.models.m.max_batch: expected int, got str"),
+        ({"max_size": 4}, "BrokerConfig.models.m.max_size: unknown setting"),
+    ],
+)
+def test_a_bad_model_table_is_reported_with_its_key(table: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(BrokerConfig, {"models": {"m": table}})
+    assert expected in str(info.value)
+
+
+def test_an_override_knows_every_batching_key() -> None:
+    names = [f.name for f in dataclasses.fields(BatchingConfig)]
+    assert [f.name for f in dataclasses.fields(BatchingOverride)] == names
+    everything = BatchingOverride(**dataclasses.asdict(BatchingConfig(policy="seed")))
+    assert everything.over(BatchingConfig(max_batch=99)) == BatchingConfig(policy="seed")
