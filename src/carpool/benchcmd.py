@@ -16,9 +16,12 @@ import csv
 import json
 import logging
 import signal
+import sys
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
+from carpool.broker.config import POLICIES, BatchingConfig
 from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
 from carpool.loadgen import BenchReport, run, synthetic_inputs
@@ -32,8 +35,13 @@ def add_parsers(sub: Any) -> None:
     b = sub.add_parser(
         "bench",
         help="load a live fleet open loop and report latency, goodput and batch sizes",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Load a live fleet open loop: requests follow a schedule (--load) or a "
+        "recorded trace (--trace) and are sent at their times whatever the replies do, so "
+        "slow replies cannot hide latency. The warm-up is sent but not counted. The report "
+        "gives throughput, goodput (answers within the deadline per second), latency "
+        "percentiles, errors by type, the batch sizes the broker formed, whether goodput "
+        "held steady across the window, and how late the generator itself sent.",
+        epilog=_EXIT_STATUS,
     )
     b.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
     b.add_argument("--model", default="synthetic", help="model to call")
@@ -67,7 +75,9 @@ def add_parsers(sub: Any) -> None:
         "replay",
         help="replay a recorded trace on a live fleet, or in the simulator",
         description="Send a recorded trace (carpool record) to a live broker at its recorded "
-        "times, or (--simulate) feed it to the simulator with an engine cost.",
+        "times, or (--simulate) feed it to a simulated broker, with the batching flags of "
+        "carpool broker, and workers of cost --alpha-ms + --beta-ms x B.",
+        epilog=_EXIT_STATUS,
     )
     r.add_argument("--trace", required=True, help="JSON-lines trace")
     r.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
@@ -77,8 +87,36 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--alpha-ms", type=float, default=5.0, help="simulated fixed cost")
     r.add_argument("--beta-ms", type=float, default=0.5, help="simulated per-sample cost")
     r.add_argument("--workers", type=int, default=1, help="simulated workers")
+    defaults = BatchingConfig()
+    g = r.add_argument_group(
+        "simulated broker", "as carpool broker's flags; set them as the recording broker had"
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=defaults.max_batch,
+        help="B_max: samples per batch at most (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=defaults.max_wait_s * 1000,
+        help="T_max: longest wait of the oldest request (default %(default)g)",
+    )
+    g.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=defaults.policy,
+        help="batching policy (default %(default)s)",
+    )
     r.add_argument("--json", help="write the report as JSON")
     r.set_defaults(func=run_replay)
+
+
+_EXIT_STATUS = (
+    "exit status: 0 when at least one request was answered, 1 when none was (every request "
+    "failed, or no broker answered at --endpoint), 2 for a usage or configuration error"
+)
 
 
 def _arrivals(args: argparse.Namespace) -> list[Arrival]:
@@ -107,7 +145,7 @@ def _arrivals(args: argparse.Namespace) -> list[Arrival]:
 
 def print_report(report: BenchReport) -> None:
     lat = report.latency_ms
-    errors = ", ".join(f"{k} {v}" for k, v in sorted(report.errors.items())) or "none"
+    errors = _errors(report.errors)
     print(f"window:      {report.window_s:.1f} s, {report.sent} requests")
     print(
         f"throughput:  {report.throughput_rps:.1f}/s   goodput (within deadline): "
@@ -161,22 +199,45 @@ def _write(report: BenchReport, args: argparse.Namespace) -> None:
             writer.writerows(report.per_second)
 
 
+def _fail(message: str) -> int:
+    print(f"carpool: {message}", file=sys.stderr)
+    return 1
+
+
+def _live(args: argparse.Namespace, items: list[Arrival], **kwargs: Any) -> int:
+    """Run ``items`` against the broker at ``args.endpoint``, print and write the report."""
+    try:
+        report = run(
+            args.endpoint, items, synthetic_inputs(items, args.input_name, args.dtype), **kwargs
+        )
+    except TimeoutError:  # the first STATS went unanswered
+        return _fail(
+            f"no broker answered at {args.endpoint} (is one running, and is --endpoint its "
+            "frontend?)"
+        )
+    print_report(report)
+    _write(report, args)
+    if report.ok == 0:
+        what = "no request was sent" if report.sent == 0 else "no request was answered"
+        return _fail(f"{what} (errors: {_errors(report.errors)})")
+    return 0
+
+
+def _errors(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     _end_on_sigterm()
     items = _arrivals(args)
-    warmup = args.warmup_s if not args.trace else 0.0
-    report = run(
-        args.endpoint,
+    return _live(
+        args,
         items,
-        synthetic_inputs(items, args.input_name, args.dtype),
-        warmup_s=warmup,
+        warmup_s=args.warmup_s if not args.trace else 0.0,
         progress=not args.no_progress,
         end_s=None if args.trace else args.warmup_s + args.duration_s,
         shared_memory=args.shared_memory_mib << 20,
     )
-    print_report(report)
-    _write(report, args)
-    return 0
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -184,26 +245,24 @@ def run_replay(args: argparse.Namespace) -> int:
     items = workload.read_trace(args.trace)
     if not items:
         raise ConfigError(f"trace {args.trace} has no arrivals")
-    if args.simulate:
-        logging.getLogger("carpool.broker").setLevel(logging.WARNING)
-        from carpool.broker.config import BatchingConfig
-        from carpool.sim.compare import table
-        from carpool.sim.simulator import EngineCost, SimWorker, simulate
+    if not args.simulate:
+        return _live(args, items, warmup_s=0.0, progress=True)
+    logging.getLogger("carpool.broker").setLevel(logging.WARNING)
+    from carpool.sim.compare import as_json, table
+    from carpool.sim.simulator import EngineCost, SimWorker, simulate
 
-        workers = [
-            SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05))
-            for i in range(args.workers)
-        ]
-        result = simulate(items, workers, BatchingConfig(max_batch=64), label="carpool (sim)")
-        print(table([result]))
-        return 0
-    report = run(
-        args.endpoint,
-        items,
-        synthetic_inputs(items, args.input_name, args.dtype),
-        warmup_s=0.0,
-        progress=True,
+    if args.workers < 1:
+        raise ConfigError("--workers must be at least 1")
+    batching = BatchingConfig(
+        max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000, policy=args.policy
     )
-    print_report(report)
-    _write(report, args)
-    return 0
+    workers = [
+        SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05))
+        for i in range(args.workers)
+    ]
+    result = simulate(items, workers, batching, label=f"{args.policy} (sim)")
+    print(table([result]))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(as_json([result]))
+    return 0 if result.ok else _fail(f"no request was answered (errors: {_errors(result.errors)})")

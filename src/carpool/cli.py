@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carpool import __version__
 from carpool.common.config import from_mapping, load_toml
@@ -24,7 +24,12 @@ from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
 from carpool.common.memory import tune_allocator
 
+if TYPE_CHECKING:
+    from carpool.worker.config import WorkerConfig
+
 logger = logging.getLogger("carpool")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _stop_on_signals(stop: Any) -> None:
@@ -47,6 +52,15 @@ def _overlay(data: dict[str, Any], pairs: dict[str, Any]) -> dict[str, Any]:
     out = dict(data)
     out.update({k: v for k, v in pairs.items() if v is not None})
     return out
+
+
+def _check_writable(path: str, what: str) -> None:
+    """Fail now, with one line, where opening ``path`` to append would fail later."""
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write {what} {path}: {exc.strerror}") from None
 
 
 # ---------------------------------------------------------------------- broker
@@ -80,12 +94,13 @@ def _broker(args: argparse.Namespace) -> int:
     if overrides:
         batching = dataclasses.replace(config.batching, **overrides)
         config = dataclasses.replace(config, batching=batching)
+    record = getattr(args, "record", None)
+    if record:
+        _check_writable(record, "trace")
     tune_allocator()  # large tensor frames reuse heap memory (carpool.common.memory)
     with contextlib.ExitStack() as stack:
         embedded = [stack.enter_context(w) for w in _embedded_workers(args)]
-        server = stack.enter_context(
-            BrokerServer(config, record=getattr(args, "record", None), embedded=embedded)
-        )
+        server = stack.enter_context(BrokerServer(config, record=record, embedded=embedded))
         _stop_on_signals(server.stop)
         server.serve()
     return 0
@@ -119,33 +134,43 @@ def _embedded_workers(args: argparse.Namespace) -> list[Any]:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from carpool.worker.config import ModelConfig, WorkerConfig
-
-    data = load_toml(args.config) if args.config else {}
-    data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
-    data = _overlay(data, {"broker": args.broker, "name": args.name, "slots": args.slots})
-    config = from_mapping(WorkerConfig, data)
-    if args.model:
-        models = tuple(
-            ModelConfig(
-                name=m,
-                max_batch=args.max_batch or 8,
-                intra_op_threads=args.threads,
-            )
-            for m in args.model
-        )
-        config = dataclasses.replace(config, models=models)
-    elif args.synthetic:
-        fixed_ms, per_sample_ms = args.synthetic
-        model = ModelConfig.synthetic(
-            args.synthetic_name, fixed_ms, per_sample_ms, args.max_batch or 32
-        )
-        config = dataclasses.replace(config, models=(model,))
+    config = worker_config(args)
     tune_allocator()
     with config.server() as server:
         _stop_on_signals(server.stop)
         server.serve()
     return 0
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The WorkerConfig of ``carpool worker ARGS``: file, environment, then flags."""
+    from carpool.worker.config import ModelConfig, WorkerConfig, model_from_arg
+
+    data = load_toml(args.config) if args.config else {}
+    data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
+    data = _overlay(data, {"broker": args.broker, "name": args.name, "slots": args.slots})
+    config = from_mapping(WorkerConfig, data)
+    # --model and --synthetic add up, and together replace the file's [[models]].
+    models = [model_from_arg(m) for m in args.model or ()]
+    if args.synthetic:
+        fixed_ms, per_sample_ms = args.synthetic
+        name = args.synthetic_name or "synthetic"
+        models.append(ModelConfig.synthetic(name, fixed_ms, per_sample_ms, 32))
+    elif args.synthetic_name is not None:
+        raise ConfigError("--synthetic-name names the model of --synthetic, which is not given")
+    if models:
+        config = dataclasses.replace(config, models=tuple(models))
+    # --max-batch and --threads apply to every model served, the file's ones included.
+    limits: dict[str, Any] = {}
+    if args.max_batch is not None:
+        limits["max_batch"] = args.max_batch
+    if args.threads is not None:
+        limits["intra_op_threads"] = args.threads
+    if limits:
+        config = dataclasses.replace(
+            config, models=tuple(dataclasses.replace(m, **limits) for m in config.models)
+        )
+    return config
 
 
 # ---------------------------------------------------------------------- demo
@@ -190,9 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="carpool", description="ZeroMQ inference fleet with dynamic batching"
     )
     parser.add_argument("--version", action="version", version=f"carpool {__version__}")
-    parser.add_argument(
-        "--log-level", default=os.environ.get("CARPOOL_LOG_LEVEL", "INFO"), help="log level"
-    )
+    _log_level_arg(parser, default=os.environ.get("CARPOOL_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("broker", help="run a broker")
@@ -225,27 +248,50 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--record", "--out", dest="record", required=True, help="trace file")
     rec.set_defaults(func=_broker)
 
-    w = sub.add_parser("worker", help="run a worker")
+    w = sub.add_parser(
+        "worker",
+        help="run a worker",
+        description="A worker: runs the batches the broker sends it. Settings come from "
+        "--config, then CARPOOL_BROKER, then these flags. The models it serves are those of "
+        "--model and --synthetic together, or, when neither is given, the [[models]] of "
+        "--config (else the catalogue model orientation). --max-batch and --threads apply "
+        "to every model served, including those of --config.",
+    )
     w.add_argument("--config", help="worker TOML file")
     w.add_argument(
         "--broker",
         help="broker backend endpoint (default tcp://127.0.0.1:5556), or its --local unix:PATH",
     )
-    w.add_argument("--name", help="worker name")
+    w.add_argument("--name", help="worker name (default 'worker')")
     w.add_argument("--slots", type=int, help="batches outstanding at most")
     w.add_argument(
-        "--model", action="append", help="catalogue model to serve (repeatable), e.g. orientation"
+        "--model",
+        action="append",
+        metavar="MODEL",
+        help="model to serve (repeatable): a catalogue name (orientation, ppocr-cls, "
+        "ppocr-det, ppocr-rec), an ONNX file (served under the file's name without .onnx), "
+        "or NAME=FILE.onnx",
     )
     w.add_argument(
         "--synthetic",
         nargs=2,
         type=float,
         metavar=("FIXED_MS", "PER_SAMPLE_MS"),
-        help="serve a synthetic engine whose batch costs FIXED_MS + PER_SAMPLE_MS * B",
+        help="also serve a synthetic engine whose batch costs FIXED_MS + PER_SAMPLE_MS * B",
     )
-    w.add_argument("--synthetic-name", default="synthetic", help="model name of --synthetic")
-    w.add_argument("--max-batch", type=int, help="largest batch the engine accepts")
-    w.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    w.add_argument("--synthetic-name", help="model name of --synthetic (default synthetic)")
+    w.add_argument(
+        "--max-batch",
+        type=int,
+        help="largest batch of every model served (default 8 for --model, 32 for "
+        "--synthetic, max_batch of --config's models)",
+    )
+    w.add_argument(
+        "--threads",
+        type=int,
+        help="ONNX Runtime intra-op threads of every model served (default 1, or "
+        "intra_op_threads of --config's models)",
+    )
     w.set_defaults(func=_worker)
 
     d = sub.add_parser("demo", help="run a broker, two CPU workers and a camera client")
@@ -262,12 +308,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sim_parsers(sub)
     add_bench_parsers(sub)
+    # --log-level after the command too (carpool tune --log-level DEBUG); SUPPRESS keeps a
+    # command that was not given it from overwriting the value before it (or the env's).
+    for command in sub.choices.values():
+        _log_level_arg(command, default=argparse.SUPPRESS)
     return parser
+
+
+def _log_level_arg(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
+        help="log level (default INFO, or CARPOOL_LOG_LEVEL)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.log_level not in LOG_LEVELS:  # argparse checks choices of flags, not defaults
+        parser.error(
+            f"CARPOOL_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not {args.log_level!r}"
+        )
     configure(args.log_level)
     try:
         return int(args.func(args))

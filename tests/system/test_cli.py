@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from carpool.cli import build_parser
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.worker.engines.synthetic import synthetic_output
+from carpool.worker.models import locate
 
 CARPOOL = [sys.executable, "-m", "carpool"]
 STOP_TIMEOUT_S = 10.0
@@ -233,3 +238,193 @@ def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
         broker.terminate()
         assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
         assert clock.now() - started < 5.0, _logs(tmp_path)
+
+
+# ---------------------------------------------------------------------- one-line errors
+
+
+def _carpool_env(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CARPOOL, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **env},
+    )
+
+
+def _write_trace(path: Path, n: int = 5) -> Path:
+    lines = (
+        f'{{"t_s": {i / 100}, "model": "m", "shape": [1, 16], "timeout_ms": 100}}' for i in range(n)
+    )
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("command", ["bench", "replay"])
+def test_no_broker_at_the_endpoint_is_one_line_and_status_1(
+    command: str, nobody: str, tmp_path: Path
+) -> None:
+    """It was a traceback ending in TimeoutError: no STATS reply from the broker."""
+    if command == "bench":
+        args = ["bench", "--duration-s", "0.1", "--warmup-s", "0", "--no-progress"]
+    else:
+        args = ["replay", "--trace", str(_write_trace(tmp_path / "t.jsonl"))]
+    result = _carpool(*args, "--endpoint", nobody)
+    assert result.returncode == 1, result.stderr
+    assert f"carpool: no broker answered at {nobody}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_record_to_a_missing_directory_is_a_config_error(tmp_path: Path) -> None:
+    """It was a traceback ending in FileNotFoundError."""
+    out = tmp_path / "missing" / "t.jsonl"
+    result = _carpool(
+        "record", "--frontend", f"ipc://{tmp_path}/f", "--backend", f"ipc://{tmp_path}/b",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"carpool: cannot write trace {out}: No such file or directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_an_unknown_log_level_is_a_usage_error(where: str, tmp_path: Path) -> None:
+    """It was a traceback ending in ValueError: Unknown level: 'LOUD'."""
+    tune = ["tune", "--trace", str(_write_trace(tmp_path / "t.jsonl"))]
+    args = ["--log-level", "LOUD", *tune] if where == "before" else [*tune, "--log-level", "LOUD"]
+    result = _carpool(*args)
+    assert result.returncode == 2, result.stderr
+    assert "invalid choice: 'LOUD'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_log_level_in_the_environment_is_a_usage_error(tmp_path: Path) -> None:
+    trace = _write_trace(tmp_path / "t.jsonl")
+    result = _carpool_env("tune", "--trace", str(trace), CARPOOL_LOG_LEVEL="LOUD")
+    assert result.returncode == 2, result.stderr
+    assert "CARPOOL_LOG_LEVEL must be one of DEBUG, INFO" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_model_error_says_a_path_works(tmp_path: Path) -> None:
+    result = _carpool("worker", "--broker", f"ipc://{tmp_path}/backend", "--model", "my")
+    assert result.returncode == 2
+    assert "--model /path/to/model.onnx" in result.stderr
+
+
+# ---------------------------------------------------------------------- --log-level
+
+
+def test_log_level_goes_after_the_command_too() -> None:
+    """``carpool tune --log-level DEBUG`` was "unrecognized arguments"."""
+    parse = build_parser().parse_args
+    assert parse(["tune", "--trace", "t", "--log-level", "debug"]).log_level == "DEBUG"
+    assert parse(["--log-level", "ERROR", "worker"]).log_level == "ERROR"
+    assert parse(["--log-level", "ERROR", "bench", "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert parse(["replay", "--trace", "t"]).log_level == "INFO"
+
+
+def test_log_level_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CARPOOL_LOG_LEVEL", "warning")
+    assert build_parser().parse_args(["simulate"]).log_level == "WARNING"
+    args = build_parser().parse_args(["simulate", "--log-level", "DEBUG"])
+    assert args.log_level == "DEBUG"
+
+
+# ---------------------------------------------------------------------- bench
+
+
+def test_bench_help_reads_as_help() -> None:
+    """It printed the module docstring: "benchcmd.py: ``carpool bench`` and ..."."""
+    result = _carpool("bench", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "benchcmd.py" not in result.stdout
+    assert "``" not in result.stdout
+    assert "exit status: 0 when at least one request was answered, 1 when none" in " ".join(
+        result.stdout.split()
+    )
+
+
+def _wait_for_broker(frontend: str, broker: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    with Client(frontend, default_timeout_s=5.0) as client:
+        clock = MonotonicClock()
+        until = clock.now() + 30.0
+        while True:
+            assert broker.poll() is None, _logs(tmp_path)
+            assert clock.now() < until, "the broker never answered\n" + _logs(tmp_path)
+            try:
+                client.stats(timeout_s=1.0)
+                return
+            except TimeoutError:
+                continue
+
+
+def test_bench_fails_when_every_request_fails(tmp_path: Path, spawn: Spawn) -> None:
+    """All NOT_FOUND exited 0."""
+    frontend = f"ipc://{tmp_path}/frontend"
+    broker = spawn("broker", "--frontend", frontend, "--backend", f"ipc://{tmp_path}/backend")
+    _wait_for_broker(frontend, broker, tmp_path)
+    result = _carpool(
+        "bench", "--endpoint", frontend, "--model", "nosuch", "--load", "constant",
+        "--rate", "20", "--duration-s", "0.5", "--warmup-s", "0", "--no-progress",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "carpool: no request was answered (errors: NOT_FOUND 10)" in result.stderr
+    assert "errors:      NOT_FOUND 10" in result.stdout  # the report still comes
+
+
+# ---------------------------------------------------------------------- worker
+
+
+def test_a_worker_serves_an_onnx_file_under_its_stem(tmp_path: Path, spawn: Spawn) -> None:
+    """--model took catalogue names only ("unknown model ... the catalogue has ...")."""
+    model = tmp_path / "cls.onnx"
+    shutil.copyfile(locate("ppocr-cls"), model)
+    frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
+    broker = spawn("broker", "--frontend", frontend, "--backend", backend)
+    worker = spawn("worker", "--broker", backend, "--model", str(model), "--name", "w0")
+    with Client(frontend, default_timeout_s=5.0) as client:
+        clock = MonotonicClock()
+        until = clock.now() + 60.0
+        while True:
+            assert broker.poll() is None, _logs(tmp_path)
+            assert worker.poll() is None, _logs(tmp_path)
+            assert clock.now() < until, "the worker never registered\n" + _logs(tmp_path)
+            try:
+                workers = client.stats(timeout_s=1.0)["workers"]
+            except TimeoutError:
+                continue
+            if workers:
+                break
+            client.poll(0.05)
+        assert [w["models"] for w in workers] == [["cls"]]
+        x = np.zeros((1, 3, 48, 192), np.float32)
+        assert client.infer("cls", {"x": x}, timeout_s=5.0)
+
+
+def test_a_worker_with_no_broker_does_not_say_connected(tmp_path: Path, spawn: Spawn) -> None:
+    """It logged "worker ... connected to tcp://..." every 3 s with nothing listening."""
+    toml = tmp_path / "w.toml"
+    toml.write_text("heartbeat_s = 0.5\nliveness = 3\n")  # silent for 1.5 s: reconnect
+    endpoint = f"ipc://{tmp_path}/nobody"
+    worker = spawn(
+        "worker", "--config", str(toml), "--broker", endpoint, "--synthetic", "0", "0",
+        "--name", "w0",
+    )  # fmt: skip
+    clock = MonotonicClock()
+    until = clock.now() + 30.0
+    while _logs(tmp_path).count("reconnecting") < 2:
+        assert worker.poll() is None, _logs(tmp_path)
+        assert clock.now() < until, "the worker never reconnected\n" + _logs(tmp_path)
+        _pause(worker, 0.1)
+    logs = _logs(tmp_path)
+    assert "connected to" not in logs
+    assert logs.count(f"worker name=w0: READY sent to {endpoint}, waiting for a broker") == 1
+
+
+def _pause(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``proc`` to end (a bounded pause between polls)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout_s)

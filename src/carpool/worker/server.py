@@ -182,8 +182,16 @@ class WorkerServer:
             raise ConfigError(f"cannot connect to {self.broker!r}: {exc}") from None
         self.poller.register(dealer, zmq.POLLIN)
         self.dealer = dealer
+        first = self.core.epoch == 0
         self._to_broker(self.core.on_connect(self.clock.now()))
-        logger.info("worker %s connected to %s", self.core.name, self.broker)
+        # A ZeroMQ connect returns whether or not anyone listens: READY is queued, nothing
+        # more is known. Said once; later attempts follow a "reconnecting" warning.
+        logger.log(
+            logging.INFO if first else logging.DEBUG,
+            "worker name=%s: READY sent to %s, waiting for a broker to answer",
+            self.core.name,
+            self.broker,
+        )
         return dealer
 
     def _new_poller(self) -> None:

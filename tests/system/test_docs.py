@@ -1,0 +1,47 @@
+"""README.md and docs/ say what the code does: their links stay inside the repository, the
+documented defaults are the code's, and error messages point to sections that exist."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+from carpool.broker.config import BatchingConfig
+from carpool.worker.engines import ort
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_docs_point_at_nothing_outside_the_repository() -> None:
+    """README linked ../shared/STYLE.md, which a clone of the repository does not have."""
+    for doc in DOCS:
+        assert "../" not in doc.read_text(encoding="utf-8"), doc.name
+
+
+def test_the_fixed_batch_dim_error_points_to_a_readme_section() -> None:
+    """The error said "see docs: make the batch dim dynamic" and no doc had such a part."""
+    source = Path(ort.__file__).read_text(encoding="utf-8")
+    (pointer,) = re.findall(r"see docs: ([^)\"]+)", source)
+    headings = [
+        line.lstrip("#").strip().lower()
+        for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("#")
+    ]
+    assert pointer.strip().lower() in headings
+
+
+def test_the_batching_configuration_shown_is_the_default() -> None:
+    """docs/batching.md showed max_batch = 64 where the default is 8."""
+    text = (ROOT / "docs" / "batching.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```toml\n(\[batching\].*?)```", text, re.S)
+    shown = tomllib.loads(block)["batching"]
+    defaults = dataclasses.asdict(BatchingConfig())
+    assert shown == defaults

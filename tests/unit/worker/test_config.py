@@ -1,0 +1,122 @@
+"""WorkerConfig and ModelConfig, and what ``carpool worker`` flags make of them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from carpool.cli import build_parser, worker_config
+from carpool.common.errors import ConfigError
+from carpool.worker.config import ModelConfig, model_from_arg
+from carpool.worker.models import locate
+
+
+def _worker_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["worker", *argv])
+
+
+# --------------------------------------------------------------------------- --model
+
+
+def test_a_catalogue_name_is_a_catalogue_model() -> None:
+    assert model_from_arg("orientation") == ModelConfig(name="orientation")
+
+
+def test_an_onnx_file_is_served_under_its_stem(tmp_path: Path) -> None:
+    onnx = tmp_path / "my.onnx"
+    onnx.write_bytes(b"")
+    assert model_from_arg(str(onnx)) == ModelConfig(name="my", path=str(onnx))
+
+
+def test_a_relative_onnx_file_is_a_path_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my.onnx").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert model_from_arg("my.onnx") == ModelConfig(name="my", path="my.onnx")
+
+
+def test_name_equals_path_names_the_model(tmp_path: Path) -> None:
+    onnx = tmp_path / "my.onnx"
+    onnx.write_bytes(b"")
+    assert model_from_arg(f"det={onnx}") == ModelConfig(name="det", path=str(onnx))
+
+
+def test_a_path_with_an_equals_sign_is_a_path(tmp_path: Path) -> None:
+    onnx = tmp_path / "a=b" / "my.onnx"
+    onnx.parent.mkdir()
+    onnx.write_bytes(b"")
+    assert model_from_arg(str(onnx)) == ModelConfig(name="my", path=str(onnx))
+
+
+@pytest.mark.parametrize("arg", ["{tmp}/nope.onnx", "x={tmp}/nope.onnx", "nope.onnx", "{tmp}"])
+def test_a_path_that_is_no_file_is_a_config_error(arg: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no ONNX file"):
+        model_from_arg(arg.format(tmp=tmp_path))
+
+
+def test_the_unknown_model_error_says_a_path_works() -> None:
+    with pytest.raises(ConfigError, match=r"unknown model 'my'.*--model /path/to/model\.onnx"):
+        locate("my")
+
+
+# --------------------------------------------------------------------------- flags together
+
+
+def test_model_and_synthetic_are_both_served() -> None:
+    """--synthetic was dropped without a word when --model was given."""
+    config = worker_config(_worker_args("--model", "orientation", "--synthetic", "5", "0.5"))
+    assert [(m.name, m.engine) for m in config.models] == [
+        ("orientation", "onnxruntime"),
+        ("synthetic", "synthetic"),
+    ]
+    assert config.models[1].fixed_cost_s == pytest.approx(0.005)
+
+
+def test_model_flags_replace_the_files_models(tmp_path: Path) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text('name = "w"\n[[models]]\nname = "ppocr-cls"\nmax_batch = 16\n')
+    config = worker_config(_worker_args("--config", str(toml), "--synthetic", "1", "0"))
+    assert config.name == "w"
+    assert [m.name for m in config.models] == ["synthetic"]
+
+
+def test_max_batch_and_threads_apply_to_the_files_models(tmp_path: Path) -> None:
+    """They were ignored whenever --config came without --model."""
+    toml = tmp_path / "w.toml"
+    toml.write_text(
+        '[[models]]\nname = "ppocr-cls"\nmax_batch = 16\n'
+        '[[models]]\nname = "s"\nengine = "synthetic"\nmax_batch = 32\n'
+    )
+    args = _worker_args("--config", str(toml), "--max-batch", "2", "--threads", "3")
+    config = worker_config(args)
+    assert [(m.name, m.max_batch, m.intra_op_threads) for m in config.models] == [
+        ("ppocr-cls", 2, 3),
+        ("s", 2, 3),
+    ]
+
+
+def test_without_flags_the_files_settings_stand(tmp_path: Path) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text('[[models]]\nname = "ppocr-cls"\nmax_batch = 16\nintra_op_threads = 2\n')
+    (model,) = worker_config(_worker_args("--config", str(toml))).models
+    assert (model.max_batch, model.intra_op_threads) == (16, 2)
+
+
+def test_flag_models_keep_their_defaults() -> None:
+    config = worker_config(_worker_args("--model", "orientation", "--synthetic", "1", "0"))
+    assert [(m.max_batch, m.intra_op_threads) for m in config.models] == [(8, 1), (32, 1)]
+
+
+def test_max_batch_applies_to_flag_models() -> None:
+    config = worker_config(
+        _worker_args("--model", "orientation", "--synthetic", "1", "0", "--max-batch", "4")
+    )
+    assert [m.max_batch for m in config.models] == [4, 4]
+
+
+def test_synthetic_name_without_synthetic_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--synthetic-name"):
+        worker_config(_worker_args("--model", "orientation", "--synthetic-name", "s"))
