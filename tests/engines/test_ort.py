@@ -50,3 +50,18 @@ def test_unreadable_model_is_a_config_error(tmp_path) -> None:  # type: ignore[n
     bad.write_bytes(b"not a model")
     with pytest.raises(ConfigError, match="cannot load"):
         OnnxRuntimeEngine(bad)
+
+
+def test_execution_providers_are_chosen_and_checked() -> None:
+    """CPU here; a provider this onnxruntime lacks (CUDA needs onnxruntime-gpu) is a
+    ConfigError that says what it has, not ONNX Runtime's silent fall-back to the CPU."""
+    import onnxruntime as ort
+
+    engine = OnnxRuntimeEngine(locate("ppocr-cls"), providers=("CPUExecutionProvider",))
+    assert engine._session.get_providers() == ["CPUExecutionProvider"]
+    wanted = ("CUDAExecutionProvider", "NoSuchExecutionProvider")
+    missing = [p for p in wanted if p not in ort.get_available_providers()]
+    with pytest.raises(ConfigError, match=r"not available here; this onnxruntime has .*CPU"):
+        OnnxRuntimeEngine(locate("ppocr-cls"), providers=(*missing, "CPUExecutionProvider"))
+    with pytest.raises(ConfigError, match="not available"):
+        OnnxRuntimeEngine(locate("ppocr-cls"), providers=())

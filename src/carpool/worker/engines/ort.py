@@ -1,4 +1,5 @@
-"""ort.py: OnnxRuntimeEngine — an ONNX model on ONNX Runtime's CPU execution provider.
+"""ort.py: OnnxRuntimeEngine — an ONNX model on ONNX Runtime (its CPU execution provider
+by default; others, such as CUDA's in an onnxruntime-gpu install, when configured).
 
 The only importer of onnxruntime. Symbolic dims become ``-1`` in the spec; dim 0 must be
 symbolic (the batch). One session per engine, one intra-op thread by default: on a shared
@@ -51,6 +52,9 @@ class OnnxRuntimeEngine:
         max_batch: largest batch to accept (dim 0 must be symbolic).
         intra_op_threads: threads per operator; 1 suits a shared 2-core edge box.
         preferred_batch: sizes to advertise to the broker.
+        providers: ONNX Runtime execution providers in order of preference, e.g.
+            ``("CUDAExecutionProvider", "CPUExecutionProvider")`` with onnxruntime-gpu;
+            each must be one this onnxruntime has (a ConfigError lists those).
     """
 
     #: May be called from any one thread at a time (not bound to the thread that built it).
@@ -63,8 +67,18 @@ class OnnxRuntimeEngine:
         max_batch: int = 8,
         intra_op_threads: int = 1,
         preferred_batch: Sequence[int] = (),
+        providers: Sequence[str] = ("CPUExecutionProvider",),
     ) -> None:
         import onnxruntime as ort
+
+        available = ort.get_available_providers()
+        missing = [p for p in providers if p not in available]
+        if not providers or missing:
+            raise ConfigError(
+                f"ONNX Runtime execution providers {missing or list(providers)} are not "
+                f"available here; this onnxruntime has {', '.join(available)} (a GPU needs "
+                "the onnxruntime-gpu package and its CUDA libraries)"
+            )
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
@@ -73,7 +87,7 @@ class OnnxRuntimeEngine:
         options.log_severity_level = 3
         try:
             self._session = ort.InferenceSession(
-                str(path), sess_options=options, providers=["CPUExecutionProvider"]
+                str(path), sess_options=options, providers=list(providers)
             )
         except Exception as exc:  # ORT raises its own untyped exception classes
             raise ConfigError(f"cannot load ONNX model {path}: {exc}") from None
