@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("carpool")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(stop: Any, wakeup_fd: int = -1) -> Iterator[None]:
+    """SIGTERM and SIGINT call ``stop`` (in the main thread); SIGUSR1 dumps the stacks.
+
+    ``wakeup_fd`` (the server's ``signal_fd``) is written by the signal's C handler on
+    whichever thread the kernel gave the signal to: a thread that does not block it (numpy's
+    OpenBLAS threads do not) may take it, and then the main thread, blocked in its poll,
+    would run the Python handler only when the poll ends (never, while idle: a broker that
+    ignored SIGTERM). The poll watches that descriptor. Restored on exit, before the
+    server closes it."""
+    _stop_on_signals(stop)
+    previous = signal.set_wakeup_fd(wakeup_fd, warn_on_full_buffer=False)
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
 
 
 def _stop_on_signals(stop: Any) -> None:
@@ -101,8 +119,8 @@ def _broker(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         embedded = [stack.enter_context(w) for w in _embedded_workers(args)]
         server = stack.enter_context(BrokerServer(config, record=record, embedded=embedded))
-        _stop_on_signals(server.stop)
-        server.serve()
+        with _stopped_by_signals(server.stop, server.signal_fd):
+            server.serve()
     return 0
 
 
@@ -136,8 +154,7 @@ def _embedded_workers(args: argparse.Namespace) -> list[Any]:
 def _worker(args: argparse.Namespace) -> int:
     config = worker_config(args)
     tune_allocator()
-    with config.server() as server:
-        _stop_on_signals(server.stop)
+    with config.server() as server, _stopped_by_signals(server.stop, server.signal_fd):
         server.serve()
     return 0
 

@@ -151,6 +151,60 @@ def test_broker_and_worker_processes_serve_and_stop(tmp_path: Path, spawn: Spawn
     assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
 
 
+_TGKILL = {"x86_64": 234, "aarch64": 131}  # syscall numbers
+
+
+def _threads_taking(pid: int, signum: int) -> list[int]:
+    """The ids of ``pid``'s threads, other than its main thread, that do not block
+    ``signum``: where the kernel may deliver a signal sent to the process."""
+    found = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        tid = int(task.name)
+        status = (task / "status").read_text()
+        blocked = int(
+            next(x for x in status.splitlines() if x.startswith("SigBlk:")).split()[1], 16
+        )
+        if tid != pid and not blocked & (1 << (signum - 1)):
+            found.append(tid)
+    return found
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("command", ["broker", "worker"])
+def test_sigterm_stops_it_even_when_another_thread_takes_the_signal(
+    tmp_path: Path, spawn: Spawn, command: str
+) -> None:
+    """The kernel gives a process's signal to any thread that does not block it; numpy's
+    OpenBLAS threads do not. Python's handler then waited for the main thread's poll to
+    end: an idle broker ignored SIGTERM for good (one demo in 13; systemd would SIGKILL
+    it after TimeoutStopSec). Here the signal goes to such a thread on purpose."""
+    import ctypes
+    import platform
+
+    number = _TGKILL.get(platform.machine())
+    if number is None:
+        pytest.skip(f"no tgkill number for {platform.machine()}")
+    frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
+    if command == "broker":
+        proc = spawn("broker", "--frontend", frontend, "--backend", backend)
+    else:
+        proc = spawn("worker", "--broker", backend, "--synthetic", "0", "0")
+    clock = MonotonicClock()
+    until = clock.now() + 30.0
+    with Client(frontend) as client:  # (for its poll as a wait; nothing listens for a worker)
+        while "INFO" not in _logs(tmp_path):  # started: its handlers are in place
+            assert proc.poll() is None, _logs(tmp_path)
+            assert clock.now() < until, "it never started\n" + _logs(tmp_path)
+            client.poll(0.05)
+        client.poll(0.5)  # into its idle poll
+    others = _threads_taking(proc.pid, signal.SIGTERM)
+    if not others:
+        pytest.skip("no thread but the main one takes SIGTERM in this process")
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(number, proc.pid, others[0], signal.SIGTERM) == 0
+    assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
+
+
 @pytest.mark.timeout(60)
 def test_sigusr1_dumps_the_stacks_and_the_broker_goes_on(tmp_path: Path, spawn: Spawn) -> None:
     """What a broker that will not stop is doing: SIGUSR1 writes every thread's stack

@@ -428,6 +428,12 @@ class BrokerServer:
         while not self._stopping:
             self.step()
 
+    @property
+    def signal_fd(self) -> int:
+        """A descriptor whose write wakes :meth:`serve`'s poll, for
+        ``signal.set_wakeup_fd`` (a process's signal may land on any of its threads)."""
+        return self._wake.write_fd
+
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the current turn."""
         self._stopping = True

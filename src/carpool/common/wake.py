@@ -16,6 +16,12 @@ class WakePipe:
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
 
+    @property
+    def write_fd(self) -> int:
+        """The write end, for ``signal.set_wakeup_fd``: a signal's C handler writes here
+        from whichever thread the signal landed on, and the poll watching ``fd`` wakes."""
+        return self._write_fd
+
     def wake(self) -> None:
         # A full or closed pipe means a wake-up is pending or nobody is listening.
         with contextlib.suppress(OSError):

@@ -505,6 +505,12 @@ class WorkerServer:
         while not self._stopping:
             self.step()
 
+    @property
+    def signal_fd(self) -> int:
+        """A descriptor whose write wakes :meth:`serve`'s poll, for
+        ``signal.set_wakeup_fd`` (a process's signal may land on any of its threads)."""
+        return self._wake.write_fd
+
     def stop(self) -> None:
         """Ask :meth:`serve` to return (safe from any thread or a signal handler)."""
         self._stopping = True

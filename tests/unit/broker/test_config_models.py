@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ class _Server:
     def __exit__(self, *_: object) -> None:
         pass
 
+    signal_fd = -1
+
     def serve(self) -> None:
         pass
 
@@ -69,7 +72,8 @@ def broker_config_from_cli(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> 
     for name in ("CARPOOL_FRONTEND", "CARPOOL_BACKEND", "CARPOOL_LOCAL_BACKEND"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("carpool.broker.server.BrokerServer", _Server)
-    monkeypatch.setattr(cli, "_stop_on_signals", lambda stop: None)
+    no_handlers = lambda stop, fd=-1: contextlib.nullcontext()  # noqa: E731 (not in a test)
+    monkeypatch.setattr(cli, "_stopped_by_signals", no_handlers)
     monkeypatch.setattr(cli, "tune_allocator", lambda: None)
     _Server.configs = []
     args = cli.build_parser().parse_args(["broker", *argv])
