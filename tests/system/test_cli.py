@@ -482,3 +482,15 @@ def _pause(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for ``proc`` to end (a bounded pause between polls)."""
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout_s)
+
+
+def test_an_execution_provider_onnxruntime_lacks_is_a_config_error(tmp_path: Path) -> None:
+    """CUDA's provider needs onnxruntime-gpu: said in one line, not ONNX Runtime's silent
+    fall-back to the CPU."""
+    toml = tmp_path / "w.toml"
+    toml.write_text('[[models]]\nname = "ppocr-cls"\nproviders = ["NoSuchExecutionProvider"]\n')
+    result = _carpool("worker", "--broker", f"ipc://{tmp_path}/b", "--config", str(toml))
+    assert result.returncode == 2, result.stderr
+    assert "['NoSuchExecutionProvider'] are not available here" in result.stderr
+    assert "CPUExecutionProvider" in result.stderr  # what it has
+    assert "Traceback" not in result.stderr

@@ -25,6 +25,9 @@ class ModelConfig:
     max_batch: int = 8
     preferred_batch: tuple[int, ...] = ()
     intra_op_threads: int = 1
+    # ONNX Runtime execution providers, in order of preference: e.g. ["CUDAExecutionProvider",
+    # "CPUExecutionProvider"] with onnxruntime-gpu installed (checked when the model loads).
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
     # synthetic engine only: batch cost = fixed_cost_s + per_sample_s * B
     fixed_cost_s: float = 0.0
     per_sample_s: float = 0.0
@@ -45,6 +48,8 @@ class ModelConfig:
             problems.append("fixed_cost_s and per_sample_s must be >= 0")
         if self.intra_op_threads < 1:
             problems.append("intra_op_threads must be >= 1")
+        if not self.providers or not all(self.providers):
+            problems.append("providers must name at least one execution provider")
         if self.engine == "synthetic":  # (an ONNX model's shapes come from its file)
             rank = len(self.item_shape)
             if not 1 <= rank < MAX_RANK or any(d < 1 and d != -1 for d in self.item_shape):
@@ -97,6 +102,7 @@ class ModelConfig:
             max_batch=self.max_batch,
             intra_op_threads=self.intra_op_threads,
             preferred_batch=self.preferred_batch,
+            providers=self.providers,
         )
 
 

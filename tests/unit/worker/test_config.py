@@ -120,3 +120,15 @@ def test_max_batch_applies_to_flag_models() -> None:
 def test_synthetic_name_without_synthetic_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--synthetic-name"):
         worker_config(_worker_args("--model", "orientation", "--synthetic-name", "s"))
+
+
+def test_providers_come_from_the_toml_and_may_not_be_empty() -> None:
+    from carpool.common.config import from_mapping
+
+    got = from_mapping(
+        ModelConfig, {"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+    )
+    assert got.providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert ModelConfig().providers == ("CPUExecutionProvider",)
+    with pytest.raises(ConfigError, match="providers must name"):
+        ModelConfig(providers=())
