@@ -22,6 +22,17 @@ def test_broker_example_loads() -> None:
     assert config.batching_for("other").max_batch == 8
 
 
+def test_broker_example_shows_the_defaults_but_where_it_says_not() -> None:
+    """Its first line says so: all but the endpoints and the [models] example."""
+    import dataclasses
+
+    config = from_mapping(BrokerConfig, load_toml(SYSTEMD / "broker.toml.example"))
+    shown = dataclasses.replace(
+        config, frontend=BrokerConfig().frontend, backend=BrokerConfig().backend, models={}
+    )
+    assert shown == BrokerConfig()
+
+
 def test_worker_example_loads() -> None:
     config = from_mapping(WorkerConfig, load_toml(SYSTEMD / "worker.toml.example"))
     assert [m.name for m in config.models] == ["orientation", "ppocr-cls", "synthetic"]
