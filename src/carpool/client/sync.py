@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Mapping
 from enum import Enum
 from types import TracebackType
@@ -77,7 +78,13 @@ class ReplyFuture:
             left = None if until is None else until - clock.now()
             if left is not None and left <= 0:
                 raise TimeoutError(f"request {self.request_id} still pending")
-            self._client.poll(left)
+            try:
+                self._client.poll(left)
+            except CarpoolError:
+                if not self.done():
+                    raise
+                # (Another thread closed the client between done() and poll(): this
+                # future was answered then.)
         if self._error is not None:
             raise self._error
         assert self._result is not None  # done() and no error
@@ -156,11 +163,15 @@ class Client:
         self.state = ClientState.OPEN
         # Threads (module docstring): the socket's owner, if any, and how many threads
         # wait to send; a sender wakes the pumper through _wake, which its poll watches.
-        self._own = threading.Lock()  # held by the thread that uses the socket
-        self._cond = threading.Condition(threading.Lock())  # for threads waiting for it
+        # Re-entrant, both: a signal handler (or a __del__) that calls close() or submit()
+        # runs in whichever thread it interrupts, perhaps the one that holds them.
+        self._own = threading.RLock()  # held by the thread that uses the socket
+        self._cond = threading.Condition(threading.RLock())  # threads waiting for it
         self._waiting = 0  # threads waiting on _cond
         self._senders = 0  # of which waiting to send: the owner lets go for them
+        self._closing = False  # close() waits to own the socket: a sender gives up
         self._wake = WakePipe()
+        weakref.finalize(self, self._wake.close)  # a Client dropped without close()
         self._poller.register(self._wake.fd, zmq.POLLIN)
 
     def submit(
@@ -176,9 +187,17 @@ class Client:
         The inputs may be reused (refilled) as soon as this returns. If the broker takes
         nothing for the request's whole timeout (it is away and 1,000 messages wait for
         it already), the future fails ``Unavailable`` then."""
-        if not self._own.acquire(False):
-            self._take_to_send()
-        try:
+        try:  # (acquired inside: an exception from a signal handler cannot skip finally)
+            if not self._own.acquire(False):
+                wait_s = self.core.default_timeout_s if timeout_s is None else timeout_s
+                if self.send_timeout_s is not None:
+                    wait_s = min(wait_s, self.send_timeout_s)
+                if not self._take_to_send(self.clock.now() + wait_s):
+                    # Another thread's send has held the socket for all that time (the
+                    # broker takes nothing): as if this send had waited itself.
+                    future = ReplyFuture(self, 0)
+                    future._set(Unavailable("the broker is not taking requests"))
+                    return future
             self._check_open()
             now = self.clock.now()
             rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
@@ -195,9 +214,7 @@ class Client:
             self._futures[rid] = future
             return future
         finally:
-            self._own.release()  # _let_go(), inlined: this runs for every request
-            if self._waiting:
-                self._notify()
+            self._let_go()
 
     def _send(self, frames: list[Any], until_s: float) -> bool:
         """Send a message, waiting for room at most until ``until_s``. (ZeroMQ queues up
@@ -208,8 +225,9 @@ class Client:
             return True
         except zmq.Again:
             pass
-        while (left := until_s - self.clock.now()) > 0:
-            if self.socket.poll(max(1, math.ceil(left * 1000)), zmq.POLLOUT):
+        while (left := until_s - self.clock.now()) > 0 and not self._closing:
+            # In slices: close() from another thread waits for this send to give up.
+            if self.socket.poll(max(1, math.ceil(min(left, _RECHECK_S) * 1000)), zmq.POLLOUT):
                 try:
                     send_frames(self.socket, frames, NOBLOCK)
                     return True
@@ -235,12 +253,12 @@ class Client:
     def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The broker's counters: batch-size distribution per model, errors, workers."""
         self._check_open()
-        if not self._own.acquire(False):
-            self._take_to_send()
+        until = self.clock.now() + timeout_s
         try:
+            if not self._own.acquire(False) and not self._take_to_send(until):
+                raise TimeoutError("the broker is not taking requests")
             self._check_open()
             sid, frames = self.core.stats_request()
-            until = self.clock.now() + timeout_s
             if not self._send(frames, until):
                 raise TimeoutError("the broker is not taking requests")
             self._stats[sid] = None  # wanted: _dispatch fills it in
@@ -254,14 +272,14 @@ class Client:
                 self.poll(left)
             return got
         finally:
-            del self._stats[sid]
+            self._stats.pop(sid, None)
 
     # ------------------------------------------------------------------ threads
 
-    def _take_to_send(self) -> None:
+    def _take_to_send(self, until_s: float | None = None) -> bool:
         """Own the socket to send, or to close it: wake a thread blocked in its poll and
-        wait for it to let go. (The caller tried ``_own.acquire(False)`` first:
-        with one thread that is all it costs.)"""
+        wait for it to let go, until ``until_s`` (False: not owned by then). (The caller
+        tried ``_own.acquire(False)`` first: with one thread that is all it costs.)"""
         own = self._own
         with self._cond:
             self._senders += 1
@@ -270,14 +288,22 @@ class Client:
                 while not own.acquire(False):
                     # (Under _cond, which close() holds to close the pipe.)
                     self._check_open()
+                    left = _RECHECK_S if until_s is None else until_s - self.clock.now()
+                    if left <= 0:
+                        return False
                     self._wake.wake()  # the owner, if polling, returns and lets go
-                    self._cond.wait(_RECHECK_S)
+                    self._cond.wait(min(left, _RECHECK_S))
+                return True
             finally:
                 self._senders -= 1
                 self._waiting -= 1
 
     def _let_go(self) -> None:
-        self._own.release()
+        """Release the socket if this thread holds it (an exception may have struck
+        before the acquire or between it and the ``try``), and wake waiting threads."""
+        own = self._own
+        if own._is_owned():  # type: ignore[attr-defined]
+            own.release()
         if self._waiting:
             self._notify()
 
@@ -290,19 +316,21 @@ class Client:
         deadline) and complete futures. Returns the number of futures completed (by this
         call: while another thread owns the socket, this waits as long for it to let go,
         and that thread completes every thread's futures)."""
-        if self._senders or not self._own.acquire(False):
-            with self._cond:
-                self._waiting += 1
-                try:
-                    # Re-checked under the condition: the owner notifies under it after
-                    # letting go, so a wake-up cannot fall between the check and the wait.
-                    if self._senders or not self._own.acquire(False):
-                        if timeout_s is None or timeout_s > 0:
-                            self._cond.wait(_RECHECK_S if timeout_s is None else timeout_s)
-                        return 0
-                finally:
-                    self._waiting -= 1
-        try:  # the socket is this thread's until _let_go
+        try:  # (acquired inside: an exception from a signal handler cannot skip finally)
+            if self._senders or not self._own.acquire(False):
+                with self._cond:
+                    self._waiting += 1
+                    try:
+                        # Re-checked under the condition: the owner notifies under it
+                        # after letting go, so a wake-up cannot fall between check and wait.
+                        if self._senders or not self._own.acquire(False):
+                            if timeout_s is None or timeout_s > 0:
+                                nap_s = _RECHECK_S if timeout_s is None else timeout_s
+                                self._cond.wait(min(nap_s, _RECHECK_S))
+                            return 0
+                    finally:
+                        self._waiting -= 1
+            # The socket is this thread's until _let_go.
             self._check_open()
             deadline = self.core.next_deadline()
             now = self.clock.now()
@@ -324,9 +352,7 @@ class Client:
                     completed += 1
             return completed
         finally:
-            self._own.release()  # _let_go(), inlined: this runs for every request
-            if self._waiting:
-                self._notify()
+            self._let_go()
 
     def _dispatch(self, frames: list[zmq.Frame]) -> int:
         try:
@@ -355,12 +381,13 @@ class Client:
     def close(self) -> None:
         if self.state is ClientState.CLOSED:
             return
-        if not self._own.acquire(False):  # no other thread in the socket then
-            try:
-                self._take_to_send()
-            except CarpoolError:  # another thread closed it meanwhile
-                return
+        self._closing = True  # a send that waits for room gives up (within _RECHECK_S)
         try:
+            # Own the socket: no other thread is in it then. (Re-entrant: close() from a
+            # signal handler in the thread that owns it goes on at once; that thread's
+            # interrupted call then fails on the closed socket.)
+            if not self._own.acquire(False):
+                self._take_to_send()
             if self.state is not _OPEN:  # (closed by another thread meanwhile)
                 return
             with self._cond:  # no thread is waking the pipe while it closes
@@ -370,6 +397,8 @@ class Client:
                 self.core.forget(rid)
                 future._set(Unavailable("the client was closed", request_id=rid))
             self._futures.clear()
+        except CarpoolError:  # another thread closed it meanwhile
+            return
         finally:
             self._let_go()
         self.socket.close(linger=0)

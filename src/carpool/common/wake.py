@@ -24,8 +24,9 @@ class WakePipe:
 
     def wake(self) -> None:
         # A full or closed pipe means a wake-up is pending or nobody is listening.
-        with contextlib.suppress(OSError):
-            os.write(self._write_fd, b"x")
+        if self._write_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._write_fd, b"x")
 
     def clear(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -33,5 +34,10 @@ class WakePipe:
                 pass
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._write_fd)
+        """Close both ends, once (a second call does nothing: the numbers may belong to
+        new descriptors by then)."""
+        if self.fd < 0:
+            return
+        fds, self.fd, self._write_fd = (self.fd, self._write_fd), -1, -1
+        for fd in fds:
+            os.close(fd)
