@@ -13,6 +13,7 @@ runs print alike (``bench/batching.py``).
 
 from __future__ import annotations
 
+import logging
 import math
 import select
 import sys
@@ -31,6 +32,8 @@ from carpool.common.codec import DTYPES
 from carpool.common.protocol import Priority
 from carpool.sim.simulator import SimResult
 from carpool.sim.workload import Arrival
+
+logger = logging.getLogger(__name__)
 
 QUANTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
 #: The send lag (p99) past which a run says the generator did not keep up.
@@ -305,10 +308,14 @@ def run(
     # send_timeout_s=0: a send never waits for room (that wait would hold up every later
     # send); a request the broker does not take fails UNAVAILABLE at once.
     with Client(endpoint, grace_s=1.0, send_timeout_s=0.0, **shm) as client:
-        before = _batch_sizes(client.stats())
+        before = _batch_sizes(client.stats())  # TimeoutError: no broker, nothing run
         samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
-        after = _batch_sizes(client.stats())
-    sizes = {m: dict(after[m] - before.get(m, Counter())) for m in after}
+        try:
+            after: dict[str, Counter[int]] | None = _batch_sizes(client.stats())
+        except TimeoutError:  # the broker went away during the run: keep what was measured
+            logger.warning("the broker did not answer STATS after the run: no batch sizes")
+            after = None
+    sizes = {} if after is None else {m: dict(after[m] - before.get(m, Counter())) for m in after}
     if end_s is None:
         # The schedule's end: one mean gap after the last arrival (n arrivals, n gaps).
         n = len(arrivals)

@@ -129,7 +129,18 @@ class BrokerConfig:
             problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
         if self.local_backend and not _unix_path(self.local_backend):
             problems.append(f"local_backend must be unix:PATH, got {self.local_backend!r}")
-        for name, override in self.models.items():
+        given: dict[str, object] = dict(self.models)  # (checked: callers pass anything)
+        if any(isinstance(b, BatchingConfig) for b in given.values()):
+            # A whole BatchingConfig (what this field held before): every key set.
+            given = {
+                name: BatchingOverride(**_fields(b)) if isinstance(b, BatchingConfig) else b
+                for name, b in given.items()
+            }
+            object.__setattr__(self, "models", given)
+        for name, override in given.items():
+            if not isinstance(override, BatchingOverride):
+                problems.append(f"models.{name} must be a table of [batching] keys")
+                continue
             problems.extend(f"models.{name}.{p}" for p in _batching_problems(override))
         check(problems, "broker")
 
@@ -137,6 +148,10 @@ class BrokerConfig:
         """``model``'s batching settings: its ``[models.<name>]`` keys over ``batching``."""
         override = self.models.get(model)
         return self.batching if override is None else override.over(self.batching)
+
+
+def _fields(b: BatchingConfig) -> dict[str, Any]:
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
 
 
 def _unix_path(endpoint: str) -> bool:

@@ -138,3 +138,13 @@ def test_an_override_knows_every_batching_key() -> None:
     assert [f.name for f in dataclasses.fields(BatchingOverride)] == names
     everything = BatchingOverride(**dataclasses.asdict(BatchingConfig(policy="seed")))
     assert everything.over(BatchingConfig(max_batch=99)) == BatchingConfig(policy="seed")
+
+
+def test_a_whole_batching_config_per_model_still_works() -> None:
+    """What ``models`` took before: every key set (it passed validation, then killed the
+    broker's loop with an AttributeError when a worker for the model joined)."""
+    config = BrokerConfig(models={"m": BatchingConfig(max_batch=4)})
+    assert config.batching_for("m") == BatchingConfig(max_batch=4)
+    assert config.models["m"] == BatchingOverride(**dataclasses.asdict(BatchingConfig(max_batch=4)))
+    with pytest.raises(ConfigError, match=r"models\.m must be a table"):
+        BrokerConfig(models={"m": 4})  # type: ignore[dict-item]
