@@ -65,3 +65,17 @@ def test_execution_providers_are_chosen_and_checked() -> None:
         OnnxRuntimeEngine(locate("ppocr-cls"), providers=(*missing, "CPUExecutionProvider"))
     with pytest.raises(ConfigError, match="not available"):
         OnnxRuntimeEngine(locate("ppocr-cls"), providers=())
+
+
+def test_a_provider_that_does_not_start_is_not_a_silent_cpu_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """onnxruntime-gpu lists CUDA even without the CUDA libraries; the session then runs
+    on the CPU without a word. Simulated: CUDA listed as available here."""
+    import onnxruntime as ort
+
+    listed = [*ort.get_available_providers(), "CUDAExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: listed)
+    wanted = ("CUDAExecutionProvider", "CPUExecutionProvider")
+    with pytest.warns(UserWarning, match="CUDA"), pytest.raises(ConfigError, match="did not start"):
+        OnnxRuntimeEngine(locate("ppocr-cls"), providers=wanted)

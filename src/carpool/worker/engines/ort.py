@@ -91,6 +91,14 @@ class OnnxRuntimeEngine:
             )
         except Exception as exc:  # ORT raises its own untyped exception classes
             raise ConfigError(f"cannot load ONNX model {path}: {exc}") from None
+        # ORT falls back to the next provider, silently, when one that it lists cannot
+        # start (onnxruntime-gpu without its CUDA libraries): a GPU model on the CPU.
+        if self._session.get_providers()[0] != providers[0]:
+            raise ConfigError(
+                f"ONNX model {path}: execution provider {providers[0]} did not start (ONNX "
+                f"Runtime fell back to {', '.join(self._session.get_providers())}); for CUDA, "
+                "check that the CUDA and cuDNN libraries onnxruntime-gpu needs are installed"
+            )
         inputs = tuple(_tensor(a, "input") for a in self._session.get_inputs())
         outputs = tuple(_tensor(a, "output") for a in self._session.get_outputs())
         for t in inputs + outputs:
