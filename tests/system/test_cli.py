@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -60,6 +61,28 @@ def spawn(tmp_path: Path) -> Iterator[Spawn]:
             proc.wait()
     for log in logs:
         log.close()
+
+
+def _until_registered(
+    client: Client,
+    broker: subprocess.Popen[bytes],
+    worker: subprocess.Popen[bytes],
+    tmp_path: Path,
+) -> list[dict[str, Any]]:
+    """Wait (at most 60 s) until the broker lists a worker; its STATS ``workers``."""
+    clock = MonotonicClock()
+    until = clock.now() + 60.0
+    while True:
+        assert broker.poll() is None, _logs(tmp_path)
+        assert worker.poll() is None, _logs(tmp_path)
+        assert clock.now() < until, "the worker never registered\n" + _logs(tmp_path)
+        try:
+            workers: list[dict[str, Any]] = client.stats(timeout_s=1.0)["workers"]
+        except TimeoutError:
+            continue  # the broker is still starting
+        if workers:
+            return workers
+        client.poll(0.05)
 
 
 def _logs(tmp_path: Path) -> str:
@@ -127,19 +150,8 @@ def test_broker_and_worker_processes_serve_and_stop(tmp_path: Path, spawn: Spawn
     worker = spawn("worker", "--broker", backend, "--synthetic", "1", "0.1", "--name", "w0")
 
     with Client(frontend, default_timeout_s=5.0) as client:
-        clock = MonotonicClock()
-        until = clock.now() + 60.0
-        while True:
-            assert broker.poll() is None, _logs(tmp_path)
-            assert worker.poll() is None, _logs(tmp_path)
-            assert clock.now() < until, "the worker never registered\n" + _logs(tmp_path)
-            try:
-                workers = client.stats(timeout_s=1.0)["workers"]
-            except TimeoutError:
-                continue  # the broker is still starting
-            if [w["name"] for w in workers] == ["w0"]:
-                break
-            client.poll(0.05)
+        workers = _until_registered(client, broker, worker, tmp_path)
+        assert [w["name"] for w in workers] == ["w0"]
         x = np.arange(32, dtype=np.float32).reshape(2, 16)
         result = client.submit("synthetic", {"x": x}, timeout_s=5.0).result()
     np.testing.assert_array_equal(result["y"], synthetic_output(x))
@@ -440,19 +452,7 @@ def test_a_worker_serves_an_onnx_file_under_its_stem(tmp_path: Path, spawn: Spaw
     broker = spawn("broker", "--frontend", frontend, "--backend", backend)
     worker = spawn("worker", "--broker", backend, "--model", str(model), "--name", "w0")
     with Client(frontend, default_timeout_s=5.0) as client:
-        clock = MonotonicClock()
-        until = clock.now() + 60.0
-        while True:
-            assert broker.poll() is None, _logs(tmp_path)
-            assert worker.poll() is None, _logs(tmp_path)
-            assert clock.now() < until, "the worker never registered\n" + _logs(tmp_path)
-            try:
-                workers = client.stats(timeout_s=1.0)["workers"]
-            except TimeoutError:
-                continue
-            if workers:
-                break
-            client.poll(0.05)
+        workers = _until_registered(client, broker, worker, tmp_path)
         assert [w["models"] for w in workers] == [["cls"]]
         x = np.zeros((1, 3, 48, 192), np.float32)
         assert client.infer("cls", {"x": x}, timeout_s=5.0)
