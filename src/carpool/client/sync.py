@@ -187,17 +187,16 @@ class Client:
         The inputs may be reused (refilled) as soon as this returns. If the broker takes
         nothing for the request's whole timeout (it is away and 1,000 messages wait for
         it already), the future fails ``Unavailable`` then."""
+        wait_s = self.core.default_timeout_s if timeout_s is None else timeout_s
+        if self.send_timeout_s is not None:
+            wait_s = min(wait_s, self.send_timeout_s)
         try:  # (acquired inside: an exception from a signal handler cannot skip finally)
-            if not self._own.acquire(False):
-                wait_s = self.core.default_timeout_s if timeout_s is None else timeout_s
-                if self.send_timeout_s is not None:
-                    wait_s = min(wait_s, self.send_timeout_s)
-                if not self._take_to_send(self.clock.now() + wait_s):
-                    # Another thread's send has held the socket for all that time (the
-                    # broker takes nothing): as if this send had waited itself.
-                    future = ReplyFuture(self, 0)
-                    future._set(Unavailable("the broker is not taking requests"))
-                    return future
+            if not self._own_to_send(wait_s):
+                # Another thread's send has held the socket for all that time (the
+                # broker takes nothing): as if this send had waited itself.
+                future = ReplyFuture(self, 0)
+                future._set(Unavailable("the broker is not taking requests"))
+                return future
             self._check_open()
             now = self.clock.now()
             rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
@@ -255,7 +254,7 @@ class Client:
         self._check_open()
         until = self.clock.now() + timeout_s
         try:
-            if not self._own.acquire(False) and not self._take_to_send(until):
+            if not self._own_to_send(timeout_s):
                 raise TimeoutError("the broker is not taking requests")
             self._check_open()
             sid, frames = self.core.stats_request()
@@ -276,11 +275,14 @@ class Client:
 
     # ------------------------------------------------------------------ threads
 
-    def _take_to_send(self, until_s: float | None = None) -> bool:
-        """Own the socket to send, or to close it: wake a thread blocked in its poll and
-        wait for it to let go, until ``until_s`` (False: not owned by then). (The caller
-        tried ``_own.acquire(False)`` first: with one thread that is all it costs.)"""
+    def _own_to_send(self, wait_s: float | None = None) -> bool:
+        """Own the socket to send, or to close it: at once when it is free (with one
+        thread, all this costs); else wake a thread blocked in its poll and wait for it
+        to let go, for at most ``wait_s`` (False: not owned by then)."""
         own = self._own
+        if own.acquire(False):
+            return True
+        until_s = None if wait_s is None else self.clock.now() + wait_s
         with self._cond:
             self._senders += 1
             self._waiting += 1
@@ -386,8 +388,7 @@ class Client:
             # Own the socket: no other thread is in it then. (Re-entrant: close() from a
             # signal handler in the thread that owns it goes on at once; that thread's
             # interrupted call then fails on the closed socket.)
-            if not self._own.acquire(False):
-                self._take_to_send()
+            self._own_to_send()
             if self.state is not _OPEN:  # (closed by another thread meanwhile)
                 return
             with self._cond:  # no thread is waking the pipe while it closes

@@ -234,15 +234,18 @@ class TensorMeta:
         if empty:
             # An empty payload bounds nothing: the other dims could describe an array no
             # client can build (numpy refuses [1, 0, 2**61] float32). §14's limit.
-            span = codec.ITEMSIZE[dtype]
-            for d in shape:
-                span *= d or 1
+            span = empty_span_bytes(shape, codec.ITEMSIZE[dtype])
             if span > MAX_EMPTY_SPAN_BYTES:
                 raise ProtocolError(
                     f"tensor {name!r}: shape {shape} spans {span} bytes without its zero "
                     f"dims; at most {MAX_EMPTY_SPAN_BYTES}"
                 )
         return cls(name, dtype, tuple(shape))
+
+
+def empty_span_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes a shape spans with its zero dims read as 1 (§14 bounds it for empty tensors)."""
+    return itemsize * math.prod(d or 1 for d in shape)
 
 
 def _tensor_list(

@@ -24,6 +24,7 @@ from carpool.common.protocol import (
     ReplyMeta,
     TensorMeta,
     check_frame_sizes,
+    empty_span_bytes,
     encode_reply,
     header,
     view,
@@ -192,8 +193,7 @@ def replies(
         if arr.ndim == 0 or arr.shape[0] != total:
             raise ProtocolError(f"output {name!r} has shape {arr.shape}, expected dim 0 = {total}")
         if arr.ndim > MAX_RANK or (
-            arr.size == 0
-            and arr.itemsize * math.prod(d or 1 for d in arr.shape) > MAX_EMPTY_SPAN_BYTES
+            arr.size == 0 and empty_span_bytes(arr.shape, arr.itemsize) > MAX_EMPTY_SPAN_BYTES
         ):
             # A reply the client could not read would leave it waiting until its timeout:
             # the batch fails now, with the reason. (Zero-size dims after dim 0 are fine:
