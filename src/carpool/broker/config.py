@@ -133,7 +133,9 @@ class BrokerConfig:
         if any(isinstance(b, BatchingConfig) for b in given.values()):
             # A whole BatchingConfig (what this field held before): every key set.
             given = {
-                name: BatchingOverride(**_fields(b)) if isinstance(b, BatchingConfig) else b
+                name: BatchingOverride(**dataclasses.asdict(b))
+                if isinstance(b, BatchingConfig)
+                else b
                 for name, b in given.items()
             }
             object.__setattr__(self, "models", given)
@@ -148,10 +150,6 @@ class BrokerConfig:
         """``model``'s batching settings: its ``[models.<name>]`` keys over ``batching``."""
         override = self.models.get(model)
         return self.batching if override is None else override.over(self.batching)
-
-
-def _fields(b: BatchingConfig) -> dict[str, Any]:
-    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
 
 
 def _unix_path(endpoint: str) -> bool:
