@@ -45,3 +45,17 @@ def test_the_batching_configuration_shown_is_the_default() -> None:
     shown = tomllib.loads(block)["batching"]
     defaults = dataclasses.asdict(BatchingConfig())
     assert shown == defaults
+
+
+def test_the_readmes_input_limits_example_is_a_worker_config_that_says_what_it_shows() -> None:
+    from carpool.common.config import from_mapping
+    from carpool.common.shape_rules import ShapeRule
+    from carpool.worker.config import WorkerConfig
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```toml\n(\[\[models\]\].*?)```", text, re.S)
+    (model,) = from_mapping(WorkerConfig, tomllib.loads(block)).models
+    rule = model.inputs["x"]
+    assert rule == ShapeRule(max_shape=(-1, 3, 1536, 1536), multiple_of=(1, 1, 32, 32))
+    (claim,) = re.findall(r'\("(dim 2 is 720, .*?\))"\)', text, re.S)
+    assert rule.violation((1, 3, 720, 1280)) == " ".join(claim.split())

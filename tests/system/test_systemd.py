@@ -13,6 +13,11 @@ from carpool.broker.config import BrokerConfig
 from carpool.common.config import from_mapping, load_toml
 from carpool.worker.config import WorkerConfig
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 
 
@@ -38,6 +43,21 @@ def test_worker_example_loads() -> None:
     assert [m.name for m in config.models] == ["orientation", "ppocr-cls", "synthetic"]
     assert config.models[2].engine == "synthetic"
     assert config.models[2].item_shape == (16,)
+
+
+def test_worker_examples_commented_input_rules_load_and_fit_ppocr_cls() -> None:
+    from carpool.common.shape_rules import ShapeRule
+
+    text = (SYSTEMD / "worker.toml.example").read_text()
+    lines = text.splitlines()
+    start = lines.index("# [models.inputs.x]")
+    for i in range(start, start + 4):
+        lines[i] = lines[i].removeprefix("# ")
+    config = from_mapping(WorkerConfig, tomllib.loads("\n".join(lines)))
+    cls = config.models[1]
+    rule = ShapeRule((1, 3, 48, 16), (-1, 3, 48, 2048), (1, 1, 1, 8))
+    assert cls.inputs == {"x": rule}
+    assert cls.factory()().info.rules == (rule,)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")

@@ -382,6 +382,7 @@ def _conform(
     ordered_inputs: list[TensorMeta] = []
     order: list[int] = []
     samples = -1
+    rules = spec.rules
     for want in spec.inputs:
         index, got = given[want.name]
         if got.dtype != want.dtype:
@@ -397,6 +398,10 @@ def _conform(
                     f"input {want.name!r}: shape {list(got.shape)} does not fit "
                     f"{_spec_shape(want.shape)}"
                 )
+        rule = rules[len(order)] if rules else None
+        broken = rule.violation(got.shape) if rule is not None else None
+        if broken is not None:
+            raise ProtocolError(f"input {want.name!r}: shape {list(got.shape)}: {broken}")
         if samples not in (-1, got.shape[0]):
             raise ProtocolError("all inputs of a request must have the same dim 0 (samples)")
         samples = got.shape[0]

@@ -114,11 +114,16 @@ class WorkerRegistry:
         return self._workers.values()
 
     def conflicts(self, ready: Ready) -> list[str]:
-        """Models whose announced inputs differ from the spec already registered."""
+        """Models whose announced inputs (their shape rules included) or outputs differ from
+        the spec already registered."""
         out = []
         for spec in ready.models:
             known = self.specs.get(spec.name)
-            if known is not None and (known.inputs != spec.inputs or known.outputs != spec.outputs):
+            if known is not None and (
+                known.inputs != spec.inputs
+                or known.outputs != spec.outputs
+                or known.rules != spec.rules
+            ):
                 out.append(spec.name)
         return out
 

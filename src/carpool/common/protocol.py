@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from carpool.common import codec, shm
 from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.shape_rules import ShapeRule
 
 MAGIC = b"CP"
 PROTOCOL_VERSION = 1
@@ -574,11 +575,17 @@ class ModelSpec:
     max_batch: int
     # Batch sizes the engine runs best at (TensorRT profile sizes); empty means any.
     preferred_batch: tuple[int, ...] = ()
+    # Limits on each input's dims beyond its shape, in input order; () when none has any.
+    rules: tuple[ShapeRule | None, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
+        inputs = [t.to_wire() for t in self.inputs]
+        for descriptor, rule in zip(inputs, self.rules or [None] * len(inputs), strict=True):
+            if rule:
+                descriptor.update(rule.to_wire())
         return {
             "name": self.name,
-            "inputs": [t.to_wire() for t in self.inputs],
+            "inputs": inputs,
             "outputs": [t.to_wire() for t in self.outputs],
             "max_batch": self.max_batch,
             "preferred_batch": list(self.preferred_batch),
@@ -589,6 +596,10 @@ class ModelSpec:
         m = _map(obj, "model spec")
         name = _name(m.get("name"), "model spec")
         inputs = _tensor_list(m.get("inputs"), f"model {name} inputs", allow_dynamic=True)
+        rules = tuple(
+            ShapeRule.from_wire(d, len(t.shape), f"model {name} input {t.name!r}")
+            for d, t in zip(m["inputs"], inputs, strict=True)
+        )
         outputs = _tensor_list(m.get("outputs"), f"model {name} outputs", allow_dynamic=True)
         max_batch = _field(m, "max_batch", int, f"model {name}")
         if max_batch < 1:
@@ -599,7 +610,14 @@ class ModelSpec:
             for p in preferred
         ):
             raise ProtocolError(f"model {name}: preferred_batch must list ints in 1..max_batch")
-        return cls(name, inputs, outputs, max_batch, tuple(sorted(set(preferred))))
+        return cls(
+            name,
+            inputs,
+            outputs,
+            max_batch,
+            tuple(sorted(set(preferred))),
+            rules if any(rules) else (),
+        )
 
 
 @dataclass(frozen=True, slots=True)

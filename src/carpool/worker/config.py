@@ -9,6 +9,7 @@ from carpool.common.codec import DTYPES
 from carpool.common.config import check
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
+from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.base import Engine
 from carpool.worker.server import EngineFactory, WorkerServer
 
@@ -33,6 +34,10 @@ class ModelConfig:
     per_sample_s: float = 0.0
     item_shape: tuple[int, ...] = (16,)
     dtype: str = "float32"
+    # Limits on inputs' dynamic dims, by input name ([models.inputs.NAME]: min_shape,
+    # max_shape, multiple_of; protocol §8.1); the broker refuses requests outside them.
+    # A catalogue model's own (ppocr-det: H and W multiples of 32) apply unless replaced.
+    inputs: dict[str, ShapeRule] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,19 +95,27 @@ class ModelConfig:
             dtype=self.dtype,
             max_batch=self.max_batch,
             preferred_batch=self.preferred_batch,
+            shape_rules=self.inputs,
         )
 
     def _onnxruntime(self) -> Engine:
         from carpool.worker.engines.ort import OnnxRuntimeEngine
-        from carpool.worker.models import locate
+        from carpool.worker.models import CATALOG, locate
 
-        path = self.path or str(locate(self.name))
+        rules: dict[str, ShapeRule] = {}
+        if not self.path:
+            path = str(locate(self.name))
+            rules.update(CATALOG[self.name].rules)
+        else:
+            path = self.path
+        rules.update(self.inputs)
         return OnnxRuntimeEngine(
             path,
             max_batch=self.max_batch,
             intra_op_threads=self.intra_op_threads,
             preferred_batch=self.preferred_batch,
             providers=self.providers,
+            shape_rules=rules,
         )
 
 

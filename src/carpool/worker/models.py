@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.common.errors import ConfigError
+from carpool.common.shape_rules import ShapeRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,8 @@ class CatalogModel:
     filename: str
     sha256: str
     description: str
+    # Limits on inputs' dims the model needs (protocol §8.1), by input name.
+    rules: tuple[tuple[str, ShapeRule], ...] = ()
 
 
 CATALOG: dict[str, CatalogModel] = {
@@ -51,6 +54,8 @@ CATALOG: dict[str, CatalogModel] = {
             "ch_PP-OCRv4_det_infer.onnx",
             "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9",
             "PP-OCRv4 text detector, [B,3,H,W] with H and W multiples of 32",
+            # Other sizes fail inside the model (a broadcast in an Add node).
+            (("x", ShapeRule(multiple_of=(1, 1, 32, 32))),),
         ),
         CatalogModel(
             "ppocr-rec",

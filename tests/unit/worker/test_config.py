@@ -132,3 +132,53 @@ def test_providers_come_from_the_toml_and_may_not_be_empty() -> None:
     assert ModelConfig().providers == ("CPUExecutionProvider",)
     with pytest.raises(ConfigError, match="providers must name"):
         ModelConfig(providers=())
+
+
+def test_input_rules_come_from_the_toml_and_reach_the_engine(tmp_path: Path) -> None:
+    """[models.inputs.NAME] (protocol §8.1); a catalogue model's own rule (ppocr-det:
+    multiples of 32) applies unless the file replaces it."""
+    from carpool.common.shape_rules import ShapeRule
+
+    toml = tmp_path / "w.toml"
+    toml.write_text(
+        '[[models]]\nname = "ppocr-det"\n'
+        '[[models]]\nname = "big-det"\npath = "' + str(locate("ppocr-det")) + '"\n'
+        "[models.inputs.x]\nmax_shape = [-1, 3, 1536, 1536]\nmultiple_of = [1, 1, 64, 64]\n"
+        '[[models]]\nname = "s"\nengine = "synthetic"\nitem_shape = [-1]\n'
+        "[models.inputs.x]\nmin_shape = [1, 8]\n"
+    )
+    det, big, synthetic = worker_config(_worker_args("--config", str(toml))).models
+    assert det.inputs == {}
+    assert det.factory()().info.rules == (ShapeRule(multiple_of=(1, 1, 32, 32)),)
+    assert big.factory()().info.rules == (
+        ShapeRule(max_shape=(-1, 3, 1536, 1536), multiple_of=(1, 1, 64, 64)),
+    )
+    assert synthetic.factory()().info.rules == (ShapeRule(min_shape=(1, 8)),)
+    # A model of its own file has no catalogue rule.
+    (own,) = worker_config(_worker_args("--model", str(locate("ppocr-det")))).models
+    assert own.factory()().info.rules == ()
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ("[models.inputs.image]\nmultiple_of = [1, 1, 32, 32]\n", r"rules for \['image'\]"),
+        ("[models.inputs.x]\nmultiple_of = [1, 32]\n", "multiple_of has 2 entries"),
+        ("[models.inputs.x]\nmultiple_of = [1, 1, 0, 32]\n", "entries must be ints >= 1"),
+    ],
+)
+def test_input_rules_that_do_not_fit_the_model_are_config_errors(
+    tmp_path: Path, table: str, match: str
+) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text('[[models]]\nname = "ppocr-det"\n' + table)
+    (model,) = worker_config(_worker_args("--config", str(toml))).models
+    with pytest.raises(ConfigError, match=match):
+        model.factory()()
+
+
+def test_input_rules_of_the_wrong_type_are_config_errors(tmp_path: Path) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text('[[models]]\nname = "ppocr-det"\n[models.inputs.x]\nmultiple_of = 32\n')
+    with pytest.raises(ConfigError, match=r"models\[0\].inputs.x.multiple_of: expected a list"):
+        worker_config(_worker_args("--config", str(toml)))

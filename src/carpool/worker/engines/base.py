@@ -7,6 +7,7 @@ when the backend needs thread affinity (TensorRT's CUDA context).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,8 +15,10 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from carpool.common import shape_rules
 from carpool.common.codec import numpy_dtype
 from carpool.common.protocol import ModelSpec, TensorMeta
+from carpool.common.shape_rules import ShapeRule
 
 Array = NDArray[Any]
 
@@ -30,9 +33,25 @@ class EngineInfo:
     max_batch: int
     # Sizes the engine is tuned for (TensorRT optimisation profiles); empty means any.
     preferred_batch: tuple[int, ...] = ()
+    # Limits on each input's dims beyond its shape (protocol §8.1), in input order; ()
+    # when none has any: see with_rules.
+    rules: tuple[ShapeRule | None, ...] = ()
 
     def spec(self, name: str) -> ModelSpec:
-        return ModelSpec(name, self.inputs, self.outputs, self.max_batch, self.preferred_batch)
+        return ModelSpec(
+            name, self.inputs, self.outputs, self.max_batch, self.preferred_batch, self.rules
+        )
+
+
+def with_rules(info: EngineInfo, rules: Mapping[str, ShapeRule], what: str) -> EngineInfo:
+    """``info`` with ``rules`` (by input name) for its inputs.
+
+    Raises:
+        ConfigError: a rule names an input the engine lacks or does not fit its rank.
+    """
+    names = [t.name for t in info.inputs]
+    ranks = [len(t.shape) for t in info.inputs]
+    return dataclasses.replace(info, rules=shape_rules.align(names, ranks, rules, what))
 
 
 class Engine(Protocol):

@@ -16,7 +16,8 @@ import numpy as np
 
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
-from carpool.worker.engines.base import Array, EngineInfo
+from carpool.common.shape_rules import ShapeRule
+from carpool.worker.engines.base import Array, EngineInfo, with_rules
 
 _ORT_TYPES = {
     "tensor(float)": "float32",
@@ -55,6 +56,8 @@ class OnnxRuntimeEngine:
         providers: ONNX Runtime execution providers in order of preference, e.g.
             ``("CUDAExecutionProvider", "CPUExecutionProvider")`` with onnxruntime-gpu;
             each must be one this onnxruntime has (a ConfigError lists those).
+        shape_rules: limits on inputs' dynamic dims, by input name, announced to the
+            broker (protocol §8.1): e.g. multiples of 32 for a detector's H and W.
     """
 
     #: May be called from any one thread at a time (not bound to the thread that built it).
@@ -68,6 +71,7 @@ class OnnxRuntimeEngine:
         intra_op_threads: int = 1,
         preferred_batch: Sequence[int] = (),
         providers: Sequence[str] = ("CPUExecutionProvider",),
+        shape_rules: Mapping[str, ShapeRule] | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -109,7 +113,11 @@ class OnnxRuntimeEngine:
                 )
         self.path = Path(path)
         self._output_names = [t.name for t in outputs]
-        self._info = EngineInfo(inputs, outputs, max_batch, tuple(sorted(set(preferred_batch))))
+        self._info = with_rules(
+            EngineInfo(inputs, outputs, max_batch, tuple(sorted(set(preferred_batch)))),
+            shape_rules or {},
+            f"ONNX model {path}",
+        )
         self.metadata: dict[str, str] = dict(self._session.get_modelmeta().custom_metadata_map)
 
     @property

@@ -17,7 +17,8 @@ import numpy as np
 
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.protocol import TensorMeta
-from carpool.worker.engines.base import Array, EngineInfo
+from carpool.common.shape_rules import ShapeRule
+from carpool.worker.engines.base import Array, EngineInfo, with_rules
 
 
 def synthetic_output(x: Array, output_items: int = 0) -> Array:
@@ -43,6 +44,7 @@ class SyntheticEngine:
         clock: how to wait; the real clock by default.
         output_items: 0: ``y`` has the shape of ``x``; n: ``y`` is ``[B, n]``, the first n
             values of each sample (at most the sample's size).
+        shape_rules: limits on ``x``'s dynamic dims announced to the broker (§8.1).
     """
 
     #: May be called from any one thread at a time (not bound to the thread that built it).
@@ -59,6 +61,7 @@ class SyntheticEngine:
         preferred_batch: tuple[int, ...] = (),
         clock: Clock | None = None,
         output_items: int = 0,
+        shape_rules: Mapping[str, ShapeRule] | None = None,
     ) -> None:
         if output_items < 0 or (output_items and -1 in item_shape):
             raise ValueError("output_items needs a non-negative count and a fixed item shape")
@@ -70,11 +73,15 @@ class SyntheticEngine:
         self.clock: Clock = clock or MonotonicClock()
         shape = (-1, *item_shape)
         out_shape = (-1, output_items) if output_items else shape
-        self._info = EngineInfo(
-            inputs=(TensorMeta("x", dtype, shape),),
-            outputs=(TensorMeta("y", dtype, out_shape),),
-            max_batch=max_batch,
-            preferred_batch=preferred_batch,
+        self._info = with_rules(
+            EngineInfo(
+                inputs=(TensorMeta("x", dtype, shape),),
+                outputs=(TensorMeta("y", dtype, out_shape),),
+                max_batch=max_batch,
+                preferred_batch=preferred_batch,
+            ),
+            shape_rules or {},
+            "synthetic model",
         )
         self._lock = threading.Lock()
         # (batch size, item shape) of the most recent batches run, for tests.
