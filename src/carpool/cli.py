@@ -25,7 +25,7 @@ from carpool.common.logs import configure
 from carpool.common.memory import tune_allocator
 
 if TYPE_CHECKING:
-    from carpool.worker.config import WorkerConfig
+    from carpool.worker.config import ModelConfig, WorkerConfig
 
 logger = logging.getLogger("carpool")
 
@@ -185,9 +185,18 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         limits["intra_op_threads"] = args.threads
     if limits:
         config = dataclasses.replace(
-            config, models=tuple(dataclasses.replace(m, **limits) for m in config.models)
+            config, models=tuple(_limited(m, limits) for m in config.models)
         )
     return config
+
+
+def _limited(model: ModelConfig, limits: dict[str, Any]) -> ModelConfig:
+    """``model`` with the flags' limits; preferred batch sizes above a --max-batch are
+    dropped (they are advice to the broker; the flag is the operator's word)."""
+    if "max_batch" in limits:
+        cap = limits["max_batch"]
+        limits = {**limits, "preferred_batch": tuple(p for p in model.preferred_batch if p <= cap)}
+    return dataclasses.replace(model, **limits)
 
 
 # ---------------------------------------------------------------------- demo

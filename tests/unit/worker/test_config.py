@@ -182,3 +182,14 @@ def test_input_rules_of_the_wrong_type_are_config_errors(tmp_path: Path) -> None
     toml.write_text('[[models]]\nname = "ppocr-det"\n[models.inputs.x]\nmultiple_of = 32\n')
     with pytest.raises(ConfigError, match=r"models\[0\].inputs.x.multiple_of: expected a list"):
         worker_config(_worker_args("--config", str(toml)))
+
+
+def test_max_batch_below_the_files_preferred_sizes_drops_those_sizes(tmp_path: Path) -> None:
+    """It was a ConfigError ("preferred_batch sizes must lie in 1..max_batch"): the sizes
+    are advice to the broker, the flag is the operator's word."""
+    toml = tmp_path / "w.toml"
+    toml.write_text('[[models]]\nname = "ppocr-cls"\nmax_batch = 16\npreferred_batch = [4, 8]\n')
+    (model,) = worker_config(_worker_args("--config", str(toml), "--max-batch", "6")).models
+    assert (model.max_batch, model.preferred_batch) == (6, (4,))
+    (model,) = worker_config(_worker_args("--config", str(toml), "--threads", "2")).models
+    assert (model.max_batch, model.preferred_batch) == (16, (4, 8))
