@@ -59,3 +59,49 @@ def test_the_readmes_input_limits_example_is_a_worker_config_that_says_what_it_s
     assert rule == ShapeRule(max_shape=(-1, 3, 1536, 1536), multiple_of=(1, 1, 32, 32))
     (claim,) = re.findall(r'\("(dim 2 is 720, .*?\))"\)', text, re.S)
     assert rule.violation((1, 3, 720, 1280)) == " ".join(claim.split())
+
+
+def test_the_readmes_client_examples_run_against_a_fleet() -> None:
+    """The README's sync and async snippets, run as written on a synthetic model."""
+    import asyncio
+    import contextlib
+
+    import numpy as np
+
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.server import BrokerServer
+    from carpool.common.testing import ServerThread
+    from carpool.worker.engines.synthetic import SyntheticEngine
+    from carpool.worker.server import WorkerServer
+    from tests.conftest import loopback_config, wait_for_workers
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Client SDK")
+    blocks = re.findall(r"```python\n(.*?)```", text[start:], re.S)[:2]
+    assert "with Client(" in blocks[0] and "async with AsyncClient(" in blocks[1]
+    config: BrokerConfig = loopback_config()
+    with contextlib.ExitStack() as stack:
+        broker = stack.enter_context(ServerThread(BrokerServer(config)))
+        engine = lambda: SyntheticEngine(item_shape=(3,))  # noqa: E731
+        stack.enter_context(
+            ServerThread(WorkerServer(broker.backend_endpoint, {"orientation": engine}))
+        )
+        from carpool.client import Client
+
+        with Client(broker.frontend_endpoint) as probe:
+            wait_for_workers(probe, 1)
+        endpoint = broker.frontend_endpoint
+        image = np.ones((1, 3), np.float32)
+        images = [np.full((1, 3), i, np.float32) for i in range(4)]
+        sync = blocks[0].replace('"tcp://127.0.0.1:5555"', repr(endpoint))
+        scope: dict[str, object] = {"image": image, "images": images}
+        exec(sync, scope)
+        assert [r.outputs["y"][0, 0] for r in scope["results"]] == [1, 3, 5, 7]  # type: ignore[attr-defined]
+        body = blocks[1].replace('"tcp://127.0.0.1:5555"', repr(endpoint))
+        body = "async def main():\n" + "".join(f"    {line}\n" for line in body.splitlines())
+        body += "    return outputs, results\n"
+        scope = {"image": image, "images": images, "asyncio": asyncio}
+        exec(body, scope)
+        outputs, results = asyncio.run(scope["main"]())  # type: ignore[operator]
+        assert outputs["y"].tolist() == [[3.0, 3.0, 3.0]]
+        assert [r.outputs["y"][0, 0] for r in results] == [1, 3, 5, 7]
