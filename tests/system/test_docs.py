@@ -78,7 +78,8 @@ def test_the_readmes_client_examples_run_against_a_fleet() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     start = text.index("## Client SDK")
     blocks = re.findall(r"```python\n(.*?)```", text[start:], re.S)[:2]
-    assert "with Client(" in blocks[0] and "async with AsyncClient(" in blocks[1]
+    assert "with Client(" in blocks[0]
+    assert "async with AsyncClient(" in blocks[1]
     config: BrokerConfig = loopback_config()
     with contextlib.ExitStack() as stack:
         broker = stack.enter_context(ServerThread(BrokerServer(config)))
