@@ -383,6 +383,11 @@ class BatchScheduler:
             if worker.lanes[model].max_batch < first.samples:
                 bigger = self.registry.best_free(model, first.samples)
                 if bigger is None:
+                    if self.registry.max_batch(model) < first.samples:
+                        # The worker that could take it has left: answer it now, not let
+                        # everything behind it wait for its deadline.
+                        self._unservable(queue, first, out)
+                        continue
                     # Only a busy worker can take it; its RESULT pumps again, and shedding
                     # keeps its own time.
                     if shed_at is not None:
@@ -422,6 +427,18 @@ class BatchScheduler:
                     continue
             out.append(self._dispatch(now, worker, queue.key, requests, capacity))
             caps.pop(worker.wid, None)  # its backlog and credits changed
+
+    def _unservable(self, queue: RequestQueue, req: PendingRequest, out: list[Outgoing]) -> None:
+        """Answer a queued request larger than any live worker of its model takes (it was
+        admitted, or requeued, while a larger worker served the model)."""
+        queue.forget(req)
+        self._dequeued(req)
+        _finish(req, RequestState.FAILED)
+        msg = (
+            f"request has {req.samples} samples; no live worker of model {req.model!r} "
+            f"takes more than {self.registry.max_batch(req.model)} per batch now"
+        )
+        out.append(self._request_error(req, ErrorCode.UNAVAILABLE, msg))
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]

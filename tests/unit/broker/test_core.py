@@ -441,6 +441,34 @@ def test_large_request_goes_to_a_worker_that_can_take_it() -> None:
     assert (nxt.to, ids(nxt)) == (W2, [2])
 
 
+@pytest.mark.parametrize("policy", ["fixed", "carpool"])
+def test_a_request_no_live_worker_can_take_is_answered_and_blocks_nobody(policy: str) -> None:
+    """The only worker that took 12 samples left: its requests waited at the head of the
+    queue until their deadlines (an hour at most) and every request behind them with
+    them, while a smaller worker sat idle."""
+    b = Broker.make(max_batch=4, max_wait_s=0.0, policy=policy)
+    b.ready(T0, W1, model_spec(max_batch=16), slots=1)
+    b.ready(T0, W2, model_spec(max_batch=4), slots=1)
+    (big,) = batches(b.request(T0, 1, n=12, timeout_ms=3_600_000))
+    assert big.to == W1
+    assert batches(b.request(T0, 2, n=12, timeout_ms=3_600_000)) == []  # W1 busy: waits
+    out = b.disconnect(T0 + 0.01, W1)
+    errors = only(out, Command.ERROR, Side.FRONTEND)
+    assert sorted((m.rid, m.code) for m in errors) == [
+        (1, ErrorCode.UNAVAILABLE),
+        (2, ErrorCode.UNAVAILABLE),
+    ]
+    assert "no live worker of model 'm' takes more than 4 per batch now" in errors[0].meta[
+        "message"
+    ]
+    (small,) = batches(b.request(T0 + 0.02, 3, n=2))
+    assert (small.to, ids(small)) == (W2, [3])
+    assert b.core.queued == 0
+    # A new request that large is refused at the door, as before.
+    (refused,) = to_clients(b.request(T0 + 0.03, 4, n=12))
+    assert refused.code is ErrorCode.INVALID_ARGUMENT
+
+
 # --------------------------------------------------------------------------- credits
 
 
