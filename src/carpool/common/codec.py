@@ -95,6 +95,12 @@ def pack(obj: object) -> bytes:
     return out
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    """Protocol §4: extension types MUST NOT be used (an empty ext 8/16/32 got through
+    ``max_ext_len=0``)."""
+    raise ValueError(f"extension type {code} is not allowed")
+
+
 def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_META_BYTES) -> Any:
     """Decode one msgpack object, refusing anything larger than ``max_bytes``.
 
@@ -113,7 +119,8 @@ def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_META_BYTES) -> Any:
             max_str_len=max_bytes,
             max_array_len=max_bytes,
             max_map_len=max_bytes,
-            max_ext_len=0,
+            max_ext_len=0,  # (bounds an extension's body, but lets an empty one by)
+            ext_hook=_no_ext,
         )
     except Exception as exc:  # msgpack raises a zoo of types on bad input
         raise ProtocolError(f"malformed msgpack: {exc}") from None

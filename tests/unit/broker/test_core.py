@@ -458,9 +458,9 @@ def test_a_request_no_live_worker_can_take_is_answered_and_blocks_nobody(policy:
         (1, ErrorCode.UNAVAILABLE),
         (2, ErrorCode.UNAVAILABLE),
     ]
-    assert "no live worker of model 'm' takes more than 4 per batch now" in errors[0].meta[
-        "message"
-    ]
+    assert (
+        "no live worker of model 'm' takes more than 4 per batch now" in errors[0].meta["message"]
+    )
     (small,) = batches(b.request(T0 + 0.02, 3, n=2))
     assert (small.to, ids(small)) == (W2, [3])
     assert b.core.queued == 0

@@ -149,9 +149,20 @@ def test_unpack_rejects_malformed(data: bytes) -> None:
         codec.unpack(data)
 
 
-def test_unpack_rejects_ext_types() -> None:
-    data = msgpack.packb(msgpack.ExtType(1, b"xyz"))
-    with pytest.raises(ProtocolError):
+@pytest.mark.parametrize(
+    "data",
+    [
+        msgpack.packb(msgpack.ExtType(1, b"xyz")),
+        b"\xd4\x05\x00",  # fixext 1
+        # Empty bodies in ext 8/16/32, alone and as a map value: max_ext_len=0 let them by.
+        b"\xc7\x00\x05",
+        b"\xc8\x00\x00\x05",
+        b"\xc9\x00\x00\x00\x00\x05",
+        b"\x81\xa1k\xc7\x00\x05",
+    ],
+)
+def test_unpack_rejects_ext_types(data: bytes) -> None:
+    with pytest.raises(ProtocolError, match="malformed msgpack"):
         codec.unpack(data)
 
 
