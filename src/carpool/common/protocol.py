@@ -697,7 +697,9 @@ def parse_batch_refs(obj: Any, n_inputs: int) -> tuple[ShmRef | None, ...]:
     """BATCH ``requests[i].shm``, checked: one reference or None per input."""
     if type(obj) is not list or len(obj) != n_inputs:
         raise ProtocolError(f"batch: a request's 'shm' must be a list of {n_inputs} entries")
-    return tuple(None if r is None else shm.parse_ref(r, "batch request") for r in obj)
+    return tuple(
+        None if r is None else shm.parse_ref(r, "batch request", ring_ok=True) for r in obj
+    )
 
 
 #: BATCH ``inputs`` lists that passed validation, by signature (a worker sees a few).

@@ -105,9 +105,19 @@ def valid_region(name: object) -> bool:
     return type(name) is str and _REGION_RE.fullmatch(name) is not None
 
 
-def parse_ref(obj: Any, what: str) -> ShmRef:
+def parse_ref(obj: Any, what: str, *, ring_ok: bool = False) -> ShmRef:
     """Validate a request tensor descriptor's ``shm`` map: ``{region: str, offset: uint,
-    key: str}`` (§5.4)."""
+    key: str}`` (§5.4). A worker's output ring is no input (``_not_a_ring``): the broker
+    refuses it at the door, so a worker written from the document alone is safe too.
+    ``ring_ok``: leave that to the caller (a worker answers it per request, §5.4; an
+    output reference names a ring)."""
+    region, offset, key = _parse_ref(obj, what)
+    if not ring_ok and region.startswith(REGION_PREFIX + RING_TAG):
+        raise ProtocolError(f"{what}: shm region {region!r} is a worker's output ring")
+    return region, offset, key
+
+
+def _parse_ref(obj: Any, what: str) -> ShmRef:
     if type(obj) is not dict:
         raise ProtocolError(f"{what}: 'shm' must be a map with 'region', 'offset' and 'key'")
     region = obj.get("region")
@@ -142,7 +152,7 @@ def output_ref_wire(ref: OutputRef) -> dict[str, Any]:
 def parse_output_ref(obj: Any, what: str) -> OutputRef:
     """Validate a reply tensor descriptor's ``shm`` map: a request reference plus
     ``seq``, the output's position in the ring's byte stream (§5.5)."""
-    region, offset, key = parse_ref(obj, what)
+    region, offset, key = parse_ref(obj, what, ring_ok=True)
     seq = obj.get("seq")
     if type(seq) is not int or not 0 <= seq <= MAX_OFFSET:
         raise ProtocolError(f"{what}: shm seq must be an int in 0..2**62, got {seq!r}")

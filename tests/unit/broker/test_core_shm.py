@@ -74,6 +74,9 @@ def test_references_ride_in_batch_in_spec_order_next_to_inline_requests(warm: bo
         {"ref": {"region": "carpool-x", "offset": 64}},
         {"ref": {"region": "carpool-x", "offset": 64, "key": 5}},
         {"ref": "carpool-x"},
+        # A worker's output ring is no input (§5.4): a worker that trusts the broker's
+        # checks would read another client's outputs for this one.
+        {"ref": {"region": "carpool-out-1234-abcd", "offset": 64, "key": KEY}},
         {"payloads": [b"\x01", b""]},  # the inline input is still checked
     ],
 )

@@ -115,6 +115,21 @@ def test_references_that_do_not_fit_the_ring_are_refused(
         read(reader, (name, offset, "0" * 32, seq), 100)
 
 
+def test_a_ring_is_not_an_input_region_even_past_the_broker(
+    ring: ShmRing, reader: RegionReader
+) -> None:
+    """The worker's own guard, for a BATCH from a broker that let such a reference by."""
+    from carpool.common.protocol import parse_batch_refs
+
+    ref = {"region": ring.name, "offset": 64, "key": ring.key}
+    (parsed,) = parse_batch_refs([ref], 1)
+    assert parsed is not None
+    with pytest.raises(ShmError, match="is a worker's output ring"):
+        reader.check(parsed, 16)
+    with pytest.raises(ShmError, match="is a worker's output ring"):
+        reader.read_into(parsed, memoryview(bytearray(16)))
+
+
 def test_a_client_region_is_not_a_ring(reader: RegionReader) -> None:
     from carpool.common.shm import ShmArena
 
