@@ -12,7 +12,6 @@ checks and answers.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from carpool.broker.batcher import (
     request_key,
 )
 from carpool.broker.config import BrokerConfig
-from carpool.broker.scheduler import BatchScheduler, Outgoing
+from carpool.broker.scheduler import BatchScheduler, Outgoing, retry_after_ms
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     MAX_TIMEOUT_MS,
@@ -307,7 +306,7 @@ class Admission(BatchScheduler):
                     ErrorCode.OVERLOADED,
                     f"broker queue full ({self.queued} requests, {self.queued_bytes} bytes)",
                     simple=simple,
-                    retry_after_ms=_retry_after_ms(drain_s),
+                    retry_after_ms=retry_after_ms(drain_s),
                 )
             )
             return out
@@ -418,11 +417,3 @@ def _signature(submit: Submit) -> tuple[str, Signature]:
 
 def _spec_shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join("?" if d == -1 else str(d) for d in shape) + "]"
-
-
-def _retry_after_ms(drain_s: float) -> int:
-    """OVERLOADED's hint: the queue's drain time, in 1 ms..MAX_TIMEOUT_MS (a fitted cost
-    can be anything a worker reported; the hint must stay a small integer)."""
-    if not math.isfinite(drain_s):
-        return MAX_TIMEOUT_MS
-    return min(MAX_TIMEOUT_MS, max(1, round(1000 * drain_s)))

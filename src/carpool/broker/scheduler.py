@@ -41,6 +41,7 @@ from carpool.broker.policy import (
 from carpool.broker.registry import Lane, WorkerId, WorkerRegistry, WorkerState
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
+    MAX_TIMEOUT_MS,
     BatchItem,
     BatchMeta,
     Command,
@@ -582,8 +583,18 @@ class BatchScheduler:
         return self._to_client(client, delimited, encode_error(reply, simple=simple))
 
     def _request_error(self, req: PendingRequest, code: ErrorCode, message: str) -> Outgoing:
+        hint = None
+        if code is ErrorCode.OVERLOADED:  # (a worker's FAILED: §12 wants a hint with it)
+            ahead = self._samples_ahead(req.model, int(req.priority)) + req.samples
+            hint = retry_after_ms(self._drain_time_s(req.model, req.key, ahead) or 0.05)
         return self._error(
-            req.client, req.delimited, req.request_id, code, message, simple=req.simple
+            req.client,
+            req.delimited,
+            req.request_id,
+            code,
+            message,
+            simple=req.simple,
+            retry_after_ms=hint,
         )
 
     # ------------------------------------------------------------------ queries
@@ -627,6 +638,14 @@ def _transport(wid: bytes) -> str:
     if wid.startswith(EMBEDDED_ID):
         return "embedded"  # in the broker's process
     return "zeromq"
+
+
+def retry_after_ms(drain_s: float) -> int:
+    """OVERLOADED's hint: the queue's drain time, in 1 ms..MAX_TIMEOUT_MS (a fitted cost
+    can be anything a worker reported; the hint must stay a small integer)."""
+    if not math.isfinite(drain_s):
+        return MAX_TIMEOUT_MS
+    return min(MAX_TIMEOUT_MS, max(1, round(1000 * drain_s)))
 
 
 def _finish(req: PendingRequest, state: RequestState) -> None:

@@ -1168,6 +1168,18 @@ def test_failed_batch_answers_each_request_with_the_workers_code(code: ErrorCode
     assert b.core.snapshot()["workers"][0]["rho"] == 0.5
 
 
+def test_a_workers_overloaded_reaches_the_client_with_a_retry_hint() -> None:
+    """§12: OVERLOADED carries retry_after_ms; a worker's FAILED has none to forward."""
+    b = Broker.make(max_batch=2)
+    b.ready(T0, W1, slots=1)
+    b.request(T0, 1, C1)
+    (msg,) = batches(b.request(T0, 2, C2, simple=True))
+    errs = to_clients(b.failed(T0 + 0.1, msg, ErrorCode.OVERLOADED, "out of device memory"))
+    assert [(m.rid, m.code) for m in errs] == [(1, ErrorCode.OVERLOADED), (2, ErrorCode.OVERLOADED)]
+    assert all(m.meta["retry_after_ms"] >= 1 for m in errs)
+    assert all(m.meta["message"] == "out of device memory" for m in errs)
+
+
 def test_malformed_result_is_internal_for_every_request() -> None:
     b = Broker.make(max_batch=2)
     b.ready(T0, W1)
