@@ -274,7 +274,8 @@ def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
 ) -> None:
     """The embedded worker's close() waited up to 30 s for a batch whose result nobody
     could receive any more (the broker's sockets were closed first), past the broker
-    unit's TimeoutStopSec=10s. It now waits 2 s."""
+    unit's TimeoutStopSec=10s. Now the broker gives the batch stop_grace_s (2 s) to
+    finish, then the embedded worker's close waits 2 s: about 4 s in all."""
     frontend = f"ipc://{tmp_path}/frontend"
     broker = spawn(
         "broker",
@@ -303,7 +304,7 @@ def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
         started = clock.now()
         broker.terminate()
         assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
-        assert clock.now() - started < 5.0, _logs(tmp_path)
+        assert clock.now() - started < 8.0, _logs(tmp_path)  # < TimeoutStopSec=10s
 
 
 # ---------------------------------------------------------------------- one-line errors

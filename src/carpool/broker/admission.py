@@ -263,6 +263,10 @@ class Admission(BatchScheduler):
         deadline; in deferred mode the batch forms at the end of the turn. ``refs``: the
         inputs' shared-memory references, in the request's order (§5.4)."""
         model = layout.model
+        if self.stopping:
+            msg = "the broker is stopping; retry with another broker or after its restart"
+            code = ErrorCode.UNAVAILABLE
+            return [self._error(client, delimited, rid, code, msg, simple=simple)]
         max_batch = self.registry.max_batch(model)  # > 0: both callers checked
         samples = layout.samples
         if samples > max_batch:

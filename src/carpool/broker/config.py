@@ -112,6 +112,10 @@ class BrokerConfig:
     # Largest frame a client may send (ZMQ_MAXMSGSIZE on the frontend; 0: no limit). A
     # client that announces a larger one is disconnected by libzmq before it is buffered.
     max_frame_mib: int = 2048
+    # On SIGTERM: queued requests are answered UNAVAILABLE at once; batches already at
+    # workers get this long to finish (their results still reach clients), then the rest
+    # are answered UNAVAILABLE too and workers are told DISCONNECT.
+    stop_grace_s: float = 2.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -125,6 +129,8 @@ class BrokerConfig:
             problems.append("liveness must be in 1..100")
         if not 1 <= self.max_attempts <= 10:
             problems.append("max_attempts must be in 1..10")
+        if not 0 <= self.stop_grace_s <= 600:
+            problems.append("stop_grace_s must be in 0..600")
         if not 0 <= self.max_frame_mib <= 1 << 20:
             problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
         if self.local_backend and not _unix_path(self.local_backend):

@@ -255,7 +255,11 @@ class BrokerCore(Admission):
             for req in reversed(batch.requests):
                 if req.state is not _DISPATCHED:
                     continue
-                if req.attempts < self.config.max_attempts and now < req.deadline_s:
+                if (
+                    req.attempts < self.config.max_attempts
+                    and now < req.deadline_s
+                    and not self.stopping
+                ):
                     req.state = _QUEUED
                     self._queue(req.key).push_front(req)
                     self._enqueued(req)
@@ -266,6 +270,42 @@ class BrokerCore(Admission):
                     out.append(self._request_error(req, ErrorCode.UNAVAILABLE, msg))
         worker.outstanding.clear()
         self._pump_models(now, worker.models, out)
+
+    # ------------------------------------------------------------------ stopping
+
+    def begin_stop(self, now: float) -> list[Outgoing]:
+        """The broker is stopping: answer every queued request UNAVAILABLE now, and
+        refuse new ones; batches already at workers may still finish (``finish_stop``)."""
+        self.stopping = True
+        out: list[Outgoing] = []
+        msg = "the broker is stopping before the request was dispatched; retry"
+        for queue in self._queues.values():
+            for req in list(queue):
+                queue.forget(req)
+                self._dequeued(req)
+                _finish(req, RequestState.FAILED)
+                out.append(self._request_error(req, ErrorCode.UNAVAILABLE, msg))
+        self._dirty.clear()
+        self._dirty_models.clear()
+        self._wake_s.clear()
+        return out
+
+    def finish_stop(self, now: float) -> list[Outgoing]:
+        """The last word: answer what is still at workers UNAVAILABLE and tell every
+        worker over a socket to go (DISCONNECT), so none waits out its heartbeats."""
+        out = self.begin_stop(now) if not self.stopping else []
+        msg = "the broker stopped before the request's batch finished; retry"
+        for batch in self._inflight.values():
+            self._fail_batch(batch, ErrorCode.UNAVAILABLE, msg, out)
+        self._inflight.clear()
+        for worker in list(self.registry.all()):
+            worker.outstanding.clear()
+            out.append(_disconnect(worker.wid, "broker stopping"))
+        return out
+
+    @property
+    def inflight_batches(self) -> int:
+        return len(self._inflight)
 
     def on_unreachable(self, now: float, side: Side, identity: bytes) -> list[Outgoing]:
         """The shell could not send to a peer (gone, or its queue is full)."""

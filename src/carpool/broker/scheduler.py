@@ -147,6 +147,8 @@ class BatchScheduler:
         # Arrival trace (time, model, shape, timeout_ms, priority) while recording; the
         # shell writes it out (carpool record).
         self.recording: list[tuple[float, str, tuple[int, ...], int, int]] | None = None
+        # Set by begin_stop: new requests are refused and nothing more is dispatched.
+        self.stopping = False
         self._inputs_cache: dict[RequestKey, list[dict[str, Any]]] = {}
         self._local_inputs: dict[RequestKey, tuple[TensorMeta, ...]] = {}
         # Workers in this process (the server's embedded workers): their BATCH and RESULT

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 BURST = 256
 #: How long a local link may stay connected without saying READY (or after a refusal).
 _JOIN_WITHIN_S = 10.0
+#: How long the sockets may hold wind_down's last answers on close.
+_STOP_LINGER_MS = 1000
 # Read per message: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
 # Routing ids of workers in this process and on the local endpoint (no zmq peer's).
@@ -126,7 +128,9 @@ class BrokerServer:
         self._unjoined: dict[bytes, float] = {}
         self._in_burst: bytes | None = None  # the link whose messages are being handled
         self._stopping = False
+        self._stops = 0  # stop() calls after the first: one ends wind_down's wait
         self._closed = False
+        self._linger_ms = 0  # wind_down raises it: its answers must leave before close
         for wid, worker in self._embedded.items():
             self.poller.register(worker.results_socket, zmq.POLLIN)
             for frames in worker.take_outbox():  # READY
@@ -424,9 +428,30 @@ class BrokerServer:
             self._delivering = False
 
     def serve(self) -> None:
-        """Loop until :meth:`stop` is called (from any thread or a signal handler)."""
+        """Loop until :meth:`stop` is called (from any thread or a signal handler); then
+        stop as :meth:`wind_down` says."""
         while not self._stopping:
             self.step()
+        self.wind_down()
+
+    def wind_down(self) -> None:
+        """Answer every queued request UNAVAILABLE at once and refuse new ones; give the
+        batches at workers up to ``stop_grace_s`` to finish (a second :meth:`stop` cuts it
+        short); answer what is left UNAVAILABLE and send every worker DISCONNECT. The
+        sockets then linger a moment on close, so those answers leave."""
+        if self.core.stopping:
+            return
+        self._stopping = True
+        self._send(self.core.begin_stop(self.clock.now()))
+        until = self.clock.now() + self.config.stop_grace_s
+        while self.core.inflight_batches and not self._stops:
+            left = until - self.clock.now()
+            if left <= 0:
+                break
+            self.step(timeout_s=left)
+        final = self.core.finish_stop(self.clock.now())
+        self._send([m for m in final if m.identity not in self._embedded])
+        self._linger_ms = _STOP_LINGER_MS
 
     @property
     def signal_fd(self) -> int:
@@ -435,7 +460,10 @@ class BrokerServer:
         return self._wake.write_fd
 
     def stop(self) -> None:
-        """Ask :meth:`serve` to return after the current turn."""
+        """Ask :meth:`serve` to wind down and return (after the current turn; a second
+        call ends the wait for running batches)."""
+        if self._stopping:
+            self._stops += 1
         self._stopping = True
         self._wake.wake()
 
@@ -452,8 +480,8 @@ class BrokerServer:
         self._links.clear()
         if self._listener is not None:
             self._listener.close()
-        self.frontend.close(linger=0)
-        self.backend.close(linger=0)
+        self.frontend.close(linger=self._linger_ms)
+        self.backend.close(linger=self._linger_ms)
         self._wake.close()
         if self._own_context:
             self.context.term()

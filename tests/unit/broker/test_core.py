@@ -1948,3 +1948,52 @@ def test_queued_payload_bytes_are_bounded_too() -> None:
     (huge,) = b.request(T0, 7, model="dyn", item=(300 * 1024,))  # 1.2 MiB alone
     assert huge.code is ErrorCode.INVALID_ARGUMENT
     assert b.core.snapshot()["queued_bytes"] == 4 * 256 * 1024
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def test_stopping_answers_the_queue_at_once_and_lets_running_batches_finish() -> None:
+    """SIGTERM left every queued request to the client's own timer (deadline + grace)
+    and threw the results of running batches away."""
+    b = Broker.make(max_batch=2, max_wait_s=0.0)
+    b.ready(T0, W1, slots=1)
+    b.ready(T0, W2, slots=1)
+    (first,) = batches(b.request(T0, 1, C1, n=2))
+    (second,) = batches(b.request(T0, 2, C2, n=2))
+    assert batches(b.request(T0, 3, C3, n=2) + b.request(T0, 4, C3, n=1)) == []
+    out = [parse(o) for o in b.core.begin_stop(T0 + 0.01)]
+    assert sorted((m.to, m.rid, m.code) for m in out) == [
+        (C3, 3, ErrorCode.UNAVAILABLE),
+        (C3, 4, ErrorCode.UNAVAILABLE),
+    ]
+    assert b.core.queued == 0
+    # New requests are refused; a running batch still reaches its client.
+    (refused,) = to_clients(b.request(T0 + 0.02, 5, C1))
+    assert (refused.rid, refused.code) == (5, ErrorCode.UNAVAILABLE)
+    assert "stopping" in refused.meta["message"]
+    done, _ = b.result(T0 + 0.03, first)
+    assert [(m.to, m.rid, m.command) for m in to_clients(done)] == [(C1, 1, Command.REPLY)]
+    assert batches(done) == []  # nothing more leaves
+    # The last word: what is still at a worker fails, every worker hears DISCONNECT.
+    final = [parse(o) for o in b.core.finish_stop(T0 + 2.0)]
+    assert [(m.to, m.rid, m.code) for m in to_clients(final)] == [(C2, 2, ErrorCode.UNAVAILABLE)]
+    assert sorted(m.to for m in only(final, Command.DISCONNECT, Side.BACKEND)) == [W1, W2]
+    assert b.core.inflight_batches == 0
+    late, _ = b.result(T0 + 2.1, second)
+    assert to_clients(late) == []  # answered once, never twice
+
+
+def test_a_worker_lost_while_stopping_fails_its_requests_not_requeues_them() -> None:
+    b = Broker.make(max_batch=2, max_wait_s=0.0)
+    b.ready(T0, W1, slots=1)
+    b.ready(T0, W2, slots=1)
+    (batch,) = batches(b.request(T0, 1, C1, n=2))
+    b.core.begin_stop(T0 + 0.01)
+    out = b.disconnect(T0 + 0.02, batch.to)
+    assert [(m.rid, m.code) for m in to_clients(out)] == [(1, ErrorCode.UNAVAILABLE)]
+    assert batches(out) == []
+    final = [parse(o) for o in b.core.finish_stop(T0 + 0.03)]
+    assert to_clients(final) == []  # nobody answered twice
+    other = W2 if batch.to == W1 else W1
+    assert [m.to for m in only(final, Command.DISCONNECT, Side.BACKEND)] == [other]
