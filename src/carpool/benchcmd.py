@@ -15,17 +15,21 @@ import argparse
 import csv
 import json
 import logging
+import math
 import signal
 import sys
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
+import zmq
+
 from carpool.broker.config import POLICIES, BatchingConfig
 from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
 from carpool.loadgen import BenchReport, run, synthetic_inputs
 from carpool.sim import workload
+from carpool.sim.commands import finite, write_json
 from carpool.sim.workload import Arrival
 
 # ---------------------------------------------------------------------- command line
@@ -119,16 +123,60 @@ _EXIT_STATUS = (
 )
 
 
-def _arrivals(args: argparse.Namespace) -> list[Arrival]:
-    if args.trace:
-        items = workload.read_trace(args.trace)
-        if not items:
-            raise ConfigError(f"trace {args.trace} has no arrivals")
-        return items
+def _at_least(value: float, low: float, *, above: bool = False) -> bool:
+    """Whether ``value`` is finite and at least (``above``: more than) ``low``; NaN is not."""
+    return math.isfinite(value) and (value > low if above else value >= low)
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """A malformed endpoint is a usage error, not a ZMQError traceback from the client."""
+    with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"cannot connect to {endpoint!r}: {exc}") from None
+
+
+def _check_bench(args: argparse.Namespace) -> tuple[int, ...]:
+    """Refuse what would crash (0 or negative --timeout-ms, --rate 0 with constant load) or
+    run and end as "no request was sent", exit 1, which reads as a dead fleet; all
+    problems at once, before anything is sent. Returns the shape of --shape."""
+    problems = []
+    if not args.trace:
+        if args.load == "bursts":
+            if not (_at_least(args.rate, 0) and _at_least(args.burst_rps, 0)):
+                problems.append("--rate and --burst-rps must be at least 0")
+        elif not _at_least(args.rate, 0, above=True):
+            problems.append(f"--rate must be more than 0, got {args.rate:g}")
+        if not _at_least(args.duration_s, 0, above=True):
+            problems.append(f"--duration-s must be more than 0, got {args.duration_s:g}")
+        if not _at_least(args.warmup_s, 0):
+            problems.append(f"--warmup-s must be at least 0, got {args.warmup_s:g}")
+    if not 1 <= args.timeout_ms <= 3_600_000:
+        problems.append(f"--timeout-ms must be in 1..3600000, got {args.timeout_ms}")
+    if not args.model:
+        problems.append("--model must be a non-empty name")
+    if args.shared_memory_mib < 0:
+        problems.append(f"--shared-memory-mib must be at least 0, got {args.shared_memory_mib}")
+    shape: tuple[int, ...] = ()
     try:
         shape = tuple(int(d) for d in args.shape.split(","))
     except ValueError:
-        raise ConfigError(f"--shape must be comma-separated ints, got {args.shape!r}") from None
+        problems.append(f"--shape must be comma-separated ints, got {args.shape!r}")
+    else:
+        if not 1 <= len(shape) <= 8 or any(d < 1 for d in shape):
+            problems.append(f"--shape must have 1..8 dims, each at least 1, got {args.shape!r}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    _check_endpoint(args.endpoint)
+    return shape
+
+
+def _arrivals(args: argparse.Namespace) -> list[Arrival]:
+    shape = _check_bench(args)
+    if args.trace:
+        return workload.load_trace(args.trace)
     total_s = args.warmup_s + args.duration_s
     if args.load == "constant":
         step = 1.0 / args.rate
@@ -138,9 +186,15 @@ def _arrivals(args: argparse.Namespace) -> list[Arrival]:
         phases = workload.bursts(args.rate, args.burst_rps, total_s, args.period_s, args.burst_s)
     else:
         phases = workload.poisson(args.rate, total_s)
-    return workload.arrivals(
+    items = workload.arrivals(
         phases, model=args.model, shape=shape, timeout_ms=args.timeout_ms, seed=args.seed
     )
+    if not any(a.t_s >= args.warmup_s for a in items):
+        raise ConfigError(
+            "the schedule has no arrival in the measurement window (after the warm-up): "
+            "raise --rate or --duration-s"
+        )
+    return items
 
 
 def print_report(report: BenchReport) -> None:
@@ -190,13 +244,13 @@ def _end_on_sigterm() -> None:
 
 def _write(report: BenchReport, args: argparse.Namespace) -> None:
     if getattr(args, "json", None):
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report.to_json(), f, indent=2)
+        write_json(args.json, report.to_json())  # null, not NaN, for a figure of no answers
     if getattr(args, "csv", None):
         with open(args.csv, "w", encoding="utf-8", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=["second", "sent", "goodput", "p99_ms"])
             writer.writeheader()
-            writer.writerows(report.per_second)
+            for row in report.per_second:  # an empty field, not "nan", for no answers
+                writer.writerow({k: "" if v is None else v for k, v in finite(row).items()})
 
 
 def _fail(message: str) -> int:
@@ -240,22 +294,32 @@ def run_bench(args: argparse.Namespace) -> int:
     )
 
 
+def _check_replay(args: argparse.Namespace) -> BatchingConfig:
+    """The simulator's flags, checked (as carpool tune checks them) before anything runs;
+    returns the simulated broker's batching."""
+    problems = []
+    if args.workers < 1:
+        problems.append("--workers must be at least 1")
+    if not (_at_least(args.alpha_ms, 0) and _at_least(args.beta_ms, 0)):
+        problems.append("--alpha-ms and --beta-ms must be at least 0 (and finite)")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return BatchingConfig(
+        max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000, policy=args.policy
+    )
+
+
 def run_replay(args: argparse.Namespace) -> int:
     _end_on_sigterm()
-    items = workload.read_trace(args.trace)
-    if not items:
-        raise ConfigError(f"trace {args.trace} has no arrivals")
+    batching = _check_replay(args)  # a typo in a flag for the simulator fails live runs too
     if not args.simulate:
-        return _live(args, items, warmup_s=0.0, progress=True)
+        _check_endpoint(args.endpoint)
+        return _live(args, workload.load_trace(args.trace), warmup_s=0.0, progress=True)
+    items = workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
     logging.getLogger("carpool.broker").setLevel(logging.WARNING)
     from carpool.sim.compare import as_json, table
     from carpool.sim.simulator import EngineCost, SimWorker, simulate
 
-    if args.workers < 1:
-        raise ConfigError("--workers must be at least 1")
-    batching = BatchingConfig(
-        max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000, policy=args.policy
-    )
     workers = [
         SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05))
         for i in range(args.workers)
@@ -263,6 +327,5 @@ def run_replay(args: argparse.Namespace) -> int:
     result = simulate(items, workers, batching, label=f"{args.policy} (sim)")
     print(table([result]))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(as_json([result]))
+        write_json(args.json, json.loads(as_json([result])))
     return 0 if result.ok else _fail(f"no request was answered (errors: {_errors(result.errors)})")

@@ -167,7 +167,8 @@ def summarize(
         sum(1 for s in window if s.on_time and s.scheduled_s < mid) / (span / 2 or 1),
         sum(1 for s in window if s.on_time and s.scheduled_s >= mid) / (span / 2 or 1),
     )
-    stable = abs(halves[0] - halves[1]) <= drift_tolerance * max(*halves, 1e-9)
+    # (one request cannot drift: it fell in a half, and the other was "empty")
+    stable = len(window) < 2 or abs(halves[0] - halves[1]) <= drift_tolerance * max(*halves, 1e-9)
     seconds: dict[int, list[Sample]] = {k: [] for k in range(math.ceil(scheduled_span))}
     for s in window:
         seconds.setdefault(int(s.scheduled_s - warmup_s), []).append(s)
@@ -317,13 +318,27 @@ def run(
             after = None
     sizes = {} if after is None else {m: dict(after[m] - before.get(m, Counter())) for m in after}
     if end_s is None:
-        # The schedule's end: one mean gap after the last arrival (n arrivals, n gaps).
-        n = len(arrivals)
-        end_s = arrivals[-1].t_s * n / (n - 1) if n > 1 else (arrivals[0].t_s if n else 0.0)
+        end_s = schedule_end(arrivals, samples)
     report = summarize(samples, warmup_s, end_s, sizes)
     if keep:
         report.samples = samples
     return report
+
+
+def schedule_end(arrivals: Sequence[Arrival], samples: Sequence[Sample] = ()) -> float:
+    """Where the measurement window of a trace ends: one mean gap after the last arrival
+    (n arrivals, n gaps). A trace with no gap to go by (one arrival, or all at time 0)
+    ended at its last arrival, and the window [0, end) held none of them ("no request was
+    sent"): its window runs to the last answer instead, so its rates are per second of the
+    run, as the simulator counts a trace at one instant."""
+    n = len(arrivals)
+    if n == 0:
+        return 0.0
+    last = arrivals[-1].t_s
+    if n > 1 and last > 0:
+        return last * n / (n - 1)
+    done = [s.done_s for s in samples if math.isfinite(s.done_s)]
+    return max([math.nextafter(last, math.inf), *done])
 
 
 def synthetic_inputs(

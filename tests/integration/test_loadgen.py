@@ -24,8 +24,8 @@ from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.common.shm import available as shm_available
 from carpool.common.testing import FakeClock, ServerThread
-from carpool.loadgen import Sample, drive, run, summarize, synthetic_inputs
-from carpool.sim.workload import Arrival, read_trace
+from carpool.loadgen import Sample, drive, run, schedule_end, summarize, synthetic_inputs
+from carpool.sim.workload import Arrival, read_trace, write_trace
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.server import WorkerServer
 from tests.conftest import wait_for_workers
@@ -338,3 +338,103 @@ def test_a_broker_that_goes_away_mid_run_leaves_the_run_measured() -> None:
     assert report.batch_sizes == {}  # unknown: nobody answered STATS at the end
     assert report.ok > 0  # the first half second was answered and measured
     assert report.ok + sum(report.errors.values()) == 150  # and every request is counted
+
+
+# ---------------------------------------------------------------------- edges of a run
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_trace_at_one_instant_is_measured_to_its_last_answer() -> None:
+    """A one-request trace ended its window at its only arrival: [0, 0) held nothing, and
+    replay said "no request was sent" (exit 1) of a request sent and answered."""
+    one = [Arrival(0.0, "m", (1, 4), 1000)]
+    samples = [Sample(0.0, 0.0001, 0.004, "ok", 1.0)]
+    end = schedule_end(one, samples)
+    assert end == pytest.approx(0.004)  # per second of the run, as the simulator counts
+    report = summarize(samples, 0.0, end, {})
+    assert (report.sent, report.ok, report.on_time) == (1, 1, 1)
+    assert report.stable  # one request cannot drift between halves
+    burst = [Arrival(0.0, "m", (1, 4), 1000)] * 3
+    samples = [Sample(0.0, 0.0001 * i, 0.006 + 0.001 * i, "ok", 1.0) for i in range(3)]
+    assert summarize(samples, 0.0, schedule_end(burst, samples), {}).ok == 3
+    # A trace with gaps ends one mean gap after its last arrival, as before.
+    spread = [Arrival(i / 10, "m", (1, 4), 1000) for i in range(5)]
+    assert schedule_end(spread, []) == pytest.approx(0.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_one_request_trace_replays_live(fleet_factory: Any, tmp_path: Path) -> None:
+    fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
+    fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(4,), max_batch=8)})
+    fleet.ready()
+    trace, out = tmp_path / "one.jsonl", tmp_path / "r.json"
+    write_trace(trace, [Arrival(0.0, "syn", (1, 4), 5000)])
+    argv = ["replay", "--trace", str(trace), "--endpoint", fleet.broker.frontend_endpoint]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = _strict_json(out.read_text(encoding="utf-8"))
+    assert (report["sent"], report["ok"], report["on_time"]) == (1, 1, 1)
+    assert report["latency_ms"]["p50"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--timeout-ms", "0"], "--timeout-ms must be in 1..3600000, got 0"),
+        (["--timeout-ms", "-5"], "--timeout-ms must be in 1..3600000, got -5"),
+        (["--load", "constant", "--rate", "0"], "--rate must be more than 0, got 0"),
+        (["--rate", "0"], "--rate must be more than 0"),
+        (["--rate", "-5"], "--rate must be more than 0"),
+        (["--rate", "nan"], "--rate must be more than 0"),
+        (["--load", "bursts", "--burst-rps", "-1"], "--rate and --burst-rps must be at least 0"),
+        (["--duration-s", "0"], "--duration-s must be more than 0, got 0"),
+        (["--warmup-s", "-1"], "--warmup-s must be at least 0, got -1"),
+        (["--shape", "0,16"], "--shape must have 1..8 dims, each at least 1"),
+        (["--shape", "1,x"], "--shape must be comma-separated ints"),
+        (["--model", ""], "--model must be a non-empty name"),
+        (["--shared-memory-mib", "-1"], "--shared-memory-mib must be at least 0, got -1"),
+        (["--rate", "0.01", "--duration-s", "1"], "the schedule has no arrival in the"),
+        (["--endpoint", "tcp://127.0.0.1"], "cannot connect to 'tcp://127.0.0.1'"),
+    ],
+)
+def test_bench_refuses_impossible_arguments_before_sending(
+    flags: list[str], says: str, nobody: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--timeout-ms 0 was a ValueError traceback, --load constant --rate 0 a
+    ZeroDivisionError; --rate 0, --duration-s 0 or --warmup-s -1 ran and ended with "no
+    request was sent", exit 1, which reads as a dead fleet. All exit 2 now, at once."""
+    argv = ["bench", "--endpoint", nobody, "--duration-s", "0.2", "--warmup-s", "0"]
+    assert main([*argv, "--no-progress", *flags]) == 2
+    captured = capsys.readouterr()
+    assert f"carpool: {says}" in captured.err
+    assert captured.err.count("\n") == 1
+    assert captured.out == ""  # no report: nothing was sent
+
+
+@pytest.mark.timeout(60)
+def test_bench_writes_strict_json_and_csv_when_nothing_is_answered(
+    fleet_factory: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every request NOT_FOUND: the report had "p50": NaN (not JSON) and the CSV "nan"."""
+    fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
+    fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(16,), max_batch=8)})
+    fleet.ready()
+    out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
+    code = main(
+        [
+            "bench", "--endpoint", fleet.broker.frontend_endpoint, "--model", "nosuch",
+            "--load", "constant", "--rate", "20", "--duration-s", "0.5", "--warmup-s", "0",
+            "--no-progress", "--json", str(out_json), "--csv", str(out_csv),
+        ]
+    )  # fmt: skip
+    assert code == 1
+    assert "no request was answered (errors: NOT_FOUND 10)" in capsys.readouterr().err
+    report = _strict_json(out_json.read_text(encoding="utf-8"))
+    assert report["latency_ms"]["p50"] is None
+    assert report["per_second"][0]["p99_ms"] is None
+    assert out_csv.read_text().splitlines() == ["second,sent,goodput,p99_ms", "0.0,10.0,0.0,"]

@@ -24,12 +24,17 @@ T = TypeVar("T")
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file; a missing or malformed file is a ConfigError."""
+    """Read a TOML file; a missing, non-UTF-8 or malformed file is a ConfigError."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 (a Latin-1 comment, a binary file)
+        raise ConfigError(
+            f"config {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start})"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
 

@@ -8,9 +8,12 @@ replay. Both run the real BrokerCore on a simulated clock (see simulator.py).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from carpool.common.errors import ConfigError
@@ -97,8 +100,8 @@ def _workers(args: argparse.Namespace) -> list[SimWorker]:
     problems = []
     if args.workers < 1 or args.slots < 1 or args.engine_max_batch < 1:
         problems.append("--workers, --slots and --engine-max-batch must be at least 1")
-    if args.alpha_ms < 0 or args.beta_ms < 0 or args.jitter < 0:
-        problems.append("--alpha-ms, --beta-ms and --jitter must be at least 0")
+    if not all(0 <= x < math.inf for x in (args.alpha_ms, args.beta_ms, args.jitter)):
+        problems.append("--alpha-ms, --beta-ms and --jitter must be at least 0 (and finite)")
     if getattr(args, "sla_ms", None) is not None and args.sla_ms < 1:
         problems.append("--sla-ms must be at least 1")
     if problems:
@@ -111,10 +114,7 @@ def _workers(args: argparse.Namespace) -> list[SimWorker]:
 
 def _arrivals(args: argparse.Namespace) -> list[Arrival]:
     if args.trace:
-        items = workload.read_trace(args.trace)
-        if not items:
-            raise ConfigError(f"trace {args.trace} has no arrivals")
-        return items
+        return workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
     if args.load == "poisson":
         phases = workload.poisson(args.rate, args.duration_s)
     elif args.load == "steps":
@@ -168,16 +168,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     print(table(results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(as_json(results))
+        write_json(args.json, json.loads(as_json(results)))
     return 0
 
 
 def run_tune(args: argparse.Namespace) -> int:
     _quiet()
-    items = workload.read_trace(args.trace)
-    if not items:
-        raise ConfigError(f"trace {args.trace} has no arrivals")
+    items = workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
     if args.sla_ms is not None:
         items = [Arrival(a.t_s, a.model, a.shape, args.sla_ms, a.priority) for a in items]
     points = grid_search(items, _workers(args), seed=args.seed, progress=_progress)
@@ -199,6 +196,24 @@ def run_tune(args: argparse.Namespace) -> int:
         'policy = "carpool" they are the caps the adaptive policy works within.'
     )
     return 0
+
+
+def finite(data: Any) -> Any:
+    """``data`` with every non-finite float (the percentile of no answers) as None: NaN is
+    not JSON, and strict parsers refuse a file that holds it."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite(v) for v in data]
+    return data
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write ``data`` as strict JSON: null where a figure is not a number."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(finite(data), f, indent=2, allow_nan=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - via carpool.cli

@@ -129,8 +129,9 @@ def write_trace(path: str | Path, items: Iterable[Arrival]) -> None:
             f.write(a.to_json() + "\n")
 
 
-def _check(a: Arrival) -> None:
-    """The limits of the wire protocol, so a bad trace fails on reading, not mid-replay."""
+def check_arrival(a: Arrival) -> None:
+    """The limits of the wire protocol, so a bad trace fails on reading, not mid-replay
+    (a ValueError says which)."""
     if not math.isfinite(a.t_s) or a.t_s < 0:
         raise ValueError(f"t_s must be a finite time >= 0, got {a.t_s}")
     if not 1 <= len(a.shape) <= 8 or any(d < 1 for d in a.shape):
@@ -147,8 +148,15 @@ def read_trace(path: str | Path) -> list[Arrival]:
     """Read a JSON-lines trace; times are made relative to the first arrival."""
     out: list[Arrival] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # decoded line by line, so a bad byte names its line
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ConfigError(
+                        f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x}): "
+                        "a trace is JSON lines"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -162,7 +170,7 @@ def read_trace(path: str | Path) -> list[Arrival]:
                         int(obj["timeout_ms"]),
                         int(obj.get("priority", 0)),
                     )
-                    _check(arrival)
+                    check_arrival(arrival)
                     out.append(arrival)
                 except (ValueError, KeyError, TypeError) as exc:
                     raise ConfigError(f"{path}:{lineno}: not a trace line ({exc})") from None
@@ -173,3 +181,22 @@ def read_trace(path: str | Path) -> list[Arrival]:
         t0 = out[0].t_s
         out = [Arrival(a.t_s - t0, a.model, a.shape, a.timeout_ms, a.priority) for a in out]
     return out
+
+
+#: Arrivals a trace needs before a simulation can say anything about it: one request
+#: gives no rate (its "throughput" is one over its own latency) and no batch to form.
+MIN_SIMULATED_ARRIVALS = 2
+
+
+def load_trace(path: str | Path, at_least: int = 1) -> list[Arrival]:
+    """:func:`read_trace`, refusing (ConfigError) a trace of fewer than ``at_least``
+    arrivals."""
+    items = read_trace(path)
+    if not items:
+        raise ConfigError(f"trace {path} has no arrivals")
+    if len(items) < at_least:
+        raise ConfigError(
+            f"trace {path} has only {len(items)} arrival{'s' if len(items) > 1 else ''}: a "
+            f"simulation needs at least {at_least} to measure a rate or form a batch"
+        )
+    return items

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,20 @@ def test_load_toml_malformed(tmp_path: Path) -> None:
     path.write_text("this is = = not toml\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_toml(path)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"# cam\xe9ra\nmax_queued = 100\n", b"\xff\xfe\n"],
+    ids=["latin-1-comment", "binary"],
+)
+def test_load_toml_not_utf8(tmp_path: Path, content: bytes) -> None:
+    """It was a UnicodeDecodeError traceback (exit 1) from carpool broker/worker --config."""
+    path = tmp_path / "bad.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(f"config {path} is not UTF-8 text")) as info:
+        load_toml(path)
+    assert "\n" not in str(info.value)
 
 
 def test_check() -> None:

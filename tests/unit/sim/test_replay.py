@@ -88,3 +88,63 @@ def test_an_invalid_max_batch_is_a_config_error(
     argv = ["replay", "--trace", str(burst), "--simulate", "--max-batch", "0"]
     assert cli.main(argv) == 2
     assert "max_batch must be in 1..4096" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--alpha-ms", "-5"], "--alpha-ms and --beta-ms must be at least 0"),
+        (["--beta-ms", "-1"], "--alpha-ms and --beta-ms must be at least 0"),
+        (["--alpha-ms", "nan"], "--alpha-ms and --beta-ms must be at least 0"),
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--max-wait-ms", "-1"], "max_wait_s must be in 0..60"),
+    ],
+)
+def test_impossible_simulator_flags_are_a_usage_error(
+    burst: Path, flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A negative cost was taken, and the report had negative latencies (carpool tune
+    refused the same values)."""
+    assert cli.main(["replay", "--trace", str(burst), "--simulate", *flags]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err
+    assert captured.out == ""  # refused before anything ran
+
+
+def test_a_one_request_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It reported a throughput from one request's latency (hundreds per second)."""
+    trace = tmp_path / "one.jsonl"
+    workload.write_trace(trace, [Arrival(0.0, "m", (1, 16), 1000)])
+    assert cli.main(["replay", "--trace", str(trace), "--simulate"]) == 2
+    err = capsys.readouterr().err
+    assert f"trace {trace} has only 1 arrival: a simulation needs at least 2" in err
+
+
+def test_a_trace_not_in_utf8_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a UnicodeDecodeError traceback, exit 1."""
+    trace = tmp_path / "bin.jsonl"
+    trace.write_bytes(b"\xff\xfe\n")
+    assert cli.main(["replay", "--trace", str(trace), "--simulate"]) == 2
+    assert f"{trace}:1: not UTF-8 text" in capsys.readouterr().err
+
+
+def _strict(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_of_a_replay_with_no_answers_is_strict(tmp_path: Path) -> None:
+    """p50_ms: NaN, which strict JSON parsers refuse; null now."""
+    trace = tmp_path / "late.jsonl"
+    workload.write_trace(trace, [Arrival(i / 10, "m", (1, 16), 1) for i in range(3)])
+    out = tmp_path / "replay.json"
+    argv = ["replay", "--trace", str(trace), "--simulate", "--alpha-ms", "100"]
+    assert cli.main([*argv, "--json", str(out)]) == 1  # nothing answered within 1 ms
+    (row,) = _strict(out.read_text(encoding="utf-8"))
+    assert row["p50_ms"] is None
+    assert row["p99_ms"] is None
+    assert row["sent"] == 3

@@ -88,6 +88,7 @@ def _trace(tmp_path: Path) -> Path:
         ["--slots", "0"],
         ["--sla-ms", "0"],
         ["--alpha-ms", "-5"],
+        ["--beta-ms", "nan"],
     ],
 )
 def test_tune_refuses_impossible_settings(
@@ -96,6 +97,34 @@ def test_tune_refuses_impossible_settings(
     """They crashed (IndexError, ValueError) or recommended a setting at 100% misses."""
     assert main(["tune", "--trace", str(_trace(tmp_path)), *extra]) == 2
     assert "must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["tune"], ["simulate", "--no-oracle"]])
+def test_a_one_request_trace_is_refused(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tune reported a throughput from one request's latency (382/s) and recommended a
+    setting from it."""
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"t_s": 0.0, "model": "m", "shape": [1, 16], "timeout_ms": 50}\n')
+    assert main([*command, "--trace", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"trace {path} has only 1 arrival: a simulation needs at least 2" in captured.err
+    assert "recommended" not in captured.out
+
+
+def test_simulate_json_is_strict_when_nothing_is_answered(tmp_path: Path) -> None:
+    """p50_ms etc. were written as NaN, which strict JSON parsers refuse; null now."""
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--no-oracle", "--rate", "50", "--duration-s", "0.5"]
+    assert main([*argv, "--alpha-ms", "1000", "--sla-ms", "5", "--json", str(out)]) == 0
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    rows = json.loads(out.read_text(encoding="utf-8"), parse_constant=refuse)
+    assert rows
+    assert all(row["p50_ms"] is None and row["p99_ms"] is None for row in rows)
 
 
 def test_tune_recommends_nothing_when_nothing_is_answered_in_time(

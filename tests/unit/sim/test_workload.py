@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,24 @@ def test_out_of_range_trace_line_names_the_line(tmp_path: Path, bad: str) -> Non
 def test_missing_trace_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read trace"):
         workload.read_trace(tmp_path / "nope.jsonl")
+
+
+def test_a_trace_not_in_utf8_is_a_config_error_naming_the_line(tmp_path: Path) -> None:
+    """It was a UnicodeDecodeError traceback (exit 1) from tune, replay and bench --trace."""
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(f"{GOOD}\n".encode() + b"\xff\xfe\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:2: not UTF-8 text")):
+        workload.read_trace(path)
+
+
+def test_load_trace_refuses_too_few_arrivals(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("", encoding="utf-8")
+    with pytest.raises(ConfigError, match="has no arrivals"):
+        workload.load_trace(path)
+    path.write_text(f"{GOOD}\n", encoding="utf-8")
+    assert len(workload.load_trace(path)) == 1
+    with pytest.raises(ConfigError, match="has only 1 arrival: a simulation needs at least 2"):
+        workload.load_trace(path, 2)
+    path.write_text(f"{GOOD}\n{GOOD}\n", encoding="utf-8")
+    assert len(workload.load_trace(path, 2)) == 2
