@@ -45,10 +45,12 @@ def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 def loopback_config(**batching: float) -> BrokerConfig:
-    """A broker on free loopback ports."""
+    """A broker on free loopback ports; unknown models are NOT_FOUND from its start (no
+    ``register_grace_s``: its workers are the test's, registered before it asks)."""
     return BrokerConfig(
         frontend="tcp://127.0.0.1:*",
         backend="tcp://127.0.0.1:*",
+        register_grace_s=0.0,
         batching=BatchingConfig(**batching),  # type: ignore[arg-type]
     )
 

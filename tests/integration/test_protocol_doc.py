@@ -189,7 +189,8 @@ def start_broker() -> Iterator[Callable[..., BrokerServer]]:
                 backend="tcp://127.0.0.1:*",
                 # The minibus rule (full, or the oldest waited T_max) keeps batches predictable.
                 batching=BatchingConfig(max_batch=max_batch, max_wait_s=max_wait_s, policy="fixed"),
-                **config,
+                # NOT_FOUND from the start, as the worked example shows (§12's grace is 0).
+                **{"register_grace_s": 0.0, **config},
             )
             broker: BrokerServer = stack.enter_context(ServerThread(BrokerServer(cfg)))
             return broker

@@ -148,6 +148,15 @@ class Admission(BatchScheduler):
         rid = submit.request_id
         spec = self.registry.specs.get(submit.model)
         if spec is None:
+            if now < self.started_s + self.config.register_grace_s:
+                # Just (re)started: its workers may not have said READY yet, and a client
+                # must not take a restart for a model that does not exist.
+                msg = (
+                    f"no worker has registered model {submit.model!r} yet; the broker "
+                    f"started {now - self.started_s:.1f} s ago"
+                )
+                code = ErrorCode.UNAVAILABLE
+                return [self._error(client, delimited, rid, code, msg, simple=simple)]
             msg = f"model {submit.model!r} is not served by any worker"
             return [self._error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)]
         if self.registry.max_batch(spec.name) == 0:  # before the payload checks (protocol §6.1)

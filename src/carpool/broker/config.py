@@ -116,6 +116,10 @@ class BrokerConfig:
     # workers get this long to finish (their results still reach clients), then the rest
     # are answered UNAVAILABLE too and workers are told DISCONNECT.
     stop_grace_s: float = 2.0
+    # After a (re)start, for this long a model no worker has registered yet is answered
+    # UNAVAILABLE (retry) rather than NOT_FOUND: its workers may still be reconnecting
+    # (they notice a broker that vanished after `liveness` heartbeats).
+    register_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -129,6 +133,8 @@ class BrokerConfig:
             problems.append("liveness must be in 1..100")
         if not 1 <= self.max_attempts <= 10:
             problems.append("max_attempts must be in 1..10")
+        if not 0 <= self.register_grace_s <= 600:
+            problems.append("register_grace_s must be in 0..600")
         if not 0 <= self.stop_grace_s <= 600:
             problems.append("stop_grace_s must be in 0..600")
         if not 0 <= self.max_frame_mib <= 1 << 20:

@@ -149,6 +149,9 @@ class BatchScheduler:
         self.recording: list[tuple[float, str, tuple[int, ...], int, int]] | None = None
         # Set by begin_stop: new requests are refused and nothing more is dispatched.
         self.stopping = False
+        # When the broker began serving (the server sets it): for register_grace_s after
+        # it, a model no worker has registered yet is UNAVAILABLE, not NOT_FOUND.
+        self.started_s = -math.inf
         self._inputs_cache: dict[RequestKey, list[dict[str, Any]]] = {}
         self._local_inputs: dict[RequestKey, tuple[TensorMeta, ...]] = {}
         # Workers in this process (the server's embedded workers): their BATCH and RESULT

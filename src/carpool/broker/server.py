@@ -94,6 +94,7 @@ class BrokerServer:
         if self._trace is not None:
             self.core.recording = []
         self.clock: Clock = clock or MonotonicClock()
+        self.core.started_s = self.clock.now()
         self._own_context = context is None
         self.context = context or zmq.Context()
         # Clients are the untrusted side: a frame over the limit drops that connection

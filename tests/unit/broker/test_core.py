@@ -1997,3 +1997,21 @@ def test_a_worker_lost_while_stopping_fails_its_requests_not_requeues_them() -> 
     assert to_clients(final) == []  # nobody answered twice
     other = W2 if batch.to == W1 else W1
     assert [m.to for m in only(final, Command.DISCONNECT, Side.BACKEND)] == [other]
+
+
+def test_a_just_started_broker_says_unavailable_for_a_model_not_yet_registered() -> None:
+    """After a restart the clients' queued requests arrive before the workers' READYs:
+    NOT_FOUND told them the model does not exist (a configuration error, not retried)."""
+    b = Broker.make(register_grace_s=5.0)
+    b.core.started_s = T0
+    (early,) = to_clients(b.request(T0 + 1.0, 1))
+    assert (early.rid, early.code) == (1, ErrorCode.UNAVAILABLE)
+    assert "no worker has registered model 'm' yet" in early.meta["message"]
+    b.ready(T0 + 2.0, W1)
+    assert to_clients(b.request(T0 + 2.0, 2, model="other")) != []
+    assert to_clients(b.request(T0 + 2.0, 3, model="other"))[0].code is ErrorCode.UNAVAILABLE
+    (late,) = to_clients(b.request(T0 + 5.0, 4, model="other"))
+    assert (late.rid, late.code) == (4, ErrorCode.NOT_FOUND)
+    # A core not told when it started (the simulator, tests) never waits.
+    (plain,) = to_clients(Broker.make().request(T0, 5, model="other"))
+    assert plain.code is ErrorCode.NOT_FOUND
