@@ -246,3 +246,23 @@ def test_a_worker_never_reads_its_output_ring_as_an_input(
     error = msgpack.unpackb(frames[1])
     assert error["code"] == ErrorCode.INVALID_ARGUMENT
     assert "output ring" in error["message"]
+
+
+def test_the_output_rings_group_is_checked_when_the_worker_starts() -> None:
+    """A misspelt shm_output_group started fine and, at a client's first request for
+    shared-memory outputs, logged a warning and sent outputs in frames for good."""
+    import grp
+    import os
+
+    from carpool.common.errors import ConfigError
+    from carpool.worker.server import WorkerServer
+
+    engine = {"syn": lambda: SyntheticEngine(item_shape=(N,))}
+    with pytest.raises(ConfigError, match="shm_output_group 'carpol-shm-nosuch': no such group"):
+        WorkerServer("tcp://127.0.0.1:9", engine, shm_output_group="carpol-shm-nosuch")
+    own = grp.getgrgid(os.getegid()).gr_name
+    WorkerServer("tcp://127.0.0.1:9", engine, shm_output_group=own, warmup=False).close()
+    # No ring, no group to check.
+    WorkerServer(
+        "tcp://127.0.0.1:9", engine, shm_output_bytes=0, shm_output_group="carpol-shm-nosuch"
+    ).close()

@@ -10,8 +10,10 @@ No zmq socket is shared between threads.
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import math
+import os
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +49,21 @@ _REJOIN_MIN_S = 1.0
 _CLOSE_WAIT_S = 25.0
 _CLOSE_WAIT_EMBEDDED_S = 2.0
 _REJOIN_MAX_S = 10.0
+
+
+def _check_ring_group(group: str) -> None:
+    """The output ring's group exists and this process may give its files to it: found
+    now, not when a client first asks for shared-memory outputs (the ring is made then;
+    a misspelt group meant a warning in the log and outputs in frames)."""
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"shm_output_group {group!r}: no such group") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise ConfigError(
+            f"shm_output_group {group!r}: this process is not a member (give the worker's "
+            "unit SupplementaryGroups= that group)"
+        )
 
 
 class WorkerServer:
@@ -88,6 +105,8 @@ class WorkerServer:
     ) -> None:
         if not models:
             raise ConfigError("a worker needs at least one model")
+        if shm_output_group and shm_output_bytes > 0:
+            _check_ring_group(shm_output_group)
         self.broker = broker
         try:
             self._link_path = link_path(broker)
