@@ -21,7 +21,7 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.server import BrokerServer
 from carpool.cli import main
 from carpool.client import Client
-from carpool.common.clock import MonotonicClock
+from carpool.common.clock import MonotonicClock, wall_offset_s
 from carpool.common.shm import available as shm_available
 from carpool.common.testing import FakeClock, ServerThread
 from carpool.loadgen import Sample, drive, run, schedule_end, summarize, synthetic_inputs
@@ -99,6 +99,11 @@ def test_record_then_replay_live_and_in_the_simulator(tmp_path: Path, capsys: An
             assert len(read_trace(trace)) == 40  # the replay was recorded too
     assert main(["replay", "--trace", str(trace), "--simulate"]) == 0
     assert "carpool (sim)" in capsys.readouterr().out
+    # Times are Unix seconds, so runs appended to one file stay in order across restarts
+    # and reboots (the monotonic clock starts afresh at boot and sorted them together).
+    first = json.loads(trace.read_text().splitlines()[0])["t_s"]
+    now_unix = wall_offset_s() + MonotonicClock().now()
+    assert now_unix - 120 < first <= now_unix
 
 
 @pytest.mark.timeout(60)

@@ -24,7 +24,7 @@ import zmq
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import EMBEDDED_ID, LINK_ID, BrokerCore, Outgoing, Side
 from carpool.broker.registry import WorkerId
-from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.clock import Clock, MonotonicClock, wall_offset_s
 from carpool.common.errors import ConfigError
 from carpool.common.link import Link, LinkFull, LinkListener, TooLarge, link_path
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
@@ -91,10 +91,15 @@ class BrokerServer:
         self.core = BrokerCore(self.config, defer_pumps=True)
         # carpool record: admitted arrivals go to a JSON-lines trace, flushed every turn.
         self._trace = open(record, "a", encoding="utf-8") if record else None  # noqa: SIM115
+        # Trace times are Unix seconds (steady within a run): a file that several runs
+        # append to stays in order with the real gaps between them, reboots included.
+        self._trace_offset_s = 0.0
         if self._trace is not None:
             self.core.recording = []
         self.clock: Clock = clock or MonotonicClock()
         self.core.started_s = self.clock.now()
+        if self._trace is not None and isinstance(self.clock, MonotonicClock):
+            self._trace_offset_s = wall_offset_s()
         self._own_context = context is None
         self.context = context or zmq.Context()
         # Clients are the untrusted side: a frame over the limit drops that connection
@@ -235,9 +240,10 @@ class BrokerServer:
         trace, records = self._trace, self.core.recording
         if trace is None or records is None:
             return
+        offset_s = self._trace_offset_s
         for t, model, shape, timeout_ms, priority in records:
             line = {
-                "t_s": round(t, 6),
+                "t_s": round(t + offset_s, 6),
                 "model": model,
                 "shape": list(shape),
                 "timeout_ms": timeout_ms,

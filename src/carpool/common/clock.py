@@ -1,4 +1,5 @@
-"""Clock: the one seam for time. Only this module reads ``time.monotonic``.
+"""Clock: the one seam for time. Only this module reads ``time.monotonic`` (and the wall
+clock, for :func:`wall_offset_s`).
 
 Pure cores never hold a clock: they take ``now`` (monotonic seconds) as an argument.
 Shells hold a :class:`Clock`; tests give them :class:`carpool.common.testing.FakeClock`.
@@ -27,3 +28,10 @@ class MonotonicClock:
     def sleep(self, duration_s: float) -> None:
         if duration_s > 0:
             time.sleep(duration_s)
+
+
+def wall_offset_s() -> float:
+    """What to add to a :class:`MonotonicClock` reading for the Unix time it was taken at
+    (read once: intervals keep the monotonic clock's steadiness). For records that must
+    line up across restarts and reboots, where the monotonic clock starts afresh."""
+    return time.time() - time.monotonic()

@@ -9,7 +9,9 @@ file is JSON lines, one arrival per line::
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import math
 import random
 from collections.abc import Iterable, Sequence
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,4 +203,27 @@ def load_trace(path: str | Path, at_least: int = 1) -> list[Arrival]:
             f"trace {path} has only {len(items)} arrival{'s' if len(items) > 1 else ''}: a "
             f"simulation needs at least {at_least} to measure a rate or form a batch"
         )
+    gap_s, at_s = longest_gap(items)
+    if gap_s >= GAP_WARN_S:
+        logger.warning(
+            "trace %s has no arrival for %.0f s (from %.1f s in): several recordings "
+            "appended to one file, or a broker that was down? Rates and the settings "
+            "chosen count that time as idle; record each run to a file of its own.",
+            path,
+            gap_s,
+            at_s,
+        )
     return items
+
+
+#: A pause in a trace that long is worth a word (``load_trace``).
+GAP_WARN_S = 60.0
+
+
+def longest_gap(items: Sequence[Arrival]) -> tuple[float, float]:
+    """The longest time between consecutive arrivals (sorted), and where it starts."""
+    best = (0.0, 0.0)
+    for a, b in itertools.pairwise(items):
+        if b.t_s - a.t_s > best[0]:
+            best = (b.t_s - a.t_s, a.t_s)
+    return best

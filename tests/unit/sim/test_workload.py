@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -287,3 +288,22 @@ def test_load_trace_refuses_too_few_arrivals(tmp_path: Path) -> None:
         workload.load_trace(path, 2)
     path.write_text(f"{GOOD}\n{GOOD}\n", encoding="utf-8")
     assert len(workload.load_trace(path, 2)) == 2
+
+
+def test_load_trace_warns_of_a_long_pause(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`carpool record` appends: two runs in one file read as one run with a long idle
+    stretch, and tune's rates count it. A pause of a minute or more is pointed out."""
+    path = tmp_path / "t.jsonl"
+    lines = [
+        json.dumps({"t_s": t, "model": "m", "shape": [1, 4], "timeout_ms": 100})
+        for t in (1000.0, 1000.5, 1059.0, 1200.0, 1200.5)
+    ]
+    path.write_text("\n".join(lines[:3]) + "\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="carpool.sim.workload"):
+        workload.load_trace(path)
+    assert caplog.records == []  # 58.5 s: under a minute
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="carpool.sim.workload"):
+        workload.load_trace(path)
+    (record,) = caplog.records
+    assert "has no arrival for 141 s (from 59.0 s in)" in record.getMessage()
