@@ -181,14 +181,17 @@ def _arrivals(args: argparse.Namespace) -> list[Arrival]:
     if args.load == "constant":
         step = 1.0 / args.rate
         n = int(total_s * args.rate)
-        return [Arrival(i * step, args.model, shape, args.timeout_ms) for i in range(n)]
-    if args.load == "bursts":
-        phases = workload.bursts(args.rate, args.burst_rps, total_s, args.period_s, args.burst_s)
+        items = [Arrival(i * step, args.model, shape, args.timeout_ms) for i in range(n)]
     else:
-        phases = workload.poisson(args.rate, total_s)
-    items = workload.arrivals(
-        phases, model=args.model, shape=shape, timeout_ms=args.timeout_ms, seed=args.seed
-    )
+        if args.load == "bursts":
+            phases = workload.bursts(
+                args.rate, args.burst_rps, total_s, args.period_s, args.burst_s
+            )
+        else:
+            phases = workload.poisson(args.rate, total_s)
+        items = workload.arrivals(
+            phases, model=args.model, shape=shape, timeout_ms=args.timeout_ms, seed=args.seed
+        )
     if not any(a.t_s >= args.warmup_s for a in items):
         raise ConfigError(
             "the schedule has no arrival in the measurement window (after the warm-up): "

@@ -404,6 +404,11 @@ def test_a_one_request_trace_replays_live(fleet_factory: Any, tmp_path: Path) ->
         (["--model", ""], "--model must be a non-empty name"),
         (["--shared-memory-mib", "-1"], "--shared-memory-mib must be at least 0, got -1"),
         (["--rate", "0.01", "--duration-s", "1"], "the schedule has no arrival in the"),
+        (  # two sent in the warm-up, none after it: "no request was sent", exit 1
+            ["--load", "constant", "--rate", "1", "--warmup-s", "2", "--duration-s", "0.5"],
+            "the schedule has no arrival in the",
+        ),
+        (["--load", "constant", "--rate", "0.05", "--duration-s", "1"], "the schedule has no"),
         (["--endpoint", "tcp://127.0.0.1"], "cannot connect to 'tcp://127.0.0.1'"),
     ],
 )

@@ -243,7 +243,14 @@ class RequestQueue:
                 heap[:] = live
 
     def __iter__(self) -> Iterator[PendingRequest]:
-        return (r for r in self._arrivals if r.state is _QUEUED)
+        """Each queued request once, in arrival order. (The arrival order may hold a
+        request twice: an EDF take leaves its entry behind, and a lost worker's requeue
+        pushes it to the front again.)"""
+        seen: set[int] = set()
+        for r in self._arrivals:
+            if r.state is _QUEUED and id(r) not in seen:
+                seen.add(id(r))
+                yield r
 
 
 class DeadlineHeap:

@@ -1984,6 +1984,27 @@ def test_stopping_answers_the_queue_at_once_and_lets_running_batches_finish() ->
     assert to_clients(late) == []  # answered once, never twice
 
 
+def test_stopping_answers_a_requeued_request_once() -> None:
+    """EDF sent the newer request 2 ahead of 1, leaving its arrival entry behind; the
+    worker's loss pushed 2 to the front again, and the stop answered it twice (found by
+    a review; the queue counters went to -1)."""
+    b = Broker.make(max_batch=4, max_wait_s=0.0, policy="carpool")
+    b.ready(T0, W1, slots=1)
+    (first,) = batches(b.request(T0, 10, C3, n=1, timeout_ms=5000))
+    b.request(T0, 1, C1, n=3, timeout_ms=5000)  # older, later deadline
+    b.request(T0, 2, C2, n=2, timeout_ms=800)  # newer, earlier deadline: leaves first
+    out, _ = b.result(T0 + 0.01, first)
+    assert [ids(m) for m in batches(out)] == [[2]]
+    assert to_clients(b.disconnect(T0 + 0.02, W1)) == []  # 2 requeued
+    final = [parse(o) for o in b.core.begin_stop(T0 + 0.03)]
+    assert sorted((m.rid, m.code) for m in to_clients(final)) == [
+        (1, ErrorCode.UNAVAILABLE),
+        (2, ErrorCode.UNAVAILABLE),
+    ]
+    assert b.core.queued == 0
+    assert dict(b.core._queued_samples) == {"m": [0, 0]}
+
+
 def test_a_worker_lost_while_stopping_fails_its_requests_not_requeues_them() -> None:
     b = Broker.make(max_batch=2, max_wait_s=0.0)
     b.ready(T0, W1, slots=1)
