@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker",
         help="broker backend endpoint (default tcp://127.0.0.1:5556), or its --local unix:PATH",
     )
-    w.add_argument("--name", help="worker name (default 'worker')")
+    w.add_argument("--name", help="worker name in logs and STATS (default HOST-PID)")
     w.add_argument("--slots", type=int, help="batches outstanding at most")
     w.add_argument(
         "--model",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,8 +43,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if not 1 <= len(self.name) <= MAX_NAME_CHARS:
-            problems.append(f"name must have 1..{MAX_NAME_CHARS} characters")
+        if len(self.name) > MAX_NAME_CHARS:
+            problems.append(f"name must have at most {MAX_NAME_CHARS} characters")
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 1 <= self.max_batch <= 4096:
@@ -139,10 +141,16 @@ def model_from_arg(text: str) -> ModelConfig:
     return ModelConfig(name=name or Path(path).stem, path=path)
 
 
+def default_name() -> str:
+    """A worker's name when none is given: its host and process id."""
+    return f"{socket.gethostname()}-{os.getpid()}"[:MAX_NAME_CHARS]
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     broker: str = "tcp://127.0.0.1:5556"  # the broker's backend endpoint
-    name: str = "worker"
+    # In logs and STATS; "" (the default): HOST-PID, so that workers tell apart.
+    name: str = ""
     slots: int = 2  # batches outstanding here at most (credits)
     heartbeat_s: float = 1.0
     liveness: int = 3  # silent heartbeat intervals before reconnecting
@@ -162,8 +170,8 @@ class WorkerConfig:
             problems.append("heartbeat_s must be in 0.01..600")
         if not 1 <= self.liveness <= 100:
             problems.append("liveness must be in 1..100")
-        if not 1 <= len(self.name) <= MAX_NAME_CHARS:
-            problems.append(f"name must have 1..{MAX_NAME_CHARS} characters")
+        if len(self.name) > MAX_NAME_CHARS:
+            problems.append(f"name must have at most {MAX_NAME_CHARS} characters")
         if not 1 <= len(self.models) <= MAX_MODELS:
             problems.append(f"1..{MAX_MODELS} [[models]] entries are needed")
         if not 0 <= self.shm_output_mib <= 1 << 20:
@@ -184,7 +192,7 @@ class WorkerConfig:
         return WorkerServer(
             self.broker,
             {m.name: m.factory() for m in self.models},
-            name=self.name,
+            name=self.name or default_name(),
             slots=self.slots,
             heartbeat_s=self.heartbeat_s,
             liveness=self.liveness,

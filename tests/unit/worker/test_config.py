@@ -193,3 +193,24 @@ def test_max_batch_below_the_files_preferred_sizes_drops_those_sizes(tmp_path: P
     assert (model.max_batch, model.preferred_batch) == (6, (4,))
     (model,) = worker_config(_worker_args("--config", str(toml), "--threads", "2")).models
     assert (model.max_batch, model.preferred_batch) == (16, (4, 8))
+
+
+def test_a_worker_without_a_name_is_named_by_its_host_and_process() -> None:
+    """Every worker was "worker" in STATS and the logs unless --name was given."""
+    import os
+    import socket
+
+    from carpool.worker.config import WorkerConfig
+
+    assert worker_config(_worker_args()).name == ""
+    model = ModelConfig.synthetic("s", 0, 0, 4)
+    server = WorkerConfig(models=(model,)).server()
+    try:
+        assert server.core.name == f"{socket.gethostname()}-{os.getpid()}"
+    finally:
+        server.close()
+    named = WorkerConfig(name="cpu-0", models=(model,)).server()
+    try:
+        assert named.core.name == "cpu-0"
+    finally:
+        named.close()
