@@ -13,12 +13,15 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from carpool.common.clock import Clock
+from carpool.common.codec import numpy_dtype
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, encode_error
 from carpool.common.shm import RegionReader, ShmRing
 from carpool.worker.core import RunBatch
-from carpool.worker.engines.base import Engine, zeros_like_spec
+from carpool.worker.engines.base import Engine
 from carpool.worker.tensors import ItemError, replies, stack, unreadable
 
 logger = logging.getLogger(__name__)
@@ -26,11 +29,27 @@ logger = logging.getLogger(__name__)
 
 def warm_up(engine: Engine) -> None:
     """One batch-1 run so the first real request does not pay for lazy initialisation.
-    Skipped for models with dynamic dims beyond the batch (no shape to guess)."""
-    specs = engine.info.inputs
-    if any(-1 in s.shape[1:] for s in specs):
-        return
-    engine.run({s.name: zeros_like_spec(s, 1) for s in specs})
+    A dynamic dim takes the smallest size its shape rule allows (ppocr-det: 32 x 32);
+    a model with a dynamic dim no rule bounds is skipped (no shape to guess)."""
+    info = engine.info
+    feeds = {}
+    for i, spec in enumerate(info.inputs):
+        rule = info.rules[i] if info.rules else None
+        shape = [1]
+        for d, dim in enumerate(spec.shape[1:], 1):
+            if dim != -1:
+                shape.append(dim)
+                continue
+            if rule is None or not (rule.min_shape or rule.multiple_of):
+                return
+            low = rule.min_shape[d] if rule.min_shape else 1
+            step = rule.multiple_of[d] if rule.multiple_of else 1
+            size = -(-low // step) * step
+            if rule.max_shape and rule.max_shape[d] != -1 and size > rule.max_shape[d]:
+                return  # no size keeps the rule (the broker will refuse every request)
+            shape.append(size)
+        feeds[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.dtype))
+    engine.run(feeds)
 
 
 class LazyRing:

@@ -12,11 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 from numpy.typing import NDArray
 
 from carpool.common import shape_rules
-from carpool.common.codec import numpy_dtype
 from carpool.common.protocol import ModelSpec, TensorMeta
 from carpool.common.shape_rules import ShapeRule
 
@@ -75,9 +73,3 @@ class Engine(Protocol):
 def as_batch_dim(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A spec shape with dim 0 marked as the (dynamic) batch dim."""
     return (-1, *shape[1:]) if shape else shape
-
-
-def zeros_like_spec(spec: TensorMeta, batch: int, fill: int = 1) -> Array:
-    """A zero array for a spec, dynamic dims set to ``fill`` (for warm-up runs)."""
-    shape = (batch, *(fill if d == -1 else d for d in spec.shape[1:]))
-    return np.zeros(shape, dtype=numpy_dtype(spec.dtype))
