@@ -281,10 +281,7 @@ class BrokerCore(Admission):
         msg = "the broker is stopping before the request was dispatched; retry"
         for queue in self._queues.values():
             for req in list(queue):
-                queue.forget(req)
-                self._dequeued(req)
-                _finish(req, RequestState.FAILED)
-                out.append(self._request_error(req, ErrorCode.UNAVAILABLE, msg))
+                self._answer_queued(queue, req, ErrorCode.UNAVAILABLE, msg, out)
         self._dirty.clear()
         self._dirty_models.clear()
         self._wake_s.clear()

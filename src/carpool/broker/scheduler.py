@@ -437,14 +437,25 @@ class BatchScheduler:
     def _unservable(self, queue: RequestQueue, req: PendingRequest, out: list[Outgoing]) -> None:
         """Answer a queued request larger than any live worker of its model takes (it was
         admitted, or requeued, while a larger worker served the model)."""
-        queue.forget(req)
-        self._dequeued(req)
-        _finish(req, RequestState.FAILED)
         msg = (
             f"request has {req.samples} samples; no live worker of model {req.model!r} "
             f"takes more than {self.registry.max_batch(req.model)} per batch now"
         )
-        out.append(self._request_error(req, ErrorCode.UNAVAILABLE, msg))
+        self._answer_queued(queue, req, ErrorCode.UNAVAILABLE, msg, out)
+
+    def _answer_queued(
+        self,
+        queue: RequestQueue,
+        req: PendingRequest,
+        code: ErrorCode,
+        message: str,
+        out: list[Outgoing],
+    ) -> None:
+        """Take a request out of its queue and answer it with an error."""
+        queue.forget(req)
+        self._dequeued(req)
+        _finish(req, RequestState.FAILED)
+        out.append(self._request_error(req, code, message))
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]
