@@ -43,8 +43,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if len(self.name) > MAX_NAME_CHARS:
-            problems.append(f"name must have at most {MAX_NAME_CHARS} characters")
+        if not 1 <= len(self.name) <= MAX_NAME_CHARS:
+            problems.append(f"name must have 1..{MAX_NAME_CHARS} characters")
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 1 <= self.max_batch <= 4096:

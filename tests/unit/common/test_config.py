@@ -166,8 +166,7 @@ def test_tuple_of_dataclasses() -> None:
         ({"shm_output_mode": 0o1777}, "shm_output_mode must be a file mode"),
         ({"shm_output_mode": 0o660}, "never write it"),
         # Settings whose READY the broker would refuse (the worker then never joins):
-        ({"name": ""}, "worker: name must have 1..256 characters"),
-        ({"name": "w" * 257}, "worker: name must have 1..256 characters"),
+        ({"name": "w" * 257}, "worker: name must have at most 256 characters"),
         ({"models": [{"name": ""}]}, "model '': name must have 1..256 characters"),
         ({"models": [{"name": "m", "engine": "synthetic", "item_shape": [0]}]}, "item_shape"),
         ({"models": [{"name": "m", "engine": "synthetic", "item_shape": [1] * 8}]}, "item_shape"),
