@@ -174,6 +174,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def run_tune(args: argparse.Namespace) -> int:
     _quiet()
+    if args.top < 1:  # (0 printed an empty ranking; -2 all but its last two rows)
+        raise ConfigError(f"--top must be at least 1, got {args.top}")
     items = workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
     if args.sla_ms is not None:
         items = [Arrival(a.t_s, a.model, a.shape, args.sla_ms, a.priority) for a in items]

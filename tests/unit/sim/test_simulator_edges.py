@@ -89,6 +89,8 @@ def _trace(tmp_path: Path) -> Path:
         ["--sla-ms", "0"],
         ["--alpha-ms", "-5"],
         ["--beta-ms", "nan"],
+        ["--top", "0"],
+        ["--top", "-2"],
     ],
 )
 def test_tune_refuses_impossible_settings(
