@@ -146,8 +146,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     _quiet()
     workers = _workers(args)
     items = _arrivals(args)
-    if not items:
-        raise ConfigError("the workload has no arrivals (a rate or a duration of 0?)")
+    if len(items) < workload.MIN_SIMULATED_ARRIVALS:  # (as a trace must have)
+        raise ConfigError(
+            f"the workload has {len(items)} arrival{'' if len(items) == 1 else 's'}; a "
+            f"simulation needs at least {workload.MIN_SIMULATED_ARRIVALS} (a rate or a "
+            "duration of 0?)"
+        )
     if args.save_trace:
         workload.write_trace(args.save_trace, items)
     span = span_s(items)  # as the table's rates count it: n arrivals, n gaps

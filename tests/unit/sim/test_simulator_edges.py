@@ -63,14 +63,23 @@ def test_unsorted_arrivals_do_not_run_time_backwards() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [["--rate", "0"], ["--load", "steps", "--rates", "0,0"]], ids=["rate", "steps"]
+    ("args", "says"),
+    [
+        (["--rate", "0"], "has 0 arrivals"),
+        (["--load", "steps", "--rates", "0,0"], "has 0 arrivals"),
+        # Seed 1 draws one arrival in a second at 1/s: no rate to report (as a trace).
+        (["--rate", "1", "--duration-s", "1", "--seed", "1"], "has 1 arrival;"),
+    ],
+    ids=["rate", "steps", "one"],
 )
 def test_simulate_refuses_an_empty_workload(
-    args: list[str], capsys: pytest.CaptureFixture[str]
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """It ended in an IndexError traceback."""
+    """It ended in an IndexError traceback; one arrival reported a rate from it."""
     assert main(["simulate", "--no-oracle", *args]) == 2
-    assert "no arrivals" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert says in err
+    assert "a simulation needs at least 2" in err
 
 
 def _trace(tmp_path: Path) -> Path:
