@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import math
 import signal
@@ -320,7 +319,7 @@ def run_replay(args: argparse.Namespace) -> int:
         return _live(args, workload.load_trace(args.trace), warmup_s=0.0, progress=True)
     items = workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
     logging.getLogger("carpool.broker").setLevel(logging.WARNING)
-    from carpool.sim.compare import as_json, table
+    from carpool.sim.compare import as_records, table
     from carpool.sim.simulator import EngineCost, SimWorker, simulate
 
     workers = [
@@ -330,5 +329,5 @@ def run_replay(args: argparse.Namespace) -> int:
     result = simulate(items, workers, batching, label=f"{args.policy} (sim)")
     print(table([result]))
     if args.json:
-        write_json(args.json, json.loads(as_json([result])))
+        write_json(args.json, as_records([result]))
     return 0 if result.ok else _fail(f"no request was answered (errors: {_errors(result.errors)})")

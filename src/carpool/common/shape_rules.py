@@ -73,6 +73,18 @@ class ShapeRule:
                 )
         return None
 
+    def smallest(self, i: int) -> int | None:
+        """The smallest size dim ``i`` may take (a warm-up's shape), or None when the rule
+        puts no lower bound or step on it, or no size keeps it."""
+        if not (self.min_shape or self.multiple_of):
+            return None
+        low = self.min_shape[i] if self.min_shape else 1
+        step = self.multiple_of[i] if self.multiple_of else 1
+        size = -(-low // step) * step
+        if self.max_shape and self.max_shape[i] != -1 and size > self.max_shape[i]:
+            return None
+        return size
+
     def to_wire(self) -> dict[str, list[int]]:
         return {key: list(getattr(self, key)) for key in KEYS if getattr(self, key)}
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from carpool.common.errors import ConfigError
 from carpool.sim import workload
-from carpool.sim.compare import as_json, compare, grid_search, table
+from carpool.sim.compare import as_records, compare, grid_search, table
 from carpool.sim.simulator import EngineCost, SimWorker, span_s
 from carpool.sim.workload import Arrival
 
@@ -172,7 +172,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     print(table(results))
     if args.json:
-        write_json(args.json, json.loads(as_json(results)))
+        write_json(args.json, as_records(results))
     return 0
 
 

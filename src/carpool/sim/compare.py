@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from carpool.broker.config import BatchingConfig
 from carpool.sim.simulator import SimResult, SimWorker, simulate
@@ -114,23 +115,26 @@ def table(results: Sequence[SimResult]) -> str:
     return "\n".join([head, "-" * len(head), *rows])
 
 
+def as_records(results: Sequence[SimResult]) -> list[dict[str, Any]]:
+    """One JSON-ready map per result (a percentile of no answers is NaN: see
+    ``commands.write_json``)."""
+    return [
+        {
+            "policy": r.label,
+            "sent": r.sent,
+            "throughput_rps": r.throughput_rps,
+            "goodput_rps": r.goodput_rps,
+            "p50_ms": r.percentile_ms(50),
+            "p95_ms": r.percentile_ms(95),
+            "p99_ms": r.percentile_ms(99),
+            "miss_rate": r.miss_rate,
+            "mean_batch": r.mean_batch,
+            "busy_share": r.busy_share,
+            "errors": dict(r.errors),
+        }
+        for r in results
+    ]
+
+
 def as_json(results: Sequence[SimResult]) -> str:
-    return json.dumps(
-        [
-            {
-                "policy": r.label,
-                "sent": r.sent,
-                "throughput_rps": r.throughput_rps,
-                "goodput_rps": r.goodput_rps,
-                "p50_ms": r.percentile_ms(50),
-                "p95_ms": r.percentile_ms(95),
-                "p99_ms": r.percentile_ms(99),
-                "miss_rate": r.miss_rate,
-                "mean_batch": r.mean_batch,
-                "busy_share": r.busy_share,
-                "errors": dict(r.errors),
-            }
-            for r in results
-        ],
-        indent=2,
-    )
+    return json.dumps(as_records(results), indent=2)

@@ -40,13 +40,9 @@ def warm_up(engine: Engine) -> None:
             if dim != -1:
                 shape.append(dim)
                 continue
-            if rule is None or not (rule.min_shape or rule.multiple_of):
-                return
-            low = rule.min_shape[d] if rule.min_shape else 1
-            step = rule.multiple_of[d] if rule.multiple_of else 1
-            size = -(-low // step) * step
-            if rule.max_shape and rule.max_shape[d] != -1 and size > rule.max_shape[d]:
-                return  # no size keeps the rule (the broker will refuse every request)
+            size = None if rule is None else rule.smallest(d)
+            if size is None:
+                return  # no shape to guess, or none the rule allows
             shape.append(size)
         feeds[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.dtype))
     engine.run(feeds)
