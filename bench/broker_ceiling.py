@@ -39,6 +39,8 @@ Target: fleet (Client) >= 0.5 x echo, at each in-flight count.
 Run:  .venv/bin/python bench/broker_ceiling.py            (about 1.5 minutes)
       .venv/bin/python bench/broker_ceiling.py --in-flight 64 --reps 4   (one depth)
       .venv/bin/python bench/broker_ceiling.py --quick    (a smoke run, under a minute)
+      .venv/bin/python bench/broker_ceiling.py --max-batch 16   (the carpool brokers' B_max;
+          default the broker's own, 8: batches of at most 8 at 64 in flight)
 Writes bench/out/broker_ceiling.json and bench/out/broker_ceiling.png.
 """
 
@@ -118,8 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--in-flight", type=int, nargs="+", default=list(IN_FLIGHT), help="depths (8 64)"
     )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        help="the carpool brokers' B_max (default: the broker's own, 8)",
+    )
     args = p.parse_args(argv)
     in_flight = tuple(args.in_flight)
+    bmax = () if args.max_batch is None else ("--max-batch", str(args.max_batch))
     quiet_logs()
     reps = args.reps or (2 if args.quick else 5)
     duration_s = 0.6 if args.quick else 2.0
@@ -132,14 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     with ProcessGroup(args.transport) as group:
         frontend, backend, echo_ep = (group.endpoint(n) for n in ("front", "back", "echo"))
-        broker = group.broker(frontend, backend)
+        broker = group.broker(frontend, backend, *bmax)
         worker = group.worker(backend, "--synthetic", "0", "0")
         echo = group.echo(echo_ep)
         link_front, link_back = group.endpoint("link-front"), group.endpoint("link-back")
-        link_broker = group.broker(link_front, link_back, "--local", f"unix:{group.tmp}/local")
+        link_broker = group.broker(
+            link_front, link_back, "--local", f"unix:{group.tmp}/local", *bmax
+        )
         link_worker = group.worker(f"unix:{group.tmp}/local", "--synthetic", "0", "0")
         emb_front, emb_back = group.endpoint("emb-front"), group.endpoint("emb-back")
-        embedded = group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0")
+        embedded = group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0", *bmax)
         bare_front, bare_back = group.endpoint("bare-front"), group.endpoint("bare-back")
         bare_broker, bare_worker = group.bare_fleet(bare_front, bare_back)
         wait_workers(frontend, 1, group)
@@ -261,8 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ]
             )
     print(
-        f"\nRequests/s, closed loop, 64-byte payloads, {args.transport}; median of {reps} "
-        "rounds (range in the next column)"
+        f"\nRequests/s, closed loop, 64-byte payloads, {args.transport}, B_max "
+        f"{args.max_batch or 'default (8)'}; median of {reps} rounds (range in the next column)"
     )
     print(
         table(
@@ -300,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": reps,
             "duration_s": duration_s,
             "in_flight": list(in_flight),
+            "max_batch": args.max_batch,
             "payload": "float32 [1, 16] (64 bytes)",
             "target": f"fleet (Client) >= {TARGET} x echo",
             "pass": all(checks.values()),
