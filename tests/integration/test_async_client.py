@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 
-from carpool.client import AsyncClient, NotFound
+from carpool.client import AsyncClient, NotFound, Unavailable
+from carpool.common.errors import CarpoolError
 from carpool.worker.engines.synthetic import SyntheticEngine
 
 
@@ -48,5 +50,96 @@ def test_closing_with_requests_in_flight_fails_them_typed(tmp_path: Any) -> None
         await client.close()
         with pytest.raises(Unavailable):
             await future
+
+    asyncio.run(main())
+
+
+X = {"x": np.ones((1, 3), np.float32)}
+
+
+@pytest.mark.timeout(60)
+def test_a_client_moves_to_a_new_loop_once_the_old_one_has_stopped(fleet_factory: Any) -> None:
+    """Its reader was a task of the first loop: after that loop closed, a request on a new
+    loop was never answered (not even Unavailable at its timeout)."""
+    fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
+    fleet.add_worker({"m": lambda: SyntheticEngine(item_shape=(3,), max_batch=8)})
+    fleet.ready()
+    client = AsyncClient(fleet.broker.frontend_endpoint)
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(client.submit("m", X, timeout_s=5))  # left unanswered
+    finally:
+        first.close()
+
+    async def main() -> dict[str, Any]:
+        try:
+            return await asyncio.wait_for(client.infer("m", X, timeout_s=2), 20)
+        finally:
+            await client.close()
+
+    out = asyncio.run(main())
+    np.testing.assert_array_equal(out["y"], np.full((1, 3), 3.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_client_refuses_a_second_loop_while_the_first_runs(tmp_path: Any) -> None:
+    """Two threads, each with its own loop, on one client: the second one's futures were
+    completed by the first one's reader, across threads, or never."""
+    client = AsyncClient(f"ipc://{tmp_path}/nobody")
+    started, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        await client.submit("m", X, timeout_s=30)
+        started.set()
+        await asyncio.to_thread(release.wait, 30)  # its loop runs meanwhile
+        await client.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(hold(),))
+    thread.start()
+    try:
+        assert started.wait(20)
+        with pytest.raises(RuntimeError, match="another running event loop"):
+            asyncio.run(client.infer("m", X, timeout_s=1))
+    finally:
+        release.set()
+        thread.join(20)
+    assert not thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_close_ends_a_submit_waiting_for_room_with_its_answer_not_a_cancel(nobody: str) -> None:
+    """The broker away and ZeroMQ's queue full: a submit waits for room. close() ended it
+    with CancelledError, as if its task had been cancelled (TaskGroup and asyncio.run
+    read it so), and the future close() had failed went unretrieved."""
+
+    async def main() -> None:
+        client = AsyncClient(nobody)
+        for _ in range(1000):  # ZeroMQ's high-water mark: the next send waits
+            await client.submit("m", X, timeout_s=30)
+        waiting = asyncio.create_task(client.submit("m", X, timeout_s=30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await client.close()
+        future = await asyncio.wait_for(waiting, 10)  # not CancelledError
+        assert not waiting.cancelled()
+        with pytest.raises(Unavailable, match="closed"):
+            await future
+        with pytest.raises(CarpoolError, match="closed"):
+            await client.submit("m", X)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_close_answers_a_pending_stats_at_once(nobody: str) -> None:
+    """stats() waiting for the broker's answer waited out its own timeout after close()."""
+
+    async def main() -> None:
+        client = AsyncClient(nobody)
+        pending = asyncio.create_task(client.stats(30))
+        await asyncio.sleep(0.2)
+        await client.close()
+        with pytest.raises(CarpoolError, match="closed"):
+            await asyncio.wait_for(pending, 10)  # (TimeoutError here, before)
 
     asyncio.run(main())

@@ -126,7 +126,8 @@ def _until_another_thread_owns(client: Client, thread: threading.Thread) -> None
 
 def test_close_from_a_signal_handler_in_the_owning_thread_returns(nobody: str) -> None:
     """The handler runs in the thread that owns the socket (blocked in result()); a lock
-    that was not re-entrant made close() wait for itself for ever."""
+    that was not re-entrant made close() wait for itself for ever. The interrupted poll
+    then raised libzmq's ZMQError (ENOTSOCK), not the future's Unavailable."""
     code = f"""
 import signal, numpy as np
 from carpool.client import Client, Unavailable
@@ -138,8 +139,8 @@ try:
     f.result()
 except Unavailable as exc:
     print("closed" if "closed" in str(exc) else repr(exc))
-except Exception as exc:  # the interrupted poll on the closed socket
-    print("closed" if c.state.value == "closed" else repr(exc))
+except Exception as exc:  # (libzmq's ENOTSOCK from the interrupted poll, before)
+    print(repr(exc))
 """
     done = subprocess.run(
         [sys.executable, "-c", code], timeout=20, capture_output=True, text=True, check=False
@@ -213,6 +214,96 @@ def test_a_submit_keeps_its_timeout_while_another_threads_send_waits(nobody: str
     assert clock.now() - started < 2.0
     blocked.join(10)
     assert not blocked.is_alive()
+
+
+def _hammer(client: Client, stop: threading.Event, ended: list[BaseException]) -> threading.Thread:
+    """A thread that submits in a tight loop (and never polls) until ``stop``, or until a
+    submit raises; what it raised goes in ``ended``."""
+
+    def run() -> None:
+        try:
+            while not stop.is_set():
+                client.submit("m", X, 5)
+        except BaseException as exc:  # reported to the test
+            ended.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_close_is_not_starved_by_a_thread_that_submits_in_a_loop(nobody: str) -> None:
+    """The submitting thread took the socket back each time before close() woke, and each
+    of its submits returned at once once close() had begun (the broker's queue full): close
+    waited for as long as the loop ran (seconds with a live broker, for ever here)."""
+    client = Client(nobody, grace_s=0.2)
+    stop, ended = threading.Event(), []
+    thread = _hammer(client, stop, ended)
+    _until_another_thread_owns(client, thread)
+    closer = threading.Thread(target=client.close, daemon=True)
+    clock = MonotonicClock()
+    started = clock.now()
+    closer.start()
+    closer.join(20)
+    took = clock.now() - started
+    stop.set()
+    thread.join(10)
+    assert not closer.is_alive() and took < 10  # about 0.05 s
+    assert len(ended) == 1 and isinstance(ended[0], CarpoolError)
+    assert "closed" in str(ended[0])  # its next submit: the client is closed
+
+
+def test_threads_waiting_for_the_socket_take_it_in_turn(nobody: str) -> None:
+    """The thread that lets go of the socket and asks for it again at once goes behind
+    the threads already waiting (it took it straight back before, ahead of them: under
+    the GIL it runs on while they wake)."""
+    client = Client(nobody)
+    order: list[str] = []
+    assert client._take(None, send=True)  # this thread owns it
+
+    def waiter() -> None:
+        assert client._take(5, send=True)
+        order.append("waiter")
+        client._let_go()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    clock = MonotonicClock()
+    until = clock.now() + 5
+    while not client._line and clock.now() < until:
+        thread.join(0.001)
+    assert client._line  # the waiter is in line
+    client._let_go()
+    assert client._take(5, send=True)  # at once again: behind the waiter
+    order.append("first owner")
+    client._let_go()
+    thread.join(10)
+    client.close()
+    assert order == ["waiter", "first owner"]
+
+
+def test_a_thread_waiting_for_its_reply_is_not_starved_by_one_that_submits(
+    nobody: str,
+) -> None:
+    """Only the thread that owns the socket receives and fails requests on time; a thread
+    submitting in a tight loop took the socket back before the waiting one woke, so the
+    waiting thread's 0.3 s request stayed pending for as long as the loop ran."""
+    client = Client(nobody, grace_s=0.2, send_timeout_s=0.0)
+    stop, ended = threading.Event(), []
+    thread = _hammer(client, stop, ended)
+    try:
+        _until_another_thread_owns(client, thread)
+        clock = MonotonicClock()
+        started = clock.now()
+        future = client.submit("m", X, 0.3)
+        with pytest.raises(Unavailable):
+            future.result(20)  # (TimeoutError, before: still pending after 20 s)
+        assert clock.now() - started < 10  # about 0.5 s
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+    assert ended == []
 
 
 def test_an_infinite_wait_under_contention(fleet_factory: Any) -> None:

@@ -1,7 +1,9 @@
 """aio.py: AsyncClient — the asyncio twin of :class:`carpool.client.Client`.
 
 Same methods (``submit``, ``infer``, ``stats``, ``close``) over the same ClientCore; one
-reader task per client completes the futures. Use it from one event loop.
+reader task per client completes the futures. Use it from one event loop at a time: a
+client moves to a new loop once the old one has stopped (``asyncio.run`` after
+``asyncio.run``), and refuses a second loop while the first runs.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class AsyncClient:
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
         self._stats: asyncio.Future[dict[str, Any]] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # of the futures and reader
         self._stats_id = 0
         self.state = ClientState.OPEN
 
@@ -75,8 +78,9 @@ class AsyncClient:
         (as :meth:`carpool.client.Client.submit`: inputs may be reused at once; a broker
         that takes nothing for the whole timeout fails it ``Unavailable``)."""
         self._check_open()
+        loop = self._bind()
         rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)
-        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[InferResult] = loop.create_future()
         self._futures[rid] = future
         # ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
         # away or not reading; past it a send waits for as long as the broker does.
@@ -89,7 +93,16 @@ class AsyncClient:
             self.core.forget(rid)
             self._settle(rid, Unavailable("the broker is not taking requests", request_id=rid))
             return future
-        except BaseException:  # cancelled (or the socket failed): nothing was sent
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.state is not ClientState.OPEN and not (task and task.cancelling()):
+                # close() ended the send (zmq cancels what waits on a closed socket), not
+                # a cancel of this task: the future holds close()'s answer.
+                return future
+            self.core.forget(rid)
+            self._futures.pop(rid, None)
+            raise
+        except BaseException:  # the socket failed: nothing was sent
             self.core.forget(rid)
             self._futures.pop(rid, None)
             raise
@@ -111,18 +124,57 @@ class AsyncClient:
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The broker's counters (see :meth:`carpool.client.Client.stats`)."""
         self._check_open()
-        self._stats = asyncio.get_running_loop().create_future()
+        self._stats = self._bind().create_future()
         self._stats_id, frames = self.core.stats_request()
         try:
             await asyncio.wait_for(self.socket.send_multipart(frames), timeout_s)
         except (TimeoutError, asyncio.TimeoutError):  # (one class from 3.11 on)
             self._stats = None
             raise TimeoutError("the broker is not taking requests") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.state is not ClientState.OPEN and not (task and task.cancelling()):
+                raise CarpoolError("the client is closed") from None  # (close() ended it)
+            raise
         self._ensure_reader()
         try:
             return await asyncio.wait_for(self._stats, timeout_s)
         finally:
             self._stats = None  # answered or given up: the reader may go idle
+
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        """The running loop, which the client's futures and reader belong to. A client
+        moves to it once the loop it used before has stopped: what was pending there
+        cannot be answered any more (its tasks are gone with it) and is dropped.
+
+        Raises:
+            RuntimeError: another loop, still running (in another thread), uses it.
+        """
+        loop = asyncio.get_running_loop()
+        old = self._loop
+        if old is loop:
+            return loop
+        if old is not None:
+            if old.is_running():
+                raise RuntimeError(
+                    "this AsyncClient is in use by another running event loop; "
+                    "use one client per loop"
+                )
+            for rid, future in list(self._futures.items()):
+                self.core.forget(rid)
+                del self._futures[rid]
+                if not future.done() and not old.is_closed():
+                    future.set_exception(
+                        Unavailable("the client moved to another event loop", request_id=rid)
+                    )
+            if self._stats is not None and not old.is_closed() and not self._stats.done():
+                self._stats.set_exception(CarpoolError("the client moved to another loop"))
+            self._stats = None
+            if self._reader is not None and not old.is_closed():
+                self._reader.cancel()  # (if that loop ever runs again)
+            self._reader = None
+        self._loop = loop
+        return loop
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
@@ -190,6 +242,7 @@ class AsyncClient:
     async def close(self) -> None:
         if self.state is ClientState.CLOSED:
             return
+        self._bind()  # (its reader must be this loop's to be awaited)
         self.state = ClientState.CLOSED
         try:
             if self._reader is not None:
@@ -199,6 +252,8 @@ class AsyncClient:
         finally:
             for rid in list(self._futures):
                 self._settle(rid, Unavailable("the client was closed", request_id=rid))
+            if self._stats is not None and not self._stats.done():
+                self._stats.set_exception(CarpoolError("the client is closed"))
             self.socket.close(linger=0)
             if self._own_context:
                 self.context.term()

@@ -7,8 +7,12 @@ flight from one thread without a background thread.
 Threads may share a Client (one camera loop per thread, say). A zmq socket may be used by
 one thread at a time, so one thread at a time owns it: the *pumper* receives for every
 thread while the others wait on a condition, and a thread that must send (``submit``,
-``stats``, ``close``) wakes the pumper through a pipe in its poll, takes the socket, and
-hands it back. With one thread, owning it costs an uncontended lock's acquire and release.
+``stats``) wakes the pumper through a pipe in its poll, takes the socket, and hands it
+back. Threads that wait for the socket take it in the order they came (a thread that
+submits in a tight loop would otherwise take it back before a waiting thread woke, and
+keep the others from their replies); ``close`` goes first, and once it has begun the
+others give up. With one thread, owning it costs an uncontended lock's acquire and
+release.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from enum import Enum
 from types import TracebackType
@@ -79,7 +84,7 @@ class ReplyFuture:
             if left is not None and left <= 0:
                 raise TimeoutError(f"request {self.request_id} still pending")
             try:
-                self._client.poll(left)
+                self._client._poll(left, self)
             except CarpoolError:
                 if not self.done():
                     raise
@@ -167,9 +172,10 @@ class Client:
         # runs in whichever thread it interrupts, perhaps the one that holds them.
         self._own = threading.RLock()  # held by the thread that uses the socket
         self._cond = threading.Condition(threading.RLock())  # threads waiting for it
-        self._waiting = 0  # threads waiting on _cond
-        self._senders = 0  # of which waiting to send: the owner lets go for them
-        self._closing = False  # close() waits to own the socket: a sender gives up
+        self._line: deque[int] = deque()  # tickets of the threads waiting, in order
+        self._tickets = 0  # the next ticket
+        self._senders = 0  # threads waiting to send: a pumper does not block for them
+        self._closing = False  # close() has begun: the others give up
         self._wake = WakePipe()
         weakref.finalize(self, self._wake.close)  # a Client dropped without close()
         self._poller.register(self._wake.fd, zmq.POLLIN)
@@ -191,8 +197,8 @@ class Client:
         if self.send_timeout_s is not None:
             wait_s = min(wait_s, self.send_timeout_s)
         try:  # (acquired inside: an exception from a signal handler cannot skip finally)
-            if not self._own_to_send(wait_s):
-                # Another thread's send has held the socket for all that time (the
+            if not self._take(wait_s, send=True):
+                # Other threads' sends have held the socket for all that time (the
                 # broker takes nothing): as if this send had waited itself.
                 future = ReplyFuture(self, 0)
                 future._set(Unavailable("the broker is not taking requests"))
@@ -254,7 +260,7 @@ class Client:
         self._check_open()
         until = self.clock.now() + timeout_s
         try:
-            if not self._own_to_send(timeout_s):
+            if not self._take(timeout_s, send=True):
                 raise TimeoutError("the broker is not taking requests")
             self._check_open()
             sid, frames = self.core.stats_request()
@@ -275,30 +281,61 @@ class Client:
 
     # ------------------------------------------------------------------ threads
 
-    def _own_to_send(self, wait_s: float | None = None) -> bool:
-        """Own the socket to send, or to close it: at once when it is free (with one
-        thread, all this costs); else wake a thread blocked in its poll and wait for it
-        to let go, for at most ``wait_s`` (False: not owned by then)."""
+    def _take(self, wait_s: float | None, *, send: bool, close: bool = False) -> bool:
+        """Own the socket: at once when it is free and no thread waits for it (with one
+        thread, all this costs); else in turn, for at most ``wait_s`` (None: as long as
+        it takes; False: not owned by then). A thread that waits to send wakes the owner
+        if it is blocked in its poll. ``close`` goes before the line; once it has begun,
+        a sender raises and a poller gives up after a nap (close answers its futures).
+
+        Raises:
+            CarpoolError: the client is closed (or closing, for a sender).
+        """
         own = self._own
-        if own.acquire(False):
+        if not self._line and not self._closing and own.acquire(False):
             return True
-        until_s = None if wait_s is None else self.clock.now() + wait_s
+        self._check_open()
+        if self._closing and send and not close:
+            raise CarpoolError("the client is closed")
+        clock = self.clock
+        until_s = None if wait_s is None else clock.now() + wait_s
         with self._cond:
-            self._senders += 1
-            self._waiting += 1
+            if own._is_owned():  # type: ignore[attr-defined]
+                # A signal handler (or a __del__) in the thread that owns it: go on.
+                own.acquire()
+                return True
+            ticket = self._tickets
+            self._tickets += 1
+            if not close:
+                self._line.append(ticket)
+            if send:
+                self._senders += 1
             try:
-                while not own.acquire(False):
+                while True:
                     # (Under _cond, which close() holds to close the pipe.)
                     self._check_open()
-                    left = _RECHECK_S if until_s is None else until_s - self.clock.now()
-                    if left <= 0:
+                    left_s = _RECHECK_S if until_s is None else until_s - clock.now()
+                    if self._closing and not close:
+                        if send:
+                            raise CarpoolError("the client is closed")
+                        if left_s > 0:
+                            self._cond.wait(min(left_s, _RECHECK_S))
                         return False
-                    self._wake.wake()  # the owner, if polling, returns and lets go
-                    self._cond.wait(min(left, _RECHECK_S))
-                return True
+                    if (close or self._line[0] == ticket) and own.acquire(False):
+                        return True
+                    if left_s <= 0:
+                        return False
+                    if send or close:
+                        self._wake.wake()  # the owner, if polling, returns and lets go
+                    self._cond.wait(min(left_s, _RECHECK_S))
             finally:
-                self._senders -= 1
-                self._waiting -= 1
+                if send:
+                    self._senders -= 1
+                if not close:
+                    head = self._line[0] == ticket
+                    self._line.remove(ticket)
+                    if head and self._line and not own._is_owned():  # type: ignore[attr-defined]
+                        self._cond.notify_all()  # it gave up its turn: the next one's
 
     def _let_go(self) -> None:
         """Release the socket if this thread holds it (an exception may have struck
@@ -306,7 +343,7 @@ class Client:
         own = self._own
         if own._is_owned():  # type: ignore[attr-defined]
             own.release()
-        if self._waiting:
+        if self._line or self._closing:
             self._notify()
 
     def _notify(self) -> None:
@@ -318,20 +355,21 @@ class Client:
         deadline) and complete futures. Returns the number of futures completed (by this
         call: while another thread owns the socket, this waits as long for it to let go,
         and that thread completes every thread's futures)."""
+        return self._poll(timeout_s, None)
+
+    def _poll(self, timeout_s: float | None, future: ReplyFuture | None) -> int:
+        """:meth:`poll` for ``future``'s sake: it does not wait once that is done (another
+        thread may complete it between the caller's look and this one's poll)."""
         try:  # (acquired inside: an exception from a signal handler cannot skip finally)
-            if self._senders or not self._own.acquire(False):
-                with self._cond:
-                    self._waiting += 1
-                    try:
-                        # Re-checked under the condition: the owner notifies under it
-                        # after letting go, so a wake-up cannot fall between check and wait.
-                        if self._senders or not self._own.acquire(False):
-                            if timeout_s is None or timeout_s > 0:
-                                nap_s = _RECHECK_S if timeout_s is None else timeout_s
-                                self._cond.wait(min(nap_s, _RECHECK_S))
-                            return 0
-                    finally:
-                        self._waiting -= 1
+            # Waiting for the socket, a nap at most: the owner, pumping, completes this
+            # thread's futures meanwhile, and the caller looks at them again.
+            own = self._own
+            waited = False
+            if self._line or self._closing or not own.acquire(False):
+                nap_s = _RECHECK_S if timeout_s is None else min(timeout_s, _RECHECK_S)
+                if not self._take(nap_s, send=False):
+                    return 0
+                waited = True
             # The socket is this thread's until _let_go.
             self._check_open()
             deadline = self.core.next_deadline()
@@ -339,14 +377,25 @@ class Client:
             wait_s = timeout_s
             if deadline is not None:
                 wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
+            if waited or self._senders or (future is not None and future.done()):
+                # It waited its turn: what it waits for may have come meanwhile (the
+                # owner before it pumped), so it looks and lets its caller check. Or a
+                # thread waits to send: look, and let go.
+                wait_s = 0.0
             wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
             completed = 0
-            for which, _ in self._poller.poll(wait_ms):
-                if which is self.socket:
-                    for frames in waiting(self.socket):
-                        completed += self._dispatch(frames)
-                else:
-                    self._wake.clear()  # a sender's wake-up: it takes the socket next
+            try:
+                for which, _ in self._poller.poll(wait_ms):
+                    if which is self.socket:
+                        for frames in waiting(self.socket):
+                            completed += self._dispatch(frames)
+                    else:
+                        self._wake.clear()  # a sender's wake-up: it takes the socket next
+            except zmq.ZMQError:
+                # close() from a signal handler in this thread, while it polled: the
+                # client's own error (close answered every future), not libzmq's.
+                self._check_open()
+                raise
             for rid, error in self.core.expire(self.clock.now()):
                 future = self._futures.pop(rid, None)
                 if future is not None:
@@ -388,7 +437,7 @@ class Client:
             # Own the socket: no other thread is in it then. (Re-entrant: close() from a
             # signal handler in the thread that owns it goes on at once; that thread's
             # interrupted call then fails on the closed socket.)
-            self._own_to_send()
+            self._take(None, send=False, close=True)
             if self.state is not _OPEN:  # (closed by another thread meanwhile)
                 return
             with self._cond:  # no thread is waking the pipe while it closes
