@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import weakref
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -20,7 +21,7 @@ import zmq.asyncio
 from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.core import ClientCore, InferResult
-from carpool.client.sync import ClientState
+from carpool.client.sync import ClientState, release_socket
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
@@ -59,6 +60,10 @@ class AsyncClient:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
+        # (A client dropped without close(): see release_socket.)
+        self._release = weakref.finalize(
+            self, release_socket, self.socket, self.context, self._own_context
+        )
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
         self._stats: asyncio.Future[dict[str, Any]] | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -254,9 +259,7 @@ class AsyncClient:
                 self._settle(rid, Unavailable("the client was closed", request_id=rid))
             if self._stats is not None and not self._stats.done():
                 self._stats.set_exception(CarpoolError("the client is closed"))
-            self.socket.close(linger=0)
-            if self._own_context:
-                self.context.term()
+            self._release()
             if self.core.arena is not None:
                 self.core.arena.close()
             if self.core.reader is not None:

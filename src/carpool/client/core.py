@@ -169,7 +169,13 @@ class ClientCore:
             meta["shm_outputs"] = True
         deadline = now + timeout + self.grace_s
         self.pending[rid] = deadline
-        heapq.heappush(self._deadlines, (deadline, rid))
+        heap = self._deadlines
+        heapq.heappush(heap, (deadline, rid))
+        if len(heap) > 2 * len(self.pending) + 64:
+            # Answered requests leave their entries behind until they reach the top; one
+            # with a long timeout behind short ones held its entry for up to an hour.
+            heap[:] = [entry for entry in heap if entry[1] in self.pending]
+            heapq.heapify(heap)
         return rid, [_REQUEST, codec.pack(meta), *payloads]
 
     def stats_request(self) -> tuple[int, list[Any]]:

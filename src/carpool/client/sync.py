@@ -49,6 +49,17 @@ _OPEN = ClientState.OPEN  # (checked per call: a global is cheaper than Enum.MEM
 _RECHECK_S = 0.05
 
 
+def release_socket(socket: zmq.Socket[Any], context: zmq.Context[Any], own_context: bool) -> None:
+    """Close a client's socket, and its context if the client made it: at ``close()``, or
+    when a client dropped without ``close()`` is collected (a weakref finalizer). Left to
+    pyzmq's own finalizers, a client collected in a cycle with its futures (a request
+    still pending) left its socket open and blocked the collecting thread for ever in
+    ``Context.term()``."""
+    socket.close(linger=0)
+    if own_context:
+        context.term()
+
+
 class ReplyFuture:
     """The pending reply of one request; :meth:`result` waits for it."""
 
@@ -178,6 +189,9 @@ class Client:
         self._closing = False  # close() has begun: the others give up
         self._wake = WakePipe()
         weakref.finalize(self, self._wake.close)  # a Client dropped without close()
+        self._release = weakref.finalize(
+            self, release_socket, self.socket, self.context, self._own_context
+        )
         self._poller.register(self._wake.fd, zmq.POLLIN)
 
     def submit(
@@ -451,9 +465,7 @@ class Client:
             return
         finally:
             self._let_go()
-        self.socket.close(linger=0)
-        if self._own_context:
-            self.context.term()
+        self._release()
         if self.core.arena is not None:
             self.core.arena.close()
         if self.core.reader is not None:
