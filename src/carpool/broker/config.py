@@ -120,6 +120,14 @@ class BrokerConfig:
     # UNAVAILABLE (retry) rather than NOT_FOUND: its workers may still be reconnecting
     # (they notice a broker that vanished after `liveness` heartbeats).
     register_grace_s: float = 5.0
+    # ZMTP heartbeats on both sockets: a PING every peer_heartbeat_s, and a connection
+    # with no traffic for peer_timeout_s after one is closed. Without them a peer whose
+    # host lost power or network kept its descriptor and buffers for ever (the kernel
+    # sees an idle TCP connection): a thousand such robots filled the default fd limit
+    # and the broker took no new client. libzmq answers PINGs by itself (ZMTP 3.1,
+    # libzmq 4.2 and later). 0: off.
+    peer_heartbeat_s: float = 10.0
+    peer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -137,6 +145,10 @@ class BrokerConfig:
             problems.append("register_grace_s must be in 0..600")
         if not 0 <= self.stop_grace_s <= 600:
             problems.append("stop_grace_s must be in 0..600")
+        if not 0 <= self.peer_heartbeat_s <= 3600:
+            problems.append("peer_heartbeat_s must be in 0..3600 (0: off)")
+        if self.peer_heartbeat_s and not self.peer_heartbeat_s < self.peer_timeout_s <= 3600:
+            problems.append("peer_timeout_s must be above peer_heartbeat_s, at most 3600")
         if not 0 <= self.max_frame_mib <= 1 << 20:
             problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
         if self.local_backend and not _unix_path(self.local_backend):

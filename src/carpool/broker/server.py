@@ -169,6 +169,9 @@ class BrokerServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        if self.config.peer_heartbeat_s:  # peers that vanish (BrokerConfig)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(self.config.peer_heartbeat_s * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(self.config.peer_timeout_s * 1000))
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:  # a malformed endpoint, an address in use
