@@ -183,6 +183,7 @@ def _create(size: int, mode: int, tag: str, group: str | None = None) -> tuple[s
     name = f"{REGION_PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    _MADE_HERE.add(name)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # "in use": released when the process ends
         if group is not None:
@@ -201,12 +202,18 @@ def _create(size: int, mode: int, tag: str, group: str | None = None) -> tuple[s
 
 #: A region's name as _create makes it: the maker's pid, then random hex.
 _OWNER_RE = re.compile(r"carpool-(?:out-)?(\d{1,10})-[0-9a-f]+")
+#: Names of the regions this process made. A region named with this process's pid but
+#: not made by it is an orphan: a process restarted in a new pid namespace (a container
+#: sharing /dev/shm) gets the pid of the one that crashed, and took its region for its
+#: own, so every crash-restart left a region behind.
+_MADE_HERE: set[str] = set()
 
 
-def _alive(pid: int, me: int) -> bool:
-    """Whether ``pid`` runs (in this pid namespace; elsewhere the lock decides)."""
+def _alive(pid: int, me: int, name: str) -> bool:
+    """Whether the maker of region ``name``, ``pid``, runs (in this pid namespace;
+    elsewhere the lock decides)."""
     if pid == me:
-        return True
+        return name in _MADE_HERE
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):  # (OverflowError: no pid is that large)
@@ -244,7 +251,7 @@ def sweep_orphans(directory: str = SHM_DIR, min_age_s: float = 10.0) -> list[str
             st = entry.stat(follow_symlinks=False)
             if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or now - st.st_ctime < min_age_s:
                 continue
-            if _alive(int(named[1]), me):
+            if _alive(int(named[1]), me, entry.name):
                 continue  # its maker runs (one from before the lock existed holds none)
             fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:

@@ -431,6 +431,17 @@ def test_a_region_of_a_running_process_that_holds_no_lock_is_kept() -> None:
                 os.unlink(path)
 
 
+def test_an_unlocked_region_named_with_this_pid_but_not_made_here_is_swept(
+    tmp_path: Path,
+) -> None:
+    """A client restarted in a fresh pid namespace (a container sharing /dev/shm) gets
+    the pid of the one that crashed, and kept the crashed one's region as its own: every
+    crash-restart left a region (64 MiB each, by the README's example) in RAM."""
+    orphan = tmp_path / f"carpool-{os.getpid()}-0123abcd"
+    orphan.write_bytes(MAGIC + bytes(64))
+    assert sweep_orphans(str(tmp_path), min_age_s=0.0) == [str(orphan)]
+
+
 def test_a_name_with_a_pid_no_process_can_have_does_not_stop_the_sweep(tmp_path: Path) -> None:
     """os.kill(4000000000, 0) raises OverflowError, not OSError: one such file (anyone may
     make one in /dev/shm) stopped every region from being made."""
