@@ -106,6 +106,12 @@ class ClientCore:
         priority: Priority = Priority.INTERACTIVE,
     ) -> tuple[int, list[Any]]:
         """Encode a request. Returns its id and frames, and starts its local deadline."""
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
+            # (An array's truth value, or a list's missing .items(), said nothing useful.)
+            raise TypeError(
+                f"inputs must map each input's name to its array, e.g. {{'x': array}}; "
+                f"got {type(inputs).__name__}"
+            )
         if not inputs:
             raise ValueError("a request needs at least one input tensor")
         timeout = self.default_timeout_s if timeout_s is None else timeout_s

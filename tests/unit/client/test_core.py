@@ -147,6 +147,18 @@ def test_scalars_are_rejected(inputs: dict[str, Any]) -> None:
     assert c.request(T0, "m", {"x": [1.0]})[0] == 1  # no id was used up
 
 
+@pytest.mark.parametrize(
+    "inputs",
+    [np.ones((1, 4), np.float32), [("x", np.ones((1, 4), np.float32))], None],
+    ids=["bare-array", "pairs", "none"],
+)
+def test_inputs_that_are_not_a_mapping_say_so(inputs: Any) -> None:
+    """A bare array gave numpy's "truth value of an array is ambiguous", a list of pairs
+    an AttributeError: neither says what the call wants."""
+    with pytest.raises(TypeError, match=r"inputs must map each input's name"):
+        ClientCore().request(T0, "m", inputs)
+
+
 def test_no_inputs_is_rejected() -> None:
     with pytest.raises(ValueError, match="at least one input"):
         ClientCore().request(T0, "m", {})
