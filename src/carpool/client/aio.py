@@ -99,11 +99,8 @@ class AsyncClient:
             self._settle(rid, Unavailable("the broker is not taking requests", request_id=rid))
             return future
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.state is not ClientState.OPEN and not (task and task.cancelling()):
-                # close() ended the send (zmq cancels what waits on a closed socket), not
-                # a cancel of this task: the future holds close()'s answer.
-                return future
+            if self._ended_by_close():
+                return future  # it holds close()'s answer
             self.core.forget(rid)
             self._futures.pop(rid, None)
             raise
@@ -137,15 +134,20 @@ class AsyncClient:
             self._stats = None
             raise TimeoutError("the broker is not taking requests") from None
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.state is not ClientState.OPEN and not (task and task.cancelling()):
-                raise CarpoolError("the client is closed") from None  # (close() ended it)
+            if self._ended_by_close():
+                raise CarpoolError("the client is closed") from None
             raise
         self._ensure_reader()
         try:
             return await asyncio.wait_for(self._stats, timeout_s)
         finally:
             self._stats = None  # answered or given up: the reader may go idle
+
+    def _ended_by_close(self) -> bool:
+        """Whether the CancelledError being handled came from close() (zmq cancels what
+        waits on a socket it closes), not from a cancel of this task."""
+        task = asyncio.current_task()
+        return self.state is not ClientState.OPEN and not (task is not None and task.cancelling())
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         """The running loop, which the client's futures and reader belong to. A client
