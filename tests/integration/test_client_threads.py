@@ -370,3 +370,112 @@ print("collected")
         [sys.executable, "-c", code], timeout=30, capture_output=True, text=True, check=False
     )
     assert done.stdout.strip() == "collected", done.stdout + done.stderr
+
+
+def _run(code: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", code], timeout=40, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.split()
+
+
+_HOLD = """
+import signal, threading, time, numpy as np
+from carpool.client import Client
+X = {{"x": np.ones((1, 4), np.float32)}}
+c = Client({nobody!r}, grace_s=0.2)
+def hold(s):  # another thread owns the socket for s seconds (a slow send, say)
+    c._own.acquire(); time.sleep(s); c._let_go()
+"""
+
+
+def test_a_close_interrupted_while_it_waits_leaves_the_client_open_and_working(
+    nobody: str,
+) -> None:
+    """A second Ctrl-C inside close() left it closing for ever on an open client: every
+    send said 'closed', and nobody expired requests (a result() without timeout hung)."""
+    out = _run(
+        _HOLD.format(nobody=nobody)
+        + """
+f = c.submit("m", X, 0.3)
+threading.Thread(target=hold, args=(0.5,)).start()
+time.sleep(0.05)
+def boom(*a):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, boom)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+try:
+    c.close()
+except KeyboardInterrupt:
+    print("interrupted")
+try:
+    f.result(10)
+except Exception as exc:
+    print(type(exc).__name__)
+print(c.state.value, c.submit("m", X, 0.2)._error is None)
+c.close()
+"""
+    )
+    assert out == ["interrupted", "Unavailable", "open", "True"]
+
+
+def test_a_handler_in_a_thread_waiting_in_line_does_not_wait_behind_itself(
+    nobody: str,
+) -> None:
+    """Its submit took a ticket behind its own thread's, which could not move until the
+    handler returned: it waited out its whole timeout, and every thread behind it too."""
+    out = _run(
+        _HOLD.format(nobody=nobody)
+        + """
+threading.Thread(target=hold, args=(0.2,)).start()
+time.sleep(0.05)
+took = []
+def handler(*a):
+    t0 = time.monotonic()
+    g = c.submit("m", X, 3)
+    took.append((time.monotonic() - t0, g._error))
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+f = c.submit("m", X, 5)  # waits in line for the owner
+print(took[0][1] is None, took[0][0] < 2.0, f._error is None)
+c.close()
+"""
+    )
+    assert out == ["True", "True", "True"]
+
+
+def test_a_failed_call_in_a_handler_does_not_release_the_interrupted_owner(
+    nobody: str,
+) -> None:
+    """A handler in the owning thread whose submit raised 'closed' (close() running in
+    another thread) released the interrupted frame's hold: close() went on and closed the
+    socket under it."""
+    out = _run(
+        _HOLD.format(nobody=nobody)
+        + """
+from carpool.common.errors import CarpoolError
+f = c.submit("m", X, 3)
+seen = []
+def handler(*a):
+    closer = threading.Thread(target=c.close)
+    closer.start()
+    while not c._closing:
+        time.sleep(0.001)
+    try:
+        c.submit("m", X, 1)
+    except CarpoolError:
+        pass
+    seen.append(c._own._is_owned())
+    closer.join(0.5)
+    seen.append(c.state.value)
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.2)
+try:
+    f.result()
+except Exception as exc:
+    seen.append(type(exc).__name__)
+print(*seen)
+"""
+    )
+    assert out == ["True", "open", "Unavailable"]

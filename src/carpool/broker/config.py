@@ -145,8 +145,8 @@ class BrokerConfig:
             problems.append("register_grace_s must be in 0..600")
         if not 0 <= self.stop_grace_s <= 600:
             problems.append("stop_grace_s must be in 0..600")
-        if not 0 <= self.peer_heartbeat_s <= 3600:
-            problems.append("peer_heartbeat_s must be in 0..3600 (0: off)")
+        if not (self.peer_heartbeat_s == 0 or 0.001 <= self.peer_heartbeat_s <= 3600):
+            problems.append("peer_heartbeat_s must be 0 (off) or in 0.001..3600")
         if self.peer_heartbeat_s and not self.peer_heartbeat_s < self.peer_timeout_s <= 3600:
             problems.append("peer_timeout_s must be above peer_heartbeat_s, at most 3600")
         if not 0 <= self.max_frame_mib <= 1 << 20:

@@ -184,8 +184,9 @@ class Client:
         self._own = threading.RLock()  # held by the thread that uses the socket
         self._cond = threading.Condition(threading.RLock())  # threads waiting for it
         self._line: deque[int] = deque()  # tickets of the threads waiting, in order
+        self._in_line: set[int] = set()  # the idents of those threads
         self._tickets = 0  # the next ticket
-        self._senders = 0  # threads waiting to send: a pumper does not block for them
+        self._sending: set[int] = set()  # threads waiting to send: a pumper won't block
         self._closing = False  # close() has begun: the others give up
         self._wake = WakePipe()
         weakref.finalize(self, self._wake.close)  # a Client dropped without close()
@@ -302,10 +303,19 @@ class Client:
         if it is blocked in its poll. ``close`` goes before the line; once it has begun,
         a sender raises and a poller gives up after a nap (close answers its futures).
 
+        A signal handler's call runs in whichever thread it interrupts: in the owner it
+        goes on at once (before any check that could raise, so that the caller's
+        ``_let_go`` cannot release the interrupted frame's hold); in a thread waiting in
+        line it goes before the line, as close() does (behind its own thread's ticket it
+        would wait for ever).
+
         Raises:
             CarpoolError: the client is closed (or closing, for a sender).
         """
         own = self._own
+        if own._is_owned():  # type: ignore[attr-defined]
+            own.acquire()  # (re-entrant: a handler in the thread that owns it)
+            return True
         if not self._line and not self._closing and own.acquire(False):
             return True
         self._check_open()
@@ -313,18 +323,18 @@ class Client:
             raise CarpoolError("the client is closed")
         clock = self.clock
         until_s = None if wait_s is None else clock.now() + wait_s
+        me = threading.get_ident()
         with self._cond:
-            if own._is_owned():  # type: ignore[attr-defined]
-                # A signal handler (or a __del__) in the thread that owns it: go on.
-                own.acquire()
-                return True
-            ticket = self._tickets
-            self._tickets += 1
-            if not close:
-                self._line.append(ticket)
-            if send:
-                self._senders += 1
+            ahead = close or me in self._in_line  # (a handler in a waiting thread)
+            ticket = -1
             try:
+                if not ahead:
+                    ticket = self._tickets
+                    self._tickets += 1
+                    self._line.append(ticket)
+                    self._in_line.add(me)
+                if send:
+                    self._sending.add(me)
                 while True:
                     # (Under _cond, which close() holds to close the pipe.)
                     self._check_open()
@@ -335,7 +345,7 @@ class Client:
                         if left_s > 0:
                             self._cond.wait(min(left_s, _RECHECK_S))
                         return False
-                    if (close or self._line[0] == ticket) and own.acquire(False):
+                    if (ahead or self._line[0] == ticket) and own.acquire(False):
                         return True
                     if left_s <= 0:
                         return False
@@ -343,13 +353,14 @@ class Client:
                         self._wake.wake()  # the owner, if polling, returns and lets go
                     self._cond.wait(min(left_s, _RECHECK_S))
             finally:
-                if send:
-                    self._senders -= 1
-                if not close:
+                if ticket in self._line:  # (first: an interrupt must not strand it)
                     head = self._line[0] == ticket
                     self._line.remove(ticket)
+                    self._in_line.discard(me)
                     if head and self._line and not own._is_owned():  # type: ignore[attr-defined]
                         self._cond.notify_all()  # it gave up its turn: the next one's
+                if send:
+                    self._sending.discard(me)
 
     def _let_go(self) -> None:
         """Release the socket if this thread holds it (an exception may have struck
@@ -391,7 +402,7 @@ class Client:
             wait_s = timeout_s
             if deadline is not None:
                 wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
-            if waited or self._senders or (future is not None and future.done()):
+            if waited or self._sending or (future is not None and future.done()):
                 # It waited its turn: what it waits for may have come meanwhile (the
                 # owner before it pumped), so it looks and lets its caller check. Or a
                 # thread waits to send: look, and let go.
@@ -463,6 +474,12 @@ class Client:
             self._futures.clear()
         except CarpoolError:  # another thread closed it meanwhile
             return
+        except BaseException:
+            # Interrupted (a second Ctrl-C) before it closed anything: the client stays
+            # open, and usable, rather than refusing every send as if closing for ever.
+            if self.state is _OPEN:
+                self._closing = False
+            raise
         finally:
             self._let_go()
         self._release()

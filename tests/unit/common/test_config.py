@@ -103,6 +103,24 @@ def test_several_problems_in_one_error() -> None:
     assert len(msg.splitlines()) >= 5
 
 
+@pytest.mark.parametrize(
+    ("heartbeat_s", "timeout_s", "problem"),
+    [
+        (0.0004, 0.0005, "peer_heartbeat_s must be 0 (off) or in 0.001..3600"),  # 0 ms
+        (-1.0, 30.0, "peer_heartbeat_s must be 0 (off) or in 0.001..3600"),
+        (10.0, 10.0, "peer_timeout_s must be above peer_heartbeat_s"),
+        (10.0, 4000.0, "peer_timeout_s must be above peer_heartbeat_s, at most 3600"),
+    ],
+)
+def test_peer_heartbeats_out_of_range(heartbeat_s: float, timeout_s: float, problem: str) -> None:
+    config = {"peer_heartbeat_s": heartbeat_s, "peer_timeout_s": timeout_s}
+    assert problem in problems_of(BrokerConfig, config)
+
+
+def test_peer_heartbeats_off() -> None:
+    assert BrokerConfig(peer_heartbeat_s=0.0, peer_timeout_s=0.0).peer_heartbeat_s == 0.0
+
+
 def test_where_prefix() -> None:
     with pytest.raises(ConfigError, match=r"broker\.bogus: unknown setting"):
         from_mapping(BrokerConfig, {"bogus": 1}, "broker")
