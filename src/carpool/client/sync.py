@@ -183,9 +183,7 @@ class Client:
         # runs in whichever thread it interrupts, perhaps the one that holds them.
         self._own = threading.RLock()  # held by the thread that uses the socket
         self._cond = threading.Condition(threading.RLock())  # threads waiting for it
-        self._line: deque[int] = deque()  # tickets of the threads waiting, in order
-        self._in_line: set[int] = set()  # the idents of those threads
-        self._tickets = 0  # the next ticket
+        self._line: deque[int] = deque()  # idents of the threads waiting, in order
         self._sending: set[int] = set()  # threads waiting to send: a pumper won't block
         self._closing = False  # close() has begun: the others give up
         self._wake = WakePipe()
@@ -318,21 +316,15 @@ class Client:
             return True
         if not self._line and not self._closing and own.acquire(False):
             return True
-        self._check_open()
-        if self._closing and send and not close:
-            raise CarpoolError("the client is closed")
         clock = self.clock
         until_s = None if wait_s is None else clock.now() + wait_s
         me = threading.get_ident()
         with self._cond:
-            ahead = close or me in self._in_line  # (a handler in a waiting thread)
-            ticket = -1
+            ahead = close or me in self._line  # (a handler in a waiting thread)
+            queued = not ahead
             try:
-                if not ahead:
-                    ticket = self._tickets
-                    self._tickets += 1
-                    self._line.append(ticket)
-                    self._in_line.add(me)
+                if queued:
+                    self._line.append(me)
                 if send:
                     self._sending.add(me)
                 while True:
@@ -345,7 +337,7 @@ class Client:
                         if left_s > 0:
                             self._cond.wait(min(left_s, _RECHECK_S))
                         return False
-                    if (ahead or self._line[0] == ticket) and own.acquire(False):
+                    if (ahead or self._line[0] == me) and own.acquire(False):
                         return True
                     if left_s <= 0:
                         return False
@@ -353,10 +345,9 @@ class Client:
                         self._wake.wake()  # the owner, if polling, returns and lets go
                     self._cond.wait(min(left_s, _RECHECK_S))
             finally:
-                if ticket in self._line:  # (first: an interrupt must not strand it)
-                    head = self._line[0] == ticket
-                    self._line.remove(ticket)
-                    self._in_line.discard(me)
+                if queued and me in self._line:  # (first: an interrupt must not strand it)
+                    head = self._line[0] == me
+                    self._line.remove(me)
                     if head and self._line and not own._is_owned():  # type: ignore[attr-defined]
                         self._cond.notify_all()  # it gave up its turn: the next one's
                 if send:
