@@ -131,6 +131,40 @@ def test_a_refused_worker_backs_off_instead_of_reconnecting_in_a_loop(
         assert bad.core.epoch - joined <= 6  # (each refusal: two epochs; 1 s, then 2 s)
 
 
+@pytest.mark.timeout(60)
+def test_a_model_upgraded_to_new_shapes_is_served_once_its_old_workers_are_gone(
+    fleet_factory: Any,
+) -> None:
+    """A rolling upgrade that changes a model's shapes: the new worker is refused while a
+    worker of the old spec lives, and joins at its next try once that one has left (the
+    broker used to keep the first spec until it restarted)."""
+    from carpool.client import InvalidArgument
+    from tests.conftest import wait_for_workers
+
+    fleet = fleet_factory(max_batch=4, max_wait_s=0.0)
+    old = SyntheticEngine(item_shape=(4,))
+    new = SyntheticEngine(item_shape=(5,))
+    endpoint = fleet.broker.backend_endpoint
+    with ServerThread(WorkerServer(endpoint, {"m": lambda: old}, name="old", warmup=False)):
+        client = fleet.ready(count=1)
+        assert client.infer("m", {"x": np.ones((1, 4), np.float32)})["y"].shape == (1, 4)
+        upgraded = fleet.add_worker({"m": lambda: new}, name="new", warmup=False)
+        until = time.monotonic() + 10
+        while upgraded.core.epoch < 2 and time.monotonic() < until:
+            client.poll(0.05)
+        assert upgraded.core.epoch >= 2, "the new worker was not refused and retried"
+        assert [w["name"] for w in client.stats()["workers"]] == ["old"]
+    # The old worker said DISCONNECT; the new one is taken at its next try.
+    until = time.monotonic() + 20
+    while [w["name"] for w in client.stats()["workers"]] != ["new"]:
+        assert time.monotonic() < until, "the new worker never joined"
+        client.poll(0.05)
+    wait_for_workers(client, 1)
+    assert client.infer("m", {"x": np.ones((1, 5), np.float32)})["y"].shape == (1, 5)
+    with pytest.raises(InvalidArgument, match=r"does not fit \[\?, 5\]"):
+        client.infer("m", {"x": np.ones((1, 4), np.float32)})
+
+
 class _Stuck(SyntheticEngine):
     """A batch that runs until released (a stuck kernel, a huge model)."""
 

@@ -50,6 +50,7 @@ from carpool.common.protocol import (
     tensor_signature,
     view,
 )
+from carpool.common.shape_rules import ShapeRule
 from carpool.common.shm import MAX_REF_BYTES
 
 logger = logging.getLogger(__name__)
@@ -76,9 +77,32 @@ class Admission(BatchScheduler):
 
     def __init__(self, config: BrokerConfig | None = None, *, defer_pumps: bool = False) -> None:
         super().__init__(config, defer_pumps=defer_pumps)
-        # Request layouts validated once per (model, input names, dtypes, shapes); a
-        # model's spec never changes once registered, so entries stay valid.
+        # Request layouts validated once per (model, input names, dtypes, shapes); valid
+        # while the model's spec stands (``_respec`` drops a replaced model's).
         self._layouts: dict[tuple[str, Signature], _Layout] = {}
+
+    def _respec(self, spec: ModelSpec, worker: str, out: list[Outgoing]) -> None:
+        """A model no live worker served is registered again with a different spec:
+        forget the layouts checked against the old one, and answer the queued requests
+        that no longer fit (the rest ride as they are)."""
+        for sig in [sig for sig in self._layouts if sig[0] == spec.name]:
+            del self._layouts[sig]
+        answered = 0
+        for key, queue in self._queues.items():
+            if key[0] != spec.name:
+                continue
+            for req in list(queue):
+                misfit = _queued_misfit(spec, req)
+                if misfit is not None:
+                    self._answer_queued(queue, req, misfit[0], misfit[1], out)
+                    answered += 1
+        logger.warning(
+            "model %s re-registered by worker %s with different inputs or outputs; "
+            "%d queued requests no longer fit and were answered",
+            spec.name,
+            worker,
+            answered,
+        )
 
     # ------------------------------------------------------------------ clients
 
@@ -397,29 +421,59 @@ def _conform(
     rules = spec.rules
     for want in spec.inputs:
         index, got = given[want.name]
-        if got.dtype != want.dtype:
-            raise ProtocolError(f"input {want.name!r}: dtype {got.dtype}, model takes {want.dtype}")
-        if len(got.shape) != len(want.shape):
-            raise ProtocolError(
-                f"input {want.name!r}: shape {list(got.shape)} has rank {len(got.shape)}, "
-                f"model takes rank {len(want.shape)} {_spec_shape(want.shape)}"
-            )
-        for g, w in zip(got.shape[1:], want.shape[1:], strict=True):
-            if w != -1 and g != w:
-                raise ProtocolError(
-                    f"input {want.name!r}: shape {list(got.shape)} does not fit "
-                    f"{_spec_shape(want.shape)}"
-                )
-        rule = rules[len(order)] if rules else None
-        broken = rule.violation(got.shape) if rule is not None else None
-        if broken is not None:
-            raise ProtocolError(f"input {want.name!r}: shape {list(got.shape)}: {broken}")
+        problem = _misfit(want, got.dtype, got.shape, rules[len(order)] if rules else None)
+        if problem is not None:
+            raise ProtocolError(problem)
         if samples not in (-1, got.shape[0]):
             raise ProtocolError("all inputs of a request must have the same dim 0 (samples)")
         samples = got.shape[0]
         ordered_inputs.append(got)
         order.append(index)
     return tuple(ordered_inputs), tuple(order), samples
+
+
+def _misfit(
+    want: TensorMeta, dtype: str, shape: tuple[int, ...], rule: ShapeRule | None
+) -> str | None:
+    """Why a request input of ``dtype`` and ``shape`` does not fit the model input
+    ``want`` under its shape ``rule`` (None: it fits)."""
+    if dtype != want.dtype:
+        return f"input {want.name!r}: dtype {dtype}, model takes {want.dtype}"
+    if len(shape) != len(want.shape):
+        return (
+            f"input {want.name!r}: shape {list(shape)} has rank {len(shape)}, "
+            f"model takes rank {len(want.shape)} {_spec_shape(want.shape)}"
+        )
+    for g, w in zip(shape[1:], want.shape[1:], strict=True):
+        if w != -1 and g != w:
+            fit = _spec_shape(want.shape)
+            return f"input {want.name!r}: shape {list(shape)} does not fit {fit}"
+    broken = rule.violation(shape) if rule is not None else None
+    if broken is not None:
+        return f"input {want.name!r}: shape {list(shape)}: {broken}"
+    return None
+
+
+def _queued_misfit(spec: ModelSpec, req: PendingRequest) -> tuple[ErrorCode, str] | None:
+    """Why a request queued under an earlier spec of its model does not fit ``spec``
+    (None: it fits, and may ride as it is). Its payloads lie in the earlier spec's input
+    order, so inputs in another order send it back to be resent."""
+    given = req.key[1]
+    names = [name for name, _, _ in given]
+    expected = [t.name for t in spec.inputs]
+    if names != expected:
+        if sorted(names) == sorted(expected):
+            msg = f"model {spec.name!r} was re-registered with its inputs in another order"
+            return ErrorCode.UNAVAILABLE, f"{msg} while the request was queued; resend it"
+        msg = f"model {spec.name!r} now takes inputs {expected}, request has {names}"
+        return ErrorCode.INVALID_ARGUMENT, msg
+    rules = spec.rules
+    for i, (want, (_, dtype, item)) in enumerate(zip(spec.inputs, given, strict=True)):
+        problem = _misfit(want, dtype, (req.samples, *item), rules[i] if rules else None)
+        if problem is not None:
+            msg = f"model {spec.name!r} was re-registered while the request was queued: {problem}"
+            return ErrorCode.INVALID_ARGUMENT, msg
+    return None
 
 
 def _signature(submit: Submit) -> tuple[str, Signature]:

@@ -149,6 +149,8 @@ class BrokerCore(Admission):
             logger.warning("worker=%s name=%s refused: %s", wid.hex(), ready.name, reason)
             out.append(_disconnect(wid, reason))
             return
+        for spec in self.registry.replaced(ready):
+            self._respec(spec, ready.name, out)
         lanes = {m.name: self._lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models}
         self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
         self._fleet_rates.clear()

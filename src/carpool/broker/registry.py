@@ -92,7 +92,9 @@ class WorkerRegistry:
         self.liveness = liveness
         self._workers: dict[WorkerId, WorkerState] = {}
         self._by_model: dict[str, list[WorkerState]] = {}
-        # First spec seen per model name; later workers must match it.
+        # The spec per model name: the first READY's while any live worker serves the
+        # model (later workers must match it); a READY for a model no live worker serves
+        # replaces it (the model was upgraded while its workers were down).
         self.specs: dict[str, ModelSpec] = {}
         # Largest batch per model over live workers, and the earliest heartbeat or expiry
         # (None: recompute). Kept up to date on add/remove/reschedule, so the per-message
@@ -115,16 +117,21 @@ class WorkerRegistry:
 
     def conflicts(self, ready: Ready) -> list[str]:
         """Models whose announced inputs (their shape rules included) or outputs differ from
-        the spec already registered."""
+        the spec of the live workers that serve them."""
+        return [
+            spec.name
+            for spec in ready.models
+            if self._by_model.get(spec.name) and _differs(self.specs[spec.name], spec)
+        ]
+
+    def replaced(self, ready: Ready) -> list[ModelSpec]:
+        """The announced specs that will replace a registered one: models no live worker
+        serves, whose inputs (shape rules included) or outputs differ from the last spec."""
         out = []
         for spec in ready.models:
             known = self.specs.get(spec.name)
-            if known is not None and (
-                known.inputs != spec.inputs
-                or known.outputs != spec.outputs
-                or known.rules != spec.rules
-            ):
-                out.append(spec.name)
+            if known is not None and not self._by_model.get(spec.name) and _differs(known, spec):
+                out.append(spec)
         return out
 
     def add(
@@ -149,8 +156,10 @@ class WorkerRegistry:
         )
         self._workers[wid] = state
         for spec in ready.models:
-            self.specs.setdefault(spec.name, spec)
-            self._by_model.setdefault(spec.name, []).append(state)
+            peers = self._by_model.setdefault(spec.name, [])
+            if not peers:
+                self.specs[spec.name] = spec
+            peers.append(state)
         self._changed(state.models)
         return state
 
@@ -224,3 +233,9 @@ class WorkerRegistry:
                 default=None,
             )
         return self._event_s
+
+
+def _differs(known: ModelSpec, spec: ModelSpec) -> bool:
+    """Whether two specs of a model admit different requests or give different outputs
+    (``max_batch`` and ``preferred_batch`` may differ between workers)."""
+    return known.inputs != spec.inputs or known.outputs != spec.outputs or known.rules != spec.rules

@@ -1125,6 +1125,85 @@ def test_conflicting_re_ready_ends_the_old_registration() -> None:
     assert ids(batches(out)[0]) == [1]  # requeued to the other worker
 
 
+# A model upgraded while its workers were down: the spec the next READY brings replaces
+# the old one (protocol §8.1); while any worker of the old spec lives, it is refused.
+WIDE = model_spec(inputs=(("x", F32, (-1, 5)),))
+NEW_OUTPUTS = ModelSpec("m", SPEC.inputs, (TensorMeta("y", F32, (-1, 3)),), 8)
+
+
+def test_a_model_no_worker_serves_takes_a_new_spec() -> None:
+    b = Broker.make(max_batch=1)
+    b.ready(T0, W1)
+    (first,) = batches(b.request(T0, 1))
+    b.result(T0, first)
+    b.disconnect(T0 + 0.1, W1)
+    out = b.ready(T0 + 0.2, W2, WIDE)
+    assert not only(out, Command.DISCONNECT)
+    assert b.core.registry.specs["m"] == WIDE
+    # The old layout was remembered for the fast path; the new spec refuses it.
+    (err,) = to_clients(b.request(T0 + 0.3, 2))
+    assert err.code is ErrorCode.INVALID_ARGUMENT
+    assert "does not fit [?, 5]" in err.meta["message"]
+    (batch,) = batches(b.request(T0 + 0.3, 3, item=(5,)))
+    assert batch.to == W2
+    assert ids(batch) == [3]
+
+
+def test_queued_requests_that_do_not_fit_the_new_spec_are_answered() -> None:
+    b = Broker.make(max_batch=1)
+    b.ready(T0, W1)
+    batches(b.request(T0, 1))
+    b.request(T0, 2, C2)
+    b.disconnect(T0 + 0.1, W1)  # request 1 goes back to the queue, before 2
+    out = b.ready(T0 + 0.2, W2, WIDE)
+    errors = only(out, Command.ERROR, Side.FRONTEND)
+    assert sorted((m.rid, m.code) for m in errors) == [
+        (1, ErrorCode.INVALID_ARGUMENT),
+        (2, ErrorCode.INVALID_ARGUMENT),
+    ]
+    assert "re-registered" in errors[0].meta["message"]
+    assert not batches(out)
+    assert b.core.queued == 0
+
+
+def test_queued_requests_that_fit_the_new_spec_ride_on_it() -> None:
+    b = Broker.make(max_batch=2)
+    b.ready(T0, W1)
+    batches(b.request(T0, 1))
+    b.disconnect(T0 + 0.1, W1)
+    out = b.ready(T0 + 0.2, W2, NEW_OUTPUTS)  # only the outputs changed
+    assert not only(out, Command.ERROR)
+    (batch,) = batches(out + b.tick(T0 + 0.3))
+    assert (batch.to, ids(batch)) == (W2, [1])
+
+
+def test_queued_requests_whose_inputs_were_reordered_are_sent_back() -> None:
+    b = Broker.make(max_batch=1)
+    b.ready(T0, W1, SPEC2)
+    frames = encode_request(
+        Submit(1, "two", 1000, (TensorMeta("a", F32, (1, 3)), TensorMeta("b", "uint8", (1, 2)))),
+        [np.zeros((1, 3), np.float32).tobytes(), np.zeros((1, 2), np.uint8).tobytes()],
+    )
+    assert batches(b.client(T0, C1, frames))
+    b.disconnect(T0 + 0.1, W1)
+    swapped = model_spec("two", 8, (("b", "uint8", (-1, 2)), ("a", F32, (-1, -1))))
+    (err,) = to_clients(b.ready(T0 + 0.2, W2, swapped))
+    assert (err.rid, err.code) == (1, ErrorCode.UNAVAILABLE)
+
+
+def test_a_new_spec_is_refused_while_a_worker_of_the_old_one_lives() -> None:
+    b = Broker.make(max_batch=1)
+    b.ready(T0, W1)
+    b.ready(T0, W2)
+    b.disconnect(T0 + 0.1, W1)
+    out = b.ready(T0 + 0.2, W3, WIDE)
+    assert [(m.to, m.command) for m in out] == [(W3, Command.DISCONNECT)]
+    assert b.core.registry.specs["m"] == SPEC
+    b.disconnect(T0 + 0.3, W2)
+    assert not only(b.ready(T0 + 0.4, W3, WIDE), Command.DISCONNECT)
+    assert b.core.registry.specs["m"] == WIDE
+
+
 def test_an_expired_request_is_never_dispatched_even_without_a_tick() -> None:
     b = Broker.make(max_batch=1)
     b.ready(T0, W1)

@@ -65,6 +65,22 @@ def test_conflicts() -> None:
     assert reg.conflicts(ready("b", 1, other_out)) == ["n"]
 
 
+def test_a_model_no_live_worker_serves_takes_the_next_spec() -> None:
+    reg = WorkerRegistry()
+    reg.add(0.0, W1, ready("a", 1, spec(), spec("n")), 1.0)
+    wide = ready("b", 1, spec(item=5), spec("n"))
+    assert reg.replaced(wide) == []  # "m" is served: a conflict, not a replacement
+    reg.remove(W1)
+    assert reg.conflicts(wide) == []
+    assert reg.replaced(wide) == [spec(item=5)]  # "n" is the same spec: kept as it is
+    reg.add(1.0, W2, wide, 1.0)
+    assert reg.specs["m"] == spec(item=5)
+    assert reg.conflicts(ready("c", 1, spec())) == ["m"]
+    # Another max_batch alone is no replacement; the last spec registered is kept.
+    reg.remove(W2)
+    assert reg.replaced(ready("c", 1, spec(item=5, max_batch=2))) == []
+
+
 def test_readd_replaces() -> None:
     reg = WorkerRegistry()
     reg.add(0.0, W1, ready("a", 1), 1.0)
