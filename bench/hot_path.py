@@ -507,11 +507,12 @@ def spy_main(args: argparse.Namespace) -> int:
     out_dir.mkdir(exist_ok=True)
     with ProcessGroup("ipc") as group:
         frontend, backend = group.endpoint("front"), group.endpoint("back")
+        cap = ["--max-batch", str(args.max_batch)] if args.max_batch else []
         if args.embedded:  # the null-engine worker inside the broker's process
-            broker = group.broker(frontend, backend, "--embed-synthetic", "0", "0")
+            broker = group.broker(frontend, backend, "--embed-synthetic", "0", "0", *cap)
             procs = {"broker": broker}
         else:
-            broker = group.broker(frontend, backend)
+            broker = group.broker(frontend, backend, *cap)
             procs = {"broker": broker, "worker": group.worker(backend, "--synthetic", "0", "0")}
         wait_workers(frontend, 1, group)
         sock = dealer(frontend)
@@ -577,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--py-spy", action="store_true", help="record both with py-spy")
     s.add_argument("--embedded", action="store_true", help="the worker inside the broker")
     s.add_argument("--client", action="store_true", help="drive it with the carpool Client")
+    s.add_argument("--max-batch", type=int, default=0, help="the broker's B_max (0: its default)")
     args = p.parse_args(argv)
     mains = {
         "core": core_main,
