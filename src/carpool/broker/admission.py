@@ -457,22 +457,24 @@ def _misfit(
 def _queued_misfit(spec: ModelSpec, req: PendingRequest) -> tuple[ErrorCode, str] | None:
     """Why a request queued under an earlier spec of its model does not fit ``spec``
     (None: it fits, and may ride as it is). Its payloads lie in the earlier spec's input
-    order, so inputs in another order send it back to be resent."""
-    given = req.key[1]
-    names = [name for name, _, _ in given]
+    order, so a request that fits but with its inputs in another order is sent back to
+    be resent (only then: a resend of one that does not fit would be refused)."""
+    given = {name: (dtype, item) for name, dtype, item in req.key[1]}
+    names = [name for name, _, _ in req.key[1]]
     expected = [t.name for t in spec.inputs]
-    if names != expected:
-        if sorted(names) == sorted(expected):
-            msg = f"model {spec.name!r} was re-registered with its inputs in another order"
-            return ErrorCode.UNAVAILABLE, f"{msg} while the request was queued; resend it"
+    if set(names) != set(expected):
         msg = f"model {spec.name!r} now takes inputs {expected}, request has {names}"
         return ErrorCode.INVALID_ARGUMENT, msg
     rules = spec.rules
-    for i, (want, (_, dtype, item)) in enumerate(zip(spec.inputs, given, strict=True)):
+    for i, want in enumerate(spec.inputs):
+        dtype, item = given[want.name]
         problem = _misfit(want, dtype, (req.samples, *item), rules[i] if rules else None)
         if problem is not None:
             msg = f"model {spec.name!r} was re-registered while the request was queued: {problem}"
             return ErrorCode.INVALID_ARGUMENT, msg
+    if names != expected:
+        msg = f"model {spec.name!r} was re-registered with its inputs in another order"
+        return ErrorCode.UNAVAILABLE, f"{msg} while the request was queued; resend it"
     return None
 
 

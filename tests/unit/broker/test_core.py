@@ -1191,6 +1191,22 @@ def test_queued_requests_whose_inputs_were_reordered_are_sent_back() -> None:
     assert (err.rid, err.code) == (1, ErrorCode.UNAVAILABLE)
 
 
+def test_queued_requests_reordered_and_no_longer_fitting_are_invalid() -> None:
+    """Reordered inputs send a request back to be resent only if the resend would fit."""
+    b = Broker.make(max_batch=1)
+    b.ready(T0, W1, SPEC2)
+    frames = encode_request(
+        Submit(1, "two", 1000, (TensorMeta("a", F32, (1, 3)), TensorMeta("b", "uint8", (1, 2)))),
+        [np.zeros((1, 3), np.float32).tobytes(), np.zeros((1, 2), np.uint8).tobytes()],
+    )
+    assert batches(b.client(T0, C1, frames))
+    b.disconnect(T0 + 0.1, W1)
+    swapped = model_spec("two", 8, (("b", "uint8", (-1, 2)), ("a", F32, (-1, 5))))
+    (err,) = to_clients(b.ready(T0 + 0.2, W2, swapped))
+    assert (err.rid, err.code) == (1, ErrorCode.INVALID_ARGUMENT)
+    assert "does not fit [?, 5]" in err.meta["message"]
+
+
 def test_a_new_spec_is_refused_while_a_worker_of_the_old_one_lives() -> None:
     b = Broker.make(max_batch=1)
     b.ready(T0, W1)
