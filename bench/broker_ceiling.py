@@ -32,7 +32,10 @@ table shows medians. The ratio is the median of the per-round ratios fleet / ech
 round's two numbers were measured back to back). CPU columns are the share of one core
 that each process used during the measurement (psutil, user + system).
 Note: on a 2-core machine the fleet's three busy processes (client, broker, worker) share
-two cores, the echo's two do not; the CPU columns show where the time went.
+two cores, the echo's two do not; the CPU columns show where the time went. "CPU us/req"
+adds up every process's CPU (this client's included) per request: with the cores used
+alike (they are: ~1.5-1.6 of 2 at 64 in flight, fleet and echo), the ratio to the echo
+is about the echo's figure divided by the configuration's.
 
 Target: fleet (Client) >= 0.5 x echo, at each in-flight count.
 
@@ -115,6 +118,17 @@ def share(rounds: list[dict[str, Any]], key: str) -> str:
     return f"{100 * median([r[key] for r in rounds]):.0f}%"
 
 
+def cpu_per_request(rounds: list[dict[str, Any]]) -> str:
+    """Median CPU time of all the processes together (client included) per request, in
+    us: on two shared cores the rate follows it (ratio ~ echo's / this, at equal use)."""
+    per = [
+        1e6 * sum(v for k, v in r.items() if k.endswith("_cpu")) / r["rate"]
+        for r in rounds
+        if r["rate"] > 0
+    ]
+    return f"{median(per):.0f}" if per else "-"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument(
@@ -125,9 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         help="the carpool brokers' B_max (default: the broker's own, 8)",
     )
+    p.add_argument(
+        "--slots",
+        type=int,
+        help="the worker processes' slots, batches outstanding at once (default: theirs, 2)",
+    )
     args = p.parse_args(argv)
     in_flight = tuple(args.in_flight)
     bmax = () if args.max_batch is None else ("--max-batch", str(args.max_batch))
+    null = ("--synthetic", "0", "0", *(() if args.slots is None else ("--slots", str(args.slots))))
     quiet_logs()
     reps = args.reps or (2 if args.quick else 5)
     duration_s = 0.6 if args.quick else 2.0
@@ -141,13 +161,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ProcessGroup(args.transport) as group:
         frontend, backend, echo_ep = (group.endpoint(n) for n in ("front", "back", "echo"))
         broker = group.broker(frontend, backend, *bmax)
-        worker = group.worker(backend, "--synthetic", "0", "0")
+        worker = group.worker(backend, *null)
         echo = group.echo(echo_ep)
         link_front, link_back = group.endpoint("link-front"), group.endpoint("link-back")
         link_broker = group.broker(
             link_front, link_back, "--local", f"unix:{group.tmp}/local", *bmax
         )
-        link_worker = group.worker(f"unix:{group.tmp}/local", "--synthetic", "0", "0")
+        link_worker = group.worker(f"unix:{group.tmp}/local", *null)
         emb_front, emb_back = group.endpoint("emb-front"), group.endpoint("emb-back")
         embedded = group.broker(emb_front, emb_back, "--embed-synthetic", "0", "0", *bmax)
         bare_front, bare_back = group.endpoint("bare-front"), group.endpoint("bare-back")
@@ -268,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     share(ss, "client_cpu"),
                     share(ss, "server_cpu" if config.startswith("echo") else "broker_cpu"),
                     share(ss, "worker_cpu"),
+                    cpu_per_request(ss),
                 ]
             )
     print(
@@ -285,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "client CPU",
                 "broker/echo CPU",
                 "worker CPU",
+                "CPU us/req",
             ],
             rows,
         )
