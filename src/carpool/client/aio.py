@@ -81,7 +81,8 @@ class AsyncClient:
     ) -> asyncio.Future[InferResult]:
         """Send a request; returns a future that resolves to its result or typed error
         (as :meth:`carpool.client.Client.submit`: inputs may be reused at once; a broker
-        that takes nothing for the whole timeout fails it ``Unavailable``)."""
+        that takes nothing for the whole timeout fails it ``Unavailable``; bad inputs
+        raise here, with the same exceptions)."""
         self._check_open()
         loop = self._bind()
         rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)

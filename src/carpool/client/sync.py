@@ -205,7 +205,14 @@ class Client:
 
         The inputs may be reused (refilled) as soon as this returns. If the broker takes
         nothing for the request's whole timeout (it is away and 1,000 messages wait for
-        it already), the future fails ``Unavailable`` then."""
+        it already), the future fails ``Unavailable`` then.
+
+        Raises (here, before anything is sent; what the broker refuses fails the future):
+            TypeError: ``inputs`` is not a mapping of input names to arrays.
+            ValueError: no inputs, a scalar input, or ``timeout_s`` outside (0, 3600].
+            ProtocolError: an input's dtype has no wire name (complex, strings, objects).
+            CarpoolError: the client is closed.
+        """
         wait_s = self.core.default_timeout_s if timeout_s is None else timeout_s
         if self.send_timeout_s is not None:
             wait_s = min(wait_s, self.send_timeout_s)
