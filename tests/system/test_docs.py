@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from carpool.broker.config import BatchingConfig
 from carpool.worker.engines import ort
 
@@ -106,3 +108,40 @@ def test_the_readmes_client_examples_run_against_a_fleet() -> None:
         outputs, results = asyncio.run(scope["main"]())  # type: ignore[operator]
         assert outputs["y"].tolist() == [[3.0, 3.0, 3.0]]
         assert [r.outputs["y"][0, 0] for r in results] == [1, 3, 5, 7]
+
+
+def test_the_readmes_batch_dim_snippet_makes_a_fixed_batch_model_servable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snippet relabelled inputs and outputs only: a file that records intermediate
+    shapes (torch.onnx.export, onnx's shape inference and onnxsim write them) kept batch 1
+    there, ONNX Runtime inferred a fixed dim 0 for the output from them, and the worker
+    refused the relabelled file with the same message pointing back to the snippet."""
+    onnx = pytest.importorskip("onnx")
+    import numpy as np
+
+    from carpool.common.errors import ConfigError
+    from carpool.worker.run import warm_up
+
+    helper = onnx.helper
+    f32 = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["h"]), helper.make_node("Neg", ["h"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", f32, [1, 3])],
+        [helper.make_tensor_value_info("y", f32, [1, 3])],
+        value_info=[helper.make_tensor_value_info("h", f32, [1, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "my.onnx"))
+    with pytest.raises(ConfigError, match="fixed dim 0"):
+        ort.OnnxRuntimeEngine(tmp_path / "my.onnx")
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    (snippet,) = re.findall(r"```python\n(import onnx\n.*?)```", text, re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "README.md", "exec"), {})
+    engine = ort.OnnxRuntimeEngine(tmp_path / "my-dynamic.onnx")
+    warm_up(engine, "my")
+    x = np.array([[1, -2, 3], [-4, 5, -6]], np.float32)
+    np.testing.assert_array_equal(engine.run({"x": x})["y"], -np.maximum(x, 0))

@@ -17,20 +17,46 @@ import numpy as np
 
 from carpool.common.clock import Clock
 from carpool.common.codec import numpy_dtype
-from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, encode_error
 from carpool.common.shm import RegionReader, ShmRing
 from carpool.worker.core import RunBatch
-from carpool.worker.engines.base import Engine
+from carpool.worker.engines.base import Array, BadInput, Engine
 from carpool.worker.tensors import ItemError, replies, stack, unreadable
 
 logger = logging.getLogger(__name__)
 
 
-def warm_up(engine: Engine) -> None:
-    """One batch-1 run so the first real request does not pay for lazy initialisation.
-    A dynamic dim takes the smallest size its shape rule allows (ppocr-det: 32 x 32);
-    a model with a dynamic dim no rule bounds is skipped (no shape to guess)."""
+def warm_up(engine: Engine, name: str = "model") -> None:
+    """One batch-1 run so the first real request does not pay for lazy initialisation,
+    then a check that the engine's outputs are per sample (:func:`check_per_sample`).
+
+    A dynamic dim takes the smallest size its shape rule allows (ppocr-det: 32 x 32); a
+    model with a dynamic dim no rule bounds is skipped (no shape to guess). A model whose
+    run fails on these made-up inputs (zeros may be out of range for an index input) is
+    served anyway, with a warning: real requests decide.
+
+    Raises:
+        ConfigError: the model's outputs are not per sample.
+    """
+    feeds = _sample(engine)
+    if feeds is None:
+        return
+    try:
+        alone = engine.run(feeds)
+    except Exception as exc:
+        logger.warning(
+            "model %s: the warm-up run on zeros failed, serving it without one: %s",
+            name,
+            _first_line(exc),
+        )
+        return
+    check_per_sample(engine, name, feeds, alone)
+
+
+def _sample(engine: Engine) -> dict[str, Array] | None:
+    """One sample of zeros for every input, or None when a dynamic dim has no size to
+    guess."""
     info = engine.info
     feeds = {}
     for i, spec in enumerate(info.inputs):
@@ -42,10 +68,80 @@ def warm_up(engine: Engine) -> None:
                 continue
             size = None if rule is None else rule.smallest(d)
             if size is None:
-                return  # no shape to guess, or none the rule allows
+                return None  # no shape to guess, or none the rule allows
             shape.append(size)
         feeds[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.dtype))
-    engine.run(feeds)
+    return feeds
+
+
+def check_per_sample(
+    engine: Engine, name: str, zeros: Mapping[str, Array], alone: Mapping[str, Array]
+) -> None:
+    """Check that every output has one row per sample, and that a sample's rows do not
+    change when another sample runs in the same batch: the worker stacks requests along
+    dim 0 and hands each its rows of every output, so an output that is not per sample
+    (a summary of the whole batch, a transposed [D, N], the indices of a NonZero) would
+    give requests each other's results whenever its dim 0 happened to equal the batch.
+
+    ``alone`` is the engine's output for ``zeros`` (one sample). The second sample is all
+    ones; a batch of both is run when ``max_batch`` allows two samples. A run that fails
+    on them is logged and ends the check (made-up inputs may be out of range).
+
+    Raises:
+        ConfigError: an output is not per sample.
+    """
+    for out, arr in alone.items():
+        if np.ndim(arr) == 0 or np.shape(arr)[0] != 1:
+            raise ConfigError(
+                f"model {name}: output {out!r} has shape {list(np.shape(arr))} for one "
+                "sample; carpool runs requests together along dim 0 and gives each its "
+                "rows of every output, so each output needs one row per sample (dim 0 = "
+                "the batch)"
+            )
+    if engine.info.max_batch < 2:
+        return
+    ones = {k: np.ones_like(v) for k, v in zeros.items()}
+    try:
+        other = engine.run(ones)
+        both = engine.run({k: np.concatenate([v, ones[k]]) for k, v in zeros.items()})
+    except Exception as exc:
+        logger.warning(
+            "model %s: a warm-up batch of two samples failed, its outputs are not checked "
+            "per sample: %s",
+            name,
+            _first_line(exc),
+        )
+        return
+    for out, first in alone.items():
+        second, pair = np.asarray(other[out]), np.asarray(both[out])
+        expected = (2, *np.shape(first)[1:])
+        if pair.shape != expected or second.shape != np.shape(first):
+            detail = f"shape {list(pair.shape)} for two samples, {list(np.shape(first))} for one"
+        elif not (_close(pair[:1], np.asarray(first)) and _close(pair[1:], second)):
+            detail = "a sample's rows differ when it runs alone"
+        else:
+            continue
+        raise ConfigError(
+            f"model {name}: output {out!r} is not per sample ({detail}); carpool runs "
+            "requests together along dim 0 and gives each its rows of every output, so a "
+            "sample's outputs must depend on that sample alone"
+        )
+
+
+def _close(a: Array, b: Array) -> bool:
+    """Equal, within what batched kernels may change in floating point."""
+    if a.shape != b.shape:
+        return False
+    if not np.issubdtype(a.dtype, np.floating):
+        return bool(np.array_equal(a, b))
+    rtol = 1e-2 if a.dtype == np.float16 else 1e-3
+    scale = float(np.nanmax(np.abs(b), initial=0.0)) if b.size else 0.0
+    return bool(np.allclose(a, b, rtol=rtol, atol=rtol * max(1.0, scale), equal_nan=True))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
 
 
 class LazyRing:
@@ -147,22 +243,37 @@ def run_job(
             except Exception as exc:  # a bug of ours must fail the batch, not the thread
                 logger.exception("stacking batch %d of %s failed", batch.batch_id, batch.model)
                 raise JobError(ErrorCode.INTERNAL, f"stacking inputs failed: {exc}") from None
+        names = [t.name for t in engine.info.outputs]
         try:
             outputs = engine.run(inputs)
         except Exception as exc:
-            logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)
-            raise JobError(ErrorCode.INTERNAL, f"engine error: {exc}") from None
+            if len(batch.items) == 1:
+                logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)
+                raise JobError(_engine_code(exc), f"engine error: {exc}") from None
+            # One request's inputs can fail the whole batch (an index out of range): the
+            # others must not fail with it. Each runs alone, and gets its own answer.
+            logger.warning(
+                "engine failed on batch %d of %s (%d requests), running each alone: %s",
+                batch.batch_id,
+                batch.model,
+                len(batch.items),
+                _first_line(exc),
+            )
+            outputs = None
         end = clock.now()
         # Only a batch the engine ran times it: batches answered without it (unreadable
         # inputs, a bad batch) are fast, and would make a slow model look short enough to
         # run on the loop thread, which then sends no heartbeat for the whole batch.
         header["samples"] = batch.total_samples
-        names = [t.name for t in engine.info.outputs]
         try:
             ring = None
             if rings is not None and any(i.shm_outputs for i in batch.items):
                 ring = rings.get()
-            counts, frames = replies(batch, outputs, names, 1000.0 * (end - start), ring)
+            if outputs is None:
+                counts, frames = _one_by_one(engine, batch, frames, reader, ring, clock)
+                end = clock.now()
+            else:
+                counts, frames = replies(batch, outputs, names, 1000.0 * (end - start), ring)
             if failed:
                 counts, frames = _merge(failed, alive, counts, frames)
         except ProtocolError as exc:
@@ -175,6 +286,46 @@ def run_job(
         return header, []
     header.update(end=end, counts=counts)
     return header, frames
+
+
+def _one_by_one(
+    engine: Engine,
+    batch: BatchMeta,
+    frames: Sequence[Any],
+    reader: RegionReader | None,
+    ring: ShmRing | None,
+    clock: Clock,
+) -> tuple[list[int], list[Any]]:
+    """RESULT counts and frames for a batch the engine failed as a whole: each request
+    run alone, answered with its outputs or its own error."""
+    names = [t.name for t in engine.info.outputs]
+    n = len(batch.inputs)
+    counts: list[int] = []
+    out: list[Any] = []
+    for i, item in enumerate(batch.items):
+        one = BatchMeta(batch.batch_id, batch.model, batch.inputs, (item,))
+        mine = frames[i * n : (i + 1) * n]
+        start = clock.now()
+        try:
+            outputs = engine.run(stack(one, mine, reader))
+        except Exception as exc:
+            logger.info("engine failed on request %d of %s: %s", item.request_id, one.model, exc)
+            error = ErrorReply(item.request_id, _engine_code(exc), f"engine error: {exc}")
+            reply = encode_error(error, simple=item.simple)
+            counts.append(len(reply))
+            out.extend(reply)
+            continue
+        k, reply = replies(one, outputs, names, 1000.0 * (clock.now() - start), ring)
+        counts.extend(k)
+        out.extend(reply)
+    return counts, out
+
+
+def _engine_code(exc: BaseException) -> ErrorCode:
+    """The error code of an engine's exception: INVALID_ARGUMENT where the engine says
+    the inputs were at fault (:class:`~carpool.worker.engines.base.BadInput`), else
+    INTERNAL."""
+    return ErrorCode.INVALID_ARGUMENT if isinstance(exc, BadInput) else ErrorCode.INTERNAL
 
 
 def _without(batch: BatchMeta, frames: Sequence[Any], index: int) -> tuple[BatchMeta, list[Any]]:

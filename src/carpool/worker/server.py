@@ -24,7 +24,7 @@ import zmq
 
 from carpool.common import codec
 from carpool.common.clock import Clock, MonotonicClock
-from carpool.common.errors import ConfigError, ErrorCode
+from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.link import MAX_FRAMES, Link, LinkFull, TooLarge, link_path
 from carpool.common.protocol import ModelSpec
 from carpool.common.shm import RegionReader
@@ -64,6 +64,23 @@ def _check_ring_group(group: str) -> None:
             f"shm_output_group {group!r}: this process is not a member (give the worker's "
             "unit SupplementaryGroups= that group)"
         )
+
+
+def _check_specs(specs: list[ModelSpec]) -> None:
+    """Refuse, at start, a model the broker would refuse: its READY would be dropped as a
+    protocol error, and the worker would try again for ever (a name over 256 characters,
+    a rank over 8, more than 64 outputs).
+
+    Raises:
+        ConfigError: naming the model and what is wrong.
+    """
+    name = ""
+    try:
+        for spec in specs:
+            name = spec.name
+            ModelSpec.from_wire(spec.to_wire())
+    except ProtocolError as exc:
+        raise ConfigError(f"model {name!r} cannot be served: {exc}") from None
 
 
 class WorkerServer:
@@ -543,8 +560,9 @@ class WorkerServer:
             for name, factory in factories.items():
                 engines[name] = factory()
                 if warmup:
-                    warm_up(engines[name])
+                    warm_up(engines[name], name)
             specs = [engine.info.spec(name) for name, engine in engines.items()]
+            _check_specs(specs)
             self._engines = engines  # published to the loop thread by the startup queue
         except BaseException as exc:
             for engine in engines.values():

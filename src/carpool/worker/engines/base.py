@@ -52,6 +52,11 @@ def with_rules(info: EngineInfo, rules: Mapping[str, ShapeRule], what: str) -> E
     return dataclasses.replace(info, rules=shape_rules.align(names, ranks, rules, what))
 
 
+class BadInput(Exception):
+    """An engine refused a batch's inputs, not for a fault of its own (an index out of
+    range, a value the model rejects): the requests are answered INVALID_ARGUMENT."""
+
+
 class Engine(Protocol):
     """An inference backend for one model.
 

@@ -17,7 +17,7 @@ import numpy as np
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
-from carpool.worker.engines.base import Array, EngineInfo, with_rules
+from carpool.worker.engines.base import Array, BadInput, EngineInfo, with_rules
 
 _ORT_TYPES = {
     "tensor(float)": "float32",
@@ -126,7 +126,14 @@ class OnnxRuntimeEngine:
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         feeds = {name: np.ascontiguousarray(a) for name, a in inputs.items()}
-        results = self._session.run(self._output_names, feeds)
+        try:
+            results = self._session.run(self._output_names, feeds)
+        except Exception as exc:
+            # ONNX Runtime's INVALID_ARGUMENT status: the inputs, not the model (a Gather
+            # index out of range, say).
+            if type(exc).__name__ == "InvalidArgument":
+                raise BadInput(str(exc)) from exc
+            raise
         return dict(zip(self._output_names, results, strict=True))
 
     def close(self) -> None:
