@@ -206,3 +206,15 @@ def test_one_bad_request_fails_alone_not_its_whole_batch(
         else:
             np.testing.assert_array_equal(future.outputs(10)["y"], TABLE[[i]])
     assert client.stats()["batch_sizes"]["lookup"] == {"4": 1}  # they rode together
+
+
+def test_an_input_without_a_declared_shape_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """It was called "a scalar", and the message did not say which file."""
+    path = save(
+        tmp_path / "noshape.onnx",
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [value("x", F32, None)],
+        [value("y", F32, ["batch", 4])],
+    )
+    with pytest.raises(ConfigError, match=r"noshape\.onnx: input 'x' has no dims \(a scalar, or"):
+        OnnxRuntimeEngine(path)

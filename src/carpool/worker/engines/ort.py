@@ -35,13 +35,16 @@ _ORT_TYPES = {
 }
 
 
-def _tensor(arg: Any, what: str) -> TensorMeta:
+def _tensor(arg: Any, what: str, path: str | Path) -> TensorMeta:
     dtype = _ORT_TYPES.get(arg.type)
     if dtype is None:
-        raise ConfigError(f"{what} {arg.name!r} has unsupported type {arg.type}")
-    dims = tuple(d if isinstance(d, int) and d > 0 else -1 for d in arg.shape)
+        raise ConfigError(f"{path}: {what} {arg.name!r} has unsupported type {arg.type}")
+    dims = tuple(d if isinstance(d, int) and d > 0 else -1 for d in arg.shape or ())
     if not dims:
-        raise ConfigError(f"{what} {arg.name!r} is a scalar; carpool batches along dim 0")
+        raise ConfigError(
+            f"{path}: {what} {arg.name!r} has no dims (a scalar, or a shape the file does "
+            "not declare); carpool batches along dim 0"
+        )
     return TensorMeta(arg.name, dtype, dims)
 
 
@@ -103,8 +106,8 @@ class OnnxRuntimeEngine:
                 f"Runtime fell back to {', '.join(self._session.get_providers())}); for CUDA, "
                 "check that the CUDA and cuDNN libraries onnxruntime-gpu needs are installed"
             )
-        inputs = tuple(_tensor(a, "input") for a in self._session.get_inputs())
-        outputs = tuple(_tensor(a, "output") for a in self._session.get_outputs())
+        inputs = tuple(_tensor(a, "input", path) for a in self._session.get_inputs())
+        outputs = tuple(_tensor(a, "output", path) for a in self._session.get_outputs())
         for t in inputs + outputs:
             if t.shape[0] != -1:
                 raise ConfigError(
