@@ -319,11 +319,14 @@ def run_replay(args: argparse.Namespace) -> int:
         return _live(args, workload.load_trace(args.trace), warmup_s=0.0, progress=True)
     items = workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
     logging.getLogger("carpool.broker").setLevel(logging.WARNING)
+    from carpool.sim.commands import DEFAULT_ENGINE_MAX
     from carpool.sim.compare import as_records, table
     from carpool.sim.simulator import EngineCost, SimWorker, simulate
 
+    # The recording fleet's engine limit where the trace has it (else the simulator's).
+    limit = workload.engine_limit(items) or DEFAULT_ENGINE_MAX
     workers = [
-        SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05))
+        SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05), limit)
         for i in range(args.workers)
     ]
     result = simulate(items, workers, batching, label=f"{args.policy} (sim)")

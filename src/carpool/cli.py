@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("broker", help="run a broker")
     _broker_args(b)
-    b.add_argument("--record", help="append every admitted arrival to this JSON-lines trace")
+    b.add_argument("--record", help="append every arriving request to this JSON-lines trace")
     e = b.add_argument_group(
         "embedded worker",
         "a worker inside the broker's process: no hops between them, short batches run on "
@@ -267,8 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     rec = sub.add_parser(
         "record",
         help="run a broker that records its arrivals as a trace (for tune and replay)",
-        description="A broker that appends every admitted request (time, model, shape, "
-        "timeout, priority) to a JSON-lines trace, for carpool tune and carpool replay.",
+        description="A broker that appends every arriving request (time, model, shape, "
+        "timeout, priority, the engines' batch limit) to a JSON-lines trace, for carpool "
+        "tune and carpool replay; those refused at the door for overload are recorded too "
+        "(the load offered).",
     )
     _broker_args(rec)
     rec.add_argument("--record", "--out", dest="record", required=True, help="trace file")

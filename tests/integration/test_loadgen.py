@@ -92,6 +92,7 @@ def test_record_then_replay_live_and_in_the_simulator(tmp_path: Path, capsys: An
             assert len(recorded) == 20
             assert {a.shape for a in recorded} == {(1, 16)}
             assert {a.timeout_ms for a in recorded} == {500}
+            assert {a.max_batch for a in recorded} == {8}  # the engine's limit, for tune
             assert recorded[0].t_s == 0.0
             capsys.readouterr()
             assert main(["replay", "--trace", str(trace), "--endpoint", config.frontend]) == 0
@@ -99,6 +100,13 @@ def test_record_then_replay_live_and_in_the_simulator(tmp_path: Path, capsys: An
             assert len(read_trace(trace)) == 40  # the replay was recorded too
     assert main(["replay", "--trace", str(trace), "--simulate"]) == 0
     assert "carpool (sim)" in capsys.readouterr().out
+    # tune's grid stops at the recording fleet's engine limit (it went to 64, a B_max
+    # the fleet's engines do not take).
+    assert main(["tune", "--trace", str(trace), "--top", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "max batch 8 (as the trace recorded)" in out
+    assert "B=8 " in out
+    assert "B=16 " not in out
     # Times are Unix seconds, so runs appended to one file stay in order across restarts
     # and reboots (the monotonic clock starts afresh at boot and sorted them together).
     first = json.loads(trace.read_text().splitlines()[0])["t_s"]

@@ -312,7 +312,7 @@ class Admission(BatchScheduler):
         timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s
         if self.recording is not None:
             self.recording.append(
-                (now, model, layout.shape, round(1000 * timeout_s), int(priority))
+                (now, model, layout.shape, round(1000 * timeout_s), int(priority), max_batch)
             )
         key = layout.key
         out: list[Outgoing] = []

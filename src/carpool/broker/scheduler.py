@@ -144,9 +144,10 @@ class BatchScheduler:
         self.queued_bytes = 0  # payload bytes of the queued requests
         # Queued samples per model, by priority (interactive, bulk): admission estimates.
         self._queued_samples: dict[str, list[int]] = {}
-        # Arrival trace (time, model, shape, timeout_ms, priority) while recording; the
-        # shell writes it out (carpool record).
-        self.recording: list[tuple[float, str, tuple[int, ...], int, int]] | None = None
+        # Arrival trace (time, model, shape, timeout_ms, priority, the largest batch a
+        # live worker of the model takes) while recording; the shell writes it out
+        # (carpool record).
+        self.recording: list[tuple[float, str, tuple[int, ...], int, int, int]] | None = None
         # Set by begin_stop: new requests are refused and nothing more is dispatched.
         self.stopping = False
         # When the broker began serving (the server sets it): for register_grace_s after

@@ -11,13 +11,15 @@ reported to the core instead of stalling the loop.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import zmq
 
@@ -66,6 +68,38 @@ class EmbeddedWorker(Protocol):
     def next_wakeup(self, now: float) -> float | None: ...
 
 
+def _open_trace(path: str) -> TextIO:
+    """The trace to append to. A recording that was cut (a kill, a full disk) can end in
+    part of a line: that part is dropped, so the next run's lines are not glued to it
+    and the file stays readable (only the cut line is lost)."""
+    trace = open(path, "a+b")  # noqa: SIM115 (closed by close())
+    try:
+        size = trace.seek(0, os.SEEK_END)
+        if size > 0:
+            trace.seek(max(0, size - _TAIL_BYTES))
+            tail = trace.read()
+            if not tail.endswith(b"\n"):
+                cut = tail.rfind(b"\n") + 1
+                keep = size - len(tail) + cut if cut or size <= _TAIL_BYTES else size
+                if keep < size:
+                    logger.warning(
+                        "trace %s ended in a line cut short (%d bytes): dropped",
+                        path,
+                        size - keep,
+                    )
+                    trace.truncate(keep)
+                else:  # a line longer than any record: not ours to cut, start a new one
+                    trace.write(b"\n")
+    except BaseException:
+        trace.close()
+        raise
+    return io.TextIOWrapper(trace, encoding="utf-8")
+
+
+#: How far back from its end a trace is searched for its last whole line.
+_TAIL_BYTES = 64 * 1024
+
+
 class BrokerServer:
     """Binds both ROUTERs on construction; ``step()`` runs one loop turn, ``serve()`` loops.
 
@@ -90,7 +124,7 @@ class BrokerServer:
         self.config = config or BrokerConfig()
         self.core = BrokerCore(self.config, defer_pumps=True)
         # carpool record: admitted arrivals go to a JSON-lines trace, flushed every turn.
-        self._trace = open(record, "a", encoding="utf-8") if record else None  # noqa: SIM115
+        self._trace = _open_trace(record) if record else None
         # Trace times are Unix seconds (steady within a run): a file that several runs
         # append to stays in order with the real gaps between them, reboots included.
         self._trace_offset_s = 0.0
@@ -244,13 +278,14 @@ class BrokerServer:
         if trace is None or records is None:
             return
         offset_s = self._trace_offset_s
-        for t, model, shape, timeout_ms, priority in records:
+        for t, model, shape, timeout_ms, priority, max_batch in records:
             line = {
                 "t_s": round(t + offset_s, 6),
                 "model": model,
                 "shape": list(shape),
                 "timeout_ms": timeout_ms,
                 "priority": priority,
+                "max_batch": max_batch,
             }
             trace.write(json.dumps(line) + "\n")
         records.clear()

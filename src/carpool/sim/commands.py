@@ -17,10 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from carpool.common.errors import ConfigError
+from carpool.common.protocol import MAX_TIMEOUT_MS
 from carpool.sim import workload
 from carpool.sim.compare import as_records, compare, grid_search, table
 from carpool.sim.simulator import EngineCost, SimWorker, span_s
 from carpool.sim.workload import Arrival
+
+#: The engine's batch limit assumed when neither the flag nor the trace gives one.
+DEFAULT_ENGINE_MAX = 64
+#: Each request's timeout in a generated workload, unless --sla-ms says otherwise.
+DEFAULT_SLA_MS = 50
 
 
 def _floats(text: str) -> list[float]:
@@ -39,7 +45,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--jitter", type=float, default=0.05, help="relative std of batch times")
     g.add_argument("--workers", type=int, default=1, help="simulated workers")
     g.add_argument("--slots", type=int, default=2, help="batches outstanding per worker")
-    g.add_argument("--engine-max-batch", type=int, default=64, help="engine batch limit")
+    g.add_argument(
+        "--engine-max-batch",
+        type=int,
+        help=f"engine batch limit (default: what the trace recorded, else {DEFAULT_ENGINE_MAX})",
+    )
     g.add_argument("--seed", type=int, default=0, help="random seed")
 
 
@@ -52,7 +62,11 @@ def add_parsers(sub: Any) -> None:
         "cost α+βB and open-loop arrivals; print throughput, goodput (answers within the "
         "deadline per second), latency percentiles, misses, batch size and busy time.",
     )
-    w = s.add_argument_group("workload")
+    w = s.add_argument_group(
+        "workload",
+        "a pattern (--load and its rates and lengths) or a recorded --trace; with --trace "
+        "the pattern's options are ignored, and --sla-ms replaces the recorded timeouts",
+    )
     w.add_argument(
         "--load",
         choices=("poisson", "steps", "bursts", "diurnal"),
@@ -69,7 +83,7 @@ def add_parsers(sub: Any) -> None:
     w.add_argument("--low-rps", type=float, default=100.0, help="diurnal: night rate")
     w.add_argument("--high-rps", type=float, default=1400.0, help="diurnal: peak rate")
     w.add_argument("--duration-s", type=float, default=10.0, help="workload length")
-    w.add_argument("--sla-ms", type=int, default=50, help="each request's timeout")
+    w.add_argument("--sla-ms", type=int, help=f"each request's timeout (default {DEFAULT_SLA_MS})")
     w.add_argument("--bulk-share", type=float, default=0.0, help="share at bulk priority")
     w.add_argument("--trace", help="a recorded JSON-lines trace instead of a pattern")
     w.add_argument("--save-trace", help="write the generated arrivals as a trace")
@@ -96,25 +110,52 @@ def add_parsers(sub: Any) -> None:
     t.set_defaults(func=run_tune)
 
 
-def _workers(args: argparse.Namespace) -> list[SimWorker]:
+def _workers(args: argparse.Namespace, items: Sequence[Arrival]) -> tuple[list[SimWorker], str]:
+    """The simulated fleet, and a note of its engines' batch limit: --engine-max-batch,
+    else what the trace recorded (the recording fleet's), else DEFAULT_ENGINE_MAX."""
     problems = []
-    if args.workers < 1 or args.slots < 1 or args.engine_max_batch < 1:
+    limit = args.engine_max_batch
+    if args.workers < 1 or args.slots < 1 or (limit is not None and limit < 1):
         problems.append("--workers, --slots and --engine-max-batch must be at least 1")
     if not all(0 <= x < math.inf for x in (args.alpha_ms, args.beta_ms, args.jitter)):
         problems.append("--alpha-ms, --beta-ms and --jitter must be at least 0 (and finite)")
-    if getattr(args, "sla_ms", None) is not None and args.sla_ms < 1:
-        problems.append("--sla-ms must be at least 1")
     if problems:
         raise ConfigError("; ".join(problems))
+    note = f"max batch {limit}"
+    if limit is None:
+        recorded = workload.engine_limit(items)
+        limit = recorded or DEFAULT_ENGINE_MAX
+        source = "as the trace recorded" if recorded else "assumed; --engine-max-batch"
+        note = f"max batch {limit} ({source})"
     cost = EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, args.jitter)
-    return [
-        SimWorker(f"sim-{i}", cost, args.engine_max_batch, args.slots) for i in range(args.workers)
-    ]
+    workers = [SimWorker(f"sim-{i}", cost, limit, args.slots) for i in range(args.workers)]
+    return workers, note
+
+
+def _check_sla(sla_ms: int | None) -> None:
+    if sla_ms is not None and not 1 <= sla_ms <= MAX_TIMEOUT_MS:
+        # (over the protocol's limit every simulated request was refused)
+        raise ConfigError(f"--sla-ms must be at least 1 and at most {MAX_TIMEOUT_MS}, got {sla_ms}")
+
+
+def _with_sla(items: list[Arrival], sla_ms: int | None) -> list[Arrival]:
+    return items if sla_ms is None else [a.with_timeout(sla_ms) for a in items]
 
 
 def _arrivals(args: argparse.Namespace) -> list[Arrival]:
+    _check_sla(args.sla_ms)
     if args.trace:
-        return workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
+        items = workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
+        return _with_sla(items, args.sla_ms)
+    used = {
+        "poisson": (args.rate, args.duration_s),
+        "steps": (*args.rates, args.step_s),
+        "bursts": (args.base_rps, args.burst_rps, args.duration_s, args.period_s, args.burst_s),
+        "diurnal": (args.low_rps, args.high_rps, args.duration_s),
+    }[args.load]
+    if not all(math.isfinite(x) for x in used):
+        # (an infinite rate or duration never ended, its memory growing)
+        raise ConfigError(f"the {args.load} workload's rates and lengths must be finite")
     if args.load == "poisson":
         phases = workload.poisson(args.rate, args.duration_s)
     elif args.load == "steps":
@@ -125,9 +166,8 @@ def _arrivals(args: argparse.Namespace) -> list[Arrival]:
         )
     else:
         phases = workload.diurnal(args.low_rps, args.high_rps, args.duration_s)
-    return workload.arrivals(
-        phases, timeout_ms=args.sla_ms, bulk_share=args.bulk_share, seed=args.seed
-    )
+    sla_ms = DEFAULT_SLA_MS if args.sla_ms is None else args.sla_ms
+    return workload.arrivals(phases, timeout_ms=sla_ms, bulk_share=args.bulk_share, seed=args.seed)
 
 
 def _progress(done: int, total: int) -> None:
@@ -144,8 +184,8 @@ def _quiet() -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     _quiet()
-    workers = _workers(args)
     items = _arrivals(args)
+    workers, limit = _workers(args, items)
     if len(items) < workload.MIN_SIMULATED_ARRIVALS:  # (as a trace must have)
         raise ConfigError(
             f"the workload has {len(items)} arrival{'' if len(items) == 1 else 's'}; a "
@@ -158,7 +198,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(
         f"workload: {len(items)} requests over {span:.1f} s "
         f"({len(items) / span if span else 0:.0f}/s mean); engine {args.alpha_ms:g} ms + "
-        f"{args.beta_ms:g} ms x B, {args.workers} worker(s)"
+        f"{args.beta_ms:g} ms x B, {limit}, {args.workers} worker(s)"
     )
     results = compare(
         items,
@@ -180,16 +220,24 @@ def run_tune(args: argparse.Namespace) -> int:
     _quiet()
     if args.top < 1:  # (0 printed an empty ranking; -2 all but its last two rows)
         raise ConfigError(f"--top must be at least 1, got {args.top}")
+    _check_sla(args.sla_ms)
     items = workload.load_trace(args.trace, workload.MIN_SIMULATED_ARRIVALS)
-    if args.sla_ms is not None:
-        items = [Arrival(a.t_s, a.model, a.shape, args.sla_ms, a.priority) for a in items]
-    points = grid_search(items, _workers(args), seed=args.seed, progress=_progress)
+    items = _with_sla(items, args.sla_ms)
+    workers, limit = _workers(args, items)
+    print(f"engine: {args.alpha_ms:g} ms + {args.beta_ms:g} ms x B, {limit}")
+    points = grid_search(items, workers, seed=args.seed, progress=_progress)
     best = points[0]
     print(table([p.result for p in points[: args.top]]))
     if best.result.on_time == 0:
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(best.result.errors.items()))
         print(
-            "\nno setting answered any request in time: nothing to recommend (is the SLA "
-            "shorter than one batch of the engine?)"
+            "\nno setting answered any request in time: nothing to recommend ("
+            + (
+                f"the best setting's errors: {errors}"
+                if errors
+                else "is the SLA shorter than one batch of the engine?"
+            )
+            + ")"
         )
         return 1
     print(

@@ -53,7 +53,12 @@ def grid_search(
 ) -> list[GridPoint]:
     """Every fixed (B_max, T_max) on the grid, best first."""
     cap = min(w.max_batch for w in workers)
-    combos = [(b, t) for b in batch_sizes if b <= cap for t in waits_ms if b > 1 or t == 0]
+    # Where the engine's limit cuts the grid short, the limit itself is a candidate too
+    # (an engine of 48 was tried at 32 at most).
+    sizes = sorted(
+        {b for b in batch_sizes if b <= cap} | ({cap} if max(batch_sizes) > cap else set())
+    )
+    combos = [(b, t) for b in sizes for t in waits_ms if b > 1 or t == 0]
     points = []
     for i, (b, t_ms) in enumerate(combos):
         cfg = BatchingConfig(max_batch=b, max_wait_s=t_ms / 1000, policy="fixed")

@@ -9,6 +9,7 @@ file is JSON lines, one arrival per line::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -30,17 +31,24 @@ class Arrival:
     shape: tuple[int, ...]  # full request shape; dim 0 = samples
     timeout_ms: int
     priority: int = 0
+    # The largest batch a live worker of the model took when it arrived (carpool record
+    # writes it); 0: not known.
+    max_batch: int = 0
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "t_s": round(self.t_s, 6),
-                "model": self.model,
-                "shape": list(self.shape),
-                "timeout_ms": self.timeout_ms,
-                "priority": self.priority,
-            }
-        )
+        line: dict[str, object] = {
+            "t_s": round(self.t_s, 6),
+            "model": self.model,
+            "shape": list(self.shape),
+            "timeout_ms": self.timeout_ms,
+            "priority": self.priority,
+        }
+        if self.max_batch:
+            line["max_batch"] = self.max_batch
+        return json.dumps(line)
+
+    def with_timeout(self, timeout_ms: int) -> Arrival:
+        return dataclasses.replace(self, timeout_ms=timeout_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +150,8 @@ def check_arrival(a: Arrival) -> None:
         raise ValueError(f"shape must have 1..8 dims, each >= 1, got {list(a.shape)}")
     if not 1 <= a.timeout_ms <= 3_600_000:
         raise ValueError(f"timeout_ms must be in 1..3600000, got {a.timeout_ms}")
+    if a.max_batch < 0:
+        raise ValueError(f"max_batch must be >= 1 where given, got {a.max_batch}")
     if a.priority not in (0, 1):
         raise ValueError(f"priority must be 0 or 1, got {a.priority}")
     if not a.model:
@@ -163,6 +173,11 @@ def read_trace(path: str | Path) -> list[Arrival]:
                     ) from None
                 if not line.strip():
                     continue
+                if not line.endswith("\n") and not _parses(line):
+                    # A last line cut short (the recording broker was killed, or its
+                    # disk filled): lost, the rest of the trace is good.
+                    logger.warning("%s:%d: skipping a last line cut short", path, lineno)
+                    continue
                 try:
                     obj = json.loads(line)
                     if not isinstance(obj, dict) or not isinstance(obj.get("shape"), list):
@@ -173,6 +188,7 @@ def read_trace(path: str | Path) -> list[Arrival]:
                         tuple(int(d) for d in obj["shape"]),
                         int(obj["timeout_ms"]),
                         int(obj.get("priority", 0)),
+                        int(obj.get("max_batch", 0)),
                     )
                     check_arrival(arrival)
                     out.append(arrival)
@@ -183,8 +199,23 @@ def read_trace(path: str | Path) -> list[Arrival]:
     out.sort(key=lambda a: a.t_s)
     if out:
         t0 = out[0].t_s
-        out = [Arrival(a.t_s - t0, a.model, a.shape, a.timeout_ms, a.priority) for a in out]
+        out = [dataclasses.replace(a, t_s=a.t_s - t0) for a in out]
     return out
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def engine_limit(items: Iterable[Arrival]) -> int | None:
+    """The largest batch the recording fleet's engines took (the smallest recorded over
+    the trace, so no model's limit is exceeded); None when the trace does not say."""
+    limits = [a.max_batch for a in items if a.max_batch > 0]
+    return min(limits) if limits else None
 
 
 #: Arrivals a trace needs before a simulation can say anything about it: one request

@@ -343,7 +343,8 @@ def test_cli_simulate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     lines = out.splitlines()
     assert lines[0].startswith("workload: ")
     assert "requests over" in lines[0]
-    assert "engine 5 ms + 0.5 ms x B, 1 worker(s)" in lines[0]
+    engine = "engine 5 ms + 0.5 ms x B, max batch 64 (assumed; --engine-max-batch), 1 worker(s)"
+    assert engine in lines[0]
     assert lines[1].split()[:3] == ["policy", "thru/s", "good/s"]
     labels = ["no batching", "fixed B=8 T=5ms", "seed rho-gradient", "carpool"]
     for label in labels:
@@ -360,7 +361,8 @@ def test_cli_tune(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     captured = capsys.readouterr()
     assert "grid search 43/43" in captured.err
     lines = captured.out.splitlines()
-    assert lines[0].split()[:3] == ["policy", "thru/s", "good/s"]
+    assert lines[0] == "engine: 5 ms + 0.5 ms x B, max batch 64 (assumed; --engine-max-batch)"
+    assert lines[1].split()[:3] == ["policy", "thru/s", "good/s"]
     assert sum(1 for line in lines if line.startswith("fixed B=")) == 3
     (recommended,) = [line for line in lines if line.startswith("recommended: ")]
     assert "max_batch = " in recommended

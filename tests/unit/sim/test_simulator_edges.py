@@ -166,3 +166,55 @@ def test_bursts_need_a_period_that_holds_its_burst(
     args = ["--load", "bursts", "--period-s", str(period_s), "--burst-s", str(burst_s)]
     assert main(["simulate", "--no-oracle", "--duration-s", "1", *args]) == 2
     assert "bursts need" in capsys.readouterr().err
+
+
+def test_the_grid_tries_the_engines_own_limit() -> None:
+    """An engine of 48 was tried at 32 at most: the grid's powers of two stop below it."""
+    arrivals = [Arrival(0.001 * i, "m", (1, 16), 50) for i in range(50)]
+    workers = [SimWorker("w", EngineCost(0.005, 0.0005), max_batch=48)]
+    sizes = {p.max_batch for p in grid_search(arrivals, workers)}
+    assert sizes == {1, 2, 4, 8, 16, 32, 48}
+
+
+def test_simulate_applies_sla_ms_to_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--sla-ms was silently ignored with --trace (the same row for 6 ms and 1000 ms)."""
+    trace = _trace(tmp_path)
+    rows = []
+    for sla in ("1000", "1"):
+        out = tmp_path / f"sim-{sla}.json"
+        argv = ["simulate", "--no-oracle", "--trace", str(trace), "--sla-ms", sla]
+        assert main([*argv, "--json", str(out)]) == 0
+        rows.append({r["policy"]: r for r in json.loads(out.read_text())})
+    assert rows[0]["carpool"]["miss_rate"] == 0.0
+    assert rows[1]["carpool"]["miss_rate"] > 0.5
+
+
+@pytest.mark.parametrize("command", [["tune"], ["simulate", "--no-oracle"]])
+def test_an_sla_over_the_protocols_limit_is_refused(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every simulated request was refused INVALID_ARGUMENT; simulate exited 0."""
+    argv = [*command, "--trace", str(_trace(tmp_path)), "--sla-ms", "3600001"]
+    assert main(argv) == 2
+    assert "--sla-ms must be at least 1 and at most 3600000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--rate", "--duration-s"])
+def test_an_infinite_workload_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """simulate --rate inf never ended, its memory growing."""
+    assert main(["simulate", "--no-oracle", flag, "inf"]) == 2
+    assert "must be finite" in capsys.readouterr().err
+
+
+def test_tune_says_why_nothing_was_answered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Requests of 4 samples on an engine of 2: every one refused INVALID_ARGUMENT, and
+    the message asked whether the SLA was shorter than a batch."""
+    path = tmp_path / "big.jsonl"
+    lines = [{"t_s": 0.01 * i, "model": "m", "shape": [4, 16], "timeout_ms": 50} for i in range(5)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["tune", "--trace", str(path), "--engine-max-batch", "2"]) == 1
+    assert "the best setting's errors: INVALID_ARGUMENT 5" in capsys.readouterr().out

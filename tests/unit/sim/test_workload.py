@@ -307,3 +307,36 @@ def test_load_trace_warns_of_a_long_pause(tmp_path: Path, caplog: pytest.LogCapt
         workload.load_trace(path)
     (record,) = caplog.records
     assert "has no arrival for 141 s (from 59.0 s in)" in record.getMessage()
+
+
+def test_a_last_line_cut_short_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A recording killed mid-line: the cut line is lost, not the whole trace."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text(f"{GOOD}\n{GOOD}\n" + GOOD[:20], encoding="utf-8")
+    assert len(workload.read_trace(path)) == 2
+    assert "cut short" in caplog.text
+
+
+def test_a_recording_appended_to_a_cut_trace_starts_on_a_line_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """The next run's first line was glued to the cut one, and the file was unreadable."""
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.server import BrokerServer
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text(f"{GOOD}\n" + GOOD[:20], encoding="utf-8")
+    config = BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"ipc://{tmp_path}/be")
+    BrokerServer(config, record=str(path)).close()
+    assert path.read_text(encoding="utf-8") == f"{GOOD}\n"  # the cut part is dropped
+    with path.open("a", encoding="utf-8") as f:  # what the new run writes next
+        f.write(f"{GOOD}\n")
+    assert len(workload.read_trace(path)) == 2
+
+
+def test_a_recorded_engine_limit_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    workload.write_trace(path, [workload.Arrival(0.0, "m", (1, 4), 50, 0, 32)] * 2)
+    items = workload.read_trace(path)
+    assert workload.engine_limit(items) == 32
+    assert workload.engine_limit([workload.Arrival(0.0, "m", (1, 4), 50)]) is None
