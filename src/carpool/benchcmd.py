@@ -90,6 +90,11 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--alpha-ms", type=float, default=5.0, help="simulated fixed cost")
     r.add_argument("--beta-ms", type=float, default=0.5, help="simulated per-sample cost")
     r.add_argument("--workers", type=int, default=1, help="simulated workers")
+    r.add_argument(
+        "--engine-max-batch",
+        type=int,
+        help="simulated engines' batch limit (default: what the trace recorded, else 64)",
+    )
     defaults = BatchingConfig()
     g = r.add_argument_group(
         "simulated broker", "as carpool broker's flags; set them as the recording broker had"
@@ -302,6 +307,8 @@ def _check_replay(args: argparse.Namespace) -> BatchingConfig:
     problems = []
     if args.workers < 1:
         problems.append("--workers must be at least 1")
+    if args.engine_max_batch is not None and args.engine_max_batch < 1:
+        problems.append("--engine-max-batch must be at least 1")
     if not (_at_least(args.alpha_ms, 0) and _at_least(args.beta_ms, 0)):
         problems.append("--alpha-ms and --beta-ms must be at least 0 (and finite)")
     if problems:
@@ -324,7 +331,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from carpool.sim.simulator import EngineCost, SimWorker, simulate
 
     # The recording fleet's engine limit where the trace has it (else the simulator's).
-    limit = workload.engine_limit(items) or DEFAULT_ENGINE_MAX
+    limit = args.engine_max_batch or workload.engine_limit(items) or DEFAULT_ENGINE_MAX
     workers = [
         SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05), limit)
         for i in range(args.workers)

@@ -99,6 +99,57 @@ def softmax_across_the_batch(tmp: Path) -> OnnxRuntimeEngine:
     return OnnxRuntimeEngine(path)
 
 
+def softmax_across_the_batch_beside_an_inf(tmp: Path) -> OnnxRuntimeEngine:
+    """The softmax across the batch next to a column of -inf (log 0): an infinite value
+    made the check's tolerance infinite, and the model passed."""
+    path = save(
+        tmp / "softmax-inf.onnx",
+        [
+            helper.make_node("Reshape", ["x", "flat"], ["f"]),
+            helper.make_node("Softmax", ["f"], ["s"], axis=1),
+            helper.make_node("Reshape", ["s", "rows"], ["soft"]),
+            helper.make_node("Sub", ["x", "x"], ["zero"]),
+            helper.make_node("Log", ["zero"], ["minf"]),
+            helper.make_node("Concat", ["soft", "minf"], ["y"], axis=1),
+        ],
+        [value("x", F32, ["batch", 4])],
+        [value("y", F32, ["batch", 8])],
+        (const("flat", np.array([1, -1], np.int64)), const("rows", np.array([-1, 4], np.int64))),
+    )
+    return OnnxRuntimeEngine(path)
+
+
+def batch_one_baked_in(tmp: Path) -> OnnxRuntimeEngine:
+    """Reshaped to a constant [1, 4] and back to x's own shape (so the file passes the
+    load): one sample runs, two fail."""
+    path = save(
+        tmp / "baked.onnx",
+        [
+            helper.make_node("Reshape", ["x", "one_row"], ["r"]),
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("Reshape", ["r", "shape"], ["y"]),
+        ],
+        [value("x", F32, ["batch", 4])],
+        [value("y", F32, ["batch", 4])],
+        (const("one_row", np.array([1, 4], np.int64)),),
+    )
+    return OnnxRuntimeEngine(path)
+
+
+def noisy(tmp: Path) -> OnnxRuntimeEngine:
+    """y = x + noise: per sample, but no two runs agree."""
+    path = save(
+        tmp / "noisy.onnx",
+        [
+            helper.make_node("RandomNormalLike", ["x"], ["noise"]),
+            helper.make_node("Add", ["x", "noise"], ["y"]),
+        ],
+        [value("x", F32, ["batch", 4])],
+        [value("y", F32, ["batch", 4])],
+    )
+    return OnnxRuntimeEngine(path)
+
+
 def per_sample(tmp: Path) -> OnnxRuntimeEngine:
     """y = relu(x W): an ordinary per-sample model."""
     w = np.arange(12, dtype=np.float32).reshape(4, 3) - 5
@@ -138,6 +189,8 @@ def lookup(tmp: Path, shift: int = 0) -> Path:
         (transposed, r"output 'y' has shape \[2, 1\] for one sample"),
         (first_sample_only, r"output 'y' is not per sample \(shape \[1, 4\] for two"),
         (softmax_across_the_batch, r"output 'y' is not per sample \(a sample's rows differ"),
+        (softmax_across_the_batch_beside_an_inf, r"output 'y' is not per sample \(a sample's"),
+        (batch_one_baked_in, r"fails on a batch of two samples that each run alone"),
     ],
 )
 def test_a_model_whose_outputs_are_not_per_sample_is_refused_at_start(
@@ -153,6 +206,16 @@ def test_a_model_whose_outputs_are_not_per_sample_is_refused_at_start(
 
 def test_a_per_sample_model_passes_the_check(tmp_path: Path) -> None:
     warm_up(per_sample(tmp_path), "m")
+
+
+def test_a_model_whose_runs_differ_is_served_unchecked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Random sampling in the graph: every comparison of rows failed, and the model was
+    refused as 'not per sample' with no way to serve it."""
+    with caplog.at_level(logging.WARNING, logger="carpool.worker.run"):
+        warm_up(noisy(tmp_path), "noisy")
+    assert "two runs on the same inputs differ" in caplog.text
 
 
 def test_a_model_that_fails_on_zeros_is_served_with_a_warning(

@@ -11,11 +11,12 @@ reported to the core instead of stalling the loop.
 from __future__ import annotations
 
 import errno
-import io
+import fcntl
 import json
 import logging
 import math
 import os
+import stat
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
@@ -69,31 +70,57 @@ class EmbeddedWorker(Protocol):
 
 
 def _open_trace(path: str) -> TextIO:
-    """The trace to append to. A recording that was cut (a kill, a full disk) can end in
-    part of a line: that part is dropped, so the next run's lines are not glued to it
-    and the file stays readable (only the cut line is lost)."""
-    trace = open(path, "a+b")  # noqa: SIM115 (closed by close())
+    """The trace to append to.
+
+    A regular file is locked for this broker (``flock``): two brokers appending to one
+    trace at once would interleave parts of their lines. A recording that was cut (a
+    kill, a full disk) can end in part of a line: that part is dropped, so the next
+    run's lines are not glued to it and the file stays readable (only the cut line is
+    lost); a last line that is whole but lacks its newline gets one. A pipe or
+    ``/dev/stdout`` is appended to as it is.
+
+    Raises:
+        ConfigError: another process is recording to the same file.
+    """
+    trace = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
     try:
-        size = trace.seek(0, os.SEEK_END)
-        if size > 0:
-            trace.seek(max(0, size - _TAIL_BYTES))
-            tail = trace.read()
-            if not tail.endswith(b"\n"):
-                cut = tail.rfind(b"\n") + 1
-                keep = size - len(tail) + cut if cut or size <= _TAIL_BYTES else size
-                if keep < size:
-                    logger.warning(
-                        "trace %s ended in a line cut short (%d bytes): dropped",
-                        path,
-                        size - keep,
-                    )
-                    trace.truncate(keep)
-                else:  # a line longer than any record: not ours to cut, start a new one
-                    trace.write(b"\n")
+        if stat.S_ISREG(os.fstat(trace.fileno()).st_mode):
+            try:
+                fcntl.flock(trace.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConfigError(f"trace {path}: another broker is recording to it") from None
+            _end_on_a_whole_line(path)
     except BaseException:
         trace.close()
         raise
-    return io.TextIOWrapper(trace, encoding="utf-8")
+    return trace
+
+
+def _end_on_a_whole_line(path: str) -> None:
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(max(0, size - _TAIL_BYTES))
+        tail = f.read()
+        if tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n") + 1
+        if (cut == 0 and size > _TAIL_BYTES) or _parses(tail[cut:]):
+            f.write(b"\n")  # a whole line (or one longer than any record: not ours to cut)
+            return
+        logger.warning(
+            "trace %s ended in a line cut short (%d bytes): dropped", path, len(tail) - cut
+        )
+        f.truncate(size - len(tail) + cut)
+
+
+def _parses(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 #: How far back from its end a trace is searched for its last whole line.

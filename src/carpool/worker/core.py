@@ -245,13 +245,17 @@ class WorkerCore:
         ended_s: float,
         counts: Sequence[int],
         frames: Sequence[Any],
+        *,
+        timed: bool = True,
     ) -> list[Any] | None:
-        """The RESULT for a finished batch (None when its epoch has passed)."""
+        """The RESULT for a finished batch (None when its epoch has passed). ``timed``
+        False: the time is not the batch's engine time (it ran again request by request),
+        and the RESULT says 0, which the broker's cost model ignores."""
         self._finished(started_s, ended_s)
         self.batches_done += 1
         if epoch != self.epoch:
             return None
-        compute_ms = 1000.0 * (ended_s - started_s)
+        compute_ms = 1000.0 * (ended_s - started_s) if timed else 0.0
         rho = self.meter.rho(now)
         if self.local:
             return [_RESULT_HEADER, ResultMeta(batch_id, rho, compute_ms, tuple(counts)), *frames]

@@ -83,12 +83,14 @@ def check_per_sample(
     (a summary of the whole batch, a transposed [D, N], the indices of a NonZero) would
     give requests each other's results whenever its dim 0 happened to equal the batch.
 
-    ``alone`` is the engine's output for ``zeros`` (one sample). The second sample is all
-    ones; a batch of both is run when ``max_batch`` allows two samples. A run that fails
-    on them is logged and ends the check (made-up inputs may be out of range).
+    ``alone`` is the engine's output for ``zeros`` (one sample). When ``max_batch`` allows
+    two samples: zeros again (a model whose runs differ, sampling at random, is not
+    compared), a sample of ones, and both in one batch. A run on one sample that fails is
+    logged and ends the check (made-up inputs may be out of range); the batch of both
+    failing where each sample ran alone is a model that cannot be batched.
 
     Raises:
-        ConfigError: an output is not per sample.
+        ConfigError: an output is not per sample, or two samples fail together.
     """
     for out, arr in alone.items():
         if np.ndim(arr) == 0 or np.shape(arr)[0] != 1:
@@ -100,18 +102,37 @@ def check_per_sample(
             )
     if engine.info.max_batch < 2:
         return
+    try:
+        again = engine.run(zeros)
+    except Exception as exc:
+        logger.warning("model %s: a second warm-up run failed: %s", name, _first_line(exc))
+        return
+    if not all(_close(np.asarray(again[k]), np.asarray(v)) for k, v in alone.items()):
+        # (random sampling in the graph: no two runs agree, so rows cannot be compared)
+        logger.warning(
+            "model %s: two runs on the same inputs differ; its outputs are not checked per sample",
+            name,
+        )
+        return
     ones = {k: np.ones_like(v) for k, v in zeros.items()}
     try:
         other = engine.run(ones)
-        both = engine.run({k: np.concatenate([v, ones[k]]) for k, v in zeros.items()})
     except Exception as exc:
         logger.warning(
-            "model %s: a warm-up batch of two samples failed, its outputs are not checked "
-            "per sample: %s",
+            "model %s: a warm-up run on ones failed, its outputs are not checked per sample: %s",
             name,
             _first_line(exc),
         )
         return
+    try:
+        both = engine.run({k: np.concatenate([v, ones[k]]) for k, v in zeros.items()})
+    except Exception as exc:
+        # Each sample ran alone: only running them together fails (batch 1 baked in).
+        raise ConfigError(
+            f"model {name}: fails on a batch of two samples that each run alone "
+            f"({_first_line(exc)}); carpool runs requests together along dim 0, so the "
+            "model must take any batch up to its max_batch"
+        ) from None
     for out, first in alone.items():
         second, pair = np.asarray(other[out]), np.asarray(both[out])
         expected = (2, *np.shape(first)[1:])
@@ -135,7 +156,8 @@ def _close(a: Array, b: Array) -> bool:
     if not np.issubdtype(a.dtype, np.floating):
         return bool(np.array_equal(a, b))
     rtol = 1e-2 if a.dtype == np.float16 else 1e-3
-    scale = float(np.nanmax(np.abs(b), initial=0.0)) if b.size else 0.0
+    finite = np.abs(b[np.isfinite(b)])
+    scale = float(finite.max()) if finite.size else 0.0  # (an inf would allow anything)
     return bool(np.allclose(a, b, rtol=rtol, atol=rtol * max(1.0, scale), equal_nan=True))
 
 
@@ -247,7 +269,7 @@ def run_job(
         try:
             outputs = engine.run(inputs)
         except Exception as exc:
-            if len(batch.items) == 1:
+            if len(batch.items) == 1 and not failed:
                 logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)
                 raise JobError(_engine_code(exc), f"engine error: {exc}") from None
             # One request's inputs can fail the whole batch (an index out of range): the
@@ -261,16 +283,21 @@ def run_job(
             )
             outputs = None
         end = clock.now()
-        # Only a batch the engine ran times it: batches answered without it (unreadable
-        # inputs, a bad batch) are fast, and would make a slow model look short enough to
-        # run on the loop thread, which then sends no heartbeat for the whole batch.
-        header["samples"] = batch.total_samples
+        # Only a batch the engine ran whole times it: batches answered without it
+        # (unreadable inputs, a bad batch) are fast, and would make a slow model look short
+        # enough to run on the loop thread, which then sends no heartbeat for the whole
+        # batch; a batch run again request by request would teach the broker's cost model
+        # and that choice a cost per sample many times too high.
+        if outputs is not None:
+            header["samples"] = batch.total_samples
+        else:
+            header["untimed"] = True
         try:
             ring = None
             if rings is not None and any(i.shm_outputs for i in batch.items):
                 ring = rings.get()
             if outputs is None:
-                counts, frames = _one_by_one(engine, batch, frames, reader, ring, clock)
+                counts, frames = _one_by_one(engine, batch, frames, reader, clock)
                 end = clock.now()
             else:
                 counts, frames = replies(batch, outputs, names, 1000.0 * (end - start), ring)
@@ -293,30 +320,34 @@ def _one_by_one(
     batch: BatchMeta,
     frames: Sequence[Any],
     reader: RegionReader | None,
-    ring: ShmRing | None,
     clock: Clock,
 ) -> tuple[list[int], list[Any]]:
     """RESULT counts and frames for a batch the engine failed as a whole: each request
-    run alone, answered with its outputs or its own error."""
+    run alone, answered with its outputs or its own error. Outputs go in frames, never
+    the ring: each run's outputs would be written without regard to the earlier ones of
+    the same RESULT, still unsent, and could be written over."""
     names = [t.name for t in engine.info.outputs]
     n = len(batch.inputs)
     counts: list[int] = []
     out: list[Any] = []
     for i, item in enumerate(batch.items):
         one = BatchMeta(batch.batch_id, batch.model, batch.inputs, (item,))
-        mine = frames[i * n : (i + 1) * n]
         start = clock.now()
         try:
-            outputs = engine.run(stack(one, mine, reader))
+            inputs = stack(one, frames[i * n : (i + 1) * n], reader)
+            outputs = engine.run(inputs)
+        except ItemError as bad:  # its shared memory changed since the batch was stacked
+            error = ErrorReply(item.request_id, bad.code, bad.message)
         except Exception as exc:
             logger.info("engine failed on request %d of %s: %s", item.request_id, one.model, exc)
             error = ErrorReply(item.request_id, _engine_code(exc), f"engine error: {exc}")
-            reply = encode_error(error, simple=item.simple)
-            counts.append(len(reply))
+        else:
+            k, reply = replies(one, outputs, names, 1000.0 * (clock.now() - start))
+            counts.extend(k)
             out.extend(reply)
             continue
-        k, reply = replies(one, outputs, names, 1000.0 * (clock.now() - start), ring)
-        counts.extend(k)
+        reply = encode_error(error, simple=item.simple)
+        counts.append(len(reply))
         out.extend(reply)
     return counts, out
 

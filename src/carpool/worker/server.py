@@ -528,6 +528,7 @@ class WorkerServer:
                 info["end"],
                 info["counts"],
                 frames,
+                timed=not info.get("untimed", False),
             )
         if msg is not None and not self._to_broker(msg):
             # A lost RESULT would hold its credit at the broker for good while heartbeats

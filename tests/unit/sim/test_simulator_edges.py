@@ -218,3 +218,13 @@ def test_tune_says_why_nothing_was_answered(
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert main(["tune", "--trace", str(path), "--engine-max-batch", "2"]) == 1
     assert "the best setting's errors: INVALID_ARGUMENT 5" in capsys.readouterr().out
+
+
+def test_replay_in_the_simulator_takes_an_engine_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README named --engine-max-batch for replay --simulate; it was not a flag."""
+    trace = str(_trace(tmp_path))
+    assert main(["replay", "--trace", trace, "--simulate", "--engine-max-batch", "2"]) == 0
+    assert main(["replay", "--trace", trace, "--simulate", "--engine-max-batch", "0"]) == 2
+    assert "--engine-max-batch must be at least 1" in capsys.readouterr().err

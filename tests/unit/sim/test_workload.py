@@ -10,8 +10,10 @@ import itertools
 import json
 import logging
 import math
+import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -340,3 +342,44 @@ def test_a_recorded_engine_limit_round_trips(tmp_path: Path) -> None:
     items = workload.read_trace(path)
     assert workload.engine_limit(items) == 32
     assert workload.engine_limit([workload.Arrival(0.0, "m", (1, 4), 50)]) is None
+
+
+def _recording_broker(tmp_path: Path, trace: str, name: str = "b") -> Any:
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.server import BrokerServer
+
+    config = BrokerConfig(
+        frontend=f"ipc://{tmp_path}/{name}-fe", backend=f"ipc://{tmp_path}/{name}-be"
+    )
+    return BrokerServer(config, record=trace)
+
+
+def test_a_whole_last_line_without_its_newline_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(f"{GOOD}\n{GOOD}", encoding="utf-8")
+    _recording_broker(tmp_path, str(path)).close()
+    assert path.read_text(encoding="utf-8") == f"{GOOD}\n{GOOD}\n"
+
+
+def test_a_trace_can_be_a_pipe(tmp_path: Path) -> None:
+    """--record /dev/stdout | cat: trimming a cut line needs a seek, and a pipe has none
+    (the broker died at start with io.UnsupportedOperation)."""
+    read_end, write_end = os.pipe()
+    try:
+        _recording_broker(tmp_path, f"/proc/self/fd/{write_end}").close()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_two_brokers_cannot_record_to_one_trace_at_once(tmp_path: Path) -> None:
+    """Their lines would interleave, and one's start would trim the other's line in
+    progress as if it were cut."""
+    path = str(tmp_path / "trace.jsonl")
+    first = _recording_broker(tmp_path, path, "one")
+    try:
+        with pytest.raises(ConfigError, match="another broker is recording to it"):
+            _recording_broker(tmp_path, path, "two")
+    finally:
+        first.close()
+    _recording_broker(tmp_path, path, "three").close()  # free again once the first closed

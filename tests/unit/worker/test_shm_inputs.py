@@ -303,3 +303,81 @@ def test_a_batch_never_writes_over_its_own_outputs(reader: RegionReader) -> None
         assert in_ring == [True, True, False]
     finally:
         ring.close()
+
+
+# --------------------------------------------------------------------------- a failed batch
+
+
+class FailsTogether(SyntheticEngine):
+    """Runs one request at a time; a batch of more samples fails, as a batch holding one
+    bad index does."""
+
+    def run(self, inputs: Any) -> Any:
+        if inputs["x"].shape[0] > 1:
+            raise RuntimeError("a bad index somewhere in the batch")
+        return super().run(inputs)
+
+
+def test_a_failed_batch_run_again_one_by_one_puts_outputs_in_frames(
+    reader: RegionReader,
+) -> None:
+    """Run request by request, each reply's ring outputs were written without regard to
+    the earlier ones, still unsent: a later one could write over an earlier one."""
+    from carpool.worker.run import LazyRing
+    from carpool.worker.tensors import SHM_OUTPUT_MIN_BYTES
+
+    width = SHM_OUTPUT_MIN_BYTES // 4
+    engine = FailsTogether(item_shape=(width,))
+    rings = LazyRing(3 * SHM_OUTPUT_MIN_BYTES, 0o600)
+    try:
+        inputs = (TensorMeta("x", "float32", (-1, width)),)
+        items = tuple(BatchItem(i, 1, False, 0.0, None, True) for i in (1, 2, 3))
+        xs = [np.full((1, width), i, np.float32) for i in (1, 2, 3)]
+        header, out = run_job(
+            {"m": engine},
+            RunBatch(1, BatchMeta(1, "m", inputs, items), [x.tobytes() for x in xs]),
+            MonotonicClock(),
+            reader,
+            rings,
+        )
+        assert header["counts"] == [3, 3, 3]  # header, meta, y: each in its frames
+        assert header.get("untimed")  # nothing for the cost models to learn from
+        assert "samples" not in header
+        for i, x in enumerate(xs):
+            _, meta, payloads = reply_of(out[3 * i : 3 * i + 3])
+            assert "shm" not in meta
+            y = np.frombuffer(bytes(payloads[0]), np.float32).reshape(x.shape)
+            np.testing.assert_array_equal(y, synthetic_output(x))
+    finally:
+        rings.close()
+
+
+def test_the_one_request_left_after_unreadable_ones_keeps_their_answers(
+    reader: RegionReader,
+) -> None:
+    """The engine failing on the one request left sent FAILED for the whole batch: the
+    unreadable request lost its own (retryable) error."""
+    engine = SyntheticEngine(item_shape=(3,))
+    engine.run = lambda inputs: (_ for _ in ()).throw(RuntimeError("broken"))  # type: ignore[method-assign]
+    items = (
+        BatchItem(1, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)),
+        BatchItem(2, 1, False, 0.0),
+    )
+    header, out = run_job(
+        {"m": engine},
+        RunBatch(1, BatchMeta(9, "m", INPUTS, items), [b"", rows(2, 1).tobytes()]),
+        MonotonicClock(),
+        reader,
+    )
+    assert "error" not in header
+    first, second = reply_of(out[:2]), reply_of(out[2:])
+    assert (first[0], first[1]["id"], first[1]["code"]) == (
+        Command.ERROR,
+        1,
+        int(ErrorCode.UNAVAILABLE),
+    )
+    assert (second[0], second[1]["id"], second[1]["code"]) == (
+        Command.ERROR,
+        2,
+        int(ErrorCode.INTERNAL),
+    )

@@ -41,5 +41,6 @@ def test_warm_up_runs_the_smallest_shape_the_rules_allow(
 ) -> None:
     engine = Seen(item_shape=item, shape_rules={"x": rule} if rule else None)
     warm_up(engine)
-    # The warm-up run, then the per-sample check: a second sample alone, and both.
-    assert engine.shapes == [s for one in ran for s in (one, one, (2, *one[1:]))]
+    # The warm-up run, then the per-sample check: the same sample again, a second sample
+    # alone, and both together.
+    assert engine.shapes == [s for one in ran for s in (one, one, one, (2, *one[1:]))]
