@@ -110,9 +110,14 @@ class OnnxRuntimeEngine:
         outputs = tuple(_tensor(a, "output", path) for a in self._session.get_outputs())
         for t in inputs + outputs:
             if t.shape[0] != -1:
+                # (an output that is not per sample at all, a summary of the whole batch,
+                # cannot be fixed by relabelling: say so, rather than only point there)
+                what = "output" if t in outputs else "input"
                 raise ConfigError(
-                    f"{path}: tensor {t.name!r} has a fixed dim 0 ({t.shape[0]}); carpool needs "
-                    "a symbolic batch dim (see docs: make the batch dim dynamic)"
+                    f"{path}: {what} {t.name!r} has a fixed dim 0 ({t.shape[0]}); carpool "
+                    "needs a symbolic batch dim, one row per sample, and cannot serve an "
+                    "output that is not per sample "
+                    "(see docs: make the batch dim dynamic)"
                 )
         self.path = Path(path)
         self._output_names = [t.name for t in outputs]
