@@ -42,16 +42,25 @@ def warm_up(engine: Engine, name: str = "model") -> None:
     feeds = _sample(engine)
     if feeds is None:
         return
+    alone = _try_run(engine, feeds, name, "zeros")
+    if alone is not None:
+        check_per_sample(engine, name, feeds, alone)
+
+
+def _try_run(
+    engine: Engine, feeds: Mapping[str, Array], name: str, what: str
+) -> Mapping[str, Array] | None:
+    """A warm-up run on made-up inputs; None (logged) where the model refuses them."""
     try:
-        alone = engine.run(feeds)
+        return engine.run(feeds)
     except Exception as exc:
         logger.warning(
-            "model %s: the warm-up run on zeros failed, serving it without one: %s",
+            "model %s: the warm-up run on %s failed, its outputs are not checked per sample: %s",
             name,
+            what,
             _first_line(exc),
         )
-        return
-    check_per_sample(engine, name, feeds, alone)
+        return None
 
 
 def _sample(engine: Engine) -> dict[str, Array] | None:
@@ -102,10 +111,8 @@ def check_per_sample(
             )
     if engine.info.max_batch < 2:
         return
-    try:
-        again = engine.run(zeros)
-    except Exception as exc:
-        logger.warning("model %s: a second warm-up run failed: %s", name, _first_line(exc))
+    again = _try_run(engine, zeros, name, "zeros, again")
+    if again is None:
         return
     if not all(_close(np.asarray(again[k]), np.asarray(v)) for k, v in alone.items()):
         # (random sampling in the graph: no two runs agree, so rows cannot be compared)
@@ -115,14 +122,8 @@ def check_per_sample(
         )
         return
     ones = {k: np.ones_like(v) for k, v in zeros.items()}
-    try:
-        other = engine.run(ones)
-    except Exception as exc:
-        logger.warning(
-            "model %s: a warm-up run on ones failed, its outputs are not checked per sample: %s",
-            name,
-            _first_line(exc),
-        )
+    other = _try_run(engine, ones, name, "ones")
+    if other is None:
         return
     try:
         both = engine.run({k: np.concatenate([v, ones[k]]) for k, v in zeros.items()})
