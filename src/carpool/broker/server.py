@@ -89,7 +89,10 @@ def _open_trace(path: str) -> TextIO:
                 fcntl.flock(trace.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise ConfigError(f"trace {path}: another broker is recording to it") from None
-            _end_on_a_whole_line(path)
+            try:
+                _end_on_a_whole_line(path)
+            except OSError as exc:  # (a file this broker may write but not read)
+                logger.warning("trace %s: its last line was not checked: %s", path, exc)
     except BaseException:
         trace.close()
         raise
