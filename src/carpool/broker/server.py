@@ -89,6 +89,8 @@ def _open_trace(path: str) -> TextIO:
                 fcntl.flock(trace.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise ConfigError(f"trace {path}: another broker is recording to it") from None
+            except OSError as exc:  # (a file system without locks: NFS without lockd)
+                logger.warning("trace %s: not locked: %s", path, exc)
             try:
                 _end_on_a_whole_line(path)
             except OSError as exc:  # (a file this broker may write but not read)
@@ -245,6 +247,8 @@ class BrokerServer:
                 frontend.close()
             if self._own_context:
                 self.context.term()
+            if self._trace is not None:  # (and its lock: a retry must be able to record)
+                self._trace.close()
             raise ConfigError(f"cannot bind {endpoint!r}: {exc}") from None
         return sock
 

@@ -252,6 +252,7 @@ def run_job(
                 failed[alive.pop(bad.index)] = encode_error(error, simple=item.simple)
                 batch, frames = _without(batch, frames, bad.index)
             if not batch.items:
+                header["untimed"] = True  # the engine did not run: nothing to learn
                 end = clock.now()
                 counts, out = _merge(failed, alive, [], [])
                 header.update(end=end, counts=counts)

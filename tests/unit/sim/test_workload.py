@@ -383,3 +383,40 @@ def test_two_brokers_cannot_record_to_one_trace_at_once(tmp_path: Path) -> None:
     finally:
         first.close()
     _recording_broker(tmp_path, path, "three").close()  # free again once the first closed
+
+
+def test_a_broker_that_cannot_bind_lets_go_of_its_trace(tmp_path: Path) -> None:
+    """Its trace stayed open and locked until the half-built server was collected: a
+    retry within the except block (or with the exception kept) was refused as 'another
+    broker is recording to it'."""
+    import zmq
+
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.server import BrokerServer
+
+    path = str(tmp_path / "trace.jsonl")
+    taken = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        port = taken.bind_to_random_port("tcp://127.0.0.1")
+        config = BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"tcp://127.0.0.1:{port}")
+        with pytest.raises(ConfigError, match="cannot bind") as failed:
+            BrokerServer(config, record=path)
+        _recording_broker(tmp_path, path, "retry").close()
+        assert failed.value is not None  # (kept alive until here)
+    finally:
+        taken.close(linger=0)
+
+
+def test_a_trace_on_a_file_system_without_locks_is_recorded_unlocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """flock failing otherwise than 'held' (ENOLCK on NFS without lockd) was a traceback."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    _recording_broker(tmp_path, str(tmp_path / "trace.jsonl")).close()
+    assert "not locked" in caplog.text
