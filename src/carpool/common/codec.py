@@ -7,7 +7,7 @@ always packs with ``use_bin_type=True`` and unpacks with ``raw=False`` and
 
 from __future__ import annotations
 
-import threading
+from _thread import _local as thread_local  # threading.local, without the threading module
 from typing import Any
 
 import msgpack
@@ -71,7 +71,9 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
         raise ProtocolError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
 
 
-_packers = threading.local()
+# (Imported from _thread, where threading.local lives, so that importing the protocol
+# loads no threading machinery: the protocol package is held to pure imports.)
+_packers = thread_local()
 #: A Packer whose output was larger than this is not kept (its buffer would stay that big).
 _PACKER_KEEP_BYTES = 1 << 20
 

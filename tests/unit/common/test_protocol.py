@@ -1,4 +1,4 @@
-"""protocol.py: headers, the simple form, every decoder's validation, round trips."""
+"""carpool.common.protocol: headers, the simple form, every decoder's validation, round trips."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""shm.py: the client's arena (a real /dev/shm region) and the worker's reader."""
+"""carpool.common.shm: the client's arena (a real /dev/shm region) and the worker's reader."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""shm.py ShmRing and RegionReader.read_output: a worker's output ring (protocol §5.5),
+"""ShmRing and RegionReader.read_output: a worker's output ring (protocol §5.5),
 on real /dev/shm regions and real byte-range locks."""
 
 from __future__ import annotations

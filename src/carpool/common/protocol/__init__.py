@@ -1,0 +1,160 @@
+"""carpool.common.protocol: carpool wire protocol v1 — frame layout, commands, messages.
+
+Rules: pure. No sockets, no clock, no logging. Decoders validate everything that came off
+the network and raise :class:`ProtocolError` (never ``assert``). docs/protocol.md is the
+normative description; this docstring is the summary.
+
+Every message (after the ROUTER's routing-id frame, which only the broker sees) is::
+
+    frame 0   header   4 bytes: b"C" b"P" <version:u8> <command:u8>
+    frame 1   meta     msgpack map (at most 64 KiB)
+    frame 2.. tensors  raw little-endian C-order bytes, one frame per tensor, in meta order
+
+Client ↔ broker (client DEALER or REQ → broker frontend ROUTER)::
+
+    REQUEST  C→B  meta {id, model, timeout_ms?, inputs: [{name, dtype, shape}], priority?}
+    REPLY    B→C  meta {id, outputs: [{name, dtype, shape}], batch_size, queue_ms, compute_ms}
+    ERROR    B→C  meta {id, code, message, retry_after_ms?}                (no tensor frames)
+    STATS    C→B  meta {id?}       B→C meta {broker counters, id?}
+
+    The simple form: one msgpack frame (a map, so its first byte is never b"C"):
+    {v: 1, id, model, timeout_ms, inputs: [{name, dtype, shape, data: bin}]}; the reply comes
+    back in the same form: {v: 1, id, outputs: [{..., data}]} or {v: 1, id, error: {...}}.
+
+Worker ↔ broker (worker DEALER → broker backend ROUTER)::
+
+    READY      W→B  meta {name, slots, heartbeat_ms,
+                          models: [{name, inputs, outputs, max_batch, preferred_batch}]}
+    HEARTBEAT  W↔B  meta {rho?}
+    BATCH      B→W  meta {batch, model, inputs: [{name, dtype, shape: [-1, ...]}],
+                          requests: [{id, n, simple, queue_ms}]}
+                    frames: request-major, one frame per (request, input)
+    RESULT     W→B  meta {batch, rho, compute_ms, frames: [k_i]} then, per request, the k_i
+                    frames of the finished client reply (REPLY or ERROR, or one simple frame)
+    FAILED     W→B  meta {batch, code, message, rho}
+    DISCONNECT W↔B  meta {reason}
+
+Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (tensor
+descriptors and frame sizes), :mod:`.refs` (shared-memory references), :mod:`.client_messages`
+(REQUEST, REPLY, ERROR, the simple form), :mod:`.worker_messages` (READY, BATCH, RESULT,
+FAILED). The package imports nothing that does I/O (no sockets, files, locks or threads);
+a test holds it to that.
+"""
+
+from carpool.common.protocol.client_messages import (
+    ErrorReply,
+    ReplyMeta,
+    Submit,
+    decode_simple_request,
+    decode_submit,
+    encode_error,
+    encode_reply,
+    encode_request,
+    encode_simple_request,
+    request_id_of,
+)
+from carpool.common.protocol.frames import (
+    HEADER_BYTES,
+    MAGIC,
+    MAX_EMPTY_SPAN_BYTES,
+    MAX_MODELS,
+    MAX_NAME_CHARS,
+    MAX_RANK,
+    MAX_TENSORS,
+    MAX_TIMEOUT_MS,
+    PRIORITIES,
+    PROTOCOL_VERSION,
+    Command,
+    Frame,
+    Priority,
+    VersionMismatch,
+    decode_meta,
+    encode,
+    header,
+    is_simple_form,
+    parse_header,
+    view,
+)
+from carpool.common.protocol.refs import (
+    MAX_REF_BYTES,
+    OutputRef,
+    ShmRef,
+    output_ref_wire,
+    parse_batch_refs,
+    parse_output_ref,
+    parse_ref,
+    ref_wire,
+    shm_refs,
+    shm_wire,
+    valid_region,
+)
+from carpool.common.protocol.tensors import (
+    Signature,
+    TensorMeta,
+    check_frame_sizes,
+    empty_span_bytes,
+    tensor_signature,
+)
+from carpool.common.protocol.worker_messages import (
+    BatchItem,
+    BatchMeta,
+    FailedMeta,
+    ModelSpec,
+    Ready,
+    ResultMeta,
+)
+
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "MAX_EMPTY_SPAN_BYTES",
+    "MAX_MODELS",
+    "MAX_NAME_CHARS",
+    "MAX_RANK",
+    "MAX_REF_BYTES",
+    "MAX_TENSORS",
+    "MAX_TIMEOUT_MS",
+    "PRIORITIES",
+    "PROTOCOL_VERSION",
+    "BatchItem",
+    "BatchMeta",
+    "Command",
+    "ErrorReply",
+    "FailedMeta",
+    "Frame",
+    "ModelSpec",
+    "OutputRef",
+    "Priority",
+    "Ready",
+    "ReplyMeta",
+    "ResultMeta",
+    "ShmRef",
+    "Signature",
+    "Submit",
+    "TensorMeta",
+    "VersionMismatch",
+    "check_frame_sizes",
+    "decode_meta",
+    "decode_simple_request",
+    "decode_submit",
+    "empty_span_bytes",
+    "encode",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+    "encode_simple_request",
+    "header",
+    "is_simple_form",
+    "output_ref_wire",
+    "parse_batch_refs",
+    "parse_header",
+    "parse_output_ref",
+    "parse_ref",
+    "ref_wire",
+    "request_id_of",
+    "shm_refs",
+    "shm_wire",
+    "tensor_signature",
+    "valid_region",
+    "view",
+]

@@ -1,0 +1,260 @@
+"""client_messages.py: what clients and the broker say to each other — pure.
+
+REQUEST (:class:`Submit`), REPLY (:class:`ReplyMeta`) and ERROR (:class:`ErrorReply`)
+metas, their encoders and decoders, and the single-frame simple form of a request and
+its reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from carpool.common import codec
+from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.protocol.frames import (
+    MAX_TIMEOUT_MS,
+    PRIORITIES,
+    PROTOCOL_VERSION,
+    Command,
+    Priority,
+    VersionMismatch,
+    header,
+    optional_number,
+    require_map,
+    require_name,
+)
+from carpool.common.protocol.refs import (
+    OutputRef,
+    ShmRef,
+    output_ref_wire,
+    parse_output_ref,
+    ref_wire,
+    shm_refs,
+)
+from carpool.common.protocol.tensors import TensorMeta, check_frame_sizes, tensor_list
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A client's inference request (REQUEST meta)."""
+
+    request_id: int
+    model: str
+    # Relative budget from the broker's receipt; None lets the broker apply its default.
+    timeout_ms: int | None
+    inputs: tuple[TensorMeta, ...]
+    priority: Priority = Priority.INTERACTIVE
+    # Per input, in `inputs` order: where its bytes are in shared memory (§5.4), or None
+    # for an input sent in its frame; None when every input is sent in its frame.
+    shm: tuple[ShmRef | None, ...] | None = None
+    # The client can read outputs from a worker's ring on its host (§5.5).
+    shm_outputs: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        inputs = [t.to_wire() for t in self.inputs]
+        if self.shm is not None:
+            for t, ref in zip(inputs, self.shm, strict=True):
+                if ref is not None:
+                    t["shm"] = ref_wire(ref)
+        meta: dict[str, Any] = {
+            "id": self.request_id,
+            "model": self.model,
+            "inputs": inputs,
+        }
+        if self.timeout_ms is not None:
+            meta["timeout_ms"] = self.timeout_ms
+        if self.priority != Priority.INTERACTIVE:
+            meta["priority"] = int(self.priority)
+        if self.shm_outputs:
+            meta["shm_outputs"] = True
+        return meta
+
+
+def request_id_of(meta: Any) -> int | None:
+    """Best-effort request id of a (possibly invalid) request meta, for error replies."""
+    if isinstance(meta, dict):
+        rid = meta.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**64:
+            return rid
+    return None
+
+
+def decode_submit(meta: dict[str, Any]) -> Submit:
+    """Validate a REQUEST meta (or a simple-form map) into a :class:`Submit`."""
+    rid = request_id_of(meta)
+    if rid is None:
+        raise ProtocolError("request: field 'id' missing or not an unsigned 64-bit int")
+    model = require_name(meta.get("model"), "request model")
+    timeout = meta.get("timeout_ms")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int)
+        or not 0 < timeout <= MAX_TIMEOUT_MS
+    ):
+        raise ProtocolError(f"request: timeout_ms must be an int in 1..{MAX_TIMEOUT_MS}")
+    prio = meta.get("priority", 0)
+    if type(prio) is not int or prio not in (0, 1):
+        raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
+    raw = meta.get("inputs")
+    inputs = tensor_list(raw, "request inputs")
+    assert isinstance(raw, list)  # _tensor_list checked it
+    shm_outputs = meta.get("shm_outputs", False)
+    if type(shm_outputs) is not bool:
+        raise ProtocolError("request: shm_outputs must be true or false")
+    return Submit(rid, model, timeout, inputs, PRIORITIES[prio], shm_refs(raw), shm_outputs)
+
+
+def encode_request(submit: Submit, payloads: Sequence[object]) -> list[Any]:
+    """Frames of a REQUEST (for a DEALER client)."""
+    return [header(Command.REQUEST), codec.pack(submit.to_wire()), *payloads]
+
+
+def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes]]:
+    """Decode a single-frame simple-form request into a Submit and its payloads.
+
+    The inline ``data`` fields are copied out of msgpack; this form is meant for small
+    tensors from small devices. Large tensors belong in the framed form.
+    """
+    obj = require_map(codec.unpack(frame, max_bytes=codec.MAX_SIMPLE_BYTES), "simple request")
+    try:
+        version = obj.get("v")
+        if type(version) is not int:
+            raise ProtocolError("simple request: field 'v' (protocol version) missing")
+        if version != PROTOCOL_VERSION:
+            raise VersionMismatch(version)
+        submit = decode_submit(obj)
+        if submit.shm is not None or submit.shm_outputs:
+            raise ProtocolError("simple request: shared memory needs the framed form")
+        payloads: list[bytes] = []
+        for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
+            data = raw.get("data")
+            if not isinstance(data, bytes):
+                raise ProtocolError(f"simple request: tensor {t.name!r} has no bin 'data' field")
+            payloads.append(data)
+        check_frame_sizes(submit.inputs, payloads)
+    except ProtocolError as exc:
+        exc.meta = obj
+        raise
+    return submit, payloads
+
+
+def encode_simple_request(submit: Submit, payloads: Sequence[bytes]) -> bytes:
+    """The one frame of a simple-form request."""
+    meta = submit.to_wire()
+    meta["v"] = PROTOCOL_VERSION
+    for t, data in zip(meta["inputs"], payloads, strict=True):
+        t["data"] = bytes(data)
+    return codec.pack(meta)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyMeta:
+    """REPLY meta: the outputs of one request, plus where its time went."""
+
+    request_id: int
+    outputs: tuple[TensorMeta, ...]
+    batch_size: int = 0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    # Per output: where its bytes are in a worker's ring (§5.5), or None for an output
+    # in its frame; None when all are in frames.
+    shm: tuple[OutputRef | None, ...] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        outputs = [t.to_wire() for t in self.outputs]
+        if self.shm is not None:
+            for t, ref in zip(outputs, self.shm, strict=True):
+                if ref is not None:
+                    t["shm"] = output_ref_wire(ref)
+        return {
+            "id": self.request_id,
+            "outputs": outputs,
+            "batch_size": self.batch_size,
+            "queue_ms": round(self.queue_ms, 3),
+            "compute_ms": round(self.compute_ms, 3),
+        }
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> ReplyMeta:
+        rid = request_id_of(meta)
+        if rid is None:
+            raise ProtocolError("reply: field 'id' missing")
+        raw = meta.get("outputs")
+        outputs = tensor_list(raw, "reply outputs", allow_empty=True)
+        assert isinstance(raw, list)  # _tensor_list checked it
+        refs: list[OutputRef | None] | None = None
+        for i, t in enumerate(raw):
+            obj = t.get("shm")
+            if obj is not None:
+                if refs is None:
+                    refs = [None] * len(raw)
+                refs[i] = parse_output_ref(obj, f"reply tensor {t.get('name')!r}")
+        batch_size = meta.get("batch_size", 0)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise ProtocolError("reply: batch_size must be an int")
+        return cls(
+            rid,
+            outputs,
+            batch_size,
+            optional_number(meta, "queue_ms"),
+            optional_number(meta, "compute_ms"),
+            None if refs is None else tuple(refs),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """ERROR meta: why a request (or an unreadable message) failed."""
+
+    request_id: int | None
+    code: ErrorCode
+    message: str
+    retry_after_ms: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.request_id,
+            "code": int(self.code),
+            "message": self.message,
+        }
+        if self.retry_after_ms is not None:
+            meta["retry_after_ms"] = self.retry_after_ms
+        return meta
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> ErrorReply:
+        code = meta.get("code")
+        if isinstance(code, bool) or not isinstance(code, int):
+            raise ProtocolError("error: field 'code' missing")
+        message = meta.get("message", "")
+        retry = meta.get("retry_after_ms")
+        if retry is not None and (isinstance(retry, bool) or not isinstance(retry, int)):
+            retry = None
+        try:
+            ecode = ErrorCode(code)
+        except ValueError:
+            ecode = ErrorCode.INTERNAL
+            message = f"unknown error code {code}: {message}"
+        return cls(request_id_of(meta), ecode, str(message), retry)
+
+
+def encode_error(error: ErrorReply, *, simple: bool = False) -> list[bytes]:
+    """Frames of an error reply, framed or in the simple form."""
+    if simple:
+        wire = error.to_wire()
+        rid = wire.pop("id")
+        return [codec.pack({"v": PROTOCOL_VERSION, "id": rid, "error": wire})]
+    return [header(Command.ERROR), codec.pack(error.to_wire())]
+
+
+def encode_reply(reply: ReplyMeta, payloads: Sequence[object], *, simple: bool) -> list[Any]:
+    """Frames of a successful reply, framed or in the simple form (payloads inline)."""
+    if simple:
+        wire = reply.to_wire()
+        wire["v"] = PROTOCOL_VERSION
+        for t, data in zip(wire["outputs"], payloads, strict=True):
+            t["data"] = bytes(memoryview(data))  # type: ignore[arg-type]
+        return [codec.pack(wire)]
+    return [header(Command.REPLY), codec.pack(reply.to_wire()), *payloads]
