@@ -1,10 +1,14 @@
 """README.md and docs/ say what the code does: their links stay inside the repository, the
-documented defaults are the code's, and error messages point to sections that exist."""
+documented defaults, snippets and benchmark flags are the code's, error messages point to
+sections that exist, every figure shown exists, and every benchmark table names the commit
+it measured."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,13 +27,13 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_docs_point_at_nothing_outside_the_repository() -> None:
-    """README linked ../shared/STYLE.md, which a clone of the repository does not have."""
+    """A clone of the repository has nothing above its root for a doc to point at."""
     for doc in DOCS:
         assert "../" not in doc.read_text(encoding="utf-8"), doc.name
 
 
 def test_the_fixed_batch_dim_error_points_to_a_readme_section() -> None:
-    """The error said "see docs: make the batch dim dynamic" and no doc had such a part."""
+    """The fixed-dim-0 refusal says "see docs: <heading>", and README.md has that heading."""
     source = Path(ort.__file__).read_text(encoding="utf-8")
     (pointer,) = re.findall(r"see docs: ([^)\"]+)", source)
     headings = [
@@ -41,7 +45,7 @@ def test_the_fixed_batch_dim_error_points_to_a_readme_section() -> None:
 
 
 def test_the_batching_configuration_shown_is_the_default() -> None:
-    """docs/batching.md showed max_batch = 64 where the default is 8."""
+    """The [batching] block docs/batching.md shows is BatchingConfig's defaults, key for key."""
     text = (ROOT / "docs" / "batching.md").read_text(encoding="utf-8")
     (block,) = re.findall(r"```toml\n(\[batching\].*?)```", text, re.S)
     shown = tomllib.loads(block)["batching"]
@@ -113,10 +117,10 @@ def test_the_readmes_client_examples_run_against_a_fleet() -> None:
 def test_the_readmes_batch_dim_snippet_makes_a_fixed_batch_model_servable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The snippet relabelled inputs and outputs only: a file that records intermediate
-    shapes (torch.onnx.export, onnx's shape inference and onnxsim write them) kept batch 1
-    there, ONNX Runtime inferred a fixed dim 0 for the output from them, and the worker
-    refused the relabelled file with the same message pointing back to the snippet."""
+    """A file that records intermediate shapes with batch 1 (torch.onnx.export, onnx's shape
+    inference and onnxsim write them) makes ONNX Runtime infer a fixed dim 0 for the output
+    even with inputs and outputs relabelled; the snippet drops those shapes too, and the
+    worker serves the file it writes."""
     onnx = pytest.importorskip("onnx")
     import numpy as np
 
@@ -145,3 +149,106 @@ def test_the_readmes_batch_dim_snippet_makes_a_fixed_batch_model_servable(
     warm_up(engine, "my")
     x = np.array([[1, -2, 3], [-4, 5, -6]], np.float32)
     np.testing.assert_array_equal(engine.run({"x": x})["y"], -np.maximum(x, 0))
+
+
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+BENCH = ROOT / "bench"
+
+
+def test_every_figure_shown_exists_and_every_figure_is_shown() -> None:
+    shown: set[Path] = set()
+    for doc in DOCS:
+        for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", doc.read_text(encoding="utf-8")):
+            path = (doc.parent / target).resolve()
+            assert path.is_file(), f"{doc.name} shows {target}, which does not exist"
+            shown.add(path)
+    for image in sorted((ROOT / "docs" / "img").iterdir()):
+        assert image.resolve() in shown, f"no doc shows {image.name}"
+
+
+def test_the_docs_are_documentation_not_a_diary() -> None:
+    """The docs say "session" only of ONNX Runtime's inference sessions or of network
+    sessions, and never "review": history lives in git."""
+    allowed = re.compile(r"inference ?session|sessionoptions|network session", re.I)
+    for doc in DOCS:
+        text = allowed.sub("", doc.read_text(encoding="utf-8"))
+        for word in ("session", "review"):
+            assert word not in text.lower(), f"{doc.name} says {word!r}"
+
+
+def _sections(text: str) -> dict[str, str]:
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_each_benchmark_result_names_the_commit_it_measured() -> None:
+    """Every results table of docs/benchmarks.md says which commit's code it measured, and
+    each summary row names the commits of its figures."""
+    text = BENCHMARKS.read_text(encoding="utf-8")
+    sections = _sections(text)
+    results = [name for name, body in sections.items() if "### Results" in body]
+    assert len(results) >= 6, sorted(sections)
+    commit = re.compile(r"commit\s+[0-9a-f]{7,40}\b", re.I)
+    for name in results:
+        blocks = sections[name].split("### Results", 1)[1].split("\n\n")
+        tables = [i for i, block in enumerate(blocks) if block.lstrip().startswith("|")]
+        assert tables, f"{name}: no results table"
+        for i in tables:
+            caption = blocks[i - 1] + blocks[i].lstrip().split("\n", 1)[0]
+            assert commit.search(caption), f"{name}: a table names no commit: {blocks[i][:60]}"
+    rows = [line for line in sections["Summary"].splitlines() if line.startswith("| ")][2:]
+    assert len(rows) >= 8
+    for row in rows:
+        cell = row.rstrip(" |").rsplit("|", 1)[1]
+        assert re.fullmatch(r"\s*[0-9a-f]{7,40}(, [0-9a-f]{7,40})*\s*", cell), row
+
+
+def _named_commits() -> set[str]:
+    """The abbreviated hashes the docs name: 7 hex digits, both letters and digits."""
+    words = {w for doc in DOCS for w in re.findall(r"\b[0-9a-f]{7}\b", doc.read_text("utf-8"))}
+    return {w for w in words if re.search(r"[0-9]", w) and re.search(r"[a-f]", w)}
+
+
+def test_the_commits_the_benchmarks_name_exist() -> None:
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    shallow = subprocess.run(
+        [git, "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("a shallow or unreadable clone does not hold the history")
+    commits = _named_commits()
+    assert commits
+    for commit in sorted(commits):
+        found = subprocess.run(
+            [git, "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
+            capture_output=True,
+            check=False,
+        )
+        assert found.returncode == 0, f"the docs name {commit}, not a commit here"
+
+
+def test_the_benchmark_scripts_and_flags_documented_exist() -> None:
+    """Each bench/*.py the docs name exists; each benchmark script has its place in
+    docs/benchmarks.md; each flag in its rerun table is one the script (or the parser all
+    of them share, bench/common.py) defines."""
+    text = BENCHMARKS.read_text(encoding="utf-8")
+    for doc in DOCS:
+        for name in re.findall(r"bench/(\w+\.py)", doc.read_text(encoding="utf-8")):
+            assert (BENCH / name).is_file(), f"{doc.name} names bench/{name}"
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    (suite,) = re.findall(r"for s in ([\w ]+); do", makefile)
+    for script in [*suite.split(), "hot_path"]:
+        assert f"bench/{script}.py" in text, script
+    shared = (BENCH / "common.py").read_text(encoding="utf-8")
+    table = text.split("| script | flags |", 1)[1].split("\n\n", 1)[0]
+    for row in table.splitlines()[2:]:
+        first = row.split("|")[1]
+        scripts = re.findall(r"`(\w+\.py)`", first)
+        source = shared if "every script" in first else (BENCH / scripts[0]).read_text("utf-8")
+        for flag in re.findall(r"`(--[a-z][a-z-]*)", row):
+            assert f'"{flag}"' in source, f"{first.strip()}: {flag}"
