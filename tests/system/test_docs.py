@@ -252,3 +252,29 @@ def test_the_benchmark_scripts_and_flags_documented_exist() -> None:
         source = shared if "every script" in first else (BENCH / scripts[0]).read_text("utf-8")
         for flag in re.findall(r"`(--[a-z][a-z-]*)", row):
             assert f'"{flag}"' in source, f"{first.strip()}: {flag}"
+
+
+def test_the_modules_and_paths_the_docs_name_exist() -> None:
+    """Each dotted carpool name the docs give imports (a module, or an attribute of one),
+    and each src/carpool path (with {a,b} alternatives) is a file or folder."""
+    import importlib
+
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for name in set(re.findall(r"\bcarpool(?:\.[a-z_]+)+", text)):
+            module, attribute = name, ""
+            while True:
+                try:
+                    found: object = importlib.import_module(module)
+                    break
+                except ModuleNotFoundError:
+                    module, _, tail = module.rpartition(".")
+                    attribute = f"{tail}.{attribute}" if attribute else tail
+            for part in filter(None, attribute.split(".")):
+                assert hasattr(found, part), f"{doc.name} names {name}"
+                found = getattr(found, part)
+        for path in set(re.findall(r"src/carpool/[\w/{},.]*\w/?", text)):
+            head, _, rest = path.partition("{")
+            choices, _, tail = rest.partition("}")
+            for choice in choices.split(",") if rest else [""]:
+                assert (ROOT / f"{head}{choice}{tail}").exists(), f"{doc.name} names {path}"
