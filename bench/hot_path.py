@@ -39,15 +39,16 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   (main thread and whole process), the broker's batch-size distribution, and with
   ``--py-spy`` a ``py-spy record -f raw`` of both summarized as self / inclusive shares.
 
-Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1]
-      .venv/bin/python bench/hot_path.py embedded [--profile] [--client] [--burst K]
-      .venv/bin/python bench/hot_path.py worker [--profile] [--burst K]
-      .venv/bin/python bench/hot_path.py client [--profile] [--burst K]
+Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1] [--json]
+      .venv/bin/python bench/hot_path.py embedded [--profile] [--client] [--burst K] [--json]
+      .venv/bin/python bench/hot_path.py worker [--profile] [--burst K] [--json]
+      .venv/bin/python bench/hot_path.py client [--profile] [--burst K] [--json]
       .venv/bin/python bench/hot_path.py hops
       .venv/bin/python bench/hot_path.py wake
       .venv/bin/python bench/hot_path.py spy [--in-flight 8] [--seconds 6] [--py-spy]
           [--embedded]   (the null-engine worker inside the broker's process)
           [--client]     (the carpool Client drives it, not a raw DEALER)
+``--json`` prints the figures as one JSON object (``bench/compare_revs.py`` reads it).
 py-spy is not a dependency: ``.venv/bin/pip install py-spy`` first (it needs ptrace).
 """
 
@@ -150,13 +151,19 @@ def core_main(args: argparse.Namespace) -> int:
         profiler.runcall(core_run, int(k), policy, 10_000)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         return 0
-    print("BrokerCore alone, deferred mode: us per request (mean batch size)")
+    rows = []
+    if not args.json:
+        print("BrokerCore alone, deferred mode: us per request (mean batch size)")
     for policy in ("carpool", "fixed"):
         cells = []
         for k in (1, 4, 8):
             us, mean = core_run(k, policy)
+            rows.append({"policy": policy, "burst": k, "us_per_request": us, "mean_batch": mean})
             cells.append(f"burst {k}: {us:6.1f} us ({mean:.1f})")
-        print(f"{policy:8s} " + "   ".join(cells))
+        if not args.json:
+            print(f"{policy:8s} " + "   ".join(cells))
+    if args.json:  # one line, for bench/compare_revs.py
+        print(json.dumps({"mode": "core", "rows": rows}))
     return 0
 
 
@@ -207,20 +214,24 @@ def embedded_run(n: int, use_client: bool, chunk: int = 500, burst: int = 1) -> 
     return chunks
 
 
-def floor_main(run: Callable[[int], list[float]], what: str, unit: str, profile: bool) -> int:
-    """Warm ``run`` up, then cProfile it or print its floor and median per ``unit``."""
+def floor_main(
+    run: Callable[[int], list[float]], what: str, unit: str, args: argparse.Namespace
+) -> int:
+    """Warm ``run`` up, then cProfile it or print its floor and median per ``unit``
+    (``--json``: as one JSON object)."""
     quiet_logs()
     run(2000)  # warm-up
-    if profile:
+    if args.profile:
         profiler = cProfile.Profile()
         profiler.runcall(run, 10_000)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
         return 0
     chunks = run(20_000)
-    print(
-        f"{what}: floor {min(chunks):.1f} us per {unit}, "
-        f"median {sorted(chunks)[len(chunks) // 2]:.1f} (chunks of 500)"
-    )
+    floor, mid = min(chunks), sorted(chunks)[len(chunks) // 2]
+    if args.json:  # one line, for bench/compare_revs.py
+        print(json.dumps({"mode": args.mode, "unit": unit, "floor_us": floor, "median_us": mid}))
+    else:
+        print(f"{what}: floor {floor:.1f} us per {unit}, median {mid:.1f} (chunks of 500)")
     return 0
 
 
@@ -230,7 +241,7 @@ def embedded_main(args: argparse.Namespace) -> int:
         lambda n: embedded_run(n, args.client, burst=args.burst),
         f"embedded broker stepped in-process, {who}, bursts of {args.burst}",
         "request",
-        args.profile,
+        args,
     )
 
 
@@ -282,7 +293,7 @@ def worker_main(args: argparse.Namespace) -> int:
         lambda n: worker_run(n, burst=args.burst),
         f"worker stepped in-process under a ROUTER, batches of {args.burst}",
         "batch",
-        args.profile,
+        args,
     )
 
 
@@ -329,7 +340,7 @@ def client_main(args: argparse.Namespace) -> int:
         lambda n: client_run(n, burst=args.burst),
         f"Client in-process under a ROUTER, bursts of {args.burst}",
         "request",
-        args.profile,
+        args,
     )
 
 
@@ -560,15 +571,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="mode", required=True)
     c = sub.add_parser("core", help="BrokerCore alone, in this process")
     c.add_argument("--profile", metavar="POLICY:K", help="cProfile one setting, e.g. carpool:1")
+    c.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     e = sub.add_parser("embedded", help="an embedded broker stepped in this process")
     e.add_argument("--profile", action="store_true", help="cProfile it")
+    e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     e.add_argument("--client", action="store_true", help="the Client, not a raw DEALER")
     e.add_argument("--burst", type=int, default=1, help="requests sent at a time (1)")
     w = sub.add_parser("worker", help="a worker stepped in this process under a ROUTER")
     w.add_argument("--profile", action="store_true", help="cProfile it")
+    w.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     w.add_argument("--burst", type=int, default=1, help="requests per batch (1)")
     cl = sub.add_parser("client", help="the Client in this process under a ROUTER")
     cl.add_argument("--profile", action="store_true", help="cProfile it")
+    cl.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     cl.add_argument("--burst", type=int, default=1, help="requests sent at a time (1)")
     sub.add_parser("hops", help="round trip over a pipe, a Link and pyzmq ipc")
     sub.add_parser("wake", help="the price of waking a process on an idle CPU")
