@@ -23,29 +23,20 @@ from typing import Any
 
 import zmq
 
-from carpool.broker.config import POLICIES, BatchingConfig
+from carpool.broker.config import BatchingConfig
+from carpool.commandline import add_batching_flags, add_burst_flags, add_command
 from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
 from carpool.loadgen import BenchReport, run, synthetic_inputs
 from carpool.sim import workload
-from carpool.sim.commands import finite, write_json
+from carpool.sim.commands import add_engine_flags, finite, write_json
 from carpool.sim.workload import Arrival
 
 # ---------------------------------------------------------------------- command line
 
 
 def add_parsers(sub: Any) -> None:
-    b = sub.add_parser(
-        "bench",
-        help="load a live fleet open loop and report latency, goodput and batch sizes",
-        description="Load a live fleet open loop: requests follow a schedule (--load) or a "
-        "recorded trace (--trace) and are sent at their times whatever the replies do, so "
-        "slow replies cannot hide latency. The warm-up is sent but not counted. The report "
-        "gives throughput, goodput (answers within the deadline per second), latency "
-        "percentiles, errors by type, the batch sizes the broker formed, whether goodput "
-        "held steady across the window, and how late the generator itself sent.",
-        epilog=_EXIT_STATUS,
-    )
+    b = add_command(sub, "bench", run_bench, epilog=_EXIT_STATUS)
     b.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
     b.add_argument("--model", default="synthetic", help="model to call")
     b.add_argument("--shape", default="1,16", help="request shape, dim 0 = samples")
@@ -55,9 +46,7 @@ def add_parsers(sub: Any) -> None:
         "--load", choices=("poisson", "constant", "bursts"), default="poisson", help="schedule"
     )
     b.add_argument("--rate", type=float, default=200.0, help="requests per second")
-    b.add_argument("--burst-rps", type=float, default=1000.0, help="bursts: rate in a burst")
-    b.add_argument("--period-s", type=float, default=2.0, help="bursts: one per period")
-    b.add_argument("--burst-s", type=float, default=0.3, help="bursts: burst length")
+    add_burst_flags(b, burst_rps=1000.0, period="bursts: one per period")
     b.add_argument("--duration-s", type=float, default=10.0, help="measurement window")
     b.add_argument("--warmup-s", type=float, default=2.0, help="sent, not counted")
     b.add_argument("--timeout-ms", type=int, default=1000, help="each request's deadline")
@@ -72,53 +61,19 @@ def add_parsers(sub: Any) -> None:
         default=0,
         help="send inputs (and take outputs) of 64 KiB+ through /dev/shm: a fleet on this host",
     )
-    b.set_defaults(func=run_bench)
 
-    r = sub.add_parser(
-        "replay",
-        help="replay a recorded trace on a live fleet, or in the simulator",
-        description="Send a recorded trace (carpool record) to a live broker at its recorded "
-        "times, or (--simulate) feed it to a simulated broker, with the batching flags of "
-        "carpool broker, and workers of cost --alpha-ms + --beta-ms x B.",
-        epilog=_EXIT_STATUS,
-    )
+    r = add_command(sub, "replay", run_replay, epilog=_EXIT_STATUS)
     r.add_argument("--trace", required=True, help="JSON-lines trace")
     r.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
     r.add_argument("--input-name", default="x", help="input tensor name")
     r.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
     r.add_argument("--simulate", action="store_true", help="replay in the simulator instead")
-    r.add_argument("--alpha-ms", type=float, default=5.0, help="simulated fixed cost")
-    r.add_argument("--beta-ms", type=float, default=0.5, help="simulated per-sample cost")
-    r.add_argument("--workers", type=int, default=1, help="simulated workers")
-    r.add_argument(
-        "--engine-max-batch",
-        type=int,
-        help="simulated engines' batch limit (default: what the trace recorded, else 64)",
-    )
-    defaults = BatchingConfig()
+    add_engine_flags(r, fleet=False)
     g = r.add_argument_group(
         "simulated broker", "as carpool broker's flags; set them as the recording broker had"
     )
-    g.add_argument(
-        "--max-batch",
-        type=int,
-        default=defaults.max_batch,
-        help="B_max: samples per batch at most (default %(default)s)",
-    )
-    g.add_argument(
-        "--max-wait-ms",
-        type=float,
-        default=defaults.max_wait_s * 1000,
-        help="T_max: longest wait of the oldest request (default %(default)g)",
-    )
-    g.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=defaults.policy,
-        help="batching policy (default %(default)s)",
-    )
+    add_batching_flags(g, BatchingConfig())
     r.add_argument("--json", help="write the report as JSON")
-    r.set_defaults(func=run_replay)
 
 
 _EXIT_STATUS = (
@@ -289,6 +244,15 @@ def _errors(counts: Mapping[str, int]) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """load a live fleet open loop and report latency, goodput and batch sizes
+
+    Load a live fleet open loop: requests follow a schedule (--load) or a recorded trace
+    (--trace) and are sent at their times whatever the replies do, so slow replies cannot
+    hide latency. The warm-up is sent but not counted. The report gives throughput,
+    goodput (answers within the deadline per second), latency percentiles, errors by
+    type, the batch sizes the broker formed, whether goodput held steady across the
+    window, and how late the generator itself sent.
+    """
     _end_on_sigterm()
     items = _arrivals(args)
     return _live(
@@ -319,6 +283,12 @@ def _check_replay(args: argparse.Namespace) -> BatchingConfig:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    """replay a recorded trace on a live fleet, or in the simulator
+
+    Send a recorded trace (carpool record) to a live broker at its recorded times, or
+    (--simulate) feed it to a simulated broker, with the batching flags of carpool broker,
+    and workers of cost --alpha-ms + --beta-ms x B.
+    """
     _end_on_sigterm()
     batching = _check_replay(args)  # a typo in a flag for the simulator fails live runs too
     if not args.simulate:

@@ -19,6 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from carpool import __version__
+from carpool.commandline import add_batching_flags, add_command
 from carpool.common.config import from_mapping, load_toml
 from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
@@ -85,6 +86,7 @@ def _check_writable(path: str, what: str) -> None:
 
 
 def _broker(args: argparse.Namespace) -> int:
+    """run a broker"""
     from carpool.broker.config import BrokerConfig
     from carpool.broker.server import BrokerServer
 
@@ -124,6 +126,16 @@ def _broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record(args: argparse.Namespace) -> int:
+    """run a broker that records its arrivals as a trace (for tune and replay)
+
+    A broker that appends every arriving request (time, model, shape, timeout, priority,
+    the engines' batch limit) to a JSON-lines trace, for carpool tune and carpool replay;
+    those refused at the door for overload are recorded too (the load offered).
+    """
+    return _broker(args)
+
+
 def _embedded_workers(args: argparse.Namespace) -> list[Any]:
     """The worker to run inside the broker's process (``--embed-*``), if any."""
     from carpool.worker.config import ModelConfig, WorkerConfig
@@ -152,6 +164,14 @@ def _embedded_workers(args: argparse.Namespace) -> list[Any]:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    """run a worker
+
+    A worker: runs the batches the broker sends it. Settings come from --config, then
+    CARPOOL_BROKER, then these flags. The models it serves are those of --model and
+    --synthetic together, or, when neither is given, the [[models]] of --config (else the
+    catalogue model orientation). --max-batch and --threads apply to every model served,
+    including those of --config.
+    """
     config = worker_config(args)
     tune_allocator()
     with config.server() as server, _stopped_by_signals(server.stop, server.signal_fd):
@@ -202,17 +222,23 @@ def _limited(model: ModelConfig, limits: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------------- demo
 
 
+#: ``carpool demo``'s flags, by the keyword argument of ``run_demo`` each one sets:
+#: (type, default, help).
+_DEMO_FLAGS: dict[str, tuple[type, float, str]] = {
+    "duration_s": (float, 10.0, "how long the cameras send"),
+    "cameras": (int, 4, "cameras sending in step"),
+    "fps": (float, 10.0, "frames per second per camera"),
+    "workers": (int, 2, "CPU workers to start"),
+    "max_batch": (int, 8, "broker B_max"),
+    "max_wait_ms": (float, 5.0, "broker T_max"),
+}
+
+
 def _demo(args: argparse.Namespace) -> int:
+    """run a broker, two CPU workers and a camera client"""
     from carpool.demo import run_demo
 
-    return run_demo(
-        duration_s=args.duration_s,
-        cameras=args.cameras,
-        fps=args.fps,
-        workers=args.workers,
-        max_batch=args.max_batch,
-        max_wait_ms=args.max_wait_ms,
-    )
+    return run_demo(**{name: getattr(args, name) for name in _DEMO_FLAGS})
 
 
 # ---------------------------------------------------------------------- parser
@@ -227,13 +253,7 @@ def _broker_args(b: argparse.ArgumentParser) -> None:
         metavar="unix:PATH",
         help="also take workers on this host on a unix socket (cheaper hops than ZeroMQ)",
     )
-    b.add_argument("--max-batch", type=int, help="B_max: samples per batch at most")
-    b.add_argument("--max-wait-ms", type=float, help="T_max: longest wait of the oldest request")
-    b.add_argument(
-        "--policy",
-        choices=("carpool", "fixed", "seed"),
-        help="batching policy (default carpool: deadline-aware, adaptive)",
-    )
+    add_batching_flags(b)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _log_level_arg(parser, default=os.environ.get("CARPOOL_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("broker", help="run a broker")
+    b = add_command(sub, "broker", _broker)
     _broker_args(b)
     b.add_argument("--record", help="append every arriving request to this JSON-lines trace")
     e = b.add_argument_group(
@@ -253,38 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
         "the broker's thread; an engine failure can take the broker down with it",
     )
     e.add_argument("--embed-model", action="append", help="catalogue model (repeatable)")
-    e.add_argument(
+    _cost_flag(
+        e,
         "--embed-synthetic",
-        nargs=2,
-        type=float,
-        metavar=("FIXED_MS", "PER_SAMPLE_MS"),
-        help="a synthetic engine (model 'synthetic') costing FIXED_MS + PER_SAMPLE_MS * B",
+        "a synthetic engine (model 'synthetic') costing FIXED_MS + PER_SAMPLE_MS * B",
     )
     e.add_argument("--embed-max-batch", type=int, help="largest batch of --embed-* models")
     e.add_argument("--embed-config", help="worker TOML file (its models, slots, shm settings)")
-    b.set_defaults(func=_broker)
 
-    rec = sub.add_parser(
-        "record",
-        help="run a broker that records its arrivals as a trace (for tune and replay)",
-        description="A broker that appends every arriving request (time, model, shape, "
-        "timeout, priority, the engines' batch limit) to a JSON-lines trace, for carpool "
-        "tune and carpool replay; those refused at the door for overload are recorded too "
-        "(the load offered).",
-    )
+    rec = add_command(sub, "record", _record)
     _broker_args(rec)
     rec.add_argument("--record", "--out", dest="record", required=True, help="trace file")
-    rec.set_defaults(func=_broker)
 
-    w = sub.add_parser(
-        "worker",
-        help="run a worker",
-        description="A worker: runs the batches the broker sends it. Settings come from "
-        "--config, then CARPOOL_BROKER, then these flags. The models it serves are those of "
-        "--model and --synthetic together, or, when neither is given, the [[models]] of "
-        "--config (else the catalogue model orientation). --max-batch and --threads apply "
-        "to every model served, including those of --config.",
-    )
+    w = add_command(sub, "worker", _worker)
     w.add_argument("--config", help="worker TOML file")
     w.add_argument(
         "--broker",
@@ -300,12 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ppocr-det, ppocr-rec), an ONNX file (served under the file's name without .onnx), "
         "or NAME=FILE.onnx",
     )
-    w.add_argument(
+    _cost_flag(
+        w,
         "--synthetic",
-        nargs=2,
-        type=float,
-        metavar=("FIXED_MS", "PER_SAMPLE_MS"),
-        help="also serve a synthetic engine whose batch costs FIXED_MS + PER_SAMPLE_MS * B",
+        "also serve a synthetic engine whose batch costs FIXED_MS + PER_SAMPLE_MS * B",
     )
     w.add_argument("--synthetic-name", help="model name of --synthetic (default synthetic)")
     w.add_argument(
@@ -320,16 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="ONNX Runtime intra-op threads of every model served (default 1, or "
         "intra_op_threads of --config's models)",
     )
-    w.set_defaults(func=_worker)
 
-    d = sub.add_parser("demo", help="run a broker, two CPU workers and a camera client")
-    d.add_argument("--duration-s", type=float, default=10.0, help="how long the cameras send")
-    d.add_argument("--cameras", type=int, default=4, help="cameras sending in step")
-    d.add_argument("--fps", type=float, default=10.0, help="frames per second per camera")
-    d.add_argument("--workers", type=int, default=2, help="CPU workers to start")
-    d.add_argument("--max-batch", type=int, default=8, help="broker B_max")
-    d.add_argument("--max-wait-ms", type=float, default=5.0, help="broker T_max")
-    d.set_defaults(func=_demo)
+    d = add_command(sub, "demo", _demo)
+    for name, (kind, default, text) in _DEMO_FLAGS.items():
+        d.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
 
     from carpool.benchcmd import add_parsers as add_bench_parsers
     from carpool.sim.commands import add_parsers as add_sim_parsers
@@ -341,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():
         _log_level_arg(command, default=argparse.SUPPRESS)
     return parser
+
+
+def _cost_flag(parser: Any, flag: str, text: str) -> None:
+    """A synthetic engine's batch cost, FIXED_MS and PER_SAMPLE_MS (``ModelConfig.synthetic``)."""
+    parser.add_argument(flag, nargs=2, type=float, metavar=("FIXED_MS", "PER_SAMPLE_MS"), help=text)
 
 
 def _log_level_arg(parser: argparse.ArgumentParser, default: str) -> None:

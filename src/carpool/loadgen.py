@@ -30,7 +30,7 @@ from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.codec import DTYPES
 from carpool.common.protocol import Priority
-from carpool.sim.simulator import SimResult
+from carpool.sim.simulator import SimResult, rate_per_s
 from carpool.sim.workload import Arrival
 
 logger = logging.getLogger(__name__)
@@ -83,19 +83,13 @@ class BenchReport:
     max_send_lag_ms: float
     halves_goodput_rps: tuple[float, float]
     stable: bool
+    throughput_rps: float = 0.0  # answers with outputs per second of the window
+    goodput_rps: float = 0.0  # ... of them within their deadline
     scheduled_rps: float = 0.0  # what the schedule asked for in the window
     sent_rps: float = 0.0  # what the generator sent at, from its send times
     p99_send_lag_ms: float = 0.0
     per_second: list[dict[str, float]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)  # only when asked to keep them
-
-    @property
-    def throughput_rps(self) -> float:
-        return self.ok / self.window_s if self.window_s > 0 else 0.0
-
-    @property
-    def goodput_rps(self) -> float:
-        return self.on_time / self.window_s if self.window_s > 0 else 0.0
 
     @property
     def kept_up(self) -> bool:
@@ -182,17 +176,20 @@ def summarize(
         for k, v in sorted(seconds.items())
     ]
     lags = [s.lag_s for s in window]
+    on_time = sum(1 for s in ok if s.on_time)
     return BenchReport(
         window_s=span,
         sent=len(window),
         ok=len(ok),
-        on_time=sum(1 for s in ok if s.on_time),
+        on_time=on_time,
         errors=dict(errors),
         latency_ms=percentiles_ms([s.latency_s for s in ok]),
         batch_sizes=batch_sizes,
         max_send_lag_ms=1000 * max(lags, default=0.0),
         halves_goodput_rps=halves,
         stable=stable,
+        throughput_rps=rate_per_s(len(ok), span),
+        goodput_rps=rate_per_s(on_time, span),
         per_second=per_second,
         scheduled_rps=len(window) / scheduled_span if scheduled_span > 0 else 0.0,
         sent_rps=sent_rps,

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.common.config import check
+from carpool.common.config import check, out_of_range
 from carpool.common.link import link_path
 
 POLICIES = ("carpool", "fixed", "seed")
@@ -130,21 +130,19 @@ class BrokerConfig:
     peer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        problems = []
-        if not 0.001 <= self.default_timeout_s <= 3600:
-            problems.append("default_timeout_s must be in 0.001..3600")
+        problems = out_of_range(self, {"default_timeout_s": (0.001, 3600)})
         if self.max_queued < 1:
             problems.append("max_queued must be >= 1")
-        if not 1 <= self.max_queued_mib <= 1 << 24:
-            problems.append("max_queued_mib must be in 1..16777216")
-        if not 1 <= self.liveness <= 100:
-            problems.append("liveness must be in 1..100")
-        if not 1 <= self.max_attempts <= 10:
-            problems.append("max_attempts must be in 1..10")
-        if not 0 <= self.register_grace_s <= 600:
-            problems.append("register_grace_s must be in 0..600")
-        if not 0 <= self.stop_grace_s <= 600:
-            problems.append("stop_grace_s must be in 0..600")
+        problems += out_of_range(
+            self,
+            {
+                "max_queued_mib": (1, 1 << 24),
+                "liveness": (1, 100),
+                "max_attempts": (1, 10),
+                "register_grace_s": (0, 600),
+                "stop_grace_s": (0, 600),
+            },
+        )
         if not (self.peer_heartbeat_s == 0 or 0.001 <= self.peer_heartbeat_s <= 3600):
             problems.append("peer_heartbeat_s must be 0 (off) or in 0.001..3600")
         if self.peer_heartbeat_s and not self.peer_heartbeat_s < self.peer_timeout_s <= 3600:

@@ -113,6 +113,16 @@ def _convert(hint: Any, value: Any, where: str, problems: list[str]) -> Any:
     return value
 
 
+def out_of_range(obj: object, bounds: Mapping[str, tuple[float, float]]) -> list[str]:
+    """ "NAME must be in LOW..HIGH" for each field of ``obj`` named in ``bounds`` whose value
+    lies outside its (inclusive) bounds, in the order of ``bounds``."""
+    return [
+        f"{name} must be in {low}..{high}"
+        for name, (low, high) in bounds.items()
+        if not low <= getattr(obj, name) <= high
+    ]
+
+
 def check(problems: list[str], where: str) -> None:
     """Raise a ConfigError listing ``problems`` (for ``__post_init__`` validation)."""
     if problems:

@@ -7,7 +7,6 @@ faked with :class:`carpool.worker.engines.synthetic.SyntheticEngine`. Sockets st
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 from typing import Any, Protocol
 
 
@@ -64,16 +63,13 @@ class ServerThread:
         self._thread.start()
         return self.server
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
+        """Stop, join and close the server; re-raise what ``serve()`` raised, unless the
+        ``with`` block is already raising (``exc_info``: its type, value, traceback)."""
         self.server.stop()
         self._thread.join(self.join_timeout_s)
         if self._thread.is_alive():
             raise RuntimeError(f"{type(self.server).__name__} did not stop in time")
         self.server.close()
-        if self.error is not None and exc is None:
+        if self.error is not None and exc_info[1] is None:
             raise self.error

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from carpool.commandline import add_burst_flags, add_command
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import MAX_TIMEOUT_MS
 from carpool.sim import workload
@@ -38,30 +39,29 @@ def _floats(text: str) -> list[float]:
         ) from None
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine and fleet")
-    g.add_argument("--alpha-ms", type=float, default=5.0, help="fixed cost per batch (α)")
-    g.add_argument("--beta-ms", type=float, default=0.5, help="cost per sample (β)")
-    g.add_argument("--jitter", type=float, default=0.05, help="relative std of batch times")
-    g.add_argument("--workers", type=int, default=1, help="simulated workers")
-    g.add_argument("--slots", type=int, default=2, help="batches outstanding per worker")
-    g.add_argument(
+def add_engine_flags(group: Any, *, fleet: bool = True) -> None:
+    """The simulated engines' flags on ``group``: their cost ``--alpha-ms`` + ``--beta-ms``
+    x B, ``--workers`` and ``--engine-max-batch``; with ``fleet`` also ``--jitter``,
+    ``--slots`` and ``--seed`` (simulate and tune; replay takes their defaults)."""
+    group.add_argument("--alpha-ms", type=float, default=5.0, help="fixed cost per batch (α)")
+    group.add_argument("--beta-ms", type=float, default=0.5, help="cost per sample (β)")
+    if fleet:
+        group.add_argument("--jitter", type=float, default=0.05, help="relative std of batch times")
+    group.add_argument("--workers", type=int, default=1, help="simulated workers")
+    if fleet:
+        group.add_argument("--slots", type=int, default=2, help="batches outstanding per worker")
+    group.add_argument(
         "--engine-max-batch",
         type=int,
         help=f"engine batch limit (default: what the trace recorded, else {DEFAULT_ENGINE_MAX})",
     )
-    g.add_argument("--seed", type=int, default=0, help="random seed")
+    if fleet:
+        group.add_argument("--seed", type=int, default=0, help="random seed")
 
 
 def add_parsers(sub: Any) -> None:
     """Register ``simulate`` and ``tune`` on the ``carpool`` sub-parser object."""
-    s = sub.add_parser(
-        "simulate",
-        help="compare batching policies on a simulated workload",
-        description="Drive the broker's real batching code with a simulated clock, workers of "
-        "cost α+βB and open-loop arrivals; print throughput, goodput (answers within the "
-        "deadline per second), latency percentiles, misses, batch size and busy time.",
-    )
+    s = add_command(sub, "simulate", run_simulate)
     w = s.add_argument_group(
         "workload",
         "a pattern (--load and its rates and lengths) or a recorded --trace; with --trace "
@@ -77,9 +77,7 @@ def add_parsers(sub: Any) -> None:
     w.add_argument("--rates", type=_floats, default=[200, 1400, 300, 1200], help="steps: R1,R2,..")
     w.add_argument("--step-s", type=float, default=3.0, help="steps: seconds per step")
     w.add_argument("--base-rps", type=float, default=300.0, help="bursts: base rate")
-    w.add_argument("--burst-rps", type=float, default=2500.0, help="bursts: rate in a burst")
-    w.add_argument("--period-s", type=float, default=2.0, help="bursts: one burst per period")
-    w.add_argument("--burst-s", type=float, default=0.3, help="bursts: burst length")
+    add_burst_flags(w, burst_rps=2500.0, period="bursts: one burst per period")
     w.add_argument("--low-rps", type=float, default=100.0, help="diurnal: night rate")
     w.add_argument("--high-rps", type=float, default=1400.0, help="diurnal: peak rate")
     w.add_argument("--duration-s", type=float, default=10.0, help="workload length")
@@ -93,21 +91,13 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--carpool-wait-ms", type=float, default=5.0, help="T_max cap of carpool")
     b.add_argument("--no-oracle", action="store_true", help="skip the grid search")
     s.add_argument("--json", help="also write the results as JSON here")
-    _engine_args(s)
-    s.set_defaults(func=run_simulate)
+    add_engine_flags(s.add_argument_group("engine and fleet"))
 
-    t = sub.add_parser(
-        "tune",
-        help="recommend B_max and T_max for a recorded trace",
-        description="Replay a recorded trace (carpool record, or any JSON-lines file with "
-        "t_s, model, shape, timeout_ms) on a grid of fixed (B_max, T_max) with a measured "
-        "batch cost, and recommend the setting with the best goodput at the SLA.",
-    )
+    t = add_command(sub, "tune", run_tune)
     t.add_argument("--trace", required=True, help="JSON-lines trace")
     t.add_argument("--sla-ms", type=int, help="override every request's timeout")
     t.add_argument("--top", type=int, default=5, help="rows of the ranking to print")
-    _engine_args(t)
-    t.set_defaults(func=run_tune)
+    add_engine_flags(t.add_argument_group("engine and fleet"))
 
 
 def _workers(args: argparse.Namespace, items: Sequence[Arrival]) -> tuple[list[SimWorker], str]:
@@ -183,6 +173,12 @@ def _quiet() -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    """compare batching policies on a simulated workload
+
+    Drive the broker's real batching code with a simulated clock, workers of cost α+βB and
+    open-loop arrivals; print throughput, goodput (answers within the deadline per
+    second), latency percentiles, misses, batch size and busy time.
+    """
     _quiet()
     items = _arrivals(args)
     workers, limit = _workers(args, items)
@@ -217,6 +213,12 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    """recommend B_max and T_max for a recorded trace
+
+    Replay a recorded trace (carpool record, or any JSON-lines file with t_s, model,
+    shape, timeout_ms) on a grid of fixed (B_max, T_max) with a measured batch cost, and
+    recommend the setting with the best goodput at the SLA.
+    """
     _quiet()
     if args.top < 1:  # (0 printed an empty ranking; -2 all but its last two rows)
         raise ConfigError(f"--top must be at least 1, got {args.top}")

@@ -73,6 +73,11 @@ class SimWorker:
     preferred_batch: tuple[int, ...] = ()
 
 
+def rate_per_s(count: int, span_s: float) -> float:
+    """``count`` events over ``span_s`` seconds as a rate (0 over no time)."""
+    return count / span_s if span_s > 0 else 0.0
+
+
 @dataclass(slots=True)
 class SimResult:
     """What happened to every request of one simulated run."""
@@ -92,12 +97,12 @@ class SimResult:
 
     @property
     def throughput_rps(self) -> float:
-        return self.ok / self.span_s if self.span_s > 0 else 0.0
+        return rate_per_s(self.ok, self.span_s)
 
     @property
     def goodput_rps(self) -> float:
         """Requests answered with outputs within their deadline, per second."""
-        return self.on_time / self.span_s if self.span_s > 0 else 0.0
+        return rate_per_s(self.on_time, self.span_s)
 
     @property
     def miss_rate(self) -> float:

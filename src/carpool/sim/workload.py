@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.common.errors import ConfigError
+from carpool.common.jsonlines import parses
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def read_trace(path: str | Path) -> list[Arrival]:
                     ) from None
                 if not line.strip():
                     continue
-                if not line.endswith("\n") and not _parses(line):
+                if not line.endswith("\n") and not parses(line):
                     # A last line cut short (the recording broker was killed, or its
                     # disk filled): lost, the rest of the trace is good.
                     logger.warning("%s:%d: skipping a last line cut short", path, lineno)
@@ -201,14 +202,6 @@ def read_trace(path: str | Path) -> list[Arrival]:
         t0 = out[0].t_s
         out = [dataclasses.replace(a, t_s=a.t_s - t0) for a in out]
     return out
-
-
-def _parses(line: str) -> bool:
-    try:
-        json.loads(line)
-    except ValueError:
-        return False
-    return True
 
 
 def engine_limit(items: Iterable[Arrival]) -> int | None:

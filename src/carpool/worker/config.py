@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from carpool.common.codec import DTYPES
-from carpool.common.config import check
+from carpool.common.config import check, out_of_range
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
 from carpool.common.shape_rules import ShapeRule
@@ -163,19 +163,14 @@ class WorkerConfig:
     shm_output_group: str = ""  # the ring's group ("": the worker's own)
 
     def __post_init__(self) -> None:
-        problems = []
-        if not 1 <= self.slots <= 1024:
-            problems.append("slots must be in 1..1024")
-        if not 0.01 <= self.heartbeat_s <= 600:
-            problems.append("heartbeat_s must be in 0.01..600")
-        if not 1 <= self.liveness <= 100:
-            problems.append("liveness must be in 1..100")
+        problems = out_of_range(
+            self, {"slots": (1, 1024), "heartbeat_s": (0.01, 600), "liveness": (1, 100)}
+        )
         if len(self.name) > MAX_NAME_CHARS:
             problems.append(f"name must have at most {MAX_NAME_CHARS} characters")
         if not 1 <= len(self.models) <= MAX_MODELS:
             problems.append(f"1..{MAX_MODELS} [[models]] entries are needed")
-        if not 0 <= self.shm_output_mib <= 1 << 20:
-            problems.append("shm_output_mib must be in 0..1048576")
+        problems += out_of_range(self, {"shm_output_mib": (0, 1 << 20)})
         if not 0 <= self.shm_output_mode <= 0o777 or self.shm_output_mode & 0o022:
             problems.append(
                 "shm_output_mode must be a file mode such as 0o600 or 0o640: clients may "

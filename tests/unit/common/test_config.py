@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from carpool.broker.config import BatchingConfig, BatchingOverride, BrokerConfig
-from carpool.common.config import check, from_mapping, load_toml
+from carpool.common.config import check, from_mapping, load_toml, out_of_range
 from carpool.common.errors import ConfigError
 from carpool.worker.config import ModelConfig, WorkerConfig
 
@@ -264,3 +265,18 @@ def test_worker_shared_memory_settings_from_toml(tmp_path: Path) -> None:
     cfg = from_mapping(WorkerConfig, load_toml(path))
     assert (cfg.shm_output_mib, cfg.shm_output_mode) == (16, 0o640)
     assert (WorkerConfig().shm_output_mib, WorkerConfig().shm_output_mode) == (64, 0o600)
+
+
+def test_out_of_range_names_each_field_outside_its_bounds_in_order() -> None:
+    @dataclasses.dataclass
+    class Limits:
+        a: int = 0
+        b: float = 0.5
+        c: int = 11
+
+    bounds = {"c": (1, 10), "b": (0.001, 3600), "a": (1, 1 << 24)}
+    assert out_of_range(Limits(), bounds) == [
+        "c must be in 1..10",
+        "a must be in 1..16777216",
+    ]
+    assert out_of_range(Limits(a=1, c=10), bounds) == []
