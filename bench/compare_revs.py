@@ -307,8 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures: dict[str, list[dict[str, float]]] = {"base": [], "head": []}
     zero_copy: dict[str, list[float]] = {"base": [], "head": []}
     with worktrees({"base": args.base, "head": args.head}) as revs:
-        for rev in revs.values():
-            print(f"{rev.label} {rev.name} ({rev.commit[:12]}): carpool from {rev.check_import()}")
+        imports = {label: rev.check_import() for label, rev in revs.items()}
+        for label, rev in revs.items():
+            print(f"{label} {rev.name} ({rev.commit[:12]}): carpool from {imports[label]}")
         for rnd in range(args.rounds):
             for label in order(rnd):
                 figures[label].append(measure(revs[label], args))
@@ -330,8 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = verdicts(summaries, args.max_ratio)
     passed = all(ok.values())
     result: dict[str, Any] = {
-        "base": {"rev": args.base, "commit": commits["base"]},
-        "head": {"rev": args.head, "commit": commits["head"]},
+        "base": {"rev": args.base, "commit": commits["base"], "carpool": imports["base"]},
+        "head": {"rev": args.head, "commit": commits["head"], "carpool": imports["head"]},
         "rounds": args.rounds,
         "max_ratio": args.max_ratio,
         "settings": {
