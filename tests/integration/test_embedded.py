@@ -4,6 +4,7 @@ embedded=True)])): real client sockets, no sockets between broker and worker."""
 from __future__ import annotations
 
 import contextlib
+import select
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,14 +61,14 @@ def test_requests_are_answered_by_the_embedded_engine(embedded_fleet: Any) -> No
 
 def test_slow_batches_run_on_the_inference_thread(embedded_fleet: Any) -> None:
     """A 5 ms engine is not run on the broker's thread: finished batches come back through
-    the results socket the broker polls, and the broker keeps serving meanwhile."""
+    the results descriptor the broker polls, and the broker keeps serving meanwhile."""
     engine = {"slow": lambda: SyntheticEngine(item_shape=(4,), fixed_cost_s=0.005, max_batch=8)}
     broker, (worker,) = embedded_fleet(engine)
     with Client(broker.frontend_endpoint) as client:
         wait_for_workers(client, 1)
         for _ in range(3):  # teach the worker that its batches are long
             client.infer("slow", {"x": np.ones((1, 4), np.float32)}, timeout_s=5)
-        assert not worker._runs_inline(_job(worker, "slow"))
+        assert not worker.core.runs_inline(_job(worker, "slow"))
         xs = [np.full((1, 4), i, np.float32) for i in range(40)]
         futures = [client.submit("slow", {"x": x}) for x in xs]
         for f, x in zip(futures, xs, strict=True):
@@ -226,7 +227,7 @@ def test_embed_config_without_models_serves_only_the_flag_models(
 def test_the_broker_does_not_spin_while_an_embedded_worker_waits_to_rejoin() -> None:
     """After a DISCONNECT the embedded worker waits up to 1 s to say READY again; a batch
     that finishes on its inference thread meanwhile is drained (and dropped), so its
-    readable results socket does not make every broker turn return at once. The request
+    readable results descriptor does not make every broker turn return at once. The request
     is answered once, after the requeue."""
     import threading
 
@@ -256,11 +257,11 @@ def test_the_broker_does_not_spin_while_an_embedded_worker_waits_to_rejoin() -> 
         assert started.is_set()  # the first batch of a model runs on the inference thread
         disconnect = encode(Command.DISCONNECT, {"reason": "test"})
         broker._send([Outgoing(Side.BACKEND, b"\x00embedded-0", disconnect)])
-        assert w._rejoin_at is not None
+        assert w.core.rejoining
         release.set()
-        assert w.results_socket.poll(5000)  # the result waits in the socket
+        assert select.select([w.results_fd], [], [], 5)[0]  # the result waits
         steps = 0
-        while w._rejoin_at is not None and time.monotonic() < until:
+        while w.core.rejoining and time.monotonic() < until:
             broker.step(0.05)
             steps += 1
         assert steps < 40, f"{steps} broker turns while waiting to rejoin"

@@ -39,10 +39,11 @@ from carpool.common.protocol import (
     encode_reply,
 )
 from carpool.common.testing import FakeClock, ServerThread
+from carpool.worker.connection import too_large_for_a_link
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.models import locate
-from carpool.worker.server import WorkerServer, _too_large_for_a_link
+from carpool.worker.server import WorkerServer
 from tests.conftest import wait_for_workers
 
 CARPOOL = [sys.executable, "-m", "carpool"]
@@ -433,12 +434,12 @@ def test_a_model_whose_full_batch_a_link_cannot_carry_is_refused() -> None:
     fits = ModelSpec("fits", (x,), (y,), 4096)
     outputs = tuple(TensorMeta(f"y{i}", "float32", (-1, 2)) for i in range(31))
     wide = ModelSpec("wide", (x,), outputs, 4096)  # 4096 x (2 + 31) frames in a RESULT
-    assert _too_large_for_a_link([fits]) is None
-    reason = _too_large_for_a_link([fits, wide])
+    assert too_large_for_a_link([fits]) is None
+    reason = too_large_for_a_link([fits, wide])
     assert reason is not None
     assert "'wide'" in reason
     assert str(MAX_FRAMES) in reason
-    assert _too_large_for_a_link([dataclasses.replace(wide, max_batch=512)]) is None
+    assert too_large_for_a_link([dataclasses.replace(wide, max_batch=512)]) is None
 
 
 def _read_link_messages(sock: socket.socket, count: int) -> list[list[bytes]]:

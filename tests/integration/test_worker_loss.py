@@ -226,13 +226,13 @@ def test_a_worker_backing_off_sleeps_until_it_connects_again(context: Any) -> No
         wid = router.recv_multipart()[0]  # READY: refused at once
         router.send_multipart([wid, *encode(Command.DISCONNECT, {"reason": "refused"})])
         until = time.monotonic() + 5
-        while worker._rejoin_at is None and time.monotonic() < until:
+        while worker.core.rejoin_at_s is None and time.monotonic() < until:
             worker.step(0.05)
-        assert worker._rejoin_at is not None, "it did not back off"
-        while time.monotonic() < worker._last_join_s + 0.3:  # past liveness (0.2 s)
+        assert worker.core.rejoin_at_s is not None, "it did not back off"
+        while time.monotonic() < worker.core.last_join_s + 0.3:  # past liveness (0.2 s)
             worker.step(0.05)
         turns = 0
-        until = worker._rejoin_at - 0.05
+        until = worker.core.rejoin_at_s - 0.05
         while time.monotonic() < until:
             worker.step()  # no timeout of its own: it sleeps until it connects again
             turns += 1

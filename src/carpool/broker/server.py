@@ -53,7 +53,9 @@ class EmbeddedWorker(Protocol):
     short batch runs on the broker's thread."""
 
     @property
-    def results_socket(self) -> zmq.Socket[bytes]: ...
+    def results_fd(self) -> int:
+        """Readable when the worker's inference thread has finished a batch."""
+        ...
 
     @property
     def local_metas(self) -> bool:
@@ -62,7 +64,9 @@ class EmbeddedWorker(Protocol):
 
     def deliver(self, frames: list[Any]) -> list[list[Any]]: ...
 
-    def service(self, results_ready: bool) -> list[list[Any]]: ...
+    def service(self, results_ready: bool) -> list[list[Any]]:
+        """``results_ready``: ``results_fd`` was readable this turn."""
+        ...
 
     def take_outbox(self) -> list[list[Any]]: ...
 
@@ -204,7 +208,7 @@ class BrokerServer:
         self._closed = False
         self._linger_ms = 0  # wind_down raises it: its answers must leave before close
         for wid, worker in self._embedded.items():
-            self.poller.register(worker.results_socket, zmq.POLLIN)
+            self.poller.register(worker.results_fd, zmq.POLLIN)
             for frames in worker.take_outbox():  # READY
                 self._send(self.core.on_worker(self.clock.now(), wid, frames))
         if self.config.local_backend:
@@ -296,7 +300,7 @@ class BrokerServer:
         if self._listener is not None:
             handled += self._on_links(events)
         for wid, worker in self._embedded.items():
-            for frames in worker.service(worker.results_socket in events):
+            for frames in worker.service(worker.results_fd in events):
                 self._send(self.core.on_worker(self.clock.now(), wid, frames))
         self._send(self.core.on_tick(self.clock.now()))
         if self._registered:

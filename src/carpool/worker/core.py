@@ -1,19 +1,23 @@
 """core.py: WorkerCore — the worker's side of the protocol as a pure state machine.
 
 It decides what to send (READY, HEARTBEAT, RESULT, FAILED, DISCONNECT), when the broker
-counts as lost, and how busy the engine has been (ρ). ``now`` is always an argument; no
-sockets or threads here. ``server.py`` owns the DEALER socket and the inference thread.
+counts as lost and when to connect again (:class:`Backoff`), which batches run on the
+loop thread rather than the inference thread (:meth:`WorkerCore.runs_inline`), and how
+busy the engine has been (ρ). ``now`` is always an argument; no sockets or threads here.
+``server.py`` owns the connection to the broker, ``inference.py`` the inference thread.
 
-Connection epochs: every (re)connection starts a new epoch. Batches received in an older
-epoch are finished but their results are dropped, since the broker has already requeued
-them; this keeps "exactly one reply per request" across reconnects.
+Connection epochs: every (re)connection starts a new epoch, and so does every loss of
+one. Batches received in an older epoch are finished but their results are dropped,
+since the broker has already requeued them; this keeps "exactly one reply per request"
+across reconnects.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -38,6 +42,11 @@ from carpool.common.protocol import (
 logger = logging.getLogger(__name__)
 
 _RESULT_HEADER = header(Command.RESULT)
+#: Batches of thread-free engines predicted to take less than this run on the loop
+#: thread: the hand-off to the inference thread and back costs ~0.25 ms.
+INLINE_MAX_S = 0.002
+#: Weight of the newest batch in the smoothed engine time per sample.
+_RUN_EWMA_WEIGHT = 0.2
 
 
 class WorkerState(Enum):
@@ -108,6 +117,47 @@ class Answer:
 Action = RunBatch | Reconnect | Answer
 
 
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """A batch the engine has finished, as the thread that ran it reports it to the loop:
+    its replies (``counts`` frames per request, in batch order), or ``error`` for the
+    whole batch."""
+
+    epoch: int  # the connection epoch the batch arrived in
+    batch_id: int
+    model: str
+    start_s: float
+    end_s: float
+    counts: Sequence[int] = ()
+    frames: Sequence[Any] = ()
+    # Samples the engine ran as one batch: what runs_inline learns from (0: it did not).
+    samples: int = 0
+    # end_s - start_s is the batch's engine time (False: answered without the engine, or
+    # run again request by request; the RESULT then says 0, which the broker ignores).
+    timed: bool = True
+    error: tuple[ErrorCode, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """When to connect again after the connection is lost (protocol §10.4, back-off).
+
+    Lost within ``min_s`` of joining (refused, or dropped at once): wait ``min_s`` after
+    that join the first time, doubling on each such loss up to ``max_s``, rather than a
+    new connection and READY a thousand times a second. Lost later: connect at once when
+    ``at_once``, else ``min_s`` after the join.
+    """
+
+    min_s: float = 1.0
+    max_s: float = 10.0
+    at_once: bool = True
+
+
+#: A worker in its broker's process: it says READY again from the broker's next turn, at
+#: most once a second, never inside the turn that refused it (not in a loop with it).
+EMBEDDED_BACKOFF = Backoff(min_s=1.0, max_s=1.0, at_once=False)
+
+
 class WorkerCore:
     """Protocol state of one worker serving ``specs``.
 
@@ -118,6 +168,10 @@ class WorkerCore:
         heartbeat_s: heartbeat interval, announced to the broker.
         liveness: intervals of broker silence before reconnecting.
         rho_window_s: the window of ρ.
+        backoff: when to connect again after the connection is lost.
+        thread_free: the models whose engines may run on any thread (not TensorRT's,
+            whose CUDA context is bound to the inference thread): their short batches
+            may run on the loop thread.
     """
 
     def __init__(
@@ -129,6 +183,8 @@ class WorkerCore:
         heartbeat_s: float = 1.0,
         liveness: int = 3,
         rho_window_s: float = 1.0,
+        backoff: Backoff = Backoff(),
+        thread_free: Iterable[str] = (),
     ) -> None:
         self.name = name
         self.specs = {s.name: s for s in specs}
@@ -146,11 +202,21 @@ class WorkerCore:
         # In the broker's process (embedded): BATCH arrives as a BatchMeta and RESULT
         # leaves as a ResultMeta, with no msgpack in between (the broker's core built it).
         self.local = False
+        self.backoff = backoff
+        self.last_join_s = 0.0  # when the last connection started
+        self.backoff_s = 0.0  # how long the last wait before connecting again was
+        self.rejoin_at_s: float | None = None  # not connected: when to connect again
+        self.thread_free = frozenset(thread_free)
+        # Smoothed engine time per sample, per model: a batch's time is predicted from its
+        # size (a large batch of a fast model is not short).
+        self._run_ewma_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ connection
 
     def on_connect(self, now: float) -> list[Any]:
         """A fresh socket is connected: returns the READY message."""
+        self.last_join_s = now
+        self.rejoin_at_s = None
         self.epoch += 1
         self.state = WorkerState.READY
         self._last_heard_s = now
@@ -194,8 +260,9 @@ class WorkerCore:
             return None
 
     def on_tick(self, now: float) -> tuple[list[list[Any]], Reconnect | None]:
-        """Heartbeats due, and whether the broker has gone silent for too long."""
-        if self.state is not WorkerState.READY:
+        """Heartbeats due, and whether the broker has gone silent for too long (nothing
+        while waiting to connect again: the silence counts from the next READY)."""
+        if self.state is not WorkerState.READY or self.rejoin_at_s is not None:
             return [], None
         if now - self._last_heard_s >= self.liveness * self.heartbeat_s:
             return [], Reconnect("broker silent for too long")
@@ -206,12 +273,83 @@ class WorkerCore:
         return out, None
 
     def next_wakeup(self, now: float) -> float | None:
+        """When :meth:`on_tick` (or connecting again) is next due; None: nothing is."""
+        if self.rejoin_at_s is not None:
+            return self.rejoin_at_s
         if self.state is not WorkerState.READY:
             return None
         lost_at = self._last_heard_s + self.liveness * self.heartbeat_s
         return max(now, min(self._next_heartbeat_s, lost_at))
 
+    # ------------------------------------------------------------------ reconnecting
+
+    @property
+    def rejoining(self) -> bool:
+        """Not connected: waiting until ``rejoin_at_s`` to connect again."""
+        return self.rejoin_at_s is not None
+
+    def on_lost(self, now: float) -> bool:
+        """The connection is gone (the broker said DISCONNECT or went silent, a RESULT
+        could not be sent). Starts a new epoch: what still runs answers nobody, since the
+        broker requeues it. Returns True to connect again at once; else wait until
+        ``rejoin_at_s``."""
+        self.epoch += 1
+        backoff = self.backoff
+        if now - self.last_join_s < backoff.min_s:
+            self.backoff_s = min(backoff.max_s, max(backoff.min_s, 2 * self.backoff_s))
+            self.rejoin_at_s = self.last_join_s + self.backoff_s
+            return False
+        self.backoff_s = 0.0
+        if backoff.at_once:
+            return True
+        self.rejoin_at_s = self.last_join_s + backoff.min_s
+        return False
+
+    def rejoin_due(self, now: float) -> bool:
+        """Waiting to connect again, and it is time."""
+        return self.rejoin_at_s is not None and now >= self.rejoin_at_s
+
     # ------------------------------------------------------------------ batches
+
+    def runs_inline(self, job: RunBatch) -> bool:
+        """Run this batch on the loop thread: its engine is not bound to its thread, the
+        inference thread is idle, and this model's batches have been short enough that
+        heartbeats cannot be late (:data:`INLINE_MAX_S`); cheaper than the hand-off."""
+        batch = job.batch
+        return (
+            batch.model in self.thread_free
+            and self._in_thread == 0
+            and self._run_ewma_s.get(batch.model, math.inf) * batch.total_samples < INLINE_MAX_S
+        )
+
+    def on_job_done(self, now: float, outcome: JobOutcome) -> list[Any] | None:
+        """The RESULT or FAILED for a finished batch (None when its epoch has passed),
+        once its time per sample has taught :meth:`runs_inline`."""
+        if outcome.samples > 0:
+            per_sample = (outcome.end_s - outcome.start_s) / outcome.samples
+            last = self._run_ewma_s.get(outcome.model, per_sample)
+            self._run_ewma_s[outcome.model] = last + _RUN_EWMA_WEIGHT * (per_sample - last)
+        if outcome.error is not None:
+            code, message = outcome.error
+            return self.on_batch_failed(
+                now,
+                outcome.epoch,
+                outcome.batch_id,
+                outcome.start_s,
+                outcome.end_s,
+                code,
+                message,
+            )
+        return self.on_batch_done(
+            now,
+            outcome.epoch,
+            outcome.batch_id,
+            outcome.start_s,
+            outcome.end_s,
+            outcome.counts,
+            outcome.frames,
+            timed=outcome.timed,
+        )
 
     def on_batch_queued(self, now: float) -> None:
         """A batch was handed to the inference thread."""

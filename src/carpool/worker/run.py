@@ -1,7 +1,8 @@
 """run.py: one batch on an engine — its inputs stacked, the engine run, its replies made.
 
 No sockets: the worker's inference thread (or, for short batches, its loop thread) calls
-:func:`run_job` and sends what it returns. Every failure becomes a typed error in the
+:func:`run_job` and hands the :class:`~carpool.worker.core.JobOutcome` it returns to the
+loop. Every failure becomes a typed error in the
 result header (a request's own, or the whole batch's), never an exception out of here: an
 exception would take the inference thread down.
 """
@@ -20,7 +21,7 @@ from carpool.common.codec import numpy_dtype
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, encode_error
 from carpool.common.shm import RegionReader, ShmRing
-from carpool.worker.core import RunBatch
+from carpool.worker.core import JobOutcome, RunBatch
 from carpool.worker.engines.base import Array, BadInput, Engine
 from carpool.worker.tensors import ItemError, replies, stack, unreadable
 
@@ -213,16 +214,11 @@ def run_job(
     clock: Clock,
     reader: RegionReader | None = None,
     rings: LazyRing | None = None,
-) -> tuple[dict[str, Any], list[Any]]:
-    """Run one batch; returns the internal header and the reply frames."""
+) -> JobOutcome:
+    """Run one batch; returns its outcome: the reply frames, or the whole batch's error."""
     batch = job.batch
     start = clock.now()
-    header: dict[str, Any] = {
-        "epoch": job.epoch,
-        "batch": batch.batch_id,
-        "model": batch.model,
-        "start": start,
-    }  # + "samples" once the engine has run them: what the inline decision learns from
+    samples = 0  # set once the engine has run them: what the inline decision learns from
     engine = engines.get(batch.model)
     try:
         if engine is None:
@@ -252,11 +248,10 @@ def run_job(
                 failed[alive.pop(bad.index)] = encode_error(error, simple=item.simple)
                 batch, frames = _without(batch, frames, bad.index)
             if not batch.items:
-                header["untimed"] = True  # the engine did not run: nothing to learn
                 end = clock.now()
                 counts, out = _merge(failed, alive, [], [])
-                header.update(end=end, counts=counts)
-                return header, out
+                # The engine did not run: nothing to learn.
+                return _outcome(job, start, end, counts, out, timed=False)
             try:
                 inputs = stack(batch, frames, reader)
                 break
@@ -291,9 +286,7 @@ def run_job(
         # batch; a batch run again request by request would teach the broker's cost model
         # and that choice a cost per sample many times too high.
         if outputs is not None:
-            header["samples"] = batch.total_samples
-        else:
-            header["untimed"] = True
+            samples = batch.total_samples
         try:
             ring = None
             if rings is not None and any(i.shm_outputs for i in batch.items):
@@ -311,10 +304,33 @@ def run_job(
             logger.exception("encoding batch %d of %s failed", batch.batch_id, batch.model)
             raise JobError(ErrorCode.INTERNAL, f"encoding outputs failed: {exc}") from None
     except JobError as exc:
-        header.update(end=clock.now(), error=[int(exc.code), exc.message])
-        return header, []
-    header.update(end=end, counts=counts)
-    return header, frames
+        return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
+    return _outcome(job, start, end, counts, frames, samples=samples, timed=outputs is not None)
+
+
+def _outcome(
+    job: RunBatch,
+    start_s: float,
+    end_s: float,
+    counts: Sequence[int] = (),
+    frames: Sequence[Any] = (),
+    *,
+    samples: int = 0,
+    timed: bool = True,
+    error: tuple[ErrorCode, str] | None = None,
+) -> JobOutcome:
+    return JobOutcome(
+        job.epoch,
+        job.batch.batch_id,
+        job.batch.model,
+        start_s,
+        end_s,
+        counts,
+        frames,
+        samples,
+        timed,
+        error,
+    )
 
 
 def _one_by_one(

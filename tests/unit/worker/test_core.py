@@ -372,7 +372,9 @@ def test_an_unexpected_error_fails_the_batch_not_the_inference_thread() -> None:
     engine = Forgetful(item_shape=(2,))
     meta = BatchMeta(7, "m", (TensorMeta("x", "float32", (-1, 2)),), (BatchItem(1, 1, False, 0.0),))
     job = RunBatch(1, meta, [np.zeros((1, 2), np.float32).tobytes()])
-    header, frames = run_job({"m": engine}, job, MonotonicClock())
+    outcome = run_job({"m": engine}, job, MonotonicClock())
+    frames = list(outcome.frames)
     assert frames == []
-    assert header["error"][0] == int(ErrorCode.INTERNAL)
-    assert "encoding outputs failed" in header["error"][1]
+    assert outcome.error is not None
+    assert outcome.error[0] is ErrorCode.INTERNAL
+    assert "encoding outputs failed" in outcome.error[1]

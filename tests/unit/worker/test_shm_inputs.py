@@ -123,19 +123,20 @@ def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
         BatchItem(5, 1, False, 0.0),
     )
     frames = [good[0].tobytes(), b"", b"", b"", good[2].tobytes()]
-    header, out = run_job(
+    outcome = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(9, "m", INPUTS, items), frames),
         MonotonicClock(),
         reader,
     )
-    assert "error" not in header
+    out = list(outcome.frames)
+    assert outcome.error is None
     assert seen == [(4, 3)]  # the engine ran once, on the three readable requests
-    assert len(header["counts"]) == 5
-    assert sum(header["counts"]) == len(out)
+    assert len(outcome.counts) == 5
+    assert sum(outcome.counts) == len(out)
     replies = []
     pos = 0
-    for k in header["counts"]:
+    for k in outcome.counts:
         replies.append(reply_of(out[pos : pos + k]))
         pos += k
     assert [(cmd, meta["id"]) for cmd, meta, _ in replies] == [
@@ -157,17 +158,18 @@ def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
 def test_a_batch_of_only_unreadable_requests_answers_each(reader: RegionReader) -> None:
     engine = SyntheticEngine(item_shape=(3,))
     items = tuple(BatchItem(i, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)) for i in (1, 2))
-    header, out = run_job(
+    outcome = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(9, "m", INPUTS, items), [b"", b""]),
         MonotonicClock(),
         reader,
     )
-    assert header["counts"] == [2, 2]
+    out = list(outcome.frames)
+    assert outcome.counts == [2, 2]
     assert [reply_of(out[i : i + 2])[1]["id"] for i in (0, 2)] == [1, 2]
     # The engine did not run: a few microseconds for the batch taught the broker's cost
     # model a near-zero cost.
-    assert header.get("untimed")
+    assert not outcome.timed
 
 
 def test_a_claimed_size_is_checked_before_anything_is_allocated(
@@ -178,13 +180,14 @@ def test_a_claimed_size_is_checked_before_anything_is_allocated(
     engine = SyntheticEngine(item_shape=(-1,), max_batch=4)
     inputs = (TensorMeta("x", "float32", (-1, 2**40)),)
     items = (BatchItem(1, 1, False, 0.0, ((arena.name, HEADER_BYTES, arena.key),)),)
-    header, out = run_job(
+    outcome = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(1, "m", inputs, items), [b""]),
         MonotonicClock(),
         reader,
     )
-    assert "error" not in header
+    out = list(outcome.frames)
+    assert outcome.error is None
     cmd, meta, _ = reply_of(out)
     assert (cmd, meta["code"]) == (Command.ERROR, int(ErrorCode.INVALID_ARGUMENT))
     assert "ends before" in meta["message"]
@@ -200,15 +203,15 @@ def test_bad_references_are_found_in_one_pass(arena: ShmArena, reader: RegionRea
     good = [BatchItem(i, 1, False, 0.0, (put(arena, rows(i, 1)),)) for i in range(k)]
     bad = [BatchItem(100 + i, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)) for i in range(k)]
     items = tuple(x for pair in zip(good, bad, strict=True) for x in pair)
-    header, _ = run_job(
+    outcome = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(1, "m", INPUTS, items), [b""] * 2 * k),
         MonotonicClock(),
         reader,
     )
-    assert "error" not in header
+    assert outcome.error is None
     assert len(reads) == k
-    assert header["counts"] == [3, 2] * k  # REPLY (header, meta, y) and ERROR, alternating
+    assert outcome.counts == [3, 2] * k  # REPLY (header, meta, y) and ERROR, alternating
 
 
 # --------------------------------------------------------------------------- outputs (§5.5)
@@ -336,16 +339,17 @@ def test_a_failed_batch_run_again_one_by_one_puts_outputs_in_frames(
         inputs = (TensorMeta("x", "float32", (-1, width)),)
         items = tuple(BatchItem(i, 1, False, 0.0, None, True) for i in (1, 2, 3))
         xs = [np.full((1, width), i, np.float32) for i in (1, 2, 3)]
-        header, out = run_job(
+        outcome = run_job(
             {"m": engine},
             RunBatch(1, BatchMeta(1, "m", inputs, items), [x.tobytes() for x in xs]),
             MonotonicClock(),
             reader,
             rings,
         )
-        assert header["counts"] == [3, 3, 3]  # header, meta, y: each in its frames
-        assert header.get("untimed")  # nothing for the cost models to learn from
-        assert "samples" not in header
+        out = list(outcome.frames)
+        assert outcome.counts == [3, 3, 3]  # header, meta, y: each in its frames
+        assert not outcome.timed  # nothing for the cost models to learn from
+        assert outcome.samples == 0
         for i, x in enumerate(xs):
             _, meta, payloads = reply_of(out[3 * i : 3 * i + 3])
             assert "shm" not in meta
@@ -366,13 +370,14 @@ def test_the_one_request_left_after_unreadable_ones_keeps_their_answers(
         BatchItem(1, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)),
         BatchItem(2, 1, False, 0.0),
     )
-    header, out = run_job(
+    outcome = run_job(
         {"m": engine},
         RunBatch(1, BatchMeta(9, "m", INPUTS, items), [b"", rows(2, 1).tobytes()]),
         MonotonicClock(),
         reader,
     )
-    assert "error" not in header
+    out = list(outcome.frames)
+    assert outcome.error is None
     first, second = reply_of(out[:2]), reply_of(out[2:])
     assert (first[0], first[1]["id"], first[1]["code"]) == (
         Command.ERROR,

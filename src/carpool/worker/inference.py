@@ -1,0 +1,190 @@
+"""inference.py: InferenceThread — the worker's one thread that owns its engines.
+
+It builds the engines (so a GPU context lives on the thread that uses it), warms them
+up, runs the batches handed to it in order, and hands each :class:`JobOutcome` back
+through a queue, waking the loop through a pipe (``wake_fd``: registered in the loop's
+poll, or the broker's for an embedded worker). No zmq socket is touched here; the loop
+thread owns the connection to the broker. What the loop runs itself (short batches,
+:meth:`WorkerCore.runs_inline <carpool.worker.core.WorkerCore.runs_inline>`) uses the
+same engines, which are then thread-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+
+from carpool.common.clock import Clock
+from carpool.common.errors import ConfigError, ProtocolError
+from carpool.common.protocol import ModelSpec
+from carpool.common.shm import RegionReader
+from carpool.common.wake import WakePipe
+from carpool.worker.core import JobOutcome, RunBatch
+from carpool.worker.engines.base import Engine
+from carpool.worker.run import LazyRing, run_job, warm_up
+
+EngineFactory = Callable[[], Engine]
+
+_STARTUP_TIMEOUT_S = 300.0
+
+
+def check_specs(specs: list[ModelSpec]) -> None:
+    """Refuse, at start, a model the broker would refuse: its READY would be dropped as a
+    protocol error, and the worker would try again for ever (a name over 256 characters,
+    a rank over 8, more than 64 outputs).
+
+    Raises:
+        ConfigError: naming the model and what is wrong.
+    """
+    name = ""
+    try:
+        for spec in specs:
+            name = spec.name
+            ModelSpec.from_wire(spec.to_wire())
+    except ProtocolError as exc:
+        raise ConfigError(f"model {name!r} cannot be served: {exc}") from None
+
+
+class InferenceThread:
+    """The inference thread of one worker, started (engines built) by the constructor.
+
+    Args:
+        factories: model name → a factory that builds its engine (called here, once).
+        name: the worker's name, for the thread's.
+        warmup: run each engine once on made-up inputs first (:func:`warm_up`).
+        clock, reader, rings: what a batch run needs (:func:`run_job`).
+
+    Raises:
+        Whatever building, warming up or checking an engine raised (every engine built
+        so far is closed first).
+    """
+
+    def __init__(
+        self,
+        factories: Mapping[str, EngineFactory],
+        *,
+        name: str,
+        warmup: bool,
+        clock: Clock,
+        reader: RegionReader,
+        rings: LazyRing,
+    ) -> None:
+        self._clock = clock
+        self._reader = reader
+        self._rings = rings
+        self._jobs: queue.Queue[RunBatch | None] = queue.Queue()
+        self._outcomes: queue.SimpleQueue[JobOutcome] = queue.SimpleQueue()
+        self._ready = WakePipe()  # readable while outcomes may wait
+        self._startup: queue.Queue[list[ModelSpec] | BaseException] = queue.Queue()
+        self._lock = threading.Lock()
+        self._done = False  # the thread has ended (under _lock)
+        self._then: Callable[[], None] | None = None  # called when it ends (under _lock)
+        self._stopped = False
+        #: The engines by model, built on this thread (published by the startup queue).
+        self.engines: dict[str, Engine] = {}
+        self._thread = threading.Thread(
+            target=self._loop,
+            args=(dict(factories), warmup),
+            name=f"carpool-inference-{name}",
+            daemon=True,
+        )
+        self._thread.start()
+        started = self._startup.get(timeout=_STARTUP_TIMEOUT_S)
+        if isinstance(started, BaseException):
+            self._thread.join()
+            self._ready.close()
+            raise started
+        #: What the engines serve, in the order of ``factories``.
+        self.specs = started
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable when outcomes may wait: poll it, then call :meth:`finished`."""
+        return self._ready.fd
+
+    def submit(self, job: RunBatch) -> None:
+        """Queue a batch; its outcome comes back through :meth:`finished`."""
+        self._jobs.put(job)
+
+    def drop_queued(self) -> int:
+        """Take back the batches not started yet; returns how many there were."""
+        dropped = 0
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._jobs.get_nowait()
+                dropped += 1
+        return dropped
+
+    def finished(self) -> Iterator[JobOutcome]:
+        """The outcomes waiting, oldest first. A caller that stops before the end calls
+        :meth:`rewake`, so that the rest wake the poll again."""
+        self._ready.clear()  # before reading: an outcome queued after this wakes anew
+        outcomes = self._outcomes
+        while True:
+            try:
+                outcome = outcomes.get_nowait()
+            except queue.Empty:
+                return
+            yield outcome
+
+    def rewake(self) -> None:
+        """Outcomes left unread wake the next poll."""
+        if not self._outcomes.empty():
+            self._ready.wake()
+
+    def stop(self, wait_s: float) -> None:
+        """Drop the batches not started (their broker requeues them), let the thread end
+        after the batch it runs, and wait up to ``wait_s`` for it."""
+        self._stopped = True
+        self.drop_queued()
+        self._jobs.put(None)
+        self._thread.join(timeout=wait_s)
+
+    def release_after(self, release: Callable[[], None]) -> bool:
+        """Call ``release`` (what the running batch may still use) once the thread has
+        ended: now (returns True), or when its batch ends (returns False)."""
+        with self._lock:
+            if not self._done:
+                self._then = release
+                return False
+        self._ready.close()
+        release()
+        return True
+
+    def _loop(self, factories: dict[str, EngineFactory], warmup: bool) -> None:
+        engines: dict[str, Engine] = {}
+        try:
+            for name, factory in factories.items():
+                engines[name] = factory()
+                if warmup:
+                    warm_up(engines[name], name)
+            specs = [engine.info.spec(name) for name, engine in engines.items()]
+            check_specs(specs)
+            self.engines = engines
+        except BaseException as exc:
+            for engine in engines.values():
+                engine.close()
+            with self._lock:
+                self._done = True
+            self._startup.put(exc)
+            return
+        self._startup.put(specs)
+        jobs, outcomes, ready = self._jobs, self._outcomes, self._ready
+        try:
+            while (job := jobs.get()) is not None:
+                outcome = run_job(engines, job, self._clock, self._reader, self._rings)
+                if self._stopped:
+                    continue  # stopped while it ran: nobody reads outcomes
+                outcomes.put(outcome)
+                ready.wake()
+        finally:
+            for engine in engines.values():
+                engine.close()
+            with self._lock:
+                self._done = True
+                then = self._then
+            if then is not None:  # release_after() returned while this batch ran
+                self._ready.close()
+                then()
