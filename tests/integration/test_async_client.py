@@ -8,9 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 
 from carpool.client import AsyncClient, NotFound, Unavailable
 from carpool.common.errors import CarpoolError
+from carpool.common.protocol import Command, decode_meta, encode
 from carpool.worker.engines.synthetic import SyntheticEngine
 
 
@@ -141,5 +144,32 @@ def test_close_answers_a_pending_stats_at_once(nobody: str) -> None:
         await client.close()
         with pytest.raises(CarpoolError, match="closed"):
             await asyncio.wait_for(pending, 10)  # (TimeoutError here, before)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_stats_calls_in_flight_together_each_get_their_own_reply() -> None:
+    """Two stats() at once, answered in the reverse order: each call returns the reply
+    that echoes its own id."""
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        broker = context.socket(zmq.ROUTER)
+        try:
+            port = broker.bind_to_random_port("tcp://127.0.0.1")
+            async with AsyncClient(f"tcp://127.0.0.1:{port}") as client:
+                calls = [asyncio.create_task(client.stats(5)) for _ in range(2)]
+                asks = [await asyncio.wait_for(broker.recv_multipart(), 10) for _ in calls]
+                ids = [decode_meta(frames[2])["id"] for frames in asks]
+                for (identity, *_), sid in reversed(list(zip(asks, ids, strict=True))):
+                    reply = encode(Command.STATS, {"id": sid, "answer_to": sid})
+                    await broker.send_multipart([identity, *reply])
+                got = await asyncio.gather(*calls)
+            assert [g["answer_to"] for g in got] == ids  # in the order the calls began
+            assert len(set(ids)) == 2
+        finally:
+            broker.close(linger=0)
+            context.term()
 
     asyncio.run(main())

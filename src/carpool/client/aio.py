@@ -11,21 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import weakref
 from collections.abc import Mapping
-from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import zmq
 import zmq.asyncio
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.core import ClientCore, InferResult
-from carpool.client.sync import ClientState, release_socket
+from carpool.client.core import InferResult
+from carpool.client.options import ClientOptionArgs, ClientOptions
+from carpool.client.shell import ClientState, close_core, open_core, open_dealer
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
-from carpool.common.shm import ShmArena
 
 
 class AsyncClient:
@@ -35,40 +33,22 @@ class AsyncClient:
         self,
         endpoint: str,
         *,
-        default_timeout_s: float = 10.0,
-        grace_s: float = 1.0,
         context: zmq.asyncio.Context | None = None,
         clock: Clock | None = None,
-        shared_memory: int = 0,
-        shared_memory_min_bytes: int = 64 * 1024,
-        shared_memory_mode: int = 0o600,
-        shared_memory_outputs: bool = False,
-        shared_memory_group: str | None = None,
-        send_timeout_s: float | None = None,
+        **options: Unpack[ClientOptionArgs],
     ) -> None:
-        self.core = ClientCore(default_timeout_s, grace_s)
-        self.send_timeout_s = send_timeout_s
-        if shared_memory:
-            self.core.arena = ShmArena(
-                shared_memory, mode=shared_memory_mode, group=shared_memory_group
-            )
-            self.core.shm_min_bytes = shared_memory_min_bytes
-        self.core.shm_outputs = shared_memory_outputs
+        self.options = ClientOptions(**options)
+        self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
-        self._own_context = context is None
         self.context = context or zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(endpoint)
-        # (A client dropped without close(): see release_socket.)
-        self._release = weakref.finalize(
-            self, release_socket, self.socket, self.context, self._own_context
+        self.socket, self._release = open_dealer(
+            self, self.context, endpoint, own_context=context is None
         )
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
-        self._stats: asyncio.Future[dict[str, Any]] | None = None
+        # stats() calls waiting for their replies, by STATS id (several may overlap).
+        self._stats: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # of the futures and reader
-        self._stats_id = 0
         self.state = ClientState.OPEN
 
     async def submit(
@@ -85,14 +65,12 @@ class AsyncClient:
         raise here, with the same exceptions)."""
         self._check_open()
         loop = self._bind()
-        rid, frames = self.core.request(self.clock.now(), model, inputs, timeout_s, priority)
+        now = self.clock.now()
+        rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
         future: asyncio.Future[InferResult] = loop.create_future()
         self._futures[rid] = future
-        # ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
-        # away or not reading; past it a send waits for as long as the broker does.
-        send_s = self.core.pending[rid] - self.core.grace_s - self.clock.now()
-        if self.send_timeout_s is not None:
-            send_s = min(send_s, self.send_timeout_s)
+        # (The time the request took to encode counts against its window.)
+        send_s = now + self.core.send_window_s(timeout_s) - self.clock.now()
         try:
             await asyncio.wait_for(self.socket.send_multipart(frames, copy=False), send_s)
         except (TimeoutError, asyncio.TimeoutError):  # (one class from 3.11 on)
@@ -127,22 +105,23 @@ class AsyncClient:
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The broker's counters (see :meth:`carpool.client.Client.stats`)."""
         self._check_open()
-        self._stats = self._bind().create_future()
-        self._stats_id, frames = self.core.stats_request()
+        answer: asyncio.Future[dict[str, Any]] = self._bind().create_future()
+        sid, frames = self.core.stats_request()
+        self._stats[sid] = answer
         try:
-            await asyncio.wait_for(self.socket.send_multipart(frames), timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):  # (one class from 3.11 on)
-            self._stats = None
-            raise TimeoutError("the broker is not taking requests") from None
-        except asyncio.CancelledError:
-            if self._ended_by_close():
-                raise CarpoolError("the client is closed") from None
-            raise
-        self._ensure_reader()
-        try:
-            return await asyncio.wait_for(self._stats, timeout_s)
-        finally:
-            self._stats = None  # answered or given up: the reader may go idle
+            try:
+                await asyncio.wait_for(self.socket.send_multipart(frames), timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):  # (one class from 3.11 on)
+                raise TimeoutError("the broker is not taking requests") from None
+            except asyncio.CancelledError:
+                if self._ended_by_close():
+                    raise CarpoolError("the client is closed") from None
+                raise
+            self._ensure_reader()
+            return await asyncio.wait_for(answer, timeout_s)
+        finally:  # answered or given up: a later reply is dropped, the reader may go idle
+            self._stats.pop(sid, None)
+            self.core.forget_stats(sid)
 
     def _ended_by_close(self) -> bool:
         """Whether the CancelledError being handled came from close() (zmq cancels what
@@ -175,9 +154,11 @@ class AsyncClient:
                     future.set_exception(
                         Unavailable("the client moved to another event loop", request_id=rid)
                     )
-            if self._stats is not None and not old.is_closed() and not self._stats.done():
-                self._stats.set_exception(CarpoolError("the client moved to another loop"))
-            self._stats = None
+            for sid, answer in list(self._stats.items()):
+                self.core.forget_stats(sid)
+                del self._stats[sid]
+                if not answer.done() and not old.is_closed():
+                    answer.set_exception(CarpoolError("the client moved to another loop"))
             if self._reader is not None and not old.is_closed():
                 self._reader.cancel()  # (if that loop ever runs again)
             self._reader = None
@@ -200,7 +181,7 @@ class AsyncClient:
     async def _read_loop(self) -> None:
         while self.state is ClientState.OPEN:
             deadline = self.core.next_deadline()
-            if deadline is None and not self._futures and self._stats is None:
+            if deadline is None and not self._futures and not self._stats:
                 return  # idle: the next submit restarts the reader
             # Wake at least once a second so requests with shorter timeouts expire on time.
             wait_s = 1.0 if deadline is None else min(1.0, deadline - self.clock.now())
@@ -221,11 +202,10 @@ class AsyncClient:
         except ProtocolError:
             return
         if isinstance(outcome, dict):
-            if outcome.get("id") != self._stats_id:
-                return  # a late answer to an earlier stats() call
-            if self._stats is not None and not self._stats.done():
-                self._stats.set_result(outcome)
-            self._stats = None
+            # A STATS reply: rid is the stats() call's that asked (None: nobody waits).
+            answer = None if rid is None else self._stats.get(rid)
+            if answer is not None and not answer.done():
+                answer.set_result(outcome)
             return
         if rid is not None:
             self._settle(rid, outcome)
@@ -260,21 +240,14 @@ class AsyncClient:
         finally:
             for rid in list(self._futures):
                 self._settle(rid, Unavailable("the client was closed", request_id=rid))
-            if self._stats is not None and not self._stats.done():
-                self._stats.set_exception(CarpoolError("the client is closed"))
+            for answer in self._stats.values():
+                if not answer.done():
+                    answer.set_exception(CarpoolError("the client is closed"))
             self._release()
-            if self.core.arena is not None:
-                self.core.arena.close()
-            if self.core.reader is not None:
-                self.core.reader.close()
+            close_core(self.core)
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()

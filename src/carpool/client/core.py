@@ -1,11 +1,16 @@
 """core.py: ClientCore — what both clients share: ids, encoding, decoding, local deadlines.
 
-Pure: no sockets, no clock (``now`` is passed in). The blocking and asyncio clients are
-thin shells over it, so neither duplicates protocol logic.
+Pure: no sockets, threads or clock (``now`` is passed in). The blocking and asyncio
+clients are thin shells over it that only move frames, so neither duplicates protocol
+logic, the matching of STATS replies to the calls that asked, or send deadlines.
 
 Local deadline: the broker answers every request by its deadline, so a client that hears
 nothing for ``timeout + grace`` concludes the broker is unreachable and fails the request
 with :class:`Unavailable` instead of waiting forever.
+
+Send window: ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
+away or not reading; past it a send waits for room, for at most :meth:`ClientCore.send_window_s`
+(the request's timeout, or the client's ``send_timeout_s`` if shorter).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -46,6 +51,9 @@ from carpool.common.protocol import (
     view,
 )
 from carpool.common.shm import RegionReader, ShmArena, ShmError
+
+if TYPE_CHECKING:
+    from carpool.client.options import ClientOptions
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +87,7 @@ class ClientCore:
 
     default_timeout_s: float = 10.0
     grace_s: float = 1.0
+    send_timeout_s: float | None = None  # the longest a send may wait; None: its timeout
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _deadlines: list[tuple[float, int]] = field(default_factory=list)
     pending: dict[int, float] = field(default_factory=dict)  # id -> local deadline
@@ -96,6 +105,30 @@ class ClientCore:
     shm_outputs: bool = False
     reader: RegionReader | None = None
     _next_sweep_s: float = 0.0
+    # STATS requests asked for and not yet given up: id -> reply, None until it arrives.
+    # (Several may be in flight at once, each waiting for the reply that echoes its id.)
+    _stats: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, options: ClientOptions, arena: ShmArena | None = None) -> ClientCore:
+        """The core of a client with these options; ``arena``: its shared-memory region."""
+        return cls(
+            default_timeout_s=options.default_timeout_s,
+            grace_s=options.grace_s,
+            send_timeout_s=options.send_timeout_s,
+            arena=arena,
+            shm_min_bytes=options.shared_memory_min_bytes,
+            shm_outputs=options.shared_memory_outputs,
+        )
+
+    def send_window_s(self, timeout_s: float | None) -> float:
+        """How long a request with this timeout (None: the default) may wait for room to
+        be sent: its timeout, or ``send_timeout_s`` if that is shorter. A request not sent
+        in that time fails ``Unavailable``."""
+        window_s = self.default_timeout_s if timeout_s is None else timeout_s
+        if self.send_timeout_s is not None:
+            window_s = min(window_s, self.send_timeout_s)
+        return window_s
 
     def request(
         self,
@@ -185,9 +218,27 @@ class ClientCore:
         return rid, [_REQUEST, codec.pack(meta), *payloads]
 
     def stats_request(self) -> tuple[int, list[Any]]:
-        """A STATS request; the reply echoes the returned id."""
+        """A STATS request, awaited from now on: the reply that echoes the returned id is
+        kept for :meth:`stats_reply` until :meth:`forget_stats`."""
         sid = next(self._ids)
+        self._stats[sid] = None
         return sid, encode(Command.STATS, {"id": sid})
+
+    def stats_reply(self, stats_id: int) -> dict[str, Any] | None:
+        """The broker's answer to STATS request ``stats_id``; None while it has not come."""
+        return self._stats.get(stats_id)
+
+    def forget_stats(self, stats_id: int) -> None:
+        """Stop waiting for STATS request ``stats_id`` (answered, or given up): a reply
+        that comes later is dropped."""
+        self._stats.pop(stats_id, None)
+
+    def _on_stats(self, meta: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
+        sid = meta.get("id")
+        if type(sid) is int and sid in self._stats:
+            self._stats[sid] = meta
+            return sid, meta
+        return None, meta  # a late answer to a call that gave up, or one nobody asked
 
     def on_reply(
         self, frames: Sequence[Frame]
@@ -196,8 +247,9 @@ class ClientCore:
 
         Returns:
             (request id, result or error) for replies to requests still pending;
-            (None, stats map) for a STATS reply; (None, error) for an error that names no
-            pending request.
+            (stats id, stats map) for a STATS reply awaited (:meth:`stats_request`), and
+            (None, stats map) for one that is not; (None, error) for an error that names
+            no pending request.
         Raises:
             ProtocolError: the message is not valid.
         """
@@ -227,7 +279,7 @@ class ClientCore:
         self, command: Command, meta: dict[str, Any], frames: Sequence[Frame]
     ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
         if command is _STATS:
-            return None, meta
+            return self._on_stats(meta)
         if command is _ERROR:
             err = ErrorReply.from_wire(meta)
             retry = None if err.retry_after_ms is None else err.retry_after_ms / 1000.0

@@ -22,42 +22,24 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from enum import Enum
-from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import zmq
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.core import ClientCore, InferResult
+from carpool.client.core import InferResult
+from carpool.client.options import ClientOptionArgs, ClientOptions
+from carpool.client.shell import ClientState, close_core, open_core, open_dealer
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
-from carpool.common.shm import ShmArena
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
-
-
-class ClientState(Enum):
-    OPEN = "open"
-    CLOSED = "closed"
-
 
 _OPEN = ClientState.OPEN  # (checked per call: a global is cheaper than Enum.MEMBER)
 #: How long a thread waiting for another's socket sleeps before it looks again (it is
 #: woken sooner when the other lets go); bounds any wake-up lost to a race.
 _RECHECK_S = 0.05
-
-
-def release_socket(socket: zmq.Socket[Any], context: zmq.Context[Any], own_context: bool) -> None:
-    """Close a client's socket, and its context if the client made it: at ``close()``, or
-    when a client dropped without ``close()`` is collected (a weakref finalizer). Left to
-    pyzmq's own finalizers, a client collected in a cycle with its futures (a request
-    still pending) left its socket open and blocked the collecting thread for ever in
-    ``Context.term()``."""
-    socket.close(linger=0)
-    if own_context:
-        context.term()
 
 
 class ReplyFuture:
@@ -115,67 +97,35 @@ class Client:
 
     Args:
         endpoint: the broker's frontend, e.g. ``tcp://127.0.0.1:5555``.
-        default_timeout_s: timeout of requests that give none.
-        grace_s: how long past a request's timeout to wait for the broker's answer before
-            raising :class:`Unavailable`.
         context: zmq context to use; by default the client owns a new one.
-        shared_memory: bytes of a shared-memory region (``/dev/shm/carpool-*``) for large
-            inputs; 0 (the default) sends every input in its frame. Use it only when every
-            worker of the models you call runs on this host and can read the region
-            (protocol §5.4): a worker that cannot answers that request ``UNAVAILABLE``.
-        shared_memory_min_bytes: inputs this large or larger go through the region (while
-            it has room; the rest go in their frames).
-        shared_memory_mode: the region's file permissions (0o600: only this user's
-            workers can read it; 0o640 for workers running as another user in its group).
-        shared_memory_outputs: ask workers to hand large outputs (64 KiB and up) over in
-            their shared-memory rings (protocol §5.5), which this client copies out when
-            the reply arrives. Only for clients on the workers' host that can read their
-            rings (``shm_output_mode``/``shm_output_group`` in the worker's config); if a
-            ring cannot be opened, that request fails ``Unavailable`` and the client stops
-            asking.
-        shared_memory_group: the region's group, for workers that run as another user
-            in it (with ``shared_memory_mode=0o640``).
-        send_timeout_s: how long a request may wait to be sent while the broker takes
-            nothing (it is away, and 1,000 messages wait for it already); None: up to
-            the request's own timeout; 0: not at all (a load generator must not wait).
-            A request not sent in that time fails ``Unavailable``.
+        clock: the clock its deadlines are read from (a fake one in tests).
+        options: :class:`~carpool.client.options.ClientOptions`, by keyword:
+            ``default_timeout_s``, ``grace_s``, ``send_timeout_s`` and the
+            ``shared_memory*`` options (their meaning and defaults are documented there).
+
+    Raises:
+        ValueError: an option out of its range.
     """
 
     def __init__(
         self,
         endpoint: str,
         *,
-        default_timeout_s: float = 10.0,
-        grace_s: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Clock | None = None,
-        shared_memory: int = 0,
-        shared_memory_min_bytes: int = 64 * 1024,
-        shared_memory_mode: int = 0o600,
-        shared_memory_outputs: bool = False,
-        shared_memory_group: str | None = None,
-        send_timeout_s: float | None = None,
+        **options: Unpack[ClientOptionArgs],
     ) -> None:
-        self.core = ClientCore(default_timeout_s, grace_s)
-        self.send_timeout_s = send_timeout_s
-        if shared_memory:
-            self.core.arena = ShmArena(
-                shared_memory, mode=shared_memory_mode, group=shared_memory_group
-            )
-            self.core.shm_min_bytes = shared_memory_min_bytes
-        self.core.shm_outputs = shared_memory_outputs
+        self.options = ClientOptions(**options)
+        self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
-        self._own_context = context is None
         self.context = context or zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(endpoint)
+        self.socket, self._release = open_dealer(
+            self, self.context, endpoint, own_context=context is None
+        )
         # One poller for the socket's life (Socket.poll builds a new one on every call).
         self._poller = zmq.Poller()
         self._poller.register(self.socket, zmq.POLLIN)
         self._futures: dict[int, ReplyFuture] = {}
-        # STATS replies by id: None until it arrives (stats() calls may overlap).
-        self._stats: dict[int, dict[str, Any] | None] = {}
         self.state = ClientState.OPEN
         # Threads (module docstring): the socket's owner, if any, and how many threads
         # wait to send; a sender wakes the pumper through _wake, which its poll watches.
@@ -188,9 +138,6 @@ class Client:
         self._closing = False  # close() has begun: the others give up
         self._wake = WakePipe()
         weakref.finalize(self, self._wake.close)  # a Client dropped without close()
-        self._release = weakref.finalize(
-            self, release_socket, self.socket, self.context, self._own_context
-        )
         self._poller.register(self._wake.fd, zmq.POLLIN)
 
     def submit(
@@ -213,11 +160,9 @@ class Client:
             ProtocolError: an input's dtype has no wire name (complex, strings, objects).
             CarpoolError: the client is closed.
         """
-        wait_s = self.core.default_timeout_s if timeout_s is None else timeout_s
-        if self.send_timeout_s is not None:
-            wait_s = min(wait_s, self.send_timeout_s)
+        window_s = self.core.send_window_s(timeout_s)
         try:  # (acquired inside: an exception from a signal handler cannot skip finally)
-            if not self._take(wait_s, send=True):
+            if not self._take(window_s, send=True):
                 # Other threads' sends have held the socket for all that time (the
                 # broker takes nothing): as if this send had waited itself.
                 future = ReplyFuture(self, 0)
@@ -227,10 +172,7 @@ class Client:
             now = self.clock.now()
             rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
             future = ReplyFuture(self, rid)
-            until = self.core.pending[rid] - self.core.grace_s
-            if self.send_timeout_s is not None:
-                until = min(until, now + self.send_timeout_s)
-            if not self._send(frames, until):
+            if not self._send(frames, now + window_s):
                 # Its timeout passed with the broker taking nothing (down, or not
                 # reading): an answer now, not a send that blocks while the broker is away.
                 self.core.forget(rid)
@@ -279,25 +221,26 @@ class Client:
         """The broker's counters: batch-size distribution per model, errors, workers."""
         self._check_open()
         until = self.clock.now() + timeout_s
+        sid = 0  # (no id yet: forgetting it is a no-op)
         try:
-            if not self._take(timeout_s, send=True):
-                raise TimeoutError("the broker is not taking requests")
-            self._check_open()
-            sid, frames = self.core.stats_request()
-            if not self._send(frames, until):
-                raise TimeoutError("the broker is not taking requests")
-            self._stats[sid] = None  # wanted: _dispatch fills it in
-        finally:
-            self._let_go()
-        try:
-            while (got := self._stats[sid]) is None:
+            try:
+                if not self._take(timeout_s, send=True):
+                    raise TimeoutError("the broker is not taking requests")
+                self._check_open()
+                sid, frames = self.core.stats_request()
+                if not self._send(frames, until):
+                    raise TimeoutError("the broker is not taking requests")
+            finally:
+                self._let_go()
+            # Whichever thread pumps the socket hands the reply to the core.
+            while (got := self.core.stats_reply(sid)) is None:
                 left = until - self.clock.now()
                 if left <= 0:
                     raise TimeoutError("no STATS reply from the broker")
                 self.poll(left)
             return got
         finally:
-            self._stats.pop(sid, None)
+            self.core.forget_stats(sid)
 
     # ------------------------------------------------------------------ threads
 
@@ -434,10 +377,7 @@ class Client:
         except ProtocolError:
             return 0  # not a message we can read; nothing waits on it
         if isinstance(outcome, dict):
-            sid = outcome.get("id")
-            if type(sid) is int and sid in self._stats:  # not a late answer to a past call
-                self._stats[sid] = outcome
-            return 0
+            return 0  # a STATS reply: the core keeps it for the stats() call that asked
         future = None if rid is None else self._futures.pop(rid, None)
         if future is None:
             return 0
@@ -481,18 +421,10 @@ class Client:
         finally:
             self._let_go()
         self._release()
-        if self.core.arena is not None:
-            self.core.arena.close()
-        if self.core.reader is not None:
-            self.core.reader.close()
+        close_core(self.core)
 
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

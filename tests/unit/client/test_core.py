@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from carpool.client.core import ClientCore, InferResult
+from carpool.client.options import ClientOptions
 from carpool.common import codec
 from carpool.common.errors import (
     DeadlineExceeded,
@@ -310,6 +311,35 @@ def test_stats_reply() -> None:
     assert stats == {"id": 3, "queued": 2}
 
 
+def test_stats_replies_are_matched_to_their_requests_by_id() -> None:
+    c = ClientCore()
+    first, _ = c.stats_request()
+    second, _ = c.stats_request()
+    assert c.stats_reply(first) is None  # asked, not answered yet
+    assert c.on_reply(encode(Command.STATS, {"id": second, "n": 2})) == (
+        second,
+        {"id": second, "n": 2},
+    )
+    assert c.stats_reply(first) is None
+    assert c.on_reply(encode(Command.STATS, {"id": first, "n": 1}))[0] == first
+    assert c.stats_reply(first) == {"id": first, "n": 1}
+    assert c.stats_reply(second) == {"id": second, "n": 2}
+    c.forget_stats(first)
+    assert c.stats_reply(first) is None
+    assert c.on_reply(encode(Command.STATS, {"id": first, "n": 3}))[0] is None  # given up
+    assert c.stats_reply(first) is None
+    assert c.stats_reply(second) == {"id": second, "n": 2}
+
+
+@pytest.mark.parametrize("sid", [None, "1", 1.0, True])
+def test_a_stats_reply_without_an_awaited_id_answers_nobody(sid: object) -> None:
+    c = ClientCore()
+    asked, _ = c.stats_request()
+    assert asked == 1
+    assert c.on_reply(encode(Command.STATS, {"id": sid}))[0] is None
+    assert c.stats_reply(asked) is None
+
+
 @pytest.mark.parametrize(
     "frames",
     [
@@ -433,6 +463,39 @@ def test_zero_samples_or_bytes_for_an_empty_output_are_refused(shape: list[int])
 
 
 # --------------------------------------------------------------------------- local deadlines
+
+
+@pytest.mark.parametrize(
+    ("default_s", "send_timeout_s", "timeout_s", "window_s"),
+    [
+        (10.0, None, None, 10.0),  # the default timeout
+        (10.0, None, 0.3, 0.3),  # the request's own
+        (10.0, 2.0, None, 2.0),  # send_timeout_s, shorter
+        (10.0, 2.0, 0.3, 0.3),  # the request's own, shorter still
+        (10.0, 0.0, 0.3, 0.0),  # never wait for room
+    ],
+)
+def test_send_window_is_the_timeout_or_send_timeout_if_shorter(
+    default_s: float, send_timeout_s: float | None, timeout_s: float | None, window_s: float
+) -> None:
+    c = ClientCore(default_timeout_s=default_s, send_timeout_s=send_timeout_s)
+    assert c.send_window_s(timeout_s) == window_s
+
+
+def test_a_core_from_options() -> None:
+    options = ClientOptions(
+        default_timeout_s=2.0,
+        grace_s=0.25,
+        send_timeout_s=0.5,
+        shared_memory_min_bytes=4096,
+        shared_memory_outputs=True,
+    )
+    c = ClientCore.from_options(options)
+    assert (c.default_timeout_s, c.grace_s, c.send_timeout_s) == (2.0, 0.25, 0.5)
+    assert (c.shm_min_bytes, c.shm_outputs, c.arena) == (4096, True, None)
+    rid, frames = c.request(T0, "m", {"x": [1]})
+    assert c.pending[rid] == T0 + 2.25
+    assert decode_meta(frames[1])["shm_outputs"] is True
 
 
 def test_local_expiry_is_unavailable() -> None:

@@ -1,0 +1,71 @@
+"""shell.py: what the two client twins do alike around their I/O: open and let go.
+
+``Client`` (blocking) and ``AsyncClient`` (asyncio) each build the same
+:class:`~carpool.client.core.ClientCore` from their :class:`ClientOptions` (with its
+shared-memory region, if asked for), open one DEALER socket on their own kind of zmq
+context, and release both the same way. Everything about requests, replies and deadlines
+is the core's; only these resources are here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from enum import Enum
+from typing import Any, TypeVar
+
+import zmq
+
+from carpool.client.core import ClientCore
+from carpool.client.options import ClientOptions
+from carpool.common.shm import ShmArena
+
+SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
+
+
+class ClientState(Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def open_core(options: ClientOptions) -> ClientCore:
+    """The core of a client with these options, holding its shared-memory region if
+    ``options.shared_memory`` asks for one."""
+    arena = None
+    if options.shared_memory:
+        arena = ShmArena(
+            options.shared_memory,
+            mode=options.shared_memory_mode,
+            group=options.shared_memory_group,
+        )
+    return ClientCore.from_options(options, arena)
+
+
+def open_dealer(
+    owner: object, context: zmq.Context[SocketT], endpoint: str, *, own_context: bool
+) -> tuple[SocketT, weakref.finalize[..., object]]:
+    """A DEALER socket connected to ``endpoint``, and the finalizer that closes it (and
+    ``context`` too, with ``own_context``) at ``close()`` or when ``owner`` is collected
+    without one (see :func:`release_socket`)."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    return socket, weakref.finalize(owner, release_socket, socket, context, own_context)
+
+
+def release_socket(socket: zmq.Socket[Any], context: zmq.Context[Any], own_context: bool) -> None:
+    """Close a client's socket, and its context if the client made it: at ``close()``, or
+    when a client dropped without ``close()`` is collected (a weakref finalizer). Left to
+    pyzmq's own finalizers, a client collected in a cycle with its futures (a request
+    still pending) left its socket open and blocked the collecting thread for ever in
+    ``Context.term()``."""
+    socket.close(linger=0)
+    if own_context:
+        context.term()
+
+
+def close_core(core: ClientCore) -> None:
+    """Let go of a closed client's shared memory: its region and the rings it read."""
+    if core.arena is not None:
+        core.arena.close()
+    if core.reader is not None:
+        core.reader.close()
