@@ -62,8 +62,8 @@ X = {"x": np.ones((1, 3), np.float32)}
 
 @pytest.mark.timeout(60)
 def test_a_client_moves_to_a_new_loop_once_the_old_one_has_stopped(fleet_factory: Any) -> None:
-    """Its reader was a task of the first loop: after that loop closed, a request on a new
-    loop was never answered (not even Unavailable at its timeout)."""
+    """Its reader is a task of the first loop; once that loop has closed, the client
+    moves to a new one, and a request made there is answered."""
     fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
     fleet.add_worker({"m": lambda: SyntheticEngine(item_shape=(3,), max_batch=8)})
     fleet.ready()
@@ -86,8 +86,9 @@ def test_a_client_moves_to_a_new_loop_once_the_old_one_has_stopped(fleet_factory
 
 @pytest.mark.timeout(60)
 def test_a_client_refuses_a_second_loop_while_the_first_runs(tmp_path: Any) -> None:
-    """Two threads, each with its own loop, on one client: the second one's futures were
-    completed by the first one's reader, across threads, or never."""
+    """Two threads, each with its own loop, on one client: the second loop is refused
+    while the first runs (its futures would be completed by the first one's reader,
+    across threads, or never)."""
     client = AsyncClient(f"ipc://{tmp_path}/nobody")
     started, release = threading.Event(), threading.Event()
 
@@ -111,9 +112,9 @@ def test_a_client_refuses_a_second_loop_while_the_first_runs(tmp_path: Any) -> N
 
 @pytest.mark.timeout(60)
 def test_close_ends_a_submit_waiting_for_room_with_its_answer_not_a_cancel(nobody: str) -> None:
-    """The broker away and ZeroMQ's queue full: a submit waits for room. close() ended it
-    with CancelledError, as if its task had been cancelled (TaskGroup and asyncio.run
-    read it so), and the future close() had failed went unretrieved."""
+    """The broker away and ZeroMQ's queue full: a submit waits for room. close() ends it
+    with its future, failed 'closed', not with CancelledError (TaskGroup and asyncio.run
+    would read that as a cancel of its task)."""
 
     async def main() -> None:
         client = AsyncClient(nobody)
@@ -135,7 +136,7 @@ def test_close_ends_a_submit_waiting_for_room_with_its_answer_not_a_cancel(nobod
 
 @pytest.mark.timeout(60)
 def test_close_answers_a_pending_stats_at_once(nobody: str) -> None:
-    """stats() waiting for the broker's answer waited out its own timeout after close()."""
+    """close() answers a stats() that waits for the broker at once, not at its timeout."""
 
     async def main() -> None:
         client = AsyncClient(nobody)
@@ -143,7 +144,7 @@ def test_close_answers_a_pending_stats_at_once(nobody: str) -> None:
         await asyncio.sleep(0.2)
         await client.close()
         with pytest.raises(CarpoolError, match="closed"):
-            await asyncio.wait_for(pending, 10)  # (TimeoutError here, before)
+            await asyncio.wait_for(pending, 10)
 
     asyncio.run(main())
 

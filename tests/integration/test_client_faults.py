@@ -21,8 +21,9 @@ X = np.ones((1, 4), np.float32)
 
 @pytest.mark.timeout(60)
 def test_a_broker_that_is_away_costs_a_request_its_timeout_not_a_hang(nobody: str) -> None:
-    """ZeroMQ queues 1,000 messages for a peer that is not there; the next send blocked
-    for as long as the broker stayed away, whatever the request's timeout said."""
+    """ZeroMQ queues 1,000 messages for a peer that is not there; past that, a request's
+    send waits at most its timeout and then fails Unavailable, however long the broker
+    stays away."""
     with Client(nobody, grace_s=0.0) as client:
         futures = []
         for _ in range(3000):
@@ -77,8 +78,8 @@ def test_a_submitted_input_does_not_change_with_the_callers_buffer(
     nobody: str, context: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
     """A camera loop refills its frame buffer after submit(); the request already made
-    must carry what was submitted. (Sent without a copy, a large input was read from the
-    caller's buffer whenever the socket got to it: here, once the broker came up.)"""
+    carries what was submitted, even when the socket sends it later (here, once the
+    broker comes up): a large input that is the caller's memory is copied first."""
     frame = np.full((1, 32768), 1.0, np.float32)  # 128 KiB: over pyzmq's copy threshold
     small = np.full((1, 4), 1.0, np.float32)
     with Client(nobody) as client:

@@ -1,6 +1,6 @@
 """One blocking Client shared by threads (a camera loop per thread): every request gets
-its own answer, and nothing crashes or hangs. Before, a shared Client aborted the process
-inside libzmq (``Assertion failed: check () (src/msg.cpp)``) or hung in ``zmq_poll``."""
+its own answer, and nothing crashes or hangs (one thread at a time uses the zmq socket,
+which libzmq requires)."""
 
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ def test_a_future_may_be_waited_for_in_another_thread(fleet_factory: Any) -> Non
 def test_threads_facing_no_broker_fail_on_time_and_close_answers_the_rest(
     nobody: str,
 ) -> None:
-    """No broker: each thread's request fails Unavailable at its own deadline (it hung in
-    zmq_poll for the whole test before); close() from another thread answers the requests
-    still waiting at once."""
+    """No broker: each thread's request fails Unavailable at its own deadline, whichever
+    thread owns the socket; close() from another thread answers the requests still
+    waiting at once."""
     client = Client(nobody, grace_s=0.2)
     clock = MonotonicClock()
     started = clock.now()
@@ -125,9 +125,9 @@ def _until_another_thread_owns(client: Client, thread: threading.Thread) -> None
 
 
 def test_close_from_a_signal_handler_in_the_owning_thread_returns(nobody: str) -> None:
-    """The handler runs in the thread that owns the socket (blocked in result()); a lock
-    that was not re-entrant made close() wait for itself for ever. The interrupted poll
-    then raised libzmq's ZMQError (ENOTSOCK), not the future's Unavailable."""
+    """The handler runs in the thread that owns the socket (blocked in result()): close()
+    goes on at once (the socket's lock is re-entrant), and the interrupted wait ends with
+    the future's Unavailable, not libzmq's ZMQError (ENOTSOCK) from the closed socket."""
     code = f"""
 import signal, numpy as np
 from carpool.client import Client, Unavailable
@@ -139,7 +139,7 @@ try:
     f.result()
 except Unavailable as exc:
     print("closed" if "closed" in str(exc) else repr(exc))
-except Exception as exc:  # (libzmq's ENOTSOCK from the interrupted poll, before)
+except Exception as exc:  # (e.g. libzmq's ENOTSOCK from the interrupted poll)
     print(repr(exc))
 """
     done = subprocess.run(
@@ -149,9 +149,9 @@ except Exception as exc:  # (libzmq's ENOTSOCK from the interrupted poll, before
 
 
 def test_interrupts_at_any_point_leave_the_client_usable(nobody: str) -> None:
-    """Ctrl-C (any exception from a signal handler) can strike right after the socket's
-    lock is taken, before the ``try`` that releases it; the next call then hung for good,
-    close() included. (The lock is re-entrant, and taken inside the ``try`` now. One
+    """Ctrl-C (any exception from a signal handler) may strike anywhere in a call, right
+    after the socket's lock is taken included: the lock is re-entrant and taken inside
+    the ``try`` that releases it, so the next call, close() included, still works. (One
     window remains, inside the ``finally`` that releases it: then the interrupted thread
     keeps the socket, its own calls still work, other threads' time out.)"""
     code = f"""
@@ -195,7 +195,7 @@ print("ok")
 
 def test_a_submit_keeps_its_timeout_while_another_threads_send_waits(nobody: str) -> None:
     """No broker, its queue full: another thread's send holds the socket for up to 4 s;
-    a submit with 0.2 s failed after those 4 s, not 0.2."""
+    a submit with 0.2 s fails Unavailable after about 0.2 s, not after those 4 s."""
     client = Client(nobody, grace_s=0.2)
     for _ in range(1000):  # fills ZeroMQ's high-water mark: the broker is away
         client.submit("m", X, 30)
@@ -233,9 +233,9 @@ def _hammer(client: Client, stop: threading.Event, ended: list[BaseException]) -
 
 
 def test_close_is_not_starved_by_a_thread_that_submits_in_a_loop(nobody: str) -> None:
-    """The submitting thread took the socket back each time before close() woke, and each
-    of its submits returned at once once close() had begun (the broker's queue full): close
-    waited for as long as the loop ran (seconds with a live broker, for ever here)."""
+    """A thread that submits in a tight loop (each submit returns at once: the broker's
+    queue is full) does not keep close() from the socket: close() goes before the line,
+    and the looping thread's next submit raises 'closed'."""
     client = Client(nobody, grace_s=0.2)
     stop, ended = threading.Event(), []
     thread = _hammer(client, stop, ended)
@@ -257,8 +257,8 @@ def test_close_is_not_starved_by_a_thread_that_submits_in_a_loop(nobody: str) ->
 
 def test_threads_waiting_for_the_socket_take_it_in_turn(nobody: str) -> None:
     """The thread that lets go of the socket and asks for it again at once goes behind
-    the threads already waiting (it took it straight back before, ahead of them: under
-    the GIL it runs on while they wake)."""
+    the threads already waiting (under the GIL it runs on while they wake, and would
+    otherwise take it straight back, ahead of them)."""
     client = Client(nobody)
     order: list[str] = []
     assert client._take(None, send=True)  # this thread owns it
@@ -288,8 +288,8 @@ def test_a_thread_waiting_for_its_reply_is_not_starved_by_one_that_submits(
     nobody: str,
 ) -> None:
     """Only the thread that owns the socket receives and fails requests on time; a thread
-    submitting in a tight loop took the socket back before the waiting one woke, so the
-    waiting thread's 0.3 s request stayed pending for as long as the loop ran."""
+    submitting in a tight loop still lets the waiting one take its turn, so the waiting
+    thread's 0.3 s request fails Unavailable on time, not when the loop ends."""
     client = Client(nobody, grace_s=0.2, send_timeout_s=0.0)
     stop, ended = threading.Event(), []
     thread = _hammer(client, stop, ended)
@@ -299,7 +299,7 @@ def test_a_thread_waiting_for_its_reply_is_not_starved_by_one_that_submits(
         started = clock.now()
         future = client.submit("m", X, 0.3)
         with pytest.raises(Unavailable):
-            future.result(20)  # (TimeoutError, before: still pending after 20 s)
+            future.result(20)  # (not TimeoutError: answered well within the 20 s)
         assert clock.now() - started < 10  # about 0.5 s
     finally:
         stop.set()
@@ -309,8 +309,8 @@ def test_a_thread_waiting_for_its_reply_is_not_starved_by_one_that_submits(
 
 
 def test_an_infinite_wait_under_contention(fleet_factory: Any) -> None:
-    """Condition.wait(math.inf) raised OverflowError in the thread that did not own the
-    socket."""
+    """result(math.inf) in a thread that does not own the socket waits in finite naps
+    (Condition.wait refuses math.inf with OverflowError) and returns the result."""
     fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
     engine = {"m": lambda: SyntheticEngine(item_shape=(4,), max_batch=8, fixed_cost_s=0.2)}
     fleet.add_worker(engine)
@@ -335,16 +335,16 @@ def test_a_client_dropped_without_close_leaks_no_descriptors(nobody: str) -> Non
         gc.collect()
     leaked = len(os.listdir("/proc/self/fd")) - before
     context.destroy(linger=0)
-    assert leaked < 10  # it was 100: two per Client (the wake pipe)
+    assert leaked < 10  # not two per Client: each one's wake pipe is closed with it
 
 
 @pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
 def test_a_client_dropped_with_a_request_pending_does_not_hang_the_collector(
     nobody: str, kind: str
 ) -> None:
-    """Client and future refer to each other: the garbage collector freed them together,
-    pyzmq's finalizers left the socket open, and Context.term() blocked the collecting
-    thread for ever."""
+    """Client and future refer to each other, so the garbage collector frees them
+    together: the client's own finalizer closes its socket before its context's term(),
+    which would otherwise block the collecting thread for ever."""
     code = f"""
 import asyncio, gc, warnings
 import numpy as np
@@ -393,8 +393,9 @@ def hold(s):  # another thread owns the socket for s seconds (a slow send, say)
 def test_a_close_interrupted_while_it_waits_leaves_the_client_open_and_working(
     nobody: str,
 ) -> None:
-    """A second Ctrl-C inside close() left it closing for ever on an open client: every
-    send said 'closed', and nobody expired requests (a result() without timeout hung)."""
+    """A second Ctrl-C inside close(), while it waits for the socket, leaves the client
+    open and working: sends are taken, and requests still expire (a result() without a
+    timeout returns)."""
     out = _run(
         _HOLD.format(nobody=nobody)
         + """
@@ -423,8 +424,9 @@ c.close()
 def test_a_handler_in_a_thread_waiting_in_line_does_not_wait_behind_itself(
     nobody: str,
 ) -> None:
-    """Its submit took a ticket behind its own thread's, which could not move until the
-    handler returned: it waited out its whole timeout, and every thread behind it too."""
+    """A handler's submit in a thread that waits in line for the socket goes before the
+    line (behind its own thread's ticket, which cannot move until the handler returns,
+    it would wait out its whole timeout, and every thread behind it too)."""
     out = _run(
         _HOLD.format(nobody=nobody)
         + """
@@ -448,9 +450,9 @@ c.close()
 def test_a_failed_call_in_a_handler_does_not_release_the_interrupted_owner(
     nobody: str,
 ) -> None:
-    """A handler in the owning thread whose submit raised 'closed' (close() running in
-    another thread) released the interrupted frame's hold: close() went on and closed the
-    socket under it."""
+    """A handler in the owning thread whose submit raises 'closed' (close() running in
+    another thread) keeps the interrupted frame's hold: close() waits for the socket
+    rather than closing it under the interrupted call."""
     out = _run(
         _HOLD.format(nobody=nobody)
         + """

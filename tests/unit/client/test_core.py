@@ -154,8 +154,8 @@ def test_scalars_are_rejected(inputs: dict[str, Any]) -> None:
     ids=["bare-array", "pairs", "none"],
 )
 def test_inputs_that_are_not_a_mapping_say_so(inputs: Any) -> None:
-    """A bare array gave numpy's "truth value of an array is ambiguous", a list of pairs
-    an AttributeError: neither says what the call wants."""
+    """A bare array or a list of pairs is refused with a TypeError that says what the
+    call wants (not numpy's "truth value of an array is ambiguous" or an AttributeError)."""
     with pytest.raises(TypeError, match=r"inputs must map each input's name"):
         ClientCore().request(T0, "m", inputs)
 
@@ -372,7 +372,8 @@ def test_invalid_broker_messages_raise(frames: list[Any]) -> None:
 
 @pytest.mark.parametrize("payloads", [[], [bytes(7)], [bytes(8), bytes(8)]])
 def test_a_reply_that_cannot_be_read_fails_its_request_at_once(payloads: list[bytes]) -> None:
-    """Dropped, it left the request waiting out its timeout for an answer that had come."""
+    """The request is answered INTERNAL now, not left to wait out its timeout for an
+    answer that has come."""
     c = ClientCore()
     rid, _ = c.request(T0, "m", {"x": [1]})
     meta = ReplyMeta(rid, (TensorMeta("y", "float32", (1, 2)),))
@@ -411,8 +412,8 @@ def test_a_reply_with_zero_size_dims_is_an_empty_array() -> None:
 
 @pytest.mark.parametrize("shape", [[1, 0, 2**61], [1, 0, 2**63], [1, 0, 2**40, 2**40]])
 def test_an_empty_reply_no_array_could_have_fails_its_request_at_once(shape: list[int]) -> None:
-    """An empty frame bounds none of the other dims: numpy refused these with a ValueError
-    that escaped the client (the request then failed at its deadline)."""
+    """An empty frame bounds none of the other dims: such a shape fails its request at
+    once, INTERNAL (numpy's own ValueError for it must not escape the client)."""
     c = ClientCore()
     rid, _ = c.request(T0, "m", {"x": [1]})
     meta = {"id": rid, "outputs": [{"name": "y", "dtype": "float32", "shape": shape}]}
@@ -426,9 +427,9 @@ def test_an_empty_reply_no_array_could_have_fails_its_request_at_once(shape: lis
 def test_whatever_decoding_raises_is_an_unreadable_message(
     monkeypatch: pytest.MonkeyPatch, waiting: bool
 ) -> None:
-    """Not only ProtocolError: numpy's own refusals (a ValueError) escaped on_reply, out
-    of Client.poll and out of the asyncio client's reader, which then failed every
-    request it had. Now a request that waits gets INTERNAL, anything else a
+    """Not only ProtocolError: anything the decoding raises (numpy's own refusals, a
+    ValueError) stays inside on_reply, which would otherwise end Client.poll and the
+    asyncio client's reader. A request that waits gets INTERNAL, anything else is a
     ProtocolError the read loops step over."""
     c = ClientCore()
     rid, _ = c.request(T0, "m", {"x": [1]})
@@ -525,9 +526,9 @@ def test_answered_requests_do_not_expire() -> None:
 
 
 def test_answered_requests_leave_no_deadlines_behind() -> None:
-    """Answered requests with long timeouts, queued behind short pending ones, kept their
-    heap entries until their own deadline: 60,000 entries for 3 pending after 10 minutes
-    at 200 req/s in a review."""
+    """Answered requests with long timeouts, queued behind short pending ones, do not
+    keep their deadline entries until their own deadline: the heap stays within twice
+    the pending requests (at 200 req/s, an hour's timeouts would leave 60,000 behind)."""
     c = ClientCore(grace_s=1.0)
     now = T0
     for i in range(5000):
