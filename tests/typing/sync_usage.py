@@ -12,6 +12,8 @@ from numpy.typing import NDArray
 from carpool.client import (
     CarpoolError,
     Client,
+    ClientOptionArgs,
+    ClientOptions,
     DeadlineExceeded,
     InferResult,
     Overloaded,
@@ -56,6 +58,14 @@ def options(context: zmq.Context[zmq.Socket[bytes]]) -> Client:
     )
 
 
+def shared_options() -> Client:
+    options: ClientOptionArgs = {"default_timeout_s": 0.5, "send_timeout_s": 0.0}
+    client = Client("tcp://127.0.0.1:5555", **options)
+    assert_type(client.options, ClientOptions)
+    assert_type(client.options.grace_s, float)
+    return client
+
+
 def errors(client: Client, image: NDArray[np.float32]) -> float | None:
     try:
         client.infer("orientation", {"x": image})
@@ -79,3 +89,5 @@ def rejected(client: Client, image: NDArray[np.float32]) -> None:
     client.submit("orientation", {"x": image}, 0.5, Priority.BULK)  # type: ignore[call-arg]
     Client("tcp://127.0.0.1:5555", grace_s="1")  # type: ignore[arg-type]
     Client("tcp://127.0.0.1:5555", grace=1.0)  # type: ignore[call-arg]
+    Client("tcp://127.0.0.1:5555", **ClientOptionArgs(grace_s=None))  # type: ignore[typeddict-item]
+    client.options.grace_s = 2.0  # type: ignore[misc]

@@ -11,6 +11,7 @@ Both speak to a broker's frontend and raise the typed errors of
 
 from carpool.client.aio import AsyncClient
 from carpool.client.core import InferResult
+from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.sync import Client, ReplyFuture
 from carpool.common.errors import (
     CarpoolError,
@@ -30,6 +31,8 @@ __all__ = [
     "AsyncClient",
     "CarpoolError",
     "Client",
+    "ClientOptionArgs",
+    "ClientOptions",
     "DeadlineExceeded",
     "InferResult",
     "InternalError",
