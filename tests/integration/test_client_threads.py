@@ -481,3 +481,42 @@ print(*seen)
 """
     )
     assert out == ["True", "open", "Unavailable"]
+
+
+def test_stats_calls_from_two_threads_each_get_their_own_reply(
+    context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Two threads' stats() at once, answered in the reverse order: each call returns the
+    reply that echoes its own id, whichever thread receives it."""
+    from carpool.common.protocol import Command, decode_meta, encode
+
+    broker = context.socket(zmq.ROUTER)
+    broker.setsockopt(zmq.LINGER, 0)
+    port = broker.bind_to_random_port("tcp://127.0.0.1")
+    client = Client(f"tcp://127.0.0.1:{port}", context=context)
+    got: dict[int, dict[str, Any]] = {}
+
+    def ask(i: int) -> None:
+        got[i] = client.stats(10)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        asks = []
+        for _ in threads:
+            assert broker.poll(10_000)
+            asks.append(broker.recv_multipart())
+        for identity, *frames in reversed(asks):
+            sid = decode_meta(frames[1])["id"]
+            broker.send_multipart([identity, *encode(Command.STATS, {"id": sid, "to": sid})])
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        client.close()
+        broker.close()
+    assert sorted(reply["id"] for reply in got.values()) == sorted(
+        decode_meta(frames[1])["id"] for _, *frames in asks
+    )
+    assert all(reply["to"] == reply["id"] for reply in got.values())

@@ -237,7 +237,7 @@ class Client:
                 left = until - self.clock.now()
                 if left <= 0:
                     raise TimeoutError("no STATS reply from the broker")
-                self.poll(left)
+                self._poll(left, None, sid)
             return got
         finally:
             self.core.forget_stats(sid)
@@ -323,9 +323,10 @@ class Client:
         and that thread completes every thread's futures)."""
         return self._poll(timeout_s, None)
 
-    def _poll(self, timeout_s: float | None, future: ReplyFuture | None) -> int:
-        """:meth:`poll` for ``future``'s sake: it does not wait once that is done (another
-        thread may complete it between the caller's look and this one's poll)."""
+    def _poll(self, timeout_s: float | None, future: ReplyFuture | None, stats_id: int = 0) -> int:
+        """:meth:`poll` for ``future``'s sake (or STATS request ``stats_id``'s): it does not
+        wait once that is answered (another thread may receive the answer between the
+        caller's look and this one's poll)."""
         try:  # (acquired inside: an exception from a signal handler cannot skip finally)
             # Waiting for the socket, a nap at most: the owner, pumping, completes this
             # thread's futures meanwhile, and the caller looks at them again.
@@ -343,7 +344,12 @@ class Client:
             wait_s = timeout_s
             if deadline is not None:
                 wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
-            if waited or self._sending or (future is not None and future.done()):
+            if (
+                waited
+                or self._sending
+                or (future is not None and future.done())
+                or (stats_id and self.core.stats_reply(stats_id) is not None)
+            ):
                 # It waited its turn: what it waits for may have come meanwhile (the
                 # owner before it pumped), so it looks and lets its caller check. Or a
                 # thread waits to send: look, and let go.
