@@ -5,8 +5,8 @@ decoded (the framed form, the simple form, STATS), validated against its model's
 (names, dtypes, shapes, sizes, shared-memory references), refused at the door when no
 worker can take it, the queue is full, or even the best case would miss its deadline,
 and otherwise queued for :mod:`carpool.broker.scheduler`'s pump. A request layout that
-passed once is remembered, and the next request with it takes a fast path with the same
-checks and answers.
+passed once is remembered by the protocol's RequestDecoder, and the next request with it
+takes its fast path, with the same checks and answers.
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ from carpool.broker.config import BrokerConfig
 from carpool.broker.scheduler import BatchScheduler, Outgoing, retry_after_ms
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
-    MAX_TIMEOUT_MS,
-    PRIORITIES,
     Command,
     Frame,
+    KnownRequest,
     ModelSpec,
     Priority,
+    RequestDecoder,
     ShmRef,
-    Signature,
     Submit,
     TensorMeta,
     VersionMismatch,
@@ -45,13 +44,10 @@ from carpool.common.protocol import (
     is_simple_form,
     parse_header,
     request_id_of,
-    shm_refs,
     shm_wire,
-    tensor_signature,
     view,
 )
 from carpool.common.shape_rules import ShapeRule
-from carpool.common.shm import MAX_REF_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +60,6 @@ class _Layout:
     key: RequestKey
     shape: tuple[int, ...]  # the first input's shape, for the arrival trace
     samples: int
-    sizes: tuple[int, ...]  # each payload frame's length, in the request's order
     order: tuple[int, ...] | None  # request frame index per spec input; None: the same
 
 
@@ -79,14 +74,13 @@ class Admission(BatchScheduler):
         super().__init__(config, defer_pumps=defer_pumps)
         # Request layouts validated once per (model, input names, dtypes, shapes); valid
         # while the model's spec stands (``_respec`` drops a replaced model's).
-        self._layouts: dict[tuple[str, Signature], _Layout] = {}
+        self.request_decoder: RequestDecoder[_Layout] = RequestDecoder(_MAX_LAYOUTS)
 
     def _respec(self, spec: ModelSpec, worker: str, out: list[Outgoing]) -> None:
         """A model no live worker served is registered again with a different spec:
         forget the layouts checked against the old one, and answer the queued requests
         that no longer fit (the rest ride as they are)."""
-        for sig in [sig for sig in self._layouts if sig[0] == spec.name]:
-            del self._layouts[sig]
+        self.request_decoder.forget_model(spec.name)
         answered = 0
         for key, queue in self._queues.items():
             if key[0] != spec.name:
@@ -131,10 +125,25 @@ class Admission(BatchScheduler):
             if len(frames) < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
             meta = decode_meta(view(frames[1]))
-            known = self._admit_known(now, client, delimited, meta, frames[2:])
-            if known is not None:
-                return known
-            submit = decode_submit(meta)
+            request = self.request_decoder.decode(meta, frames[2:])
+            if isinstance(request, KnownRequest):  # a layout validated before
+                layout = request.layout
+                if self.registry.max_batch(layout.model):
+                    return self._enqueue(
+                        now,
+                        client,
+                        delimited,
+                        request.request_id,
+                        layout,
+                        frames[2:],
+                        request.timeout_ms,
+                        request.priority,
+                        False,
+                        request.refs,
+                        request.shm_outputs,
+                    )
+                request = decode_submit(meta)  # the full path answers UNAVAILABLE
+            submit = request
         except VersionMismatch as exc:
             logger.info("client=%s sent protocol version %d", identity.hex(), exc.version)
             return [self._error(client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc))]
@@ -196,13 +205,10 @@ class Admission(BatchScheduler):
             request_key(spec.name, inputs),
             inputs[0].shape,
             samples,
-            tuple(t.nbytes for t in submit.inputs),
             None if order == tuple(range(len(order))) else order,
         )
         if not simple:
-            if len(self._layouts) >= _MAX_LAYOUTS:
-                self._layouts.clear()
-            self._layouts[_signature(submit)] = layout
+            self.request_decoder.remember(submit, layout)
         return self._enqueue(
             now,
             client,
@@ -215,67 +221,6 @@ class Admission(BatchScheduler):
             simple,
             submit.shm,
             submit.shm_outputs,
-        )
-
-    def _admit_known(
-        self, now: float, client: ClientId, delimited: bool, meta: Any, payloads: Sequence[Frame]
-    ) -> list[Outgoing] | None:
-        """The common request, checked against the layout cached when a request with the
-        same model and input names, dtypes and shapes was first validated. None: anything
-        unusual, which takes the full path (and its precise error messages)."""
-        model = meta.get("model")
-        inputs = tensor_signature(meta.get("inputs"))
-        if type(model) is not str or inputs is None:
-            return None
-        layout = self._layouts.get((model, inputs))
-        if layout is None or len(payloads) != len(layout.sizes):
-            return None
-        if self.registry.max_batch(model) == 0:
-            return None  # the full path answers UNAVAILABLE
-        refs = None
-        descriptors = meta["inputs"]  # a list of maps: tensor_signature checked
-        for t in descriptors:
-            if "shm" in t:
-                try:
-                    refs = shm_refs(descriptors)
-                except ProtocolError:
-                    return None  # the full path says what is wrong
-                break
-        if refs is None:
-            for frame, size in zip(payloads, layout.sizes, strict=True):
-                if len(frame) != size:
-                    return None
-        else:
-            for frame, size, ref in zip(payloads, layout.sizes, refs, strict=True):
-                if len(frame) != (size if ref is None else 0) or size > MAX_REF_BYTES:
-                    return None  # (a claim that large: the full path says no)
-        rid = request_id_of(meta)
-        timeout = meta.get("timeout_ms")
-        prio = meta.get("priority", 0)
-        shm_outputs = meta.get("shm_outputs", False)
-        if (
-            rid is None
-            or type(shm_outputs) is not bool
-            or (
-                timeout is not None
-                and (type(timeout) is not int or not 0 < timeout <= MAX_TIMEOUT_MS)
-            )
-            or type(prio) is not int
-            or prio not in (0, 1)
-        ):
-            return None
-        return self._enqueue(
-            now,
-            client,
-            delimited,
-            rid,
-            layout,
-            payloads,
-            timeout,
-            PRIORITIES[prio],
-            False,
-            refs,
-            shm_outputs,
         )
 
     def _enqueue(
@@ -476,12 +421,6 @@ def _queued_misfit(spec: ModelSpec, req: PendingRequest) -> tuple[ErrorCode, str
         msg = f"model {spec.name!r} was re-registered with its inputs in another order"
         return ErrorCode.UNAVAILABLE, f"{msg} while the request was queued; resend it"
     return None
-
-
-def _signature(submit: Submit) -> tuple[str, Signature]:
-    """The lookup key of a request's layout, as _admit_known builds it from raw meta
-    (the model name and tensor_signature of the inputs)."""
-    return (submit.model, tuple((t.name, t.dtype, t.shape) for t in submit.inputs))
 
 
 def _spec_shape(shape: tuple[int, ...]) -> str:

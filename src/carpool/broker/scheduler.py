@@ -48,7 +48,10 @@ from carpool.common.protocol import (
     ErrorReply,
     Frame,
     TensorMeta,
-    encode,
+    batch_frames,
+    batch_inputs_wire,
+    batch_item_wire,
+    batch_wire,
     encode_error,
     header,
 )
@@ -507,30 +510,23 @@ class BatchScheduler:
                     )
                 )
                 continue
-            # BatchItem.to_wire, inlined: this runs for every request.
-            item: dict[str, Any] = {
-                "id": req.request_id,
-                "n": req.samples,
-                "simple": req.simple,
-                "queue_ms": round(1000.0 * (now - req.arrival_s), 3),
-            }
-            if req.shm is not None:
-                item["shm"] = req.shm
-            if req.shm_outputs:
-                item["shm_outputs"] = True
-            items.append(item)
+            items.append(
+                batch_item_wire(
+                    req.request_id,
+                    req.samples,
+                    req.simple,
+                    1000.0 * (now - req.arrival_s),
+                    req.shm,
+                    req.shm_outputs,
+                )
+            )
         frames: list[Any]
         if local:
             batch = BatchMeta(batch_id, model, self._local_batch_inputs(key), tuple(items))
             frames = [_BATCH_HEADER, batch, *payloads]
         else:
-            meta = {
-                "batch": batch_id,
-                "model": model,
-                "inputs": self._inputs_wire(key),
-                "requests": items,
-            }
-            frames = encode(Command.BATCH, meta, payloads)
+            meta = batch_wire(batch_id, model, self._inputs_wire(key), items)
+            frames = batch_frames(meta, payloads)
         self._inflight[batch_id] = InflightBatch(
             batch_id, worker.wid, requests, key, samples, capacity.cost.estimate(samples)
         )
@@ -547,9 +543,9 @@ class BatchScheduler:
         """The BATCH ``inputs`` of a queue key (dim 0 = -1), built once per key."""
         wire = self._inputs_cache.get(key)
         if wire is None:
-            wire = self._inputs_cache[key] = [
-                TensorMeta(name, dtype, (-1, *shape)).to_wire() for name, dtype, shape in key[1]
-            ]
+            wire = self._inputs_cache[key] = batch_inputs_wire(
+                TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in key[1]
+            )
         return wire
 
     def _local_batch_inputs(self, key: RequestKey) -> tuple[TensorMeta, ...]:

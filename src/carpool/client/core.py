@@ -44,10 +44,13 @@ from carpool.common.protocol import (
     check_frame_sizes,
     decode_meta,
     encode,
-    header,
     parse_header,
+    ref_wire,
+    request_frames,
     request_id_of,
+    request_wire,
     tensor_signature,
+    tensor_wire,
     view,
 )
 from carpool.common.shm import RegionReader, ShmArena, ShmError
@@ -57,10 +60,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_REQUEST = header(Command.REQUEST)
 # Read per request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _STATS, _ERROR, _REPLY = Command.STATS, Command.ERROR, Command.REPLY
-_INTERACTIVE = Priority.INTERACTIVE
 #: Inputs at least this large are sent without a copy (pyzmq's zmq.COPY_THRESHOLD);
 #: the client copies those that are the caller's memory first.
 _ALIAS_MIN_BYTES = 65536
@@ -162,17 +163,12 @@ class ClientCore:
                 dtype = codec.wire_dtype(arr.dtype)
                 given = arr
                 arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
-                # TensorMeta.to_wire, inlined: this runs for every request.
-                desc: dict[str, Any] = {
-                    "name": name,
-                    "dtype": dtype,
-                    "shape": [int(d) for d in arr.shape],
-                }
+                desc = tensor_wire(name, dtype, [int(d) for d in arr.shape])
                 metas.append(desc)
                 if arena is not None and arr.nbytes >= self.shm_min_bytes:
                     offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
                     if offset is not None:  # else no room: this one goes in its frame
-                        desc["shm"] = {"region": arena.name, "offset": offset, "key": arena.key}
+                        desc["shm"] = ref_wire((arena.name, offset, arena.key))
                         leases.append(offset)
                         payloads.append(b"")
                         continue
@@ -195,17 +191,8 @@ class ClientCore:
         rid = next(self._ids)
         if leases:
             self._leases[rid] = leases
-        # Submit.to_wire, inlined.
-        meta: dict[str, Any] = {
-            "id": rid,
-            "model": model,
-            "inputs": metas,
-            "timeout_ms": max(1, round(timeout * 1000)),
-        }
-        if priority != _INTERACTIVE:
-            meta["priority"] = int(priority)
-        if self.shm_outputs:
-            meta["shm_outputs"] = True
+        timeout_ms = max(1, round(timeout * 1000))
+        meta = request_wire(rid, model, metas, timeout_ms, priority, self.shm_outputs)
         deadline = now + timeout + self.grace_s
         self.pending[rid] = deadline
         heap = self._deadlines
@@ -215,7 +202,7 @@ class ClientCore:
             # with a long timeout behind short ones held its entry for up to an hour.
             heap[:] = [entry for entry in heap if entry[1] in self.pending]
             heapq.heapify(heap)
-        return rid, [_REQUEST, codec.pack(meta), *payloads]
+        return rid, request_frames(meta, payloads)
 
     def stats_request(self) -> tuple[int, list[Any]]:
         """A STATS request, awaited from now on: the reply that echoes the returned id is

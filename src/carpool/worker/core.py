@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from carpool.common.codec import pack
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
+    BatchInputCache,
     BatchMeta,
     Command,
     FailedMeta,
@@ -36,6 +36,8 @@ from carpool.common.protocol import (
     encode,
     header,
     parse_header,
+    result_frames,
+    result_wire,
     view,
 )
 
@@ -188,6 +190,8 @@ class WorkerCore:
     ) -> None:
         self.name = name
         self.specs = {s.name: s for s in specs}
+        # BATCH input lists validated once each (the same few come in every batch).
+        self.batch_inputs = BatchInputCache()
         self.slots = slots
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
@@ -239,7 +243,9 @@ class WorkerCore:
             meta = decode_meta(view(frames[1]))
             if command is Command.BATCH:
                 try:
-                    return RunBatch(self.epoch, BatchMeta.from_wire(meta), frames[2:])
+                    return RunBatch(
+                        self.epoch, BatchMeta.from_wire(meta, self.batch_inputs), frames[2:]
+                    )
                 except ProtocolError as exc:
                     batch_id = meta.get("batch")
                     if type(batch_id) is not int:
@@ -397,14 +403,7 @@ class WorkerCore:
         rho = self.meter.rho(now)
         if self.local:
             return [_RESULT_HEADER, ResultMeta(batch_id, rho, compute_ms, tuple(counts)), *frames]
-        # ResultMeta(...).to_wire(), built directly: this runs for every batch.
-        wire = {
-            "batch": batch_id,
-            "rho": round(rho, 4),
-            "compute_ms": round(compute_ms, 3),
-            "frames": list(counts),
-        }
-        return [_RESULT_HEADER, pack(wire), *frames]
+        return result_frames(result_wire(batch_id, rho, compute_ms, counts), frames)
 
     def on_batch_failed(
         self,

@@ -1819,7 +1819,7 @@ def test_a_known_layout_answers_bad_requests_like_a_fresh_broker(changes: dict[s
         b.ready(T0, W1, SPEC2, slots=2)
     (first,) = batches(warm.client(T0, C2, raw_request(1)))  # caches the layout
     assert ids(first) == [1]
-    assert warm.core._layouts  # the fast path is armed
+    assert warm.core.request_decoder.layouts  # the fast path is armed
     frames = raw_request(**changes)
     assert answer(warm, frames) == answer(cold, frames)
 
@@ -1833,6 +1833,7 @@ def test_the_fast_path_reorders_inputs_into_spec_order(monkeypatch: pytest.Monke
         raise AssertionError("a known layout took the full path")
 
     monkeypatch.setattr("carpool.broker.admission.decode_submit", no_full_decode)
+    monkeypatch.setattr("carpool.common.protocol.request_decoder.decode_submit", no_full_decode)
     b.client(T0, C1, raw_request(2))
     a3 = np.full(3, 7, np.float32).tobytes()
     (msg,) = batches(b.client(T0, C1, raw_request(3, payloads=[b"\x05\x06", a3])))

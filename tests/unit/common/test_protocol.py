@@ -18,6 +18,7 @@ from carpool.common.protocol import (
     MAX_TENSORS,
     MAX_TIMEOUT_MS,
     PROTOCOL_VERSION,
+    BatchInputCache,
     BatchItem,
     BatchMeta,
     Command,
@@ -967,9 +968,10 @@ def test_reply_outputs_may_be_in_a_ring() -> None:
 def test_batch_inputs_validated_once_answer_as_a_fresh_parse() -> None:
     """A BATCH's inputs are validated once per signature and then reused: a second
     parse gives the same result, and lists that differ in anything are still checked."""
-    first = BatchMeta.from_wire(wire(BATCH.to_wire()))
-    second = BatchMeta.from_wire(wire(BATCH.to_wire()))
-    assert first == second == BATCH
+    known = BatchInputCache()
+    first = BatchMeta.from_wire(wire(BATCH.to_wire()), known)
+    second = BatchMeta.from_wire(wire(BATCH.to_wire()), known)
+    assert first == second == BATCH == BatchMeta.from_wire(wire(BATCH.to_wire()))
     assert second.inputs is first.inputs  # reused, not rebuilt
     assert second.total_samples == 8
     for bad in (
@@ -979,4 +981,4 @@ def test_batch_inputs_validated_once_answer_as_a_fresh_parse() -> None:
         [{"name": "x", "dtype": "float32", "shape": [-1, 4]}] * 2,
     ):
         with pytest.raises(ProtocolError):
-            BatchMeta.from_wire(wire(batch(inputs=bad)))
+            BatchMeta.from_wire(wire(batch(inputs=bad)), known)

@@ -35,10 +35,13 @@ Worker ↔ broker (worker DEALER → broker backend ROUTER)::
     DISCONNECT W↔B  meta {reason}
 
 Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (tensor
-descriptors and frame sizes), :mod:`.refs` (shared-memory references), :mod:`.client_messages`
-(REQUEST, REPLY, ERROR, the simple form), :mod:`.worker_messages` (READY, BATCH, RESULT,
-FAILED). The package imports nothing that does I/O (no sockets, files, locks or threads);
-a test holds it to that.
+descriptors and frame sizes), :mod:`.refs` (shared-memory references),
+:mod:`.client_messages` (REQUEST, REPLY, ERROR, the simple form), :mod:`.request_decoder`
+(REQUEST metas of layouts seen before), :mod:`.worker_messages` (READY, BATCH, RESULT,
+FAILED). Each message has one encoder (``<message>_wire`` builds its meta map from its
+fields, ``<message>_frames`` its frames; a dataclass's ``to_wire`` calls the former) and
+one decoder, used by every caller. The package imports nothing that does I/O (no
+sockets, files, locks or threads); a test holds it to that.
 """
 
 from carpool.common.protocol.client_messages import (
@@ -51,7 +54,11 @@ from carpool.common.protocol.client_messages import (
     encode_reply,
     encode_request,
     encode_simple_request,
+    reply_frames,
+    reply_wire,
+    request_frames,
     request_id_of,
+    request_wire,
 )
 from carpool.common.protocol.frames import (
     HEADER_BYTES,
@@ -88,20 +95,29 @@ from carpool.common.protocol.refs import (
     shm_wire,
     valid_region,
 )
+from carpool.common.protocol.request_decoder import KnownRequest, RequestDecoder
 from carpool.common.protocol.tensors import (
     Signature,
     TensorMeta,
     check_frame_sizes,
     empty_span_bytes,
     tensor_signature,
+    tensor_wire,
 )
 from carpool.common.protocol.worker_messages import (
+    BatchInputCache,
     BatchItem,
     BatchMeta,
     FailedMeta,
     ModelSpec,
     Ready,
     ResultMeta,
+    batch_frames,
+    batch_inputs_wire,
+    batch_item_wire,
+    batch_wire,
+    result_frames,
+    result_wire,
 )
 
 __all__ = [
@@ -116,23 +132,30 @@ __all__ = [
     "MAX_TIMEOUT_MS",
     "PRIORITIES",
     "PROTOCOL_VERSION",
+    "BatchInputCache",
     "BatchItem",
     "BatchMeta",
     "Command",
     "ErrorReply",
     "FailedMeta",
     "Frame",
+    "KnownRequest",
     "ModelSpec",
     "OutputRef",
     "Priority",
     "Ready",
     "ReplyMeta",
+    "RequestDecoder",
     "ResultMeta",
     "ShmRef",
     "Signature",
     "Submit",
     "TensorMeta",
     "VersionMismatch",
+    "batch_frames",
+    "batch_inputs_wire",
+    "batch_item_wire",
+    "batch_wire",
     "check_frame_sizes",
     "decode_meta",
     "decode_simple_request",
@@ -151,10 +174,17 @@ __all__ = [
     "parse_output_ref",
     "parse_ref",
     "ref_wire",
+    "reply_frames",
+    "reply_wire",
+    "request_frames",
     "request_id_of",
+    "request_wire",
+    "result_frames",
+    "result_wire",
     "shm_refs",
     "shm_wire",
     "tensor_signature",
+    "tensor_wire",
     "valid_region",
     "view",
 ]

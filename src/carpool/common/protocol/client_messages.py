@@ -35,6 +35,9 @@ from carpool.common.protocol.refs import (
 )
 from carpool.common.protocol.tensors import TensorMeta, check_frame_sizes, tensor_list
 
+#: Header frames, built once.
+_REQUEST, _REPLY, _ERROR = header(Command.REQUEST), header(Command.REPLY), header(Command.ERROR)
+
 
 @dataclass(frozen=True, slots=True)
 class Submit:
@@ -58,18 +61,34 @@ class Submit:
             for t, ref in zip(inputs, self.shm, strict=True):
                 if ref is not None:
                     t["shm"] = ref_wire(ref)
-        meta: dict[str, Any] = {
-            "id": self.request_id,
-            "model": self.model,
-            "inputs": inputs,
-        }
-        if self.timeout_ms is not None:
-            meta["timeout_ms"] = self.timeout_ms
-        if self.priority != Priority.INTERACTIVE:
-            meta["priority"] = int(self.priority)
-        if self.shm_outputs:
-            meta["shm_outputs"] = True
-        return meta
+        return request_wire(
+            self.request_id, self.model, inputs, self.timeout_ms, self.priority, self.shm_outputs
+        )
+
+
+def request_wire(
+    request_id: int,
+    model: str,
+    inputs: list[dict[str, Any]],
+    timeout_ms: int | None,
+    priority: int = 0,
+    shm_outputs: bool = False,
+) -> dict[str, Any]:
+    """A REQUEST meta from its fields; ``inputs`` are descriptor maps (:func:`tensor_wire`,
+    with ``shm`` from :func:`ref_wire` for an input in shared memory)."""
+    meta: dict[str, Any] = {"id": request_id, "model": model, "inputs": inputs}
+    if timeout_ms is not None:
+        meta["timeout_ms"] = timeout_ms
+    if priority:  # Priority.INTERACTIVE (0) is the default, left out
+        meta["priority"] = int(priority)
+    if shm_outputs:
+        meta["shm_outputs"] = True
+    return meta
+
+
+def request_frames(meta: dict[str, Any], payloads: Sequence[object]) -> list[Any]:
+    """Frames of a REQUEST whose meta :func:`request_wire` built."""
+    return [_REQUEST, codec.pack(meta), *payloads]
 
 
 def request_id_of(meta: Any) -> int | None:
@@ -108,7 +127,7 @@ def decode_submit(meta: dict[str, Any]) -> Submit:
 
 def encode_request(submit: Submit, payloads: Sequence[object]) -> list[Any]:
     """Frames of a REQUEST (for a DEALER client)."""
-    return [header(Command.REQUEST), codec.pack(submit.to_wire()), *payloads]
+    return request_frames(submit.to_wire(), payloads)
 
 
 def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes]]:
@@ -168,13 +187,7 @@ class ReplyMeta:
             for t, ref in zip(outputs, self.shm, strict=True):
                 if ref is not None:
                     t["shm"] = output_ref_wire(ref)
-        return {
-            "id": self.request_id,
-            "outputs": outputs,
-            "batch_size": self.batch_size,
-            "queue_ms": round(self.queue_ms, 3),
-            "compute_ms": round(self.compute_ms, 3),
-        }
+        return reply_wire(self.request_id, outputs, self.batch_size, self.queue_ms, self.compute_ms)
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> ReplyMeta:
@@ -246,15 +259,43 @@ def encode_error(error: ErrorReply, *, simple: bool = False) -> list[bytes]:
         wire = error.to_wire()
         rid = wire.pop("id")
         return [codec.pack({"v": PROTOCOL_VERSION, "id": rid, "error": wire})]
-    return [header(Command.ERROR), codec.pack(error.to_wire())]
+    return [_ERROR, codec.pack(error.to_wire())]
+
+
+def reply_wire(
+    request_id: int,
+    outputs: list[dict[str, Any]],
+    batch_size: int,
+    queue_ms: float,
+    compute_ms: float,
+) -> dict[str, Any]:
+    """A REPLY meta from its fields; ``outputs`` are descriptor maps (:func:`tensor_wire`,
+    with ``shm`` from :func:`output_ref_wire` for an output in a worker's ring)."""
+    return {
+        "id": request_id,
+        "outputs": outputs,
+        "batch_size": batch_size,
+        "queue_ms": round(queue_ms, 3),
+        "compute_ms": round(compute_ms, 3),
+    }
+
+
+def reply_frames(
+    meta: dict[str, Any], payloads: Sequence[object], *, simple: bool = False
+) -> list[Any]:
+    """Frames of a successful reply whose meta :func:`reply_wire` built: framed, or in
+    the simple form (one frame, payloads inline; ``meta`` is not changed)."""
+    if simple:
+        wire = dict(meta)
+        wire["v"] = PROTOCOL_VERSION
+        wire["outputs"] = [
+            {**t, "data": bytes(memoryview(data))}  # type: ignore[arg-type]
+            for t, data in zip(meta["outputs"], payloads, strict=True)
+        ]
+        return [codec.pack(wire)]
+    return [_REPLY, codec.pack(meta), *payloads]
 
 
 def encode_reply(reply: ReplyMeta, payloads: Sequence[object], *, simple: bool) -> list[Any]:
     """Frames of a successful reply, framed or in the simple form (payloads inline)."""
-    if simple:
-        wire = reply.to_wire()
-        wire["v"] = PROTOCOL_VERSION
-        for t, data in zip(wire["outputs"], payloads, strict=True):
-            t["data"] = bytes(memoryview(data))  # type: ignore[arg-type]
-        return [codec.pack(wire)]
-    return [header(Command.REPLY), codec.pack(reply.to_wire()), *payloads]
+    return reply_frames(reply.to_wire(), payloads, simple=simple)

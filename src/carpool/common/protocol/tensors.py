@@ -40,7 +40,7 @@ class TensorMeta:
         return math.prod(self.shape) * codec.ITEMSIZE[self.dtype]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        return tensor_wire(self.name, self.dtype, list(self.shape))
 
     @classmethod
     def from_wire(
@@ -76,6 +76,12 @@ class TensorMeta:
                     f"dims; at most {MAX_EMPTY_SPAN_BYTES}"
                 )
         return cls(name, dtype, tuple(shape))
+
+
+def tensor_wire(name: str, dtype: str, shape: list[int]) -> dict[str, Any]:
+    """A tensor descriptor map: the one encoder of ``{name, dtype, shape}`` (callers on
+    the hot path build descriptors from their fields, without a :class:`TensorMeta`)."""
+    return {"name": name, "dtype": dtype, "shape": shape}
 
 
 def empty_span_bytes(shape: Sequence[int], itemsize: int) -> int:

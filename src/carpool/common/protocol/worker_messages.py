@@ -8,13 +8,17 @@ metas, their encoders and decoders.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol.client_messages import ErrorReply
 from carpool.common.protocol.frames import (
     MAX_MODELS,
+    Command,
+    header,
     optional_number,
     require_field,
     require_map,
@@ -23,6 +27,9 @@ from carpool.common.protocol.frames import (
 from carpool.common.protocol.refs import ShmRef, parse_batch_refs, shm_wire
 from carpool.common.protocol.tensors import Signature, TensorMeta, tensor_list, tensor_signature
 from carpool.common.shape_rules import ShapeRule
+
+#: Header frames, built once.
+_BATCH, _RESULT = header(Command.BATCH), header(Command.RESULT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,22 +142,71 @@ class BatchItem:
     shm_outputs: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {
-            "id": self.request_id,
-            "n": self.samples,
-            "simple": self.simple,
-            "queue_ms": round(self.queue_ms, 3),
-        }
-        if self.shm is not None:
-            wire["shm"] = shm_wire(self.shm)
-        if self.shm_outputs:
-            wire["shm_outputs"] = True
-        return wire
+        shm = None if self.shm is None else shm_wire(self.shm)
+        return batch_item_wire(
+            self.request_id, self.samples, self.simple, self.queue_ms, shm, self.shm_outputs
+        )
 
 
-#: BATCH ``inputs`` lists that passed validation, by signature (a worker sees a few).
-_BATCH_INPUTS: dict[Signature, tuple[TensorMeta, ...]] = {}
-_MAX_BATCH_INPUTS = 256
+def batch_item_wire(
+    request_id: int,
+    samples: int,
+    simple: bool,
+    queue_ms: float,
+    shm: list[dict[str, Any] | None] | None = None,
+    shm_outputs: bool = False,
+) -> dict[str, Any]:
+    """BATCH ``requests[i]`` from its fields (``shm`` in wire form: :func:`shm_wire`)."""
+    wire: dict[str, Any] = {
+        "id": request_id,
+        "n": samples,
+        "simple": simple,
+        "queue_ms": round(queue_ms, 3),
+    }
+    if shm is not None:
+        wire["shm"] = shm
+    if shm_outputs:
+        wire["shm_outputs"] = True
+    return wire
+
+
+def batch_inputs_wire(inputs: Iterable[TensorMeta]) -> list[dict[str, Any]]:
+    """BATCH ``inputs``: one descriptor per input, dim 0 ``-1``."""
+    return [t.to_wire() for t in inputs]
+
+
+def batch_wire(
+    batch_id: int, model: str, inputs: list[dict[str, Any]], requests: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A BATCH meta from its fields (:func:`batch_inputs_wire`, :func:`batch_item_wire`)."""
+    return {"batch": batch_id, "model": model, "inputs": inputs, "requests": requests}
+
+
+def batch_frames(meta: dict[str, Any], payloads: Sequence[object]) -> list[Any]:
+    """Frames of a BATCH whose meta :func:`batch_wire` built; payloads request-major."""
+    return [_BATCH, codec.pack(meta), *payloads]
+
+
+class BatchInputCache:
+    """BATCH ``inputs`` lists that passed validation, by signature: a worker sees the
+    same few in every batch and validates each once. The same list decodes to the same
+    tuple while it is remembered (dropped all at once when ``max_entries`` are)."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._known: dict[Signature, tuple[TensorMeta, ...]] = {}
+
+    def inputs(self, raw: Any) -> tuple[TensorMeta, ...]:
+        """The validated input specs of a BATCH ``inputs`` list."""
+        sig = tensor_signature(raw)
+        inputs = None if sig is None else self._known.get(sig)
+        if inputs is None:
+            inputs = tensor_list(raw, "batch inputs", allow_dynamic=True)
+            if sig is not None:
+                if len(self._known) >= self.max_entries:
+                    self._known.clear()
+                self._known[sig] = inputs
+        return inputs
 
 
 @dataclass(slots=True)
@@ -173,27 +229,23 @@ class BatchMeta:
         return total
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "batch": self.batch_id,
-            "model": self.model,
-            "inputs": [t.to_wire() for t in self.inputs],
-            "requests": [i.to_wire() for i in self.items],
-        }
+        return batch_wire(
+            self.batch_id,
+            self.model,
+            batch_inputs_wire(self.inputs),
+            [i.to_wire() for i in self.items],
+        )
 
     @classmethod
-    def from_wire(cls, meta: dict[str, Any]) -> BatchMeta:
+    def from_wire(cls, meta: dict[str, Any], known: BatchInputCache | None = None) -> BatchMeta:
+        """A BATCH meta checked; ``known``: input lists validated before (a worker's)."""
         batch_id = require_field(meta, "batch", int, "batch")
         model = require_name(meta.get("model"), "batch model")
         raw_inputs = meta.get("inputs")
-        # The same few input lists come in every batch: each validated once.
-        sig = tensor_signature(raw_inputs)
-        inputs = None if sig is None else _BATCH_INPUTS.get(sig)
-        if inputs is None:
+        if known is None:
             inputs = tensor_list(raw_inputs, "batch inputs", allow_dynamic=True)
-            if sig is not None:
-                if len(_BATCH_INPUTS) >= _MAX_BATCH_INPUTS:
-                    _BATCH_INPUTS.clear()
-                _BATCH_INPUTS[sig] = inputs
+        else:
+            inputs = known.inputs(raw_inputs)
         reqs = meta.get("requests")
         if not isinstance(reqs, list) or not reqs:
             raise ProtocolError("batch: requests must be a non-empty list")
@@ -239,12 +291,7 @@ class ResultMeta:
     frames: tuple[int, ...]
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "batch": self.batch_id,
-            "rho": round(self.rho, 4),
-            "compute_ms": round(self.compute_ms, 3),
-            "frames": list(self.frames),
-        }
+        return result_wire(self.batch_id, self.rho, self.compute_ms, self.frames)
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
@@ -260,6 +307,23 @@ class ResultMeta:
             optional_number(meta, "compute_ms"),
             tuple(frames),
         )
+
+
+def result_wire(
+    batch_id: int, rho: float, compute_ms: float, frames: Iterable[int]
+) -> dict[str, Any]:
+    """A RESULT meta from its fields: ``frames[i]``, the frame count of request i's reply."""
+    return {
+        "batch": batch_id,
+        "rho": round(rho, 4),
+        "compute_ms": round(compute_ms, 3),
+        "frames": list(frames),
+    }
+
+
+def result_frames(meta: dict[str, Any], replies: Sequence[object]) -> list[Any]:
+    """Frames of a RESULT whose meta :func:`result_wire` built, then the replies' frames."""
+    return [_RESULT, codec.pack(meta), *replies]
 
 
 @dataclass(frozen=True, slots=True)
