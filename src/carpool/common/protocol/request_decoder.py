@@ -61,28 +61,23 @@ class RequestDecoder(Generic[L]):
             del self.layouts[key]
 
     def decode(self, meta: dict[str, Any], payloads: Sequence[Frame]) -> KnownRequest[L] | Submit:
-        """A request of a remembered layout, checked on its raw map and frames; else the
-        full decoder's :class:`Submit`.
+        """A request of a remembered layout that passes every check the full decoder
+        (and the user's checks of the layout) would make, checked on its raw map and
+        frames; anything else, the full decoder's :class:`Submit`.
 
         Raises:
             ProtocolError: the request is not valid (the full decoder's message).
         """
-        known = self.known(meta, payloads)
-        return decode_submit(meta) if known is None else known
-
-    def known(self, meta: dict[str, Any], payloads: Sequence[Frame]) -> KnownRequest[L] | None:
-        """The request, if it has a remembered layout and passes every check the full
-        decoder (and the user's checks of the layout) would make; None otherwise."""
         model = meta.get("model")
         inputs = tensor_signature(meta.get("inputs"))
         if type(model) is not str or inputs is None:
-            return None
+            return decode_submit(meta)
         entry = self.layouts.get((model, inputs))
         if entry is None:
-            return None
+            return decode_submit(meta)
         layout, sizes = entry
         if len(payloads) != len(sizes):
-            return None
+            return decode_submit(meta)
         refs = None
         descriptors = meta["inputs"]  # a list of maps: tensor_signature checked
         for t in descriptors:
@@ -90,16 +85,16 @@ class RequestDecoder(Generic[L]):
                 try:
                     refs = shm_refs(descriptors)
                 except ProtocolError:
-                    return None  # the full decoder says what is wrong
+                    return decode_submit(meta)  # which says what is wrong
                 break
         if refs is None:
             for frame, size in zip(payloads, sizes, strict=True):
                 if len(frame) != size:
-                    return None
+                    return decode_submit(meta)
         else:
             for frame, size, ref in zip(payloads, sizes, refs, strict=True):
                 if len(frame) != (size if ref is None else 0) or size > MAX_REF_BYTES:
-                    return None  # (a claim that large: the full decoder says no)
+                    return decode_submit(meta)  # (a claim that large: the frame checks refuse it)
         rid = request_id_of(meta)
         timeout = meta.get("timeout_ms")
         prio = meta.get("priority", 0)
@@ -114,5 +109,5 @@ class RequestDecoder(Generic[L]):
             or type(prio) is not int
             or prio not in (0, 1)
         ):
-            return None
+            return decode_submit(meta)
         return KnownRequest(layout, rid, timeout, PRIORITIES[prio], refs, shm_outputs)
