@@ -3,8 +3,9 @@
 Pure: ``now`` is passed in; no sockets, threads or clocks. Requests are plain records that
 carry their payload frames untouched (the broker never looks inside a tensor).
 
-Request lifecycle: QUEUED → DISPATCHED → DONE | EXPIRED | FAILED; a DISPATCHED request whose
-worker vanished goes back to QUEUED (bounded by max_attempts) if its deadline still allows.
+The request records and their lifecycle are :mod:`carpool.broker.requests`; a queue reads
+their state and reports the requests that leave it to the mover it is given, never
+setting a state itself.
 
 A queue keeps three lazy views of the same requests: arrival order (FIFO, and the oldest
 arrival for T_max), and one earliest-deadline-first heap per priority. Records that left
@@ -15,60 +16,41 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, NewType
 
-from carpool.common.protocol import Frame, Priority, ShmRef, TensorMeta
+from carpool.broker.requests import (
+    LIVE,
+    ClientId,
+    PendingRequest,
+    RequestKey,
+    RequestState,
+)
+from carpool.common.protocol import Priority, TensorMeta
 
-ClientId = NewType("ClientId", bytes)
-RequestKey = tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]
+__all__ = [
+    "ClientId",
+    "DeadlineHeap",
+    "Mover",
+    "PendingRequest",
+    "RequestKey",
+    "RequestQueue",
+    "RequestState",
+    "request_key",
+]
 
+#: What moves a request's state (:meth:`carpool.broker.requests.RequestBook.move`): the
+#: queue reports the requests that leave it, and never sets a state itself.
+Mover = Callable[[PendingRequest, RequestState], None]
 
-class RequestState(Enum):
-    QUEUED = "queued"
-    DISPATCHED = "dispatched"
-    DONE = "done"
-    EXPIRED = "expired"
-    FAILED = "failed"
-
-
-#: States of a request that still waits for its answer.
-_LIVE = frozenset((RequestState.QUEUED, RequestState.DISPATCHED))
+_LIVE = LIVE
 # Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
-_QUEUED, _DISPATCHED = RequestState.QUEUED, RequestState.DISPATCHED
+_QUEUED, _DISPATCHED, _EXPIRED = (
+    RequestState.QUEUED,
+    RequestState.DISPATCHED,
+    RequestState.EXPIRED,
+)
 _INTERACTIVE = Priority.INTERACTIVE
-
-
-@dataclass(slots=True, eq=False)
-class PendingRequest:
-    """One client request held by the broker."""
-
-    seq: int  # broker-wide arrival order, the FIFO tie-break
-    client: ClientId
-    # The client sent an empty delimiter frame (a REQ socket); replies must carry one too.
-    delimited: bool
-    request_id: int
-    simple: bool
-    model: str
-    key: RequestKey
-    samples: int
-    priority: Priority
-    arrival_s: float
-    deadline_s: float
-    payloads: Sequence[Frame]  # in spec order; the key holds their names, dtypes, shapes
-    # BATCH ``requests[i].shm`` (spec order) when an input is in shared memory (§5.4).
-    shm: list[dict[str, Any] | None] | None = None
-    shm_outputs: bool = False  # BATCH ``requests[i].shm_outputs`` (§5.5)
-    # The same references, parsed (spec order): what an embedded worker's BatchItem takes.
-    refs: tuple[ShmRef | None, ...] | None = None
-    state: RequestState = _QUEUED
-    attempts: int = 0
-    nbytes: int = 0  # payload bytes held in its frames (what max_queued_mib counts)
-
-    def __lt__(self, other: PendingRequest) -> bool:
-        return self.seq < other.seq
 
 
 def request_key(model: str, inputs: Sequence[TensorMeta]) -> RequestKey:
@@ -172,8 +154,9 @@ class RequestQueue:
             return bulk
         return interactive
 
-    def take(self, max_samples: int) -> list[PendingRequest]:
-        """Pop requests in arrival (FIFO) order while their samples fit in ``max_samples``."""
+    def take(self, max_samples: int, move: Mover) -> list[PendingRequest]:
+        """Pop requests in arrival (FIFO) order while their samples fit in ``max_samples``;
+        each is moved to DISPATCHED."""
         taken: list[PendingRequest] = []
         room = max_samples
         items = self._arrivals
@@ -185,35 +168,38 @@ class RequestQueue:
             if req.samples > room:
                 break
             items.popleft()
+            move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
         self._taken(taken)
         return taken
 
     def take_edf(
-        self, max_samples: int, now: float, promote_before_s: float
+        self, max_samples: int, now: float, promote_before_s: float, move: Mover
     ) -> list[PendingRequest]:
-        """Pop requests in EDF-with-priorities order while their samples fit."""
+        """Pop requests in EDF-with-priorities order while their samples fit; each is
+        moved to DISPATCHED as it is popped, so next_edf moves on."""
         taken: list[PendingRequest] = []
         room = max_samples
         while (req := self.next_edf(now, promote_before_s)) is not None:
             if req.samples > room:
                 break
             heapq.heappop(self._index(req))
-            req.state = _DISPATCHED  # provisional, so next_edf moves on
+            move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
         self._taken(taken)
         return taken
 
-    def shed(self, before_s: float) -> list[PendingRequest]:
+    def shed(self, before_s: float, move: Mover) -> list[PendingRequest]:
         """Pop every queued request whose deadline is at or before ``before_s`` (no slack
-        left is hopeless; ``<=`` also makes a wake-up announced for that moment act)."""
+        left is hopeless; ``<=`` also makes a wake-up announced for that moment act); each
+        is moved to EXPIRED, and the caller answers it."""
         out: list[PendingRequest] = []
         for heap in self._heaps:
             while (req := _live_head(heap)) is not None and req.deadline_s <= before_s:
                 heapq.heappop(heap)
-                req.state = RequestState.EXPIRED  # out of the queue: the caller answers it
+                move(req, _EXPIRED)
                 out.append(req)
                 self.samples -= req.samples
                 self.count -= 1

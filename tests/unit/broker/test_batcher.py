@@ -12,8 +12,12 @@ from carpool.broker.batcher import (
     RequestState,
     request_key,
 )
+from carpool.broker.requests import RequestBook
 from carpool.common.protocol import Priority, TensorMeta
 
+#: Moves the requests these tests take, shed or answer, as the broker's book does.
+BOOK = RequestBook()
+MOVE = BOOK.move
 X = (TensorMeta("x", "float32", (1, 4)),)
 KEY = request_key("m", X)
 
@@ -80,13 +84,13 @@ def test_queue_fifo_and_counts() -> None:
     assert (q.count, q.samples) == (3, 5)
     assert q.head() is a
     assert list(q) == [a, b, c]
-    assert q.take(4) == [a, b]
+    assert q.take(4, MOVE) == [a, b]
     assert (q.count, q.samples) == (1, 1)
     assert q.head() is c
-    assert q.take(10) == [c]
+    assert q.take(10, MOVE) == [c]
     assert (q.count, q.samples) == (0, 0)
     assert q.head() is None
-    assert q.take(10) == []
+    assert q.take(10, MOVE) == []
 
 
 def test_take_never_skips_ahead() -> None:
@@ -95,7 +99,7 @@ def test_take_never_skips_ahead() -> None:
     big, small = req(1, samples=5), req(2, samples=1)
     q.push(big)
     q.push(small)
-    assert q.take(4) == []
+    assert q.take(4, MOVE) == []
     assert (q.count, q.samples) == (2, 6)
     assert q.head() is big
 
@@ -116,7 +120,7 @@ def test_take_respects_max_samples(sizes: list[int], room: int, taken: int) -> N
     reqs = [req(i, samples=s) for i, s in enumerate(sizes)]
     for r in reqs:
         q.push(r)
-    got = q.take(room)
+    got = q.take(room, MOVE)
     assert got == reqs[:taken]
     assert sum(r.samples for r in got) <= room
     assert q.count == len(sizes) - taken
@@ -128,14 +132,14 @@ def test_forget_and_lazy_removal() -> None:
     a, b, c = req(1), req(2, samples=2), req(3)
     for r in (a, b, c):
         q.push(r)
-    a.state = RequestState.EXPIRED
+    MOVE(a, RequestState.EXPIRED)
     q.forget(a)
-    b.state = RequestState.EXPIRED
+    MOVE(b, RequestState.EXPIRED)
     q.forget(b)
     assert (q.count, q.samples) == (1, 1)
     assert list(q) == [c]
     assert q.head() is c
-    assert q.take(1) == [c]
+    assert q.take(1, MOVE) == [c]
     assert q.head() is None
 
 
@@ -144,9 +148,9 @@ def test_take_skips_stale_entries_in_the_middle() -> None:
     a, b, c = req(1), req(2), req(3)
     for r in (a, b, c):
         q.push(r)
-    b.state = RequestState.EXPIRED
+    MOVE(b, RequestState.EXPIRED)
     q.forget(b)
-    assert q.take(2) == [a, c]
+    assert q.take(2, MOVE) == [a, c]
     assert (q.count, q.samples) == (0, 0)
 
 
@@ -176,7 +180,7 @@ def test_earliest_deadline_across_priorities() -> None:
     a, b, c = req(1, deadline_s=5.0), req(2, deadline_s=3.0, priority=BULK), req(3, deadline_s=4.0)
     q = queue_of(a, b, c)
     assert q.earliest_deadline() is b
-    b.state = RequestState.EXPIRED
+    MOVE(b, RequestState.EXPIRED)
     q.forget(b)
     assert q.earliest_deadline() is c
     assert q.head() is a  # arrival order is a separate view
@@ -218,12 +222,12 @@ def test_take_edf() -> None:
     c = req(3, deadline_s=4.0, priority=BULK)
     d = req(4, samples=3, deadline_s=5.0)
     q = queue_of(a, b, c, d)
-    taken = q.take_edf(4, now=0.0, promote_before_s=0.1)
+    taken = q.take_edf(4, now=0.0, promote_before_s=0.1, move=MOVE)
     assert taken == [b]  # then d (3 samples) does not fit in the 2 left: stop, no skipping
     assert b.state is RequestState.DISPATCHED
     assert (q.count, q.samples) == (3, 5)
-    assert q.take_edf(4, now=0.0, promote_before_s=0.1) == [d, a]
-    assert q.take_edf(4, now=0.0, promote_before_s=0.1) == [c]
+    assert q.take_edf(4, now=0.0, promote_before_s=0.1, move=MOVE) == [d, a]
+    assert q.take_edf(4, now=0.0, promote_before_s=0.1, move=MOVE) == [c]
     assert (q.count, q.samples) == (0, 0)
     assert q.head() is None
 
@@ -233,11 +237,11 @@ def test_shed_pops_what_is_due_at_or_before_the_limit() -> None:
     b = req(2, deadline_s=2.0, priority=BULK)
     c = req(3, deadline_s=3.0)
     q = queue_of(a, b, c)
-    assert q.shed(0.99) == []
-    assert q.shed(1.0) == [a]  # no slack left is hopeless
-    assert q.shed(2.5) == [b]
+    assert q.shed(0.99, MOVE) == []
+    assert q.shed(1.0, MOVE) == [a]  # no slack left is hopeless
+    assert q.shed(2.5, MOVE) == [b]
     assert (q.count, q.samples) == (1, 1)
-    # shed() pops, counts and marks them EXPIRED (so that the queue can drop them at
+    # shed() pops, counts and moves them to EXPIRED (so that the queue can drop them at
     # once); the caller answers them.
     assert a.state is RequestState.EXPIRED
 
@@ -279,22 +283,26 @@ def test_deadline_heap_ties_break_by_arrival() -> None:
     assert [r.seq for r in h.pop_expired(1.0)] == [1, 2, 3]
 
 
+_DISPATCHED = RequestState.DISPATCHED
+
+
 @pytest.mark.parametrize(
-    ("state", "live"),
+    ("path", "live"),
     [
-        (RequestState.QUEUED, True),
-        (RequestState.DISPATCHED, True),
-        (RequestState.DONE, False),
-        (RequestState.EXPIRED, False),
-        (RequestState.FAILED, False),
+        ((), True),
+        ((_DISPATCHED,), True),
+        ((_DISPATCHED, RequestState.DONE), False),
+        ((RequestState.EXPIRED,), False),
+        ((RequestState.FAILED,), False),
     ],
 )
-def test_deadline_heap_skips_finished_requests(state: RequestState, live: bool) -> None:
+def test_deadline_heap_skips_finished_requests(path: tuple[RequestState, ...], live: bool) -> None:
     h = DeadlineHeap()
     r, later = req(1, deadline_s=1.0), req(2, deadline_s=2.0)
     h.push(r)
     h.push(later)
-    r.state = state
+    for state in path:
+        MOVE(r, state)
     assert h.earliest() == (1.0 if live else 2.0)
     assert h.pop_expired(1.5) == ([r] if live else [])
     assert h.earliest() == 2.0
@@ -311,7 +319,8 @@ def test_deadline_heap_drops_answered_entries_before_their_deadlines() -> None:
         if seq % 1000 == 0:
             live.append(r)  # one in a thousand still waits
         else:
-            r.state = RequestState.DONE
+            MOVE(r, _DISPATCHED)
+            MOVE(r, RequestState.DONE)
     assert len(h) < 2 * DeadlineHeap.MIN_COMPACT
     assert h.earliest() == live[0].deadline_s
     assert h.pop_expired(100.0) == live
@@ -335,7 +344,7 @@ def test_shedding_a_full_queue_rebuilds_it_once_not_per_request(
         rebuilt += self._arrivals is not before
 
     monkeypatch.setattr(RequestQueue, "_compact", counting)
-    out = queue.shed(10.0)
+    out = queue.shed(10.0, MOVE)
     assert len(out) == 10_000
     assert queue.count == 0
     assert all(r.state is RequestState.EXPIRED for r in out)

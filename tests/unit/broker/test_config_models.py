@@ -101,7 +101,7 @@ def test_command_line_flags_reach_models_with_a_table(
 
 def test_the_broker_core_batches_the_model_with_the_inherited_settings(tmp_path: Path) -> None:
     core = BrokerCore(load(tmp_path, REVIEWER_TOML), defer_pumps=True)
-    policy = core._policy("synthetic")
+    policy = core.fleet.policy("synthetic")
     assert isinstance(policy, FixedPolicy)
     assert (policy.max_batch, policy.max_wait_s) == (4, 0.05)
     b = Broker(core)

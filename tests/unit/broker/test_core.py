@@ -1832,7 +1832,7 @@ def test_the_fast_path_reorders_inputs_into_spec_order(monkeypatch: pytest.Monke
     def no_full_decode(meta: Any) -> None:
         raise AssertionError("a known layout took the full path")
 
-    monkeypatch.setattr("carpool.broker.admission.decode_submit", no_full_decode)
+    monkeypatch.setattr("carpool.broker.intake.decode_submit", no_full_decode)
     monkeypatch.setattr("carpool.common.protocol.request_decoder.decode_submit", no_full_decode)
     b.client(T0, C1, raw_request(2))
     a3 = np.full(3, 7, np.float32).tobytes()
@@ -1916,9 +1916,9 @@ def test_the_fleet_rate_cache_is_dropped_with_idle_queues() -> None:
     b.ready(T0, W1, SPEC_DYN, slots=2)
     for width in range(1, 50):
         b.client(T0, C1, b.request_frames(width, model="dyn", item=(width,)))
-    assert len(b.core._fleet_rates) >= 40
+    assert len(b.core.fleet.rates) >= 40
     b.core.on_tick(T0 + 5.0)
-    assert b.core._fleet_rates == {}
+    assert b.core.fleet.rates == {}
 
 
 # --------------------------------------------------------------------------- what a review found
@@ -1935,7 +1935,7 @@ def test_an_absurd_compute_time_neither_crashes_overloaded_nor_is_learned() -> N
         b.result(now + 0.01, msg, compute_ms=1.7e308)
         now += 0.02
     lane = b.core.registry.get(WorkerId(W1)).lanes["m"]  # type: ignore[union-attr]
-    assert not lane.cost(next(iter(b.core._queues))).calibrated  # not learned from
+    assert not lane.cost(next(iter(b.core.backlog.queues))).calibrated  # not learned from
     assert len(batches(b.request(now, 1, n=4))) == 1  # the worker is busy now
     for rid in range(2, 10):
         b.request(now, rid)
@@ -1995,7 +1995,7 @@ def test_the_arrival_order_does_not_hold_answered_requests_behind_a_bulk_one() -
         out, _ = b.result(now, inflight)
         (inflight,) = batches(out)
         assert ids(inflight) == [rid]
-    (queue,) = b.core._queues.values()
+    (queue,) = b.core.backlog.queues.values()
     assert queue.count == 1  # the bulk request
     assert len(queue._arrivals) <= 2 * queue.count + 64
 
@@ -2015,7 +2015,7 @@ def test_a_queue_stays_small_while_requests_expire_and_no_worker_is_free(policy:
         if rid % 500 == 0:
             b.heartbeat(now, W1)
     assert b.core.queued <= 6
-    (queue,) = b.core._queues.values()
+    (queue,) = b.core.backlog.queues.values()
     bound = 2 * queue.count + 64
     assert len(queue._arrivals) <= bound
     assert all(len(heap) <= bound for heap in queue._heaps)
@@ -2092,7 +2092,7 @@ def test_stopping_answers_a_requeued_request_once() -> None:
         (2, ErrorCode.UNAVAILABLE),
     ]
     assert b.core.queued == 0
-    assert dict(b.core._queued_samples) == {"m": [0, 0]}
+    assert dict(b.core.backlog.queued_samples) == {"m": [0, 0]}
 
 
 def test_a_worker_lost_while_stopping_fails_its_requests_not_requeues_them() -> None:

@@ -252,9 +252,9 @@ def test_answered_requests_release_payloads_and_heaps_stay_bounded(policy: str) 
         if world.workers[0].batches:
             world.apply(("finish", 0, 0))
         if i == 10:
-            kept = [r for q in world.core._queues.values() for r in q._heaps[0]]
+            kept = [r for q in world.core.backlog.queues.values() for r in q._heaps[0]]
     world.drain()
     assert all(count == 1 for count in world.answers.values())
-    queues = list(world.core._queues.values())
+    queues = list(world.core.backlog.queues.values())
     assert all(len(heap) <= 64 + 2 * q.count for q in queues for heap in q._heaps)
     assert all(entry[2].payloads == () for entry in kept)  # answered long ago: no tensors

@@ -1,0 +1,56 @@
+"""backlog.py: Backlog — every request the broker holds that has not left for a worker.
+
+Pure: no sockets, threads or clocks. The queues by request key, the deadline heap of every
+live request (queued or in flight), and the counts the door and the STATS reply read:
+requests and payload bytes queued, and samples queued per model and priority.
+"""
+
+from __future__ import annotations
+
+from carpool.broker.batcher import DeadlineHeap, RequestQueue
+from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
+
+_QUEUED = RequestState.QUEUED
+
+
+class Backlog:
+    """The queued requests and their counts; see the module docstring."""
+
+    def __init__(self, book: RequestBook) -> None:
+        self._book = book
+        self.queues: dict[RequestKey, RequestQueue] = {}
+        self.deadlines = DeadlineHeap()
+        self.queued = 0
+        self.queued_bytes = 0  # payload bytes of the queued requests
+        # Queued samples per model, by priority (interactive, bulk): admission estimates.
+        self.queued_samples: dict[str, list[int]] = {}
+        # Set by begin_stop: new requests are refused and nothing is requeued.
+        self.stopping = False
+
+    def queue(self, key: RequestKey) -> RequestQueue:
+        queue = self.queues.get(key)
+        if queue is None:
+            queue = self.queues[key] = RequestQueue(key)
+        return queue
+
+    def enqueued(self, req: PendingRequest) -> None:
+        self.queued += 1
+        self.queued_bytes += req.nbytes
+        per_model = self.queued_samples.setdefault(req.model, [0, 0])
+        per_model[req.priority] += req.samples
+
+    def dequeued(self, req: PendingRequest) -> None:
+        self.queued -= 1
+        self.queued_bytes -= req.nbytes
+        self.queued_samples[req.model][req.priority] -= req.samples
+
+    def samples_ahead(self, model: str, priority: int) -> int:
+        """Queued samples a new request of ``priority`` waits behind (at most)."""
+        interactive, bulk = self.queued_samples.get(model, (0, 0))
+        return interactive if priority == 0 else interactive + bulk
+
+    def requeue(self, req: PendingRequest) -> None:
+        """Put a dispatched request back at the front of its queue (its worker was lost)."""
+        self._book.move(req, _QUEUED)
+        self.queue(req.key).push_front(req)
+        self.enqueued(req)

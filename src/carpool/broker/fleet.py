@@ -1,0 +1,141 @@
+"""fleet.py: FleetModel — each model's batching policy and what it knows of the workers.
+
+Pure: ``now`` comes in. Per model: its batching settings ([models.X] over [batching]),
+its policy (:mod:`carpool.broker.policy`), a new worker's lane (adaptive batch size and
+fitted costs). Per worker: what the policy is told of it (:class:`Capacity`: batch limit,
+predicted backlog, cost), its load. For the fleet: the best-case drain time of a queue
+(every worker running full batches back to back), cached per request key until a cost
+is refitted or a worker joins or leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from carpool.broker.adaptive import AdaptiveConfig, BatchSizeController
+from carpool.broker.batcher import RequestQueue
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.inflight import InflightTable
+from carpool.broker.policy import (
+    BatchPolicy,
+    Capacity,
+    DeadlinePolicy,
+    FixedPolicy,
+    QueueView,
+)
+from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
+from carpool.broker.requests import PendingRequest, RequestKey
+
+
+class FleetModel:
+    """Policies, lanes and capacity estimates; see the module docstring."""
+
+    def __init__(
+        self, config: BrokerConfig, registry: WorkerRegistry, inflight: InflightTable
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self._inflight = inflight
+        self._policies: dict[str, BatchPolicy] = {}
+        # Each model's batching settings, merged once: the config does not change under a
+        # core, and the merge is a dataclasses.replace.
+        self._batching: dict[str, BatchingConfig] = {}
+        # Best-case fleet throughput per key (samples/s, 0 = unknown) for admission.
+        self.rates: dict[RequestKey, float] = {}
+
+    def policy(self, model: str) -> BatchPolicy:
+        policy = self._policies.get(model)
+        if policy is None:
+            cfg = self.batching_for(model)
+            if cfg.policy == "carpool":
+                policy = DeadlinePolicy(cfg.max_batch, cfg.max_wait_s, cfg.margin_s)
+            else:
+                policy = FixedPolicy(cfg.max_batch, cfg.max_wait_s)
+            self._policies[model] = policy
+        return policy
+
+    def batching_for(self, model: str) -> BatchingConfig:
+        cfg = self._batching.get(model)
+        if cfg is None:
+            cfg = self._batching[model] = self.config.batching_for(model)
+        return cfg
+
+    def lane(self, model: str, engine_max: int, preferred: Sequence[int]) -> Lane:
+        cfg = self.batching_for(model)
+        controller = None
+        if cfg.policy != "fixed":
+            adaptive = AdaptiveConfig(
+                target_rho=cfg.target_rho,
+                learning_rate=cfg.learning_rate,
+                interval_s=cfg.adapt_interval_s,
+                rule="seed" if cfg.policy == "seed" else "goodput",
+            )
+            controller = BatchSizeController(
+                min(engine_max, cfg.max_batch), preferred, config=adaptive
+            )
+        return Lane(controller, engine_max, min(engine_max, cfg.max_batch))
+
+    def on_load(self, now: float, worker: WorkerState, rho: float) -> None:
+        worker.rho = rho
+        for lane in worker.lanes.values():
+            lane.on_load(now, rho)
+
+    def ready_in_s(self, now: float, worker: WorkerState) -> float:
+        """Predicted time until ``worker`` has finished the batches it holds."""
+        return max(0.0, worker.free_at_s - now) if worker.outstanding else 0.0
+
+    def replan(self, now: float, worker: WorkerState) -> None:
+        """A batch just ended at ``now``: the worker's queue restarts from here."""
+        worker.free_at_s = now + self._inflight.backlog_s(worker)
+
+    def capacity(self, now: float, worker: WorkerState, key: RequestKey) -> Capacity:
+        lane = worker.lanes[key[0]]
+        return Capacity(
+            lane.batch_limit, self.ready_in_s(now, worker), lane.cost(key), lane.max_batch
+        )
+
+    def drain_time_s(self, model: str, key: RequestKey, samples: int) -> float:
+        """Best-case time for the fleet to get through ``samples`` of ``model``: every
+        worker running full batches back to back. 0 while any cost is still unknown."""
+        rate_sps = self.rates.get(key)
+        if rate_sps is None:
+            rate_sps = self.rates[key] = self._fleet_rate_sps(model, key)
+        return samples / rate_sps if rate_sps > 0 else 0.0
+
+    def _fleet_rate_sps(self, model: str, key: RequestKey) -> float:
+        """Samples/s of all workers of ``model`` at full batches; 0 if any cost is unknown.
+        Cached per key until a cost is refitted or a worker joins or leaves."""
+        cap = self.batching_for(model).max_batch
+        rate_sps = 0.0
+        for w in self.registry.serving(model):
+            lane = w.lanes[model]
+            cost = lane.cost(key)
+            size = min(cap, lane.max_batch)
+            duration_s = cost.estimate(size)
+            if not cost.calibrated or duration_s <= 0:
+                return 0.0
+            rate_sps += size / duration_s
+        return rate_sps
+
+    def view(
+        self, now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest
+    ) -> QueueView:
+        """What the policy sees of a queue; its arrival rate is shared among the workers."""
+        workers = max(1, len(self.registry.serving(queue.key[0])))
+        return QueueView(
+            queue.samples, head.arrival_s, urgent.deadline_s, queue.arrival_sps(now) / workers
+        )
+
+    def idle_workers(self, model: str, worker: WorkerState, samples: int, most: int) -> int:
+        """Workers of ``model`` that could start a batch now (``worker`` included, 1 if it
+        is busy itself), counted only up to ``most``."""
+        workers = self.registry.serving(model)
+        if most <= 1 or worker.outstanding or len(workers) < 2:
+            return 1
+        idle = 0
+        for w in workers:
+            if not w.outstanding and w.lanes[model].max_batch >= samples:
+                idle += 1
+                if idle >= most:
+                    break
+        return max(1, idle)

@@ -1,0 +1,343 @@
+"""intake.py: ClientIntake — messages from clients, checked and queued or answered at once.
+
+Pure: ``now`` comes in. A client message is decoded (the framed form, the simple form,
+STATS), validated against its model's spec (names, dtypes, shapes, sizes, shared-memory
+references), let in or refused by :func:`carpool.broker.admission.admit`, and queued for
+the :class:`carpool.broker.dispatcher.Dispatcher`. A request layout that passed once is
+remembered by the protocol's RequestDecoder, and the next request with it takes its fast
+path, with the same checks and answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from carpool.broker.admission import (
+    FULL_UNTIL_PUMPED,
+    Layout,
+    Refused,
+    admit,
+    conform,
+    queued_misfit,
+)
+from carpool.broker.backlog import Backlog
+from carpool.broker.batcher import request_key
+from carpool.broker.config import BrokerConfig
+from carpool.broker.dispatcher import Dispatcher
+from carpool.broker.fleet import FleetModel
+from carpool.broker.registry import WorkerRegistry
+from carpool.broker.replies import Outgoing, Replies
+from carpool.broker.requests import ClientId, PendingRequest
+from carpool.broker.stats import BrokerStats
+from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.protocol import (
+    Command,
+    Frame,
+    KnownRequest,
+    ModelSpec,
+    Priority,
+    RequestDecoder,
+    ShmRef,
+    Submit,
+    VersionMismatch,
+    decode_meta,
+    decode_simple_request,
+    decode_submit,
+    encode,
+    is_simple_form,
+    parse_header,
+    request_id_of,
+    shm_wire,
+    view,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Layouts remembered (clients choose shapes; the cache is dropped when full).
+_MAX_LAYOUTS = 1024
+
+#: An arrival trace record: (time, model, shape, timeout_ms, priority, the largest batch
+#: a live worker of the model takes).
+Arrival = tuple[float, str, tuple[int, ...], int, int, int]
+
+
+class ClientIntake:
+    """Client messages: see the module docstring."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        registry: WorkerRegistry,
+        stats: BrokerStats,
+        backlog: Backlog,
+        fleet: FleetModel,
+        dispatcher: Dispatcher,
+        replies: Replies,
+        snapshot: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.stats = stats
+        self._backlog = backlog
+        self._fleet = fleet
+        self._dispatcher = dispatcher
+        self._replies = replies
+        self._snapshot = snapshot
+        self._seq = 0
+        # Request layouts validated once per (model, input names, dtypes, shapes); valid
+        # while the model's spec stands (``respec`` drops a replaced model's).
+        self.request_decoder: RequestDecoder[Layout] = RequestDecoder(_MAX_LAYOUTS)
+        # Arrival trace while recording; the shell writes it out (carpool record).
+        self.recording: list[Arrival] | None = None
+        # When the broker began serving (the server sets it): for register_grace_s after
+        # it, a model no worker has registered yet is UNAVAILABLE, not NOT_FOUND.
+        self.started_s = -math.inf
+
+    def respec(self, spec: ModelSpec, worker: str, out: list[Outgoing]) -> None:
+        """A model no live worker served is registered again with a different spec:
+        forget the layouts checked against the old one, and answer the queued requests
+        that no longer fit (the rest ride as they are)."""
+        self.request_decoder.forget_model(spec.name)
+        answered = 0
+        for key, queue in self._backlog.queues.items():
+            if key[0] != spec.name:
+                continue
+            for req in list(queue):
+                misfit = queued_misfit(spec, req)
+                if misfit is not None:
+                    self._dispatcher.answer_queued(queue, req, misfit[0], misfit[1], out)
+                    answered += 1
+        logger.warning(
+            "model %s re-registered by worker %s with different inputs or outputs; "
+            "%d queued requests no longer fit and were answered",
+            spec.name,
+            worker,
+            answered,
+        )
+
+    # ------------------------------------------------------------------ clients
+
+    def on_client(self, now: float, identity: bytes, frames: Sequence[Frame]) -> list[Outgoing]:
+        """A message from a client arrived on the frontend."""
+        client = ClientId(identity)
+        self.stats.requests += 1
+        # A REQ socket puts an empty delimiter frame first; answer it in kind.
+        delimited = len(frames) > 1 and len(frames[0]) == 0
+        if delimited:
+            frames = frames[1:]
+        if len(frames) == 1 and is_simple_form(view(frames[0])):
+            return self._on_simple(now, client, delimited, frames[0])
+        meta: dict[str, Any] | None = None
+        try:
+            if not frames:
+                raise ProtocolError("empty message")
+            command = parse_header(view(frames[0]))
+            if command is Command.STATS:
+                snapshot = self._snapshot()
+                if len(frames) > 1:  # echo the caller's id, so it can match the reply
+                    snapshot["id"] = request_id_of(decode_meta(view(frames[1])))
+                return [self._replies.to_client(client, delimited, encode(Command.STATS, snapshot))]
+            if command is not Command.REQUEST:
+                raise ProtocolError(f"command {command.name} is not valid from a client")
+            if len(frames) < 2:
+                raise ProtocolError("REQUEST needs a meta frame")
+            meta = decode_meta(view(frames[1]))
+            request = self.request_decoder.decode(meta, frames[2:])
+            if isinstance(request, KnownRequest):  # a layout validated before
+                layout = request.layout
+                if self.registry.max_batch(layout.model):
+                    return self._enqueue(
+                        now,
+                        client,
+                        delimited,
+                        request.request_id,
+                        layout,
+                        frames[2:],
+                        request.timeout_ms,
+                        request.priority,
+                        False,
+                        request.refs,
+                        request.shm_outputs,
+                    )
+                request = decode_submit(meta)  # the full path answers UNAVAILABLE
+            submit = request
+        except VersionMismatch as exc:
+            logger.info("client=%s sent protocol version %d", identity.hex(), exc.version)
+            return [
+                self._replies.error(
+                    client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc)
+                )
+            ]
+        except ProtocolError as exc:
+            rid = request_id_of(meta)
+            return [
+                self._replies.error(client, delimited, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
+            ]
+        return self._admit(now, client, delimited, submit, frames[2:], simple=False)
+
+    def _on_simple(
+        self, now: float, client: ClientId, delimited: bool, frame: Frame
+    ) -> list[Outgoing]:
+        try:
+            submit, payloads = decode_simple_request(view(frame))
+        except ProtocolError as exc:
+            code = (
+                ErrorCode.UNSUPPORTED_VERSION
+                if isinstance(exc, VersionMismatch)
+                else ErrorCode.INVALID_ARGUMENT
+            )
+            rid = request_id_of(exc.meta)
+            return [self._replies.error(client, delimited, rid, code, str(exc), simple=True)]
+        return self._admit(now, client, delimited, submit, payloads, simple=True)
+
+    def _admit(
+        self,
+        now: float,
+        client: ClientId,
+        delimited: bool,
+        submit: Submit,
+        payloads: Sequence[Frame],
+        *,
+        simple: bool,
+    ) -> list[Outgoing]:
+        """Validate a decoded request against its model; queue it or answer an error."""
+        rid = submit.request_id
+        spec = self.registry.specs.get(submit.model)
+        if spec is None:
+            if now < self.started_s + self.config.register_grace_s:
+                # Just (re)started: its workers may not have said READY yet, and a client
+                # must not take a restart for a model that does not exist.
+                msg = (
+                    f"no worker has registered model {submit.model!r} yet; the broker "
+                    f"started {now - self.started_s:.1f} s ago"
+                )
+                code = ErrorCode.UNAVAILABLE
+                return [self._replies.error(client, delimited, rid, code, msg, simple=simple)]
+            msg = f"model {submit.model!r} is not served by any worker"
+            return [
+                self._replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
+            ]
+        if self.registry.max_batch(spec.name) == 0:  # before the payload checks (protocol §6.1)
+            msg = f"no live worker serves model {spec.name!r} right now"
+            return [
+                self._replies.error(
+                    client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple
+                )
+            ]
+        try:
+            inputs, order, samples = conform(spec, submit.inputs, payloads, submit.shm)
+        except ProtocolError as exc:
+            code = ErrorCode.INVALID_ARGUMENT
+            return [self._replies.error(client, delimited, rid, code, str(exc), simple=simple)]
+        layout = Layout(
+            spec.name,
+            request_key(spec.name, inputs),
+            inputs[0].shape,
+            samples,
+            None if order == tuple(range(len(order))) else order,
+        )
+        if not simple:
+            self.request_decoder.remember(submit, layout)
+        return self._enqueue(
+            now,
+            client,
+            delimited,
+            rid,
+            layout,
+            payloads,
+            submit.timeout_ms,
+            submit.priority,
+            simple,
+            submit.shm,
+            submit.shm_outputs,
+        )
+
+    def _enqueue(
+        self,
+        now: float,
+        client: ClientId,
+        delimited: bool,
+        rid: int,
+        layout: Layout,
+        payloads: Sequence[Frame],
+        timeout_ms: int | None,
+        priority: Priority,
+        simple: bool,
+        refs: tuple[ShmRef | None, ...] | None = None,
+        shm_outputs: bool = False,
+    ) -> list[Outgoing]:
+        """Queue a valid request if :func:`admit` lets it in, else answer its refusal; in
+        deferred mode the batch forms at the end of the turn. ``refs``: the inputs'
+        shared-memory references, in the request's order (§5.4)."""
+        model = layout.model
+        max_batch = self.registry.max_batch(model)  # > 0: both callers checked
+        timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s
+        out: list[Outgoing] = []
+        nbytes = 0
+        for frame in payloads:
+            nbytes += len(frame)
+        backlog, dispatcher = self._backlog, self._dispatcher
+        pumpable = bool(dispatcher.dirty or dispatcher.dirty_models)
+        args = (max_batch, backlog.stopping, pumpable, self.config, backlog, self._fleet)
+        verdict = admit(layout, nbytes, timeout_s, priority, *args)
+        if verdict is FULL_UNTIL_PUMPED:
+            # Deferred mode: what can leave this turn leaves before the door closes.
+            dispatcher.pump_dirty(now, out)
+            args = (max_batch, backlog.stopping, False, self.config, backlog, self._fleet)
+            verdict = admit(layout, nbytes, timeout_s, priority, *args)
+        if self.recording is not None and (not isinstance(verdict, Refused) or verdict.arrival):
+            self.recording.append(
+                (now, model, layout.shape, round(1000 * timeout_s), int(priority), max_batch)
+            )
+        if isinstance(verdict, Refused):
+            if verdict.shed:
+                self.stats.shed += 1
+            error = self._replies.error(
+                client,
+                delimited,
+                rid,
+                verdict.code,
+                verdict.message,
+                simple=simple,
+                retry_after_ms=verdict.retry_after_ms,
+            )
+            out.append(error)
+            return out
+        key = layout.key
+        samples = layout.samples
+        shm = None
+        if layout.order is not None:
+            payloads = [payloads[i] for i in layout.order]
+            if refs is not None:
+                refs = tuple(refs[i] for i in layout.order)
+        if refs is not None:
+            shm = shm_wire(refs)
+        self._seq += 1
+        req = PendingRequest(  # positional: the fields in declaration order
+            self._seq,
+            client,
+            delimited,
+            rid,
+            simple,
+            model,
+            key,
+            samples,
+            priority,
+            now,
+            now + timeout_s,
+            payloads,
+            shm,
+            shm_outputs,
+            refs,
+            nbytes=nbytes,
+        )
+        queue = backlog.queue(key)
+        queue.push(req)
+        queue.note_arrival(now, samples)
+        backlog.enqueued(req)
+        backlog.deadlines.push(req)
+        dispatcher.arrived(now, queue, out)
+        return out

@@ -1,0 +1,141 @@
+"""requests.py: a request held by the broker, its lifecycle as data, and the book that
+alone moves a request from one state to the next.
+
+Pure: no sockets, threads or clocks.
+
+Lifecycle (h11's ``_state.py`` is the model: the states and the allowed transitions are a
+table, and one method applies it)::
+
+    QUEUED ──take──▶ DISPATCHED ──result──▶ DONE
+      │  ▲               │
+      │  └───requeue─────┤  (its worker was lost; attempts and deadline allow)
+      │                  ├──expire / doomed──▶ EXPIRED
+      │                  └──failed / lost / stop──▶ FAILED
+      ├──expire / shed──▶ EXPIRED
+      └──answered from the queue (stop, respec, unservable)──▶ FAILED
+
+DONE, EXPIRED and FAILED are final: the request has had its one reply.
+
+Rules:
+- :meth:`RequestBook.move` is the only writer of ``PendingRequest.state``; a move not in
+  :data:`TRANSITIONS` raises :class:`IllegalTransition`.
+- A request that reaches a final state drops its payload frames at once
+  (:meth:`RequestBook.finish`), so answered requests hold no tensor memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar, NewType
+
+from carpool.common.protocol import Frame, Priority, ShmRef
+
+ClientId = NewType("ClientId", bytes)
+RequestKey = tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]
+
+
+class RequestState(Enum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    DONE = "done"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+_QUEUED, _DISPATCHED, _DONE, _EXPIRED, _FAILED = (
+    RequestState.QUEUED,
+    RequestState.DISPATCHED,
+    RequestState.DONE,
+    RequestState.EXPIRED,
+    RequestState.FAILED,
+)
+
+#: Every allowed (from, to) move of a request, with what makes it.
+TRANSITIONS: dict[tuple[RequestState, RequestState], str] = {
+    (_QUEUED, _DISPATCHED): "taken into a batch for a worker",
+    (_QUEUED, _EXPIRED): "deadline passed, or shed as hopeless, while queued",
+    (_QUEUED, _FAILED): "answered from the queue (stopping, respec, unservable)",
+    (_DISPATCHED, _DONE): "its worker's RESULT answered it",
+    (_DISPATCHED, _EXPIRED): "deadline passed in flight, or doomed at dispatch",
+    (_DISPATCHED, _FAILED): "its batch failed, its worker was lost, or the broker stopped",
+    (_DISPATCHED, _QUEUED): "requeued after its worker was lost",
+}
+
+#: States of a request that still waits for its answer.
+LIVE = frozenset((_QUEUED, _DISPATCHED))
+#: The states a request may move to, by the value of the state it is in: TRANSITIONS
+#: indexed for :meth:`RequestBook.move`. Keyed by value and held in tuples, so a move
+#: neither hashes the Enum (its ``__hash__`` is Python code, ~150 ns) nor compares more
+#: than identities.
+_TARGETS: dict[str, tuple[RequestState, ...]] = {
+    state.value: tuple(to for frm, to in TRANSITIONS if frm is state) for state in RequestState
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was moved along an edge that :data:`TRANSITIONS` does not hold (a bug)."""
+
+    def __init__(self, frm: RequestState, to: RequestState) -> None:
+        super().__init__(f"request state {frm.name} -> {to.name} is not a transition")
+        self.frm = frm
+        self.to = to
+
+
+@dataclass(slots=True, eq=False)
+class PendingRequest:
+    """One client request held by the broker. Its ``state`` is the book's to move."""
+
+    seq: int  # broker-wide arrival order, the FIFO tie-break
+    client: ClientId
+    # The client sent an empty delimiter frame (a REQ socket); replies must carry one too.
+    delimited: bool
+    request_id: int
+    simple: bool
+    model: str
+    key: RequestKey
+    samples: int
+    priority: Priority
+    arrival_s: float
+    deadline_s: float
+    payloads: Sequence[Frame]  # in spec order; the key holds their names, dtypes, shapes
+    # BATCH ``requests[i].shm`` (spec order) when an input is in shared memory (§5.4).
+    shm: list[dict[str, Any] | None] | None = None
+    shm_outputs: bool = False  # BATCH ``requests[i].shm_outputs`` (§5.5)
+    # The same references, parsed (spec order): what an embedded worker's BatchItem takes.
+    refs: tuple[ShmRef | None, ...] | None = None
+    state: RequestState = _QUEUED
+    attempts: int = 0
+    nbytes: int = 0  # payload bytes held in its frames (what max_queued_mib counts)
+
+    def __lt__(self, other: PendingRequest) -> bool:
+        return self.seq < other.seq
+
+
+#: Called with (from, to) after every move any book makes (tests record coverage).
+Observer = Callable[[RequestState, RequestState], None]
+
+
+class RequestBook:
+    """The owner of request state: every move of every request goes through :meth:`move`."""
+
+    #: Watchers of every book's moves (class-wide: brokers are built inside servers).
+    observers: ClassVar[list[Observer]] = []
+
+    def move(self, req: PendingRequest, to: RequestState) -> None:
+        """Move ``req`` to state ``to``; raise :class:`IllegalTransition` if the table
+        has no such edge. The only assignment to ``PendingRequest.state``."""
+        frm = req.state
+        if to not in _TARGETS[frm._value_]:
+            raise IllegalTransition(frm, to)
+        req.state = to
+        if self.observers:
+            for observe in self.observers:
+                observe(frm, to)
+
+    def finish(self, req: PendingRequest, to: RequestState) -> None:
+        """Move ``req`` to a final state and drop its payload frames now (not at its
+        deadline, when its deadline-heap entry goes)."""
+        self.move(req, to)
+        req.payloads = ()

@@ -1,0 +1,90 @@
+"""stats.py: the broker's counters, and the STATS reply built from them and its state.
+
+Pure. :class:`BrokerStats` is counted into on the hot path (plain attributes);
+:func:`snapshot` is what a STATS request answers (msgpack-friendly: str keys only).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from carpool.broker.registry import Lane, WorkerRegistry
+
+#: Routing-id prefixes of workers the server connects without ZeroMQ: in its process
+#: (``EMBEDDED_ID`` + n) and on its local unix endpoint (``LINK_ID`` + n). ZeroMQ's own
+#: ids are 5 bytes (a zero byte and a counter), so it never makes these.
+EMBEDDED_ID, LINK_ID = b"\x00embedded-", b"\x00link-"
+
+
+class BrokerStats:
+    """Counters for STATS replies and tests."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.replies = 0
+        self.errors: Counter[str] = Counter()
+        self.batch_sizes: dict[str, Counter[int]] = {}
+        self.undeliverable = 0
+        self.requeued = 0
+        self.late_results = 0
+        self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
+
+    def batch(self, model: str, samples: int) -> None:
+        sizes = self.batch_sizes.get(model)
+        if sizes is None:  # (setdefault would build a Counter every call)
+            sizes = self.batch_sizes[model] = Counter()
+        sizes[samples] += 1
+
+
+def snapshot(
+    stats: BrokerStats, registry: WorkerRegistry, queued: int, queued_bytes: int, inflight: int
+) -> dict[str, Any]:
+    """Counters and state for STATS replies (msgpack-friendly: str keys only)."""
+    return {
+        "requests": stats.requests,
+        "replies": stats.replies,
+        "errors": dict(stats.errors),
+        "batch_sizes": {
+            model: {str(k): v for k, v in sorted(sizes.items())}
+            for model, sizes in stats.batch_sizes.items()
+        },
+        "queued": queued,
+        "queued_bytes": queued_bytes,
+        "inflight_batches": inflight,
+        "requeued": stats.requeued,
+        "undeliverable": stats.undeliverable,
+        "late_results": stats.late_results,
+        "shed": stats.shed,
+        "workers": [
+            {
+                "name": w.name,
+                "models": sorted(w.models),
+                "slots": w.slots,
+                "outstanding": len(w.outstanding),
+                "rho": w.rho,
+                "lanes": {name: _lane_snapshot(lane) for name, lane in w.lanes.items()},
+                "transport": _transport(w.wid),
+            }
+            for w in registry.all()
+        ],
+    }
+
+
+def _transport(wid: bytes) -> str:
+    """How a worker is connected, from the routing id the server gave it."""
+    if wid.startswith(LINK_ID):
+        return "local"  # the server's unix-socket endpoint
+    if wid.startswith(EMBEDDED_ID):
+        return "embedded"  # in the broker's process
+    return "zeromq"
+
+
+def _lane_snapshot(lane: Lane) -> dict[str, Any]:
+    cost = lane.cost(lane.last_key)
+    return {
+        "b_max": lane.batch_limit,
+        "fixed_cost_ms": round(1000 * cost.fixed_cost_s, 3),
+        "per_sample_ms": round(1000 * cost.per_sample_s, 3),
+        "calibrated": cost.calibrated,
+    }

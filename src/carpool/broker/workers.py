@@ -1,0 +1,278 @@
+"""workers.py: WorkerEvents — messages from workers: READY, RESULT, FAILED, heartbeats,
+DISCONNECT, and the loss of a worker.
+
+Pure: ``now`` comes in. A RESULT answers its batch's requests with the worker's reply
+frames as they arrived (never read or copied) and teaches the worker's lane its cost; a
+FAILED answers them with the worker's error; a lost worker's batches go back to their
+queues while their attempts and deadlines allow. A worker that breaks the protocol is
+dropped (it may reconnect and register again).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from carpool.broker.backlog import Backlog
+from carpool.broker.config import BrokerConfig
+from carpool.broker.dispatcher import Dispatcher
+from carpool.broker.fleet import FleetModel
+from carpool.broker.inflight import InflightBatch, InflightTable
+from carpool.broker.intake import ClientIntake
+from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
+from carpool.broker.replies import Outgoing, Replies, Side, disconnect
+from carpool.broker.requests import RequestBook, RequestState
+from carpool.broker.stats import BrokerStats
+from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.protocol import (
+    MAX_TIMEOUT_MS,
+    Command,
+    FailedMeta,
+    Frame,
+    Ready,
+    ResultMeta,
+    decode_meta,
+    encode,
+    parse_header,
+    view,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The longest engine time a RESULT may report and be learned from: no request waits longer.
+_MAX_COMPUTE_MS = float(MAX_TIMEOUT_MS)
+_NO_META: dict[str, Any] = {}  # the meta of a message that came as an object (never mutated)
+# Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
+_FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
+_DISPATCHED, _DONE, _FAILED = RequestState.DISPATCHED, RequestState.DONE, RequestState.FAILED
+
+
+class WorkerEvents:
+    """Worker messages and losses; see the module docstring."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        registry: WorkerRegistry,
+        stats: BrokerStats,
+        book: RequestBook,
+        backlog: Backlog,
+        inflight: InflightTable,
+        fleet: FleetModel,
+        dispatcher: Dispatcher,
+        replies: Replies,
+        intake: ClientIntake,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.stats = stats
+        self._book = book
+        self._backlog = backlog
+        self._inflight = inflight
+        self._fleet = fleet
+        self._dispatcher = dispatcher
+        self._replies = replies
+        self._intake = intake
+
+    def on_tick(self, now: float, out: list[Outgoing]) -> None:
+        """Lose the workers whose heartbeats stopped; send the heartbeats that are due."""
+        registry = self.registry
+        event_s = registry.next_event_s()
+        if event_s is None or event_s > now:
+            return
+        silent = registry.expired(now)
+        # All of them go before any is mourned: requests requeued from one must not be
+        # sent to another that is gone too (an attempt spent, a batch to nobody).
+        for worker in silent:
+            registry.remove(worker.wid)
+        for worker in silent:
+            self.lose_worker(now, worker, "heartbeat expired", out)
+        for worker in registry.all():
+            if worker.next_heartbeat_s <= now:
+                worker.next_heartbeat_s = now + worker.heartbeat_s
+                out.append(Outgoing(_BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
+        registry.reschedule()
+
+    def on_worker(self, now: float, identity: bytes, frames: Sequence[Frame]) -> list[Outgoing]:
+        """A message from a worker arrived on the backend."""
+        wid = WorkerId(identity)
+        out: list[Outgoing] = []
+        try:
+            if len(frames) < 2:
+                raise ProtocolError("worker messages have a header and a meta frame")
+            second: object = frames[1]
+            result: ResultMeta | None = None
+            if type(second) is ResultMeta:
+                # An embedded worker's RESULT (local_workers): built in this process, it
+                # passes as the object (no socket can deliver anything but bytes). What
+                # from_wire checks and _on_result does not: every reply has a frame.
+                if any(k < 1 for k in second.frames):
+                    raise ProtocolError("result: frames must be a list of ints >= 1")
+                command, meta, result = Command.RESULT, _NO_META, second
+            else:
+                command = parse_header(view(frames[0]))
+                meta = decode_meta(view(frames[1]))
+            if command is Command.READY:
+                self._on_ready(now, wid, Ready.from_wire(meta), out)
+                return out
+            worker = self.registry.touch(now, wid)
+            if worker is None:
+                if command is not Command.DISCONNECT:
+                    # MDP rule: an unknown peer must re-register on a fresh socket.
+                    out.append(disconnect(wid, "unknown worker; reconnect and send READY"))
+                if command in (Command.RESULT, Command.FAILED):
+                    self.stats.late_results += 1
+                return out
+            if command is Command.HEARTBEAT:
+                rho = meta.get("rho")
+                if isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0 <= rho <= 1:
+                    self._fleet.on_load(now, worker, float(rho))
+            elif command is Command.RESULT:
+                if result is None:
+                    result = ResultMeta.from_wire(meta)
+                self._on_result(now, worker, result, frames[2:], out)
+            elif command is Command.FAILED:
+                self._on_failed(now, worker, FailedMeta.from_wire(meta), out)
+            elif command is Command.DISCONNECT:
+                self.lose_worker(now, worker, "worker disconnected", out)
+            else:
+                raise ProtocolError(f"command {command.name} is not valid from a worker")
+        except ProtocolError as exc:
+            # A worker that breaks the protocol is dropped; it may reconnect and re-register.
+            logger.warning("worker=%s protocol error: %s", identity.hex(), exc)
+            worker = self.registry.get(wid)
+            if worker is not None:
+                self.lose_worker(now, worker, f"protocol error: {exc}", out)
+            out.append(disconnect(wid, f"protocol error: {exc}"))
+        return out
+
+    def _on_ready(self, now: float, wid: WorkerId, ready: Ready, out: list[Outgoing]) -> None:
+        old = self.registry.get(wid)
+        if old is not None:
+            # A second READY on one connection: the old registration ends either way.
+            self.lose_worker(now, old, "worker re-registered", out)
+        conflicts = self.registry.conflicts(ready)
+        if conflicts:
+            reason = f"model spec differs from the registered one for {', '.join(conflicts)}"
+            logger.warning("worker=%s name=%s refused: %s", wid.hex(), ready.name, reason)
+            out.append(disconnect(wid, reason))
+            return
+        for spec in self.registry.replaced(ready):
+            self._intake.respec(spec, ready.name, out)
+        lanes = {
+            m.name: self._fleet.lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models
+        }
+        self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
+        self._fleet.rates.clear()
+        logger.info(
+            "worker joined name=%s models=%s slots=%d",
+            ready.name,
+            ",".join(m.name for m in ready.models),
+            ready.slots,
+        )
+        self._dispatcher.pump_models(now, (m.name for m in ready.models), out)
+
+    def _on_result(
+        self,
+        now: float,
+        worker: WorkerState,
+        result: ResultMeta,
+        reply_frames: Sequence[Frame],
+        out: list[Outgoing],
+    ) -> None:
+        batch = self._take_batch(now, worker, result.batch_id)
+        if batch is None:
+            return
+        lane = worker.lanes.get(batch.key[0])
+        # A time no batch can take (longer than any deadline) would only break the fit.
+        if lane is not None and 0 < result.compute_ms <= _MAX_COMPUTE_MS:
+            lane.observe(batch.key, batch.samples, result.compute_ms / 1000.0)
+            self._fleet.rates.pop(batch.key, None)
+        if 0 <= result.rho <= 1:  # as HEARTBEAT's: a load out of range is ignored
+            self._fleet.on_load(now, worker, result.rho)
+        if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):
+            msg = (
+                f"worker {worker.name} returned a malformed result for batch {batch.batch_id}: "
+                f"{len(result.frames)} replies / {len(reply_frames)} frames for "
+                f"{len(batch.requests)} requests"
+            )
+            logger.error("%s", msg)
+            self.fail_batch(batch, ErrorCode.INTERNAL, msg, out)
+        else:
+            start = 0
+            answered = 0
+            finish = self._book.finish
+            for req, count in zip(batch.requests, result.frames, strict=True):
+                stop = start + count
+                if req.state is _DISPATCHED:  # else answered already (expired)
+                    finish(req, _DONE)
+                    answered += 1
+                    # _to_client, inlined (per reply): the slice is this message's list.
+                    frames = reply_frames[start:stop]
+                    if req.delimited:
+                        frames = [b"", *frames]
+                    out.append(Outgoing(_FRONTEND, req.client, frames))
+                start = stop
+            self.stats.replies += answered
+        self._dispatcher.pump_models(now, worker.models, out)
+
+    def _on_failed(
+        self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
+    ) -> None:
+        batch = self._take_batch(now, worker, failed.batch_id)
+        if batch is None:
+            return
+        if 0 <= failed.rho <= 1:
+            self._fleet.on_load(now, worker, failed.rho)
+        logger.warning(
+            "batch failed worker=%s model=%s code=%s: %s",
+            worker.name,
+            batch.key[0],
+            failed.code.name,
+            failed.message,
+        )
+        self.fail_batch(batch, failed.code, failed.message, out)
+        self._dispatcher.pump_models(now, worker.models, out)
+
+    def _take_batch(self, now: float, worker: WorkerState, batch_id: int) -> InflightBatch | None:
+        batch = self._inflight.take(worker, batch_id)
+        if batch is None:
+            # A batch this worker no longer owns (it was requeued after a presumed loss).
+            self.stats.late_results += 1
+            return None
+        self._fleet.replan(now, worker)
+        return batch
+
+    def fail_batch(
+        self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
+    ) -> None:
+        for req in batch.requests:
+            if req.state is _DISPATCHED:
+                self._book.finish(req, _FAILED)
+                out.append(self._replies.request_error(req, code, message))
+
+    def lose_worker(
+        self, now: float, worker: WorkerState, reason: str, out: list[Outgoing]
+    ) -> None:
+        """Forget a worker; its in-flight requests go back to their queues when they may."""
+        self.registry.remove(worker.wid)
+        self._fleet.rates.clear()
+        logger.info("worker left name=%s reason=%s", worker.name, reason)
+        for batch in self._inflight.take_all(worker):
+            # Newest batch first and each batch back to front, so push_front keeps FIFO order.
+            for req in reversed(batch.requests):
+                if req.state is not _DISPATCHED:
+                    continue
+                if (
+                    req.attempts < self.config.max_attempts
+                    and now < req.deadline_s
+                    and not self._backlog.stopping
+                ):
+                    self._backlog.requeue(req)
+                    self.stats.requeued += 1
+                else:
+                    self._book.finish(req, _FAILED)
+                    msg = f"worker {worker.name} was lost while running the request ({reason})"
+                    out.append(self._replies.request_error(req, ErrorCode.UNAVAILABLE, msg))
+        self._dispatcher.pump_models(now, worker.models, out)
