@@ -1,21 +1,85 @@
-"""Shared fixtures: real zmq contexts with bounded teardown, and a loopback fleet."""
+"""Shared fixtures: real zmq contexts with bounded teardown, a loopback fleet, and the
+suite-wide record of the request state transitions the tests make."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import zmq
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.requests import RequestBook, RequestState
 from carpool.broker.server import BrokerServer
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.common.testing import ServerThread
 from carpool.worker.server import EngineFactory, WorkerServer
+
+# --------------------------------------------------------------------------- transitions
+
+#: Whether this run collected the whole suite (see pytest_collection_finish).
+_WHOLE_SUITE = pytest.StashKey[bool]()
+_deselected = [0]  # tests deselected in this run (-k, -m, --deselect, --lf, ...)
+
+
+@dataclass
+class TransitionRecord:
+    """Every (from, to) request state move the tests' brokers made, counted."""
+
+    seen: Counter[tuple[RequestState, RequestState]] = field(default_factory=Counter)
+    # The run collected every test under tests/ (only then can "each row is used" hold).
+    whole_suite: bool = False
+
+    def __call__(self, frm: RequestState, to: RequestState) -> None:
+        self.seen[(frm, to)] += 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "suite_last: runs after every other collected test (suite-wide checks)"
+    )
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _deselected[0] += len(items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    last = [item for item in items if item.get_closest_marker("suite_last")]
+    items[:] = [item for item in items if not item.get_closest_marker("suite_last")] + last
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The suite is whole when every path asked for holds the tests/ directory (no file,
+    subdirectory or test id) and no test was deselected."""
+    root = Path(__file__).resolve().parent
+    here = session.config.invocation_params.dir
+    asked = [Path(here, str(arg).split("::")[0]).resolve() for arg in session.config.args]
+    whole = bool(asked) and all(
+        "::" not in str(arg) and root.is_relative_to(path)
+        for arg, path in zip(session.config.args, asked, strict=True)
+    )
+    session.config.stash[_WHOLE_SUITE] = whole and _deselected[0] == 0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def request_transitions(request: pytest.FixtureRequest) -> Iterator[TransitionRecord]:
+    """Records every request state move any RequestBook makes while the suite runs."""
+    record = TransitionRecord(whole_suite=request.config.stash.get(_WHOLE_SUITE, False))
+    RequestBook.observers.append(record)
+    yield record
+    RequestBook.observers.remove(record)
+
+
+# --------------------------------------------------------------------------- sockets
 
 
 @pytest.fixture
