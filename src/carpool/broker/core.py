@@ -189,7 +189,9 @@ class BrokerCore:
         out: list[Outgoing] = []
         dispatcher = self.dispatcher
         touched = dispatcher.expire(now, out)
-        self.workers.on_tick(now, out)
+        event_s = self.registry.next_event_s()
+        if event_s is not None and event_s <= now:
+            self.workers.on_heartbeats_due(now, out)
         queues = self.backlog.queues
         for key in touched:  # what waited behind an expired request, now the fleet is known
             dispatcher.pump(now, queues[key], out)

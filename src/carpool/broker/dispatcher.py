@@ -86,13 +86,6 @@ class Dispatcher:
         # metas pass as BatchMeta / ResultMeta objects, not msgpack (protocol.md §1).
         self.local_workers: set[bytes] = set()
 
-    def arrived(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> None:
-        """A request joined ``queue``: pump it now, or at the end of the turn."""
-        if self.defer_pumps:
-            self.dirty[queue.key] = None
-        else:
-            self.pump(now, queue, out)
-
     def forget(self, key: RequestKey) -> None:
         """A queue went idle and was dropped: forget what was cached for it."""
         self.wake_s.pop(key, None)
@@ -177,7 +170,7 @@ class Dispatcher:
             lead_s = min(lead_s, policy.shed_before(now, capacity) - now)
         if lead_s <= 0:
             return None
-        for req in queue.shed(now + lead_s, self._book.finish):
+        for req in queue.shed(now + lead_s, self._book.move):
             self._backlog.dequeued(req)
             self.stats.shed += 1
             msg = "deadline cannot be met: predicted completion lies past it"
@@ -292,7 +285,7 @@ class Dispatcher:
         """Take a request out of its queue and answer it with an error."""
         queue.forget(req)
         self._backlog.dequeued(req)
-        self._book.finish(req, _FAILED)
+        self._book.move(req, _FAILED)
         out.append(self._replies.request_error(req, code, message))
 
     def _drop_doomed(
@@ -307,7 +300,7 @@ class Dispatcher:
             msg = "deadline cannot be met: predicted completion lies past it"
             for req in requests:
                 if req.deadline_s < done_s:
-                    self._book.finish(req, _EXPIRED)
+                    self._book.move(req, _EXPIRED)
                     self.stats.shed += 1
                     out.append(self._replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
         return keep
@@ -402,6 +395,6 @@ class Dispatcher:
                 code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
             else:
                 code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
-            self._book.finish(req, _EXPIRED)
+            self._book.move(req, _EXPIRED)
             out.append(self._replies.request_error(req, code, msg))
         return touched

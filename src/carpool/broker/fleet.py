@@ -86,7 +86,10 @@ class FleetModel:
 
     def replan(self, now: float, worker: WorkerState) -> None:
         """A batch just ended at ``now``: the worker's queue restarts from here."""
-        worker.free_at_s = now + self._inflight.backlog_s(worker)
+        batches = self._inflight.batches
+        worker.free_at_s = now + sum(
+            batches[b].predicted_s for b in worker.outstanding if b in batches
+        )
 
     def capacity(self, now: float, worker: WorkerState, key: RequestKey) -> Capacity:
         lane = worker.lanes[key[0]]

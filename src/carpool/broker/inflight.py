@@ -65,10 +65,5 @@ class InflightTable:
         worker.outstanding.clear()
         return taken
 
-    def backlog_s(self, worker: WorkerState) -> float:
-        """The predicted time of the batches ``worker`` holds, run back to back."""
-        batches = self.batches
-        return sum(batches[b].predicted_s for b in worker.outstanding if b in batches)
-
     def clear(self) -> None:
         self.batches.clear()

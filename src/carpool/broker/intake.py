@@ -279,20 +279,45 @@ class ClientIntake:
         nbytes = 0
         for frame in payloads:
             nbytes += len(frame)
-        backlog, dispatcher = self._backlog, self._dispatcher
+        backlog, dispatcher, config, fleet = (
+            self._backlog,
+            self._dispatcher,
+            self.config,
+            self._fleet,
+        )
         pumpable = bool(dispatcher.dirty or dispatcher.dirty_models)
-        args = (max_batch, backlog.stopping, pumpable, self.config, backlog, self._fleet)
-        verdict = admit(layout, nbytes, timeout_s, priority, *args)
+        verdict = admit(
+            layout,
+            nbytes,
+            timeout_s,
+            priority,
+            max_batch,
+            backlog.stopping,
+            pumpable,
+            config,
+            backlog,
+            fleet,
+        )
         if verdict is FULL_UNTIL_PUMPED:
             # Deferred mode: what can leave this turn leaves before the door closes.
             dispatcher.pump_dirty(now, out)
-            args = (max_batch, backlog.stopping, False, self.config, backlog, self._fleet)
-            verdict = admit(layout, nbytes, timeout_s, priority, *args)
-        if self.recording is not None and (not isinstance(verdict, Refused) or verdict.arrival):
+            verdict = admit(
+                layout,
+                nbytes,
+                timeout_s,
+                priority,
+                max_batch,
+                backlog.stopping,
+                False,
+                config,
+                backlog,
+                fleet,
+            )
+        if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(
                 (now, model, layout.shape, round(1000 * timeout_s), int(priority), max_batch)
             )
-        if isinstance(verdict, Refused):
+        if type(verdict) is Refused:
             if verdict.shed:
                 self.stats.shed += 1
             error = self._replies.error(
@@ -339,5 +364,8 @@ class ClientIntake:
         queue.note_arrival(now, samples)
         backlog.enqueued(req)
         backlog.deadlines.push(req)
-        dispatcher.arrived(now, queue, out)
+        if dispatcher.defer_pumps:  # the batch forms at the end of the turn
+            dispatcher.dirty[key] = None
+        else:
+            dispatcher.pump(now, queue, out)
         return out

@@ -19,8 +19,8 @@ DONE, EXPIRED and FAILED are final: the request has had its one reply.
 Rules:
 - :meth:`RequestBook.move` is the only writer of ``PendingRequest.state``; a move not in
   :data:`TRANSITIONS` raises :class:`IllegalTransition`.
-- A request that reaches a final state drops its payload frames at once
-  (:meth:`RequestBook.finish`), so answered requests hold no tensor memory.
+- A request that reaches a final state drops its payload frames in the same move, so
+  answered requests hold no tensor memory.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ TRANSITIONS: dict[tuple[RequestState, RequestState], str] = {
 
 #: States of a request that still waits for its answer.
 LIVE = frozenset((_QUEUED, _DISPATCHED))
+#: The final states: the request has had its one reply.
+FINAL = (_DONE, _EXPIRED, _FAILED)
+
 #: The states a request may move to, by the value of the state it is in: TRANSITIONS
 #: indexed for :meth:`RequestBook.move`. Keyed by value and held in tuples, so a move
 #: neither hashes the Enum (its ``__hash__`` is Python code, ~150 ns) nor compares more
@@ -125,17 +128,15 @@ class RequestBook:
 
     def move(self, req: PendingRequest, to: RequestState) -> None:
         """Move ``req`` to state ``to``; raise :class:`IllegalTransition` if the table
-        has no such edge. The only assignment to ``PendingRequest.state``."""
+        has no such edge. The only assignment to ``PendingRequest.state``. A request
+        that reaches a final state drops its payload frames now (not at its deadline,
+        when its deadline-heap entry goes)."""
         frm = req.state
         if to not in _TARGETS[frm._value_]:
             raise IllegalTransition(frm, to)
         req.state = to
+        if to in FINAL:
+            req.payloads = ()
         if self.observers:
             for observe in self.observers:
                 observe(frm, to)
-
-    def finish(self, req: PendingRequest, to: RequestState) -> None:
-        """Move ``req`` to a final state and drop its payload frames now (not at its
-        deadline, when its deadline-heap entry goes)."""
-        self.move(req, to)
-        req.payloads = ()

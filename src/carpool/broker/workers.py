@@ -75,12 +75,10 @@ class WorkerEvents:
         self._replies = replies
         self._intake = intake
 
-    def on_tick(self, now: float, out: list[Outgoing]) -> None:
-        """Lose the workers whose heartbeats stopped; send the heartbeats that are due."""
+    def on_heartbeats_due(self, now: float, out: list[Outgoing]) -> None:
+        """The registry's next event is due: lose the workers whose heartbeats stopped,
+        and send the heartbeats that are due."""
         registry = self.registry
-        event_s = registry.next_event_s()
-        if event_s is None or event_s > now:
-            return
         silent = registry.expired(now)
         # All of them go before any is mourned: requests requeued from one must not be
         # sent to another that is gone too (an attempt spent, a batch to nobody).
@@ -202,11 +200,11 @@ class WorkerEvents:
         else:
             start = 0
             answered = 0
-            finish = self._book.finish
+            move = self._book.move
             for req, count in zip(batch.requests, result.frames, strict=True):
                 stop = start + count
                 if req.state is _DISPATCHED:  # else answered already (expired)
-                    finish(req, _DONE)
+                    move(req, _DONE)
                     answered += 1
                     # _to_client, inlined (per reply): the slice is this message's list.
                     frames = reply_frames[start:stop]
@@ -249,7 +247,7 @@ class WorkerEvents:
     ) -> None:
         for req in batch.requests:
             if req.state is _DISPATCHED:
-                self._book.finish(req, _FAILED)
+                self._book.move(req, _FAILED)
                 out.append(self._replies.request_error(req, code, message))
 
     def lose_worker(
@@ -272,7 +270,7 @@ class WorkerEvents:
                     self._backlog.requeue(req)
                     self.stats.requeued += 1
                 else:
-                    self._book.finish(req, _FAILED)
+                    self._book.move(req, _FAILED)
                     msg = f"worker {worker.name} was lost while running the request ({reason})"
                     out.append(self._replies.request_error(req, ErrorCode.UNAVAILABLE, msg))
         self._dispatcher.pump_models(now, worker.models, out)

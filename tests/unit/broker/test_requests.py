@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from carpool.broker.requests import (
+    FINAL,
     LIVE,
     TRANSITIONS,
     ClientId,
@@ -60,6 +61,7 @@ def book(monkeypatch: pytest.MonkeyPatch) -> RequestBook:
 def test_every_state_is_reachable_and_only_queued_and_dispatched_are_live() -> None:
     assert set(PATHS) == set(RequestState)
     assert {Q, D} == LIVE
+    assert set(FINAL) == set(RequestState) - LIVE
     finals = {s for s in RequestState if not any(frm is s for frm, _ in TRANSITIONS)}
     assert finals == {RequestState.DONE, RequestState.EXPIRED, RequestState.FAILED}
 
@@ -81,6 +83,7 @@ def test_the_book_walks_the_whole_table(
     if (frm, to) in TRANSITIONS:
         book.move(req, to)
         assert req.state is to
+        assert len(req.payloads) == (0 if to in FINAL else 1)  # answered: no tensors held
     else:
         with pytest.raises(IllegalTransition) as raised:
             book.move(req, to)
@@ -88,15 +91,11 @@ def test_the_book_walks_the_whole_table(
         assert req.state is frm
 
 
-def test_finish_moves_and_drops_the_payloads(book: RequestBook) -> None:
+def test_a_refused_move_changes_nothing(book: RequestBook) -> None:
     req = request()
-    book.move(req, D)
-    book.finish(req, RequestState.DONE)
-    assert (req.state, req.payloads) == (RequestState.DONE, ())
-    late = request(2)
     with pytest.raises(IllegalTransition):
-        book.finish(late, RequestState.DONE)  # not from QUEUED: nothing changes
-    assert (late.state, len(late.payloads)) == (Q, 1)
+        book.move(req, RequestState.DONE)  # not from QUEUED
+    assert (req.state, len(req.payloads)) == (Q, 1)
 
 
 def test_observers_see_each_move_after_it_is_made(book: RequestBook) -> None:
