@@ -206,7 +206,7 @@ class WorkerEvents:
                 if req.state is _DISPATCHED:  # else answered already (expired)
                     move(req, _DONE)
                     answered += 1
-                    # _to_client, inlined (per reply): the slice is this message's list.
+                    # Replies.to_client, inlined (per reply): the slice is this message's list.
                     frames = reply_frames[start:stop]
                     if req.delimited:
                         frames = [b"", *frames]
