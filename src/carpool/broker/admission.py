@@ -77,7 +77,6 @@ def admit(
     timeout_s: float,
     priority: int,
     max_batch: int,
-    stopping: bool,
     pumpable: bool,
     config: BrokerConfig,
     backlog: Backlog,
@@ -87,7 +86,7 @@ def admit(
     of ``priority``) queue now? ``max_batch``: the largest batch a live worker of its
     model takes (> 0); ``pumpable``: batches may form this turn before the door closes
     (then a full queue answers :data:`FULL_UNTIL_PUMPED`)."""
-    if stopping:
+    if backlog.stopping:
         return _STOPPING
     model = layout.model
     samples = layout.samples

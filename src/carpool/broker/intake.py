@@ -287,31 +287,13 @@ class ClientIntake:
         )
         pumpable = bool(dispatcher.dirty or dispatcher.dirty_models)
         verdict = admit(
-            layout,
-            nbytes,
-            timeout_s,
-            priority,
-            max_batch,
-            backlog.stopping,
-            pumpable,
-            config,
-            backlog,
-            fleet,
+            layout, nbytes, timeout_s, priority, max_batch, pumpable, config, backlog, fleet
         )
         if verdict is FULL_UNTIL_PUMPED:
             # Deferred mode: what can leave this turn leaves before the door closes.
             dispatcher.pump_dirty(now, out)
             verdict = admit(
-                layout,
-                nbytes,
-                timeout_s,
-                priority,
-                max_batch,
-                backlog.stopping,
-                False,
-                config,
-                backlog,
-                fleet,
+                layout, nbytes, timeout_s, priority, max_batch, False, config, backlog, fleet
             )
         if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(
