@@ -24,8 +24,7 @@ from carpool.worker.server import EngineFactory, WorkerServer
 
 # --------------------------------------------------------------------------- transitions
 
-#: Whether this run collected the whole suite (see pytest_collection_finish).
-_WHOLE_SUITE = pytest.StashKey[bool]()
+_RECORD = pytest.StashKey["TransitionRecord"]()
 _deselected = [0]  # tests deselected in this run (-k, -m, --deselect, --lf, ...)
 
 
@@ -34,8 +33,6 @@ class TransitionRecord:
     """Every (from, to) request state move the tests' brokers made, counted."""
 
     seen: Counter[tuple[RequestState, RequestState]] = field(default_factory=Counter)
-    # The run collected every test under tests/ (only then can "each row is used" hold).
-    whole_suite: bool = False
 
     def __call__(self, frm: RequestState, to: RequestState) -> None:
         self.seen[(frm, to)] += 1
@@ -45,6 +42,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "suite_last: runs after every other collected test (suite-wide checks)"
     )
+    # Every request state move any RequestBook makes while the tests run.
+    record = config.stash[_RECORD] = TransitionRecord()
+    RequestBook.observers.append(record)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    record = config.stash.get(_RECORD, None)
+    if record is not None and record in RequestBook.observers:
+        RequestBook.observers.remove(record)
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -57,26 +63,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [item for item in items if not item.get_closest_marker("suite_last")] + last
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """The suite is whole when every path asked for holds the tests/ directory (no file,
-    subdirectory or test id) and no test was deselected."""
+def transition_record(config: pytest.Config) -> TransitionRecord:
+    """The moves recorded so far in this run."""
+    return config.stash[_RECORD]
+
+
+def whole_suite_collected(config: pytest.Config) -> bool:
+    """The run collected the whole suite: every path asked for holds the tests/
+    directory (no file, subdirectory or test id) and no test was deselected."""
     root = Path(__file__).resolve().parent
-    here = session.config.invocation_params.dir
-    asked = [Path(here, str(arg).split("::")[0]).resolve() for arg in session.config.args]
+    here = config.invocation_params.dir
+    asked = [Path(here, str(arg).split("::")[0]).resolve() for arg in config.args]
     whole = bool(asked) and all(
         "::" not in str(arg) and root.is_relative_to(path)
-        for arg, path in zip(session.config.args, asked, strict=True)
+        for arg, path in zip(config.args, asked, strict=True)
     )
-    session.config.stash[_WHOLE_SUITE] = whole and _deselected[0] == 0
-
-
-@pytest.fixture(scope="session", autouse=True)
-def request_transitions(request: pytest.FixtureRequest) -> Iterator[TransitionRecord]:
-    """Records every request state move any RequestBook makes while the suite runs."""
-    record = TransitionRecord(whole_suite=request.config.stash.get(_WHOLE_SUITE, False))
-    RequestBook.observers.append(record)
-    yield record
-    RequestBook.observers.remove(record)
+    return whole and _deselected[0] == 0
 
 
 # --------------------------------------------------------------------------- sockets

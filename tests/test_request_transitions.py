@@ -1,9 +1,8 @@
 """The suite as a whole makes every request state transition of the table, and no other.
 
-The record is the session fixture ``request_transitions`` (tests/conftest.py): an
-observer on every RequestBook, for the whole run. This check runs after every other test,
-and only when the whole tests/ tree was collected; a subset cannot be expected to make
-every transition.
+The record is an observer on every RequestBook for the whole run, installed when pytest
+configures (tests/conftest.py). This check runs after every other test, and only when the
+whole tests/ tree was collected; a subset cannot be expected to make every transition.
 """
 
 from __future__ import annotations
@@ -11,16 +10,16 @@ from __future__ import annotations
 import pytest
 
 from carpool.broker.requests import TRANSITIONS
-from tests.conftest import TransitionRecord
+from tests.conftest import transition_record, whole_suite_collected
 
 
 @pytest.mark.suite_last
 def test_the_suite_uses_each_row_of_the_transition_table_and_nothing_else(
-    request_transitions: TransitionRecord,
+    pytestconfig: pytest.Config,
 ) -> None:
-    if not request_transitions.whole_suite:
+    if not whole_suite_collected(pytestconfig):
         pytest.skip("the transition coverage holds only for a run of the whole tests/ tree")
-    seen = set(request_transitions.seen)
+    seen = set(transition_record(pytestconfig).seen)
     outside = sorted(f"{frm.name} -> {to.name}" for frm, to in seen - set(TRANSITIONS))
     unused = sorted(f"{frm.name} -> {to.name}" for frm, to in set(TRANSITIONS) - seen)
     assert outside == [], "moves the table does not hold"
