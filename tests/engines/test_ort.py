@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -45,7 +47,7 @@ def test_dynamic_spatial_dims_are_marked() -> None:
     assert engine.info.inputs[0].shape == (-1, 3, -1, -1)
 
 
-def test_unreadable_model_is_a_config_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unreadable_model_is_a_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
     with pytest.raises(ConfigError, match="cannot load"):

@@ -234,7 +234,7 @@ def test_one_drain_takes_every_waiting_message_and_a_later_one_the_rest(
             assert broker.step(1.0) == 3
             sock.send_multipart([b"CP\x01\x04", msgpack.packb({"id": 4})])
             assert broker.step(5.0) == 1
-            got = []
+            got: list[int] = []
             while len(got) < 4 and sock.poll(1000):
                 got.append(msgpack.unpackb(sock.recv_multipart()[1])["id"])
             assert got == [1, 2, 3, 4]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from carpool.client import Client
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import Unavailable
 from carpool.common.testing import ServerThread
+from carpool.worker.engines.base import Array
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.server import WorkerServer
 from tests.conftest import wait_for_workers
@@ -38,7 +40,7 @@ def test_a_stopping_broker_answers_everything_it_holds(caplog: pytest.LogCapture
     class Gated(SyntheticEngine):
         """Runs a batch only once the test says so: the batch is surely running."""
 
-        def run(self, inputs):  # type: ignore[no-untyped-def]
+        def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
             assert release.wait(30)
             return super().run(inputs)
 

@@ -237,7 +237,8 @@ def test_close_is_not_starved_by_a_thread_that_submits_in_a_loop(nobody: str) ->
     queue is full) does not keep close() from the socket: close() goes before the line,
     and the looping thread's next submit raises 'closed'."""
     client = Client(nobody, grace_s=0.2)
-    stop, ended = threading.Event(), []
+    stop = threading.Event()
+    ended: list[BaseException] = []
     thread = _hammer(client, stop, ended)
     _until_another_thread_owns(client, thread)
     closer = threading.Thread(target=client.close, daemon=True)
@@ -291,7 +292,8 @@ def test_a_thread_waiting_for_its_reply_is_not_starved_by_one_that_submits(
     submitting in a tight loop still lets the waiting one take its turn, so the waiting
     thread's 0.3 s request fails Unavailable on time, not when the loop ends."""
     client = Client(nobody, grace_s=0.2, send_timeout_s=0.0)
-    stop, ended = threading.Event(), []
+    stop = threading.Event()
+    ended: list[BaseException] = []
     thread = _hammer(client, stop, ended)
     try:
         _until_another_thread_owns(client, thread)

@@ -150,7 +150,7 @@ def test_a_backend_peer_cannot_speak_for_the_embedded_worker() -> None:
             )
         )
         broker = stack.enter_context(ServerThread(BrokerServer(loopback_config(), embedded=[w])))
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         spoof = ctx.socket(zmq.DEALER)
         stack.callback(spoof.close, 0)
         spoof.setsockopt(zmq.ROUTING_ID, b"\x00embedded-0")

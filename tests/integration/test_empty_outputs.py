@@ -61,7 +61,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     config = BrokerConfig(
         frontend="tcp://127.0.0.1:*",
         backend="tcp://127.0.0.1:*",
-        local_backend=f"unix:{tmp_path}/w.sock" if how == "local" else None,
+        local_backend=f"unix:{tmp_path}/w.sock" if how == "local" else "",
         batching=BatchingConfig(max_batch=8, max_wait_s=0.02),
     )
     with contextlib.ExitStack() as stack:

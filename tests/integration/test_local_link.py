@@ -117,8 +117,11 @@ def test_zeromq_and_local_workers_share_the_work(
         "remote": SyntheticEngine(fixed_cost_s=0.02, item_shape=(2,), max_batch=1),
     }
     for name, endpoint in (("local", broker.local_endpoint), ("remote", broker.backend_endpoint)):
-        engine = engines[name]
-        server = WorkerServer(endpoint, {"m": lambda e=engine: e}, name=name, warmup=False)
+
+        def this_engine(engine: SyntheticEngine = engines[name]) -> SyntheticEngine:
+            return engine
+
+        server = WorkerServer(endpoint, {"m": this_engine}, name=name, warmup=False)
         stack.enter_context(ServerThread(server))
     client = stack.enter_context(Client(broker.frontend_endpoint))
     wait_for_workers(client, 2)
@@ -256,7 +259,7 @@ def test_a_backend_peer_cannot_speak_for_a_local_worker(
     engine = SyntheticEngine(item_shape=(2,))
     worker = WorkerServer(broker.local_endpoint, {"m": lambda: engine}, name="l0", warmup=False)
     stack.enter_context(ServerThread(worker))
-    spoof = zmq.Context.instance().socket(zmq.DEALER)
+    spoof: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     stack.callback(spoof.close, 0)
     spoof.setsockopt(zmq.ROUTING_ID, b"\x00link-1")
     spoof.connect(broker.backend_endpoint)
@@ -351,7 +354,7 @@ def test_a_backend_peer_cannot_take_a_local_worker_id_before_it_is_used(
     tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     broker = stack.enter_context(ServerThread(BrokerServer(local_config(tmp_path))))
-    spoof = zmq.Context.instance().socket(zmq.DEALER)
+    spoof: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     stack.callback(spoof.close, 0)
     spoof.setsockopt(zmq.ROUTING_ID, b"\x00link-9")
     spoof.connect(broker.backend_endpoint)
@@ -419,7 +422,7 @@ def test_nothing_meant_for_a_dropped_local_worker_reaches_a_zeromq_peer(
     fall through to the ZeroMQ backend, where a peer may have taken that routing id."""
     broker = BrokerServer(local_config(tmp_path))
     stack.callback(broker.close)
-    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     stack.callback(rogue.close, 0)
     rogue.setsockopt(zmq.ROUTING_ID, b"\x00link-1")
     rogue.connect(broker.backend_endpoint)

@@ -41,7 +41,7 @@ def save(
     return path
 
 
-def value(name: str, elem: int, shape: list[Any]) -> Any:
+def value(name: str, elem: int, shape: list[Any] | None) -> Any:
     return helper.make_tensor_value_info(name, elem, shape)
 
 

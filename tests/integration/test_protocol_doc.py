@@ -76,7 +76,8 @@ def header(command: int, version: int = VERSION) -> bytes:
 
 
 def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return data
 
 
 def unpack(data: bytes) -> Any:
@@ -1286,7 +1287,7 @@ def test_an_input_in_shared_memory_reaches_the_worker_as_a_reference(
     region.write_bytes(header_bytes.ljust(64, b"\0") + payload(a))
     try:
         ref = {"region": region.name, "offset": 64, "key": key.hex()}
-        meta = {
+        meta: dict[str, Any] = {
             "id": 40,
             "model": "pair",
             "timeout_ms": 2000,

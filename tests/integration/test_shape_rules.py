@@ -5,6 +5,8 @@ to, instead of the batch failing INTERNAL."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,9 @@ def test_the_rule_is_real_the_model_itself_fails_off_the_grid() -> None:
     assert engine.run({"x": _image(96, 64)})[engine.info.outputs[0].name].shape == (1, 1, 96, 64)
 
 
-def test_the_broker_refuses_off_grid_frames_and_serves_the_rest(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+def test_the_broker_refuses_off_grid_frames_and_serves_the_rest(
+    fleet_factory: Callable[..., Fleet],
+) -> None:
     fleet: Fleet = fleet_factory(max_batch=4, max_wait_s=0.01)
     fleet.add_worker({"ppocr-det": ModelConfig(name="ppocr-det").factory()})
     client: Client = fleet.ready()

@@ -107,10 +107,12 @@ def test_the_async_client_uses_shared_memory_too(fleet_factory: Any) -> None:
         async with AsyncClient(
             fleet.broker.frontend_endpoint, shared_memory=1 << 20, shared_memory_outputs=True
         ) as client:
-            path = client.core.arena.path
+            arena = client.core.arena
+            assert arena is not None
+            path = arena.path
             x = np.linspace(0, 1, 32768, dtype=np.float32).reshape(1, -1)  # 128 KiB
             y = await client.infer("syn", {"x": x}, timeout_s=10)
-            assert client.core.arena.used_bytes == 0
+            assert arena.used_bytes == 0
             existed = await asyncio.to_thread(os.path.exists, path)
             return y["y"] - synthetic_output(x), existed, path
 

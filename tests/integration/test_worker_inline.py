@@ -65,7 +65,7 @@ def test_batches_answered_without_the_engine_do_not_teach_the_inline_rule() -> N
     model look short, and its next batch ran on the loop thread: no heartbeat, no BATCH
     read, for the whole batch."""
     engine = ThreadRecorder(False, SyntheticEngine(item_shape=(4,), per_sample_s=0.02))
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("inproc://inline-rule")

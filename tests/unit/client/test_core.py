@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -40,6 +40,9 @@ from carpool.common.protocol import (
     header,
     parse_header,
 )
+
+if TYPE_CHECKING:
+    from carpool.common.shm import ShmRing
 
 T0 = 100.0
 
@@ -713,6 +716,15 @@ def test_a_request_that_fails_to_encode_gives_its_shared_memory_back(shm_core: A
     assert not shm_core.pending
 
 
+def place_one(ring: ShmRing, nbytes: int) -> tuple[int, int]:
+    """Reserve one output in the ring: its (offset, seq)."""
+    placed = ring.place([nbytes])
+    assert placed is not None
+    (spot,) = placed
+    assert spot is not None
+    return spot
+
+
 def test_outputs_in_a_worker_ring_are_copied_out(shm_core: Any) -> None:
     from carpool.common.shm import ShmRing
 
@@ -722,8 +734,8 @@ def test_outputs_in_a_worker_ring_are_copied_out(shm_core: Any) -> None:
     ring = ShmRing(1 << 16)
     try:
         y = np.arange(4096, dtype=np.float32).reshape(1, 4096)
-        (spot,) = ring.place([y.nbytes])  # type: ignore[misc]
-        assert ring.write(spot[0], memoryview(y.reshape(-1).view(np.uint8)))
+        spot = place_one(ring, y.nbytes)
+        assert ring.write(spot[0], y.reshape(-1).view(np.uint8).data)
         out = {"name": "y", "dtype": "float32", "shape": [1, 4096]}
         ref = {"region": ring.name, "offset": spot[0], "key": ring.key, "seq": spot[1]}
         meta = {"id": rid, "outputs": [{**out, "shm": ref}], "batch_size": 1}
@@ -735,8 +747,8 @@ def test_outputs_in_a_worker_ring_are_copied_out(shm_core: Any) -> None:
         # for that request, never someone else's bytes.
         rid2, _ = shm_core.request(0.0, "m", {"x": np.zeros((1, 2), np.float32)})
         for _ in range(4):
-            (later,) = ring.place([y.nbytes])  # type: ignore[misc]
-            ring.write(later[0], memoryview(np.zeros(4096, np.float32).view(np.uint8)))
+            later = place_one(ring, y.nbytes)
+            ring.write(later[0], np.zeros(4096, np.float32).view(np.uint8).data)
         meta["id"] = rid2
         got_id, result = shm_core.on_reply([header(Command.REPLY), codec.pack(meta), b""])
         assert got_id == rid2

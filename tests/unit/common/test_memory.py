@@ -64,6 +64,6 @@ def test_a_libc_that_is_not_glibc_is_left_alone(monkeypatch: pytest.MonkeyPatch)
     def musl_confstr(name: str) -> str:
         raise OSError(22, "Invalid argument")
 
-    monkeypatch.setattr(memory.os, "confstr", musl_confstr)
+    monkeypatch.setattr(os, "confstr", musl_confstr)
     assert memory.glibc() is False
     assert memory.tune_allocator() is False

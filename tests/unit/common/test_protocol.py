@@ -53,7 +53,8 @@ def wire(obj: Any) -> Any:
     return codec.unpack(codec.pack(obj))
 
 
-def tensor(name: str = "x", dtype: str = "float32", shape: Any = (1, 4)) -> dict[str, Any]:
+def tensor(name: object = "x", dtype: object = "float32", shape: Any = (1, 4)) -> dict[str, Any]:
+    """A tensor descriptor as the wire carries it: any field may be of the wrong type."""
     return {"name": name, "dtype": dtype, "shape": list(shape)}
 
 

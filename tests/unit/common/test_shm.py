@@ -35,7 +35,14 @@ pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm"
 
 
 def data(n: int, seed: int = 0) -> memoryview:
-    return memoryview(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).data
+
+
+def put_fitting(arena: ShmArena, view: memoryview) -> int:
+    """Put bytes the arena has room for: their offset (None here fails the test)."""
+    off = arena.put(view)
+    assert off is not None
+    return off
 
 
 @pytest.fixture
@@ -81,9 +88,8 @@ def test_put_writes_the_bytes_where_the_offset_says(arena: ShmArena) -> None:
 
 
 def test_full_arena_says_none_and_freeing_makes_room(arena: ShmArena) -> None:
-    offsets = [arena.put(data(16 * 1024)) for _ in range(3)]
-    offsets.append(arena.put(data(16 * 1024 - HEADER_BYTES)))  # the rest after the header
-    assert None not in offsets
+    offsets = [put_fitting(arena, data(16 * 1024)) for _ in range(3)]
+    offsets.append(put_fitting(arena, data(16 * 1024 - HEADER_BYTES)))  # the rest after the header
     assert offsets[0] == HEADER_BYTES
     assert arena.put(data(1)) is None
     arena.free(offsets[1])
@@ -100,9 +106,10 @@ def test_the_region_starts_with_its_header_and_key(arena: ShmArena) -> None:
 
 
 def test_free_merges_neighbours_back_into_one_block(arena: ShmArena) -> None:
-    offsets = [arena.put(data(8 * 1024)) for _ in range(8)]
+    sizes = [8 * 1024] * 7 + [8 * 1024 - HEADER_BYTES]  # the last: the rest after the header
+    offsets = [put_fitting(arena, data(n)) for n in sizes]
     for i in (1, 3, 2, 0, 7, 5, 6, 4):  # any order
-        arena.free(offsets[i])  # type: ignore[arg-type]
+        arena.free(offsets[i])
     assert arena.used_bytes == 0
     whole = 64 * 1024 - HEADER_BYTES
     assert arena.put(data(whole)) == HEADER_BYTES  # the whole region in one piece
@@ -118,9 +125,9 @@ def test_random_puts_and_frees_never_overlap(arena: ShmArena) -> None:
             del live[off]
         else:
             n = rng.randint(1, 9000)
-            off = arena.put(data(n))
-            if off is not None:
-                live[off] = n
+            placed = arena.put(data(n))
+            if placed is not None:
+                live[placed] = n
         spans = sorted((o, o + n) for o, n in live.items())
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start

@@ -32,7 +32,7 @@ def reader() -> Iterator[RegionReader]:
 
 
 def data(n: int, seed: int) -> memoryview:
-    return memoryview(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).data
 
 
 def write(ring: ShmRing, payload: memoryview) -> tuple[str, int, str, int]:

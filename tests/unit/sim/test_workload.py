@@ -395,7 +395,7 @@ def test_a_broker_that_cannot_bind_lets_go_of_its_trace(tmp_path: Path) -> None:
     from carpool.broker.server import BrokerServer
 
     path = str(tmp_path / "trace.jsonl")
-    taken = zmq.Context.instance().socket(zmq.ROUTER)
+    taken: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     try:
         port = taken.bind_to_random_port("tcp://127.0.0.1")
         config = BrokerConfig(frontend=f"ipc://{tmp_path}/fe", backend=f"tcp://127.0.0.1:{port}")

@@ -5,7 +5,7 @@ error and the rest of its batch runs."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,10 @@ from carpool.common import codec
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import BatchItem, BatchMeta, Command, TensorMeta, parse_header
-from carpool.common.shm import HEADER_BYTES, RegionReader, ShmArena
+from carpool.common.shm import HEADER_BYTES, RegionReader, ShmArena, ShmRef
 from carpool.common.shm import available as shm_available
 from carpool.worker.core import RunBatch
+from carpool.worker.engines.base import Array
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.run import run_job
 from carpool.worker.tensors import ItemError, stack
@@ -50,7 +51,7 @@ KEY = "77" * 16
 
 
 def put(arena: ShmArena, arr: np.ndarray) -> tuple[str, int, str]:
-    off = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))
+    off = arena.put(arr.reshape(-1).view(np.uint8).data)
     assert off is not None
     return arena.name, off, arena.key
 
@@ -90,7 +91,7 @@ def test_a_shared_input_with_bytes_in_its_frame_fails_the_batch(reader: RegionRe
 
 
 def test_unreadable_regions_name_the_request(arena: ShmArena, reader: RegionReader) -> None:
-    items = (
+    items: tuple[BatchItem, ...] = (
         BatchItem(1, 1, False, 0.0),
         BatchItem(2, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)),
     )
@@ -113,7 +114,12 @@ def test_one_bad_reference_does_not_fail_the_rest_of_the_batch(
     engine = SyntheticEngine(item_shape=(3,))
     seen: list[tuple[int, ...]] = []
     run = engine.run
-    engine.run = lambda inputs: (seen.append(inputs["x"].shape), run(inputs))[1]  # type: ignore[method-assign]
+
+    def run_and_note_shape(inputs: Mapping[str, Array]) -> dict[str, Array]:
+        seen.append(inputs["x"].shape)
+        return run(inputs)
+
+    engine.run = run_and_note_shape  # type: ignore[method-assign]
     good = [rows(1, 1), rows(3, 2), rows(5, 1)]
     items = (
         BatchItem(1, 1, False, 0.0),
@@ -196,9 +202,14 @@ def test_a_claimed_size_is_checked_before_anything_is_allocated(
 def test_bad_references_are_found_in_one_pass(arena: ShmArena, reader: RegionReader) -> None:
     """k good and k bad references: each good one is read once, not once per bad one."""
     engine = SyntheticEngine(item_shape=(4,), max_batch=64)
-    reads: list[Any] = []
+    reads: list[ShmRef] = []
     read_into = reader.read_into
-    reader.read_into = lambda ref, dest: (reads.append(ref), read_into(ref, dest))[1]  # type: ignore[method-assign]
+
+    def note_and_read_into(ref: ShmRef, dest: memoryview) -> None:
+        reads.append(ref)
+        read_into(ref, dest)
+
+    reader.read_into = note_and_read_into  # type: ignore[method-assign]
     k = 8
     good = [BatchItem(i, 1, False, 0.0, (put(arena, rows(i, 1)),)) for i in range(k)]
     bad = [BatchItem(100 + i, 1, False, 0.0, (("carpool-gone-0", 64, KEY),)) for i in range(k)]
@@ -243,7 +254,7 @@ def test_large_outputs_of_requests_that_ask_go_into_the_ring(reader: RegionReade
         dest = np.empty((1, width), np.float32)
         reader.read_output(
             (ref["region"], ref["offset"], ref["key"], ref["seq"]),
-            memoryview(dest.reshape(-1).view(np.uint8)),
+            dest.reshape(-1).view(np.uint8).data,
         )
         np.testing.assert_array_equal(dest, y[:1])
         _, second, payloads = reply_of(frames[4:8])
@@ -303,7 +314,7 @@ def test_a_batch_never_writes_over_its_own_outputs(reader: RegionReader) -> None
             else:
                 reader.read_output(
                     (ref["region"], ref["offset"], ref["key"], ref["seq"]),
-                    memoryview(got.reshape(-1).view(np.uint8)),
+                    got.reshape(-1).view(np.uint8).data,
                 )
             np.testing.assert_array_equal(got, y[i : i + 1])
         assert in_ring == [True, True, False]

@@ -21,6 +21,7 @@ from carpool.common.protocol import (
     is_simple_form,
     parse_header,
 )
+from carpool.worker.engines.base import Array
 from carpool.worker.tensors import replies, stack
 
 INPUTS = (TensorMeta("x", "float32", (-1, 3)), TensorMeta("mask", "uint8", (-1, 2)))
@@ -184,7 +185,7 @@ def test_framed_replies_are_exactly_what_encode_reply_gives() -> None:
 
 def test_replies_follow_output_names_order() -> None:
     b = batch((1, 2, False))
-    out = {"a": np.zeros((2, 1), np.float32), "b": np.ones((2,), np.uint8)}
+    out: dict[str, Array] = {"a": np.zeros((2, 1), np.float32), "b": np.ones((2,), np.uint8)}
     _, frames = replies(b, out, ["b", "a"], 1.0)
     meta, _ = decode_framed(frames)
     assert [t.name for t in meta.outputs] == ["b", "a"]
