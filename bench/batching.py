@@ -28,6 +28,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from carpool.broker.config import BatchingConfig
 from carpool.client import Client
@@ -75,8 +76,9 @@ def row(r: SimResult) -> dict[str, object]:
     }
 
 
-def stationary(quick: bool) -> list[dict[str, object]]:
-    out = []
+def stationary(quick: bool) -> list[dict[str, Any]]:
+    """One entry per arrival rate: the rate, carpool/oracle goodput, and a row per policy."""
+    out: list[dict[str, Any]] = []
     for rate in (300, 1000) if quick else (300, 1000, 1400):
         items = workload.arrivals(
             workload.poisson(rate, 2 if quick else 10), timeout_ms=SLA_MS, seed=rate
@@ -285,7 +287,7 @@ def live(quick: bool, best_fixed: tuple[int, float]) -> list[dict[str, object]]:
     return out
 
 
-def plot(stationary_rows: list[dict[str, object]], path: Path) -> bool:
+def plot(stationary_rows: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
 
@@ -293,12 +295,12 @@ def plot(stationary_rows: list[dict[str, object]], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rates = [float(s["rate"]) for s in stationary_rows]  # type: ignore[arg-type]
+    rates = [float(s["rate"]) for s in stationary_rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    policies = [r["policy"] for r in stationary_rows[0]["rows"]]  # type: ignore[index]
+    policies = [r["policy"] for r in stationary_rows[0]["rows"]]
     for i, name in enumerate(policies):
-        good = [s["rows"][i]["goodput_rps"] for s in stationary_rows]  # type: ignore[index]
-        p99 = [s["rows"][i]["p99_ms"] for s in stationary_rows]  # type: ignore[index]
+        good = [s["rows"][i]["goodput_rps"] for s in stationary_rows]
+        p99 = [s["rows"][i]["p99_ms"] for s in stationary_rows]
         label = "best fixed (grid, per load)" if str(name).startswith("best fixed") else str(name)
         axes[0].plot(rates, good, marker="o", label=label)
         axes[1].plot(rates, p99, marker="o", label=label)
@@ -340,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["against_no_batching"] = against_no_batching(args.quick)
     report["cameras"] = cameras(args.quick)
     if not args.no_live:
-        best = stationary_rows[1]["rows"][-1]["policy"]  # type: ignore[index]
+        best = stationary_rows[1]["rows"][-1]["policy"]
         parts = str(best).split()  # "best fixed: B=32 T=10ms"
         b = int(parts[2][2:])
         t_s = float(parts[3][2:-2]) / 1000

@@ -603,7 +603,7 @@ class _Stopper:
         return self.event.is_set() or os.getppid() != self.parent
 
 
-def _helper_socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+def _helper_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> zmq.Socket[bytes]:
     """A socket of the helper processes: no linger, 10,000 messages queued each way."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

@@ -175,9 +175,9 @@ def embedded_run(n: int, use_client: bool, chunk: int = 500, burst: int = 1) -> 
     from carpool.worker.config import ModelConfig, WorkerConfig
 
     model = ModelConfig.synthetic("synthetic", 0, 0, 32)
-    worker = WorkerConfig(name="embedded", models=[model]).server(embedded=True)
+    worker = WorkerConfig(name="embedded", models=(model,)).server(embedded=True)
     config = BrokerConfig(frontend="inproc://hot-front", backend="inproc://hot-back")
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     chunks: list[float] = []
     x = tensor((1, 16))
     with worker, BrokerServer(config, context=context, embedded=[worker]) as broker:
@@ -254,7 +254,7 @@ def worker_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
     from carpool.worker.config import ModelConfig
     from carpool.worker.server import WorkerServer
 
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     endpoint = f"inproc://hot-worker-{next(_RUNS)}"  # an inproc name is freed late
@@ -300,7 +300,7 @@ def worker_main(args: argparse.Namespace) -> int:
 def client_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
     """us per request through a Client under a ROUTER in this process, per chunk of
     ``chunk`` requests sent ``burst`` at a time (the fastest chunk is the floor)."""
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     endpoint = f"inproc://hot-client-{next(_RUNS)}"
@@ -324,7 +324,12 @@ def client_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
                         "queue_ms": 0.125,
                         "compute_ms": 0.01,
                     }
-                    reply = [frames[0], reply_header, codec.pack(wire), frames[3]]
+                    reply: list[zmq.Frame | bytes] = [
+                        frames[0],
+                        reply_header,
+                        codec.pack(wire),
+                        frames[3],
+                    ]
                     router.send_multipart(reply, copy=False)
                 while client.in_flight:
                     client.poll(0)
@@ -421,10 +426,10 @@ def _link_round_trips(n: int) -> list[float]:
     theirs.close()
     link = Link(ours)
     out = []
-    message = [bytes(64)]
+    ping = [bytes(64)]
     for _ in range(n):
         t0 = time.perf_counter()
-        link.send(message)
+        link.send(ping)
         while not link.receive():
             select.select([link], [], [])
         out.append(time.perf_counter() - t0)
@@ -530,7 +535,7 @@ def spy_main(args: argparse.Namespace) -> int:
         raw_loop(sock, frames, args.in_flight, 3000, 2.0)  # warm-up
         meters = {name: CpuMeter(proc.pid) for name, proc in procs.items()}
         spies = []
-        if args.py_spy:
+        if args.py_spy and py_spy is not None:  # None was refused above
             for name, proc in procs.items():
                 cmd = [py_spy, "record", "-r", "200", "-d", str(int(args.seconds)), "-f", "raw"]
                 cmd += ["-o", str(out_dir / f"hot_path_{name}.txt"), "-p", str(proc.pid)]
