@@ -143,7 +143,9 @@ def test_an_override_knows_every_batching_key() -> None:
 def test_a_whole_batching_config_per_model_still_works() -> None:
     """What ``models`` took before: every key set (it passed validation, then killed the
     broker's loop with an AttributeError when a worker for the model joined)."""
-    config = BrokerConfig(models={"m": BatchingConfig(max_batch=4)})
+    # A BatchingConfig where the field's type says BatchingOverride, on purpose: the
+    # config converts it.
+    config = BrokerConfig(models={"m": BatchingConfig(max_batch=4)})  # type: ignore[dict-item]
     assert config.batching_for("m") == BatchingConfig(max_batch=4)
     assert config.models["m"] == BatchingOverride(**dataclasses.asdict(BatchingConfig(max_batch=4)))
     with pytest.raises(ConfigError, match=r"models\.m must be a table"):

@@ -801,7 +801,7 @@ def calibrate(b: Broker, now: float, wid: bytes = W1) -> float:
         (msg,) = batches(out)
         b.result(now + 0.01, msg, wid=wid, compute_ms=2.0 + n)
         now += 0.02
-    lane = b.core.registry.get(wid).lanes["m"]  # type: ignore[union-attr]
+    lane = b.core.registry.get(WorkerId(wid)).lanes["m"]  # type: ignore[union-attr]
     cost = lane.cost(lane.last_key)
     assert cost.calibrated
     assert (cost.fixed_cost_s, cost.per_sample_s) == (pytest.approx(0.002), pytest.approx(0.001))

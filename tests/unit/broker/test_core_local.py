@@ -11,6 +11,7 @@ import pytest
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.registry import WorkerId
 from carpool.common import codec
 from carpool.common.protocol import (
     BatchMeta,
@@ -88,6 +89,13 @@ def replies_for(batch: BatchMeta) -> tuple[list[int], list[Any]]:
     return counts, frames
 
 
+def local_result(meta: ResultMeta, frames: list[Any]) -> list[Any]:
+    """An embedded worker's RESULT as the core receives it: the meta is the ResultMeta
+    object itself, which the core tells apart by its type (the frame type of on_worker
+    does not cover it)."""
+    return [header(Command.RESULT), meta, *frames]
+
+
 @pytest.mark.parametrize("as_object", [False, True], ids=["msgpack", "object"])
 def test_a_result_object_from_a_local_worker_answers_like_the_encoded_one(
     as_object: bool,
@@ -98,13 +106,13 @@ def test_a_result_object_from_a_local_worker_answers_like_the_encoded_one(
     counts, frames = replies_for(batch)
     meta = ResultMeta(batch.batch_id, 0.25, 2.0, tuple(counts))
     if as_object:
-        msg = [header(Command.RESULT), meta, *frames]
+        msg = local_result(meta, frames)
     else:
         msg = encode(Command.RESULT, meta.to_wire(), frames)
     out = c.on_worker(T0 + 0.01, W1, msg)
     replies = [o for o in out if o.side is Side.FRONTEND]
     assert [codec.unpack(o.frames[1])["id"] for o in replies] == [1, 2, 3]
-    assert c.registry.get(W1).rho == 0.25  # type: ignore[union-attr]
+    assert c.registry.get(WorkerId(W1)).rho == 0.25  # type: ignore[union-attr]
     assert c.stats.replies == 3
     assert not c.stats.late_results
 
@@ -114,7 +122,7 @@ def test_a_local_result_with_the_wrong_frame_count_fails_its_batch() -> None:
     c.local_workers = {W1}
     batch = batch_out(c, W1, raw_request(1)).frames[1]
     _, frames = replies_for(batch)
-    msg = [header(Command.RESULT), ResultMeta(batch.batch_id, 0.0, 1.0, (9,)), *frames]
+    msg = local_result(ResultMeta(batch.batch_id, 0.0, 1.0, (9,)), frames)
     out = c.on_worker(T0 + 0.01, W1, msg)
     (err,) = [o for o in out if o.side is Side.FRONTEND]
     assert parse_header(err.frames[0]) is Command.ERROR
@@ -150,9 +158,7 @@ def test_a_result_with_nothing_queued_leaves_no_turn_due() -> None:
     batch = batch_out(c, W1, raw_request(1)).frames[1]
     counts, frames = replies_for(batch)
     now = T0 + 0.01
-    c.on_worker(
-        now, W1, [header(Command.RESULT), ResultMeta(batch.batch_id, 0, 1, counts), *frames]
-    )
+    c.on_worker(now, W1, local_result(ResultMeta(batch.batch_id, 0, 1, tuple(counts)), frames))
     wake = c.next_wakeup(now)
     assert wake is None or wake > now
     # With a request queued behind the busy worker, the RESULT does ask for a pump now.
@@ -161,8 +167,8 @@ def test_a_result_with_nothing_queued_leaves_no_turn_due() -> None:
     c.on_tick(now)  # (the arrival's own turn: the worker is busy, it stays queued)
     assert c.next_wakeup(now) != now
     counts, frames = replies_for(batch.frames[1])
-    result = ResultMeta(batch.frames[1].batch_id, 0, 1, counts)
-    c.on_worker(now, W1, [header(Command.RESULT), result, *frames])
+    result = ResultMeta(batch.frames[1].batch_id, 0, 1, tuple(counts))
+    c.on_worker(now, W1, local_result(result, frames))
     assert c.next_wakeup(now) == now
 
 
@@ -174,7 +180,7 @@ def test_a_local_result_claiming_an_empty_reply_is_a_protocol_error() -> None:
     batch = batch_out(c, W1, raw_request(1), raw_request(2)).frames[1]
     counts, frames = replies_for(batch)
     bad = ResultMeta(batch.batch_id, 0.0, 1.0, (0, counts[0] + counts[1]))
-    out = c.on_worker(T0 + 0.01, W1, [header(Command.RESULT), bad, *frames])
+    out = c.on_worker(T0 + 0.01, W1, local_result(bad, frames))
     assert [parse_header(o.frames[0]) for o in out if o.side is Side.BACKEND] == [
         Command.DISCONNECT
     ]

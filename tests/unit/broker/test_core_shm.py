@@ -108,7 +108,7 @@ def test_a_shared_memory_input_may_not_claim_more_than_the_limit() -> None:
     b.ready(T0, W1, SPEC2, slots=2)
     huge = MAX_REF_BYTES // 4 + 1  # float32 items: one byte over the limit
     ref = {"region": "carpool-x", "offset": 64, "key": KEY}
-    inputs = [
+    inputs: list[dict[str, Any]] = [
         {"name": "b", "dtype": "uint8", "shape": [1, 2]},
         {"name": "a", "dtype": "float32", "shape": [1, huge], "shm": ref},
     ]
