@@ -20,11 +20,15 @@ as above, ``--zero-copy-rounds`` times each): its broker CPU per request at 1 Mi
 (``python -m carpool`` under the same ``PYTHONPATH``). HEAD's median ratio must be no
 worse than BASE's (within ``--zero-copy-max-ratio``).
 
-Wall time per request is what ``hot_path.py`` reports; on a machine shared with other
-work the alternation, the medians and the spread are what make the ratio readable.
+Wall time per request is what ``hot_path.py`` reports by default; ``--cpu`` has
+``hot_path.py core`` count its process's CPU time instead (broker CPU per request, which
+other work on the machine disturbs less). ``--harness this`` measures both revisions with
+this checkout's ``hot_path.py`` (the same instrument for both; its API use must exist at
+BASE). On a machine shared with other work the alternation, the medians and the spread
+are what make the ratio readable.
 
 Run:  .venv/bin/python bench/compare_revs.py BASE HEAD [--rounds 5] [--worker] [--client]
-          [--zero-copy] [--max-ratio 1.05]
+          [--zero-copy] [--max-ratio 1.05] [--harness own|this] [--cpu]
       e.g. .venv/bin/python bench/compare_revs.py main~1 main
 Writes bench/out/compare_revs.json. Only committed revisions are compared (a worktree is
 checked out from a commit), so commit what is to be measured first.
@@ -261,16 +265,27 @@ def worktrees(names: Mapping[str, str]) -> Iterator[dict[str, Revision]]:
         subprocess.run(["git", "worktree", "prune"], cwd=repo, check=False)
 
 
+def harness(rev: Revision, args: argparse.Namespace) -> tuple[str, bool]:
+    """The hot_path.py that measures ``rev`` (its own, or this checkout's with
+    ``--harness this``), and whether it takes ``--json``."""
+    if args.harness == "this":
+        return str(HERE / "hot_path.py"), True
+    return "bench/hot_path.py", rev.supports("hot_path.py", "--json")
+
+
 def measure(rev: Revision, args: argparse.Namespace) -> dict[str, float]:
     """One round's figures of one revision: core, and worker/client if asked."""
-    core = ["bench/hot_path.py", "core"]
-    if rev.supports("hot_path.py", "--json"):
+    script, has_json = harness(rev, args)
+    core = [script, "core"]
+    if has_json:
         core.append("--json")
+    if args.cpu:
+        core.append("--cpu")
     figures = parse_core(rev.run(core, args.timeout_s))
     for mode in ("worker", "client"):
         if getattr(args, mode):
-            cmd = ["bench/hot_path.py", mode, "--burst", str(args.burst)]
-            if rev.supports("hot_path.py", "--json"):
+            cmd = [script, mode, "--burst", str(args.burst)]
+            if has_json:
                 cmd.append("--json")
             figures.update(parse_floor(rev.run(cmd, args.timeout_s), mode))
     return figures
@@ -298,6 +313,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=1.05,
         help="largest HEAD/BASE of zero_copy's 1 MiB / 1 KiB ratio (1.05)",
+    )
+    p.add_argument(
+        "--harness",
+        choices=("own", "this"),
+        default="own",
+        help="measure each revision with its own bench/hot_path.py, or both with this "
+        "checkout's (the same instrument for both; it must run against BASE's API) (own)",
+    )
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="core: the process's CPU time per request, not wall time (needs --harness this "
+        "where BASE's hot_path.py has no --cpu)",
     )
     p.add_argument("--timeout-s", type=float, default=600.0, help="per child run (600)")
     args = p.parse_args(argv)
@@ -335,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "head": {"rev": args.head, "commit": commits["head"], "carpool": imports["head"]},
         "rounds": args.rounds,
         "max_ratio": args.max_ratio,
+        "harness": args.harness,
+        "timer": "cpu" if args.cpu else "wall",
         "settings": {
             k: {"base_us": base_us[k], "head_us": head_us[k], "ratio": summaries[k].to_json()}
             for k in names

@@ -39,7 +39,7 @@ Not one of the six questions: the tool used to answer "what next" for questions 
   (main thread and whole process), the broker's batch-size distribution, and with
   ``--py-spy`` a ``py-spy record -f raw`` of both summarized as self / inclusive shares.
 
-Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1] [--json]
+Run:  .venv/bin/python bench/hot_path.py core [--profile carpool:1] [--json] [--cpu]
       .venv/bin/python bench/hot_path.py embedded [--profile] [--client] [--burst K] [--json]
       .venv/bin/python bench/hot_path.py worker [--profile] [--burst K] [--json]
       .venv/bin/python bench/hot_path.py client [--profile] [--burst K] [--json]
@@ -91,8 +91,11 @@ from carpool.common import codec
 from carpool.common.protocol import Command, ModelSpec, Ready, TensorMeta, encode, header
 
 
-def core_run(k: int, policy: str, n: int = 20_000) -> tuple[float, float]:
-    """us per request and mean batch size for bursts of ``k`` requests."""
+def core_run(
+    k: int, policy: str, n: int = 20_000, timer: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
+    """us per request (by ``timer``: wall time, or with ``time.process_time`` this
+    process's CPU time) and mean batch size for bursts of ``k`` requests."""
     core = BrokerCore(
         BrokerConfig(batching=BatchingConfig(policy=policy, max_batch=32)), defer_pumps=True
     )
@@ -118,7 +121,7 @@ def core_run(k: int, policy: str, n: int = 20_000) -> tuple[float, float]:
                     pending.append(meta)
         return answered
 
-    t0 = time.perf_counter()
+    t0 = timer()
     while done < n:
         out: list[Any] = []
         for _ in range(k):
@@ -138,7 +141,7 @@ def core_run(k: int, policy: str, n: int = 20_000) -> tuple[float, float]:
             frames = encode(Command.RESULT, result, reply * count)
             now = time.monotonic()
             done += collect(core.on_worker(now, b"w", frames) + core.on_tick(now))
-    elapsed = time.perf_counter() - t0
+    elapsed = timer() - t0
     sizes = core.stats.batch_sizes["m"]
     mean = sum(s * c for s, c in sizes.items()) / sum(sizes.values())
     return 1e6 * elapsed / done, mean
@@ -152,12 +155,14 @@ def core_main(args: argparse.Namespace) -> int:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         return 0
     rows = []
+    timer = time.process_time if args.cpu else time.perf_counter
     if not args.json:
-        print("BrokerCore alone, deferred mode: us per request (mean batch size)")
+        what = "CPU" if args.cpu else "wall"
+        print(f"BrokerCore alone, deferred mode: {what} us per request (mean batch size)")
     for policy in ("carpool", "fixed"):
         cells = []
         for k in (1, 4, 8):
-            us, mean = core_run(k, policy)
+            us, mean = core_run(k, policy, timer=timer)
             rows.append({"policy": policy, "burst": k, "us_per_request": us, "mean_batch": mean})
             cells.append(f"burst {k}: {us:6.1f} us ({mean:.1f})")
         if not args.json:
@@ -577,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("core", help="BrokerCore alone, in this process")
     c.add_argument("--profile", metavar="POLICY:K", help="cProfile one setting, e.g. carpool:1")
     c.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    c.add_argument("--cpu", action="store_true", help="this process's CPU time, not wall time")
     e = sub.add_parser("embedded", help="an embedded broker stepped in this process")
     e.add_argument("--profile", action="store_true", help="cProfile it")
     e.add_argument("--json", action="store_true", help="print the figures as one JSON object")
