@@ -18,8 +18,8 @@ from carpool.common.config import from_mapping, load_toml
 from carpool.common.errors import ConfigError
 from tests.unit.broker.test_core import C1, T0, W1, Broker, batches, model_spec
 
-# The reviewer's case: `synthetic` sets only max_batch.
-REVIEWER_TOML = """
+# A model table that sets only max_batch.
+PARTIAL_MODEL_TOML = """
 [batching]
 policy = "fixed"
 max_wait_s = 0.05
@@ -36,7 +36,7 @@ def load(tmp_path: Path, text: str) -> BrokerConfig:
 
 
 def test_a_model_table_inherits_the_keys_it_leaves_unset(tmp_path: Path) -> None:
-    config = load(tmp_path, REVIEWER_TOML)
+    config = load(tmp_path, PARTIAL_MODEL_TOML)
     assert config.batching_for("synthetic") == BatchingConfig(
         max_batch=4, max_wait_s=0.05, policy="fixed"
     )
@@ -86,7 +86,9 @@ def test_command_line_flags_reach_models_with_a_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "broker.toml"
-    path.write_text(REVIEWER_TOML + '[models.pinned]\npolicy = "carpool"\nmax_wait_s = 0.001\n')
+    path.write_text(
+        PARTIAL_MODEL_TOML + '[models.pinned]\npolicy = "carpool"\nmax_wait_s = 0.001\n'
+    )
     flags = ["--policy", "seed", "--max-wait-ms", "20", "--max-batch", "16"]
     config = broker_config_from_cli(monkeypatch, ["--config", str(path), *flags])
     assert config.batching == BatchingConfig(max_batch=16, max_wait_s=0.02, policy="seed")
@@ -100,7 +102,7 @@ def test_command_line_flags_reach_models_with_a_table(
 
 
 def test_the_broker_core_batches_the_model_with_the_inherited_settings(tmp_path: Path) -> None:
-    core = BrokerCore(load(tmp_path, REVIEWER_TOML), defer_pumps=True)
+    core = BrokerCore(load(tmp_path, PARTIAL_MODEL_TOML), defer_pumps=True)
     policy = core.fleet.policy("synthetic")
     assert isinstance(policy, FixedPolicy)
     assert (policy.max_batch, policy.max_wait_s) == (4, 0.05)
@@ -140,9 +142,9 @@ def test_an_override_knows_every_batching_key() -> None:
     assert everything.over(BatchingConfig(max_batch=99)) == BatchingConfig(policy="seed")
 
 
-def test_a_whole_batching_config_per_model_still_works() -> None:
-    """What ``models`` took before: every key set (it passed validation, then killed the
-    broker's loop with an AttributeError when a worker for the model joined)."""
+def test_a_whole_batching_config_per_model_overrides_every_key() -> None:
+    """A ``models`` entry may be a whole BatchingConfig (every key set): it is
+    taken as an override of every key, and a non-table entry is a ConfigError."""
     # A BatchingConfig where the field's type says BatchingOverride, on purpose: the
     # config converts it.
     config = BrokerConfig(models={"m": BatchingConfig(max_batch=4)})  # type: ignore[dict-item]

@@ -443,9 +443,9 @@ def test_large_request_goes_to_a_worker_that_can_take_it() -> None:
 
 @pytest.mark.parametrize("policy", ["fixed", "carpool"])
 def test_a_request_no_live_worker_can_take_is_answered_and_blocks_nobody(policy: str) -> None:
-    """The only worker that took 12 samples left: its requests waited at the head of the
-    queue until their deadlines (an hour at most) and every request behind them with
-    them, while a smaller worker sat idle."""
+    """The only worker that takes 12 samples leaves: its requests are answered UNAVAILABLE
+    at once rather than waiting at the head of the queue until their deadlines, and the
+    requests behind them go to the smaller worker."""
     b = Broker.make(max_batch=4, max_wait_s=0.0, policy=policy)
     b.ready(T0, W1, model_spec(max_batch=16), slots=1)
     b.ready(T0, W2, model_spec(max_batch=4), slots=1)
@@ -1921,12 +1921,12 @@ def test_the_fleet_rate_cache_is_dropped_with_idle_queues() -> None:
     assert b.core.fleet.rates == {}
 
 
-# --------------------------------------------------------------------------- what a review found
+# --------------------------------------------------------------------------- edge cases
 
 
 def test_an_absurd_compute_time_neither_crashes_overloaded_nor_is_learned() -> None:
-    """A worker may report any finite compute_ms; learned, 1.7e308 ms made OVERLOADED's
-    retry hint overflow (an exception out of the core: no reply at all)."""
+    """A worker may report any finite compute_ms; 1.7e308 ms is not learned from, and
+    OVERLOADED's retry hint stays a bounded number (the core answers, it does not raise)."""
     b = Broker.make(max_batch=4, max_queued=8, policy="carpool")
     b.ready(T0, W1, slots=1)
     now = T0
@@ -1956,8 +1956,8 @@ def test_a_load_out_of_range_in_a_result_is_ignored() -> None:
 
 def test_a_silent_workers_requests_are_not_sent_to_another_silent_one() -> None:
     """Two workers fall silent together: the requests of the first lost must not be
-    dispatched to the second, lost a moment later in the same tick (an attempt spent on a
-    worker known dead; with max_attempts 2, UNAVAILABLE with a minute to spare)."""
+    dispatched to the second, lost a moment later in the same tick: no attempt is spent
+    on a worker known dead, so with max_attempts 2 the request waits for a live one."""
     b = Broker.make(max_batch=1, max_attempts=2)
     b.ready(T0, W1, slots=1)
     b.ready(T0, W2, slots=1)
@@ -1983,7 +1983,8 @@ def test_a_tick_drops_silent_workers_before_it_pumps_behind_an_expired_request()
 
 def test_the_arrival_order_does_not_hold_answered_requests_behind_a_bulk_one() -> None:
     """EDF takes leave the arrival order untouched; a bulk request that interactive ones
-    keep overtaking stayed at its head and pinned every later one (for up to an hour)."""
+    keep overtaking does not pin the answered ones behind it: the queue's entries stay
+    bounded by its count."""
     b = Broker.make(max_batch=1, max_wait_s=0.0, policy="carpool")
     b.ready(T0, W1, slots=1)
     now = T0
@@ -2003,7 +2004,7 @@ def test_the_arrival_order_does_not_hold_answered_requests_behind_a_bulk_one() -
 @pytest.mark.parametrize("policy", ["fixed", "carpool"])
 def test_a_queue_stays_small_while_requests_expire_and_no_worker_is_free(policy: str) -> None:
     """A hung engine that still heartbeats holds its worker's only slot; requests keep
-    coming and expiring. Lazy removal left each one's entries in the queue for as long."""
+    coming and expiring, and the queue's entries stay bounded by what it holds."""
     b = Broker.make(max_batch=1, max_wait_s=0.0, policy=policy)
     b.ready(T0, W1, slots=1)
     assert len(batches(b.request(T0, 1, timeout_ms=3_600_000))) == 1  # never answered
@@ -2044,8 +2045,8 @@ def test_queued_payload_bytes_are_bounded_too() -> None:
 
 
 def test_stopping_answers_the_queue_at_once_and_lets_running_batches_finish() -> None:
-    """SIGTERM left every queued request to the client's own timer (deadline + grace)
-    and threw the results of running batches away."""
+    """On SIGTERM every queued request is answered at once (not left to the client's own
+    timer), and the results of running batches still reach their clients."""
     b = Broker.make(max_batch=2, max_wait_s=0.0)
     b.ready(T0, W1, slots=1)
     b.ready(T0, W2, slots=1)
@@ -2075,9 +2076,9 @@ def test_stopping_answers_the_queue_at_once_and_lets_running_batches_finish() ->
 
 
 def test_stopping_answers_a_requeued_request_once() -> None:
-    """EDF sent the newer request 2 ahead of 1, leaving its arrival entry behind; the
-    worker's loss pushed 2 to the front again, and the stop answered it twice (found by
-    a review; the queue counters went to -1)."""
+    """EDF sends the newer request 2 ahead of 1, leaving its arrival entry behind; the
+    worker's loss puts 2 at the front again, and the stop answers it once: the queue's
+    counters end at zero, never below."""
     b = Broker.make(max_batch=4, max_wait_s=0.0, policy="carpool")
     b.ready(T0, W1, slots=1)
     (first,) = batches(b.request(T0, 10, C3, n=1, timeout_ms=5000))
@@ -2112,7 +2113,8 @@ def test_a_worker_lost_while_stopping_fails_its_requests_not_requeues_them() -> 
 
 def test_a_just_started_broker_says_unavailable_for_a_model_not_yet_registered() -> None:
     """After a restart the clients' queued requests arrive before the workers' READYs:
-    NOT_FOUND told them the model does not exist (a configuration error, not retried)."""
+    they hear UNAVAILABLE (retried), not NOT_FOUND (a configuration error, not retried)
+    until the registration grace has passed."""
     b = Broker.make(register_grace_s=5.0)
     b.core.started_s = T0
     (early,) = to_clients(b.request(T0 + 1.0, 1))

@@ -242,7 +242,7 @@ def test_deferred_mode_ends_every_request_exactly_once(
 @pytest.mark.parametrize("policy", ["fixed", "carpool"])
 def test_answered_requests_release_payloads_and_heaps_stay_bounded(policy: str) -> None:
     """A long run must not keep tensors of answered requests, nor deadline-heap entries
-    that FIFO dispatch never pops (found by review)."""
+    that FIFO dispatch never pops."""
     config = BrokerConfig(batching=BatchingConfig(max_batch=B_MAX, max_wait_s=0.0, policy=policy))
     world = World(policy, BrokerCore(config))
     world.join(0)
