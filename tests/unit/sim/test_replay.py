@@ -103,8 +103,8 @@ def test_an_invalid_max_batch_is_a_config_error(
 def test_impossible_simulator_flags_are_a_usage_error(
     burst: Path, flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A negative cost was taken, and the report had negative latencies (carpool tune
-    refused the same values)."""
+    """A negative or NaN cost, no workers or a negative wait: a usage error naming the
+    flag, as carpool tune says of the same values."""
     assert cli.main(["replay", "--trace", str(burst), "--simulate", *flags]) == 2
     captured = capsys.readouterr()
     assert says in captured.err
@@ -123,7 +123,7 @@ def test_a_one_request_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
 def test_a_trace_not_in_utf8_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """It was a UnicodeDecodeError traceback, exit 1."""
+    """A usage error naming the file and line, not a UnicodeDecodeError traceback."""
     trace = tmp_path / "bin.jsonl"
     trace.write_bytes(b"\xff\xfe\n")
     assert cli.main(["replay", "--trace", str(trace), "--simulate"]) == 2
@@ -138,7 +138,7 @@ def _strict(text: str) -> Any:
 
 
 def test_json_of_a_replay_with_no_answers_is_strict(tmp_path: Path) -> None:
-    """p50_ms: NaN, which strict JSON parsers refuse; null now."""
+    """p50_ms is null, not NaN (which strict JSON parsers refuse)."""
     trace = tmp_path / "late.jsonl"
     workload.write_trace(trace, [Arrival(i / 10, "m", (1, 16), 1) for i in range(3)])
     out = tmp_path / "replay.json"

@@ -1,5 +1,4 @@
-"""The simulator and ``carpool tune`` at the edges a review found: mixed models, traces at
-one instant, long timeouts, unsorted arrivals, empty workloads, impossible settings."""
+"""The simulator and ``carpool tune`` at their edges: mixed models, traces at one instant, long timeouts, unsorted arrivals, empty workloads, impossible settings."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ FIXED = BatchingConfig(max_batch=8, max_wait_s=0.002, policy="fixed")
 
 
 def test_models_of_different_ranks_are_all_served() -> None:
-    """Every model was declared with one rank, so the other model's requests were
-    refused (INVALID_ARGUMENT) where a live fleet serves them."""
+    """Each model is declared with its own rank, so requests of two models of different
+    ranks are all served (none INVALID_ARGUMENT), as a live fleet serves them."""
     arrivals = [
         Arrival(0.01 * i, "vec" if i % 2 else "img", (1, 16) if i % 2 else (1, 3, 8, 8), 50)
         for i in range(20)
@@ -32,8 +31,8 @@ def test_models_of_different_ranks_are_all_served() -> None:
 
 
 def test_tune_ranks_by_answers_in_time_on_a_trace_at_one_instant() -> None:
-    """100 requests at one instant: goodput per second of a zero span was 0 for every
-    setting, and the ranking went by p99 alone (B=32, 34 in time, over B=64, 66)."""
+    """100 requests at one instant: the goodput of a zero span is still positive, and the
+    best-ranked setting is one that answers the most requests in time."""
     arrivals = [Arrival(0.0, "m", (1, 16), 50) for _ in range(100)]
     points = grid_search(arrivals, GPU)
     assert points[0].result.on_time == max(p.result.on_time for p in points)
@@ -47,7 +46,8 @@ def test_a_single_arrival_answered_in_time_has_a_goodput() -> None:
 
 
 def test_requests_with_long_timeouts_are_answered_past_a_minute() -> None:
-    """The run stopped a minute after the last arrival: 140 of these were NO_REPLY."""
+    """The run lasts until every request is answered, even a minute or more after the
+    last arrival: none is NO_REPLY."""
     arrivals = [Arrival(0.0, "m", (1, 16), 600_000) for _ in range(200)]
     slow = [SimWorker("w", EngineCost(1.0, 0.0))]
     result = simulate(arrivals, slow, BatchingConfig(max_batch=1, max_wait_s=0.0, policy="fixed"))
@@ -105,7 +105,8 @@ def _trace(tmp_path: Path) -> Path:
 def test_tune_refuses_impossible_settings(
     tmp_path: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """They crashed (IndexError, ValueError) or recommended a setting at 100% misses."""
+    """Each is a usage error (exit 2, "must be at least"), never a traceback or a
+    recommended setting that misses every deadline."""
     assert main(["tune", "--trace", str(_trace(tmp_path)), *extra]) == 2
     assert "must be at least" in capsys.readouterr().err
 
@@ -114,8 +115,8 @@ def test_tune_refuses_impossible_settings(
 def test_a_one_request_trace_is_refused(
     tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """tune reported a throughput from one request's latency (382/s) and recommended a
-    setting from it."""
+    """One arrival is too few to measure a throughput from: a usage error, and no
+    setting is recommended."""
     path = tmp_path / "one.jsonl"
     path.write_text('{"t_s": 0.0, "model": "m", "shape": [1, 16], "timeout_ms": 50}\n')
     assert main([*command, "--trace", str(path)]) == 2
@@ -125,7 +126,7 @@ def test_a_one_request_trace_is_refused(
 
 
 def test_simulate_json_is_strict_when_nothing_is_answered(tmp_path: Path) -> None:
-    """p50_ms etc. were written as NaN, which strict JSON parsers refuse; null now."""
+    """p50_ms and the like are null, not NaN (which strict JSON parsers refuse)."""
     out = tmp_path / "sim.json"
     argv = ["simulate", "--no-oracle", "--rate", "50", "--duration-s", "0.5"]
     assert main([*argv, "--alpha-ms", "1000", "--sla-ms", "5", "--json", str(out)]) == 0
@@ -146,7 +147,7 @@ def test_tune_recommends_nothing_when_nothing_is_answered_in_time(
 
 
 def test_a_trace_shape_must_be_a_list(tmp_path: Path) -> None:
-    """ "16" was read as the shape (1, 6), one dim per character."""
+    """A string such as "16" is a ConfigError, not read as one dim per character."""
     path = tmp_path / "s.jsonl"
     path.write_text('{"t_s": 0, "model": "m", "shape": "16", "timeout_ms": 50}\n')
     with pytest.raises(ConfigError, match="shape"):
@@ -161,15 +162,15 @@ def test_a_trace_shape_must_be_a_list(tmp_path: Path) -> None:
 def test_bursts_need_a_period_that_holds_its_burst(
     period_s: float, burst_s: float, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A period of 0 never ended (phases appended for ever); one shorter than its burst
-    gave quiet phases of negative length and arrivals before time 0."""
+    """A period of 0 (phases without end) or one shorter than its burst (quiet phases
+    of negative length, arrivals before time 0) is a usage error."""
     args = ["--load", "bursts", "--period-s", str(period_s), "--burst-s", str(burst_s)]
     assert main(["simulate", "--no-oracle", "--duration-s", "1", *args]) == 2
     assert "bursts need" in capsys.readouterr().err
 
 
 def test_the_grid_tries_the_engines_own_limit() -> None:
-    """An engine of 48 was tried at 32 at most: the grid's powers of two stop below it."""
+    """An engine of 48 is tried at 48 too, not only at the powers of two below it."""
     arrivals = [Arrival(0.001 * i, "m", (1, 16), 50) for i in range(50)]
     workers = [SimWorker("w", EngineCost(0.005, 0.0005), max_batch=48)]
     sizes = {p.max_batch for p in grid_search(arrivals, workers)}
@@ -179,7 +180,7 @@ def test_the_grid_tries_the_engines_own_limit() -> None:
 def test_simulate_applies_sla_ms_to_a_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--sla-ms was silently ignored with --trace (the same row for 6 ms and 1000 ms)."""
+    """--sla-ms applies with --trace too: at 1 ms most requests miss, at 1000 ms none."""
     trace = _trace(tmp_path)
     rows = []
     for sla in ("1000", "1"):
@@ -195,7 +196,8 @@ def test_simulate_applies_sla_ms_to_a_trace(
 def test_an_sla_over_the_protocols_limit_is_refused(
     tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every simulated request was refused INVALID_ARGUMENT; simulate exited 0."""
+    """An SLA past the protocol's limit is a usage error, not a run in which every
+    simulated request is refused INVALID_ARGUMENT."""
     argv = [*command, "--trace", str(_trace(tmp_path)), "--sla-ms", "3600001"]
     assert main(argv) == 2
     assert "--sla-ms must be at least 1 and at most 3600000" in capsys.readouterr().err
@@ -203,7 +205,7 @@ def test_an_sla_over_the_protocols_limit_is_refused(
 
 @pytest.mark.parametrize("flag", ["--rate", "--duration-s"])
 def test_an_infinite_workload_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """simulate --rate inf never ended, its memory growing."""
+    """An infinite rate or duration is a usage error, not a run without end."""
     assert main(["simulate", "--no-oracle", flag, "inf"]) == 2
     assert "must be finite" in capsys.readouterr().err
 
@@ -211,8 +213,8 @@ def test_an_infinite_workload_is_refused(flag: str, capsys: pytest.CaptureFixtur
 def test_tune_says_why_nothing_was_answered(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Requests of 4 samples on an engine of 2: every one refused INVALID_ARGUMENT, and
-    the message asked whether the SLA was shorter than a batch."""
+    """Requests of 4 samples on an engine of 2: every one is refused INVALID_ARGUMENT,
+    and the report names those errors."""
     path = tmp_path / "big.jsonl"
     lines = [{"t_s": 0.01 * i, "model": "m", "shape": [4, 16], "timeout_ms": 50} for i in range(5)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -223,7 +225,7 @@ def test_tune_says_why_nothing_was_answered(
 def test_replay_in_the_simulator_takes_an_engine_limit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The README named --engine-max-batch for replay --simulate; it was not a flag."""
+    """replay --simulate takes --engine-max-batch, as the README says."""
     trace = str(_trace(tmp_path))
     assert main(["replay", "--trace", trace, "--simulate", "--engine-max-batch", "2"]) == 0
     assert main(["replay", "--trace", trace, "--simulate", "--engine-max-batch", "0"]) == 2

@@ -272,7 +272,8 @@ def test_missing_trace_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_a_trace_not_in_utf8_is_a_config_error_naming_the_line(tmp_path: Path) -> None:
-    """It was a UnicodeDecodeError traceback (exit 1) from tune, replay and bench --trace."""
+    """A ConfigError with the file and line (a usage error for tune, replay and bench
+    --trace), not a UnicodeDecodeError traceback."""
     path = tmp_path / "bin.jsonl"
     path.write_bytes(f"{GOOD}\n".encode() + b"\xff\xfe\n")
     with pytest.raises(ConfigError, match=re.escape(f"{path}:2: not UTF-8 text")):
@@ -322,7 +323,8 @@ def test_a_last_line_cut_short_is_skipped(tmp_path: Path, caplog: pytest.LogCapt
 def test_a_recording_appended_to_a_cut_trace_starts_on_a_line_of_its_own(
     tmp_path: Path,
 ) -> None:
-    """The next run's first line was glued to the cut one, and the file was unreadable."""
+    """The cut part is dropped when the next broker opens the trace, so the next run's
+    first line is not glued to it and the file stays readable."""
     from carpool.broker.config import BrokerConfig
     from carpool.broker.server import BrokerServer
 
@@ -386,9 +388,8 @@ def test_two_brokers_cannot_record_to_one_trace_at_once(tmp_path: Path) -> None:
 
 
 def test_a_broker_that_cannot_bind_lets_go_of_its_trace(tmp_path: Path) -> None:
-    """Its trace stayed open and locked until the half-built server was collected: a
-    retry within the except block (or with the exception kept) was refused as 'another
-    broker is recording to it'."""
+    """The trace is closed and unlocked before the error leaves the constructor, so a
+    retry within the except block (or with the exception kept) may record to it."""
     import zmq
 
     from carpool.broker.config import BrokerConfig
@@ -410,7 +411,8 @@ def test_a_broker_that_cannot_bind_lets_go_of_its_trace(tmp_path: Path) -> None:
 def test_a_trace_on_a_file_system_without_locks_is_recorded_unlocked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """flock failing otherwise than 'held' (ENOLCK on NFS without lockd) was a traceback."""
+    """flock failing otherwise than 'held' (ENOLCK on NFS without lockd): the trace is
+    recorded without a lock, and the log says so."""
     import errno
     import fcntl
 
