@@ -245,7 +245,8 @@ def test_load_toml_malformed(tmp_path: Path) -> None:
     ids=["latin-1-comment", "binary"],
 )
 def test_load_toml_not_utf8(tmp_path: Path, content: bytes) -> None:
-    """It was a UnicodeDecodeError traceback (exit 1) from carpool broker/worker --config."""
+    """A ConfigError naming the file (a usage error for carpool broker/worker --config),
+    not a UnicodeDecodeError traceback."""
     path = tmp_path / "bad.toml"
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=re.escape(f"config {path} is not UTF-8 text")) as info:

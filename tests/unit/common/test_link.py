@@ -413,8 +413,8 @@ def test_messages_over_the_byte_limit_are_refused(pair: tuple[Link, Link]) -> No
 
 
 def test_the_lock_file_is_readable_by_a_broker_restarted_as_another_user(tmp_path: Path) -> None:
-    """Made under the service's umask (UMask=0077), it was 0600: a broker restarted under
-    another DynamicUser= uid could not open it, and did not start."""
+    """Made under the service's umask (UMask=0077), it is still 0644, so a broker
+    restarted under another DynamicUser= uid can open it and start."""
     path = str(tmp_path / "w.sock")
     old = os.umask(0o077)
     try:

@@ -332,12 +332,12 @@ def test_a_forked_child_does_not_remove_its_parents_region() -> None:
     assert not os.path.exists(arena.path)
 
 
-# --------------------------------------------------------------------------- what a review found
+# --------------------------------------------------------------------------- hostile and dead peers
 
 
 def test_a_region_truncated_under_its_owner_does_not_kill_it() -> None:
-    """Writes went through a mapping: anyone who could write the file could truncate it
-    and the owner died of SIGBUS at its next write. They go through pwrite now."""
+    """Writes go through pwrite, not a mapping: anyone who can write the file may
+    truncate it, and the owner's next write still does not die of SIGBUS."""
     code = (
         "import os\n"
         "import numpy as np\n"
@@ -368,8 +368,8 @@ def test_regions_others_could_write_are_refused(mode: int) -> None:
 
 
 def test_the_regions_of_a_process_that_died_are_removed_and_live_ones_kept() -> None:
-    """A worker killed in a crash loop left its ring in /dev/shm each time (RAM, for
-    good). Owners hold a shared flock; a region nobody holds is an orphan."""
+    """A worker killed in a crash loop leaves no ring behind in /dev/shm (RAM, for
+    good): owners hold a shared flock, and a region nobody holds is an orphan, removed."""
     made = (
         "import os, sys\n"
         "from carpool.common.shm import ShmRing\n"
@@ -408,8 +408,8 @@ def test_the_regions_of_a_process_that_died_are_removed_and_live_ones_kept() -> 
 
 
 def test_a_region_of_a_running_process_that_holds_no_lock_is_kept() -> None:
-    """A carpool from before the lock (its regions hold none) may still run on the host:
-    the pid in a region's name must be gone too."""
+    """An older carpool whose regions hold no lock may run on the host: a region is an
+    orphan only once the pid in its name is gone too."""
     live = subprocess.Popen(
         [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
     )
@@ -441,17 +441,17 @@ def test_a_region_of_a_running_process_that_holds_no_lock_is_kept() -> None:
 def test_an_unlocked_region_named_with_this_pid_but_not_made_here_is_swept(
     tmp_path: Path,
 ) -> None:
-    """A client restarted in a fresh pid namespace (a container sharing /dev/shm) gets
-    the pid of the one that crashed, and kept the crashed one's region as its own: every
-    crash-restart left a region (64 MiB each, by the README's example) in RAM."""
+    """A client restarted in a fresh pid namespace (a container sharing /dev/shm) may get
+    the pid of the one that crashed; the crashed one's region is swept, not kept as its
+    own, so crash-restarts leave no regions (64 MiB each, by the README's example) in RAM."""
     orphan = tmp_path / f"carpool-{os.getpid()}-0123abcd"
     orphan.write_bytes(MAGIC + bytes(64))
     assert sweep_orphans(str(tmp_path), min_age_s=0.0) == [str(orphan)]
 
 
 def test_a_name_with_a_pid_no_process_can_have_does_not_stop_the_sweep(tmp_path: Path) -> None:
-    """os.kill(4000000000, 0) raises OverflowError, not OSError: one such file (anyone may
-    make one in /dev/shm) stopped every region from being made."""
+    """os.kill(4000000000, 0) raises OverflowError, not OSError: such a file (anyone may
+    make one in /dev/shm) is swept like any orphan and stops no region from being made."""
     odd = tmp_path / "carpool-4000000000-abcdef"
     odd.write_bytes(MAGIC + bytes(64))
     assert sweep_orphans(str(tmp_path), min_age_s=0.0) == [str(odd)]

@@ -66,7 +66,7 @@ def test_the_unknown_model_error_says_a_path_works() -> None:
 
 
 def test_model_and_synthetic_are_both_served() -> None:
-    """--synthetic was dropped without a word when --model was given."""
+    """--model and --synthetic together serve both models."""
     config = worker_config(_worker_args("--model", "orientation", "--synthetic", "5", "0.5"))
     assert [(m.name, m.engine) for m in config.models] == [
         ("orientation", "onnxruntime"),
@@ -84,7 +84,8 @@ def test_model_flags_replace_the_files_models(tmp_path: Path) -> None:
 
 
 def test_max_batch_and_threads_apply_to_the_files_models(tmp_path: Path) -> None:
-    """They were ignored whenever --config came without --model."""
+    """With --config and no --model, --max-batch and --threads apply to each model of
+    the file."""
     toml = tmp_path / "w.toml"
     toml.write_text(
         '[[models]]\nname = "ppocr-cls"\nmax_batch = 16\n'
@@ -185,7 +186,7 @@ def test_input_rules_of_the_wrong_type_are_config_errors(tmp_path: Path) -> None
 
 
 def test_max_batch_below_the_files_preferred_sizes_drops_those_sizes(tmp_path: Path) -> None:
-    """It was a ConfigError ("preferred_batch sizes must lie in 1..max_batch"): the sizes
+    """Not a ConfigError ("preferred_batch sizes must lie in 1..max_batch"): the sizes
     are advice to the broker, the flag is the operator's word."""
     toml = tmp_path / "w.toml"
     toml.write_text('[[models]]\nname = "ppocr-cls"\nmax_batch = 16\npreferred_batch = [4, 8]\n')
@@ -196,7 +197,8 @@ def test_max_batch_below_the_files_preferred_sizes_drops_those_sizes(tmp_path: P
 
 
 def test_a_worker_without_a_name_is_named_by_its_host_and_process() -> None:
-    """Every worker was "worker" in STATS and the logs unless --name was given."""
+    """Without --name, each worker has a name of its own in STATS and the logs, not a
+    shared "worker"."""
     import os
     import socket
 

@@ -338,8 +338,8 @@ class FailsTogether(SyntheticEngine):
 def test_a_failed_batch_run_again_one_by_one_puts_outputs_in_frames(
     reader: RegionReader,
 ) -> None:
-    """Run request by request, each reply's ring outputs were written without regard to
-    the earlier ones, still unsent: a later one could write over an earlier one."""
+    """Run request by request, each reply carries its outputs in its frames, not in the
+    ring, where a later reply's outputs could write over an earlier one's, still unsent."""
     from carpool.worker.run import LazyRing
     from carpool.worker.tensors import SHM_OUTPUT_MIN_BYTES
 
