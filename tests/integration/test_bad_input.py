@@ -263,9 +263,9 @@ class _RankNine:
 def test_an_output_the_protocol_cannot_carry_fails_the_request_at_once(
     fleet_factory: Any,
 ) -> None:
-    """The worker used to send it as a REPLY the client could not read (the client
-    dropped it, and the request failed at its local deadline as if the broker were gone);
-    the worker now fails the batch INTERNAL with the reason."""
+    """The worker fails the batch INTERNAL with the reason (rank 1..8), so the client has
+    an answer at once, not a REPLY it cannot read and then its local deadline as if the
+    broker were gone."""
     fleet = fleet_factory(max_batch=4, max_wait_s=0.0)
     fleet.add_worker({"deep": _RankNine}, warmup=False)
     client = fleet.ready()

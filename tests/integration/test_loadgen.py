@@ -100,8 +100,8 @@ def test_record_then_replay_live_and_in_the_simulator(tmp_path: Path, capsys: An
             assert len(read_trace(trace)) == 40  # the replay was recorded too
     assert main(["replay", "--trace", str(trace), "--simulate"]) == 0
     assert "carpool (sim)" in capsys.readouterr().out
-    # tune's grid stops at the recording fleet's engine limit (it went to 64, a B_max
-    # the fleet's engines do not take).
+    # tune's grid stops at the recording fleet's engine limit (not at 64, a B_max the
+    # fleet's engines do not take).
     assert main(["tune", "--trace", str(trace), "--top", "100"]) == 0
     out = capsys.readouterr().out
     assert "max batch 8 (as the trace recorded)" in out
@@ -189,7 +189,7 @@ def test_bench_command_through_shared_memory(fleet_factory: Any, tmp_path: Path)
     assert ring.head > 0  # outputs went through the worker's ring
 
 
-# --------------------------------------------------------------------------- what a review found
+# --------------------------------------------------------------------------- measuring a run
 
 
 class _Answered:
@@ -231,7 +231,8 @@ class _SlowToSend:
 def test_latency_and_deadlines_count_from_the_time_a_request_was_due() -> None:
     """Coordinated omission: the first send holds the generator up 0.5 s; the requests
     due at 10..200 ms go out at ~0.5 s and are answered at once. Measured from their send
-    they took ~0 ms and were on time; from their schedule, 300-490 ms, all late."""
+    they would take ~0 ms and be on time; from their schedule, as counted here, they take
+    300-490 ms, all late."""
     arrivals = [Arrival(i / 100, "m", (1, 4), 100) for i in range(21)]
     inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
     clock = FakeClock()
@@ -276,7 +277,8 @@ def test_the_generator_ends_when_a_request_is_refused_at_once(
 @pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm")
 def test_bench_removes_its_shared_memory_region_on_sigterm(nobody: str) -> None:
     """`timeout 60 carpool bench --shared-memory-mib ...`, a CI cancel or systemd sends
-    SIGTERM: the region stayed in /dev/shm (RAM) for good."""
+    SIGTERM: bench removes its region, which would otherwise stay in /dev/shm (RAM) for
+    good."""
     command = ["bench", "--endpoint", nobody, "--shared-memory-mib", "1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "carpool", *command, "--no-progress"],
@@ -326,8 +328,8 @@ def test_requests_go_out_on_time_though_polls_wait_whole_milliseconds() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_broker_that_goes_away_mid_run_leaves_the_run_measured() -> None:
-    """The final STATS went unanswered and the whole run was thrown away (with "no broker
-    answered" blamed on the endpoint); now the report keeps what was measured."""
+    """The final STATS goes unanswered; the report keeps what was measured (not "no
+    broker answered", blamed on the endpoint) and counts every request."""
     import threading
 
     config = BrokerConfig(
@@ -364,8 +366,8 @@ def _strict_json(text: str) -> Any:
 
 
 def test_a_trace_at_one_instant_is_measured_to_its_last_answer() -> None:
-    """A one-request trace ended its window at its only arrival: [0, 0) held nothing, and
-    replay said "no request was sent" (exit 1) of a request sent and answered."""
+    """A one-request trace's window ends at its last answer, not at its only arrival
+    (an empty [0, 0), "no request was sent"): the request is counted sent and answered."""
     one = [Arrival(0.0, "m", (1, 4), 1000)]
     samples = [Sample(0.0, 0.0001, 0.004, "ok", 1.0)]
     end = schedule_end(one, samples)
@@ -376,7 +378,7 @@ def test_a_trace_at_one_instant_is_measured_to_its_last_answer() -> None:
     burst = [Arrival(0.0, "m", (1, 4), 1000)] * 3
     samples = [Sample(0.0, 0.0001 * i, 0.006 + 0.001 * i, "ok", 1.0) for i in range(3)]
     assert summarize(samples, 0.0, schedule_end(burst, samples), {}).ok == 3
-    # A trace with gaps ends one mean gap after its last arrival, as before.
+    # A trace with gaps ends one mean gap after its last arrival.
     spread = [Arrival(i / 10, "m", (1, 4), 1000) for i in range(5)]
     assert schedule_end(spread, []) == pytest.approx(0.5)
 
@@ -412,7 +414,7 @@ def test_a_one_request_trace_replays_live(fleet_factory: Any, tmp_path: Path) ->
         (["--model", ""], "--model must be a non-empty name"),
         (["--shared-memory-mib", "-1"], "--shared-memory-mib must be at least 0, got -1"),
         (["--rate", "0.01", "--duration-s", "1"], "the schedule has no arrival in the"),
-        (  # two sent in the warm-up, none after it: "no request was sent", exit 1
+        (  # two would go in the warm-up, none after it: refused before any is sent
             ["--load", "constant", "--rate", "1", "--warmup-s", "2", "--duration-s", "0.5"],
             "the schedule has no arrival in the",
         ),
@@ -423,9 +425,9 @@ def test_a_one_request_trace_replays_live(fleet_factory: Any, tmp_path: Path) ->
 def test_bench_refuses_impossible_arguments_before_sending(
     flags: list[str], says: str, nobody: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--timeout-ms 0 was a ValueError traceback, --load constant --rate 0 a
-    ZeroDivisionError; --rate 0, --duration-s 0 or --warmup-s -1 ran and ended with "no
-    request was sent", exit 1, which reads as a dead fleet. All exit 2 now, at once."""
+    """--timeout-ms 0, --load constant --rate 0, --duration-s 0 or --warmup-s -1: each is
+    a usage error (exit 2) with one line, at once, not a traceback or a run that ends in
+    "no request was sent" (exit 1, which reads as a dead fleet)."""
     argv = ["bench", "--endpoint", nobody, "--duration-s", "0.2", "--warmup-s", "0"]
     assert main([*argv, "--no-progress", *flags]) == 2
     captured = capsys.readouterr()
@@ -438,7 +440,8 @@ def test_bench_refuses_impossible_arguments_before_sending(
 def test_bench_writes_strict_json_and_csv_when_nothing_is_answered(
     fleet_factory: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every request NOT_FOUND: the report had "p50": NaN (not JSON) and the CSV "nan"."""
+    """Every request NOT_FOUND: the report's "p50" is null (not NaN, which is not JSON)
+    and the CSV's cell is empty (not "nan")."""
     fleet = fleet_factory(max_batch=8, max_wait_s=0.001)
     fleet.add_worker({"syn": lambda: SyntheticEngine(item_shape=(16,), max_batch=8)})
     fleet.ready()

@@ -101,7 +101,7 @@ def softmax_across_the_batch(tmp: Path) -> OnnxRuntimeEngine:
 
 def softmax_across_the_batch_beside_an_inf(tmp: Path) -> OnnxRuntimeEngine:
     """The softmax across the batch next to a column of -inf (log 0): an infinite value
-    made the check's tolerance infinite, and the model passed."""
+    must not make the check's tolerance infinite and let the model pass."""
     path = save(
         tmp / "softmax-inf.onnx",
         [
@@ -196,9 +196,9 @@ def lookup(tmp: Path, shift: int = 0) -> Path:
 def test_a_model_whose_outputs_are_not_per_sample_is_refused_at_start(
     tmp_path: Path, build: Any, says: str
 ) -> None:
-    """The worker hands each request its rows of every output: served, these models gave
-    requests each other's results whenever an output's dim 0 happened to equal the
-    batch's sample count (a review's repro: two requests, each got a column of both)."""
+    """The worker hands each request its rows of every output: served, these models would
+    give requests each other's results whenever an output's dim 0 happened to equal the
+    batch's sample count (two requests, each given a column of both)."""
     engine = build(tmp_path)
     with pytest.raises(ConfigError, match=says):
         warm_up(engine, "m")
@@ -211,8 +211,8 @@ def test_a_per_sample_model_passes_the_check(tmp_path: Path) -> None:
 def test_a_model_whose_runs_differ_is_served_unchecked(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Random sampling in the graph: every comparison of rows failed, and the model was
-    refused as 'not per sample' with no way to serve it."""
+    """Random sampling in the graph: every comparison of rows fails, so the model is
+    served unchecked, with a warning, rather than refused as 'not per sample'."""
     with caplog.at_level(logging.WARNING, logger="carpool.worker.run"):
         warm_up(noisy(tmp_path), "noisy")
     assert "two runs on the same inputs differ" in caplog.text
@@ -221,8 +221,8 @@ def test_a_model_whose_runs_differ_is_served_unchecked(
 def test_a_model_that_fails_on_zeros_is_served_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Zeros are made-up inputs: an index model may refuse them (TABLE[0 - 11]). That
-    killed the worker with a traceback; real requests decide."""
+    """Zeros are made-up inputs: an index model may refuse them (TABLE[0 - 11]). The
+    worker warns and serves it; real requests decide."""
     engine = OnnxRuntimeEngine(lookup(tmp_path, shift=11))
     with caplog.at_level(logging.WARNING, logger="carpool.worker.run"):
         warm_up(engine, "lookup")
@@ -232,8 +232,8 @@ def test_a_model_that_fails_on_zeros_is_served_with_a_warning(
 
 
 def test_a_model_the_broker_would_refuse_is_refused_at_start(tmp_path: Path) -> None:
-    """An input name over the protocol's 256 characters: the broker dropped every READY
-    as a protocol error, and the worker tried again for ever."""
+    """An input name over the protocol's 256 characters: a ConfigError at start, since
+    the broker would drop every READY as a protocol error and the worker try for ever."""
     name = "x" * 300
     path = save(
         tmp_path / "long.onnx",
@@ -252,8 +252,8 @@ def test_a_model_the_broker_would_refuse_is_refused_at_start(tmp_path: Path) -> 
 def test_one_bad_request_fails_alone_not_its_whole_batch(
     tmp_path: Path, fleet_factory: Any
 ) -> None:
-    """An index out of range in one request failed every request of its batch with
-    INTERNAL; each of the others now gets its own result, the bad one INVALID_ARGUMENT."""
+    """An index out of range in one request fails that request INVALID_ARGUMENT; each of
+    the others in its batch gets its own result, not INTERNAL."""
     fleet = fleet_factory(policy="fixed", max_batch=8, max_wait_s=0.2)
     path = lookup(tmp_path)
     fleet.add_worker({"lookup": lambda: OnnxRuntimeEngine(path)}, warmup=False)
@@ -272,7 +272,7 @@ def test_one_bad_request_fails_alone_not_its_whole_batch(
 
 
 def test_an_input_without_a_declared_shape_is_refused_naming_the_file(tmp_path: Path) -> None:
-    """It was called "a scalar", and the message did not say which file."""
+    """The message names the file and says the input has no dims, not only "a scalar"."""
     path = save(
         tmp_path / "noshape.onnx",
         [helper.make_node("Relu", ["x"], ["y"])],

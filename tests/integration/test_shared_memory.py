@@ -210,7 +210,7 @@ def test_a_client_written_from_the_document_reads_the_ring(
     sock.close(linger=0)
 
 
-# --------------------------------------------------------------------------- what a review found
+# ------------------------------------------------------------------- hostile clients, bad settings
 
 N = 32768  # float32: 128 KiB, large enough for the ring
 
@@ -221,7 +221,8 @@ def test_a_worker_never_reads_its_output_ring_as_an_input(
 ) -> None:
     """A confused deputy: every client that asks for shared-memory outputs learns the
     worker's ring name and key, even one on another host that cannot open it. Handed back
-    as an input reference, the worker read another client's output for it."""
+    as an input reference, it is refused INVALID_ARGUMENT: the worker never reads another
+    client's output for it."""
     fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
     engine = {"syn": lambda: SyntheticEngine(item_shape=(N,), max_batch=4)}
     fleet.add_worker(engine, shm_output_bytes=RING, warmup=False)
@@ -251,8 +252,8 @@ def test_a_worker_never_reads_its_output_ring_as_an_input(
 
 
 def test_the_output_rings_group_is_checked_when_the_worker_starts() -> None:
-    """A misspelt shm_output_group started fine and, at a client's first request for
-    shared-memory outputs, logged a warning and sent outputs in frames for good."""
+    """A misspelt shm_output_group is a ConfigError at start, not a warning at a
+    client's first request for shared-memory outputs and outputs in frames from then on."""
     import grp
     import os
 

@@ -61,9 +61,9 @@ def test_short_batches_run_inline_only_for_thread_free_engines(
 @pytest.mark.timeout(60)
 def test_batches_answered_without_the_engine_do_not_teach_the_inline_rule() -> None:
     """Batches whose requests fail before the engine runs (here: inputs in a region not
-    on this host) are answered in microseconds. Timed like real ones, they made a slow
-    model look short, and its next batch ran on the loop thread: no heartbeat, no BATCH
-    read, for the whole batch."""
+    on this host) are answered in microseconds. Timed like real ones, they would make a
+    slow model look short and its next batch run on the loop thread (no heartbeat, no
+    BATCH read, for the whole batch); they are not timed, and it runs on its thread."""
     engine = ThreadRecorder(False, SyntheticEngine(item_shape=(4,), per_sample_s=0.02))
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)

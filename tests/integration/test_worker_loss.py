@@ -137,7 +137,7 @@ def test_a_model_upgraded_to_new_shapes_is_served_once_its_old_workers_are_gone(
 ) -> None:
     """A rolling upgrade that changes a model's shapes: the new worker is refused while a
     worker of the old spec lives, and joins at its next try once that one has left (the
-    broker used to keep the first spec until it restarted)."""
+    broker does not keep the first spec until it restarts)."""
     from carpool.client import InvalidArgument
     from tests.conftest import wait_for_workers
 
@@ -183,8 +183,8 @@ class _Stuck(SyntheticEngine):
 
 @pytest.mark.timeout(60)
 def test_close_returns_after_its_wait_while_a_batch_still_runs(fleet_factory: Any) -> None:
-    """close() gave a running batch its wait, then blocked in the context's term() until
-    the batch ended anyway: a SIGTERM during a long batch was not honoured."""
+    """close() gives a running batch its wait and then returns, without blocking in the
+    context's term() until the batch ends: a SIGTERM during a long batch is honoured."""
     fleet = fleet_factory(max_batch=1, max_wait_s=0.0)
     stuck = _Stuck()
     worker = WorkerServer(fleet.broker.backend_endpoint, {"m": lambda: stuck}, warmup=False)
@@ -208,8 +208,8 @@ def test_close_returns_after_its_wait_while_a_batch_still_runs(fleet_factory: An
 
 @pytest.mark.timeout(30)
 def test_a_worker_backing_off_sleeps_until_it_connects_again(context: Any) -> None:
-    """While it waited, its core still counted the broker's silence: past liveness it
-    said 'due now' on every turn, and the worker spun a core until it connected again."""
+    """While it waits, its core does not count the broker's silence, so it never says
+    'due now' on every turn past liveness: the worker sleeps, it does not spin a core."""
     import zmq
 
     from carpool.common.protocol import Command, encode

@@ -127,7 +127,7 @@ def test_an_invalid_worker_setting_is_a_config_error(tmp_path: Path) -> None:
     ids=["broker", "worker"],
 )
 def test_a_malformed_endpoint_is_a_config_error(args: list[str], says: str) -> None:
-    """It was a zmq.ZMQError with a traceback and exit 1."""
+    """A usage error (exit 2) naming the endpoint, not a zmq.ZMQError traceback."""
     result = _carpool(*args)
     assert result.returncode == 2, result.stderr
     assert f"cannot {says} 'tcp://127.0.0.1'" in result.stderr
@@ -187,9 +187,9 @@ def test_sigterm_stops_it_even_when_another_thread_takes_the_signal(
     tmp_path: Path, spawn: Spawn, command: str
 ) -> None:
     """The kernel gives a process's signal to any thread that does not block it; numpy's
-    OpenBLAS threads do not. Python's handler then waited for the main thread's poll to
-    end: an idle broker ignored SIGTERM for good (one demo in 13; systemd would SIGKILL
-    it after TimeoutStopSec). Here the signal goes to such a thread on purpose."""
+    OpenBLAS threads do not. Python's handler then waits for the main thread's poll to
+    end, and an idle broker must still stop (not wait for systemd's SIGKILL after
+    TimeoutStopSec). Here the signal goes to such a thread on purpose."""
     import ctypes
     import platform
 
@@ -272,10 +272,9 @@ def test_a_broker_with_an_embedded_worker(tmp_path: Path, spawn: Spawn) -> None:
 def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
     tmp_path: Path, spawn: Spawn
 ) -> None:
-    """The embedded worker's close() waited up to 30 s for a batch whose result nobody
-    could receive any more (the broker's sockets were closed first), past the broker
-    unit's TimeoutStopSec=10s. Now the broker gives the batch stop_grace_s (2 s) to
-    finish, then the embedded worker's close waits 2 s: about 4 s in all."""
+    """The broker gives the batch stop_grace_s (2 s) to finish, then the embedded
+    worker's close waits 2 s: about 4 s in all, well inside the broker unit's
+    TimeoutStopSec=10s, not the 30 s a batch whose result nobody can receive could take."""
     frontend = f"ipc://{tmp_path}/frontend"
     broker = spawn(
         "broker",
@@ -333,7 +332,7 @@ def _write_trace(path: Path, n: int = 5) -> Path:
 def test_no_broker_at_the_endpoint_is_one_line_and_status_1(
     command: str, nobody: str, tmp_path: Path
 ) -> None:
-    """It was a traceback ending in TimeoutError: no STATS reply from the broker."""
+    """One line ("no broker answered at ...") and exit 1, not a TimeoutError traceback."""
     if command == "bench":
         args = ["bench", "--duration-s", "0.1", "--warmup-s", "0", "--no-progress"]
     else:
@@ -345,7 +344,7 @@ def test_no_broker_at_the_endpoint_is_one_line_and_status_1(
 
 
 def test_record_to_a_missing_directory_is_a_config_error(tmp_path: Path) -> None:
-    """It was a traceback ending in FileNotFoundError."""
+    """A usage error naming the trace, not a FileNotFoundError traceback."""
     out = tmp_path / "missing" / "t.jsonl"
     result = _carpool(
         "record", "--frontend", f"ipc://{tmp_path}/f", "--backend", f"ipc://{tmp_path}/b",
@@ -358,7 +357,7 @@ def test_record_to_a_missing_directory_is_a_config_error(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_an_unknown_log_level_is_a_usage_error(where: str, tmp_path: Path) -> None:
-    """It was a traceback ending in ValueError: Unknown level: 'LOUD'."""
+    """Before or after the command: a usage error ("invalid choice"), not a traceback."""
     tune = ["tune", "--trace", str(_write_trace(tmp_path / "t.jsonl"))]
     args = ["--log-level", "LOUD", *tune] if where == "before" else [*tune, "--log-level", "LOUD"]
     result = _carpool(*args)
@@ -385,7 +384,7 @@ def test_an_unknown_model_error_says_a_path_works(tmp_path: Path) -> None:
 
 
 def test_log_level_goes_after_the_command_too() -> None:
-    """``carpool tune --log-level DEBUG`` was "unrecognized arguments"."""
+    """``carpool tune --log-level DEBUG`` is accepted; the last one given wins."""
     parse = build_parser().parse_args
     assert parse(["tune", "--trace", "t", "--log-level", "debug"]).log_level == "DEBUG"
     assert parse(["--log-level", "ERROR", "worker"]).log_level == "ERROR"
@@ -447,7 +446,7 @@ def test_bench_fails_when_every_request_fails(tmp_path: Path, spawn: Spawn) -> N
 
 
 def test_a_worker_serves_an_onnx_file_under_its_stem(tmp_path: Path, spawn: Spawn) -> None:
-    """--model took catalogue names only ("unknown model ... the catalogue has ...")."""
+    """--model takes a path to an .onnx file as well as a catalogue name."""
     model = tmp_path / "cls.onnx"
     shutil.copyfile(locate("ppocr-cls"), model)
     frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"

@@ -464,7 +464,7 @@ def test_a_request_no_live_worker_can_take_is_answered_and_blocks_nobody(policy:
     (small,) = batches(b.request(T0 + 0.02, 3, n=2))
     assert (small.to, ids(small)) == (W2, [3])
     assert b.core.queued == 0
-    # A new request that large is refused at the door, as before.
+    # A new request that large is refused at the door.
     (refused,) = to_clients(b.request(T0 + 0.03, 4, n=12))
     assert refused.code is ErrorCode.INVALID_ARGUMENT
 

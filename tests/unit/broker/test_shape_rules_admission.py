@@ -36,7 +36,7 @@ def test_shapes_outside_the_rules_are_refused_and_inside_them_batched() -> None:
     refused = {
         1: (100, 4, "dim 1 is 100, the model takes multiples of 32 (pad to 128)"),
         2: (288, 4, "dim 1 is 288, the model takes at most 256"),
-        3: (64, 5, "does not fit [?, ?, 4]"),  # the spec's own fixed dim, as before
+        3: (64, 5, "does not fit [?, ?, 4]"),  # the spec's own fixed dim still holds
     }
     for rid, (h, w, why) in refused.items():
         (msg,) = to_clients(b.request(T0, rid, item=(h, w)))

@@ -63,8 +63,9 @@ def test_rules_travel_in_the_input_descriptors_and_come_back() -> None:
     assert ModelSpec.from_wire(only_first.to_wire()) == only_first
 
 
-def test_a_spec_without_rules_is_what_it_was_on_the_wire() -> None:
-    """Optional keys: a READY without them (any earlier worker) reads as before."""
+def test_a_spec_without_rules_has_only_the_plain_keys_on_the_wire() -> None:
+    """The rule keys are optional: a READY without them (from a worker of any version)
+    reads as a spec without rules."""
     wire = spec().to_wire()
     assert all(set(t) == {"name", "dtype", "shape"} for t in wire["inputs"])
     assert ModelSpec.from_wire(wire).rules == ()

@@ -1,4 +1,5 @@
-"""The simulator and ``carpool tune`` at their edges: mixed models, traces at one instant, long timeouts, unsorted arrivals, empty workloads, impossible settings."""
+"""The simulator and ``carpool tune`` at their edges: mixed models, traces at one instant,
+long timeouts, unsorted arrivals, empty workloads, impossible settings."""
 
 from __future__ import annotations
 
