@@ -1,6 +1,6 @@
-"""Where does the broker's time per request go? (the profiling harness behind the hot-path work)
+"""Where does the broker's time per request go? (the profiling harness for the hot path)
 
-Not one of the six questions: the tool used to answer "what next" for questions 1-3.
+Not one of the six questions: the tool for answering "what next" for questions 1-3.
 
 * ``core``: the broker's Python alone, no sockets. A ``BrokerCore`` in this process (the
   server's deferred mode, one synthetic worker with 2 slots) is fed framed REQUESTs in

@@ -26,10 +26,10 @@ error in percent against a stated tolerance:
 
 * rate sent: the rate the generator actually sent at, from its send times, against the
   set rate (+-2%);
-* rate: loadgen's reported throughput against the set rate (+-2%). Since the seventh
-  session the report counts per second of the window or of the time its sends took,
-  whichever is longer (before, per second of the schedule: this row could not fail),
-  and latency from each request's scheduled time (before, from its send);
+* rate: loadgen's reported throughput against the set rate (+-2%). The report counts per
+  second of the window or of the time its sends took, whichever is longer (per second of
+  the schedule, this row could not fail), and latency from each request's scheduled
+  time, not from its send;
 * p50 against a bare client: loadgen's median on the 10 ms fleet against the bare
   client's median on it (+-5%). Same fleet, same pacing: what differs is the client, so
   this is the generator's own error (its scheduling, its asyncio client, its decoding).
@@ -39,13 +39,12 @@ Reported, not targets:
 * p50 difference: the 10 ms fleet's median minus the null fleet's, against the service
   time actually delivered (the engine's sleep oversleeps a little: the known time is the
   worker-measured engine time of the 10 ms fleet minus the null fleet's, read from the
-  brokers' cost models in STATS), +-5%. This was the first session's latency check; it
-  assumes the two fleets' own overheads cancel. They no longer do: the null engine runs
-  on the worker's loop thread (short batches of thread-free engines do), the 10 ms
-  engine on its inference thread (a hand-off each way), and since the hot-path work the
-  null path is cheaper than the threaded one by more than 5% of 10 ms. In the 10 ms fleet
-  the reply's hops also start after the processes have slept for 10 ms, and waking an
-  idle process takes time (compare the echo back to back and paced);
+  brokers' cost models in STATS), +-5%. It assumes the two fleets' own overheads cancel,
+  and they do not: the null engine runs on the worker's loop thread (short batches of
+  thread-free engines do), the 10 ms engine on its inference thread (a hand-off each
+  way), and the null path is cheaper than the threaded one by more than 5% of 10 ms. In
+  the 10 ms fleet the reply's hops also start after the processes have slept for 10 ms,
+  and waking an idle process takes time (compare the echo back to back and paced);
 * the null fleet's median against the bare client's on it (+-10%: at ~2 ms, the
   generator's fixed cost per request is a larger share);
 * p50: the 10 ms fleet's median against its engine time + the paced echo's median
@@ -242,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         med["10 ms"]["p50_ms"],
         "p50_reference",
     )
-    # Reported, not a target since the second session (see the docstring): the service
+    # Reported, not a target (see the docstring): the service
     # time actually delivered (the engine's sleep oversleeps a little) against the
     # difference of the two fleets' medians.
     service_ms = med["10 ms"]["engine_ms"] - med["null"]["engine_ms"]

@@ -108,8 +108,8 @@ def create_region(
 _OWNER_RE = re.compile(r"carpool-(?:out-)?(\d{1,10})-[0-9a-f]+")
 #: Names of the regions this process made. A region named with this process's pid but
 #: not made by it is an orphan: a process restarted in a new pid namespace (a container
-#: sharing /dev/shm) gets the pid of the one that crashed, and took its region for its
-#: own, so every crash-restart left a region behind.
+#: sharing /dev/shm) may get the pid of the one that crashed; taking that region for its
+#: own would leave a region behind at every crash-restart.
 _MADE_HERE: set[str] = set()
 
 
@@ -140,8 +140,8 @@ def sweep_orphans(directory: str = SHM_DIR, min_age_s: float = 10.0) -> list[str
     """Remove this user's regions whose process is gone: a region's owner holds a shared
     ``flock`` on it for as long as it lives (the kernel lets go when it dies, however it
     dies), so one that can be locked exclusively has no owner; and the pid in its name
-    must not run (a carpool from before the lock holds none). A region made in the last
-    ``min_age_s`` may not be locked yet: it is left alone. Returns the paths removed.
+    must not run (a region made by an older carpool holds no lock). A region made in the
+    last ``min_age_s`` may not be locked yet: it is left alone. Returns the paths removed.
     Called whenever a region is made, so a crash loop does not fill /dev/shm."""
     removed: list[str] = []
     uid = os.getuid()
@@ -156,7 +156,7 @@ def sweep_orphans(directory: str = SHM_DIR, min_age_s: float = 10.0) -> list[str
             if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or now - st.st_ctime < min_age_s:
                 continue
             if _alive(int(named[1]), me, entry.name):
-                continue  # its maker runs (one from before the lock existed holds none)
+                continue  # its maker runs (an older carpool's region holds no lock)
             fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             continue

@@ -2,7 +2,7 @@
 by default; others, such as CUDA's in an onnxruntime-gpu install, when configured).
 
 The only importer of onnxruntime. Symbolic dims become ``-1`` in the spec; dim 0 must be
-symbolic (the batch). One session per engine, one intra-op thread by default: on a shared
+symbolic (the batch). One inference session per engine, one intra-op thread by default: on a shared
 edge CPU, concurrency comes from workers, not from threads fighting over cores.
 """
 
