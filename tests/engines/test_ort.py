@@ -72,8 +72,8 @@ def test_execution_providers_are_chosen_and_checked() -> None:
 def test_a_provider_that_does_not_start_is_not_a_silent_cpu_fallback(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """onnxruntime-gpu lists CUDA even without the CUDA libraries; the session then runs
-    on the CPU without a word. Simulated: CUDA listed as available here."""
+    """onnxruntime-gpu lists CUDA even without the CUDA libraries; its inference session
+    then runs on the CPU without a word. Simulated: CUDA listed as available here."""
     import onnxruntime as ort
 
     listed = [*ort.get_available_providers(), "CUDAExecutionProvider"]
