@@ -40,8 +40,8 @@ def _stopped_by_signals(stop: Any, wakeup_fd: int = -1) -> Iterator[None]:
     ``wakeup_fd`` (the server's ``signal_fd``) is written by the signal's C handler on
     whichever thread the kernel gave the signal to: a thread that does not block it (numpy's
     OpenBLAS threads do not) may take it, and then the main thread, blocked in its poll,
-    would run the Python handler only when the poll ends (never, while idle: a broker that
-    ignored SIGTERM). The poll watches that descriptor. Restored on exit, before the
+    would run the Python handler only when the poll ends (never, while idle: the broker
+    would ignore SIGTERM). The poll watches that descriptor. Restored on exit, before the
     server closes it."""
     _stop_on_signals(stop)
     previous = signal.set_wakeup_fd(wakeup_fd, warn_on_full_buffer=False)

@@ -245,8 +245,9 @@ def test_latency_and_deadlines_count_from_the_time_a_request_was_due() -> None:
 
 
 def test_the_rate_reported_is_the_rate_delivered() -> None:
-    """A generator that can send only 25/s against a 50/s schedule reported 50/s: the
-    rate came from the schedule, so the load-generator check's rate row could not fail."""
+    """A generator that can send only 25/s against a 50/s schedule reports under 30/s,
+    not 50/s: the rate comes from the sends, not the schedule (from which the
+    load-generator check's rate row could not fail), and it did not keep up."""
     arrivals = [Arrival(i / 50, "m", (1, 4), 5000) for i in range(25)]
     inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
     clock = FakeClock()

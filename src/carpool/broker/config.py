@@ -122,9 +122,9 @@ class BrokerConfig:
     register_grace_s: float = 5.0
     # ZMTP heartbeats on both sockets: a PING every peer_heartbeat_s, and a connection
     # with no traffic for peer_timeout_s after one is closed. Without them a peer whose
-    # host lost power or network kept its descriptor and buffers for ever (the kernel
-    # sees an idle TCP connection): a thousand such robots filled the default fd limit
-    # and the broker took no new client. libzmq answers PINGs by itself (ZMTP 3.1,
+    # host lost power or network would keep its descriptor and buffers for ever (the
+    # kernel sees an idle TCP connection): a thousand such robots would fill the default
+    # fd limit and the broker would take no new client. libzmq answers PINGs by itself (ZMTP 3.1,
     # libzmq 4.2 and later). 0: off.
     peer_heartbeat_s: float = 10.0
     peer_timeout_s: float = 30.0

@@ -56,7 +56,7 @@ def release_socket(socket: zmq.Socket[Any], context: zmq.Context[Any], own_conte
     """Close a client's socket, and its context if the client made it: at ``close()``, or
     when a client dropped without ``close()`` is collected (a weakref finalizer). Left to
     pyzmq's own finalizers, a client collected in a cycle with its futures (a request
-    still pending) left its socket open and blocked the collecting thread for ever in
+    still pending) would leave its socket open and block the collecting thread for ever in
     ``Context.term()``."""
     socket.close(linger=0)
     if own_context:

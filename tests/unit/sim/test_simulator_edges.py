@@ -76,7 +76,8 @@ def test_unsorted_arrivals_do_not_run_time_backwards() -> None:
 def test_simulate_refuses_an_empty_workload(
     args: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """It ended in an IndexError traceback; one arrival reported a rate from it."""
+    """No arrival, or one, is a usage error: no IndexError traceback, and no rate
+    reported from a single arrival."""
     assert main(["simulate", "--no-oracle", *args]) == 2
     err = capsys.readouterr().err
     assert says in err

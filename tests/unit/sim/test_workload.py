@@ -364,8 +364,8 @@ def test_a_whole_last_line_without_its_newline_is_kept(tmp_path: Path) -> None:
 
 
 def test_a_trace_can_be_a_pipe(tmp_path: Path) -> None:
-    """--record /dev/stdout | cat: trimming a cut line needs a seek, and a pipe has none
-    (the broker died at start with io.UnsupportedOperation)."""
+    """--record /dev/stdout | cat: trimming a cut line needs a seek, and a pipe has none;
+    the broker starts and records to it all the same (no io.UnsupportedOperation)."""
     read_end, write_end = os.pipe()
     try:
         _recording_broker(tmp_path, f"/proc/self/fd/{write_end}").close()

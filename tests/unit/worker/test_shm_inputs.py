@@ -173,8 +173,8 @@ def test_a_batch_of_only_unreadable_requests_answers_each(reader: RegionReader) 
     out = list(outcome.frames)
     assert outcome.counts == [2, 2]
     assert [reply_of(out[i : i + 2])[1]["id"] for i in (0, 2)] == [1, 2]
-    # The engine did not run: a few microseconds for the batch taught the broker's cost
-    # model a near-zero cost.
+    # The engine did not run: a few microseconds for the batch would teach the broker's
+    # cost model a near-zero cost.
     assert not outcome.timed
 
 

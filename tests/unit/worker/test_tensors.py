@@ -251,7 +251,7 @@ def test_an_empty_output_no_client_could_shape_fails_the_batch() -> None:
 
 def test_outputs_of_rank_over_8_fail_the_batch() -> None:
     """Protocol v1 carries ranks 1..8 (§5.1). Sent as replies, the clients could not read
-    them; the batch fails here instead (the worker answers FAILED, INTERNAL, with this
+    them, so the batch fails here (the worker answers FAILED, INTERNAL, with this
     reason)."""
     b = batch((1, 1, False), (2, 2, False))
     with pytest.raises(ProtocolError, match=r"rank 1\.\.8"):
