@@ -264,8 +264,8 @@ def test_the_generator_ends_when_a_request_is_refused_at_once(
     context: zmq.Context[zmq.Socket[bytes]], nobody: str
 ) -> None:
     """A broker that takes nothing: the client fails a request it cannot send, and the
-    future is done when submit returns. The generator collected outcomes only when a
-    poll completed something, so with nothing else in flight it never ended."""
+    future is done when submit returns. The generator collects such outcomes too, not
+    only those a poll completes, so with nothing else in flight it still ends."""
     context.setsockopt(zmq.SNDHWM, 1)
     arrivals = [Arrival(0.0, "m", (1, 4), 100)] * 3 + [Arrival(0.4, "m", (1, 4), 100)]
     inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
@@ -317,9 +317,9 @@ class _WholeMilliseconds(_SlowToSend):
 
 
 def test_requests_go_out_on_time_though_polls_wait_whole_milliseconds() -> None:
-    """Waiting for the next send with a poll rounded up to whole milliseconds sent up to
-    1 ms late, and (timed from the schedule) added that to every latency: +57% on the
-    null fleet's median in the load-generator check."""
+    """A poll waits whole milliseconds, rounded up: waiting for the next send with it
+    alone would send up to 1 ms late and (timed from the schedule) add that to every
+    latency, +57% on the null fleet's median in the load-generator check."""
     arrivals = [Arrival(0.0123 + i * 0.0071, "m", (1, 4), 1000) for i in range(100)]
     inputs = [{"x": np.ones((1, 4), np.float32)}] * len(arrivals)
     clock = FakeClock()

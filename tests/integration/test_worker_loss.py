@@ -104,8 +104,8 @@ def test_a_refused_worker_backs_off_instead_of_reconnecting_in_a_loop(
     tmp_path: Any, transport: str
 ) -> None:
     """A worker whose READY the broker refuses (its spec conflicts with a registered
-    one) opened a new connection and said READY again about a thousand times a second
-    (protocol §10.4: back off after repeated failures)."""
+    one) backs off after repeated failures (protocol §10.4), rather than opening a new
+    connection and saying READY again about a thousand times a second."""
     from carpool.broker.config import BrokerConfig
     from carpool.broker.server import BrokerServer
     from carpool.client import Client

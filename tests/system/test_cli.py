@@ -403,7 +403,8 @@ def test_log_level_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_bench_help_reads_as_help() -> None:
-    """It printed the module docstring: "benchcmd.py: ``carpool bench`` and ..."."""
+    """``carpool bench --help`` is written as help (exit status included), not the
+    module's docstring with its file name and reST markup."""
     result = _carpool("bench", "--help")
     assert result.returncode == 0, result.stderr
     assert "benchcmd.py" not in result.stdout
@@ -428,8 +429,8 @@ def _wait_for_broker(frontend: str, broker: subprocess.Popen[bytes], tmp_path: P
 
 
 def test_bench_fails_when_every_request_fails(tmp_path: Path, spawn: Spawn) -> None:
-    """All failed (NOT_FOUND then) exited 0. A broker just started answers an unknown
-    model UNAVAILABLE (register_grace_s: its workers may still be reconnecting)."""
+    """Every request failed: exit 1, with the report. A broker just started answers an
+    unknown model UNAVAILABLE (register_grace_s: its workers may still be reconnecting)."""
     frontend = f"ipc://{tmp_path}/frontend"
     broker = spawn("broker", "--frontend", frontend, "--backend", f"ipc://{tmp_path}/backend")
     _wait_for_broker(frontend, broker, tmp_path)
@@ -460,7 +461,8 @@ def test_a_worker_serves_an_onnx_file_under_its_stem(tmp_path: Path, spawn: Spaw
 
 
 def test_a_worker_with_no_broker_does_not_say_connected(tmp_path: Path, spawn: Spawn) -> None:
-    """It logged "worker ... connected to tcp://..." every 3 s with nothing listening."""
+    """With nothing listening it logs that it waits for a broker, once, and never
+    "connected to", however often it reconnects."""
     toml = tmp_path / "w.toml"
     toml.write_text("heartbeat_s = 0.5\nliveness = 3\n")  # silent for 1.5 s: reconnect
     endpoint = f"ipc://{tmp_path}/nobody"

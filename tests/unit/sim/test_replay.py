@@ -53,7 +53,7 @@ def burst(tmp_path: Path) -> Path:
 
 
 def test_the_defaults_are_the_brokers() -> None:
-    """It simulated BatchingConfig(max_batch=64); carpool broker's default is 8."""
+    """replay --simulate's batching defaults are carpool broker's (BatchingConfig())."""
     args = cli.build_parser().parse_args(["replay", "--trace", "t", "--simulate"])
     defaults = BatchingConfig()
     assert args.max_batch == defaults.max_batch
@@ -112,7 +112,8 @@ def test_impossible_simulator_flags_are_a_usage_error(
 
 
 def test_a_one_request_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """It reported a throughput from one request's latency (hundreds per second)."""
+    """One arrival is too few to simulate: a usage error, not a throughput measured
+    from one request's latency."""
     trace = tmp_path / "one.jsonl"
     workload.write_trace(trace, [Arrival(0.0, "m", (1, 16), 1000)])
     assert cli.main(["replay", "--trace", str(trace), "--simulate"]) == 2

@@ -373,8 +373,8 @@ def test_a_failed_batch_run_again_one_by_one_puts_outputs_in_frames(
 def test_the_one_request_left_after_unreadable_ones_keeps_their_answers(
     reader: RegionReader,
 ) -> None:
-    """The engine failing on the one request left sent FAILED for the whole batch: the
-    unreadable request lost its own (retryable) error."""
+    """The engine failing on the one request left does not fail the whole batch: the
+    unreadable request keeps its own (retryable) UNAVAILABLE, the other gets INTERNAL."""
     engine = SyntheticEngine(item_shape=(3,))
     engine.run = lambda inputs: (_ for _ in ()).throw(RuntimeError("broken"))  # type: ignore[method-assign]
     items = (
