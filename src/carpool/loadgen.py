@@ -161,7 +161,7 @@ def summarize(
         sum(1 for s in window if s.on_time and s.scheduled_s < mid) / (span / 2 or 1),
         sum(1 for s in window if s.on_time and s.scheduled_s >= mid) / (span / 2 or 1),
     )
-    # (one request cannot drift: it fell in a half, and the other was "empty")
+    # (one request cannot drift: it falls in a half, and the other is "empty")
     stable = len(window) < 2 or abs(halves[0] - halves[1]) <= drift_tolerance * max(*halves, 1e-9)
     seconds: dict[int, list[Sample]] = {k: [] for k in range(math.ceil(scheduled_span))}
     for s in window:

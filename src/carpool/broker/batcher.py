@@ -203,7 +203,7 @@ class RequestQueue:
                 out.append(req)
                 self.samples -= req.samples
                 self.count -= 1
-        if out:  # once, with all of them marked (per request, a full queue shed was n²)
+        if out:  # once, with all of them marked (per request, a full queue shed would be n²)
             self._compact()
         return out
 

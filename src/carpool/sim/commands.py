@@ -124,7 +124,7 @@ def _workers(args: argparse.Namespace, items: Sequence[Arrival]) -> tuple[list[S
 
 def _check_sla(sla_ms: int | None) -> None:
     if sla_ms is not None and not 1 <= sla_ms <= MAX_TIMEOUT_MS:
-        # (over the protocol's limit every simulated request was refused)
+        # (over the protocol's limit every simulated request would be refused)
         raise ConfigError(f"--sla-ms must be at least 1 and at most {MAX_TIMEOUT_MS}, got {sla_ms}")
 
 

@@ -54,7 +54,7 @@ def grid_search(
     """Every fixed (B_max, T_max) on the grid, best first."""
     cap = min(w.max_batch for w in workers)
     # Where the engine's limit cuts the grid short, the limit itself is a candidate too
-    # (an engine of 48 was tried at 32 at most).
+    # (an engine of 48 is tried at 48, not only at 32).
     sizes = sorted(
         {b for b in batch_sizes if b <= cap} | ({cap} if max(batch_sizes) > cap else set())
     )
