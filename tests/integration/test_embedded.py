@@ -134,12 +134,12 @@ def test_a_refused_embedded_worker_asks_again_slowly(embedded_fleet: Any) -> Non
         np.testing.assert_array_equal(client.infer("m", {"x": x})["y"], synthetic_output(x))
 
 
-# ---------------------------------------------------------------- from the review
+# ---------------------------------------------------------------- spoofing, sizing, rejoining
 
 
 def test_a_backend_peer_cannot_speak_for_the_embedded_worker() -> None:
-    """zmq lets a peer choose the routing id b"\\x00embedded-0"; the broker then takes its
-    messages (here DISCONNECT) as the embedded worker's."""
+    """zmq lets a peer choose the routing id b"\\x00embedded-0"; the broker must not take
+    its messages (here DISCONNECT) as the embedded worker's."""
     with contextlib.ExitStack() as stack:
         w = stack.enter_context(
             WorkerServer(

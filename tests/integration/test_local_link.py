@@ -526,7 +526,8 @@ def test_a_worker_that_answered_and_left_keeps_its_answer(
 
 @pytest.mark.timeout(30)
 def test_a_local_peer_that_never_says_ready_loses_its_link(tmp_path: Path) -> None:
-    """It held a descriptor and a 1 MiB buffer in the broker for as long as it liked."""
+    """After its join window it loses its link, so it cannot hold a descriptor and a 1 MiB
+    buffer in the broker for as long as it likes."""
     clock = FakeClock()
     with contextlib.closing(BrokerServer(local_config(tmp_path), clock=clock)) as broker:
         mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

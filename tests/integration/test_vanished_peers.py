@@ -1,9 +1,9 @@
 """A peer whose host vanishes (power or network gone) sends no FIN: the broker's kernel
-sees an idle TCP connection for ever. Before, the broker kept its descriptor and buffers
-for good; a thousand such robots filled the default fd limit and no new client got in.
-ZMTP heartbeats (``peer_heartbeat_s``/``peer_timeout_s``) close it. A stopped process
-(SIGSTOP) stands in for the vanished host: its kernel still holds the connection, but
-nothing in it answers the heartbeat."""
+sees an idle TCP connection for ever. Held open, its descriptor and buffers would stay
+in the broker for good, and a thousand such robots would fill the default fd limit so
+that no new client got in. ZMTP heartbeats (``peer_heartbeat_s``/``peer_timeout_s``)
+close it. A stopped process (SIGSTOP) stands in for the vanished host: its kernel still
+holds the connection, but nothing in it answers the heartbeat."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ class ZmqConnection:
         dealer.setsockopt(zmq.RCVHWM, 1000)
         try:
             dealer.connect(self.endpoint)
-        except zmq.ZMQError as exc:  # a malformed endpoint (it was fine if this is again)
+        except zmq.ZMQError as exc:  # a malformed endpoint (a reconnect reuses one that worked)
             dealer.close()
             raise ConfigError(f"cannot connect to {self.endpoint!r}: {exc}") from None
         poller.register(dealer, zmq.POLLIN)
