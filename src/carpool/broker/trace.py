@@ -1,0 +1,116 @@
+"""trace.py: TraceWriter — the JSON-lines trace of admitted arrivals (``carpool record``).
+
+The core appends one tuple per admitted request to ``BrokerCore.recording``; the server
+hands that list to :meth:`TraceWriter.write` once a loop turn, which writes a line per
+record and flushes. Opening a trace locks a regular file for this broker and repairs a
+last line that a cut recording left half written (:func:`open_trace`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import stat
+from collections.abc import Sequence
+from typing import TextIO
+
+from carpool.common.errors import ConfigError
+from carpool.common.jsonlines import parses
+
+logger = logging.getLogger(__name__)
+
+#: How far back from its end a trace is searched for its last whole line.
+TAIL_BYTES = 64 * 1024
+
+#: One admitted arrival: (time in the clock's seconds, model, item shape, timeout_ms,
+#: priority, max_batch), as ``BrokerCore.recording`` holds it.
+Record = tuple[float, str, tuple[int, ...], int, int, int]
+
+
+def open_trace(path: str) -> TextIO:
+    """The trace to append to.
+
+    A regular file is locked for this broker (``flock``): two brokers appending to one
+    trace at once would interleave parts of their lines. A recording that was cut (a
+    kill, a full disk) can end in part of a line: that part is dropped, so the next
+    run's lines are not glued to it and the file stays readable (only the cut line is
+    lost); a last line that is whole but lacks its newline gets one. A pipe or
+    ``/dev/stdout`` is appended to as it is.
+
+    Raises:
+        ConfigError: another process is recording to the same file.
+    """
+    trace = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by its owner)
+    try:
+        if stat.S_ISREG(os.fstat(trace.fileno()).st_mode):
+            try:
+                fcntl.flock(trace.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConfigError(f"trace {path}: another broker is recording to it") from None
+            except OSError as exc:  # (a file system without locks: NFS without lockd)
+                logger.warning("trace %s: not locked: %s", path, exc)
+            try:
+                end_on_a_whole_line(path)
+            except OSError as exc:  # (a file this broker may write but not read)
+                logger.warning("trace %s: its last line was not checked: %s", path, exc)
+    except BaseException:
+        trace.close()
+        raise
+    return trace
+
+
+def end_on_a_whole_line(path: str) -> None:
+    """Make the file at ``path`` end on a whole line: a cut last line is dropped, a whole
+    one without its newline gets one (a line longer than :data:`TAIL_BYTES` is left)."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(max(0, size - TAIL_BYTES))
+        tail = f.read()
+        if tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n") + 1
+        if (cut == 0 and size > TAIL_BYTES) or parses(tail[cut:]):
+            f.write(b"\n")  # a whole line (or one longer than any record: not ours to cut)
+            return
+        logger.warning(
+            "trace %s ended in a line cut short (%d bytes): dropped", path, len(tail) - cut
+        )
+        f.truncate(size - len(tail) + cut)
+
+
+class TraceWriter:
+    """Appends records to an open trace.
+
+    Args:
+        path: the trace's file (opened and checked by :func:`open_trace`).
+        offset_s: added to each record's time: the clock's offset to Unix time, so that
+            a file several runs append to stays in order with the real gaps between them.
+    """
+
+    def __init__(self, path: str, offset_s: float = 0.0) -> None:
+        self._file = open_trace(path)
+        self.offset_s = offset_s
+
+    def write(self, records: Sequence[Record]) -> None:
+        """Write one line per record and flush."""
+        offset_s = self.offset_s
+        trace = self._file
+        for t, model, shape, timeout_ms, priority, max_batch in records:
+            line = {
+                "t_s": round(t + offset_s, 6),
+                "model": model,
+                "shape": list(shape),
+                "timeout_ms": timeout_ms,
+                "priority": priority,
+                "max_batch": max_batch,
+            }
+            trace.write(json.dumps(line) + "\n")
+        trace.flush()
+
+    def close(self) -> None:
+        """Close the file (and give up its lock)."""
+        self._file.close()

@@ -1,0 +1,340 @@
+"""The broker's worker transports at their seam, on real sockets: a recording Upstream in
+place of the core, a real ROUTER on loopback, a real unix listener, and fake embedded
+workers."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from carpool.broker.core import Outgoing, Side
+from carpool.broker.joining import JoinWindow
+from carpool.broker.transports import Upstream, WorkerTransport
+from carpool.broker.transports.inprocess import InProcessWorkers
+from carpool.broker.transports.local import LinkWorkers
+from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
+from carpool.common.errors import ConfigError
+from carpool.common.link import Link, LinkListener
+
+
+@dataclass
+class Recorder:
+    """What a transport reported: each message (id, frames as bytes), each send of the
+    core's answer, each unreachable worker. ``answer`` makes the core's answer."""
+
+    now_s: float = 0.0
+    received: list[tuple[bytes, list[bytes]]] = field(default_factory=list)
+    sent: list[list[Outgoing]] = field(default_factory=list)
+    lost: list[bytes] = field(default_factory=list)
+    known: set[bytes] = field(default_factory=set)
+    answer: Callable[[bytes, list[bytes]], list[Outgoing]] = lambda wid, frames: []
+    routes: dict[bytes, WorkerTransport] = field(default_factory=dict)
+    later: list[Callable[[], None]] = field(default_factory=list)
+
+    def upstream(self) -> Upstream:
+        return Upstream(
+            now=lambda: self.now_s,
+            on_worker=self.on_worker,
+            send=self.sent.append,
+            knows=lambda wid: wid in self.known,
+            unreachable=self.lost.append,
+            routes=self.routes,
+            later=self.later,
+        )
+
+    def on_worker(self, now: float, wid: bytes, frames: Sequence[Any]) -> list[Outgoing]:
+        got = [bytes(f) for f in frames]
+        self.received.append((wid, got))
+        return self.answer(wid, got)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _poll(poller: zmq.Poller, timeout_ms: int = 2000) -> dict[Any, int]:
+    return dict(poller.poll(timeout_ms))
+
+
+# ---------------------------------------------------------------- ZeroMQ
+
+
+def test_a_router_that_cannot_bind_says_so(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with pytest.raises(ConfigError, match="cannot bind"):
+        bind_router(zctx, "tcp://nowhere:*")
+
+
+def test_zeromq_messages_reach_the_core_and_answers_reach_the_peer(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    rec = Recorder(answer=lambda wid, frames: [Outgoing(Side.BACKEND, wid, [b"ok"])])
+    poller = zmq.Poller()
+    workers = ZmqWorkers(bind_router(zctx, "tcp://127.0.0.1:*"), poller, rec.upstream())
+    peer = zctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.ROUTING_ID, b"w1")
+    peer.connect(workers.endpoint)
+    peer.send_multipart([b"h", b"m"])
+    assert workers.on_poll(_poll(poller)) == 1
+    assert rec.received == [(b"w1", [b"h", b"m"])]
+    (answer,) = rec.sent
+    workers.send(answer[0].identity, answer[0].frames)
+    assert peer.poll(2000)
+    assert peer.recv_multipart() == [b"ok"]
+    assert workers.on_poll({}) == 0
+    peer.close(0)
+    workers.close(0)
+
+
+def test_a_zeromq_peer_with_a_reserved_id_is_not_heard_nor_sent_to(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    rec = Recorder()
+    poller = zmq.Poller()
+    router = bind_router(zctx, "tcp://127.0.0.1:*")
+    workers = ZmqWorkers(router, poller, rec.upstream(), reserved=(b"\x00link-",))
+    spoof = zctx.socket(zmq.DEALER)
+    spoof.setsockopt(zmq.ROUTING_ID, b"\x00link-1")
+    spoof.connect(workers.endpoint)
+    spoof.send_multipart([b"h", b"m"])
+    assert workers.on_poll(_poll(poller)) == 1
+    assert rec.received == []
+    workers.send(b"\x00link-1", [b"for the local worker"])
+    assert spoof.poll(200) == 0
+    assert rec.lost == []
+    spoof.close(0)
+    workers.close(0)
+
+
+def test_a_send_to_a_zeromq_peer_that_is_gone_reports_it(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    rec = Recorder()
+    workers = ZmqWorkers(bind_router(zctx, "tcp://127.0.0.1:*"), zmq.Poller(), rec.upstream())
+    workers.send(b"\x00nobody", [b"x"])
+    assert rec.lost == [b"\x00nobody"]
+    workers.close(0)
+
+
+# ---------------------------------------------------------------- unix links
+
+
+@pytest.fixture
+def links(tmp_path: Path) -> Iterator[tuple[LinkWorkers, Recorder, zmq.Poller, str]]:
+    rec = Recorder()
+    poller = zmq.Poller()
+    path = str(tmp_path / "w.sock")
+    workers = LinkWorkers(LinkListener(path), poller, rec.upstream(), JoinWindow(within_s=5.0))
+    yield workers, rec, poller, path
+    workers.close(0)
+
+
+def _turn(workers: LinkWorkers, poller: zmq.Poller, timeout_ms: int = 200) -> int:
+    workers.before_poll()
+    return workers.on_poll(dict(poller.poll(timeout_ms)))
+
+
+def test_a_link_is_a_worker_with_an_id_of_its_own(
+    links: tuple[LinkWorkers, Recorder, zmq.Poller, str],
+) -> None:
+    workers, rec, poller, path = links
+    with contextlib.closing(Link.connect(path)) as peer:
+        _turn(workers, poller)
+        (wid,) = workers.peers
+        assert wid.startswith(workers.id_prefix)
+        assert rec.routes == {wid: workers}
+        peer.send([b"h", b"m"])
+        for _ in range(10):
+            if _turn(workers, poller):
+                break
+        assert rec.received == [(wid, [b"h", b"m"])]
+        workers.send(wid, [b"answer", memoryview(b"payload")])
+        got: list[list[memoryview]] = []
+        for _ in range(50):
+            got += peer.receive()
+            if got:
+                break
+            poller_peer = zmq.Poller()
+            poller_peer.register(peer.fileno(), zmq.POLLIN)
+            poller_peer.poll(100)
+        assert [[bytes(f) for f in m] for m in got] == [[b"answer", b"payload"]]
+
+
+def test_a_link_that_closes_is_a_lost_worker(
+    links: tuple[LinkWorkers, Recorder, zmq.Poller, str],
+) -> None:
+    workers, rec, poller, path = links
+    peer = Link.connect(path)
+    _turn(workers, poller)
+    (wid,) = workers.peers
+    peer.send([b"last", b"words"])
+    peer.close()
+    for _ in range(10):
+        _turn(workers, poller)
+        if rec.lost:
+            break
+    assert rec.received == [(wid, [b"last", b"words"])]  # what it sent comes first
+    assert rec.lost == [wid]
+    assert workers.peers == []
+    assert rec.routes == {}
+
+
+def test_a_link_that_does_not_register_within_its_window_is_closed(
+    links: tuple[LinkWorkers, Recorder, zmq.Poller, str],
+) -> None:
+    workers, rec, poller, path = links
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(path)
+    rec.now_s = 100.0
+    _turn(workers, poller)
+    (wid,) = workers.peers
+    assert workers.next_wakeup(100.0) == 105.0
+    workers.after_turn(104.9)
+    assert workers.peers == [wid]
+    workers.after_turn(105.0)
+    assert workers.peers == []
+    assert rec.lost == [wid]
+    assert workers.next_wakeup(105.0) is None
+    raw.close()
+
+
+def test_a_registered_link_lasts_until_the_core_forgets_its_worker(
+    links: tuple[LinkWorkers, Recorder, zmq.Poller, str],
+) -> None:
+    workers, rec, poller, path = links
+    with contextlib.closing(Link.connect(path)) as peer:
+        _turn(workers, poller)
+        (wid,) = workers.peers
+        rec.known.add(wid)  # the core registers it on its first message
+        peer.send([b"ready"])
+        for _ in range(10):
+            if _turn(workers, poller):
+                break
+        assert workers.next_wakeup(0.0) is None
+        workers.after_turn(1000.0)
+        assert workers.peers == [wid]
+        rec.known.clear()
+        workers.after_turn(1000.0)
+        assert workers.peers == []
+        assert rec.lost == [wid]
+
+
+def test_a_send_to_a_link_that_is_gone_is_skipped(
+    links: tuple[LinkWorkers, Recorder, zmq.Poller, str],
+) -> None:
+    workers, rec, _poller, _path = links
+    workers.send(b"\x00link-9", [b"x"])
+    assert rec.lost == []
+
+
+# ---------------------------------------------------------------- in process
+
+
+class FakeEmbedded:
+    """An embedded worker: READY in its outbox; each delivery is answered at once."""
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.r, self.w = socket.socketpair()
+        self.delivered: list[list[Any]] = []
+        self.outbox: list[list[Any]] = [[b"READY", name]]
+        self.due: float | None = None
+
+    @property
+    def results_fd(self) -> int:
+        return self.r.fileno()
+
+    @property
+    def local_metas(self) -> bool:
+        return self.name == b"e0"
+
+    def deliver(self, frames: list[Any]) -> list[list[Any]]:
+        self.delivered.append(frames)
+        return [[b"RESULT", self.name, *frames]]
+
+    def service(self, results_ready: bool) -> list[list[Any]]:
+        if results_ready:
+            self.r.recv(64)
+            return [[b"LATE", self.name]]
+        return []
+
+    def take_outbox(self) -> list[list[Any]]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def next_wakeup(self, now: float) -> float | None:
+        return self.due
+
+    def close(self) -> None:
+        self.r.close()
+        self.w.close()
+
+
+def test_embedded_workers_say_ready_and_take_deliveries_after_the_sends() -> None:
+    e0, e1 = FakeEmbedded(b"e0"), FakeEmbedded(b"e1")
+    rec = Recorder()
+    poller = zmq.Poller()
+    workers = InProcessWorkers([e0, e1], poller, rec.upstream())
+    ids = list(workers.workers)
+    assert all(wid.startswith(workers.id_prefix) for wid in ids)
+    assert set(rec.routes) == set(ids)
+    assert workers.local_ids == {ids[0]}
+    workers.start()
+    assert rec.received == [(ids[0], [b"READY", b"e0"]), (ids[1], [b"READY", b"e1"])]
+    rec.received.clear()
+    workers.send(ids[1], [b"B1"])
+    workers.send(ids[0], [b"B0"])
+    assert e0.delivered == e1.delivered == []  # not before the server runs `later`
+    (deliver,) = rec.later
+    deliver()
+    assert e1.delivered == [[b"B1"]]
+    assert e0.delivered == [[b"B0"]]
+    assert rec.received == [
+        (ids[1], [b"RESULT", b"e1", b"B1"]),
+        (ids[0], [b"RESULT", b"e0", b"B0"]),
+    ]
+    e1.due = 7.0
+    assert workers.next_wakeup(0.0) == 7.0
+    e1.w.send(b"!")
+    events = dict(poller.poll(2000))
+    workers.on_poll(events)
+    assert rec.received[-1] == (ids[1], [b"LATE", b"e1"])
+    e0.close()
+    e1.close()
+
+
+def test_answers_of_an_embedded_worker_queue_behind_the_delivery() -> None:
+    """A delivery whose answer makes the core send that worker more: the second message
+    is delivered after the first, in the same run, without recursing."""
+    e0 = FakeEmbedded(b"e0")
+    rec = Recorder()
+
+    def send(out: list[Outgoing]) -> None:  # the server's: to the transport it routes to
+        rec.sent.append(out)
+        for msg in out:
+            workers.send(msg.identity, msg.frames)
+
+    up = rec.upstream()
+    up.send = send
+    workers = InProcessWorkers([e0], zmq.Poller(), up)
+    (wid,) = workers.workers
+
+    rec.answer = lambda w, frames: (
+        [Outgoing(Side.BACKEND, w, [b"again"])] if frames[2:] == [b"first"] else []
+    )
+    workers.send(wid, [b"first"])
+    (deliver,) = rec.later
+    rec.later.clear()
+    deliver()
+    assert e0.delivered == [[b"first"], [b"again"]]
+    assert rec.later == []
+    e0.close()
