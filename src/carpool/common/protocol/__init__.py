@@ -38,10 +38,11 @@ Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (
 descriptors and frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, the simple form), :mod:`.request_decoder`
 (REQUEST metas of layouts seen before), :mod:`.worker_messages` (READY, BATCH, RESULT,
-FAILED). Each message has one encoder (``<message>_wire`` builds its meta map from its
-fields, ``<message>_frames`` its frames; a dataclass's ``to_wire`` calls the former) and
-one decoder, used by every caller. The package imports nothing that does I/O (no
-sockets, files, locks or threads); a test holds it to that.
+FAILED), :mod:`.from_worker` (a worker's messages as one typed union). Each message has
+one encoder (``<message>_wire`` builds its meta map from its fields, ``<message>_frames``
+its frames; a dataclass's ``to_wire`` calls the former) and one decoder, used by every
+caller. The package imports nothing that does I/O (no sockets, files, locks or threads);
+a test holds it to that.
 """
 
 from carpool.common.protocol.client_messages import (
@@ -81,6 +82,16 @@ from carpool.common.protocol.frames import (
     is_simple_form,
     parse_header,
     view,
+)
+from carpool.common.protocol.from_worker import (
+    FromWorker,
+    WorkerDisconnect,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerMalformed,
+    WorkerReady,
+    WorkerResult,
+    decode_from_worker,
 )
 from carpool.common.protocol.refs import (
     MAX_REF_BYTES,
@@ -139,6 +150,7 @@ __all__ = [
     "ErrorReply",
     "FailedMeta",
     "Frame",
+    "FromWorker",
     "KnownRequest",
     "ModelSpec",
     "OutputRef",
@@ -152,11 +164,18 @@ __all__ = [
     "Submit",
     "TensorMeta",
     "VersionMismatch",
+    "WorkerDisconnect",
+    "WorkerFailed",
+    "WorkerHeartbeat",
+    "WorkerMalformed",
+    "WorkerReady",
+    "WorkerResult",
     "batch_frames",
     "batch_inputs_wire",
     "batch_item_wire",
     "batch_wire",
     "check_frame_sizes",
+    "decode_from_worker",
     "decode_meta",
     "decode_simple_request",
     "decode_submit",

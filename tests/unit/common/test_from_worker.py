@@ -1,0 +1,91 @@
+"""decode_from_worker: every message a worker may send, as one typed union."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.common import codec
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import (
+    Command,
+    FailedMeta,
+    ModelSpec,
+    Ready,
+    ResultMeta,
+    TensorMeta,
+    WorkerDisconnect,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerMalformed,
+    WorkerReady,
+    WorkerResult,
+    decode_from_worker,
+    encode,
+    header,
+)
+
+SPEC = ModelSpec(
+    "m", (TensorMeta("x", "float32", (-1, 2)),), (TensorMeta("y", "float32", (-1, 2)),), 8
+)
+READY = Ready("w", 2, (SPEC,), 500)
+
+
+def test_ready_decodes_to_its_spec() -> None:
+    assert decode_from_worker(encode(Command.READY, READY.to_wire())) == WorkerReady(READY)
+
+
+def test_a_result_keeps_its_reply_frames_as_they_arrived() -> None:
+    replies = [memoryview(b"r1"), bytearray(b"r2"), b"r3"]
+    meta = ResultMeta(4, 0.5, 2.0, (1, 2))
+    msg = decode_from_worker([*encode(Command.RESULT, meta.to_wire()), *replies])
+    assert isinstance(msg, WorkerResult)
+    assert msg.result == meta
+    assert len(msg.replies) == 3
+    assert all(a is b for a, b in zip(msg.replies, replies, strict=True))
+
+
+def test_an_embedded_workers_result_object_is_taken_as_is() -> None:
+    meta = ResultMeta(4, 0.5, 2.0, (1,))
+    msg = decode_from_worker([header(Command.RESULT), meta, b"r"])
+    assert isinstance(msg, WorkerResult)
+    assert msg.result is meta
+    assert decode_from_worker([header(Command.RESULT), ResultMeta(4, 0, 1, (0,))]) == (
+        WorkerMalformed(None, "result: frames must be a list of ints >= 1")
+    )
+
+
+def test_failed_heartbeat_and_disconnect() -> None:
+    failed = FailedMeta(3, ErrorCode.INTERNAL, "boom", 0.25)
+    assert decode_from_worker(encode(Command.FAILED, failed.to_wire())) == WorkerFailed(failed)
+    assert decode_from_worker(encode(Command.HEARTBEAT, {"rho": 0.5})) == WorkerHeartbeat(0.5)
+    assert decode_from_worker(encode(Command.DISCONNECT, {"reason": "bye"})) == WorkerDisconnect()
+
+
+@pytest.mark.parametrize("rho", [None, True, -0.1, 1.5, "0.5"])
+def test_a_heartbeat_without_a_load_in_range_carries_none(rho: object) -> None:
+    meta = {} if rho is None else {"rho": rho}
+    assert decode_from_worker(encode(Command.HEARTBEAT, meta)) == WorkerHeartbeat(None)
+
+
+def test_a_message_broken_whoever_sent_it_has_no_command() -> None:
+    for frames in (
+        [header(Command.READY)],  # no meta frame
+        [b"junk", codec.pack({})],  # no header
+        [header(Command.HEARTBEAT), b"\xc1"],  # no msgpack
+        encode(Command.READY, {"name": "w"}),  # a READY without its fields
+    ):
+        msg = decode_from_worker(frames)
+        assert isinstance(msg, WorkerMalformed)
+        assert msg.command is None
+
+
+def test_a_broken_result_or_failed_and_a_command_not_for_workers_keep_their_command() -> None:
+    bad_result = decode_from_worker(encode(Command.RESULT, {"batch": 1, "frames": [0]}))
+    assert bad_result == WorkerMalformed(
+        Command.RESULT, "result: frames must be a list of ints >= 1"
+    )
+    bad_failed = decode_from_worker(encode(Command.FAILED, {"code": 1}))
+    assert isinstance(bad_failed, WorkerMalformed)
+    assert bad_failed.command is Command.FAILED
+    batch = decode_from_worker(encode(Command.BATCH, {}))
+    assert batch == WorkerMalformed(Command.BATCH, "command BATCH is not valid from a worker")
