@@ -88,7 +88,15 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Side
 from carpool.client import Client
 from carpool.common import codec
-from carpool.common.protocol import Command, ModelSpec, Ready, TensorMeta, encode, header
+from carpool.common.protocol import (
+    Command,
+    ModelSpec,
+    Ready,
+    TensorMeta,
+    decode_from_worker,
+    encode,
+    header,
+)
 
 
 def core_run(
@@ -101,7 +109,8 @@ def core_run(
     )
     x = TensorMeta("x", "float32", (-1, 16))
     spec = ModelSpec("m", (x,), (TensorMeta("y", "float32", (-1, 16)),), 32)
-    core.on_worker(time.monotonic(), b"w", encode(Command.READY, Ready("w", 2, (spec,)).to_wire()))
+    ready = encode(Command.READY, Ready("w", 2, (spec,)).to_wire())
+    core.on_worker(time.monotonic(), b"w", decode_from_worker(ready))
     data = np.zeros((1, 16), np.float32).tobytes()
     inputs = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
     reply_meta = codec.pack({"id": 1, "outputs": inputs, "batch_size": 1})
@@ -140,7 +149,9 @@ def core_run(
             }
             frames = encode(Command.RESULT, result, reply * count)
             now = time.monotonic()
-            done += collect(core.on_worker(now, b"w", frames) + core.on_tick(now))
+            done += collect(
+                core.on_worker(now, b"w", decode_from_worker(frames)) + core.on_tick(now)
+            )
     elapsed = timer() - t0
     sizes = core.stats.batch_sizes["m"]
     mean = sum(s * c for s, c in sizes.items()) / sum(sizes.values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,19 +22,28 @@ from carpool.broker.transports.local import LinkWorkers
 from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
 from carpool.common.errors import ConfigError
 from carpool.common.link import Link, LinkListener
+from carpool.common.protocol import (
+    Command,
+    FromWorker,
+    ResultMeta,
+    WorkerHeartbeat,
+    WorkerResult,
+    encode,
+    header,
+)
 
 
 @dataclass
 class Recorder:
-    """What a transport reported: each message (id, frames as bytes), each send of the
+    """What a transport reported: each message (id, typed message), each send of the
     core's answer, each unreachable worker. ``answer`` makes the core's answer."""
 
     now_s: float = 0.0
-    received: list[tuple[bytes, list[bytes]]] = field(default_factory=list)
+    received: list[tuple[bytes, FromWorker]] = field(default_factory=list)
     sent: list[list[Outgoing]] = field(default_factory=list)
     lost: list[bytes] = field(default_factory=list)
     known: set[bytes] = field(default_factory=set)
-    answer: Callable[[bytes, list[bytes]], list[Outgoing]] = lambda wid, frames: []
+    answer: Callable[[bytes, FromWorker], list[Outgoing]] = lambda wid, msg: []
     routes: dict[bytes, WorkerTransport] = field(default_factory=dict)
     later: list[Callable[[], None]] = field(default_factory=list)
 
@@ -49,10 +58,14 @@ class Recorder:
             later=self.later,
         )
 
-    def on_worker(self, now: float, wid: bytes, frames: Sequence[Any]) -> list[Outgoing]:
-        got = [bytes(f) for f in frames]
-        self.received.append((wid, got))
-        return self.answer(wid, got)
+    def on_worker(self, now: float, wid: bytes, msg: FromWorker) -> list[Outgoing]:
+        self.received.append((wid, msg))
+        return self.answer(wid, msg)
+
+
+def beat(rho: float) -> list[bytes]:
+    """A HEARTBEAT whose load tells messages apart."""
+    return encode(Command.HEARTBEAT, {"rho": rho})
 
 
 @pytest.fixture
@@ -77,15 +90,15 @@ def test_a_router_that_cannot_bind_says_so(zctx: zmq.Context[zmq.Socket[bytes]])
 def test_zeromq_messages_reach_the_core_and_answers_reach_the_peer(
     zctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    rec = Recorder(answer=lambda wid, frames: [Outgoing(Side.BACKEND, wid, [b"ok"])])
+    rec = Recorder(answer=lambda wid, msg: [Outgoing(Side.BACKEND, wid, [b"ok"])])
     poller = zmq.Poller()
     workers = ZmqWorkers(bind_router(zctx, "tcp://127.0.0.1:*"), poller, rec.upstream())
     peer = zctx.socket(zmq.DEALER)
     peer.setsockopt(zmq.ROUTING_ID, b"w1")
     peer.connect(workers.endpoint)
-    peer.send_multipart([b"h", b"m"])
+    peer.send_multipart(beat(0.5))
     assert workers.on_poll(_poll(poller)) == 1
-    assert rec.received == [(b"w1", [b"h", b"m"])]
+    assert rec.received == [(b"w1", WorkerHeartbeat(0.5))]
     (answer,) = rec.sent
     workers.send(answer[0].identity, answer[0].frames)
     assert peer.poll(2000)
@@ -105,7 +118,7 @@ def test_a_zeromq_peer_with_a_reserved_id_is_not_heard_nor_sent_to(
     spoof = zctx.socket(zmq.DEALER)
     spoof.setsockopt(zmq.ROUTING_ID, b"\x00link-1")
     spoof.connect(workers.endpoint)
-    spoof.send_multipart([b"h", b"m"])
+    spoof.send_multipart(beat(0.5))
     assert workers.on_poll(_poll(poller)) == 1
     assert rec.received == []
     workers.send(b"\x00link-1", [b"for the local worker"])
@@ -152,11 +165,11 @@ def test_a_link_is_a_worker_with_an_id_of_its_own(
         (wid,) = workers.peers
         assert wid.startswith(workers.id_prefix)
         assert rec.routes == {wid: workers}
-        peer.send([b"h", b"m"])
+        peer.send(beat(0.25))
         for _ in range(10):
             if _turn(workers, poller):
                 break
-        assert rec.received == [(wid, [b"h", b"m"])]
+        assert rec.received == [(wid, WorkerHeartbeat(0.25))]
         workers.send(wid, [b"answer", memoryview(b"payload")])
         got: list[list[memoryview]] = []
         for _ in range(50):
@@ -176,13 +189,13 @@ def test_a_link_that_closes_is_a_lost_worker(
     peer = Link.connect(path)
     _turn(workers, poller)
     (wid,) = workers.peers
-    peer.send([b"last", b"words"])
+    peer.send(beat(0.75))
     peer.close()
     for _ in range(10):
         _turn(workers, poller)
         if rec.lost:
             break
-    assert rec.received == [(wid, [b"last", b"words"])]  # what it sent comes first
+    assert rec.received == [(wid, WorkerHeartbeat(0.75))]  # what it sent comes first
     assert rec.lost == [wid]
     assert workers.peers == []
     assert rec.routes == {}
@@ -215,7 +228,7 @@ def test_a_registered_link_lasts_until_the_core_forgets_its_worker(
         _turn(workers, poller)
         (wid,) = workers.peers
         rec.known.add(wid)  # the core registers it on its first message
-        peer.send([b"ready"])
+        peer.send(beat(0.0))
         for _ in range(10):
             if _turn(workers, poller):
                 break
@@ -239,14 +252,20 @@ def test_a_send_to_a_link_that_is_gone_is_skipped(
 # ---------------------------------------------------------------- in process
 
 
+def results(rec: Recorder) -> list[tuple[bytes, WorkerResult]]:
+    return [(wid, m) for wid, m in rec.received if isinstance(m, WorkerResult)]
+
+
 class FakeEmbedded:
-    """An embedded worker: READY in its outbox; each delivery is answered at once."""
+    """An embedded worker: a first message in its outbox (a heartbeat standing in for
+    READY); each delivery is answered at once with its RESULT, built as the object an
+    embedded worker passes."""
 
     def __init__(self, name: bytes) -> None:
         self.name = name
         self.r, self.w = socket.socketpair()
         self.delivered: list[list[Any]] = []
-        self.outbox: list[list[Any]] = [[b"READY", name]]
+        self.outbox: list[list[Any]] = [beat(0.1 if name == b"e0" else 0.2)]
         self.due: float | None = None
 
     @property
@@ -259,12 +278,13 @@ class FakeEmbedded:
 
     def deliver(self, frames: list[Any]) -> list[list[Any]]:
         self.delivered.append(frames)
-        return [[b"RESULT", self.name, *frames]]
+        batch_id = len(self.delivered)
+        return [[header(Command.RESULT), ResultMeta(batch_id, 0.0, 1.0, (1,)), *frames]]
 
     def service(self, results_ready: bool) -> list[list[Any]]:
         if results_ready:
             self.r.recv(64)
-            return [[b"LATE", self.name]]
+            return [beat(0.9)]
         return []
 
     def take_outbox(self) -> list[list[Any]]:
@@ -289,7 +309,7 @@ def test_embedded_workers_say_ready_and_take_deliveries_after_the_sends() -> Non
     assert set(rec.routes) == set(ids)
     assert workers.local_ids == {ids[0]}
     workers.start()
-    assert rec.received == [(ids[0], [b"READY", b"e0"]), (ids[1], [b"READY", b"e1"])]
+    assert rec.received == [(ids[0], WorkerHeartbeat(0.1)), (ids[1], WorkerHeartbeat(0.2))]
     rec.received.clear()
     workers.send(ids[1], [b"B1"])
     workers.send(ids[0], [b"B0"])
@@ -298,16 +318,16 @@ def test_embedded_workers_say_ready_and_take_deliveries_after_the_sends() -> Non
     deliver()
     assert e1.delivered == [[b"B1"]]
     assert e0.delivered == [[b"B0"]]
-    assert rec.received == [
-        (ids[1], [b"RESULT", b"e1", b"B1"]),
-        (ids[0], [b"RESULT", b"e0", b"B0"]),
+    assert [(wid, m.result.batch_id, list(m.replies)) for wid, m in results(rec)] == [
+        (ids[1], 1, [b"B1"]),
+        (ids[0], 1, [b"B0"]),
     ]
     e1.due = 7.0
     assert workers.next_wakeup(0.0) == 7.0
     e1.w.send(b"!")
     events = dict(poller.poll(2000))
     workers.on_poll(events)
-    assert rec.received[-1] == (ids[1], [b"LATE", b"e1"])
+    assert rec.received[-1] == (ids[1], WorkerHeartbeat(0.9))
     e0.close()
     e1.close()
 
@@ -328,8 +348,10 @@ def test_answers_of_an_embedded_worker_queue_behind_the_delivery() -> None:
     workers = InProcessWorkers([e0], zmq.Poller(), up)
     (wid,) = workers.workers
 
-    rec.answer = lambda w, frames: (
-        [Outgoing(Side.BACKEND, w, [b"again"])] if frames[2:] == [b"first"] else []
+    rec.answer = lambda w, msg: (
+        [Outgoing(Side.BACKEND, w, [b"again"])]
+        if isinstance(msg, WorkerResult) and list(msg.replies) == [b"first"]
+        else []
     )
     workers.send(wid, [b"first"])
     (deliver,) = rec.later

@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from carpool.broker.backlog import Backlog
@@ -43,13 +44,11 @@ from carpool.broker.intake import Arrival, ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies, Side, disconnect
 from carpool.broker.requests import RequestBook
-from carpool.broker.stats import EMBEDDED_ID, LINK_ID, BrokerStats, snapshot
+from carpool.broker.stats import BrokerStats, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
 
 __all__ = [
-    "EMBEDDED_ID",
-    "LINK_ID",
     "BrokerCore",
     "BrokerStats",
     "InflightBatch",
@@ -89,6 +88,9 @@ class BrokerCore:
         self.on_client = intake.on_client
         self.on_worker = workers.on_worker
         self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
+        #: How each worker is connected, by its id, as STATS names it ("zeromq", "local",
+        #: "embedded"): the server's transports say; the core only passes it on.
+        self.worker_transport: Callable[[bytes], str] = _zeromq
 
     # ------------------------------------------------------------------ the server's knobs
 
@@ -227,5 +229,15 @@ class BrokerCore:
         """Counters and state for STATS replies (msgpack-friendly: str keys only)."""
         backlog = self.backlog
         return snapshot(
-            self.stats, self.registry, backlog.queued, backlog.queued_bytes, len(self.inflight)
+            self.stats,
+            self.registry,
+            backlog.queued,
+            backlog.queued_bytes,
+            len(self.inflight),
+            self.worker_transport,
         )
+
+
+def _zeromq(wid: bytes) -> str:
+    """A core without a server: every worker is taken for a ZeroMQ peer."""
+    return "zeromq"

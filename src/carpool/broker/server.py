@@ -133,6 +133,7 @@ class BrokerServer:
         reserved = (InProcessWorkers.id_prefix, LinkWorkers.id_prefix)
         self._zmq = ZmqWorkers(backend, self.poller, up, reserved)
         self.backend = backend
+        self.core.worker_transport = self._transport_label
         self.poller.register(self._wake.fd, zmq.POLLIN)
         self.transports.append(self._zmq)
         if embedded:
@@ -162,6 +163,9 @@ class BrokerServer:
             self.backend_endpoint,
             f" local={config.local_backend}" if self.local else "",
         )
+
+    def _transport_label(self, wid: bytes) -> str:
+        return (self._routes.get(wid) or self._zmq).label
 
     def _knows(self, wid: bytes) -> bool:
         return self.core.registry.get(WorkerId(wid)) is not None

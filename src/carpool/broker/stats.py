@@ -7,14 +7,10 @@ Pure. :class:`BrokerStats` is counted into on the hot path (plain attributes);
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from carpool.broker.registry import Lane, WorkerRegistry
-
-#: Routing-id prefixes of workers the server connects without ZeroMQ: in its process
-#: (``EMBEDDED_ID`` + n) and on its local unix endpoint (``LINK_ID`` + n). ZeroMQ's own
-#: ids are 5 bytes (a zero byte and a counter), so it never makes these.
-EMBEDDED_ID, LINK_ID = b"\x00embedded-", b"\x00link-"
 
 
 class BrokerStats:
@@ -38,9 +34,15 @@ class BrokerStats:
 
 
 def snapshot(
-    stats: BrokerStats, registry: WorkerRegistry, queued: int, queued_bytes: int, inflight: int
+    stats: BrokerStats,
+    registry: WorkerRegistry,
+    queued: int,
+    queued_bytes: int,
+    inflight: int,
+    transport: Callable[[bytes], str],
 ) -> dict[str, Any]:
-    """Counters and state for STATS replies (msgpack-friendly: str keys only)."""
+    """Counters and state for STATS replies (msgpack-friendly: str keys only);
+    ``transport`` names how each worker is connected, by its id."""
     return {
         "requests": stats.requests,
         "replies": stats.replies,
@@ -64,20 +66,11 @@ def snapshot(
                 "outstanding": len(w.outstanding),
                 "rho": w.rho,
                 "lanes": {name: _lane_snapshot(lane) for name, lane in w.lanes.items()},
-                "transport": _transport(w.wid),
+                "transport": transport(w.wid),
             }
             for w in registry.all()
         ],
     }
-
-
-def _transport(wid: bytes) -> str:
-    """How a worker is connected, from the routing id the server gave it."""
-    if wid.startswith(LINK_ID):
-        return "local"  # the server's unix-socket endpoint
-    if wid.startswith(EMBEDDED_ID):
-        return "embedded"  # in the broker's process
-    return "zeromq"
 
 
 def _lane_snapshot(lane: Lane) -> dict[str, Any]:

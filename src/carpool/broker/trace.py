@@ -16,6 +16,7 @@ import stat
 from collections.abc import Sequence
 from typing import TextIO
 
+from carpool.broker.intake import Arrival
 from carpool.common.errors import ConfigError
 from carpool.common.jsonlines import parses
 
@@ -23,10 +24,6 @@ logger = logging.getLogger(__name__)
 
 #: How far back from its end a trace is searched for its last whole line.
 TAIL_BYTES = 64 * 1024
-
-#: One admitted arrival: (time in the clock's seconds, model, item shape, timeout_ms,
-#: priority, max_batch), as ``BrokerCore.recording`` holds it.
-Record = tuple[float, str, tuple[int, ...], int, int, int]
 
 
 def open_trace(path: str) -> TextIO:
@@ -95,7 +92,7 @@ class TraceWriter:
         self._file = open_trace(path)
         self.offset_s = offset_s
 
-    def write(self, records: Sequence[Record]) -> None:
+    def write(self, records: Sequence[Arrival]) -> None:
         """Write one line per record and flush."""
         offset_s = self.offset_s
         trace = self._file

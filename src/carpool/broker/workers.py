@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
@@ -30,19 +29,24 @@ from carpool.common.protocol import (
     Command,
     FailedMeta,
     Frame,
+    FromWorker,
     Ready,
     ResultMeta,
-    decode_meta,
+    WorkerDisconnect,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerMalformed,
+    WorkerReady,
+    WorkerResult,
     encode,
-    parse_header,
-    view,
 )
 
 logger = logging.getLogger(__name__)
 
 #: The longest engine time a RESULT may report and be learned from: no request waits longer.
 _MAX_COMPUTE_MS = float(MAX_TIMEOUT_MS)
-_NO_META: dict[str, Any] = {}  # the meta of a message that came as an object (never mutated)
+#: The commands whose message from a stranger counts as a late answer to a batch.
+_BATCH_ANSWERS = (Command.RESULT, Command.FAILED)
 # Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
 _DISPATCHED, _DONE, _FAILED = RequestState.DISPATCHED, RequestState.DONE, RequestState.FAILED
@@ -92,50 +96,37 @@ class WorkerEvents:
                 out.append(Outgoing(_BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
         registry.reschedule()
 
-    def on_worker(self, now: float, identity: bytes, frames: Sequence[Frame]) -> list[Outgoing]:
-        """A message from a worker arrived on the backend."""
+    def on_worker(self, now: float, identity: bytes, msg: FromWorker) -> list[Outgoing]:
+        """A worker's message, as its transport decoded it (``decode_from_worker``)."""
         wid = WorkerId(identity)
         out: list[Outgoing] = []
         try:
-            if len(frames) < 2:
-                raise ProtocolError("worker messages have a header and a meta frame")
-            second: object = frames[1]
-            result: ResultMeta | None = None
-            if type(second) is ResultMeta:
-                # An embedded worker's RESULT (local_workers): built in this process, it
-                # passes as the object (no socket can deliver anything but bytes). What
-                # from_wire checks and _on_result does not: every reply has a frame.
-                if any(k < 1 for k in second.frames):
-                    raise ProtocolError("result: frames must be a list of ints >= 1")
-                command, meta, result = Command.RESULT, _NO_META, second
-            else:
-                command = parse_header(view(frames[0]))
-                meta = decode_meta(view(frames[1]))
-            if command is Command.READY:
-                self._on_ready(now, wid, Ready.from_wire(meta), out)
+            if isinstance(msg, WorkerReady):
+                self._on_ready(now, wid, msg.ready, out)
                 return out
+            if isinstance(msg, WorkerMalformed) and msg.command is None:
+                raise ProtocolError(msg.error)  # whoever sent it
             worker = self.registry.touch(now, wid)
             if worker is None:
-                if command is not Command.DISCONNECT:
+                if not isinstance(msg, WorkerDisconnect):
                     # MDP rule: an unknown peer must re-register on a fresh socket.
                     out.append(disconnect(wid, "unknown worker; reconnect and send READY"))
-                if command in (Command.RESULT, Command.FAILED):
+                if isinstance(msg, WorkerResult | WorkerFailed) or (
+                    isinstance(msg, WorkerMalformed) and msg.command in _BATCH_ANSWERS
+                ):
                     self.stats.late_results += 1
                 return out
-            if command is Command.HEARTBEAT:
-                rho = meta.get("rho")
-                if isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0 <= rho <= 1:
-                    self._fleet.on_load(now, worker, float(rho))
-            elif command is Command.RESULT:
-                if result is None:
-                    result = ResultMeta.from_wire(meta)
-                self._on_result(now, worker, result, frames[2:], out)
-            elif command is Command.FAILED:
-                self._on_failed(now, worker, FailedMeta.from_wire(meta), out)
-            elif command is Command.DISCONNECT:
+            if isinstance(msg, WorkerResult):
+                self._on_result(now, worker, msg.result, msg.replies, out)
+            elif isinstance(msg, WorkerHeartbeat):
+                if msg.rho is not None:
+                    self._fleet.on_load(now, worker, msg.rho)
+            elif isinstance(msg, WorkerFailed):
+                self._on_failed(now, worker, msg.failed, out)
+            elif isinstance(msg, WorkerDisconnect):
                 self.lose_worker(now, worker, "worker disconnected", out)
             else:
-                raise ProtocolError(f"command {command.name} is not valid from a worker")
+                raise ProtocolError(msg.error)
         except ProtocolError as exc:
             # A worker that breaks the protocol is dropped; it may reconnect and re-register.
             logger.warning("worker=%s protocol error: %s", identity.hex(), exc)

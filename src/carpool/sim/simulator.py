@@ -32,6 +32,7 @@ from carpool.common.protocol import (
     ResultMeta,
     Submit,
     TensorMeta,
+    decode_from_worker,
     decode_meta,
     encode,
     encode_request,
@@ -220,7 +221,8 @@ def simulate(
             1000 * worker.duration_s,
             tuple(2 for _ in batch.items),
         )
-        route(core.on_worker(now, worker.wid, encode(Command.RESULT, meta.to_wire(), frames)), now)
+        msg = decode_from_worker(encode(Command.RESULT, meta.to_wire(), frames))
+        route(core.on_worker(now, worker.wid, msg), now)
         if worker.queue and worker.running is None:
             start(worker, now)
 
@@ -243,7 +245,10 @@ def simulate(
             for m in models
         )
         ready = Ready(spec.name, spec.slots, specs, round(heartbeat_s * 1000))
-        route(core.on_worker(0.0, wid, encode(Command.READY, ready.to_wire())), 0.0)
+        route(
+            core.on_worker(0.0, wid, decode_from_worker(encode(Command.READY, ready.to_wire()))),
+            0.0,
+        )
         push(heartbeat_s, _HEARTBEAT, worker)
 
     ticks: set[float] = set()
@@ -286,7 +291,7 @@ def simulate(
         elif kind == _HEARTBEAT:
             assert isinstance(data, _Worker)
             beat = encode(Command.HEARTBEAT, {"rho": data.meter.rho(now)})
-            route(core.on_worker(now, data.wid, beat), now)
+            route(core.on_worker(now, data.wid, decode_from_worker(beat)), now)
             if arrival_index < len(arrivals) or sent_s:
                 push(now + heartbeat_s, _HEARTBEAT, data)
         else:

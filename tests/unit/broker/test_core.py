@@ -32,6 +32,7 @@ from carpool.common.protocol import (
     ResultMeta,
     Submit,
     TensorMeta,
+    decode_from_worker,
     decode_meta,
     encode,
     encode_reply,
@@ -181,7 +182,7 @@ class Broker:
         return [parse(o) for o in out]
 
     def worker(self, now: float, wid: bytes, frames: list[Any]) -> list[Msg]:
-        return self._turn(now, self.core.on_worker(now, wid, frames))
+        return self._turn(now, self.core.on_worker(now, wid, decode_from_worker(frames)))
 
     def client(self, now: float, cid: bytes, frames: list[Any]) -> list[Msg]:
         return self._turn(now, self.core.on_client(now, cid, frames))

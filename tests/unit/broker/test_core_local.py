@@ -16,9 +16,11 @@ from carpool.common import codec
 from carpool.common.protocol import (
     BatchMeta,
     Command,
+    FromWorker,
     ReplyMeta,
     ResultMeta,
     TensorMeta,
+    decode_from_worker,
     decode_meta,
     encode,
     encode_reply,
@@ -37,7 +39,7 @@ def core() -> BrokerCore:
 
 def batch_out(c: BrokerCore, wid: bytes, *requests: list[Any]) -> Outgoing:
     """Admit ``requests`` from one client in one turn; the BATCH sent to ``wid``."""
-    c.on_worker(T0, wid, ready_frames(SPEC2, name=wid.decode(), slots=1))
+    c.on_worker(T0, wid, decode_from_worker(ready_frames(SPEC2, name=wid.decode(), slots=1)))
     for frames in requests:
         c.on_client(T0 + 0.001, b"c1", frames)
     (out,) = [o for o in c.on_tick(T0 + 0.002) if o.side is Side.BACKEND]
@@ -89,11 +91,10 @@ def replies_for(batch: BatchMeta) -> tuple[list[int], list[Any]]:
     return counts, frames
 
 
-def local_result(meta: ResultMeta, frames: list[Any]) -> list[Any]:
-    """An embedded worker's RESULT as the core receives it: the meta is the ResultMeta
-    object itself, which the core tells apart by its type (the frame type of on_worker
-    does not cover it)."""
-    return [header(Command.RESULT), meta, *frames]
+def local_result(meta: ResultMeta, frames: list[Any]) -> FromWorker:
+    """An embedded worker's RESULT as the core receives it: its frames carry the
+    ResultMeta object itself, which the one decoder takes as is."""
+    return decode_from_worker([header(Command.RESULT), meta, *frames])
 
 
 @pytest.mark.parametrize("as_object", [False, True], ids=["msgpack", "object"])
@@ -108,7 +109,7 @@ def test_a_result_object_from_a_local_worker_answers_like_the_encoded_one(
     if as_object:
         msg = local_result(meta, frames)
     else:
-        msg = encode(Command.RESULT, meta.to_wire(), frames)
+        msg = decode_from_worker(encode(Command.RESULT, meta.to_wire(), frames))
     out = c.on_worker(T0 + 0.01, W1, msg)
     replies = [o for o in out if o.side is Side.FRONTEND]
     assert [codec.unpack(o.frames[1])["id"] for o in replies] == [1, 2, 3]

@@ -29,6 +29,7 @@ from carpool.common.protocol import (
     ResultMeta,
     Submit,
     TensorMeta,
+    decode_from_worker,
     decode_meta,
     encode,
     encode_request,
@@ -125,7 +126,9 @@ class World:
             self.workers.append(worker)
         ready = Ready(worker.wid.decode(), 2, (SPEC,), 1000)
         self.route(
-            self.core.on_worker(self.now, worker.wid, encode(Command.READY, ready.to_wire()))
+            self.core.on_worker(
+                self.now, worker.wid, decode_from_worker(encode(Command.READY, ready.to_wire()))
+            )
         )
 
     def apply(self, op: tuple[Any, ...]) -> None:
@@ -162,11 +165,11 @@ class World:
             else:
                 failed = FailedMeta(batch.batch_id, ErrorCode.INTERNAL, "boom", 0.5)
                 msg = encode(Command.FAILED, failed.to_wire())
-            self.route(self.core.on_worker(self.now, worker.wid, msg))
+            self.route(self.core.on_worker(self.now, worker.wid, decode_from_worker(msg)))
         elif kind == "lose":
             worker = self.workers[op[1]]
             bye = encode(Command.DISCONNECT, {"reason": "test"})
-            self.route(self.core.on_worker(self.now, worker.wid, bye))
+            self.route(self.core.on_worker(self.now, worker.wid, decode_from_worker(bye)))
             self.join(op[1])
         if not self.turns:
             self.tick()

@@ -26,6 +26,7 @@ from carpool.common.protocol import (
     ResultMeta,
     Submit,
     TensorMeta,
+    decode_from_worker,
     decode_meta,
     encode,
     encode_request,
@@ -96,7 +97,8 @@ class Harness:
         batching = BatchingConfig(max_batch=max_batch, max_wait_s=max_wait_s, policy=policy)
         h = cls(BrokerCore(BrokerConfig(batching=batching, **config)))
         ready = Ready("w1", slots, (spec(max_batch),), heartbeat_ms=600_000)
-        assert h.core.on_worker(h.now, WORKER, encode(Command.READY, ready.to_wire())) == []
+        ready_msg = decode_from_worker(encode(Command.READY, ready.to_wire()))
+        assert h.core.on_worker(h.now, WORKER, ready_msg) == []
         return h
 
     def _route(self, outs: list[Outgoing]) -> list[Msg]:
@@ -129,7 +131,9 @@ class Harness:
             frames += [header(Command.REPLY), codec.pack({"id": rid})]
         meta = ResultMeta(batch_id, rho, compute_ms, (2,) * len(rids))
         return self._route(
-            self.core.on_worker(self.now, WORKER, encode(Command.RESULT, meta.to_wire(), frames))
+            self.core.on_worker(
+                self.now, WORKER, decode_from_worker(encode(Command.RESULT, meta.to_wire(), frames))
+            )
         )
 
     def tick(self) -> list[Msg]:

@@ -7,8 +7,8 @@ ROUTER), :class:`~.local.LinkWorkers` (unix stream sockets from workers on this 
 carpool.common.link) and :class:`~.inprocess.InProcessWorkers` (workers in the broker's
 own process). Each owns its sockets and their place in the loop's poller, hands every
 message it receives to :class:`Upstream` (the core, then the sends its answer makes),
-and reports a worker it can no longer reach there; none knows the protocol beyond the
-frames it carries.
+typed by the one decoder of workers' messages (``decode_from_worker``), and reports a
+worker it can no longer reach there.
 
 A worker id is an opaque key: ZeroMQ makes 5-byte routing ids (a zero byte and a
 counter); the other transports make ids with a prefix of their own
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from carpool.broker.core import Outgoing
+    from carpool.common.protocol import FromWorker
 
 #: The events of one poll, as ``dict(zmq.Poller.poll())`` gives them.
 Events = Mapping[Any, int]
@@ -36,7 +37,8 @@ class Upstream:
 
     Attributes:
         now: the server's clock.
-        on_worker: the core's handler of a worker's message (``BrokerCore.on_worker``).
+        on_worker: the core's handler of a worker's message (``BrokerCore.on_worker``),
+            decoded by :func:`carpool.common.protocol.decode_from_worker`.
         send: the server's send of what the core answered (to any transport or client).
         knows: whether the core has this worker registered.
         unreachable: a worker this transport cannot reach any more (its link closed, it
@@ -49,7 +51,7 @@ class Upstream:
     """
 
     now: Callable[[], float]
-    on_worker: Callable[[float, bytes, Sequence[Any]], list[Outgoing]]
+    on_worker: Callable[[float, bytes, FromWorker], list[Outgoing]]
     send: Callable[[list[Outgoing]], None]
     knows: Callable[[bytes], bool]
     unreachable: Callable[[bytes], None]

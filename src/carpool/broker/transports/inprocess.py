@@ -16,8 +16,12 @@ from typing import Any, Protocol
 
 import zmq
 
-from carpool.broker.core import EMBEDDED_ID
 from carpool.broker.transports import Events, Upstream
+from carpool.common.protocol import decode_from_worker
+
+#: The start of an embedded worker's id (ZeroMQ never makes one: its ids are 5 bytes, a
+#: zero byte and a counter).
+EMBEDDED_ID = b"\x00embedded-"
 
 
 class EmbeddedWorker(Protocol):
@@ -82,7 +86,7 @@ class InProcessWorkers:
         up = self._up
         for wid, worker in self.workers.items():
             for frames in worker.take_outbox():
-                up.send(up.on_worker(up.now(), wid, frames))
+                up.send(up.on_worker(up.now(), wid, decode_from_worker(frames)))
 
     def next_wakeup(self, now: float) -> float | None:
         wake: float | None = None
@@ -99,7 +103,7 @@ class InProcessWorkers:
         up = self._up
         for wid, worker in self.workers.items():
             for frames in worker.service(worker.results_fd in events):
-                up.send(up.on_worker(up.now(), wid, frames))
+                up.send(up.on_worker(up.now(), wid, decode_from_worker(frames)))
         return 0
 
     def send(self, wid: bytes, frames: Sequence[Any]) -> None:
@@ -116,7 +120,7 @@ class InProcessWorkers:
             while queue:
                 wid, frames = queue.popleft()
                 for reply in workers[wid].deliver(frames):
-                    up.send(up.on_worker(up.now(), wid, reply))
+                    up.send(up.on_worker(up.now(), wid, decode_from_worker(reply)))
         finally:
             self._scheduled = False
 

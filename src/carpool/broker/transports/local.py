@@ -16,12 +16,16 @@ from typing import Any
 
 import zmq
 
-from carpool.broker.core import LINK_ID
 from carpool.broker.joining import JoinWindow
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.link import Link, LinkFull, LinkListener, TooLarge
+from carpool.common.protocol import decode_from_worker
 
 logger = logging.getLogger(__name__)
+
+#: The start of a local worker's id (ZeroMQ never makes one: its ids are 5 bytes, a zero
+#: byte and a counter).
+LINK_ID = b"\x00link-"
 
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
@@ -102,7 +106,7 @@ class LinkWorkers:
                 try:
                     for frames in link.receive(BURST):
                         n += 1
-                        out = on_worker(now(), wid, frames)
+                        out = on_worker(now(), wid, decode_from_worker(frames))
                         if out:
                             send(out)
                             if wid not in self._links:
@@ -167,7 +171,7 @@ class LinkWorkers:
         for frames in link.leftovers():
             if wid not in self._links:
                 return  # dropped meanwhile (a reply sent below failed for it)
-            out = up.on_worker(up.now(), wid, frames)
+            out = up.on_worker(up.now(), wid, decode_from_worker(frames))
             if out:
                 up.send(out)
         self._drop(wid, reason)

@@ -16,6 +16,7 @@ import zmq
 
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.errors import ConfigError
+from carpool.common.protocol import decode_from_worker
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class ZmqWorkers:
             if reserved and identity.startswith(reserved):
                 logger.warning("a backend peer used a local worker's id: dropped")
                 continue
-            out = on_worker(now(), identity, frames[1:])
+            out = on_worker(now(), identity, decode_from_worker(frames[1:]))
             if out:
                 send(out)
         return n

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol.frames import Command, Frame, decode_meta, parse_header, view
@@ -74,8 +75,9 @@ FromWorker = (
 _HEARTBEAT, _DISCONNECT = WorkerHeartbeat(None), WorkerDisconnect()
 
 
-def decode_from_worker(frames: Sequence[Frame]) -> FromWorker:
-    """The typed message of a worker's frames (after the routing id). Never raises: a
+def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
+    """The typed message of a worker's frames (after the routing id: frames as a socket
+    gives them, or an embedded worker's list with its ResultMeta object). Never raises: a
     message that breaks the protocol is a :class:`WorkerMalformed`."""
     if len(frames) < 2:
         return WorkerMalformed(None, "worker messages have a header and a meta frame")
