@@ -14,7 +14,6 @@ import errno
 import logging
 import math
 from collections.abc import Callable, Sequence
-from types import TracebackType
 
 import zmq
 
@@ -331,10 +330,5 @@ class BrokerServer:
     def __enter__(self) -> BrokerServer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

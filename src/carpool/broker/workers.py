@@ -29,17 +29,11 @@ from carpool.common.protocol import (
     Command,
     FailedMeta,
     Frame,
-    FromWorker,
     Ready,
     ResultMeta,
-    WorkerDisconnect,
-    WorkerFailed,
-    WorkerHeartbeat,
-    WorkerMalformed,
-    WorkerReady,
-    WorkerResult,
     encode,
 )
+from carpool.common.protocol import from_worker as msgs
 
 logger = logging.getLogger(__name__)
 
@@ -96,34 +90,34 @@ class WorkerEvents:
                 out.append(Outgoing(_BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
         registry.reschedule()
 
-    def on_worker(self, now: float, identity: bytes, msg: FromWorker) -> list[Outgoing]:
+    def on_worker(self, now: float, identity: bytes, msg: msgs.FromWorker) -> list[Outgoing]:
         """A worker's message, as its transport decoded it (``decode_from_worker``)."""
         wid = WorkerId(identity)
         out: list[Outgoing] = []
         try:
-            if isinstance(msg, WorkerReady):
+            if isinstance(msg, msgs.WorkerReady):
                 self._on_ready(now, wid, msg.ready, out)
                 return out
-            if isinstance(msg, WorkerMalformed) and msg.command is None:
+            if isinstance(msg, msgs.WorkerMalformed) and msg.command is None:
                 raise ProtocolError(msg.error)  # whoever sent it
             worker = self.registry.touch(now, wid)
             if worker is None:
-                if not isinstance(msg, WorkerDisconnect):
+                if not isinstance(msg, msgs.WorkerDisconnect):
                     # MDP rule: an unknown peer must re-register on a fresh socket.
                     out.append(disconnect(wid, "unknown worker; reconnect and send READY"))
-                if isinstance(msg, WorkerResult | WorkerFailed) or (
-                    isinstance(msg, WorkerMalformed) and msg.command in _BATCH_ANSWERS
+                if isinstance(msg, msgs.WorkerResult | msgs.WorkerFailed) or (
+                    isinstance(msg, msgs.WorkerMalformed) and msg.command in _BATCH_ANSWERS
                 ):
                     self.stats.late_results += 1
                 return out
-            if isinstance(msg, WorkerResult):
+            if isinstance(msg, msgs.WorkerResult):
                 self._on_result(now, worker, msg.result, msg.replies, out)
-            elif isinstance(msg, WorkerHeartbeat):
+            elif isinstance(msg, msgs.WorkerHeartbeat):
                 if msg.rho is not None:
                     self._fleet.on_load(now, worker, msg.rho)
-            elif isinstance(msg, WorkerFailed):
+            elif isinstance(msg, msgs.WorkerFailed):
                 self._on_failed(now, worker, msg.failed, out)
-            elif isinstance(msg, WorkerDisconnect):
+            elif isinstance(msg, msgs.WorkerDisconnect):
                 self.lose_worker(now, worker, "worker disconnected", out)
             else:
                 raise ProtocolError(msg.error)

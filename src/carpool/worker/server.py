@@ -15,7 +15,6 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 import zmq
@@ -368,10 +367,5 @@ class WorkerServer:
     def __enter__(self) -> WorkerServer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -7,9 +7,9 @@ its reply.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
@@ -38,6 +38,23 @@ from carpool.common.protocol.tensors import TensorMeta, check_frame_sizes, tenso
 #: Header frames, built once.
 _REQUEST, _REPLY, _ERROR = header(Command.REQUEST), header(Command.REPLY), header(Command.ERROR)
 
+_Ref = TypeVar("_Ref")
+
+
+def _tensors_wire(
+    tensors: Sequence[TensorMeta],
+    refs: Sequence[_Ref | None] | None,
+    ref_wire: Callable[[_Ref], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Tensor descriptors on the wire, each with its shared-memory reference (``shm``)
+    where it has one."""
+    wire = [t.to_wire() for t in tensors]
+    if refs is not None:
+        for t, ref in zip(wire, refs, strict=True):
+            if ref is not None:
+                t["shm"] = ref_wire(ref)
+    return wire
+
 
 @dataclass(frozen=True, slots=True)
 class Submit:
@@ -56,11 +73,7 @@ class Submit:
     shm_outputs: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        inputs = [t.to_wire() for t in self.inputs]
-        if self.shm is not None:
-            for t, ref in zip(inputs, self.shm, strict=True):
-                if ref is not None:
-                    t["shm"] = ref_wire(ref)
+        inputs = _tensors_wire(self.inputs, self.shm, ref_wire)
         return request_wire(
             self.request_id, self.model, inputs, self.timeout_ms, self.priority, self.shm_outputs
         )
@@ -182,11 +195,7 @@ class ReplyMeta:
     shm: tuple[OutputRef | None, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        outputs = [t.to_wire() for t in self.outputs]
-        if self.shm is not None:
-            for t, ref in zip(outputs, self.shm, strict=True):
-                if ref is not None:
-                    t["shm"] = output_ref_wire(ref)
+        outputs = _tensors_wire(self.outputs, self.shm, output_ref_wire)
         return reply_wire(self.request_id, outputs, self.batch_size, self.queue_ms, self.compute_ms)
 
     @classmethod
