@@ -44,6 +44,16 @@ class Backlog:
         self.queued_bytes -= req.nbytes
         self.queued_samples[req.model][req.priority] -= req.samples
 
+    def dequeued_all(self, requests: list[PendingRequest]) -> None:
+        """:meth:`dequeued` for each of ``requests`` (a batch taken from one queue)."""
+        nbytes = 0
+        per_model = self.queued_samples
+        for req in requests:
+            nbytes += req.nbytes
+            per_model[req.model][req.priority] -= req.samples
+        self.queued -= len(requests)
+        self.queued_bytes -= nbytes
+
     def samples_ahead(self, model: str, priority: int) -> int:
         """Queued samples a new request of ``priority`` waits behind (at most)."""
         interactive, bulk = self.queued_samples.get(model, (0, 0))

@@ -253,8 +253,7 @@ class Dispatcher:
             requests = (
                 queue.take_edf(size, now, promote_s, move) if policy.edf else queue.take(size, move)
             )
-            for req in requests:
-                self._backlog.dequeued(req)
+            self._backlog.dequeued_all(requests)
             released = (
                 max(0, leaving - sum(r.samples for r in requests)) if policy.share_idle else 0
             )

@@ -145,17 +145,20 @@ class ClientIntake:
             if len(frames) < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
             meta = decode_meta(view(frames[1]))
-            request = self.request_decoder.decode(meta, frames[2:])
+            payloads = frames[2:]
+            request = self.request_decoder.decode(meta, payloads)
             if isinstance(request, KnownRequest):  # a layout validated before
                 layout = request.layout
-                if self.registry.max_batch(layout.model):
+                max_batch = self.registry.max_batch(layout.model)
+                if max_batch:
                     return self._enqueue(
                         now,
                         client,
                         delimited,
                         request.request_id,
                         layout,
-                        frames[2:],
+                        payloads,
+                        max_batch,
                         request.timeout_ms,
                         request.priority,
                         False,
@@ -220,7 +223,8 @@ class ClientIntake:
             return [
                 self._replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
             ]
-        if self.registry.max_batch(spec.name) == 0:  # before the payload checks (protocol §6.1)
+        max_batch = self.registry.max_batch(spec.name)
+        if max_batch == 0:  # before the payload checks (protocol §6.1)
             msg = f"no live worker serves model {spec.name!r} right now"
             return [
                 self._replies.error(
@@ -248,6 +252,7 @@ class ClientIntake:
             rid,
             layout,
             payloads,
+            max_batch,
             submit.timeout_ms,
             submit.priority,
             simple,
@@ -263,6 +268,7 @@ class ClientIntake:
         rid: int,
         layout: Layout,
         payloads: Sequence[Frame],
+        max_batch: int,
         timeout_ms: int | None,
         priority: Priority,
         simple: bool,
@@ -271,9 +277,9 @@ class ClientIntake:
     ) -> list[Outgoing]:
         """Queue a valid request if :func:`admit` lets it in, else answer its refusal; in
         deferred mode the batch forms at the end of the turn. ``refs``: the inputs'
-        shared-memory references, in the request's order (§5.4)."""
+        shared-memory references, in the request's order (§5.4); ``max_batch``: the
+        largest batch a live worker of its model takes (> 0: both callers checked)."""
         model = layout.model
-        max_batch = self.registry.max_batch(model)  # > 0: both callers checked
         timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s
         out: list[Outgoing] = []
         nbytes = 0
