@@ -33,6 +33,20 @@ class Backlog:
             queue = self.queues[key] = RequestQueue(key)
         return queue
 
+    def add(self, req: PendingRequest) -> RequestQueue:
+        """A new request joins its queue (which it returns), the counts and the deadline
+        heap."""
+        queue = self.queues.get(req.key)
+        if queue is None:
+            queue = self.queues[req.key] = RequestQueue(req.key)
+        queue.arrive(req)
+        self.queued += 1
+        self.queued_bytes += req.nbytes
+        per_model = self.queued_samples.setdefault(req.model, [0, 0])
+        per_model[req.priority] += req.samples
+        self.deadlines.push(req)
+        return queue
+
     def enqueued(self, req: PendingRequest) -> None:
         self.queued += 1
         self.queued_bytes += req.nbytes

@@ -114,6 +114,19 @@ class RequestQueue:
         self.samples += req.samples
         self.count += 1
 
+    def arrive(self, req: PendingRequest) -> None:
+        """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time)."""
+        self._arrivals.append(req)
+        heapq.heappush(self._index(req), (req.deadline_s, req.seq, req))
+        samples = req.samples
+        self.samples += samples
+        self.count += 1
+        entry = (req.arrival_s, samples)
+        self._long.append(entry)
+        self._short.append(entry)
+        self._long_samples += samples
+        self._short_samples += samples
+
     def push_front(self, req: PendingRequest) -> None:
         """Put back a request that was dispatched before (it keeps its arrival time)."""
         self._arrivals.appendleft(req)

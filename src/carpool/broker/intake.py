@@ -291,9 +291,10 @@ class ClientIntake:
             self.config,
             self._fleet,
         )
-        pumpable = bool(dispatcher.dirty or dispatcher.dirty_models)
+        # Asked as pumpable: only a full queue reads that, and pump_dirty with nothing
+        # marked forms nothing, so the second answer is the one a False would have had.
         verdict = admit(
-            layout, nbytes, timeout_s, priority, max_batch, pumpable, config, backlog, fleet
+            layout, nbytes, timeout_s, priority, max_batch, True, config, backlog, fleet
         )
         if verdict is FULL_UNTIL_PUMPED:
             # Deferred mode: what can leave this turn leaves before the door closes.
@@ -347,11 +348,7 @@ class ClientIntake:
             refs,
             nbytes=nbytes,
         )
-        queue = backlog.queue(key)
-        queue.push(req)
-        queue.note_arrival(now, samples)
-        backlog.enqueued(req)
-        backlog.deadlines.push(req)
+        queue = backlog.add(req)
         if dispatcher.defer_pumps:  # the batch forms at the end of the turn
             dispatcher.dirty[key] = None
         else:
