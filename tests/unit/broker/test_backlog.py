@@ -5,33 +5,17 @@ from __future__ import annotations
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import (
-    ClientId,
     PendingRequest,
     RequestQueue,
     RequestState,
-    request_key,
 )
 from carpool.broker.requests import RequestBook
-from carpool.common.protocol import Priority, TensorMeta
+from carpool.common.protocol import Priority
+from tests.unit.broker.pending import pending_request
 
 
 def req(seq: int, samples: int = 1, priority: Priority = Priority.INTERACTIVE) -> PendingRequest:
-    inputs = (TensorMeta("x", "float32", (samples, 4)),)
-    return PendingRequest(
-        seq=seq,
-        client=ClientId(b"c"),
-        delimited=False,
-        request_id=seq,
-        simple=False,
-        model="m",
-        key=request_key("m", inputs),
-        samples=samples,
-        priority=priority,
-        arrival_s=float(seq),
-        deadline_s=100.0 + seq,
-        payloads=[bytes(16 * samples)],
-        nbytes=16 * samples,
-    )
+    return pending_request(seq, samples, 100.0 + seq, float(seq), priority, 16 * samples)
 
 
 def test_add_queues_counts_and_indexes_the_deadline_of_a_new_request() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from carpool.broker.batcher import (
-    ClientId,
     DeadlineHeap,
     PendingRequest,
     RequestQueue,
@@ -14,6 +13,7 @@ from carpool.broker.batcher import (
 )
 from carpool.broker.requests import RequestBook
 from carpool.common.protocol import Priority, TensorMeta
+from tests.unit.broker.pending import pending_request
 
 #: Moves the requests these tests take, shed or answer, as the broker's book does.
 BOOK = RequestBook()
@@ -22,28 +22,8 @@ X = (TensorMeta("x", "float32", (1, 4)),)
 KEY = request_key("m", X)
 
 
-def req(
-    seq: int,
-    samples: int = 1,
-    deadline_s: float = 100.0,
-    arrival_s: float = 0.0,
-    priority: Priority = Priority.INTERACTIVE,
-) -> PendingRequest:
-    inputs = (TensorMeta("x", "float32", (samples, 4)),)
-    return PendingRequest(
-        seq=seq,
-        client=ClientId(b"c"),
-        delimited=False,
-        request_id=seq,
-        simple=False,
-        model="m",
-        key=request_key("m", inputs),
-        samples=samples,
-        priority=priority,
-        arrival_s=arrival_s,
-        deadline_s=deadline_s,
-        payloads=[bytes(16 * samples)],
-    )
+#: A request of model "m" (tests/unit/broker/pending.py).
+req = pending_request
 
 
 # --------------------------------------------------------------------------- keys

@@ -12,13 +12,12 @@ from carpool.broker.requests import (
     FINAL,
     LIVE,
     TRANSITIONS,
-    ClientId,
     IllegalTransition,
     PendingRequest,
     RequestBook,
     RequestState,
 )
-from carpool.common.protocol import Priority
+from tests.unit.broker.pending import pending_request
 
 SRC = Path(__file__).resolve().parents[3] / "src"
 Q, D = RequestState.QUEUED, RequestState.DISPATCHED
@@ -34,20 +33,7 @@ PATHS: dict[RequestState, tuple[RequestState, ...]] = {
 
 
 def request(seq: int = 1) -> PendingRequest:
-    return PendingRequest(
-        seq=seq,
-        client=ClientId(b"c"),
-        delimited=False,
-        request_id=seq,
-        simple=False,
-        model="m",
-        key=("m", (("x", "float32", (4,)),)),
-        samples=1,
-        priority=Priority.INTERACTIVE,
-        arrival_s=0.0,
-        deadline_s=1.0,
-        payloads=[b"\x00" * 16],
-    )
+    return pending_request(seq, deadline_s=1.0)
 
 
 @pytest.fixture
