@@ -231,7 +231,8 @@ def test_the_broker_does_not_spin_while_an_embedded_worker_waits_to_rejoin() -> 
     is answered once, after the requeue."""
     import threading
 
-    from carpool.broker.core import Outgoing, Side
+    from carpool.broker.core import ToWorker
+    from carpool.common.protocol import BrokerDisconnect
 
     started, release = threading.Event(), threading.Event()
 
@@ -255,8 +256,7 @@ def test_the_broker_does_not_spin_while_an_embedded_worker_waits_to_rejoin() -> 
             broker.step(0.01)
             client.poll(0)
         assert started.is_set()  # the first batch of a model runs on the inference thread
-        disconnect = encode(Command.DISCONNECT, {"reason": "test"})
-        broker._send([Outgoing(Side.BACKEND, b"\x00embedded-0", disconnect)])
+        broker._send([ToWorker(b"\x00embedded-0", BrokerDisconnect("test"))])
         assert w.core.rejoining
         release.set()
         assert select.select([w.results_fd], [], [], 5)[0]  # the result waits

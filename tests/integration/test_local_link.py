@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.core import Outgoing, Side
+from carpool.broker.core import ToWorker
 from carpool.broker.server import BURST, BrokerServer
 from carpool.client import Client
 from carpool.common import codec
@@ -30,6 +30,7 @@ from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ConfigError, RequestError
 from carpool.common.link import MAX_FRAMES, PREAMBLE
 from carpool.common.protocol import (
+    HEARTBEAT_TO_WORKER,
     Command,
     ModelSpec,
     Ready,
@@ -428,7 +429,7 @@ def test_nothing_meant_for_a_dropped_local_worker_reaches_a_zeromq_peer(
     rogue.connect(broker.backend_endpoint)
     rogue.send_multipart(encode(Command.HEARTBEAT, {}))  # the ROUTER now knows the id
     broker.step(0.2)
-    broker._send([Outgoing(Side.BACKEND, b"\x00link-1", encode(Command.HEARTBEAT, {}))])
+    broker._send([ToWorker(b"\x00link-1", HEARTBEAT_TO_WORKER)])
     assert rogue.poll(300) == 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import zmq
 
-from carpool.broker.core import Outgoing, Side
+from carpool.broker.core import Outgoing, ToWorker
 from carpool.broker.joining import JoinWindow
 from carpool.broker.transports import Upstream, WorkerTransport
 from carpool.broker.transports.inprocess import InProcessWorkers
@@ -23,13 +23,15 @@ from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
 from carpool.common.errors import ConfigError
 from carpool.common.link import Link, LinkListener
 from carpool.common.protocol import (
+    BrokerDisconnect,
     Command,
+    FromBroker,
     FromWorker,
     ResultMeta,
+    ToBroker,
     WorkerHeartbeat,
     WorkerResult,
     encode,
-    header,
 )
 
 
@@ -68,6 +70,20 @@ def beat(rho: float) -> list[bytes]:
     return encode(Command.HEARTBEAT, {"rho": rho})
 
 
+@dataclass
+class Raw:
+    """A message for a worker, given as the frames a socket transport sends; a worker in
+    the broker's process gets a DISCONNECT whose reason is the first frame (a label)."""
+
+    frames: list[Any]
+
+    def to_frames(self) -> list[Any]:
+        return self.frames
+
+    def to_message(self) -> FromBroker:
+        return BrokerDisconnect(bytes(self.frames[0]).decode())
+
+
 @pytest.fixture
 def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -90,7 +106,7 @@ def test_a_router_that_cannot_bind_says_so(zctx: zmq.Context[zmq.Socket[bytes]])
 def test_zeromq_messages_reach_the_core_and_answers_reach_the_peer(
     zctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    rec = Recorder(answer=lambda wid, msg: [Outgoing(Side.BACKEND, wid, [b"ok"])])
+    rec = Recorder(answer=lambda wid, msg: [ToWorker(wid, Raw([b"ok"]))])
     poller = zmq.Poller()
     workers = ZmqWorkers(bind_router(zctx, "tcp://127.0.0.1:*"), poller, rec.upstream())
     peer = zctx.socket(zmq.DEALER)
@@ -100,7 +116,9 @@ def test_zeromq_messages_reach_the_core_and_answers_reach_the_peer(
     assert workers.on_poll(_poll(poller)) == 1
     assert rec.received == [(b"w1", WorkerHeartbeat(0.5))]
     (answer,) = rec.sent
-    workers.send(answer[0].identity, answer[0].frames)
+    (to_worker,) = answer
+    assert isinstance(to_worker, ToWorker)
+    workers.send(to_worker.identity, to_worker.message)
     assert peer.poll(2000)
     assert peer.recv_multipart() == [b"ok"]
     assert workers.on_poll({}) == 0
@@ -121,7 +139,7 @@ def test_a_zeromq_peer_with_a_reserved_id_is_not_heard_nor_sent_to(
     spoof.send_multipart(beat(0.5))
     assert workers.on_poll(_poll(poller)) == 1
     assert rec.received == []
-    workers.send(b"\x00link-1", [b"for the local worker"])
+    workers.send(b"\x00link-1", Raw([b"for the local worker"]))
     assert spoof.poll(200) == 0
     assert rec.lost == []
     spoof.close(0)
@@ -133,7 +151,7 @@ def test_a_send_to_a_zeromq_peer_that_is_gone_reports_it(
 ) -> None:
     rec = Recorder()
     workers = ZmqWorkers(bind_router(zctx, "tcp://127.0.0.1:*"), zmq.Poller(), rec.upstream())
-    workers.send(b"\x00nobody", [b"x"])
+    workers.send(b"\x00nobody", Raw([b"x"]))
     assert rec.lost == [b"\x00nobody"]
     workers.close(0)
 
@@ -170,7 +188,7 @@ def test_a_link_is_a_worker_with_an_id_of_its_own(
             if _turn(workers, poller):
                 break
         assert rec.received == [(wid, WorkerHeartbeat(0.25))]
-        workers.send(wid, [b"answer", memoryview(b"payload")])
+        workers.send(wid, Raw([b"answer", memoryview(b"payload")]))
         got: list[list[memoryview]] = []
         for _ in range(50):
             got += peer.receive()
@@ -245,7 +263,7 @@ def test_a_send_to_a_link_that_is_gone_is_skipped(
     links: tuple[LinkWorkers, Recorder, zmq.Poller, str],
 ) -> None:
     workers, rec, _poller, _path = links
-    workers.send(b"\x00link-9", [b"x"])
+    workers.send(b"\x00link-9", Raw([b"x"]))
     assert rec.lost == []
 
 
@@ -258,36 +276,34 @@ def results(rec: Recorder) -> list[tuple[bytes, WorkerResult]]:
 
 class FakeEmbedded:
     """An embedded worker: a first message in its outbox (a heartbeat standing in for
-    READY); each delivery is answered at once with its RESULT, built as the object an
+    READY); each delivery (a :class:`Raw`'s DISCONNECT, its label the reason) is answered
+    at once with a RESULT whose one reply frame is the label, as the typed message an
     embedded worker passes."""
 
     def __init__(self, name: bytes) -> None:
         self.name = name
         self.r, self.w = socket.socketpair()
-        self.delivered: list[list[Any]] = []
-        self.outbox: list[list[Any]] = [beat(0.1 if name == b"e0" else 0.2)]
+        self.delivered: list[str] = []
+        self.outbox: list[ToBroker] = [WorkerHeartbeat(0.1 if name == b"e0" else 0.2)]
         self.due: float | None = None
 
     @property
     def results_fd(self) -> int:
         return self.r.fileno()
 
-    @property
-    def local_metas(self) -> bool:
-        return self.name == b"e0"
-
-    def deliver(self, frames: list[Any]) -> list[list[Any]]:
-        self.delivered.append(frames)
+    def deliver(self, message: FromBroker) -> list[ToBroker]:
+        assert isinstance(message, BrokerDisconnect)
+        self.delivered.append(message.reason)
         batch_id = len(self.delivered)
-        return [[header(Command.RESULT), ResultMeta(batch_id, 0.0, 1.0, (1,)), *frames]]
+        return [WorkerResult(ResultMeta(batch_id, 0.0, 1.0, (1,)), [message.reason.encode()])]
 
-    def service(self, results_ready: bool) -> list[list[Any]]:
+    def service(self, results_ready: bool) -> list[ToBroker]:
         if results_ready:
             self.r.recv(64)
-            return [beat(0.9)]
+            return [WorkerHeartbeat(0.9)]
         return []
 
-    def take_outbox(self) -> list[list[Any]]:
+    def take_outbox(self) -> list[ToBroker]:
         out, self.outbox = self.outbox, []
         return out
 
@@ -307,17 +323,16 @@ def test_embedded_workers_say_ready_and_take_deliveries_after_the_sends() -> Non
     ids = list(workers.workers)
     assert all(wid.startswith(workers.id_prefix) for wid in ids)
     assert set(rec.routes) == set(ids)
-    assert workers.local_ids == {ids[0]}
     workers.start()
     assert rec.received == [(ids[0], WorkerHeartbeat(0.1)), (ids[1], WorkerHeartbeat(0.2))]
     rec.received.clear()
-    workers.send(ids[1], [b"B1"])
-    workers.send(ids[0], [b"B0"])
+    workers.send(ids[1], Raw([b"B1"]))
+    workers.send(ids[0], Raw([b"B0"]))
     assert e0.delivered == e1.delivered == []  # not before the server runs `later`
     (deliver,) = rec.later
     deliver()
-    assert e1.delivered == [[b"B1"]]
-    assert e0.delivered == [[b"B0"]]
+    assert e1.delivered == ["B1"]
+    assert e0.delivered == ["B0"]
     assert [(wid, m.result.batch_id, list(m.replies)) for wid, m in results(rec)] == [
         (ids[1], 1, [b"B1"]),
         (ids[0], 1, [b"B0"]),
@@ -341,7 +356,8 @@ def test_answers_of_an_embedded_worker_queue_behind_the_delivery() -> None:
     def send(out: list[Outgoing]) -> None:  # the server's: to the transport it routes to
         rec.sent.append(out)
         for msg in out:
-            workers.send(msg.identity, msg.frames)
+            assert isinstance(msg, ToWorker)
+            workers.send(msg.identity, msg.message)
 
     up = rec.upstream()
     up.send = send
@@ -349,14 +365,14 @@ def test_answers_of_an_embedded_worker_queue_behind_the_delivery() -> None:
     (wid,) = workers.workers
 
     rec.answer = lambda w, msg: (
-        [Outgoing(Side.BACKEND, w, [b"again"])]
+        [ToWorker(w, Raw([b"again"]))]
         if isinstance(msg, WorkerResult) and list(msg.replies) == [b"first"]
         else []
     )
-    workers.send(wid, [b"first"])
+    workers.send(wid, Raw([b"first"]))
     (deliver,) = rec.later
     rec.later.clear()
     deliver()
-    assert e0.delivered == [[b"first"], [b"again"]]
+    assert e0.delivered == ["first", "again"]
     assert rec.later == []
     e0.close()

@@ -1,8 +1,9 @@
 """core.py: BrokerCore — the whole broker as a pure state machine, a façade over its parts.
 
 Inputs are events with ``now`` (monotonic seconds): a client message, a worker message, a
-tick, a peer that could not be sent to. Each returns the list of :class:`Outgoing` messages
-to send. No sockets, threads or clocks here; ``server.py`` owns those.
+tick, a peer that could not be sent to. Each returns the list of :data:`Outgoing` messages
+to send (:class:`ToClient` frames, or :class:`ToWorker` typed messages). No sockets,
+threads or clocks here; ``server.py`` owns those.
 
 The parts, one concern each (composed here, none inherits from another):
 
@@ -42,7 +43,7 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import Arrival, ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry
-from carpool.broker.replies import Outgoing, Replies, Side, disconnect
+from carpool.broker.replies import Outgoing, Replies, Side, ToClient, ToWorker, disconnect
 from carpool.broker.requests import RequestBook
 from carpool.broker.stats import BrokerStats, snapshot
 from carpool.broker.workers import WorkerEvents
@@ -54,6 +55,8 @@ __all__ = [
     "InflightBatch",
     "Outgoing",
     "Side",
+    "ToClient",
+    "ToWorker",
 ]
 
 #: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
@@ -97,16 +100,6 @@ class BrokerCore:
     @property
     def defer_pumps(self) -> bool:
         return self.dispatcher.defer_pumps
-
-    @property
-    def local_workers(self) -> set[bytes]:
-        """Workers in this process (the server's embedded workers): their BATCH and RESULT
-        metas pass as BatchMeta / ResultMeta objects, not msgpack (protocol.md §1)."""
-        return self.dispatcher.local_workers
-
-    @local_workers.setter
-    def local_workers(self, wids: set[bytes]) -> None:
-        self.dispatcher.local_workers = wids
 
     @property
     def recording(self) -> list[Arrival] | None:

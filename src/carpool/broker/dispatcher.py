@@ -17,39 +17,24 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
+from carpool.broker.dispatched import BatchInputs, DispatchedBatch
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.policy import Capacity, Dispatch
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
-from carpool.broker.replies import Outgoing, Replies, Side
+from carpool.broker.replies import Outgoing, Replies, ToWorker
 from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import (
-    BatchItem,
-    BatchMeta,
-    Command,
-    Frame,
-    TensorMeta,
-    batch_frames,
-    batch_inputs_wire,
-    batch_item_wire,
-    batch_wire,
-    header,
-)
+from carpool.common.protocol import Frame
 
 logger = logging.getLogger(__name__)
 
 # Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
-_BACKEND = Side.BACKEND
 _QUEUED, _EXPIRED, _FAILED = RequestState.QUEUED, RequestState.EXPIRED, RequestState.FAILED
-
-#: A BATCH's header frame, built once.
-_BATCH_HEADER = header(Command.BATCH)
 
 
 class Dispatcher:
@@ -80,17 +65,12 @@ class Dispatcher:
         self.dirty_models: set[str] = set()
         # When each queue's policy next wants a look (absent: waits for a worker or arrival).
         self.wake_s: dict[RequestKey, float] = {}
-        self._inputs_cache: dict[RequestKey, list[dict[str, Any]]] = {}
-        self._local_inputs: dict[RequestKey, tuple[TensorMeta, ...]] = {}
-        # Workers in this process (the server's embedded workers): their BATCH and RESULT
-        # metas pass as BatchMeta / ResultMeta objects, not msgpack (protocol.md §1).
-        self.local_workers: set[bytes] = set()
+        self._inputs: dict[RequestKey, BatchInputs] = {}
 
     def forget(self, key: RequestKey) -> None:
         """A queue went idle and was dropped: forget what was cached for it."""
         self.wake_s.pop(key, None)
-        self._inputs_cache.pop(key, None)
-        self._local_inputs.pop(key, None)
+        self._inputs.pop(key, None)
 
     def sweep(self, now: float) -> None:
         """Forget idle queues (and their arrival rate) once nothing arrived for a while,
@@ -311,46 +291,19 @@ class Dispatcher:
         key: RequestKey,
         requests: list[PendingRequest],
         capacity: Capacity,
-    ) -> Outgoing:
+    ) -> ToWorker:
         batch_id = self._inflight.next_id()
         model = key[0]
         payloads: list[Frame] = []
-        local = worker.wid in self.local_workers
-        items: list[Any] = []
         samples = 0
         for req in requests:
             req.attempts += 1
             samples += req.samples
             payloads.extend(req.payloads)
-            if local:  # an embedded worker: the BatchItem itself, nothing to parse there
-                items.append(
-                    BatchItem(
-                        req.request_id,
-                        req.samples,
-                        req.simple,
-                        1000.0 * (now - req.arrival_s),
-                        req.refs,
-                        req.shm_outputs,
-                    )
-                )
-                continue
-            items.append(
-                batch_item_wire(
-                    req.request_id,
-                    req.samples,
-                    req.simple,
-                    1000.0 * (now - req.arrival_s),
-                    req.shm,
-                    req.shm_outputs,
-                )
-            )
-        frames: list[Any]
-        if local:
-            batch = BatchMeta(batch_id, model, self._local_batch_inputs(key), tuple(items))
-            frames = [_BATCH_HEADER, batch, *payloads]
-        else:
-            meta = batch_wire(batch_id, model, self._inputs_wire(key), items)
-            frames = batch_frames(meta, payloads)
+        inputs = self._inputs.get(key)
+        if inputs is None:
+            inputs = self._inputs[key] = BatchInputs.of(key)
+        batch = DispatchedBatch(batch_id, model, inputs, requests, payloads, now)
         inflight = InflightBatch(
             batch_id, worker.wid, requests, key, samples, capacity.cost.estimate(samples)
         )
@@ -361,25 +314,7 @@ class Dispatcher:
         logger.debug(
             "dispatch batch=%d model=%s n=%d worker=%s", batch_id, model, samples, worker.name
         )
-        return Outgoing(_BACKEND, worker.wid, frames)
-
-    def _inputs_wire(self, key: RequestKey) -> list[dict[str, Any]]:
-        """The BATCH ``inputs`` of a queue key (dim 0 = -1), built once per key."""
-        wire = self._inputs_cache.get(key)
-        if wire is None:
-            wire = self._inputs_cache[key] = batch_inputs_wire(
-                TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in key[1]
-            )
-        return wire
-
-    def _local_batch_inputs(self, key: RequestKey) -> tuple[TensorMeta, ...]:
-        """The BATCH inputs of a queue key as TensorMetas (dim 0 = -1), built once per key."""
-        metas = self._local_inputs.get(key)
-        if metas is None:
-            metas = self._local_inputs[key] = tuple(
-                TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in key[1]
-            )
-        return metas
+        return ToWorker(worker.wid, batch)
 
     def expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
         """Answer every request whose deadline has passed, queued or in flight; returns the

@@ -1,8 +1,10 @@
 """replies.py: what the broker core sends, and its typed error replies.
 
-Pure: the core's events return lists of :class:`Outgoing` (a peer on one side and the
-frames for it); the server sends them. Error replies are counted in the stats and carry
-OVERLOADED's retry hint, the fleet's drain time of what waits ahead.
+Pure: the core's events return lists of :data:`Outgoing`: :class:`ToClient` (a client's
+id and the frames for it) or :class:`ToWorker` (a worker's id and a typed message, which
+its transport encodes, or hands as is to a worker in this process); the server sends
+them. Error replies are counted in the stats and carry OVERLOADED's retry hint, the
+fleet's drain time of what waits ahead.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.fleet import FleetModel
@@ -20,7 +22,14 @@ from carpool.broker.registry import WorkerId
 from carpool.broker.requests import ClientId, PendingRequest
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import MAX_TIMEOUT_MS, Command, ErrorReply, encode, encode_error
+from carpool.common.protocol import (
+    HEARTBEAT_TO_WORKER,
+    MAX_TIMEOUT_MS,
+    BrokerDisconnect,
+    ErrorReply,
+    FromBroker,
+    encode_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +39,38 @@ class Side(Enum):
     BACKEND = "backend"  # workers
 
 
-@dataclass(slots=True)
-class Outgoing:
-    """One message to send: to ``identity`` on the ROUTER of ``side``. (Not frozen: one is
-    made per reply, and a frozen dataclass's ``__init__`` costs ~4 x a plain one.)"""
+class WorkerBound(Protocol):
+    """A message for a worker, in the two forms its transports need."""
 
-    side: Side
+    def to_frames(self) -> list[Any]:
+        """Its frames, for a socket (its message's one encoder)."""
+        ...
+
+    def to_message(self) -> FromBroker:
+        """The typed message, for a worker in the broker's process."""
+        ...
+
+
+@dataclass(slots=True)
+class ToClient:
+    """Frames to send to the client ``identity``. (Not frozen: one is made per reply, and
+    a frozen dataclass's ``__init__`` costs ~4 x a plain one.)"""
+
+    side: ClassVar[Side] = Side.FRONTEND
     identity: bytes
     frames: Sequence[Any]
 
 
-# Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
-_FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
+@dataclass(slots=True)
+class ToWorker:
+    """A message to send to the worker ``identity``."""
+
+    side: ClassVar[Side] = Side.BACKEND
+    identity: bytes
+    message: WorkerBound
+
+
+Outgoing = ToClient | ToWorker
 
 
 def retry_after_ms(drain_s: float) -> int:
@@ -52,9 +81,14 @@ def retry_after_ms(drain_s: float) -> int:
     return min(MAX_TIMEOUT_MS, max(1, round(1000 * drain_s)))
 
 
-def disconnect(wid: WorkerId, reason: str) -> Outgoing:
+def disconnect(wid: WorkerId, reason: str) -> ToWorker:
     """Tell a worker to go (MDP's DISCONNECT)."""
-    return Outgoing(_BACKEND, wid, encode(Command.DISCONNECT, {"reason": reason}))
+    return ToWorker(wid, BrokerDisconnect(reason))
+
+
+def heartbeat(wid: WorkerId) -> ToWorker:
+    """The broker's HEARTBEAT to a worker."""
+    return ToWorker(wid, HEARTBEAT_TO_WORKER)
 
 
 class Replies:
@@ -65,8 +99,8 @@ class Replies:
         self._backlog = backlog
         self._fleet = fleet
 
-    def to_client(self, client: ClientId, delimited: bool, frames: Sequence[Any]) -> Outgoing:
-        return Outgoing(_FRONTEND, client, [b"", *frames] if delimited else list(frames))
+    def to_client(self, client: ClientId, delimited: bool, frames: Sequence[Any]) -> ToClient:
+        return ToClient(client, [b"", *frames] if delimited else list(frames))
 
     def error(
         self,
@@ -78,13 +112,13 @@ class Replies:
         *,
         simple: bool = False,
         retry_after_ms: int | None = None,
-    ) -> Outgoing:
+    ) -> ToClient:
         self.stats.errors[code.name] += 1
         logger.debug("error id=%s code=%s: %s", request_id, code.name, message)
         reply = ErrorReply(request_id, code, message, retry_after_ms)
         return self.to_client(client, delimited, encode_error(reply, simple=simple))
 
-    def request_error(self, req: PendingRequest, code: ErrorCode, message: str) -> Outgoing:
+    def request_error(self, req: PendingRequest, code: ErrorCode, message: str) -> ToClient:
         hint = None
         if code is ErrorCode.OVERLOADED:  # (a worker's FAILED: §12 wants a hint with it)
             ahead = self._backlog.samples_ahead(req.model, int(req.priority)) + req.samples

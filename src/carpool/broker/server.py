@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from carpool.broker.config import BrokerConfig
-from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
 from carpool.broker.registry import WorkerId
 from carpool.broker.trace import TraceWriter
 from carpool.broker.transports import BURST, Upstream, WorkerTransport
@@ -38,7 +38,7 @@ __all__ = ["BURST", "BrokerServer", "EmbeddedWorker"]
 #: How long the sockets may hold wind_down's last answers on close.
 _STOP_LINGER_MS = 1000
 # Read per message: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
-_FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
+_BACKEND = Side.BACKEND
 
 
 class BrokerServer:
@@ -137,8 +137,6 @@ class BrokerServer:
         self.transports.append(self._zmq)
         if embedded:
             inprocess = InProcessWorkers(embedded, self.poller, up)
-            # Metas pass as objects, not msgpack, to the workers that take them so.
-            self.core.local_workers = inprocess.local_ids
             self.transports.append(inprocess)
             inprocess.start()
         if config.local_backend:
@@ -236,8 +234,8 @@ class BrokerServer:
     def _send(self, messages: list[Outgoing]) -> None:
         routes, backend = self._routes, self._zmq
         for msg in messages:
-            if msg.side is _BACKEND:
-                (routes.get(msg.identity) or backend).send(msg.identity, msg.frames)
+            if isinstance(msg, ToWorker):
+                (routes.get(msg.identity) or backend).send(msg.identity, msg.message)
                 continue
             try:
                 send_frames(self.frontend, msg.frames, NOBLOCK, msg.identity)
@@ -293,7 +291,7 @@ class BrokerServer:
             [
                 m
                 for m in final
-                if m.side is _FRONTEND or (routes.get(m.identity) or backend).hears_goodbye
+                if type(m) is ToClient or (routes.get(m.identity) or backend).hears_goodbye
             ]
         )
         self._linger_ms = _STOP_LINGER_MS

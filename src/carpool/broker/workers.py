@@ -20,7 +20,7 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
-from carpool.broker.replies import Outgoing, Replies, Side, disconnect
+from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, heartbeat
 from carpool.broker.requests import RequestBook, RequestState
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode, ProtocolError
@@ -31,7 +31,6 @@ from carpool.common.protocol import (
     Frame,
     Ready,
     ResultMeta,
-    encode,
 )
 from carpool.common.protocol import from_worker as msgs
 
@@ -42,7 +41,6 @@ _MAX_COMPUTE_MS = float(MAX_TIMEOUT_MS)
 #: The commands whose message from a stranger counts as a late answer to a batch.
 _BATCH_ANSWERS = (Command.RESULT, Command.FAILED)
 # Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
-_FRONTEND, _BACKEND = Side.FRONTEND, Side.BACKEND
 _DISPATCHED, _DONE, _FAILED = RequestState.DISPATCHED, RequestState.DONE, RequestState.FAILED
 
 
@@ -87,7 +85,7 @@ class WorkerEvents:
         for worker in registry.all():
             if worker.next_heartbeat_s <= now:
                 worker.next_heartbeat_s = now + worker.heartbeat_s
-                out.append(Outgoing(_BACKEND, worker.wid, encode(Command.HEARTBEAT, {})))
+                out.append(heartbeat(worker.wid))
         registry.reschedule()
 
     def on_worker(self, now: float, identity: bytes, msg: msgs.FromWorker) -> list[Outgoing]:
@@ -195,7 +193,7 @@ class WorkerEvents:
                     frames = reply_frames[start:stop]
                     if req.delimited:
                         frames = [b"", *frames]
-                    out.append(Outgoing(_FRONTEND, req.client, frames))
+                    out.append(ToClient(req.client, frames))
                 start = stop
             self.stats.replies += answered
         self._dispatcher.pump_models(now, worker.models, out)

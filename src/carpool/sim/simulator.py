@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.core import BrokerCore, Outgoing, ToWorker
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchMeta,
+    BrokerBatch,
     Command,
     ModelSpec,
     Priority,
@@ -32,9 +33,12 @@ from carpool.common.protocol import (
     ResultMeta,
     Submit,
     TensorMeta,
+    WorkerHeartbeat,
+    WorkerReady,
+    WorkerResult,
+    decode_from_broker,
     decode_from_worker,
     decode_meta,
-    encode,
     encode_request,
     header,
 )
@@ -174,10 +178,12 @@ def simulate(
 
     def route(outgoing: list[Outgoing], now: float) -> None:
         for out in outgoing:
-            if out.side is Side.BACKEND:
+            if isinstance(out, ToWorker):
                 worker = sim_workers.get(out.identity)
-                if worker is not None and out.frames[0] == header(Command.BATCH):
-                    batch = BatchMeta.from_wire(decode_meta(out.frames[1]))
+                # Through the wire form, as a worker on a socket gets it.
+                msg = decode_from_broker(out.message.to_frames())
+                if worker is not None and isinstance(msg, BrokerBatch):
+                    batch = msg.batch
                     result.batch_sizes[batch.total_samples] += 1
                     worker.queue.append(batch)
                     if worker.running is None:
@@ -212,7 +218,7 @@ def simulate(
         worker.meter.running_since = None
         worker.meter.add(worker.started_s, now)
         result.busy_s += worker.duration_s
-        frames: list[object] = []
+        frames: list[bytes] = []
         for item in batch.items:
             frames += [header(Command.REPLY), codec.pack({"id": item.request_id})]
         meta = ResultMeta(
@@ -221,7 +227,7 @@ def simulate(
             1000 * worker.duration_s,
             tuple(2 for _ in batch.items),
         )
-        msg = decode_from_worker(encode(Command.RESULT, meta.to_wire(), frames))
+        msg = decode_from_worker(WorkerResult(meta, frames).to_frames())
         route(core.on_worker(now, worker.wid, msg), now)
         if worker.queue and worker.running is None:
             start(worker, now)
@@ -246,7 +252,7 @@ def simulate(
         )
         ready = Ready(spec.name, spec.slots, specs, round(heartbeat_s * 1000))
         route(
-            core.on_worker(0.0, wid, decode_from_worker(encode(Command.READY, ready.to_wire()))),
+            core.on_worker(0.0, wid, decode_from_worker(WorkerReady(ready).to_frames())),
             0.0,
         )
         push(heartbeat_s, _HEARTBEAT, worker)
@@ -290,7 +296,7 @@ def simulate(
             finish(data, now)
         elif kind == _HEARTBEAT:
             assert isinstance(data, _Worker)
-            beat = encode(Command.HEARTBEAT, {"rho": data.meter.rho(now)})
+            beat = WorkerHeartbeat(data.meter.rho(now)).to_frames()
             route(core.on_worker(now, data.wid, decode_from_worker(beat)), now)
             if arrival_index < len(arrivals) or sent_s:
                 push(now + heartbeat_s, _HEARTBEAT, data)

@@ -5,8 +5,10 @@ flush before a poll, receive after it, close (to connect again) and shut (for go
 :class:`ZmqConnection` is a DEALER to the broker's backend, :class:`LinkConnection` a
 unix stream socket to its local endpoint (carpool.common.link), and
 :class:`InProcessConnection` an outbox its broker's loop takes, for a worker embedded in
-the broker's process. Each owns its socket and its place in the loop's poller; none
-knows the protocol beyond the frames it carries (``worker/core.py`` does).
+the broker's process. Each owns its socket and its place in the loop's poller. The
+worker's messages come typed (``ToBroker``): a socket sends each one's frames
+(``to_frames``, its one encoder), the in-process outbox the message itself; what arrives
+on a socket is frames, which the loop decodes (``decode_from_broker``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import zmq
 
 from carpool.common.errors import ConfigError
 from carpool.common.link import MAX_FRAMES, Link, LinkFull, TooLarge
-from carpool.common.protocol import ModelSpec
+from carpool.common.protocol import ModelSpec, ToBroker
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class BrokerConnection(Protocol):
     #: seconds); None: not logged.
     wait_log: str | None
 
-    def open(self, poller: zmq.Poller, ready: list[Any]) -> None:
+    def open(self, poller: zmq.Poller, ready: ToBroker) -> None:
         """Connect (anew), join ``poller``, and send ``ready`` (the READY message).
 
         Raises:
@@ -51,7 +53,7 @@ class BrokerConnection(Protocol):
         """
         ...
 
-    def send(self, frames: list[Any]) -> bool:
+    def send(self, message: ToBroker) -> bool:
         """Send one message now; False when it could not be (not connected, the broker
         not reading)."""
         ...
@@ -105,7 +107,7 @@ class ZmqConnection:
         self._poller: zmq.Poller | None = None
         self._opened = 0
 
-    def open(self, poller: zmq.Poller, ready: list[Any]) -> None:
+    def open(self, poller: zmq.Poller, ready: ToBroker) -> None:
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 1000)
@@ -129,12 +131,12 @@ class ZmqConnection:
         )
         self._opened += 1
 
-    def send(self, frames: list[Any]) -> bool:
+    def send(self, message: ToBroker) -> bool:
         dealer = self.socket
         if dealer is None:
             return False  # waiting to connect again: heartbeats go nowhere meanwhile
         try:
-            send_frames(dealer, frames, NOBLOCK)
+            send_frames(dealer, message.to_frames(), NOBLOCK)
         except zmq.Again:
             # The broker is not taking messages; liveness will notice and reconnect.
             logger.warning("worker %s: broker not reading, message dropped", self.name)
@@ -188,7 +190,7 @@ class LinkConnection:
     def lost(self) -> str | None:
         return self._lost
 
-    def open(self, poller: zmq.Poller, ready: list[Any]) -> None:
+    def open(self, poller: zmq.Poller, ready: ToBroker) -> None:
         self._poller = poller
         self._lost = None
         try:
@@ -203,12 +205,12 @@ class LinkConnection:
             logger.info("worker %s connected to %s", self.name, self.endpoint)
         self.send(ready)
 
-    def send(self, frames: list[Any]) -> bool:
+    def send(self, message: ToBroker) -> bool:
         link = self.link
         if link is None or link.closed:
             return False  # not connected: liveness starts over
         try:
-            link.send(frames)  # what the socket does not take now: flush(), on POLLOUT
+            link.send(message.to_frames())  # what the socket does not take now: flush(), on POLLOUT
         except LinkFull:
             logger.warning("worker %s: broker not reading, message dropped", self.name)
             return False
@@ -279,13 +281,13 @@ class InProcessConnection:
     lost: str | None = None
 
     def __init__(self) -> None:
-        self._outbox: list[list[Any]] = []
+        self._outbox: list[ToBroker] = []
 
-    def open(self, poller: zmq.Poller, ready: list[Any]) -> None:
+    def open(self, poller: zmq.Poller, ready: ToBroker) -> None:
         self._outbox.append(ready)
 
-    def send(self, frames: list[Any]) -> bool:
-        self._outbox.append(frames)
+    def send(self, message: ToBroker) -> bool:
+        self._outbox.append(message)
         return True
 
     def flush(self) -> bool:
@@ -300,7 +302,7 @@ class InProcessConnection:
     def shut(self) -> None:
         pass
 
-    def take(self) -> list[list[Any]]:
+    def take(self) -> list[ToBroker]:
         """The messages for the broker's core, oldest first; the outbox is then empty."""
         out, self._outbox = self._outbox, []
         return out

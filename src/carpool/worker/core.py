@@ -22,28 +22,27 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchInputCache,
     BatchMeta,
-    Command,
+    BrokerBatch,
+    BrokerDisconnect,
+    BrokerHeartbeat,
     FailedMeta,
     Frame,
+    FromBroker,
     ModelSpec,
     Ready,
     ResultMeta,
-    decode_meta,
-    encode,
-    header,
-    parse_header,
-    result_frames,
-    result_wire,
-    view,
+    WorkerDisconnect,
+    WorkerFailed,
+    WorkerHeartbeat,
+    WorkerReady,
+    WorkerResult,
 )
 
 logger = logging.getLogger(__name__)
-
-_RESULT_HEADER = header(Command.RESULT)
 #: Batches of thread-free engines predicted to take less than this run on the loop
 #: thread: the hand-off to the inference thread and back costs ~0.25 ms.
 INLINE_MAX_S = 0.002
@@ -111,9 +110,9 @@ class Reconnect:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """Send this message to the broker (e.g. FAILED for a batch that could not be read)."""
+    """Send this message to the broker (FAILED for a batch that could not be read)."""
 
-    frames: list[Any]
+    message: WorkerFailed
 
 
 Action = RunBatch | Reconnect | Answer
@@ -203,9 +202,6 @@ class WorkerCore:
         self.batches_done = 0
         self.batches_failed = 0
         self._in_thread = 0  # batches handed to the inference thread, not yet finished
-        # In the broker's process (embedded): BATCH arrives as a BatchMeta and RESULT
-        # leaves as a ResultMeta, with no msgpack in between (the broker's core built it).
-        self.local = False
         self.backoff = backoff
         self.last_join_s = 0.0  # when the last connection started
         self.backoff_s = 0.0  # how long the last wait before connecting again was
@@ -217,7 +213,7 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ connection
 
-    def on_connect(self, now: float) -> list[Any]:
+    def on_connect(self, now: float) -> WorkerReady:
         """A fresh socket is connected: returns the READY message."""
         self.last_join_s = now
         self.rejoin_at_s = None
@@ -225,47 +221,30 @@ class WorkerCore:
         self.state = WorkerState.READY
         self._last_heard_s = now
         self._next_heartbeat_s = now + self.heartbeat_s
-        ready = Ready(
-            self.name, self.slots, tuple(self.specs.values()), round(self.heartbeat_s * 1000)
+        return WorkerReady(
+            Ready(self.name, self.slots, tuple(self.specs.values()), round(self.heartbeat_s * 1000))
         )
-        return encode(Command.READY, ready.to_wire())
 
-    def on_broker(self, now: float, frames: Sequence[Frame]) -> Action | None:
-        """A message from the broker. Returns what the shell must do, if anything."""
+    def on_broker(self, now: float, msg: FromBroker) -> Action | None:
+        """A message from the broker (``decode_from_broker``'s, or the broker's own object
+        in its process). Returns what the shell must do, if anything."""
         self._last_heard_s = now
-        try:
-            if len(frames) < 2:
-                raise ProtocolError("broker messages have a header and a meta frame")
-            batch: object = frames[1]
-            if self.local and type(batch) is BatchMeta:  # from the broker's core, as is
-                return RunBatch(self.epoch, batch, frames[2:])
-            command = parse_header(view(frames[0]))
-            meta = decode_meta(view(frames[1]))
-            if command is Command.BATCH:
-                try:
-                    return RunBatch(
-                        self.epoch, BatchMeta.from_wire(meta, self.batch_inputs), frames[2:]
-                    )
-                except ProtocolError as exc:
-                    batch_id = meta.get("batch")
-                    if type(batch_id) is not int:
-                        raise
-                    # Answer it, so the broker gets its credit back and replies to clients.
-                    failed = FailedMeta(
-                        batch_id, ErrorCode.INVALID_ARGUMENT, str(exc), self.meter.rho(now)
-                    )
-                    return Answer(encode(Command.FAILED, failed.to_wire()))
-            if command is Command.DISCONNECT:
-                reason = meta.get("reason", "")
-                return Reconnect(f"broker said DISCONNECT: {reason}")
-            if command is Command.HEARTBEAT:
-                return None
-            raise ProtocolError(f"command {command.name} is not valid from a broker")
-        except ProtocolError as exc:
-            logger.warning("bad message from broker: %s", exc)
+        if isinstance(msg, BrokerBatch):
+            return RunBatch(self.epoch, msg.batch, msg.payloads)
+        if isinstance(msg, BrokerHeartbeat):
             return None
+        if isinstance(msg, BrokerDisconnect):
+            return Reconnect(f"broker said DISCONNECT: {msg.reason}")
+        logger.warning("bad message from broker: %s", msg.error)
+        if msg.batch_id is None:
+            return None
+        # Answer it, so the broker gets its credit back and replies to clients.
+        failed = FailedMeta(
+            msg.batch_id, ErrorCode.INVALID_ARGUMENT, msg.error, self.meter.rho(now)
+        )
+        return Answer(WorkerFailed(failed))
 
-    def on_tick(self, now: float) -> tuple[list[list[Any]], Reconnect | None]:
+    def on_tick(self, now: float) -> tuple[list[WorkerHeartbeat], Reconnect | None]:
         """Heartbeats due, and whether the broker has gone silent for too long (nothing
         while waiting to connect again: the silence counts from the next READY)."""
         if self.state is not WorkerState.READY or self.rejoin_at_s is not None:
@@ -275,7 +254,7 @@ class WorkerCore:
         out = []
         if now >= self._next_heartbeat_s:
             self._next_heartbeat_s = now + self.heartbeat_s
-            out.append(encode(Command.HEARTBEAT, {"rho": round(self.meter.rho(now), 4)}))
+            out.append(WorkerHeartbeat(round(self.meter.rho(now), 4)))
         return out, None
 
     def next_wakeup(self, now: float) -> float | None:
@@ -328,7 +307,7 @@ class WorkerCore:
             and self._run_ewma_s.get(batch.model, math.inf) * batch.total_samples < INLINE_MAX_S
         )
 
-    def on_job_done(self, now: float, outcome: JobOutcome) -> list[Any] | None:
+    def on_job_done(self, now: float, outcome: JobOutcome) -> WorkerResult | WorkerFailed | None:
         """The RESULT or FAILED for a finished batch (None when its epoch has passed),
         once its time per sample has taught :meth:`runs_inline`."""
         if outcome.samples > 0:
@@ -391,7 +370,7 @@ class WorkerCore:
         frames: Sequence[Any],
         *,
         timed: bool = True,
-    ) -> list[Any] | None:
+    ) -> WorkerResult | None:
         """The RESULT for a finished batch (None when its epoch has passed). ``timed``
         False: the time is not the batch's engine time (it ran again request by request),
         and the RESULT says 0, which the broker's cost model ignores."""
@@ -400,10 +379,9 @@ class WorkerCore:
         if epoch != self.epoch:
             return None
         compute_ms = 1000.0 * (ended_s - started_s) if timed else 0.0
-        rho = self.meter.rho(now)
-        if self.local:
-            return [_RESULT_HEADER, ResultMeta(batch_id, rho, compute_ms, tuple(counts)), *frames]
-        return result_frames(result_wire(batch_id, rho, compute_ms, counts), frames)
+        return WorkerResult(
+            ResultMeta(batch_id, self.meter.rho(now), compute_ms, tuple(counts)), frames
+        )
 
     def on_batch_failed(
         self,
@@ -414,16 +392,15 @@ class WorkerCore:
         ended_s: float,
         code: ErrorCode,
         message: str,
-    ) -> list[Any] | None:
+    ) -> WorkerFailed | None:
         """The FAILED message for a batch that could not run (None when stale)."""
         self._finished(started_s, ended_s)
         self.batches_failed += 1
         if epoch != self.epoch:
             return None
-        failed = FailedMeta(batch_id, code, message, self.meter.rho(now))
-        return encode(Command.FAILED, failed.to_wire())
+        return WorkerFailed(FailedMeta(batch_id, code, message, self.meter.rho(now)))
 
-    def on_stop(self) -> list[Any]:
+    def on_stop(self) -> WorkerDisconnect:
         """The DISCONNECT to send when shutting down."""
         self.state = WorkerState.STOPPED
-        return encode(Command.DISCONNECT, {"reason": "worker shutting down"})
+        return WorkerDisconnect("worker shutting down")

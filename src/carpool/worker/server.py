@@ -15,13 +15,13 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
 
 import zmq
 
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError
 from carpool.common.link import link_path
+from carpool.common.protocol import FromBroker, ToBroker, decode_from_broker
 from carpool.common.shm import RegionReader
 from carpool.common.wake import WakePipe
 from carpool.worker.connection import (
@@ -145,7 +145,6 @@ class WorkerServer:
         # Embedded in a broker's process (carpool.broker.server.BrokerServer(embedded=)):
         # no socket to the broker; messages to it wait in an outbox for the broker's loop.
         self._embedded = InProcessConnection() if embedded else None
-        self.core.local = embedded
         self._conn: BrokerConnection
         if self._embedded is not None:
             self._conn = self._embedded
@@ -216,9 +215,10 @@ class WorkerServer:
         handled = 0
         if self._results_fd in events:
             handled += self._drain_results()
+        decode, known = decode_from_broker, core.batch_inputs
         for frames in conn.receive(events):
             handled += 1
-            if not self._on_broker(frames):
+            if not self._on_broker(decode(frames, known)):
                 break  # started over: the rest belonged to the old connection
         else:
             if conn.lost is not None:
@@ -232,15 +232,15 @@ class WorkerServer:
         messages, reconnect = self.core.on_tick(self.clock.now())
         if messages:  # heartbeats: about once a second
             self._shm.sweep()
-        for frames in messages:
-            self._conn.send(frames)
+        for beat in messages:
+            self._conn.send(beat)
         if reconnect is not None:
             self._reconnect(reconnect.reason)
 
-    def _on_broker(self, frames: list[Any]) -> bool:
+    def _on_broker(self, msg: FromBroker) -> bool:
         """One message from the broker; False when the connection was started over."""
         core = self.core
-        action = core.on_broker(self.clock.now(), frames)
+        action = core.on_broker(self.clock.now(), msg)
         if isinstance(action, RunBatch):
             inline = core.runs_inline(action)
             core.on_batch_queued(self.clock.now())
@@ -249,7 +249,7 @@ class WorkerServer:
                 return self._finish_job(outcome)
             self._inference.submit(action)
         elif isinstance(action, Answer):
-            self._conn.send(action.frames)
+            self._conn.send(action.message)
         elif isinstance(action, Reconnect):
             self._reconnect(action.reason)
             return False
@@ -296,15 +296,15 @@ class WorkerServer:
         assert self._embedded is not None, "not an embedded worker"
         return self._embedded
 
-    def deliver(self, frames: list[Any]) -> list[list[Any]]:
+    def deliver(self, message: FromBroker) -> list[ToBroker]:
         """Embedded: a message from the broker's core; returns the messages for it (a
         short batch runs right here, on the broker's thread, and its RESULT comes back)."""
         outbox = self._outbox()
         if not self.core.rejoining:  # else not registered: nothing is ours to answer
-            self._on_broker(frames)
+            self._on_broker(message)
         return outbox.take()
 
-    def service(self, results_ready: bool) -> list[list[Any]]:
+    def service(self, results_ready: bool) -> list[ToBroker]:
         """Embedded, once per broker loop turn: finished batches of the inference thread
         (when :attr:`results_fd` is readable) and heartbeats due; returns the messages for
         the broker's core."""
@@ -324,14 +324,8 @@ class WorkerServer:
         """Embedded: when :meth:`service` is next due (a heartbeat, or READY again)."""
         return self.core.next_wakeup(now)
 
-    def take_outbox(self) -> list[list[Any]]:
+    def take_outbox(self) -> list[ToBroker]:
         return self._outbox().take()
-
-    @property
-    def local_metas(self) -> bool:
-        """Embedded: BATCH arrives as a BatchMeta and RESULT leaves as a ResultMeta (the
-        broker's core and this worker's share the process: no msgpack in between)."""
-        return self.core.local
 
     @property
     def results_fd(self) -> int:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.core import BrokerCore, Outgoing, Side, ToWorker
 from carpool.broker.registry import WorkerId
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
@@ -117,7 +117,8 @@ class Msg:
 
 
 def parse(out: Outgoing) -> Msg:
-    frames = list(out.frames)
+    # A worker's message through its wire form, as a worker on a socket gets it.
+    frames = list(out.message.to_frames() if isinstance(out, ToWorker) else out.frames)
     delimited = False
     if out.side is Side.FRONTEND and len(frames) > 1 and len(frames[0]) == 0:
         delimited, frames = True, frames[1:]

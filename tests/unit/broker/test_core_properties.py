@@ -16,11 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.core import BrokerCore, Outgoing, ToClient
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchMeta,
+    BrokerBatch,
     Command,
     FailedMeta,
     ModelSpec,
@@ -29,6 +30,7 @@ from carpool.common.protocol import (
     ResultMeta,
     Submit,
     TensorMeta,
+    decode_from_broker,
     decode_from_worker,
     decode_meta,
     encode,
@@ -90,15 +92,16 @@ class World:
 
     def route(self, outgoing: list[Outgoing]) -> None:
         for out in outgoing:
-            if out.side is Side.FRONTEND:
+            if isinstance(out, ToClient):
                 meta = decode_meta(out.frames[1])
                 rid = meta["id"]
                 assert rid in self.requests, out.frames
                 self.answers[rid] += 1
                 continue
-            if out.frames[0] != header(Command.BATCH):
+            msg = decode_from_broker(out.message.to_frames())
+            if not isinstance(msg, BrokerBatch):
                 continue
-            batch = BatchMeta.from_wire(decode_meta(out.frames[1]))
+            batch = msg.batch
             assert batch.total_samples <= B_MAX
             (spec,) = batch.inputs
             for item in batch.items:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.core import BrokerCore, Outgoing, Side
+from carpool.broker.core import BrokerCore, Outgoing, Side, ToWorker
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
@@ -69,7 +69,8 @@ class Msg:
 
 
 def parse(out: Outgoing) -> Msg:
-    frames = out.frames
+    # A worker's message through its wire form, as a worker on a socket gets it.
+    frames = out.message.to_frames() if isinstance(out, ToWorker) else out.frames
     command = next(c for c in Command if frames[0] == header(c))
     return Msg(out.side, command, decode_meta(frames[1]))
 

@@ -13,12 +13,14 @@ from carpool.common.protocol import (
     Ready,
     ResultMeta,
     TensorMeta,
+    ToBroker,
     WorkerDisconnect,
     WorkerFailed,
     WorkerHeartbeat,
     WorkerMalformed,
     WorkerReady,
     WorkerResult,
+    checked_from_worker,
     decode_from_worker,
     encode,
     header,
@@ -44,21 +46,38 @@ def test_a_result_keeps_its_reply_frames_as_they_arrived() -> None:
     assert all(a is b for a, b in zip(msg.replies, replies, strict=True))
 
 
-def test_an_embedded_workers_result_object_is_taken_as_is() -> None:
-    meta = ResultMeta(4, 0.5, 2.0, (1,))
-    msg = decode_from_worker([header(Command.RESULT), meta, b"r"])
-    assert isinstance(msg, WorkerResult)
-    assert msg.result is meta
-    assert decode_from_worker([header(Command.RESULT), ResultMeta(4, 0, 1, (0,))]) == (
+def test_an_embedded_workers_message_is_taken_as_is_but_for_a_results_frame_counts() -> None:
+    result = WorkerResult(ResultMeta(4, 0.5, 2.0, (1,)), [b"r"])
+    assert checked_from_worker(result) is result
+    beat = WorkerHeartbeat(0.5)
+    assert checked_from_worker(beat) is beat
+    assert checked_from_worker(WorkerResult(ResultMeta(4, 0, 1, (0,)), [])) == (
         WorkerMalformed(None, "result: frames must be a list of ints >= 1")
     )
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        WorkerReady(READY),
+        WorkerResult(ResultMeta(4, 0.5, 2.0, (2, 1)), [b"a", b"b", b"c"]),
+        WorkerFailed(FailedMeta(3, ErrorCode.INTERNAL, "boom", 0.25)),
+        WorkerHeartbeat(0.25),
+        WorkerHeartbeat(None),
+        WorkerDisconnect("bye"),
+    ],
+)
+def test_each_message_decodes_back_from_its_frames(msg: ToBroker) -> None:
+    assert decode_from_worker(msg.to_frames()) == msg
 
 
 def test_failed_heartbeat_and_disconnect() -> None:
     failed = FailedMeta(3, ErrorCode.INTERNAL, "boom", 0.25)
     assert decode_from_worker(encode(Command.FAILED, failed.to_wire())) == WorkerFailed(failed)
     assert decode_from_worker(encode(Command.HEARTBEAT, {"rho": 0.5})) == WorkerHeartbeat(0.5)
-    assert decode_from_worker(encode(Command.DISCONNECT, {"reason": "bye"})) == WorkerDisconnect()
+    assert decode_from_worker(encode(Command.DISCONNECT, {"reason": "bye"})) == WorkerDisconnect(
+        "bye"
+    )
 
 
 @pytest.mark.parametrize("rho", [None, True, -0.1, 1.5, "0.5"])

@@ -19,12 +19,15 @@ from carpool.common.protocol import (
     Ready,
     ResultMeta,
     TensorMeta,
+    ToBroker,
+    decode_from_broker,
     decode_meta,
     encode,
     header,
     parse_header,
 )
 from carpool.worker.core import (
+    Action,
     Answer,
     BusyMeter,
     Reconnect,
@@ -57,8 +60,15 @@ def connected(**kwargs: Any) -> WorkerCore:
     return w
 
 
-def decoded(frames: list[Any]) -> tuple[Command, dict[str, Any], list[Any]]:
+def decoded(msg: ToBroker) -> tuple[Command, dict[str, Any], list[Any]]:
+    """A message's command, meta and payloads, through its wire form."""
+    frames = msg.to_frames()
     return parse_header(frames[0]), decode_meta(frames[1]), frames[2:]
+
+
+def on_broker(w: WorkerCore, now: float, frames: list[Any]) -> Action | None:
+    """The broker's frames, decoded as the worker's loop does, to the core."""
+    return w.on_broker(now, decode_from_broker(frames, w.batch_inputs))
 
 
 # --------------------------------------------------------------------------- connection
@@ -95,7 +105,7 @@ def test_each_connection_is_a_new_epoch() -> None:
 def test_batch_becomes_run_batch() -> None:
     w = connected()
     payloads = [bytes(16), bytearray(32)]
-    action = w.on_broker(T0 + 0.1, encode(Command.BATCH, BATCH.to_wire(), payloads))
+    action = on_broker(w, T0 + 0.1, encode(Command.BATCH, BATCH.to_wire(), payloads))
     assert isinstance(action, RunBatch)
     assert action.epoch == 1
     assert action.batch == BATCH
@@ -106,9 +116,9 @@ def test_batch_becomes_run_batch() -> None:
 def test_unreadable_batch_is_answered_failed() -> None:
     w = connected()
     bad = {**BATCH.to_wire(), "requests": []}
-    action = w.on_broker(T0, encode(Command.BATCH, bad))
+    action = on_broker(w, T0, encode(Command.BATCH, bad))
     assert isinstance(action, Answer)
-    command, meta, _ = decoded(action.frames)
+    command, meta, _ = decoded(action.message)
     assert command is Command.FAILED
     failed = FailedMeta.from_wire(meta)
     assert (failed.batch_id, failed.code) == (7, ErrorCode.INVALID_ARGUMENT)
@@ -117,12 +127,12 @@ def test_unreadable_batch_is_answered_failed() -> None:
 
 def test_batch_without_a_readable_id_is_dropped() -> None:
     w = connected()
-    assert w.on_broker(T0, encode(Command.BATCH, {"batch": "7", "model": "m"})) is None
+    assert on_broker(w, T0, encode(Command.BATCH, {"batch": "7", "model": "m"})) is None
 
 
 def test_disconnect_becomes_reconnect() -> None:
     w = connected()
-    action = w.on_broker(T0, encode(Command.DISCONNECT, {"reason": "unknown worker"}))
+    action = on_broker(w, T0, encode(Command.DISCONNECT, {"reason": "unknown worker"}))
     assert isinstance(action, Reconnect)
     assert "unknown worker" in action.reason
 
@@ -141,7 +151,7 @@ def test_disconnect_becomes_reconnect() -> None:
     ids=["heartbeat", "one-frame", "garbage", "version", "bad-meta", "request", "ready"],
 )
 def test_other_broker_messages_need_no_action(frames: list[Any]) -> None:
-    assert connected().on_broker(T0, frames) is None
+    assert on_broker(connected(), T0, frames) is None
 
 
 # --------------------------------------------------------------------------- time
@@ -190,7 +200,7 @@ def test_broker_silence_means_reconnect(liveness: int, heartbeat_s: float) -> No
 )
 def test_any_broker_message_keeps_the_connection(frames: list[Any]) -> None:
     w = connected(liveness=3, heartbeat_s=1.0)
-    w.on_broker(T0 + 2.0, frames)
+    on_broker(w, T0 + 2.0, frames)
     assert w.on_tick(T0 + 4.9)[1] is None
     assert w.next_wakeup(T0 + 4.9) <= T0 + 5.0  # type: ignore[operator]
     assert isinstance(w.on_tick(T0 + 5.0)[1], Reconnect)
@@ -242,8 +252,8 @@ def test_result_message() -> None:
     assert result.rho == pytest.approx(0.3)  # [0.1, 0.4] in the window [-0.5, 0.5]
     assert all(a is b for a, b in zip(payloads, frames, strict=True))
     assert w.batches_done == 1
-    # The meta is built directly: byte for byte what ResultMeta.to_wire gives (times
-    # with more digits than the wire keeps, so that each rounding shows).
+    # On the wire, byte for byte what ResultMeta.to_wire gives (times with more digits
+    # than the wire keeps, so that each rounding shows).
     w.on_batch_queued(T0 + 0.6)
     end = T0 + 0.9001234
     msg = w.on_batch_done(end, 1, 8, T0 + 0.6, end, [3], frames[:3])
@@ -251,7 +261,7 @@ def test_result_message() -> None:
     expected = ResultMeta(8, w.meter.rho(end), 1000.0 * (end - (T0 + 0.6)), (3,))
     assert round(expected.rho, 3) != round(expected.rho, 4)
     assert round(expected.compute_ms, 2) != round(expected.compute_ms, 3)
-    assert bytes(msg[1]) == codec.pack(expected.to_wire())
+    assert bytes(msg.to_frames()[1]) == codec.pack(expected.to_wire())
 
 
 def test_failed_message() -> None:
@@ -270,7 +280,7 @@ def test_failed_message() -> None:
 
 def test_results_from_an_older_epoch_are_dropped() -> None:
     w = connected()
-    action = w.on_broker(T0, encode(Command.BATCH, BATCH.to_wire(), [bytes(16), bytes(32)]))
+    action = on_broker(w, T0, encode(Command.BATCH, BATCH.to_wire(), [bytes(16), bytes(32)]))
     assert isinstance(action, RunBatch)
     w.on_batch_queued(T0)
     w.on_batch_queued(T0)

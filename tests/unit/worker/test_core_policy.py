@@ -175,8 +175,9 @@ def test_batches_the_engine_did_not_run_whole_teach_nothing() -> None:
 
 def test_an_outcome_becomes_a_result() -> None:
     w = core()
-    msg = w.on_job_done(T0 + 1.0, outcome(w, end_s=T0 + 0.5, samples=1))
-    assert msg is not None
+    done = w.on_job_done(T0 + 1.0, outcome(w, end_s=T0 + 0.5, samples=1))
+    assert done is not None
+    msg = done.to_frames()
     assert parse_header(msg[0]) is Command.RESULT
     meta = unpack(msg[1])
     assert (meta["batch"], meta["frames"], meta["compute_ms"]) == (1, [3], 500.0)
@@ -185,18 +186,19 @@ def test_an_outcome_becomes_a_result() -> None:
 
 def test_an_untimed_outcome_reports_no_engine_time() -> None:
     w = core()
-    msg = w.on_job_done(T0 + 1.0, outcome(w, end_s=T0 + 0.5, timed=False))
-    assert msg is not None
-    assert unpack(msg[1])["compute_ms"] == 0.0
+    done = w.on_job_done(T0 + 1.0, outcome(w, end_s=T0 + 0.5, timed=False))
+    assert done is not None
+    assert unpack(done.to_frames()[1])["compute_ms"] == 0.0
 
 
 @pytest.mark.parametrize("code", [ErrorCode.INTERNAL, ErrorCode.NOT_FOUND])
 def test_a_failed_outcome_becomes_failed(code: ErrorCode) -> None:
     w = core()
-    msg = w.on_job_done(
+    done = w.on_job_done(
         T0 + 1.0, outcome(w, end_s=T0 + 0.5, counts=(), frames=(), error=(code, "no"))
     )
-    assert msg is not None
+    assert done is not None
+    msg = done.to_frames()
     assert parse_header(msg[0]) is Command.FAILED
     meta = unpack(msg[1])
     assert (meta["batch"], meta["code"], meta["message"]) == (1, int(code), "no")

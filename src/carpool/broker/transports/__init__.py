@@ -17,12 +17,13 @@ counter); the other transports make ids with a prefix of their own
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from carpool.broker.core import Outgoing
+    from carpool.broker.replies import WorkerBound
     from carpool.common.protocol import FromWorker
 
 #: The events of one poll, as ``dict(zmq.Poller.poll())`` gives them.
@@ -84,9 +85,11 @@ class WorkerTransport(Protocol):
         the number of messages handled."""
         ...
 
-    def send(self, wid: bytes, frames: Sequence[Any]) -> None:
-        """Send one message to a worker. One that finds it unreachable reports it to
-        :attr:`Upstream.unreachable`; a worker not (or no longer) here is skipped."""
+    def send(self, wid: bytes, message: WorkerBound) -> None:
+        """Send one message to a worker: its frames (``message.to_frames()``) on a socket,
+        the typed message (``message.to_message()``) to a worker in this process. One
+        that finds it unreachable reports it to :attr:`Upstream.unreachable`; a worker not
+        (or no longer) here is skipped."""
         ...
 
     def after_turn(self, now: float) -> None:

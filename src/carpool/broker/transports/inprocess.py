@@ -1,9 +1,10 @@
 """inprocess.py: InProcessWorkers — workers in the broker's own process (``embedded``).
 
-Messages pass as lists of frames, through no socket: a message for such a worker is
-delivered once the messages being sent with it are all sent (the server runs
-:attr:`Upstream.later`), one at a time, in order, so what the worker answers (a short
-batch runs right there, on the broker's thread) may send more without recursing. Each
+Messages pass as typed objects (``FromBroker`` one way, ``FromWorker`` the other),
+through no socket and no encoder: a message for such a worker is delivered once the
+messages being sent with it are all sent (the server runs :attr:`Upstream.later`), one
+at a time, in order, so what the worker answers (a short batch runs right there, on the
+broker's thread) may send more without recursing. Each
 loop turn the workers are serviced: finished batches of their inference threads (the
 poller watches each ``results_fd``) and heartbeats due.
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
+from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import Events, Upstream
-from carpool.common.protocol import decode_from_worker
+from carpool.common.protocol import FromBroker, ToBroker, checked_from_worker
 
 #: The start of an embedded worker's id (ZeroMQ never makes one: its ids are 5 bytes, a
 #: zero byte and a counter).
@@ -26,7 +28,7 @@ EMBEDDED_ID = b"\x00embedded-"
 
 class EmbeddedWorker(Protocol):
     """A worker in the broker's own process (``carpool.worker.server.WorkerServer`` made
-    with ``embedded=True``): messages pass as lists of frames, not through sockets, and a
+    with ``embedded=True``): messages pass as typed objects, not through sockets, and a
     short batch runs on the broker's thread."""
 
     @property
@@ -34,18 +36,13 @@ class EmbeddedWorker(Protocol):
         """Readable when the worker's inference thread has finished a batch."""
         ...
 
-    @property
-    def local_metas(self) -> bool:
-        """BATCH and RESULT metas pass as BatchMeta / ResultMeta objects, not msgpack."""
-        ...
+    def deliver(self, message: FromBroker) -> list[ToBroker]: ...
 
-    def deliver(self, frames: list[Any]) -> list[list[Any]]: ...
-
-    def service(self, results_ready: bool) -> list[list[Any]]:
+    def service(self, results_ready: bool) -> list[ToBroker]:
         """``results_ready``: ``results_fd`` was readable this turn."""
         ...
 
-    def take_outbox(self) -> list[list[Any]]: ...
+    def take_outbox(self) -> list[ToBroker]: ...
 
     def next_wakeup(self, now: float) -> float | None: ...
 
@@ -70,23 +67,18 @@ class InProcessWorkers:
     ) -> None:
         self._up = upstream
         self.workers = {EMBEDDED_ID + b"%d" % i: w for i, w in enumerate(workers)}
-        self._queue: deque[tuple[bytes, list[Any]]] = deque()  # (id, frames) to deliver
+        self._queue: deque[tuple[bytes, FromBroker]] = deque()  # (id, message) to deliver
         self._scheduled = False  # _deliver waits in upstream.later
         for wid, worker in self.workers.items():
             upstream.routes[wid] = self
             poller.register(worker.results_fd, zmq.POLLIN)
 
-    @property
-    def local_ids(self) -> set[bytes]:
-        """The ids of the workers that take BATCH and give RESULT as objects."""
-        return {wid for wid, w in self.workers.items() if w.local_metas}
-
     def start(self) -> None:
         """Hand each worker's first messages (READY) to the core."""
         up = self._up
         for wid, worker in self.workers.items():
-            for frames in worker.take_outbox():
-                up.send(up.on_worker(up.now(), wid, decode_from_worker(frames)))
+            for msg in worker.take_outbox():
+                up.send(up.on_worker(up.now(), wid, checked_from_worker(msg)))
 
     def next_wakeup(self, now: float) -> float | None:
         wake: float | None = None
@@ -102,12 +94,12 @@ class InProcessWorkers:
     def on_poll(self, events: Events) -> int:
         up = self._up
         for wid, worker in self.workers.items():
-            for frames in worker.service(worker.results_fd in events):
-                up.send(up.on_worker(up.now(), wid, decode_from_worker(frames)))
+            for msg in worker.service(worker.results_fd in events):
+                up.send(up.on_worker(up.now(), wid, checked_from_worker(msg)))
         return 0
 
-    def send(self, wid: bytes, frames: Sequence[Any]) -> None:
-        self._queue.append((wid, list(frames)))
+    def send(self, wid: bytes, message: WorkerBound) -> None:
+        self._queue.append((wid, message.to_message()))
         if not self._scheduled:
             self._scheduled = True
             self._up.later.append(self._deliver)
@@ -118,9 +110,9 @@ class InProcessWorkers:
         workers, queue = self.workers, self._queue
         try:
             while queue:
-                wid, frames = queue.popleft()
-                for reply in workers[wid].deliver(frames):
-                    up.send(up.on_worker(up.now(), wid, decode_from_worker(reply)))
+                wid, message = queue.popleft()
+                for reply in workers[wid].deliver(message):
+                    up.send(up.on_worker(up.now(), wid, checked_from_worker(reply)))
         finally:
             self._scheduled = False
 

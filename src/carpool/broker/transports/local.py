@@ -11,12 +11,11 @@ it sent before it went reaches the core first.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 import zmq
 
 from carpool.broker.joining import JoinWindow
+from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.link import Link, LinkFull, LinkListener, TooLarge
 from carpool.common.protocol import decode_from_worker
@@ -133,7 +132,7 @@ class LinkWorkers:
             self._poller.register(new.fileno(), zmq.POLLIN)
             logger.info("a local worker connected (link %d)", self._linked)
 
-    def send(self, wid: bytes, frames: Sequence[Any]) -> None:
+    def send(self, wid: bytes, message: WorkerBound) -> None:
         """Send to a local worker. A send that finds it gone closes the link; what the
         worker sent before (results still in the socket) reaches the core first, then
         the loss, at once (so no more batches go its way this turn, each spending an
@@ -143,7 +142,7 @@ class LinkWorkers:
         if link is None or link.closed:
             return
         try:
-            link.send(frames)
+            link.send(message.to_frames())
         except LinkFull:
             logger.warning("local worker link %s is not reading; dropped", _name(wid))
             self._drop(wid, "not reading")

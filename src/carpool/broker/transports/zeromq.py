@@ -10,10 +10,10 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import zmq
 
+from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import decode_from_worker
@@ -113,12 +113,12 @@ class ZmqWorkers:
                 send(out)
         return n
 
-    def send(self, wid: bytes, frames: Sequence[Any]) -> None:
+    def send(self, wid: bytes, message: WorkerBound) -> None:
         reserved = self._reserved
         if reserved and wid.startswith(reserved):
             return  # a local worker's link dropped meanwhile: nobody to send to
         try:
-            send_frames(self.router, frames, NOBLOCK, wid)
+            send_frames(self.router, message.to_frames(), NOBLOCK, wid)
         except zmq.Again:
             logger.warning("peer=%s on the backend is not reading; dropped", wid.hex())
             self._up.unreachable(wid)

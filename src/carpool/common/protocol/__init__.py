@@ -38,7 +38,8 @@ Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (
 descriptors and frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, the simple form), :mod:`.request_decoder`
 (REQUEST metas of layouts seen before), :mod:`.worker_messages` (READY, BATCH, RESULT,
-FAILED), :mod:`.from_worker` (a worker's messages as one typed union). Each message has
+FAILED), :mod:`.from_worker` and :mod:`.from_broker` (each side's messages to the other
+as one typed union, each with its ``to_frames``). Each message has
 one encoder (``<message>_wire`` builds its meta map from its fields, ``<message>_frames``
 its frames; a dataclass's ``to_wire`` calls the former) and one decoder, used by every
 caller. The package imports nothing that does I/O (no sockets, files, locks or threads);
@@ -83,14 +84,25 @@ from carpool.common.protocol.frames import (
     parse_header,
     view,
 )
+from carpool.common.protocol.from_broker import (
+    HEARTBEAT_TO_WORKER,
+    BrokerBatch,
+    BrokerDisconnect,
+    BrokerHeartbeat,
+    BrokerMalformed,
+    FromBroker,
+    decode_from_broker,
+)
 from carpool.common.protocol.from_worker import (
     FromWorker,
+    ToBroker,
     WorkerDisconnect,
     WorkerFailed,
     WorkerHeartbeat,
     WorkerMalformed,
     WorkerReady,
     WorkerResult,
+    checked_from_worker,
     decode_from_worker,
 )
 from carpool.common.protocol.refs import (
@@ -133,6 +145,7 @@ from carpool.common.protocol.worker_messages import (
 
 __all__ = [
     "HEADER_BYTES",
+    "HEARTBEAT_TO_WORKER",
     "MAGIC",
     "MAX_EMPTY_SPAN_BYTES",
     "MAX_MODELS",
@@ -146,10 +159,15 @@ __all__ = [
     "BatchInputCache",
     "BatchItem",
     "BatchMeta",
+    "BrokerBatch",
+    "BrokerDisconnect",
+    "BrokerHeartbeat",
+    "BrokerMalformed",
     "Command",
     "ErrorReply",
     "FailedMeta",
     "Frame",
+    "FromBroker",
     "FromWorker",
     "KnownRequest",
     "ModelSpec",
@@ -163,6 +181,7 @@ __all__ = [
     "Signature",
     "Submit",
     "TensorMeta",
+    "ToBroker",
     "VersionMismatch",
     "WorkerDisconnect",
     "WorkerFailed",
@@ -175,6 +194,8 @@ __all__ = [
     "batch_item_wire",
     "batch_wire",
     "check_frame_sizes",
+    "checked_from_worker",
+    "decode_from_broker",
     "decode_from_worker",
     "decode_meta",
     "decode_simple_request",

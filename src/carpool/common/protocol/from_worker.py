@@ -5,9 +5,10 @@ into one of :data:`FromWorker`: READY, RESULT (its meta, and its reply frames as
 objects that arrived: never read or copied), FAILED, HEARTBEAT, DISCONNECT, or
 :class:`WorkerMalformed` for a message that breaks the protocol (with its command when
 the header was readable, so that the broker can tell a stranger's late RESULT from a
-registered worker's broken one). A RESULT that an embedded worker built in the broker's
-process carries its :class:`ResultMeta` object in place of the meta frame; it is taken as
-is, with the one check its decoder makes that the object does not guarantee.
+registered worker's broken one). Each message's ``to_frames`` is its one encoder. A
+worker in the broker's own process hands the broker these objects, with no frames in
+between (:func:`checked_from_worker` makes the one check of a decoder that a RESULT's type does not
+guarantee).
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from carpool.common.errors import ProtocolError
-from carpool.common.protocol.frames import Command, Frame, decode_meta, parse_header, view
-from carpool.common.protocol.worker_messages import FailedMeta, Ready, ResultMeta
+from carpool.common.protocol.frames import Command, Frame, decode_meta, encode, parse_header, view
+from carpool.common.protocol.worker_messages import (
+    FailedMeta,
+    Ready,
+    ResultMeta,
+    result_frames,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +32,9 @@ class WorkerReady:
     """READY: a worker announces itself and what it serves."""
 
     ready: Ready
+
+    def to_frames(self) -> list[Any]:
+        return encode(Command.READY, self.ready.to_wire())
 
 
 @dataclass(slots=True)
@@ -36,12 +45,18 @@ class WorkerResult:
     result: ResultMeta
     replies: Sequence[Frame]
 
+    def to_frames(self) -> list[Any]:
+        return result_frames(self.result.to_wire(), self.replies)
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerFailed:
     """FAILED: a batch the worker could not run."""
 
     failed: FailedMeta
+
+    def to_frames(self) -> list[Any]:
+        return encode(Command.FAILED, self.failed.to_wire())
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +66,18 @@ class WorkerHeartbeat:
 
     rho: float | None
 
+    def to_frames(self) -> list[Any]:
+        return encode(Command.HEARTBEAT, {} if self.rho is None else {"rho": round(self.rho, 4)})
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerDisconnect:
-    """DISCONNECT: the worker is leaving."""
+    """DISCONNECT: the worker is leaving; ``reason``, for the broker's log."""
+
+    reason: str = ""
+
+    def to_frames(self) -> list[Any]:
+        return encode(Command.DISCONNECT, {"reason": self.reason})
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,24 +91,27 @@ class WorkerMalformed:
     error: str
 
 
-FromWorker = (
-    WorkerReady | WorkerResult | WorkerFailed | WorkerHeartbeat | WorkerDisconnect | WorkerMalformed
-)
+#: What a worker sends (each has its ``to_frames``).
+ToBroker = WorkerReady | WorkerResult | WorkerFailed | WorkerHeartbeat | WorkerDisconnect
+#: What the broker receives from a worker.
+FromWorker = ToBroker | WorkerMalformed
 
-_HEARTBEAT, _DISCONNECT = WorkerHeartbeat(None), WorkerDisconnect()
+_HEARTBEAT = WorkerHeartbeat(None)
+
+
+def checked_from_worker(msg: FromWorker) -> FromWorker:
+    """A message built in this process (an embedded worker's), with the one check of
+    :func:`decode_from_worker` that its type does not guarantee."""
+    if type(msg) is WorkerResult and any(k < 1 for k in msg.result.frames):
+        return WorkerMalformed(None, "result: frames must be a list of ints >= 1")
+    return msg
 
 
 def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
-    """The typed message of a worker's frames (after the routing id: frames as a socket
-    gives them, or an embedded worker's list with its ResultMeta object). Never raises: a
-    message that breaks the protocol is a :class:`WorkerMalformed`."""
+    """The typed message of a worker's frames (after the routing id, as a socket gives
+    them). Never raises: a message that breaks the protocol is a :class:`WorkerMalformed`."""
     if len(frames) < 2:
         return WorkerMalformed(None, "worker messages have a header and a meta frame")
-    second: object = frames[1]
-    if type(second) is ResultMeta:  # built in this process (an embedded worker's)
-        if any(k < 1 for k in second.frames):
-            return WorkerMalformed(None, "result: frames must be a list of ints >= 1")
-        return WorkerResult(second, frames[2:])
     try:
         command = parse_header(view(frames[0]))
         meta = decode_meta(view(frames[1]))
@@ -107,7 +133,8 @@ def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
         if command is Command.FAILED:
             return WorkerFailed(FailedMeta.from_wire(meta))
         if command is Command.DISCONNECT:
-            return _DISCONNECT
+            reason = meta.get("reason", "")
+            return WorkerDisconnect(reason if isinstance(reason, str) else "")
     except ProtocolError as exc:
         return WorkerMalformed(command, str(exc))
     return WorkerMalformed(command, f"command {command.name} is not valid from a worker")
