@@ -3,11 +3,12 @@ against its model's spec. Pure: no state is changed here.
 
 :func:`admit` answers :class:`Admitted` or :class:`Refused` for a request that passed
 validation: refused when the broker is stopping, the request is larger than any batch,
-the queue is full (by count or payload bytes), or even the best case (the work queued
-ahead at full speed, then this request) ends past its deadline. :func:`conform` checks a
-request's inputs against its model (names, dtypes, shapes, shape rules); a
-:class:`Layout` is what a request that passed is remembered by, in the protocol's
-RequestDecoder, for its fast path.
+the queue is full (by count or payload bytes), its client already holds its share
+(``max_client_requests``, ``max_client_mib``: queued or at workers), or even the best
+case (the work queued ahead at full speed, then this request) ends past its deadline.
+:func:`conform` checks a request's inputs against its model (names, dtypes, shapes, shape
+rules); a :class:`Layout` is what a request that passed is remembered by, in the
+protocol's RequestDecoder, for its fast path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.replies import retry_after_ms
-from carpool.broker.requests import PendingRequest, RequestKey
+from carpool.broker.requests import ClientId, PendingRequest, RequestKey
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     Frame,
@@ -81,11 +82,13 @@ def admit(
     config: BrokerConfig,
     backlog: Backlog,
     fleet: FleetModel,
+    *,
+    client: ClientId,
 ) -> Admitted | Refused:
     """May a valid request of ``layout`` (``nbytes`` of payload, due in ``timeout_s``,
-    of ``priority``) queue now? ``max_batch``: the largest batch a live worker of its
-    model takes (> 0); ``pumpable``: batches may form this turn before the door closes
-    (then a full queue answers :data:`FULL_UNTIL_PUMPED`)."""
+    of ``priority``, from ``client``) queue now? ``max_batch``: the largest batch a live
+    worker of its model takes (> 0); ``pumpable``: batches may form this turn before the
+    door closes (then a full queue answers :data:`FULL_UNTIL_PUMPED`)."""
     if backlog.stopping:
         return _STOPPING
     model = layout.model
@@ -102,6 +105,13 @@ def admit(
             f"(max_queued_mib {config.max_queued_mib})"
         )
         return Refused(ErrorCode.INVALID_ARGUMENT, msg)
+    client_room = config.max_client_mib << 20
+    if nbytes > client_room:
+        msg = (
+            f"request of {nbytes} payload bytes exceeds what one client may have queued "
+            f"(max_client_mib {config.max_client_mib})"
+        )
+        return Refused(ErrorCode.INVALID_ARGUMENT, msg)
     queued = backlog.queued
     if queued >= config.max_queued or backlog.queued_bytes + nbytes > room:
         if pumpable:
@@ -109,6 +119,17 @@ def admit(
         # Until costs are fitted the drain time is unknown: suggest a modest pause.
         drain_s = fleet.drain_time_s(model, layout.key, queued) or 0.05
         msg = f"broker queue full ({queued} requests, {backlog.queued_bytes} bytes)"
+        return Refused(ErrorCode.OVERLOADED, msg, retry_after_ms(drain_s))
+    held, held_bytes = backlog.held(client)
+    if held >= config.max_client_requests or held_bytes + nbytes > client_room:
+        # Its own requests must drain first: pumping this turn frees no such room (a
+        # request at a worker is still held).
+        drain_s = fleet.drain_time_s(model, layout.key, held) or 0.05
+        msg = (
+            f"this client already has {held} requests ({held_bytes} payload bytes) at the "
+            f"broker (max_client_requests {config.max_client_requests}, max_client_mib "
+            f"{config.max_client_mib})"
+        )
         return Refused(ErrorCode.OVERLOADED, msg, retry_after_ms(drain_s))
     if fleet.policy(model).edf:
         # The SLA countdown at the door: if even the best case (the work queued ahead

@@ -8,7 +8,13 @@ requests and payload bytes queued, and samples queued per model and priority.
 from __future__ import annotations
 
 from carpool.broker.batcher import DeadlineHeap, RequestQueue
-from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
+from carpool.broker.requests import (
+    ClientId,
+    PendingRequest,
+    RequestBook,
+    RequestKey,
+    RequestState,
+)
 
 _QUEUED = RequestState.QUEUED
 
@@ -40,6 +46,7 @@ class Backlog:
         if queue is None:
             queue = self.queues[req.key] = RequestQueue(req.key)
         queue.arrive(req)
+        self._book.enter(req)
         self.queued += 1
         self.queued_bytes += req.nbytes
         per_model = self.queued_samples.setdefault(req.model, [0, 0])
@@ -67,6 +74,23 @@ class Backlog:
             per_model[req.model][req.priority] -= req.samples
         self.queued -= len(requests)
         self.queued_bytes -= nbytes
+
+    def forget_model(self, model: str) -> list[RequestKey]:
+        """Drop a model's queues and counts, none of which holds a request (the model is
+        forgotten); returns the keys of the queues dropped."""
+        keys = [k for k, q in self.queues.items() if k[0] == model]
+        for key in keys:
+            if self.queues[key].count:
+                raise ValueError(f"queue {key} still holds requests")
+            del self.queues[key]
+        self.queued_samples.pop(model, None)
+        return keys
+
+    def held(self, client: ClientId) -> tuple[int, int]:
+        """The requests ``client`` has the broker hold (queued or at workers) and their
+        payload bytes."""
+        held = self._book.held.get(client)
+        return (0, 0) if held is None else (held[0], held[1])
 
     def samples_ahead(self, model: str, priority: int) -> int:
         """Queued samples a new request of ``priority`` waits behind (at most)."""

@@ -107,6 +107,17 @@ class BrokerConfig:
     # Their payload bytes too (MiB; inputs in shared memory count nothing here): 10,000
     # camera frames of 6 MB would be 60 GB, and a Jetson shares its RAM with its GPU.
     max_queued_mib: int = 4096
+    # What one client connection (routing id) may hold at once, queued or at workers:
+    # requests, and their payload bytes (MiB). More are OVERLOADED, so one client cannot
+    # take the whole queue (max_queued, max_queued_mib) from the others.
+    max_client_requests: int = 2048
+    max_client_mib: int = 1024
+    # Models one READY may announce; a READY with more is refused with DISCONNECT.
+    max_models_per_worker: int = 64
+    # A model no live worker has served for this long is forgotten (its spec, policy,
+    # queues and counters): its name answers NOT_FOUND again, and names that workers
+    # announced and left cannot pile up. Models named under [models] are kept.
+    forget_unserved_s: float = 60.0
     liveness: int = 3  # heartbeat intervals of silence before a worker is gone
     max_attempts: int = 2  # dispatches of one request before a lost worker fails it
     # Largest frame a client may send (ZMQ_MAXMSGSIZE on the frontend; 0: no limit). A
@@ -137,6 +148,10 @@ class BrokerConfig:
             self,
             {
                 "max_queued_mib": (1, 1 << 24),
+                "max_client_requests": (1, 1 << 24),
+                "max_client_mib": (1, 1 << 24),
+                "max_models_per_worker": (1, 256),
+                "forget_unserved_s": (0.001, 86_400),
                 "liveness": (1, 100),
                 "max_attempts": (1, 10),
                 "register_grace_s": (0, 600),

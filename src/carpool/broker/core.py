@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,8 @@ from carpool.broker.requests import RequestBook
 from carpool.broker.stats import BrokerStats, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BrokerCore",
@@ -198,7 +201,36 @@ class BrokerCore:
         if now >= self._sweep_s:
             self._sweep_s = now + _SWEEP_S
             dispatcher.sweep(now)
+            self.forget_unserved(now)
         return out
+
+    def forget_unserved(self, now: float) -> list[str]:
+        """Forget the models no live worker has served for ``forget_unserved_s`` (their
+        spec, policy, queues, counters and request layouts), so that their names answer
+        NOT_FOUND again and names announced by workers that left cannot pile up. Kept:
+        models named in the configuration (``[models.<name>]``), and a model with requests
+        still queued (they are answered at their deadlines; it goes after them). Returns
+        the models forgotten. ``on_tick`` calls it every sweep."""
+        config, backlog, registry = self.config, self.backlog, self.registry
+        forgotten = []
+        for name in registry.unserved_for(now, config.forget_unserved_s):
+            if name in config.models or any(backlog.queued_samples.get(name, ())):
+                continue
+            registry.forget(name)
+            self.fleet.forget(name)
+            for key in backlog.forget_model(name):
+                self.dispatcher.forget(key)
+            self.stats.forget(name)
+            self.request_decoder.forget_model(name)
+            forgotten.append(name)
+        if forgotten:
+            logger.info(
+                "forgot %d models no worker served for %.0f s: %s",
+                len(forgotten),
+                config.forget_unserved_s,
+                ",".join(forgotten[:8]) + (",..." if len(forgotten) > 8 else ""),
+            )
+        return forgotten
 
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time ``on_tick`` has work: a batch wait, a deadline, a heartbeat."""

@@ -54,6 +54,13 @@ class FleetModel:
             self._policies[model] = policy
         return policy
 
+    def forget(self, model: str) -> None:
+        """A model no worker serves is forgotten: drop its policy and merged settings."""
+        self._policies.pop(model, None)
+        self._batching.pop(model, None)
+        for key in [k for k in self.rates if k[0] == model]:
+            del self.rates[key]
+
     def batching_for(self, model: str) -> BatchingConfig:
         cfg = self._batching.get(model)
         if cfg is None:

@@ -294,13 +294,31 @@ class ClientIntake:
         # Asked as pumpable: only a full queue reads that, and pump_dirty with nothing
         # marked forms nothing, so the second answer is the one a False would have had.
         verdict = admit(
-            layout, nbytes, timeout_s, priority, max_batch, True, config, backlog, fleet
+            layout,
+            nbytes,
+            timeout_s,
+            priority,
+            max_batch,
+            True,
+            config,
+            backlog,
+            fleet,
+            client=client,
         )
         if verdict is FULL_UNTIL_PUMPED:
             # Deferred mode: what can leave this turn leaves before the door closes.
             dispatcher.pump_dirty(now, out)
             verdict = admit(
-                layout, nbytes, timeout_s, priority, max_batch, False, config, backlog, fleet
+                layout,
+                nbytes,
+                timeout_s,
+                priority,
+                max_batch,
+                False,
+                config,
+                backlog,
+                fleet,
+                client=client,
             )
         if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(

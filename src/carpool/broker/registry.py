@@ -3,6 +3,8 @@
 Pure: ``now`` is passed in. A worker is READY once it announced itself; it is GONE after it
 said DISCONNECT, missed ``liveness`` heartbeat intervals, or could not be sent to.
 Credits: a worker with ``slots`` = k holds at most k outstanding batches.
+A model's spec outlives its last worker (its name answers UNAVAILABLE, not NOT_FOUND) until
+the broker forgets it (:meth:`WorkerRegistry.unserved_for`, :meth:`WorkerRegistry.forget`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,10 @@ class WorkerRegistry:
         self._max_batch: dict[str, int] = {}
         self._event_s: float | None = None
         self._event_stale = False
+        # Models whose last live worker left: since when (stamped by unserved_for, which
+        # has the time), and those not stamped yet.
+        self._unserved_s: dict[str, float] = {}
+        self._orphans: set[str] = set()
 
     def __contains__(self, wid: object) -> bool:
         return wid in self._workers
@@ -159,6 +165,8 @@ class WorkerRegistry:
             peers = self._by_model.setdefault(spec.name, [])
             if not peers:
                 self.specs[spec.name] = spec
+                self._orphans.discard(spec.name)
+                self._unserved_s.pop(spec.name, None)
             peers.append(state)
         self._changed(state.models)
         return state
@@ -172,8 +180,27 @@ class WorkerRegistry:
                     peers.remove(state)
                 if not peers:
                     self._by_model.pop(name, None)
+                    self._orphans.add(name)
             self._changed(state.models)
         return state
+
+    def unserved_for(self, now: float, after_s: float) -> list[str]:
+        """Models no live worker has served for ``after_s`` or longer at ``now`` (counted
+        from the first call that saw them unserved: call it at a steady pace)."""
+        if self._orphans:
+            for name in self._orphans:
+                self._unserved_s.setdefault(name, now)
+            self._orphans.clear()
+        return [name for name, since_s in self._unserved_s.items() if now - since_s >= after_s]
+
+    def forget(self, name: str) -> None:
+        """Drop what is kept of a model no live worker serves (its spec, its limits)."""
+        if self._by_model.get(name):
+            raise ValueError(f"model {name!r} is served; only an unserved model is forgotten")
+        self.specs.pop(name, None)
+        self._max_batch.pop(name, None)
+        self._unserved_s.pop(name, None)
+        self._orphans.discard(name)
 
     def _changed(self, models: Iterable[str]) -> None:
         for name in models:

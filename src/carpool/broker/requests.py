@@ -21,6 +21,9 @@ Rules:
   :data:`TRANSITIONS` raises :class:`IllegalTransition`.
 - A request that reaches a final state drops its payload frames in the same move, so
   answered requests hold no tensor memory.
+- The book keeps, per client, the requests it holds (entered and not yet final) and their
+  payload bytes: what the door's per-client limits read. A client holding none has no
+  entry.
 """
 
 from __future__ import annotations
@@ -126,6 +129,20 @@ class RequestBook:
     #: Watchers of every book's moves (class-wide: brokers are built inside servers).
     observers: ClassVar[list[Observer]] = []
 
+    def __init__(self) -> None:
+        #: Per client: [requests held, their payload bytes], for the requests entered
+        #: (:meth:`enter`) that have not reached a final state.
+        self.held: dict[ClientId, list[int]] = {}
+
+    def enter(self, req: PendingRequest) -> None:
+        """A new request is held for its client until it reaches a final state."""
+        held = self.held.get(req.client)
+        if held is None:
+            self.held[req.client] = [1, req.nbytes]
+        else:
+            held[0] += 1
+            held[1] += req.nbytes
+
     def move(self, req: PendingRequest, to: RequestState) -> None:
         """Move ``req`` to state ``to``; raise :class:`IllegalTransition` if the table
         has no such edge. The only assignment to ``PendingRequest.state``. A request
@@ -137,6 +154,13 @@ class RequestBook:
         req.state = to
         if to in FINAL:
             req.payloads = ()
+            held = self.held.get(req.client)
+            if held is not None:  # (None: a request made without enter, in tests)
+                if held[0] <= 1:
+                    del self.held[req.client]
+                else:
+                    held[0] -= 1
+                    held[1] -= req.nbytes
         if self.observers:
             for observe in self.observers:
                 observe(frm, to)

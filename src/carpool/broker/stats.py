@@ -26,6 +26,10 @@ class BrokerStats:
         self.late_results = 0
         self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
 
+    def forget(self, model: str) -> None:
+        """A model no worker serves is forgotten: its counters go too."""
+        self.batch_sizes.pop(model, None)
+
     def batch(self, model: str, samples: int) -> None:
         sizes = self.batch_sizes.get(model)
         if sizes is None:  # (setdefault would build a Counter every call)

@@ -133,6 +133,17 @@ class WorkerEvents:
         if old is not None:
             # A second READY on one connection: the old registration ends either way.
             self.lose_worker(now, old, "worker re-registered", out)
+        limit = self.config.max_models_per_worker
+        if len(ready.models) > limit:
+            # Refused whole: serving only some of what it announced would leave the worker
+            # taking batches for models it believes the broker refused, or the reverse.
+            reason = (
+                f"READY announces {len(ready.models)} models; this broker takes at most "
+                f"{limit} per worker (max_models_per_worker)"
+            )
+            logger.warning("worker=%s name=%s refused: %s", wid.hex(), ready.name, reason)
+            out.append(disconnect(wid, reason))
+            return
         conflicts = self.registry.conflicts(ready)
         if conflicts:
             reason = f"model spec differs from the registered one for {', '.join(conflicts)}"

@@ -16,9 +16,10 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightTable
 from carpool.broker.registry import WorkerRegistry
-from carpool.broker.requests import RequestBook
+from carpool.broker.requests import ClientId, RequestBook
 from carpool.common.errors import ErrorCode
 
+CLIENT = ClientId(b"c1")
 LAYOUT = Layout("m", ("m", (("x", "float32", (4,)),)), (2, 4), 2, None)
 
 
@@ -35,7 +36,7 @@ def ask(
     max_batch: int = 8,
     pumpable: bool = False,
 ) -> Admitted | Refused:
-    return admit(LAYOUT, nbytes, 1.0, 0, max_batch, pumpable, *parts)
+    return admit(LAYOUT, nbytes, 1.0, 0, max_batch, pumpable, *parts, client=CLIENT)
 
 
 def test_a_request_that_fits_is_admitted_and_nothing_changes() -> None:
