@@ -62,6 +62,7 @@ def snapshot(
         "undeliverable": stats.undeliverable,
         "late_results": stats.late_results,
         "shed": stats.shed,
+        "known_models": len(registry.specs),
         "workers": [
             {
                 "name": w.name,
