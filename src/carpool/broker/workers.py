@@ -157,10 +157,11 @@ class WorkerEvents:
         }
         self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
         self._fleet.rates.clear()
+        names = [m.name for m in ready.models]
         logger.info(
             "worker joined name=%s models=%s slots=%d",
             ready.name,
-            ",".join(m.name for m in ready.models),
+            ",".join(names[:8]) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             ready.slots,
         )
         self._dispatcher.pump_models(now, (m.name for m in ready.models), out)
