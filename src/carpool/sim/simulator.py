@@ -12,6 +12,7 @@ Not modelled: network and broker CPU time (the live fleet benchmark shows those)
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -159,7 +160,12 @@ def simulate(
     """Run ``arrivals`` through a BrokerCore with ``batching`` and simulated ``workers``."""
     arrivals = sorted(arrivals, key=lambda a: a.t_s)  # (stable) time never runs backwards
     rng = random.Random(seed)
-    core = BrokerCore(BrokerConfig(batching=batching, max_queued=max_queued))
+    config = BrokerConfig(batching=batching, max_queued=max_queued)
+    # One simulated client stands for all of them: it may hold the whole queue.
+    config = dataclasses.replace(
+        config, max_client_requests=max_queued, max_client_mib=config.max_queued_mib
+    )
+    core = BrokerCore(config)
     result = SimResult(label, span_s(arrivals))
     result.workers = len(workers)
     events: list[tuple[float, int, int, object]] = []
