@@ -7,8 +7,11 @@ BrokerCore driven with wire frames and an injected clock, with test_core.py's ha
 
 from __future__ import annotations
 
-from carpool.broker.config import BatchingOverride
-from carpool.common.errors import ErrorCode
+import pytest
+
+from carpool.broker.config import BatchingOverride, BrokerConfig
+from carpool.broker.requests import ClientId
+from carpool.common.errors import ConfigError, ErrorCode
 from carpool.common.protocol import Command
 from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse fixture)
     C1,
@@ -24,6 +27,24 @@ from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse f
     pump_mode,
     to_clients,
 )
+
+CID1, CID2 = ClientId(C1), ClientId(C2)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"max_models_per_worker": 0},
+        {"max_models_per_worker": 257},
+        {"max_client_requests": 0},
+        {"max_client_mib": 0},
+        {"forget_unserved_s": 0.0},
+    ],
+)
+def test_limits_out_of_range_are_config_errors(setting: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(setting))):
+        BrokerConfig(**setting)  # type: ignore[arg-type]
+
 
 # --------------------------------------------------------------------------- READY limits
 
@@ -61,10 +82,10 @@ def test_a_client_over_its_request_limit_is_overloaded_and_others_are_not() -> N
     assert err.meta["retry_after_ms"] >= 1
     assert "max_client_requests 2" in err.meta["message"]
     assert b.request(T0, 4, cid=C2) == []  # another client is let in
-    assert b.core.backlog.held(C1) == (2, 2 * 16)
+    assert b.core.backlog.held(CID1) == (2, 2 * 16)
     out, _ = b.result(T0 + 0.01, batch)
     assert [m.rid for m in to_clients(out)] == [1]
-    assert b.core.backlog.held(C1)[0] == 1
+    assert b.core.backlog.held(CID1)[0] == 1
     assert not [m for m in to_clients(b.request(T0 + 0.01, 5)) if m.command is Command.ERROR]
 
 
@@ -88,9 +109,9 @@ def test_what_a_client_holds_is_released_by_every_final_state() -> None:
     assert batches(b.request(T0, 1, timeout_ms=50))  # expires at the worker
     b.request(T0, 2, timeout_ms=50)  # expires queued
     b.request(T0, 3, cid=C2, timeout_ms=5000)  # answered UNAVAILABLE: its worker left
-    assert (b.core.backlog.held(C1), b.core.backlog.held(C2)) == ((2, 32), (1, 16))
+    assert (b.core.backlog.held(CID1), b.core.backlog.held(CID2)) == ((2, 32), (1, 16))
     b.tick(T0 + 0.06)
-    assert b.core.backlog.held(C1) == (0, 0)
+    assert b.core.backlog.held(CID1) == (0, 0)
     b.disconnect(T0 + 0.07, W1)
     (err,) = to_clients(b.tick(T0 + 6))
     assert (err.rid, err.code) == (3, ErrorCode.UNAVAILABLE)
