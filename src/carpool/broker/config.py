@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,40 @@ def _batching_problems(b: BatchingConfig | BatchingOverride) -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
+class CurveConfig:
+    """``[curve]``: CURVE encryption and key authentication on both ZeroMQ sockets
+    (docs/security.md). Key files are made by ``carpool keygen``; an allow-list is a
+    directory of public ``*.key`` files, read again on SIGHUP."""
+
+    enabled: bool = False
+    server_key: str = ""  # the broker's NAME.key_secret (mode 0600)
+    clients: str = ""  # allow-list of the keys that may connect to the frontend
+    workers: str = ""  # allow-list of the keys that may connect to the backend
+    # Keys whose STATS are answered (they may connect to the frontend too); "": none.
+    operators: str = ""
+    # Authentication failures logged per minute at most (then one line with the count).
+    failure_logs_per_min: int = 10
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.enabled:
+            missing = [k for k in ("server_key", "clients", "workers") if not getattr(self, k)]
+            if missing:
+                problems.append(f"enabled needs {', '.join(missing)}")
+            elif _same_dir(self.clients, self.workers):
+                problems.append(
+                    "clients and workers must be different directories (a client key "
+                    "must never register as a worker)"
+                )
+        problems += out_of_range(self, {"failure_logs_per_min": (1, 100_000)})
+        check(problems, "curve")
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+@dataclass(frozen=True, slots=True)
 class BrokerConfig:
     frontend: str = "tcp://127.0.0.1:5555"  # clients connect here
     backend: str = "tcp://127.0.0.1:5556"  # workers connect here
@@ -139,6 +174,7 @@ class BrokerConfig:
     # libzmq 4.2 and later). 0: off.
     peer_heartbeat_s: float = 10.0
     peer_timeout_s: float = 30.0
+    curve: CurveConfig = field(default_factory=CurveConfig)
 
     def __post_init__(self) -> None:
         problems = out_of_range(self, {"default_timeout_s": (0.001, 3600)})
@@ -166,6 +202,10 @@ class BrokerConfig:
             problems.append("max_frame_mib must be in 0..1048576 (0: no limit)")
         if self.local_backend and not _unix_path(self.local_backend):
             problems.append(f"local_backend must be unix:PATH, got {self.local_backend!r}")
+        if self.curve.enabled and any(
+            e.startswith("inproc:") for e in (self.frontend, self.backend)
+        ):
+            problems.append("curve.enabled needs tcp:// or ipc:// endpoints (inproc has no CURVE)")
         given: dict[str, object] = dict(self.models)  # (checked: callers pass anything)
         if any(isinstance(b, BatchingConfig) for b in given.values()):
             # A whole BatchingConfig (what this field held before): every key set.

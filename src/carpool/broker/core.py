@@ -115,6 +115,15 @@ class BrokerCore:
         self.intake.recording = records
 
     @property
+    def stats_gate(self) -> Callable[[bytes], bool] | None:
+        """Who may read STATS, by client id (None: everyone); the server sets it."""
+        return self.intake.stats_gate
+
+    @stats_gate.setter
+    def stats_gate(self, gate: Callable[[bytes], bool] | None) -> None:
+        self.intake.stats_gate = gate
+
+    @property
     def started_s(self) -> float:
         """When the broker began serving (the server sets it): for register_grace_s after
         it, a model no worker has registered yet is UNAVAILABLE, not NOT_FOUND."""

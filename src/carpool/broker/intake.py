@@ -95,6 +95,9 @@ class ClientIntake:
         # When the broker began serving (the server sets it): for register_grace_s after
         # it, a model no worker has registered yet is UNAVAILABLE, not NOT_FOUND.
         self.started_s = -math.inf
+        # Who may read STATS, by client id (the server sets it under CURVE: operators'
+        # keys only); None: everyone.
+        self.stats_gate: Callable[[bytes], bool] | None = None
 
     def respec(self, spec: ModelSpec, worker: str, out: list[Outgoing]) -> None:
         """A model no live worker served is registered again with a different spec:
@@ -136,9 +139,21 @@ class ClientIntake:
                 raise ProtocolError("empty message")
             command = parse_header(view(frames[0]))
             if command is Command.STATS:
+                sid = request_id_of(decode_meta(view(frames[1]))) if len(frames) > 1 else None
+                gate = self.stats_gate
+                if gate is not None and not gate(identity):
+                    return [
+                        self._replies.error(
+                            client,
+                            delimited,
+                            sid,
+                            ErrorCode.PERMISSION_DENIED,
+                            "STATS is answered to operator keys only",
+                        )
+                    ]
                 snapshot = self._snapshot()
                 if len(frames) > 1:  # echo the caller's id, so it can match the reply
-                    snapshot["id"] = request_id_of(decode_meta(view(frames[1])))
+                    snapshot["id"] = sid
                 return [self._replies.to_client(client, delimited, encode(Command.STATS, snapshot))]
             if command is not Command.REQUEST:
                 raise ProtocolError(f"command {command.name} is not valid from a client")

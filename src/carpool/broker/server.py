@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
+from carpool.broker.auth import KEY_CHARS, BrokerAuth, WorkerKeys
 from carpool.broker.config import BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
 from carpool.broker.registry import WorkerId
@@ -84,6 +85,15 @@ class BrokerServer:
         self.transports: list[WorkerTransport] = []
         self.local: LinkWorkers | None = None
         config = self.config
+        # CURVE (auth.py): the authenticator runs before either socket binds.
+        self.auth: BrokerAuth | None = None
+        try:
+            if config.curve.enabled:
+                self.auth = BrokerAuth(self.context, config.curve)
+        except ConfigError:
+            self._close_early()
+            raise
+        auth = self.auth
         try:
             # Clients are the untrusted side: a frame over the limit drops that connection
             # (libzmq refuses it before buffering). Workers are not limited: an output over
@@ -95,6 +105,7 @@ class BrokerServer:
                 max_frame_mib=config.max_frame_mib,
                 peer_heartbeat_s=heartbeat_s,
                 peer_timeout_s=timeout_s,
+                secure=None if auth is None else auth.secure_frontend,
             )
             try:
                 backend = bind_router(
@@ -102,15 +113,13 @@ class BrokerServer:
                     config.backend,
                     peer_heartbeat_s=heartbeat_s,
                     peer_timeout_s=timeout_s,
+                    secure=None if auth is None else auth.secure_backend,
                 )
             except ConfigError:
                 self.frontend.close()
                 raise
         except ConfigError:
-            if self._own_context:
-                self.context.term()
-            if self._trace is not None:  # (and its lock: a retry must be able to record)
-                self._trace.close()
+            self._close_early()
             raise
         # stop() wakes a blocked poll from any thread or a signal handler.
         self._wake = WakePipe()
@@ -130,7 +139,12 @@ class BrokerServer:
         # No ZeroMQ peer may take an id the other transports make, whether or not they
         # are in use here.
         reserved = (InProcessWorkers.id_prefix, LinkWorkers.id_prefix)
-        self._zmq = ZmqWorkers(backend, self.poller, up, reserved)
+        keys = None if auth is None else WorkerKeys(self._knows, auth.failures)
+        self._zmq = ZmqWorkers(backend, self.poller, up, reserved, keys=keys)
+        # The core's client id: the routing id, or under CURVE the key before it.
+        self._client_key = None if auth is None else auth.client_key()
+        if auth is not None:
+            self.core.stats_gate = auth.is_operator
         self.backend = backend
         self.core.worker_transport = self._transport_label
         self.poller.register(self._wake.fd, zmq.POLLIN)
@@ -160,6 +174,20 @@ class BrokerServer:
             self.backend_endpoint,
             f" local={config.local_backend}" if self.local else "",
         )
+
+    def _close_early(self) -> None:
+        """What __init__ made before a ConfigError."""
+        if self.auth is not None:
+            self.auth.close()
+        if self._own_context:
+            self.context.term()
+        if self._trace is not None:  # (and its lock: a retry must be able to record)
+            self._trace.close()
+
+    def reload_keys(self) -> bool:
+        """Read the CURVE allow-lists again (SIGHUP; :meth:`BrokerAuth.reload`). False
+        when CURVE is off or a list could not be read (the current ones stay)."""
+        return self.auth is not None and self.auth.reload()
 
     def _transport_label(self, wid: bytes) -> str:
         return (self._routes.get(wid) or self._zmq).label
@@ -223,22 +251,27 @@ class BrokerServer:
         """The messages waiting on the frontend, each handed to the core."""
         on_client = self.core.on_client
         now = self.clock.now
+        key = self._client_key
         n = 0
         for frames in waiting(self.frontend, BURST):
             n += 1
-            out = on_client(now(), frames[0].bytes, frames[1:])
+            first = frames[0]
+            out = on_client(now(), first.bytes if key is None else key(first), frames[1:])
             if out:
                 self._send(out)
         return n
 
     def _send(self, messages: list[Outgoing]) -> None:
         routes, backend = self._routes, self._zmq
+        keyed = self.auth is not None
         for msg in messages:
             if isinstance(msg, ToWorker):
                 (routes.get(msg.identity) or backend).send(msg.identity, msg.message)
                 continue
+            # Under CURVE the client id is the key, then the routing id.
+            identity = msg.identity[KEY_CHARS:] if keyed else msg.identity
             try:
-                send_frames(self.frontend, msg.frames, NOBLOCK, msg.identity)
+                send_frames(self.frontend, msg.frames, NOBLOCK, identity)
             except zmq.Again:
                 logger.warning(
                     "peer=%s on %s is not reading; dropped", msg.identity.hex(), msg.side
@@ -322,6 +355,8 @@ class BrokerServer:
             transport.close(self._linger_ms)
         self.frontend.close(linger=self._linger_ms)
         self._wake.close()
+        if self.auth is not None:
+            self.auth.close()
         if self._own_context:
             self.context.term()
 

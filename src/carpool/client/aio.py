@@ -20,7 +20,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.core import InferResult
 from carpool.client.options import ClientOptionArgs, ClientOptions
-from carpool.client.shell import ClientState, close_core, open_core, open_dealer
+from carpool.client.shell import ClientState, close_core, curve_keys, open_core, open_dealer
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
@@ -38,11 +38,12 @@ class AsyncClient:
         **options: Unpack[ClientOptionArgs],
     ) -> None:
         self.options = ClientOptions(**options)
+        keys = curve_keys(self.options)  # (before anything is opened: it may raise)
         self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
         self.context = context or zmq.asyncio.Context()
         self.socket, self._release = open_dealer(
-            self, self.context, endpoint, own_context=context is None
+            self, self.context, endpoint, own_context=context is None, keys=keys
         )
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
         # stats() calls waiting for their replies, by STATS id (several may overlap).
@@ -208,6 +209,11 @@ class AsyncClient:
                 answer.set_result(outcome)
             return
         if rid is not None:
+            refused = self._stats.get(rid)  # a STATS request answered with an error
+            if refused is not None and not isinstance(outcome, InferResult):
+                if not refused.done():
+                    refused.set_exception(outcome)
+                return
             self._settle(rid, outcome)
 
     def _settle(self, rid: int, outcome: InferResult | RequestError) -> None:

@@ -106,9 +106,10 @@ class ClientCore:
     shm_outputs: bool = False
     reader: RegionReader | None = None
     _next_sweep_s: float = 0.0
-    # STATS requests asked for and not yet given up: id -> reply, None until it arrives.
-    # (Several may be in flight at once, each waiting for the reply that echoes its id.)
-    _stats: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+    # STATS requests asked for and not yet given up: id -> reply (or the broker's error:
+    # PERMISSION_DENIED under CURVE), None until it arrives. (Several may be in flight at
+    # once, each waiting for the reply that echoes its id.)
+    _stats: dict[int, dict[str, Any] | RequestError | None] = field(default_factory=dict)
 
     @classmethod
     def from_options(cls, options: ClientOptions, arena: ShmArena | None = None) -> ClientCore:
@@ -211,8 +212,9 @@ class ClientCore:
         self._stats[sid] = None
         return sid, encode(Command.STATS, {"id": sid})
 
-    def stats_reply(self, stats_id: int) -> dict[str, Any] | None:
-        """The broker's answer to STATS request ``stats_id``; None while it has not come."""
+    def stats_reply(self, stats_id: int) -> dict[str, Any] | RequestError | None:
+        """The broker's answer to STATS request ``stats_id`` (the stats, or the error it
+        answered); None while it has not come."""
         return self._stats.get(stats_id)
 
     def forget_stats(self, stats_id: int) -> None:
@@ -273,6 +275,9 @@ class ClientCore:
             exc = error_for_code(
                 err.code, err.message, request_id=err.request_id, retry_after_s=retry
             )
+            if err.request_id is not None and err.request_id in self._stats:
+                self._stats[err.request_id] = exc  # a STATS request refused
+                return err.request_id, exc
             return self._settle(err.request_id), exc
         if command is not _REPLY:
             raise ProtocolError(f"unexpected command {command.name} from the broker")

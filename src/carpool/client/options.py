@@ -28,6 +28,8 @@ class ClientOptionArgs(TypedDict, total=False):
     shared_memory_outputs: bool
     shared_memory_group: str | None
     send_timeout_s: float | None
+    curve_server_key: str
+    curve_key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,10 @@ class ClientOptions:
             nothing (it is away, and 1,000 messages wait for it already); None: up to
             the request's own timeout; 0: not at all (a load generator must not wait).
             A request not sent in that time fails ``Unavailable``.
+        curve_server_key: for a broker with CURVE on (docs/security.md): its public key,
+            as Z85 text or the path of its ``.key`` file. "" (the default): no CURVE.
+        curve_key: this client's key pair with CURVE: the path of its ``.key_secret``
+            file (``carpool keygen``; mode 0600), or its Z85 secret key. Both or neither.
 
     Raises:
         ValueError: an option out of its range (every such option named at once).
@@ -71,6 +77,8 @@ class ClientOptions:
     shared_memory_outputs: bool = False
     shared_memory_group: str | None = None
     send_timeout_s: float | None = None
+    curve_server_key: str = ""
+    curve_key: str = ""
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,5 +94,7 @@ class ClientOptions:
             problems.append(
                 f"shared_memory_min_bytes must be 0 or more, got {self.shared_memory_min_bytes}"
             )
+        if bool(self.curve_server_key) != bool(self.curve_key):
+            problems.append("curve_server_key and curve_key go together (CURVE needs both)")
         if problems:
             raise ValueError("; ".join(problems))

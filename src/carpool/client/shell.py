@@ -17,6 +17,7 @@ import zmq
 
 from carpool.client.core import ClientCore
 from carpool.client.options import ClientOptions
+from carpool.common.curve import ClientKeys, client_keys, connect_keys
 from carpool.common.shm import ShmArena
 
 SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
@@ -40,14 +41,30 @@ def open_core(options: ClientOptions) -> ClientCore:
     return ClientCore.from_options(options, arena)
 
 
+def curve_keys(options: ClientOptions) -> ClientKeys | None:
+    """The client's CURVE keys from its options, read once (None: no CURVE).
+
+    Raises:
+        ConfigError: a key file cannot be read, or the secret one is not private.
+    """
+    return client_keys(options.curve_server_key, options.curve_key)
+
+
 def open_dealer(
-    owner: object, context: zmq.Context[SocketT], endpoint: str, *, own_context: bool
+    owner: object,
+    context: zmq.Context[SocketT],
+    endpoint: str,
+    *,
+    own_context: bool,
+    keys: ClientKeys | None = None,
 ) -> tuple[SocketT, weakref.finalize[..., object]]:
-    """A DEALER socket connected to ``endpoint``, and the finalizer that closes it (and
-    ``context`` too, with ``own_context``) at ``close()`` or when ``owner`` is collected
-    without one (see :func:`release_socket`)."""
+    """A DEALER socket connected to ``endpoint`` (a CURVE client with ``keys``), and the
+    finalizer that closes it (and ``context`` too, with ``own_context``) at ``close()``
+    or when ``owner`` is collected without one (see :func:`release_socket`)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        connect_keys(socket, keys)
     socket.connect(endpoint)
     return socket, weakref.finalize(owner, release_socket, socket, context, own_context)
 

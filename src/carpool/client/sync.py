@@ -29,7 +29,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.core import InferResult
 from carpool.client.options import ClientOptionArgs, ClientOptions
-from carpool.client.shell import ClientState, close_core, open_core, open_dealer
+from carpool.client.shell import ClientState, close_core, curve_keys, open_core, open_dealer
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
@@ -116,11 +116,12 @@ class Client:
         **options: Unpack[ClientOptionArgs],
     ) -> None:
         self.options = ClientOptions(**options)
+        keys = curve_keys(self.options)  # (before anything is opened: it may raise)
         self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
         self.context = context or zmq.Context()
         self.socket, self._release = open_dealer(
-            self, self.context, endpoint, own_context=context is None
+            self, self.context, endpoint, own_context=context is None, keys=keys
         )
         # One poller for the socket's life (Socket.poll builds a new one on every call).
         self._poller = zmq.Poller()
@@ -238,6 +239,8 @@ class Client:
                 if left <= 0:
                     raise TimeoutError("no STATS reply from the broker")
                 self._poll(left, None, sid)
+            if isinstance(got, RequestError):
+                raise got  # PermissionDenied: STATS is for operator keys (CURVE)
             return got
         finally:
             self.core.forget_stats(sid)

@@ -12,7 +12,8 @@
         ├── DeadlineExceeded       DEADLINE_EXCEEDED: the deadline passed or cannot be met
         ├── Overloaded             OVERLOADED: queue full; retry after ``retry_after_s``
         ├── Unavailable            UNAVAILABLE: no live worker, or no broker answering
-        └── InternalError          INTERNAL: the engine or the broker failed
+        ├── InternalError          INTERNAL: the engine or the broker failed
+        └── PermissionDenied       PERMISSION_DENIED: this key may not do that (STATS)
 
 This module is pure: no I/O, no imports beyond the standard library.
 """
@@ -32,6 +33,7 @@ class ErrorCode(IntEnum):
     UNAVAILABLE = 5
     INTERNAL = 6
     UNSUPPORTED_VERSION = 7
+    PERMISSION_DENIED = 8
 
 
 class CarpoolError(Exception):
@@ -113,6 +115,12 @@ class InternalError(RequestError):
     code = ErrorCode.INTERNAL
 
 
+class PermissionDenied(RequestError):
+    """The broker's CURVE settings do not let this client's key do that (STATS)."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[int, type[RequestError]] = {
     cls.code: cls
     for cls in (
@@ -123,6 +131,7 @@ _BY_CODE: dict[int, type[RequestError]] = {
         Overloaded,
         Unavailable,
         InternalError,
+        PermissionDenied,
     )
 }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from carpool.common.codec import DTYPES
 from carpool.common.config import check, out_of_range
+from carpool.common.curve import client_keys
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
 from carpool.common.shape_rules import ShapeRule
@@ -161,6 +162,10 @@ class WorkerConfig:
     shm_output_mib: int = 64
     shm_output_mode: int = 0o600
     shm_output_group: str = ""  # the ring's group ("": the worker's own)
+    # CURVE to a broker that has it on (docs/security.md): the broker's public key (its
+    # .key file, or Z85 text) and this worker's .key_secret file (mode 0600). Both or none.
+    curve_broker_key: str = ""
+    curve_key: str = ""
 
     def __post_init__(self) -> None:
         problems = out_of_range(
@@ -179,6 +184,8 @@ class WorkerConfig:
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             problems.append("model names must be unique")
+        if bool(self.curve_broker_key) != bool(self.curve_key):
+            problems.append("curve_broker_key and curve_key go together (CURVE needs both)")
         check(problems, "worker")
 
     def server(self, *, embedded: bool = False) -> WorkerServer:
@@ -195,4 +202,5 @@ class WorkerConfig:
             shm_output_mode=self.shm_output_mode,
             shm_output_group=self.shm_output_group or None,
             embedded=embedded,
+            curve=None if embedded else client_keys(self.curve_broker_key, self.curve_key),
         )

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from carpool.common.curve import ClientKeys, connect_keys
 from carpool.common.errors import ConfigError
 from carpool.common.link import MAX_FRAMES, Link, LinkFull, TooLarge
 from carpool.common.protocol import ModelSpec, ToBroker
@@ -90,6 +91,7 @@ class ZmqConnection:
         endpoint: the broker's backend.
         name: the worker's name, for logs.
         context: the zmq context; None: its own, terminated by :meth:`shut`.
+        keys: CURVE keys (the broker's public key, this worker's pair); None: no CURVE.
     """
 
     lost_log = "worker %s reconnecting: %s"
@@ -97,9 +99,15 @@ class ZmqConnection:
     lost: str | None = None  # a DEALER reconnects by itself: the core counts silence
 
     def __init__(
-        self, endpoint: str, name: str, context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self,
+        endpoint: str,
+        name: str,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        *,
+        keys: ClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.keys = keys
         self.name = name
         self._own_context = context is None
         self.context = context or zmq.Context()
@@ -112,6 +120,8 @@ class ZmqConnection:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 1000)
         dealer.setsockopt(zmq.RCVHWM, 1000)
+        if self.keys is not None:
+            connect_keys(dealer, self.keys)
         try:
             dealer.connect(self.endpoint)
         except zmq.ZMQError as exc:  # a malformed endpoint (a reconnect reuses one that worked)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import zmq
 
 from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.curve import ClientKeys
 from carpool.common.errors import ConfigError
 from carpool.common.link import link_path
 from carpool.common.protocol import FromBroker, ToBroker, decode_from_broker
@@ -85,6 +86,8 @@ class WorkerServer:
         embedded: run inside a broker's process (``BrokerServer(embedded=[...])``): no
             socket to the broker, which drives this worker through :meth:`deliver` and
             :meth:`service`; :meth:`serve` is not used.
+        curve: CURVE keys for a ZeroMQ broker endpoint (the broker's public key, this
+            worker's pair; :func:`carpool.common.curve.client_keys`); None: no CURVE.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class WorkerServer:
         shm_output_mode: int = 0o600,
         shm_output_group: str | None = None,
         embedded: bool = False,
+        curve: ClientKeys | None = None,
     ) -> None:
         if not models:
             raise ConfigError("a worker needs at least one model")
@@ -151,7 +155,7 @@ class WorkerServer:
         elif path is not None:
             self._conn = LinkConnection(broker, path, name)
         else:
-            self._conn = ZmqConnection(broker, name, context)
+            self._conn = ZmqConnection(broker, name, context, keys=curve)
         self._close_wait_s = _CLOSE_WAIT_EMBEDDED_S if embedded else _CLOSE_WAIT_S
         self._wake = WakePipe()  # stop() wakes a blocked poll
         self._results_fd = self._inference.wake_fd

@@ -13,6 +13,7 @@ from carpool.common.errors import (
     InvalidArgument,
     NotFound,
     Overloaded,
+    PermissionDenied,
     ProtocolError,
     RequestError,
     Unavailable,
@@ -28,6 +29,7 @@ BY_CODE = {
     ErrorCode.UNAVAILABLE: Unavailable,
     ErrorCode.INTERNAL: InternalError,
     ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersion,
+    ErrorCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -44,6 +46,7 @@ def test_wire_values_never_change() -> None:
         "UNAVAILABLE": 5,
         "INTERNAL": 6,
         "UNSUPPORTED_VERSION": 7,
+        "PERMISSION_DENIED": 8,
     }
 
 
@@ -59,7 +62,7 @@ def test_error_for_code_maps_to_class(code: ErrorCode, cls: type[RequestError]) 
     assert isinstance(exc, CarpoolError)
 
 
-@pytest.mark.parametrize("code", [0, 8, 99, -1, 2**40])
+@pytest.mark.parametrize("code", [0, 9, 99, -1, 2**40])
 def test_unknown_code_becomes_internal_error(code: int) -> None:
     exc = error_for_code(code, "what", request_id=3)
     assert type(exc) is InternalError

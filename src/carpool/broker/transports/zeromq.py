@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
+from carpool.broker.auth import WorkerKeys
 from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.errors import ConfigError
@@ -29,11 +31,13 @@ def bind_router(
     max_frame_mib: int = 0,
     peer_heartbeat_s: float = 0.0,
     peer_timeout_s: float = 0.0,
+    secure: Callable[[zmq.Socket[Any]], None] | None = None,
 ) -> zmq.Socket[bytes]:
     """A ROUTER bound to ``endpoint``: ROUTER_MANDATORY, high-water marks of 10,000, no
     linger; frames over ``max_frame_mib`` (0: no limit) drop the connection; ZMTP
     heartbeats every ``peer_heartbeat_s`` (0: none) close a peer silent for
-    ``peer_timeout_s``.
+    ``peer_timeout_s``; ``secure`` sets CURVE on it before the bind
+    (:class:`carpool.broker.auth.BrokerAuth`).
 
     Raises:
         ConfigError: the endpoint is malformed or in use (the socket is closed).
@@ -48,6 +52,8 @@ def bind_router(
     if peer_heartbeat_s:  # peers that vanish (BrokerConfig)
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(peer_heartbeat_s * 1000)))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(peer_timeout_s * 1000))
+    if secure is not None:
+        secure(sock)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:  # a malformed endpoint, an address in use
@@ -66,6 +72,8 @@ class ZmqWorkers:
         reserved: id prefixes of the other transports: a peer that sets such a routing id
             is not heard (none may speak as an embedded or local worker), and a message
             for such an id (a local worker whose link has just gone) is not sent here.
+        keys: under CURVE, the key each worker id registered with: a message under that
+            id with another key is not heard.
     """
 
     label = "zeromq"
@@ -78,8 +86,11 @@ class ZmqWorkers:
         poller: zmq.Poller,
         upstream: Upstream,
         reserved: Sequence[bytes] = (),
+        *,
+        keys: WorkerKeys | None = None,
     ) -> None:
         self.router = router
+        self.keys = keys
         self._up = upstream
         self._reserved = tuple(reserved)
         poller.register(router, zmq.POLLIN)
@@ -101,12 +112,15 @@ class ZmqWorkers:
         up = self._up
         on_worker, send, now = up.on_worker, up.send, up.now
         reserved = self._reserved
+        keys = self.keys
         n = 0
         for frames in waiting(router, BURST):
             n += 1
             identity = frames[0].bytes
             if reserved and identity.startswith(reserved):
                 logger.warning("a backend peer used a local worker's id: dropped")
+                continue
+            if keys is not None and not keys.admit(identity, frames[0]):
                 continue
             out = on_worker(now(), identity, decode_from_worker(frames[1:]))
             if out:

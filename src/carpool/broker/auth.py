@@ -1,0 +1,222 @@
+"""auth.py: BrokerAuth — CURVE on the broker's two ROUTERs, and who may say what.
+
+With ``[curve] enabled``, both ROUTERs are CURVE servers with the broker's key pair, and a
+ZAP authenticator (pyzmq's ``ThreadAuthenticator``, on the broker's context, started
+before either socket binds) checks each connecting key against the allow-list of the
+socket's ZAP domain: :data:`CLIENTS` for the frontend (the clients' and the operators'
+keys), :data:`WORKERS` for the backend (the workers'). The lists are separate, so a
+client key never completes a handshake on the worker socket. A peer without CURVE, or
+with a key not on the list, never gets a message to the broker: libzmq ends its
+handshake. :meth:`BrokerAuth.reload` reads the directories again (SIGHUP): a removed key
+can no longer connect (connections already open stay until they close).
+
+Each message then carries its connection's authenticated key (the ``User-Id`` property,
+the Z85 public key). On the frontend the core's client id is that key followed by what
+the server keyed the client by before (:meth:`BrokerAuth.client_key`), so every request,
+its reply and STATS access (:meth:`BrokerAuth.is_operator`) are bound to the key; the
+reply goes to the id after the key (:data:`KEY_CHARS` bytes on). On the backend
+:class:`WorkerKeys` records the key a worker id first spoke with and refuses a message
+under that id with another key while the worker is registered.
+
+Refused handshakes and messages are logged by :class:`FailureLog`: at most so many lines
+a minute, then one line with the count of those not logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from carpool.broker.config import CurveConfig
+from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.curve import KEY_CHARS, KeyPair, load_allowed, load_keypair
+from carpool.common.errors import ConfigError
+
+__all__ = ["CLIENTS", "KEY_CHARS", "WORKERS", "BrokerAuth", "FailureLog", "WorkerKeys"]
+
+logger = logging.getLogger(__name__)
+
+#: ZAP domains of the frontend and the backend.
+CLIENTS, WORKERS = "carpool-clients", "carpool-workers"
+_USER_ID = "User-Id"
+_frame_get = zmq.Frame.get
+
+
+def _frame_bytes(frame: zmq.Frame) -> bytes:
+    return frame.bytes
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The authenticated key of the connection a message came by (its ``User-Id``)."""
+    return _frame_get(frame, _USER_ID)  # type: ignore[return-value]  # (a str property)
+
+
+class FailureLog:
+    """Warnings about refused peers, at most ``per_min`` lines a minute; the lines not
+    written are counted and reported with the next one written."""
+
+    def __init__(self, per_min: int, clock: Clock | None = None) -> None:
+        self.per_min = per_min
+        self._clock: Clock = clock or MonotonicClock()
+        self._window_s = -60.0
+        self._written = 0
+        self.suppressed = 0
+        self.total = 0
+
+    def refused(self, fmt: str, *args: object) -> None:
+        self.total += 1
+        now = self._clock.now()
+        if now - self._window_s >= 60.0:
+            self._window_s, self._written = now, 0
+        if self._written >= self.per_min:
+            self.suppressed += 1
+            return
+        self._written += 1
+        if self.suppressed:
+            fmt += " (%d more refused and not logged)"
+            args = (*args, self.suppressed)
+            self.suppressed = 0
+        logger.warning(fmt, *args)
+
+
+class _AllowList:
+    """A ZAP domain's credentials provider (``configure_curve_callback``): the keys it
+    accepts are swapped whole on reload, so the authenticator's thread reads either."""
+
+    def __init__(self, side: str, log: FailureLog) -> None:
+        self.side = side
+        self.keys: frozenset[bytes] = frozenset()
+        self._log = log
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        self._log.refused("CURVE key %s refused on the %s socket", key.decode(), self.side)
+        return False
+
+
+class BrokerAuth:
+    """The broker's key pair, its allow-lists and the ZAP authenticator serving them.
+
+    Args:
+        context: the broker's context (the authenticator must share it).
+        config: the ``[curve]`` settings (enabled).
+
+    Raises:
+        ConfigError: a key file or an allow-list cannot be read, or the secret is not private.
+    """
+
+    def __init__(self, context: zmq.Context[Any], config: CurveConfig) -> None:
+        self.config = config
+        self.pair: KeyPair = load_keypair(config.server_key)
+        self.failures = FailureLog(config.failure_logs_per_min)
+        self._clients = _AllowList("client", self.failures)
+        self._workers = _AllowList("worker", self.failures)
+        self.operators: frozenset[bytes] = frozenset()
+        self._load()  # first: a bad directory is a ConfigError, not a log line
+        self._auth = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(CLIENTS, self._clients)
+        self._auth.configure_curve_callback(WORKERS, self._workers)
+
+    def _load(self) -> None:
+        config = self.config
+        clients = load_allowed(config.clients)
+        workers = load_allowed(config.workers)
+        operators = load_allowed(config.operators) if config.operators else frozenset()
+        self._clients.keys = clients | operators
+        self._workers.keys = workers
+        self.operators = operators
+
+    def reload(self) -> bool:
+        """Read the allow-lists again (SIGHUP); on a problem keep the current ones and log it."""
+        try:
+            self._load()
+        except ConfigError as exc:
+            logger.error("CURVE allow-lists not reloaded (the current ones stay): %s", exc)
+            return False
+        logger.info(
+            "CURVE allow-lists reloaded: %d client, %d worker, %d operator keys",
+            len(self._clients.keys - self.operators),
+            len(self._workers.keys),
+            len(self.operators),
+        )
+        return True
+
+    def secure(self, sock: zmq.Socket[Any], domain: str) -> None:
+        """Make ``sock`` a CURVE server of ZAP ``domain`` (before it binds)."""
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.pair.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.pair.public)
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+    def secure_frontend(self, sock: zmq.Socket[Any]) -> None:
+        self.secure(sock, CLIENTS)
+
+    def secure_backend(self, sock: zmq.Socket[Any]) -> None:
+        self.secure(sock, WORKERS)
+
+    @staticmethod
+    def client_key(
+        inner: Callable[[zmq.Frame], bytes] = _frame_bytes,
+    ) -> Callable[[zmq.Frame], bytes]:
+        """The core's client id for a frontend message, from its routing-id frame: the
+        sender's authenticated key, then ``inner``'s id (by default the routing id)."""
+
+        user_id = _user_id
+
+        def key(first: zmq.Frame) -> bytes:
+            return user_id(first).encode() + inner(first)
+
+        return key
+
+    def is_operator(self, client: bytes) -> bool:
+        """Whether the core's client id ``client`` is an operator's (STATS)."""
+        return client[:KEY_CHARS] in self.operators
+
+    def close(self) -> None:
+        self._auth.stop()
+
+
+class WorkerKeys:
+    """The key each worker id on the backend first spoke with.
+
+    Args:
+        knows: whether the broker has that worker registered now; a binding outlives its
+            worker only until the table is next pruned, and a worker id that is no longer
+            registered may be taken by another key.
+        log: where refusals go.
+    """
+
+    def __init__(self, knows: Callable[[bytes], bool], log: FailureLog) -> None:
+        self._knows = knows
+        self._log = log
+        self._by_worker: dict[bytes, str] = {}
+        self._prune_at = 64
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._by_worker)
+
+    def admit(self, wid: bytes, first: zmq.Frame) -> bool:
+        """Whether the message whose routing-id frame is ``first`` may be heard."""
+        key = _user_id(first)
+        bound = self._by_worker.get(wid)
+        if bound == key:
+            return True
+        if bound is not None and self._knows(wid):
+            self.refused += 1
+            self._log.refused(
+                "worker %s spoke with key %s; it registered with %s: refused", wid.hex(), key, bound
+            )
+            return False
+        self._by_worker[wid] = key
+        if len(self._by_worker) > self._prune_at:
+            knows = self._knows
+            self._by_worker = {w: k for w, k in self._by_worker.items() if knows(w) or w == wid}
+            self._prune_at = max(64, 2 * len(self._by_worker))
+        return True
