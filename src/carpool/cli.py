@@ -24,6 +24,8 @@ from carpool.common.config import from_mapping, load_toml
 from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
 from carpool.common.memory import tune_allocator
+from carpool.curvecmd import add_broker_flags, add_worker_flags, broker_curve, worker_curve
+from carpool.curvecmd import add_parsers as add_keygen_parsers
 
 if TYPE_CHECKING:
     from carpool.worker.config import ModelConfig, WorkerConfig
@@ -103,7 +105,7 @@ def _broker(args: argparse.Namespace) -> int:
         data,
         {"frontend": args.frontend, "backend": args.backend, "local_backend": args.local},
     )
-    config = from_mapping(BrokerConfig, data)
+    config = from_mapping(BrokerConfig, broker_curve(data, args))
     overrides: dict[str, Any] = {}
     if args.max_batch is not None:
         overrides["max_batch"] = args.max_batch
@@ -121,6 +123,8 @@ def _broker(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         embedded = [stack.enter_context(w) for w in _embedded_workers(args)]
         server = stack.enter_context(BrokerServer(config, record=record, embedded=embedded))
+        # SIGHUP reads the CURVE allow-lists again (revocation without a restart).
+        signal.signal(signal.SIGHUP, lambda signum, frame: server.ask_reload())
         with _stopped_by_signals(server.stop, server.signal_fd):
             server.serve()
     return 0
@@ -186,6 +190,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     data = load_toml(args.config) if args.config else {}
     data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
     data = _overlay(data, {"broker": args.broker, "name": args.name, "slots": args.slots})
+    data = _overlay(data, worker_curve(args))
     config = from_mapping(WorkerConfig, data)
     # --model and --synthetic add up, and together replace the file's [[models]].
     models = [model_from_arg(m) for m in args.model or ()]
@@ -254,6 +259,7 @@ def _broker_args(b: argparse.ArgumentParser) -> None:
         help="also take workers on this host on a unix socket (cheaper hops than ZeroMQ)",
     )
     add_batching_flags(b)
+    add_broker_flags(b)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="ONNX Runtime intra-op threads of every model served (default 1, or "
         "intra_op_threads of --config's models)",
     )
+
+    add_worker_flags(w)
+    add_keygen_parsers(sub)
 
     d = add_command(sub, "demo", _demo)
     for name, (kind, default, text) in _DEMO_FLAGS.items():

@@ -78,6 +78,7 @@ class BrokerServer:
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._stopping = False
+        self._reload_asked = False  # ask_reload (SIGHUP): reload_keys on the next turn
         self._stops = 0  # stop() calls after the first: one ends wind_down's wait
         self._closed = False
         self._linger_ms = 0  # wind_down raises it: its answers must leave before close
@@ -184,6 +185,11 @@ class BrokerServer:
         if self._trace is not None:  # (and its lock: a retry must be able to record)
             self._trace.close()
 
+    def ask_reload(self) -> None:
+        """Have the loop call :meth:`reload_keys` (from a signal handler or any thread)."""
+        self._reload_asked = True
+        self._wake.wake()
+
     def reload_keys(self) -> bool:
         """Read the CURVE allow-lists again (SIGHUP; :meth:`BrokerAuth.reload`). False
         when CURVE is off or a list could not be read (the current ones stay)."""
@@ -236,6 +242,9 @@ class BrokerServer:
             handled += self._drain_clients()
         if self._wake.fd in events:
             self._wake.clear()
+            if self._reload_asked:
+                self._reload_asked = False
+                self.reload_keys()
         for transport in transports:
             handled += transport.on_poll(events)
         now = self.clock.now()

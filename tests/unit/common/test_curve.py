@@ -1,0 +1,97 @@
+"""common/curve.py and the broker's CURVE settings: key files, modes, allow-lists; the
+rate-limited log of refusals (broker/auth.py FailureLog)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import zmq
+
+from carpool.broker.auth import FailureLog
+from carpool.broker.config import CurveConfig
+from carpool.common.curve import (
+    client_keys,
+    create_keypair,
+    load_allowed,
+    load_keypair,
+    load_public,
+)
+from carpool.common.errors import ConfigError
+from carpool.common.testing import FakeClock
+
+
+def test_a_pair_loads_from_its_files_or_from_z85_text(tmp_path: Path) -> None:
+    public, secret = create_keypair(tmp_path, "a")
+    pair = load_keypair(secret)
+    assert load_public(public) == pair.public
+    assert load_keypair(pair.secret.decode()) == pair  # the public half is derived
+    assert load_public(pair.public.decode()) == pair.public
+    assert pair.secret.decode() not in repr(pair)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644])
+def test_a_secret_file_others_may_read_is_refused_naming_file_and_mode(
+    tmp_path: Path, mode: int
+) -> None:
+    _, secret = create_keypair(tmp_path, "a")
+    os.chmod(secret, mode)
+    with pytest.raises(ConfigError, match=rf"{secret} has mode {mode:04o}"):
+        load_keypair(secret)
+    os.chmod(secret, 0o400)
+    load_keypair(secret)
+
+
+def test_a_public_file_is_no_key_pair(tmp_path: Path) -> None:
+    public, _ = create_keypair(tmp_path, "a")
+    os.chmod(public, 0o600)
+    with pytest.raises(ConfigError, match="no secret key"):
+        load_keypair(public)
+
+
+def test_an_allow_list_holds_the_public_keys_of_its_directory(tmp_path: Path) -> None:
+    keys = {load_public(create_keypair(tmp_path / "d", n)[0]) for n in ("a", "b")}
+    assert load_allowed(tmp_path / "d") == keys
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_allowed(tmp_path / "missing")
+
+
+def test_keygen_never_replaces_a_pair(tmp_path: Path) -> None:
+    create_keypair(tmp_path, "a")
+    with pytest.raises(ConfigError, match="exists already"):
+        create_keypair(tmp_path, "a")
+
+
+def test_client_keys_are_both_or_none(tmp_path: Path) -> None:
+    assert client_keys("", "") is None
+    public, secret = create_keypair(tmp_path, "a")
+    with pytest.raises(ConfigError, match="both"):
+        client_keys(str(public), "")
+    keys = client_keys(str(public), str(secret))
+    assert keys is not None
+    assert keys.server == keys.own.public == zmq.curve_public(keys.own.secret)
+
+
+def test_curve_settings_need_their_keys_and_two_allow_lists(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="enabled needs server_key, clients, workers"):
+        CurveConfig(enabled=True)
+    with pytest.raises(ConfigError, match="different directories"):
+        CurveConfig(enabled=True, server_key="k", clients=str(tmp_path), workers=f"{tmp_path}/.")
+
+
+def test_refusals_are_logged_at_most_per_min_lines_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    log = FailureLog(3, clock)
+    with caplog.at_level(logging.WARNING, "carpool.broker.auth"):
+        for _ in range(1000):
+            log.refused("key %s refused", "k")
+        assert len(caplog.records) == 3
+        clock.advance(60.0)
+        log.refused("key %s refused", "k")
+    assert len(caplog.records) == 4
+    assert "997 more refused and not logged" in caplog.records[-1].getMessage()
+    assert log.total == 1001
