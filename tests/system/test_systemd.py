@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.broker.config import BrokerConfig
+from carpool.broker.config import BrokerConfig, CurveConfig
 from carpool.common.config import from_mapping, load_toml
 from carpool.worker.config import WorkerConfig
 
@@ -28,12 +28,19 @@ def test_broker_example_loads() -> None:
 
 
 def test_broker_example_shows_the_defaults_but_where_it_says_not() -> None:
-    """Its first line says so: all but the endpoints and the [models] example."""
+    """Its first line says so: all but the endpoints, [curve] and the [models] example."""
     import dataclasses
 
     config = from_mapping(BrokerConfig, load_toml(SYSTEMD / "broker.toml.example"))
+    assert config.curve.enabled  # its sockets face the network
+    curve = dataclasses.replace(config.curve, enabled=False, server_key="", clients="", workers="")
+    assert curve == CurveConfig()
     shown = dataclasses.replace(
-        config, frontend=BrokerConfig().frontend, backend=BrokerConfig().backend, models={}
+        config,
+        frontend=BrokerConfig().frontend,
+        backend=BrokerConfig().backend,
+        models={},
+        curve=CurveConfig(),
     )
     assert shown == BrokerConfig()
 
