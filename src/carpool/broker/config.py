@@ -31,6 +31,10 @@ class BatchingConfig:
     target_rho: float = 0.5  # ρ* the adaptive B_max steers towards
     learning_rate: float = 0.5  # η of the ρ gradient step
     adapt_interval_s: float = 0.5  # at most one B_max step per interval
+    # carpool policy: the share of a request's timeout kept in reserve at the door (a
+    # request is let in when its predicted completion, stretched by the spread of batch
+    # times, falls within the rest), so that one let in makes its deadline.
+    admit_headroom: float = 0.1
 
     def __post_init__(self) -> None:
         check(_batching_problems(self), "batching")
@@ -54,6 +58,7 @@ class BatchingOverride:
     target_rho: float | None = None
     learning_rate: float | None = None
     adapt_interval_s: float | None = None
+    admit_headroom: float | None = None
 
     def settings(self) -> dict[str, Any]:
         """The keys this table sets, with their values."""
@@ -85,6 +90,8 @@ def _batching_problems(b: BatchingConfig | BatchingOverride) -> list[str]:
         problems.append("learning_rate must be in (0, 1] (larger steps overshoot)")
     if b.adapt_interval_s is not None and not 0.0 <= b.adapt_interval_s <= 60.0:
         problems.append("adapt_interval_s must be in 0..60")
+    if b.admit_headroom is not None and not 0.0 <= b.admit_headroom <= 0.9:
+        problems.append(f"admit_headroom must be in 0..0.9, got {b.admit_headroom}")
     return problems
 
 

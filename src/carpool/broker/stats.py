@@ -25,6 +25,7 @@ class BrokerStats:
         self.requeued = 0
         self.late_results = 0
         self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
+        self.shed_at_door = 0  # ... of them refused on arrival, never queued
 
     def forget(self, model: str) -> None:
         """A model no worker serves is forgotten: its counters go too."""
@@ -62,6 +63,7 @@ def snapshot(
         "undeliverable": stats.undeliverable,
         "late_results": stats.late_results,
         "shed": stats.shed,
+        "shed_at_door": stats.shed_at_door,
         "known_models": len(registry.specs),
         "workers": [
             {

@@ -1525,6 +1525,7 @@ def test_stats_snapshot_counts() -> None:
         "undeliverable": 1,
         "late_results": 0,
         "shed": 0,
+        "shed_at_door": 0,
         "known_models": 1,
         "workers": [
             {
