@@ -127,6 +127,12 @@ class BrokerConfig:
     forget_unserved_s: float = 60.0
     liveness: int = 3  # heartbeat intervals of silence before a worker is gone
     max_attempts: int = 2  # dispatches of one request before a lost worker fails it
+    # The engine watchdog: a batch running longer than max(watchdog_factor × its predicted
+    # time, predicted + watchdog_slack_s) marks its worker unhealthy (no more batches until
+    # it shows progress) and its requests go to other workers as a lost worker's do. The
+    # prediction is the worker's fitted cost (0 before its first result: the slack alone).
+    watchdog_factor: float = 5.0
+    watchdog_slack_s: float = 1.0
     # Largest frame a client may send (ZMQ_MAXMSGSIZE on the frontend; 0: no limit). A
     # client that announces a larger one is disconnected by libzmq before it is buffered.
     max_frame_mib: int = 2048
@@ -163,6 +169,8 @@ class BrokerConfig:
                 "max_attempts": (1, 10),
                 "register_grace_s": (0, 600),
                 "stop_grace_s": (0, 600),
+                "watchdog_factor": (1, 1000),
+                "watchdog_slack_s": (0.001, 3600),
             },
         )
         if not (self.peer_heartbeat_s == 0 or 0.001 <= self.peer_heartbeat_s <= 3600):

@@ -307,7 +307,7 @@ class Dispatcher:
         inflight = InflightBatch(
             batch_id, worker.wid, requests, key, samples, capacity.cost.estimate(samples)
         )
-        self._inflight.add(worker, inflight)
+        self._inflight.add(now, worker, inflight)
         worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s
         worker.lanes[model].on_dispatch(samples)
         self.stats.batch(model, samples)

@@ -157,6 +157,8 @@ class FleetModel:
         rate_sps = fixed_s = per_sample_s = spread = 0.0
         full = cap
         for w in self.registry.serving(model):
+            if not w.credits:  # unhealthy: it drains nothing
+                continue
             lane = w.lanes[model]
             cost = lane.cost(key)
             size = min(cap, lane.max_batch)
@@ -187,7 +189,7 @@ class FleetModel:
             return 1
         idle = 0
         for w in workers:
-            if not w.outstanding and w.lanes[model].max_batch >= samples:
+            if not w.outstanding and w.credits and w.lanes[model].max_batch >= samples:
                 idle += 1
                 if idle >= most:
                     break

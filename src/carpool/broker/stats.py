@@ -23,7 +23,8 @@ class BrokerStats:
         self.batch_sizes: dict[str, Counter[int]] = {}
         self.undeliverable = 0
         self.requeued = 0
-        self.late_results = 0
+        self.late_results = 0  # RESULT/FAILED for a batch the sender no longer holds
+        self.unhealthy = 0  # workers marked unhealthy by the engine watchdog
         self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
         self.shed_at_door = 0  # ... of them refused on arrival, never queued
 
@@ -62,6 +63,7 @@ def snapshot(
         "requeued": stats.requeued,
         "undeliverable": stats.undeliverable,
         "late_results": stats.late_results,
+        "unhealthy": stats.unhealthy,
         "shed": stats.shed,
         "shed_at_door": stats.shed_at_door,
         "known_models": len(registry.specs),
@@ -72,6 +74,7 @@ def snapshot(
                 "slots": w.slots,
                 "outstanding": len(w.outstanding),
                 "rho": w.rho,
+                "health": w.health.value,
                 "lanes": {name: _lane_snapshot(lane) for name, lane in w.lanes.items()},
                 "transport": transport(w.wid),
             }

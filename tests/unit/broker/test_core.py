@@ -1524,6 +1524,7 @@ def test_stats_snapshot_counts() -> None:
         "requeued": 0,
         "undeliverable": 1,
         "late_results": 0,
+        "unhealthy": 0,
         "shed": 0,
         "shed_at_door": 0,
         "known_models": 1,
@@ -1534,6 +1535,7 @@ def test_stats_snapshot_counts() -> None:
                 "slots": 2,
                 "outstanding": 2,
                 "rho": 0.5,
+                "health": "healthy",
                 "lanes": {"m": snap["workers"][0]["lanes"]["m"]},
                 "transport": "zeromq",
             }
