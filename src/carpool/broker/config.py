@@ -130,7 +130,8 @@ class BrokerConfig:
     # The engine watchdog: a batch running longer than max(watchdog_factor × its predicted
     # time, predicted + watchdog_slack_s) marks its worker unhealthy (no more batches until
     # it shows progress) and its requests go to other workers as a lost worker's do. The
-    # prediction is the worker's fitted cost (0 before its first result: the slack alone).
+    # prediction is the worker's fitted cost, else another worker's of the model; with
+    # none (the model's first batches) a batch may run until its last deadline.
     watchdog_factor: float = 5.0
     watchdog_slack_s: float = 1.0
     # Largest frame a client may send (ZMQ_MAXMSGSIZE on the frontend; 0: no limit). A

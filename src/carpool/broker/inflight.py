@@ -6,10 +6,11 @@ when its worker answers it, when the worker is lost or turns unhealthy, or when 
 broker stops; each worker's ``outstanding`` set (its credits in use) changes only here.
 
 The watchdog: a worker runs its batches in the order they came, so only the oldest batch
-at each worker (its head) is running. The head gets ``max(factor × predicted, predicted +
-slack_s)`` from when it became the head (its dispatch, or the answer to the batch before
-it) to be answered; :meth:`InflightTable.overdue` returns the heads past that. The cost
-is a heap push per batch, and a pop when its time comes or when it reaches the top
+at each worker (its head) is running. The head gets its ``watch_s`` (``max(factor ×
+predicted, predicted + slack_s)``, :meth:`InflightTable.limit_s`, with the dispatcher's
+prediction) from when it became the head (its dispatch, or the answer to the batch
+before it) to be answered; :meth:`InflightTable.overdue` returns the heads past that. The
+cost is a heap push per batch, and a pop when its time comes or when it reaches the top
 already answered.
 """
 
@@ -33,6 +34,7 @@ class InflightBatch:
     key: RequestKey  # key[0] is the model
     samples: int
     predicted_s: float  # the cost model's duration estimate at dispatch
+    watch_s: float  # how long it may run once it is the oldest at its worker (watchdog)
     # When the watchdog gives up on it: set once it is the oldest batch at its worker.
     due_s: float = math.inf
     head_s: float = 0.0  # when it became the oldest batch at its worker
@@ -81,7 +83,7 @@ class InflightTable:
 
     def _arm(self, now: float, batch: InflightBatch) -> None:
         batch.head_s = now
-        batch.due_s = now + self.limit_s(batch.predicted_s)
+        batch.due_s = now + batch.watch_s
         heapq.heappush(self._due, (batch.due_s, batch.batch_id))
 
     def take(self, now: float, worker: WorkerState, batch_id: int) -> InflightBatch | None:

@@ -305,13 +305,13 @@ class WorkerEvents:
                 continue
             logger.warning(
                 "worker unhealthy name=%s: batch %d of model %s has run %.3f s, "
-                "predicted %.3f s (watchdog at %.3f s)",
+                "predicted %.3f s (limit %.3f s)",
                 worker.name,
                 batch.batch_id,
                 batch.key[0],
                 now - batch.head_s,
                 batch.predicted_s,
-                self._inflight.limit_s(batch.predicted_s),
+                batch.watch_s,
             )
             self.registry.set_health(now, worker, Health.UNHEALTHY)
             self.stats.unhealthy += 1
