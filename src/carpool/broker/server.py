@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from carpool.broker.config import BrokerConfig
+from carpool.broker.connections import ClientConnections
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
 from carpool.broker.registry import WorkerId
 from carpool.broker.trace import TraceWriter
@@ -28,6 +29,7 @@ from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
 from carpool.common.clock import Clock, MonotonicClock, wall_offset_s
 from carpool.common.errors import ConfigError
 from carpool.common.link import LinkListener, link_path
+from carpool.common.routing_ids import seed_routing_ids
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 
@@ -84,6 +86,11 @@ class BrokerServer:
         self.transports: list[WorkerTransport] = []
         self.local: LinkWorkers | None = None
         config = self.config
+        # Before the ROUTERs are made: each draws where its generated routing ids start.
+        seed_routing_ids()
+        # Which connection each client message came by (reply routing, connections.py).
+        tracked = not config.frontend.startswith("inproc:")
+        self._clients = clients = ClientConnections(self.context, tracked=tracked)
         try:
             # Clients are the untrusted side: a frame over the limit drops that connection
             # (libzmq refuses it before buffering). Workers are not limited: an output over
@@ -95,6 +102,7 @@ class BrokerServer:
                 max_frame_mib=config.max_frame_mib,
                 peer_heartbeat_s=heartbeat_s,
                 peer_timeout_s=timeout_s,
+                prepare=clients.watch,
             )
             try:
                 backend = bind_router(
@@ -104,9 +112,11 @@ class BrokerServer:
                     peer_timeout_s=timeout_s,
                 )
             except ConfigError:
+                clients.close()
                 self.frontend.close()
                 raise
         except ConfigError:
+            clients.close()
             if self._own_context:
                 self.context.term()
             if self._trace is not None:  # (and its lock: a retry must be able to record)
@@ -116,6 +126,8 @@ class BrokerServer:
         self._wake = WakePipe()
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
+        if clients.monitor is not None:
+            self.poller.register(clients.monitor, zmq.POLLIN)
         self._later: list[Callable[[], None]] = []
         self._routes: dict[bytes, WorkerTransport] = {}
         up = Upstream(
@@ -204,6 +216,8 @@ class BrokerServer:
                 wait_ms = 0  # whole messages wait in a buffer: no poll would say so
         events = dict(self.poller.poll(wait_ms))
         handled = 0
+        if self._clients.monitor in events:  # connections opened and closed
+            self._clients.refresh()
         if self.frontend in events:
             handled += self._drain_clients()
         if self._wake.fd in events:
@@ -223,31 +237,39 @@ class BrokerServer:
         """The messages waiting on the frontend, each handed to the core."""
         on_client = self.core.on_client
         now = self.clock.now
+        key = self._clients.key  # which connection each came by (connections.py)
         n = 0
         for frames in waiting(self.frontend, BURST):
             n += 1
-            out = on_client(now(), frames[0].bytes, frames[1:])
+            out = on_client(now(), key(frames[0]), frames[1:])
             if out:
                 self._send(out)
         return n
 
     def _send(self, messages: list[Outgoing]) -> None:
         routes, backend = self._routes, self._zmq
+        clients = self._clients
+        fresh = False  # the monitor read since the last send to a client
         for msg in messages:
             if isinstance(msg, ToWorker):
                 (routes.get(msg.identity) or backend).send(msg.identity, msg.message)
                 continue
+            if not fresh:  # a connection closed before this point gets nothing
+                clients.refresh()
+                fresh = True
+            identity = clients.reply_to(msg.identity)
+            if identity is None:
+                self.core.stats.departed += 1
+                continue
             try:
-                send_frames(self.frontend, msg.frames, NOBLOCK, msg.identity)
+                send_frames(self.frontend, msg.frames, NOBLOCK, identity)
             except zmq.Again:
-                logger.warning(
-                    "peer=%s on %s is not reading; dropped", msg.identity.hex(), msg.side
-                )
+                logger.warning("peer=%s on %s is not reading; dropped", identity.hex(), msg.side)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EHOSTUNREACH:
                     raise
-                logger.info("peer=%s on %s is gone", msg.identity.hex(), msg.side.value)
+                logger.info("peer=%s on %s is gone", identity.hex(), msg.side.value)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
         if self._later and not self._delivering:
             self._run_later()
@@ -320,6 +342,7 @@ class BrokerServer:
             self._trace.close()
         for transport in reversed(self.transports):
             transport.close(self._linger_ms)
+        self._clients.close()
         self.frontend.close(linger=self._linger_ms)
         self._wake.close()
         if self._own_context:

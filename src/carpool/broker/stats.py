@@ -22,6 +22,8 @@ class BrokerStats:
         self.errors: Counter[str] = Counter()
         self.batch_sizes: dict[str, Counter[int]] = {}
         self.undeliverable = 0
+        # replies dropped because the client's connection had closed (connections.py)
+        self.departed = 0
         self.requeued = 0
         self.late_results = 0  # RESULT/FAILED for a batch the sender no longer holds
         self.unhealthy = 0  # workers marked unhealthy by the engine watchdog
@@ -62,6 +64,7 @@ def snapshot(
         "inflight_batches": inflight,
         "requeued": stats.requeued,
         "undeliverable": stats.undeliverable,
+        "departed": stats.departed,
         "late_results": stats.late_results,
         "unhealthy": stats.unhealthy,
         "shed": stats.shed,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -29,11 +29,12 @@ def bind_router(
     max_frame_mib: int = 0,
     peer_heartbeat_s: float = 0.0,
     peer_timeout_s: float = 0.0,
+    prepare: Callable[[zmq.Socket[bytes]], None] | None = None,
 ) -> zmq.Socket[bytes]:
     """A ROUTER bound to ``endpoint``: ROUTER_MANDATORY, high-water marks of 10,000, no
     linger; frames over ``max_frame_mib`` (0: no limit) drop the connection; ZMTP
     heartbeats every ``peer_heartbeat_s`` (0: none) close a peer silent for
-    ``peer_timeout_s``.
+    ``peer_timeout_s``; ``prepare`` is called with the socket before it binds.
 
     Raises:
         ConfigError: the endpoint is malformed or in use (the socket is closed).
@@ -48,6 +49,8 @@ def bind_router(
     if peer_heartbeat_s:  # peers that vanish (BrokerConfig)
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(peer_heartbeat_s * 1000)))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(peer_timeout_s * 1000))
+    if prepare is not None:
+        prepare(sock)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:  # a malformed endpoint, an address in use
