@@ -164,7 +164,6 @@ class ClientConnections:
         self.table = ConnectionTable()
         self.alive = self.table.alive
         self.monitor: zmq.Socket[bytes] | None = None
-        self._watched: zmq.Socket[bytes] | None = None
         self._inproc = self.table.token(-1, b"")
         #: The core's client id for a message (:meth:`key_by_connection`, or the one
         #: connection's when not tracked).
@@ -181,7 +180,7 @@ class ClientConnections:
         monitor.setsockopt(zmq.RCVHWM, 0)
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(self._address)
-        self.monitor, self._watched = monitor, frontend
+        self.monitor = monitor
 
     def refresh(self) -> dict[int, list[tuple[bytes, bytes | None]]]:
         """Read every event waiting on the monitor into the table; return the
@@ -230,10 +229,8 @@ class ClientConnections:
         return key[TOKEN_BYTES:]
 
     def close(self) -> None:
-        if self._watched is not None:
-            if not self._watched.closed:  # (bind_router closes it when the bind fails)
-                self._watched.disable_monitor()
-            self._watched = None
+        """Close the monitor's socket; call it after the frontend is closed, which stops
+        its monitor (a monitor stopped first could block on an event being sent)."""
         if self.monitor is not None:
             self.monitor.close(linger=0)
             self.monitor = None

@@ -112,8 +112,8 @@ class BrokerServer:
                     peer_timeout_s=timeout_s,
                 )
             except ConfigError:
-                clients.close()
                 self.frontend.close()
+                clients.close()
                 raise
         except ConfigError:
             clients.close()
@@ -342,8 +342,8 @@ class BrokerServer:
             self._trace.close()
         for transport in reversed(self.transports):
             transport.close(self._linger_ms)
-        self._clients.close()
         self.frontend.close(linger=self._linger_ms)
+        self._clients.close()
         self._wake.close()
         if self._own_context:
             self.context.term()
