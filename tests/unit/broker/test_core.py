@@ -1523,6 +1523,7 @@ def test_stats_snapshot_counts() -> None:
         "inflight_batches": 2,
         "requeued": 0,
         "undeliverable": 1,
+        "departed": 0,
         "late_results": 0,
         "unhealthy": 0,
         "shed": 0,
