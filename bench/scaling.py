@@ -15,7 +15,8 @@ threads) is read before and after each measurement.
    sent by ``carpool.loadgen.drive`` whatever the replies do), so both brokers see the
    same arrivals. Measured: broker CPU per request sent (all answered).
    The brokers' CPU while idle (heartbeats only) is shown too.
-2. Queue depth: a broker with ``max_queued = 20000`` and one worker whose engine takes
+2. Queue depth: a broker with ``max_queued = 20000`` (and ``max_client_requests`` as
+   high: one client holds the whole queue) and one worker whose engine takes
    1 ms per batch (a sleep: the worker, not the broker, sets the pace). The client keeps
    Q + 2 requests outstanding (Q queued at the broker, 2 at the worker's two slots; a new
    one is sent for each reply), Q = 10 and Q = 10,000; after filling and a warm-up, it
@@ -161,7 +162,9 @@ def queue_run(args: Any, depth: int, warm: int, measure: int) -> dict[str, float
     x = tensor((1, 16))
     with ProcessGroup(args.transport) as group:
         frontend, backend = group.endpoint("front"), group.endpoint("back")
-        broker = group.broker(frontend, backend, *NO_BATCHING, config={"max_queued": 20_000})
+        # One client holds the whole queue here, so its own limit is raised with the queue's.
+        limits = {"max_queued": 20_000, "max_client_requests": 20_000}
+        broker = group.broker(frontend, backend, *NO_BATCHING, config=limits)
         group.worker_host(backend, 1, [SyntheticModel(MODEL, fixed_ms=1.0)], slots=SLOTS)
         wait_workers(frontend, 1, group)
         meter = CpuMeter(broker.pid)

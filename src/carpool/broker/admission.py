@@ -84,9 +84,10 @@ def admit(
     fleet: FleetModel,
     *,
     client: ClientId,
+    now: float,
 ) -> Admitted | Refused:
     """May a valid request of ``layout`` (``nbytes`` of payload, due in ``timeout_s``,
-    of ``priority``, from ``client``) queue now? ``max_batch``: the largest batch a live
+    of ``priority``, from ``client``) queue ``now``? ``max_batch``: the largest batch a live
     worker of its model takes (> 0); ``pumpable``: batches may form this turn before the
     door closes (then a full queue answers :data:`FULL_UNTIL_PUMPED`)."""
     if backlog.stopping:
@@ -131,12 +132,17 @@ def admit(
             f"{config.max_client_mib})"
         )
         return Refused(ErrorCode.OVERLOADED, msg, retry_after_ms(drain_s))
-    if fleet.policy(model).edf:
-        # The SLA countdown at the door: if even the best case (the work queued ahead
-        # at full speed, then this request) ends past the deadline, say so now.
+    policy = fleet.policy(model)
+    if policy.edf:
+        # The SLA countdown at the door: the predicted completion (the soonest a worker
+        # is free, the work queued ahead, then this request's batch) held against the
+        # deadline less the model's headroom, as the policy holds its batches: say now
+        # what would only be shed later.
         ahead = backlog.samples_ahead(model, priority)
-        finish_s = fleet.drain_time_s(model, layout.key, ahead + samples)
-        if finish_s > timeout_s:
+        completion = fleet.completion(now, model, layout.key, ahead + samples)
+        budget_s = (1.0 - fleet.batching_for(model).admit_headroom) * timeout_s
+        if completion is not None and policy.refuses(*completion, budget_s):
+            finish_s = completion[0]
             msg = (
                 f"cannot meet the {1000 * timeout_s:.0f} ms deadline: predicted "
                 f"completion in {1000 * finish_s:.0f} ms"

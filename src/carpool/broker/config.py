@@ -32,6 +32,10 @@ class BatchingConfig:
     target_rho: float = 0.5  # ρ* the adaptive B_max steers towards
     learning_rate: float = 0.5  # η of the ρ gradient step
     adapt_interval_s: float = 0.5  # at most one B_max step per interval
+    # carpool policy: the share of a request's timeout kept in reserve at the door (a
+    # request is let in when its predicted completion, stretched by the spread of batch
+    # times, falls within the rest), so that one let in makes its deadline.
+    admit_headroom: float = 0.1
 
     def __post_init__(self) -> None:
         check(_batching_problems(self), "batching")
@@ -55,6 +59,7 @@ class BatchingOverride:
     target_rho: float | None = None
     learning_rate: float | None = None
     adapt_interval_s: float | None = None
+    admit_headroom: float | None = None
 
     def settings(self) -> dict[str, Any]:
         """The keys this table sets, with their values."""
@@ -86,6 +91,8 @@ def _batching_problems(b: BatchingConfig | BatchingOverride) -> list[str]:
         problems.append("learning_rate must be in (0, 1] (larger steps overshoot)")
     if b.adapt_interval_s is not None and not 0.0 <= b.adapt_interval_s <= 60.0:
         problems.append("adapt_interval_s must be in 0..60")
+    if b.admit_headroom is not None and not 0.0 <= b.admit_headroom <= 0.9:
+        problems.append(f"admit_headroom must be in 0..0.9, got {b.admit_headroom}")
     return problems
 
 
@@ -155,6 +162,13 @@ class BrokerConfig:
     forget_unserved_s: float = 60.0
     liveness: int = 3  # heartbeat intervals of silence before a worker is gone
     max_attempts: int = 2  # dispatches of one request before a lost worker fails it
+    # The engine watchdog: a batch running longer than max(watchdog_factor × its predicted
+    # time, predicted + watchdog_slack_s) marks its worker unhealthy (no more batches until
+    # it shows progress) and its requests go to other workers as a lost worker's do. The
+    # prediction is the worker's fitted cost, else another worker's of the model; with
+    # none (the model's first batches) a batch may run until its last deadline.
+    watchdog_factor: float = 5.0
+    watchdog_slack_s: float = 1.0
     # Largest frame a client may send (ZMQ_MAXMSGSIZE on the frontend; 0: no limit). A
     # client that announces a larger one is disconnected by libzmq before it is buffered.
     max_frame_mib: int = 2048
@@ -192,6 +206,8 @@ class BrokerConfig:
                 "max_attempts": (1, 10),
                 "register_grace_s": (0, 600),
                 "stop_grace_s": (0, 600),
+                "watchdog_factor": (1, 1000),
+                "watchdog_slack_s": (0.001, 3600),
             },
         )
         if not (self.peer_heartbeat_s == 0 or 0.001 <= self.peer_heartbeat_s <= 3600):

@@ -77,7 +77,9 @@ class BrokerCore:
         self.stats = stats = BrokerStats()
         self.book = book = RequestBook()
         self.backlog = backlog = Backlog(book)
-        self.inflight = inflight = InflightTable()
+        self.inflight = inflight = InflightTable(
+            watchdog_factor=config.watchdog_factor, watchdog_slack_s=config.watchdog_slack_s
+        )
         self.fleet = fleet = FleetModel(config, registry, inflight)
         self.replies = replies = Replies(stats, backlog, fleet)
         self.dispatcher = dispatcher = Dispatcher(
@@ -192,13 +194,17 @@ class BrokerCore:
     # ------------------------------------------------------------------ time
 
     def on_tick(self, now: float) -> list[Outgoing]:
-        """Expire deadlines and workers, send due heartbeats, and leave due batches."""
+        """Expire deadlines and workers, send due heartbeats, give up on batches past the
+        watchdog, and leave due batches."""
         out: list[Outgoing] = []
         dispatcher = self.dispatcher
         touched = dispatcher.expire(now, out)
         event_s = self.registry.next_event_s()
         if event_s is not None and event_s <= now:
             self.workers.on_heartbeats_due(now, out)
+        due_s = self.inflight.next_due_s()
+        if due_s is not None and due_s <= now:
+            self.workers.on_watchdog(now, out)
         queues = self.backlog.queues
         for key in touched:  # what waited behind an expired request, now the fleet is known
             dispatcher.pump(now, queues[key], out)
@@ -242,11 +248,16 @@ class BrokerCore:
         return forgotten
 
     def next_wakeup(self, now: float) -> float | None:
-        """The earliest time ``on_tick`` has work: a batch wait, a deadline, a heartbeat."""
+        """The earliest time ``on_tick`` has work: a batch wait, a deadline, a heartbeat,
+        the engine watchdog."""
         dispatcher = self.dispatcher
         times = [
             t
-            for t in (self.backlog.deadlines.earliest(), self.registry.next_event_s())
+            for t in (
+                self.backlog.deadlines.earliest(),
+                self.registry.next_event_s(),
+                self.inflight.next_due_s(),
+            )
             if t is not None
         ]
         if dispatcher.wake_s:

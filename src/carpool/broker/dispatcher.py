@@ -304,10 +304,17 @@ class Dispatcher:
         if inputs is None:
             inputs = self._inputs[key] = BatchInputs.of(key)
         batch = DispatchedBatch(batch_id, model, inputs, requests, payloads, now)
+        predicted_s = capacity.cost.estimate(samples)
         inflight = InflightBatch(
-            batch_id, worker.wid, requests, key, samples, capacity.cost.estimate(samples)
+            batch_id,
+            worker.wid,
+            requests,
+            key,
+            samples,
+            predicted_s,
+            self._watch_s(now, key, samples, requests, predicted_s),
         )
-        self._inflight.add(worker, inflight)
+        self._inflight.add(now, worker, inflight)
         worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s
         worker.lanes[model].on_dispatch(samples)
         self.stats.batch(model, samples)
@@ -315,6 +322,27 @@ class Dispatcher:
             "dispatch batch=%d model=%s n=%d worker=%s", batch_id, model, samples, worker.name
         )
         return ToWorker(worker.wid, batch)
+
+    def _watch_s(
+        self,
+        now: float,
+        key: RequestKey,
+        samples: int,
+        requests: list[PendingRequest],
+        predicted_s: float,
+    ) -> float:
+        """How long a batch may run once it is the oldest at its worker (the engine
+        watchdog's limit): from its worker's fitted cost; while that knows nothing of the
+        key, from the slowest estimate another worker of the model has of it; while none
+        has one, until the batch's last deadline (slow cannot be told from hung)."""
+        if predicted_s <= 0:
+            model = key[0]
+            for w in self.registry.serving(model):
+                predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
+            if predicted_s <= 0:
+                last_s = max(r.deadline_s for r in requests)
+                return max(self._inflight.watchdog_slack_s, last_s - now)
+        return self._inflight.limit_s(predicted_s)
 
     def expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
         """Answer every request whose deadline has passed, queued or in flight; returns the

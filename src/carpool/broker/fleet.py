@@ -11,11 +11,13 @@ is refitted or a worker joins or leaves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from carpool.broker.adaptive import AdaptiveConfig, BatchSizeController
 from carpool.broker.batcher import RequestQueue
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.inflight import InflightTable
+from carpool.broker.latency import CostEstimate
 from carpool.broker.policy import (
     BatchPolicy,
     Capacity,
@@ -25,6 +27,23 @@ from carpool.broker.policy import (
 )
 from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
 from carpool.broker.requests import PendingRequest, RequestKey
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRate:
+    """What the workers of a model do together at full batches: ``samples_per_s``
+    (0 while any cost is unknown), the smallest worker's ``full_batch``, and the cost of
+    a last batch on the slowest of them (with the largest spread of batch times)."""
+
+    samples_per_s: float
+    full_batch: int
+    last_batch: CostEstimate
+
+
+_NO_RATE = FleetRate(0.0, 1, CostEstimate())
+
+#: A predicted completion time and the cost it was predicted with; None: no prediction.
+Completion = tuple[float, CostEstimate] | None
 
 
 class FleetModel:
@@ -41,7 +60,7 @@ class FleetModel:
         # core, and the merge is a dataclasses.replace.
         self._batching: dict[str, BatchingConfig] = {}
         # Best-case fleet throughput per key (samples/s, 0 = unknown) for admission.
-        self.rates: dict[RequestKey, float] = {}
+        self.rates: dict[RequestKey, FleetRate] = {}
 
     def policy(self, model: str) -> BatchPolicy:
         policy = self._policies.get(model)
@@ -107,25 +126,51 @@ class FleetModel:
     def drain_time_s(self, model: str, key: RequestKey, samples: int) -> float:
         """Best-case time for the fleet to get through ``samples`` of ``model``: every
         worker running full batches back to back. 0 while any cost is still unknown."""
-        rate_sps = self.rates.get(key)
-        if rate_sps is None:
-            rate_sps = self.rates[key] = self._fleet_rate_sps(model, key)
+        rate_sps = self._rate(model, key).samples_per_s
         return samples / rate_sps if rate_sps > 0 else 0.0
 
-    def _fleet_rate_sps(self, model: str, key: RequestKey) -> float:
-        """Samples/s of all workers of ``model`` at full batches; 0 if any cost is unknown.
-        Cached per key until a cost is refitted or a worker joins or leaves."""
+    def completion(self, now: float, model: str, key: RequestKey, samples: int) -> Completion:
+        """Predicted time from ``now`` until the last of ``samples`` more of ``model`` is
+        answered, queued behind what waits: the soonest a worker is free of what it
+        holds, the samples before the last batch at the fleet's full-batch rate, then
+        that last batch at its own cost (the slowest worker's: however few it carries, it
+        pays the whole fixed cost); with that cost, for its spread. None while any cost
+        is still unknown."""
+        rate = self._rate(model, key)
+        if rate.samples_per_s <= 0:
+            return None
+        free_s = min((self.ready_in_s(now, w) for w in self.registry.serving(model)), default=0.0)
+        last = min(samples, rate.full_batch)
+        cost = rate.last_batch
+        return free_s + (samples - last) / rate.samples_per_s + cost.estimate(last), cost
+
+    def _rate(self, model: str, key: RequestKey) -> FleetRate:
+        rate = self.rates.get(key)
+        if rate is None:
+            rate = self.rates[key] = self._fleet_rate(model, key)
+        return rate
+
+    def _fleet_rate(self, model: str, key: RequestKey) -> FleetRate:
+        """What the fleet of ``model`` does at full batches (no rate while any cost is
+        unknown). Cached per key until a cost is refitted or a worker joins or leaves."""
         cap = self.batching_for(model).max_batch
-        rate_sps = 0.0
+        rate_sps = fixed_s = per_sample_s = spread = 0.0
+        full = cap
         for w in self.registry.serving(model):
+            if not w.credits:  # unhealthy: it drains nothing
+                continue
             lane = w.lanes[model]
             cost = lane.cost(key)
             size = min(cap, lane.max_batch)
             duration_s = cost.estimate(size)
             if not cost.calibrated or duration_s <= 0:
-                return 0.0
+                return _NO_RATE
             rate_sps += size / duration_s
-        return rate_sps
+            fixed_s = max(fixed_s, cost.fixed_cost_s)
+            per_sample_s = max(per_sample_s, cost.per_sample_s)
+            spread = max(spread, cost.spread)
+            full = min(full, size)
+        return FleetRate(rate_sps, full, CostEstimate(fixed_s, per_sample_s, True, spread))
 
     def view(
         self, now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest
@@ -144,7 +189,7 @@ class FleetModel:
             return 1
         idle = 0
         for w in workers:
-            if not w.outstanding and w.lanes[model].max_batch >= samples:
+            if not w.outstanding and w.credits and w.lanes[model].max_batch >= samples:
                 idle += 1
                 if idle >= most:
                     break

@@ -319,6 +319,7 @@ class ClientIntake:
             backlog,
             fleet,
             client=client,
+            now=now,
         )
         if verdict is FULL_UNTIL_PUMPED:
             # Deferred mode: what can leave this turn leaves before the door closes.
@@ -334,6 +335,7 @@ class ClientIntake:
                 backlog,
                 fleet,
                 client=client,
+                now=now,
             )
         if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(
@@ -342,6 +344,7 @@ class ClientIntake:
         if type(verdict) is Refused:
             if verdict.shed:
                 self.stats.shed += 1
+                self.stats.shed_at_door += 1
             error = self._replies.error(
                 client,
                 delimited,

@@ -83,6 +83,11 @@ class BatchPolicy(Protocol):
         worker ``capacity`` describes (it depends on the worker, not on the queue)."""
         ...
 
+    def refuses(self, predicted_s: float, cost: CostEstimate, budget_s: float) -> bool:
+        """At the door: a request predicted to be answered in ``predicted_s`` (by batches
+        of ``cost``) cannot make it within ``budget_s``."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class FixedPolicy:
@@ -107,6 +112,9 @@ class FixedPolicy:
 
     def shed_before(self, now: float, capacity: Capacity) -> float:
         return now
+
+    def refuses(self, predicted_s: float, cost: CostEstimate, budget_s: float) -> bool:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +228,10 @@ class DeadlinePolicy:
         if now >= leave_at:
             return Dispatch(limit)
         return WaitUntil(leave_at)
+
+    def refuses(self, predicted_s: float, cost: CostEstimate, budget_s: float) -> bool:
+        # The prediction stretched as the countdown stretches it.
+        return self._stretch(cost) * predicted_s > budget_s
 
     def _stretch(self, cost: CostEstimate) -> float:
         return 1.0 + max(self.min_jitter_share, cost.spread)

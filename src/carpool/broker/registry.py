@@ -2,7 +2,12 @@
 
 Pure: ``now`` is passed in. A worker is READY once it announced itself; it is GONE after it
 said DISCONNECT, missed ``liveness`` heartbeat intervals, or could not be sent to.
-Credits: a worker with ``slots`` = k holds at most k outstanding batches.
+Credits: a worker with ``slots`` = k holds at most k outstanding batches, while it is
+healthy. Health (:class:`Health`, changed only by :meth:`WorkerRegistry.set_health`): a
+worker whose batch outran the engine watchdog is UNHEALTHY and gets no batches; one that
+showed progress since (a RESULT or FAILED, or a HEARTBEAT whose inference thread started
+its batch after the trip) is on PROBATION with one credit, and HEALTHY again once it
+answers a batch it still holds (docs/protocol.md §10.6).
 A model's spec outlives its last worker (its name answers UNAVAILABLE, not NOT_FOUND) until
 the broker forgets it (:meth:`WorkerRegistry.unserved_for`, :meth:`WorkerRegistry.forget`).
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NewType
 
 from carpool.broker.adaptive import BatchSizeController
@@ -65,6 +71,25 @@ class Lane:
             self.controller.update(now, rho, self.cost(self.last_key), self.mean_batch)
 
 
+class Health(Enum):
+    """Whether the broker trusts a worker's engine with batches, and with how many."""
+
+    HEALTHY = "healthy"  # every credit
+    PROBATION = "probation"  # one credit until it answers a batch it holds
+    UNHEALTHY = "unhealthy"  # no batches: its last one outran the watchdog
+
+
+#: The moves :meth:`WorkerRegistry.set_health` makes; any other is a bug.
+HEALTH_MOVES = frozenset(
+    {
+        (Health.HEALTHY, Health.UNHEALTHY),  # a batch outran the watchdog
+        (Health.PROBATION, Health.UNHEALTHY),
+        (Health.UNHEALTHY, Health.PROBATION),  # it showed progress
+        (Health.PROBATION, Health.HEALTHY),  # it answered a batch it held
+    }
+)
+
+
 @dataclass(slots=True)
 class WorkerState:
     """What the broker knows about one live worker."""
@@ -81,10 +106,17 @@ class WorkerState:
     lanes: dict[str, Lane] = field(default_factory=dict)  # by model name
     # Predicted time the worker finishes everything it holds (it runs batches in order).
     free_at_s: float = 0.0
+    health: Health = Health.HEALTHY
+    credits: int = -1  # batches it may hold in its health: slots, 1, or 0 (-1: slots)
+    unhealthy_since_s: float = 0.0  # when it last turned UNHEALTHY
+
+    def __post_init__(self) -> None:
+        if self.credits < 0:
+            self.credits = self.slots
 
     @property
     def free_slots(self) -> int:
-        return self.slots - len(self.outstanding)
+        return self.credits - len(self.outstanding)
 
 
 class WorkerRegistry:
@@ -212,6 +244,17 @@ class WorkerRegistry:
     def reschedule(self) -> None:
         """Heartbeat times changed: recompute :meth:`next_event_s` when next asked."""
         self._event_stale = True
+
+    def set_health(self, now: float, worker: WorkerState, health: Health) -> None:
+        """Move ``worker`` to ``health`` (one of :data:`HEALTH_MOVES`), with its credits."""
+        if (worker.health, health) not in HEALTH_MOVES:
+            raise AssertionError(f"worker health {worker.health.name} -> {health.name}")
+        worker.health = health
+        if health is Health.UNHEALTHY:
+            worker.unhealthy_since_s = now
+            worker.credits = 0
+        else:
+            worker.credits = 1 if health is Health.PROBATION else worker.slots
 
     def touch(self, now: float, wid: WorkerId) -> WorkerState | None:
         state = self._workers.get(wid)

@@ -19,6 +19,7 @@ import zmq
 
 from carpool.broker.auth import KEY_CHARS, BrokerAuth, WorkerKeys
 from carpool.broker.config import BrokerConfig
+from carpool.broker.connections import ClientConnections
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
 from carpool.broker.registry import WorkerId
 from carpool.broker.trace import TraceWriter
@@ -29,6 +30,7 @@ from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
 from carpool.common.clock import Clock, MonotonicClock, wall_offset_s
 from carpool.common.errors import ConfigError
 from carpool.common.link import LinkListener, link_path
+from carpool.common.routing_ids import seed_routing_ids
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 
@@ -86,6 +88,11 @@ class BrokerServer:
         self.transports: list[WorkerTransport] = []
         self.local: LinkWorkers | None = None
         config = self.config
+        # Before the ROUTERs are made: each draws where its generated routing ids start.
+        seed_routing_ids()
+        # Which connection each client message came by (reply routing, connections.py).
+        tracked = not config.frontend.startswith("inproc:")
+        self._clients = clients = ClientConnections(self.context, tracked=tracked)
         # CURVE (auth.py): the authenticator runs before either socket binds.
         self.auth: BrokerAuth | None = None
         try:
@@ -107,6 +114,7 @@ class BrokerServer:
                 peer_heartbeat_s=heartbeat_s,
                 peer_timeout_s=timeout_s,
                 secure=None if auth is None else auth.secure_frontend,
+                prepare=clients.watch,
             )
             try:
                 backend = bind_router(
@@ -126,6 +134,8 @@ class BrokerServer:
         self._wake = WakePipe()
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
+        if clients.monitor is not None:
+            self.poller.register(clients.monitor, zmq.POLLIN)
         self._later: list[Callable[[], None]] = []
         self._routes: dict[bytes, WorkerTransport] = {}
         up = Upstream(
@@ -143,7 +153,7 @@ class BrokerServer:
         keys = None if auth is None else WorkerKeys(self._knows, auth.failures)
         self._zmq = ZmqWorkers(backend, self.poller, up, reserved, keys=keys)
         # The core's client id: the routing id, or under CURVE the key before it.
-        self._client_key = None if auth is None else auth.client_key()
+        self._client_key = clients.key if auth is None else auth.client_key(clients.key)
         if auth is not None:
             self.core.stats_gate = auth.is_operator
         self.backend = backend
@@ -178,6 +188,7 @@ class BrokerServer:
 
     def _close_early(self) -> None:
         """What __init__ made before a ConfigError."""
+        self._clients.close()
         if self.auth is not None:
             self.auth.close()
         if self._own_context:
@@ -238,6 +249,8 @@ class BrokerServer:
                 wait_ms = 0  # whole messages wait in a buffer: no poll would say so
         events = dict(self.poller.poll(wait_ms))
         handled = 0
+        if self._clients.monitor in events:  # connections opened and closed
+            self._clients.refresh()
         if self.frontend in events:
             handled += self._drain_clients()
         if self._wake.fd in events:
@@ -260,12 +273,11 @@ class BrokerServer:
         """The messages waiting on the frontend, each handed to the core."""
         on_client = self.core.on_client
         now = self.clock.now
-        key = self._client_key
+        key = self._client_key  # the key (CURVE), the connection, the routing id
         n = 0
         for frames in waiting(self.frontend, BURST):
             n += 1
-            first = frames[0]
-            out = on_client(now(), first.bytes if key is None else key(first), frames[1:])
+            out = on_client(now(), key(frames[0]), frames[1:])
             if out:
                 self._send(out)
         return n
@@ -273,23 +285,28 @@ class BrokerServer:
     def _send(self, messages: list[Outgoing]) -> None:
         routes, backend = self._routes, self._zmq
         keyed = self.auth is not None
+        clients = self._clients
+        fresh = False  # the monitor read since the last send to a client
         for msg in messages:
             if isinstance(msg, ToWorker):
                 (routes.get(msg.identity) or backend).send(msg.identity, msg.message)
                 continue
-            # Under CURVE the client id is the key, then the routing id.
-            identity = msg.identity[KEY_CHARS:] if keyed else msg.identity
+            if not fresh:  # a connection closed before this point gets nothing
+                clients.refresh()
+                fresh = True
+            identity = clients.reply_to(msg.identity[KEY_CHARS:] if keyed else msg.identity)
+            if identity is None:
+                self.core.stats.departed += 1
+                continue
             try:
                 send_frames(self.frontend, msg.frames, NOBLOCK, identity)
             except zmq.Again:
-                logger.warning(
-                    "peer=%s on %s is not reading; dropped", msg.identity.hex(), msg.side
-                )
+                logger.warning("peer=%s on %s is not reading; dropped", identity.hex(), msg.side)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EHOSTUNREACH:
                     raise
-                logger.info("peer=%s on %s is gone", msg.identity.hex(), msg.side.value)
+                logger.info("peer=%s on %s is gone", identity.hex(), msg.side.value)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
         if self._later and not self._delivering:
             self._run_later()
@@ -363,6 +380,7 @@ class BrokerServer:
         for transport in reversed(self.transports):
             transport.close(self._linger_ms)
         self.frontend.close(linger=self._linger_ms)
+        self._clients.close()
         self._wake.close()
         if self.auth is not None:
             self.auth.close()

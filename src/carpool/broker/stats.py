@@ -22,9 +22,13 @@ class BrokerStats:
         self.errors: Counter[str] = Counter()
         self.batch_sizes: dict[str, Counter[int]] = {}
         self.undeliverable = 0
+        # replies dropped because the client's connection had closed (connections.py)
+        self.departed = 0
         self.requeued = 0
-        self.late_results = 0
+        self.late_results = 0  # RESULT/FAILED for a batch the sender no longer holds
+        self.unhealthy = 0  # workers marked unhealthy by the engine watchdog
         self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
+        self.shed_at_door = 0  # ... of them refused on arrival, never queued
 
     def forget(self, model: str) -> None:
         """A model no worker serves is forgotten: its counters go too."""
@@ -60,8 +64,11 @@ def snapshot(
         "inflight_batches": inflight,
         "requeued": stats.requeued,
         "undeliverable": stats.undeliverable,
+        "departed": stats.departed,
         "late_results": stats.late_results,
+        "unhealthy": stats.unhealthy,
         "shed": stats.shed,
+        "shed_at_door": stats.shed_at_door,
         "known_models": len(registry.specs),
         "workers": [
             {
@@ -70,6 +77,7 @@ def snapshot(
                 "slots": w.slots,
                 "outstanding": len(w.outstanding),
                 "rho": w.rho,
+                "health": w.health.value,
                 "lanes": {name: _lane_snapshot(lane) for name, lane in w.lanes.items()},
                 "transport": transport(w.wid),
             }

@@ -1,11 +1,14 @@
 """workers.py: WorkerEvents — messages from workers: READY, RESULT, FAILED, heartbeats,
-DISCONNECT, and the loss of a worker.
+DISCONNECT, the loss of a worker, and the engine watchdog.
 
 Pure: ``now`` comes in. A RESULT answers its batch's requests with the worker's reply
 frames as they arrived (never read or copied) and teaches the worker's lane its cost; a
 FAILED answers them with the worker's error; a lost worker's batches go back to their
 queues while their attempts and deadlines allow. A worker that breaks the protocol is
-dropped (it may reconnect and register again).
+dropped (it may reconnect and register again). A worker whose batch outruns the
+watchdog (:mod:`carpool.broker.inflight`) stays registered but turns UNHEALTHY
+(:class:`~carpool.broker.registry.Health`): its batches go back to their queues as a
+lost worker's do, and it gets no more until it shows progress.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import ClientIntake
-from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
+from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, heartbeat
 from carpool.broker.requests import RequestBook, RequestState
 from carpool.broker.stats import BrokerStats
@@ -42,6 +45,7 @@ _MAX_COMPUTE_MS = float(MAX_TIMEOUT_MS)
 _BATCH_ANSWERS = (Command.RESULT, Command.FAILED)
 # Read on every request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _DISPATCHED, _DONE, _FAILED = RequestState.DISPATCHED, RequestState.DONE, RequestState.FAILED
+_HEALTHY = Health.HEALTHY
 
 
 class WorkerEvents:
@@ -113,6 +117,8 @@ class WorkerEvents:
             elif isinstance(msg, msgs.WorkerHeartbeat):
                 if msg.rho is not None:
                     self._fleet.on_load(now, worker, msg.rho)
+                if msg.busy_ms is not None and worker.health is Health.UNHEALTHY:
+                    self._on_busy(now, worker, msg.busy_ms, out)
             elif isinstance(msg, msgs.WorkerFailed):
                 self._on_failed(now, worker, msg.failed, out)
             elif isinstance(msg, msgs.WorkerDisconnect):
@@ -174,14 +180,12 @@ class WorkerEvents:
         reply_frames: Sequence[Frame],
         out: list[Outgoing],
     ) -> None:
-        batch = self._take_batch(now, worker, result.batch_id)
+        batch = self._take_batch(now, worker, result.batch_id, out, result.compute_ms)
         if batch is None:
             return
-        lane = worker.lanes.get(batch.key[0])
-        # A time no batch can take (longer than any deadline) would only break the fit.
-        if lane is not None and 0 < result.compute_ms <= _MAX_COMPUTE_MS:
-            lane.observe(batch.key, batch.samples, result.compute_ms / 1000.0)
-            self._fleet.rates.pop(batch.key, None)
+        if worker.health is not _HEALTHY:
+            self.registry.set_health(now, worker, Health.HEALTHY)
+        self._learn(worker, batch, result.compute_ms)
         if 0 <= result.rho <= 1:  # as HEARTBEAT's: a load out of range is ignored
             self._fleet.on_load(now, worker, result.rho)
         if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):
@@ -213,9 +217,11 @@ class WorkerEvents:
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
     ) -> None:
-        batch = self._take_batch(now, worker, failed.batch_id)
+        batch = self._take_batch(now, worker, failed.batch_id, out)
         if batch is None:
             return
+        if worker.health is not _HEALTHY:
+            self.registry.set_health(now, worker, Health.HEALTHY)
         if 0 <= failed.rho <= 1:
             self._fleet.on_load(now, worker, failed.rho)
         logger.warning(
@@ -228,14 +234,49 @@ class WorkerEvents:
         self.fail_batch(batch, failed.code, failed.message, out)
         self._dispatcher.pump_models(now, worker.models, out)
 
-    def _take_batch(self, now: float, worker: WorkerState, batch_id: int) -> InflightBatch | None:
-        batch = self._inflight.take(worker, batch_id)
+    def _take_batch(
+        self,
+        now: float,
+        worker: WorkerState,
+        batch_id: int,
+        out: list[Outgoing],
+        compute_ms: float = 0.0,
+    ) -> InflightBatch | None:
+        batch = self._inflight.take(now, worker, batch_id)
         if batch is None:
-            # A batch this worker no longer owns (it was requeued after a presumed loss).
+            # A batch this worker no longer owns (it was requeued after a presumed loss, or
+            # the watchdog gave up on it): dropped, but the engine did finish something.
             self.stats.late_results += 1
+            hung = self._inflight.take_hung(worker, batch_id)
+            if hung is not None:
+                # The batch that outran the watchdog: its time teaches the lane all the
+                # same, or a model slower than the slack could never be served.
+                self._learn(worker, hung, compute_ms)
+            if worker.health is Health.UNHEALTHY:
+                self._recovered(now, worker, "a late answer came", out)
             return None
         self._fleet.replan(now, worker)
         return batch
+
+    def _learn(self, worker: WorkerState, batch: InflightBatch, compute_ms: float) -> None:
+        lane = worker.lanes.get(batch.key[0])
+        # A time no batch can take (longer than any deadline) would only break the fit.
+        if lane is not None and 0 < compute_ms <= _MAX_COMPUTE_MS:
+            lane.observe(batch.key, batch.samples, compute_ms / 1000.0)
+            self._fleet.rates.pop(batch.key, None)
+
+    def _on_busy(self, now: float, worker: WorkerState, busy_ms: int, out: list[Outgoing]) -> None:
+        """An UNHEALTHY worker's HEARTBEAT says how long its inference thread has run its
+        batch: idle, or started after the trip, it has moved on from the batch that hung.
+        (A HEARTBEAT without ``busy_ms`` says nothing either way.)"""
+        if busy_ms / 1000.0 < now - worker.unhealthy_since_s:
+            self._recovered(now, worker, f"its inference thread has run {busy_ms} ms", out)
+
+    def _recovered(self, now: float, worker: WorkerState, why: str, out: list[Outgoing]) -> None:
+        """An UNHEALTHY worker showed progress: one credit, until it answers a batch."""
+        self.registry.set_health(now, worker, Health.PROBATION)
+        logger.info("worker on probation name=%s: %s", worker.name, why)
+        self._dispatcher.pump_models(now, worker.models, out)
 
     def fail_batch(
         self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
@@ -252,6 +293,37 @@ class WorkerEvents:
         self.registry.remove(worker.wid)
         self._fleet.rates.clear()
         logger.info("worker left name=%s reason=%s", worker.name, reason)
+        msg = f"worker {worker.name} was lost while running the request ({reason})"
+        self._requeue(now, worker, msg, out)
+
+    def on_watchdog(self, now: float, out: list[Outgoing]) -> None:
+        """Batches have outrun the watchdog: their workers turn UNHEALTHY, and everything
+        those hold goes back to the queues as a lost worker's does."""
+        for batch in self._inflight.overdue(now):
+            worker = self.registry.get(batch.worker)
+            if worker is None or batch.batch_id not in worker.outstanding:
+                continue
+            logger.warning(
+                "worker unhealthy name=%s: batch %d of model %s has run %.3f s, "
+                "predicted %.3f s (limit %.3f s)",
+                worker.name,
+                batch.batch_id,
+                batch.key[0],
+                now - batch.head_s,
+                batch.predicted_s,
+                batch.watch_s,
+            )
+            self.registry.set_health(now, worker, Health.UNHEALTHY)
+            self.stats.unhealthy += 1
+            self._fleet.rates.clear()
+            worker.free_at_s = now
+            msg = f"worker {worker.name} did not answer the request's batch in time (watchdog)"
+            self._requeue(now, worker, msg, out)
+            self._inflight.remember_hung(batch)
+
+    def _requeue(self, now: float, worker: WorkerState, message: str, out: list[Outgoing]) -> None:
+        """Take every batch ``worker`` holds; each request goes back to its queue while its
+        attempts and deadline allow, or is answered UNAVAILABLE."""
         for batch in self._inflight.take_all(worker):
             # Newest batch first and each batch back to front, so push_front keeps FIFO order.
             for req in reversed(batch.requests):
@@ -266,6 +338,5 @@ class WorkerEvents:
                     self.stats.requeued += 1
                 else:
                     self._book.move(req, _FAILED)
-                    msg = f"worker {worker.name} was lost while running the request ({reason})"
-                    out.append(self._replies.request_error(req, ErrorCode.UNAVAILABLE, msg))
+                    out.append(self._replies.request_error(req, ErrorCode.UNAVAILABLE, message))
         self._dispatcher.pump_models(now, worker.models, out)

@@ -254,8 +254,17 @@ class WorkerCore:
         out = []
         if now >= self._next_heartbeat_s:
             self._next_heartbeat_s = now + self.heartbeat_s
-            out.append(WorkerHeartbeat(round(self.meter.rho(now), 4)))
+            out.append(WorkerHeartbeat(round(self.meter.rho(now), 4), self.busy_ms(now)))
         return out, None
+
+    def busy_ms(self, now: float) -> int:
+        """How long the inference thread has been running its current batch (0: idle):
+        what HEARTBEAT reports, so that the broker can tell a wedged engine from a live
+        loop (docs/protocol.md §10.6)."""
+        since = self.meter.running_since
+        if self._in_thread == 0 or since is None:
+            return 0
+        return max(0, round(1000 * (now - since)))
 
     def next_wakeup(self, now: float) -> float | None:
         """When :meth:`on_tick` (or connecting again) is next due; None: nothing is."""

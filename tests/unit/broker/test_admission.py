@@ -36,7 +36,7 @@ def ask(
     max_batch: int = 8,
     pumpable: bool = False,
 ) -> Admitted | Refused:
-    return admit(LAYOUT, nbytes, 1.0, 0, max_batch, pumpable, *parts, client=CLIENT)
+    return admit(LAYOUT, nbytes, 1.0, 0, max_batch, pumpable, *parts, client=CLIENT, now=0.0)
 
 
 def test_a_request_that_fits_is_admitted_and_nothing_changes() -> None:

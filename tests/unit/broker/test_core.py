@@ -1523,8 +1523,11 @@ def test_stats_snapshot_counts() -> None:
         "inflight_batches": 2,
         "requeued": 0,
         "undeliverable": 1,
+        "departed": 0,
         "late_results": 0,
+        "unhealthy": 0,
         "shed": 0,
+        "shed_at_door": 0,
         "known_models": 1,
         "workers": [
             {
@@ -1533,6 +1536,7 @@ def test_stats_snapshot_counts() -> None:
                 "slots": 2,
                 "outstanding": 2,
                 "rho": 0.5,
+                "health": "healthy",
                 "lanes": {"m": snap["workers"][0]["lanes"]["m"]},
                 "transport": "zeromq",
             }

@@ -299,6 +299,10 @@ def test_bulk_is_served_when_no_interactive_request_waits() -> None:
         10,  # below the best case at the door: 1 sample / (4 per 70 ms) = 17.5 ms
         30,  # below a batch of one: 55 ms
         54,
+        # A batch of one would just make it, with nothing to spare for its spread (at
+        # least 2%) within the door's headroom (10% of the timeout).
+        56,
+        60,
     ],
 )
 def test_hopeless_request_is_answered_at_once(timeout_ms: int) -> None:
@@ -323,7 +327,7 @@ def test_hopeless_request_is_answered_at_once(timeout_ms: int) -> None:
     assert h.core.snapshot()["shed"] == 1
 
 
-@pytest.mark.parametrize("timeout_ms", [56, 100, 1000])
+@pytest.mark.parametrize("timeout_ms", [65, 100, 1000])
 def test_request_that_can_make_it_is_served(timeout_ms: int) -> None:
     h = Harness.make()
     h.calibrate()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.registry import HEALTH_MOVES, Health, WorkerId, WorkerRegistry
 from carpool.common.protocol import ModelSpec, Ready, TensorMeta
 
 
@@ -114,6 +114,28 @@ def test_best_free_prefers_free_credits_then_low_rho() -> None:
     b.outstanding.add(4)
     assert reg.best_free("m", 1) is None
     assert reg.best_free("other", 1) is None
+
+
+def test_health_sets_the_credits_and_only_moves_along_its_table() -> None:
+    reg = WorkerRegistry()
+    w = reg.add(0.0, W1, ready("w", 4), 1.0)
+    other = reg.add(0.0, W2, ready("o", 1), 1.0)
+    assert (w.health, w.free_slots) == (Health.HEALTHY, 4)
+    reg.set_health(5.0, w, Health.UNHEALTHY)
+    assert (w.free_slots, w.unhealthy_since_s) == (0, 5.0)
+    assert reg.best_free("m", 1) is other  # the fewer credits of a healthy worker win
+    reg.set_health(6.0, w, Health.PROBATION)
+    assert w.free_slots == 1
+    w.outstanding.add(1)
+    assert w.free_slots == 0
+    reg.set_health(7.0, w, Health.HEALTHY)
+    assert w.free_slots == 3
+    for frm in Health:
+        for to in Health:
+            if (frm, to) not in HEALTH_MOVES:
+                w.health = frm
+                with pytest.raises(AssertionError, match="worker health"):
+                    reg.set_health(8.0, w, to)
 
 
 def test_best_free_respects_max_batch() -> None:

@@ -64,6 +64,8 @@ def test_an_embedded_workers_message_is_taken_as_is_but_for_a_results_frame_coun
         WorkerFailed(FailedMeta(3, ErrorCode.INTERNAL, "boom", 0.25)),
         WorkerHeartbeat(0.25),
         WorkerHeartbeat(None),
+        WorkerHeartbeat(0.25, 1500),
+        WorkerHeartbeat(None, 0),
         WorkerDisconnect("bye"),
     ],
 )
@@ -84,6 +86,18 @@ def test_failed_heartbeat_and_disconnect() -> None:
 def test_a_heartbeat_without_a_load_in_range_carries_none(rho: object) -> None:
     meta = {} if rho is None else {"rho": rho}
     assert decode_from_worker(encode(Command.HEARTBEAT, meta)) == WorkerHeartbeat(None)
+
+
+@pytest.mark.parametrize("busy_ms", [None, True, -1, 1.5, "10"])
+def test_a_heartbeat_without_a_valid_busy_time_carries_none(busy_ms: object) -> None:
+    """An absent or invalid busy_ms (an older worker's HEARTBEAT) is None: no report."""
+    meta = {"rho": 0.5} if busy_ms is None else {"rho": 0.5, "busy_ms": busy_ms}
+    assert decode_from_worker(encode(Command.HEARTBEAT, meta)) == WorkerHeartbeat(0.5, None)
+
+
+def test_a_heartbeat_with_a_busy_time_and_no_load() -> None:
+    meta = {"busy_ms": 42}
+    assert decode_from_worker(encode(Command.HEARTBEAT, meta)) == WorkerHeartbeat(None, 42)
 
 
 def test_a_message_broken_whoever_sent_it_has_no_command() -> None:

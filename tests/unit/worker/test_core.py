@@ -169,7 +169,8 @@ def test_heartbeats_at_the_interval() -> None:
     assert [t - T0 for t, _ in sent] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     for _, (command, meta, payloads) in sent:
         assert command is Command.HEARTBEAT
-        assert set(meta) == {"rho"}
+        assert set(meta) == {"rho", "busy_ms"}
+        assert meta["busy_ms"] == 0  # the inference thread is idle
         assert payloads == []
 
 
@@ -222,6 +223,27 @@ def test_heartbeats_carry_rho() -> None:
     assert decoded(msg)[1]["rho"] == pytest.approx(0.5)  # [1.0, 1.5] of [1.0, 2.0]
     (msg,), _ = w.on_tick(T0 + 3.0)
     assert decoded(msg)[1]["rho"] == 0.0
+
+
+def test_heartbeats_say_how_long_the_inference_thread_has_run_its_batch() -> None:
+    """busy_ms counts from when the thread took up its current batch (the broker's sign of
+    a wedged engine behind a live loop); 0 while the thread is idle."""
+    w = connected(heartbeat_s=1.0, liveness=100)
+    w.on_batch_queued(T0 + 0.25)
+    w.on_batch_queued(T0 + 0.5)  # queued behind the first
+    (msg,), _ = w.on_tick(T0 + 1.0)
+    assert decoded(msg)[1]["busy_ms"] == 750
+    (msg,), _ = w.on_tick(T0 + 2.0)
+    assert decoded(msg)[1]["busy_ms"] == 1750  # still on the first: it grows
+    w.on_batch_done(T0 + 2.5, w.epoch, 1, T0 + 0.25, T0 + 2.5, [1], [b"x"])
+    (msg,), _ = w.on_tick(T0 + 3.0)
+    assert decoded(msg)[1]["busy_ms"] == 500  # the second, since the first ended
+    w.on_batch_done(T0 + 3.2, w.epoch, 2, T0 + 2.5, T0 + 3.2, [1], [b"x"])
+    (msg,), _ = w.on_tick(T0 + 4.0)
+    assert decoded(msg)[1]["busy_ms"] == 0
+    w.on_batch_queued(T0 + 4.1)
+    w.on_batches_dropped(1)  # taken back before it started (a reconnect)
+    assert w.busy_ms(T0 + 4.5) == 0
 
 
 def test_stop_sends_disconnect_and_goes_quiet() -> None:

@@ -32,12 +32,13 @@ def bind_router(
     peer_heartbeat_s: float = 0.0,
     peer_timeout_s: float = 0.0,
     secure: Callable[[zmq.Socket[Any]], None] | None = None,
+    prepare: Callable[[zmq.Socket[bytes]], None] | None = None,
 ) -> zmq.Socket[bytes]:
     """A ROUTER bound to ``endpoint``: ROUTER_MANDATORY, high-water marks of 10,000, no
     linger; frames over ``max_frame_mib`` (0: no limit) drop the connection; ZMTP
     heartbeats every ``peer_heartbeat_s`` (0: none) close a peer silent for
-    ``peer_timeout_s``; ``secure`` sets CURVE on it before the bind
-    (:class:`carpool.broker.auth.BrokerAuth`).
+    ``peer_timeout_s``; ``prepare`` is called with the socket before it binds, and
+    ``secure`` sets CURVE on it (:class:`carpool.broker.auth.BrokerAuth`).
 
     Raises:
         ConfigError: the endpoint is malformed or in use (the socket is closed).
@@ -52,6 +53,8 @@ def bind_router(
     if peer_heartbeat_s:  # peers that vanish (BrokerConfig)
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(peer_heartbeat_s * 1000)))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(peer_timeout_s * 1000))
+    if prepare is not None:
+        prepare(sock)
     if secure is not None:
         secure(sock)
     try:

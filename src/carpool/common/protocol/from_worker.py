@@ -62,12 +62,20 @@ class WorkerFailed:
 @dataclass(frozen=True, slots=True)
 class WorkerHeartbeat:
     """HEARTBEAT; ``rho``: the worker's load in 0..1, None when it sent none (or one out
-    of range)."""
+    of range). ``busy_ms``: how long the worker's inference thread has been running its
+    current batch (0: idle), None when it sent none (or an invalid one): a worker that
+    does not report it is taken for healthy (docs/protocol.md §10.6)."""
 
     rho: float | None
+    busy_ms: int | None = None
 
     def to_frames(self) -> list[Any]:
-        return encode(Command.HEARTBEAT, {} if self.rho is None else {"rho": round(self.rho, 4)})
+        meta: dict[str, Any] = {}
+        if self.rho is not None:
+            meta["rho"] = round(self.rho, 4)
+        if self.busy_ms is not None:
+            meta["busy_ms"] = self.busy_ms
+        return encode(Command.HEARTBEAT, meta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +135,12 @@ def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
             return WorkerResult(ResultMeta.from_wire(meta), frames[2:])
         if command is Command.HEARTBEAT:
             rho = meta.get("rho")
+            busy_ms = meta.get("busy_ms")
+            if not (isinstance(busy_ms, int) and not isinstance(busy_ms, bool) and busy_ms >= 0):
+                busy_ms = None
             if isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0 <= rho <= 1:
-                return WorkerHeartbeat(float(rho))
-            return _HEARTBEAT
+                return WorkerHeartbeat(float(rho), busy_ms)
+            return _HEARTBEAT if busy_ms is None else WorkerHeartbeat(None, busy_ms)
         if command is Command.FAILED:
             return WorkerFailed(FailedMeta.from_wire(meta))
         if command is Command.DISCONNECT:
