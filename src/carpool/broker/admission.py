@@ -99,19 +99,14 @@ def admit(
             f"request has {samples} samples; model {model!r} accepts at most {max_batch} per batch"
         )
         return Refused(ErrorCode.INVALID_ARGUMENT, msg, arrival=False)
-    room = config.max_queued_mib << 20
-    if nbytes > room:
-        msg = (
-            f"request of {nbytes} payload bytes exceeds the broker's queue "
-            f"(max_queued_mib {config.max_queued_mib})"
+    room, client_room = config.max_queued_mib << 20, config.max_client_mib << 20
+    if nbytes > room or nbytes > client_room:
+        what, key, mib = (
+            ("the broker's queue", "max_queued_mib", config.max_queued_mib)
+            if nbytes > room
+            else ("what one client may have queued", "max_client_mib", config.max_client_mib)
         )
-        return Refused(ErrorCode.INVALID_ARGUMENT, msg)
-    client_room = config.max_client_mib << 20
-    if nbytes > client_room:
-        msg = (
-            f"request of {nbytes} payload bytes exceeds what one client may have queued "
-            f"(max_client_mib {config.max_client_mib})"
-        )
+        msg = f"request of {nbytes} payload bytes exceeds {what} ({key} {mib})"
         return Refused(ErrorCode.INVALID_ARGUMENT, msg)
     queued = backlog.queued
     if queued >= config.max_queued or backlog.queued_bytes + nbytes > room:

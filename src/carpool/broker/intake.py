@@ -306,37 +306,27 @@ class ClientIntake:
             self.config,
             self._fleet,
         )
-        # Asked as pumpable: only a full queue reads that, and pump_dirty with nothing
-        # marked forms nothing, so the second answer is the one a False would have had.
-        verdict = admit(
-            layout,
-            nbytes,
-            timeout_s,
-            priority,
-            max_batch,
-            True,
-            config,
-            backlog,
-            fleet,
-            client=client,
-            now=now,
-        )
-        if verdict is FULL_UNTIL_PUMPED:
-            # Deferred mode: what can leave this turn leaves before the door closes.
-            dispatcher.pump_dirty(now, out)
+        # Asked as pumpable first: only a full queue reads that, and pump_dirty with
+        # nothing marked forms nothing, so the second answer is the one a False would
+        # have had. In deferred mode what can leave this turn leaves before the door
+        # closes; asked again, not pumpable, the answer is final.
+        for pumpable in (True, False):
             verdict = admit(
                 layout,
                 nbytes,
                 timeout_s,
                 priority,
                 max_batch,
-                False,
+                pumpable,
                 config,
                 backlog,
                 fleet,
                 client=client,
                 now=now,
             )
+            if verdict is not FULL_UNTIL_PUMPED:
+                break
+            dispatcher.pump_dirty(now, out)
         if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(
                 (now, model, layout.shape, round(1000 * timeout_s), int(priority), max_batch)
