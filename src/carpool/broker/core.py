@@ -14,6 +14,8 @@ The parts, one concern each (composed here, none inherits from another):
 - :class:`~carpool.broker.dispatcher.Dispatcher`: the pump, shedding and dispatch;
 - :class:`~carpool.broker.intake.ClientIntake`: client messages, validated, then let in or
   refused by the pure :func:`~carpool.broker.admission.admit`;
+- :class:`~carpool.broker.holding.HeldRequests`: just after a start, requests for an
+  expected model no worker has registered yet, held at the door until one does;
 - :class:`~carpool.broker.workers.WorkerEvents`: worker messages and losses;
 - :class:`~carpool.broker.replies.Replies` and :mod:`carpool.broker.stats`: error replies,
   counters and the STATS snapshot.
@@ -34,13 +36,14 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
+from carpool.broker.holding import HeldRequests
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import Arrival, ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry
@@ -85,8 +88,9 @@ class BrokerCore:
         self.dispatcher = dispatcher = Dispatcher(
             book, backlog, inflight, fleet, replies, stats, registry, defer_pumps=defer_pumps
         )
+        self.holding = holding = HeldRequests(config, backlog, replies)
         self.intake = intake = ClientIntake(
-            config, registry, stats, backlog, fleet, dispatcher, replies, self.snapshot
+            config, registry, stats, backlog, fleet, dispatcher, replies, self.snapshot, holding
         )
         self.workers = workers = WorkerEvents(
             config, registry, stats, book, backlog, inflight, fleet, dispatcher, replies, intake
@@ -128,12 +132,19 @@ class BrokerCore:
     @property
     def started_s(self) -> float:
         """When the broker began serving (the server sets it): for register_grace_s after
-        it, a model no worker has registered yet is UNAVAILABLE, not NOT_FOUND."""
+        it, a model no worker has registered yet is held (an expected name, see
+        :meth:`expect`) or UNAVAILABLE, not NOT_FOUND."""
         return self.intake.started_s
 
     @started_s.setter
     def started_s(self, now: float) -> None:
         self.intake.started_s = now
+        self.holding.until_s = now + self.config.register_grace_s
+
+    def expect(self, names: Iterable[str]) -> None:
+        """Besides the configuration's ``[models.<name>]``, the models whose requests wait
+        at the door in the grace window (the server passes those of its last trace)."""
+        self.holding.expect(names)
 
     @property
     def stopping(self) -> bool:
@@ -155,10 +166,12 @@ class BrokerCore:
     # ------------------------------------------------------------------ stopping
 
     def begin_stop(self, now: float) -> list[Outgoing]:
-        """The broker is stopping: answer every queued request UNAVAILABLE now, and
-        refuse new ones; batches already at workers may still finish (``finish_stop``)."""
+        """The broker is stopping: answer every queued or held request UNAVAILABLE now,
+        and refuse new ones; batches already at workers may still finish
+        (``finish_stop``)."""
         self.backlog.stopping = True
         out: list[Outgoing] = []
+        self.holding.stop(out)
         msg = "the broker is stopping before the request was dispatched; retry"
         answer = self.dispatcher.answer_queued
         for queue in self.backlog.queues.values():
@@ -213,6 +226,8 @@ class BrokerCore:
         if wake_s:
             for key in [k for k, t in wake_s.items() if t <= now]:
                 dispatcher.pump(now, queues[key], out)
+        if self.holding.count:
+            self.holding.on_tick(now, out)
         if now >= self._sweep_s:
             self._sweep_s = now + _SWEEP_S
             dispatcher.sweep(now)
@@ -249,7 +264,7 @@ class BrokerCore:
 
     def next_wakeup(self, now: float) -> float | None:
         """The earliest time ``on_tick`` has work: a batch wait, a deadline, a heartbeat,
-        the engine watchdog."""
+        the engine watchdog, a held request's expiry."""
         dispatcher = self.dispatcher
         times = [
             t
@@ -257,6 +272,7 @@ class BrokerCore:
                 self.backlog.deadlines.earliest(),
                 self.registry.next_event_s(),
                 self.inflight.next_due_s(),
+                self.holding.next_expiry_s(),
             )
             if t is not None
         ]

@@ -10,9 +10,10 @@ path, with the same checks and answers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from carpool.broker.admission import (
@@ -28,6 +29,7 @@ from carpool.broker.batcher import request_key
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
+from carpool.broker.holding import HeldRequests
 from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies
 from carpool.broker.requests import ClientId, PendingRequest
@@ -77,6 +79,7 @@ class ClientIntake:
         dispatcher: Dispatcher,
         replies: Replies,
         snapshot: Callable[[], dict[str, Any]],
+        holding: HeldRequests,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -86,6 +89,7 @@ class ClientIntake:
         self._dispatcher = dispatcher
         self._replies = replies
         self._snapshot = snapshot
+        self._holding = holding
         self._seq = 0
         # Request layouts validated once per (model, input names, dtypes, shapes); valid
         # while the model's spec stands (``respec`` drops a replaced model's).
@@ -93,11 +97,30 @@ class ClientIntake:
         # Arrival trace while recording; the shell writes it out (carpool record).
         self.recording: list[Arrival] | None = None
         # When the broker began serving (the server sets it): for register_grace_s after
-        # it, a model no worker has registered yet is UNAVAILABLE, not NOT_FOUND.
+        # it, a model no worker has registered yet is held (an expected name) or
+        # UNAVAILABLE, not NOT_FOUND.
         self.started_s = -math.inf
         # Who may read STATS, by client id (the server sets it under CURVE: operators'
         # keys only); None: everyone.
         self.stats_gate: Callable[[bytes], bool] | None = None
+
+    def release(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
+        """A READY registered ``models``: the requests held for them at the door go
+        through admission, in arrival order, each with what remains of its budget."""
+        holding = self._holding
+        if not holding.count:
+            return
+        holding.on_tick(now, out)  # (those due are answered, not admitted late)
+        for model in models:
+            for held in holding.release(model):
+                # More than HOLD_LEAD_S is left: on_tick answered the rest.
+                left_ms = math.floor(1000 * (held.deadline_s - now))
+                submit = dataclasses.replace(held.submit, timeout_ms=max(1, left_ms))
+                out.extend(
+                    self._admit(
+                        now, held.client, held.delimited, submit, held.payloads, simple=held.simple
+                    )
+                )
 
     def respec(self, spec: ModelSpec, worker: str, out: list[Outgoing]) -> None:
         """A model no live worker served is registered again with a different spec:
@@ -227,7 +250,10 @@ class ClientIntake:
         if spec is None:
             if now < self.started_s + self.config.register_grace_s:
                 # Just (re)started: its workers may not have said READY yet, and a client
-                # must not take a restart for a model that does not exist.
+                # must not take a restart for a model that does not exist. A model the
+                # broker expects waits for them (holding.py), if its budget allows.
+                if self._holding.hold(now, client, delimited, submit, payloads, simple=simple):
+                    return []
                 msg = (
                     f"no worker has registered model {submit.model!r} yet; the broker "
                     f"started {now - self.started_s:.1f} s ago"

@@ -22,7 +22,7 @@ from carpool.broker.config import BrokerConfig
 from carpool.broker.connections import ClientConnections
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
 from carpool.broker.registry import WorkerId
-from carpool.broker.trace import TraceWriter
+from carpool.broker.trace import TraceWriter, recorded_models
 from carpool.broker.transports import BURST, Upstream, WorkerTransport
 from carpool.broker.transports.inprocess import EmbeddedWorker, InProcessWorkers
 from carpool.broker.transports.local import LinkWorkers
@@ -74,6 +74,9 @@ class BrokerServer:
         # append to stays in order with the real gaps between them, reboots included.
         self._trace: TraceWriter | None = None
         if record:
+            # The models of the last run: requests for them wait at the door for their
+            # workers in the grace window (holding.py).
+            self.core.expect(recorded_models(record))
             offset_s = wall_offset_s() if isinstance(self.clock, MonotonicClock) else 0.0
             self._trace = TraceWriter(record, offset_s)
             self.core.recording = []

@@ -3,7 +3,8 @@
 The core appends one tuple per admitted request to ``BrokerCore.recording``; the server
 hands that list to :meth:`TraceWriter.write` once a loop turn, which writes a line per
 record and flushes. Opening a trace locks a regular file for this broker and repairs a
-last line that a cut recording left half written (:func:`open_trace`).
+last line that a cut recording left half written (:func:`open_trace`). The models its
+last lines name are the ones a restarted broker expects back (:func:`recorded_models`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,44 @@ logger = logging.getLogger(__name__)
 
 #: How far back from its end a trace is searched for its last whole line.
 TAIL_BYTES = 64 * 1024
+#: How far back from its end a trace is read for the models it names, and how many
+#: names are kept (the newest).
+MODELS_TAIL_BYTES = 1 << 20
+MAX_RECORDED_MODELS = 256
+#: The longest model name (protocol §14).
+_MAX_NAME = 256
+
+
+def recorded_models(path: str) -> list[str]:
+    """The models named in the last lines of the trace at ``path``, newest first: those
+    the broker that recorded it served last, expected back after a restart. Bounded:
+    only its last :data:`MODELS_TAIL_BYTES` are read, and at most
+    :data:`MAX_RECORDED_MODELS` names kept. A missing, unreadable or non-regular file (a
+    pipe) names none."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (opening a pipe to read would block)
+            return []
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - MODELS_TAIL_BYTES)
+            f.seek(start)
+            lines = f.read().split(b"\n")
+    except OSError:
+        return []
+    if start:
+        lines = lines[1:]  # (read from the middle of a line)
+    names: dict[str, None] = {}
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        model = record.get("model") if isinstance(record, dict) else None
+        if isinstance(model, str) and 0 < len(model) <= _MAX_NAME:
+            names[model] = None
+            if len(names) >= MAX_RECORDED_MODELS:
+                break
+    return list(names)
 
 
 def open_trace(path: str) -> TextIO:

@@ -170,7 +170,9 @@ class WorkerEvents:
             ",".join(names[:8]) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             ready.slots,
         )
-        self._dispatcher.pump_models(now, (m.name for m in ready.models), out)
+        # Requests held at the door for these models (just after a start) go in first.
+        self._intake.release(now, names, out)
+        self._dispatcher.pump_models(now, names, out)
 
     def _on_result(
         self,

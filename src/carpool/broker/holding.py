@@ -1,0 +1,206 @@
+"""holding.py: HeldRequests — requests at the door for a model that is expected back.
+
+Pure: ``now`` comes in. For ``register_grace_s`` after the broker starts, a request for a
+model no worker has registered yet, whose name the broker expects (a ``[models.<name>]``
+table of its configuration, or a model of the trace it records to), waits here instead
+of being answered UNAVAILABLE: after a restart its workers are reconnecting. A held
+request is not admitted (without a spec it cannot be validated) and is not in the
+request book; this object alone owns it until it leaves, exactly once:
+
+- released when a worker's READY registers its model, in arrival order, to go through
+  the normal admission with what remains of its budget (``ClientIntake.release``);
+- answered UNAVAILABLE at its deadline less :data:`HOLD_LEAD_S`, or when the grace
+  window ends (``on_tick``);
+- answered UNAVAILABLE when the broker stops (``stop``).
+
+Bounded: only expected names are held, so random names cannot fill it, and a request
+is held only while the held and queued requests together stay within ``max_queued``
+and ``max_queued_mib``, and its client's held and queued-or-running ones within
+``max_client_requests`` and ``max_client_mib``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from carpool.broker.backlog import Backlog
+from carpool.broker.config import BrokerConfig
+from carpool.broker.replies import Outgoing, Replies
+from carpool.broker.requests import ClientId
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import Frame, Submit
+
+#: A held request is answered this long before its deadline, so that its client still
+#: has time to act on the UNAVAILABLE (retry elsewhere, or report); a request with less
+#: budget than this is not held.
+HOLD_LEAD_S = 0.05
+
+
+@dataclass(slots=True)
+class HeldRequest:
+    """A request waiting for its model's first READY (decoded, not yet validated)."""
+
+    seq: int  # arrival order
+    client: ClientId
+    delimited: bool  # it came from a REQ socket (answered after an empty frame)
+    simple: bool  # it came in the simple form (answered in it)
+    submit: Submit
+    payloads: Sequence[Frame]
+    nbytes: int  # payload bytes, counted against the queue limits
+    deadline_s: float  # receipt plus its budget, on the broker's clock
+    expires_s: float  # when it is answered UNAVAILABLE unless released first
+    gone: bool = False  # released or answered (its heap entry is dropped lazily)
+
+
+class HeldRequests:
+    """The requests held at the door; see the module docstring."""
+
+    def __init__(self, config: BrokerConfig, backlog: Backlog, replies: Replies) -> None:
+        self._config = config
+        self._backlog = backlog
+        self._replies = replies
+        #: The model names whose requests may be held.
+        self.names: frozenset[str] = frozenset(config.models)
+        #: The end of the grace window (the core sets it from when the broker started).
+        self.until_s = -math.inf
+        self.count = 0
+        self.nbytes = 0
+        self._seq = 0
+        self._by_model: dict[str, dict[int, HeldRequest]] = {}
+        self._expiries: list[tuple[float, int, HeldRequest]] = []
+        self._per_client: dict[ClientId, list[int]] = {}  # client -> [requests, bytes]
+
+    def expect(self, names: Iterable[str]) -> None:
+        """Hold requests for ``names`` too, besides the configuration's models."""
+        self.names = frozenset(self._config.models) | frozenset(names)
+
+    def hold(
+        self,
+        now: float,
+        client: ClientId,
+        delimited: bool,
+        submit: Submit,
+        payloads: Sequence[Frame],
+        *,
+        simple: bool,
+    ) -> bool:
+        """Hold a request for a model with no spec, if it is expected, the grace window
+        and the request's budget leave time, and the limits allow. False: not held (the
+        caller answers it)."""
+        if submit.model not in self.names or now >= self.until_s or self._backlog.stopping:
+            return False
+        config = self._config
+        timeout_ms = submit.timeout_ms
+        budget_s = timeout_ms / 1000.0 if timeout_ms is not None else config.default_timeout_s
+        deadline_s = now + budget_s
+        expires_s = min(deadline_s - HOLD_LEAD_S, self.until_s)
+        if expires_s <= now:
+            return False
+        nbytes = 0
+        for frame in payloads:
+            nbytes += len(frame)
+        backlog = self._backlog
+        if (
+            self.count + backlog.queued >= config.max_queued
+            or self.nbytes + backlog.queued_bytes + nbytes > config.max_queued_mib << 20
+        ):
+            return False
+        mine = self._per_client.get(client)
+        held, held_bytes = backlog.held(client)
+        if mine is not None:
+            held, held_bytes = held + mine[0], held_bytes + mine[1]
+        if held >= config.max_client_requests or held_bytes + nbytes > config.max_client_mib << 20:
+            return False
+        self._seq += 1
+        entry = HeldRequest(
+            self._seq, client, delimited, simple, submit, payloads, nbytes, deadline_s, expires_s
+        )
+        self._by_model.setdefault(submit.model, {})[entry.seq] = entry
+        heapq.heappush(self._expiries, (expires_s, entry.seq, entry))
+        self.count += 1
+        self.nbytes += nbytes
+        if mine is None:
+            self._per_client[client] = [1, nbytes]
+        else:
+            mine[0] += 1
+            mine[1] += nbytes
+        return True
+
+    def release(self, model: str) -> list[HeldRequest]:
+        """The requests held for ``model``, in arrival order; they leave this object (the
+        caller admits or answers each). Call :meth:`on_tick` first, so that none is past
+        its expiry."""
+        entries = self._by_model.pop(model, None)
+        if not entries:
+            return []
+        released = list(entries.values())
+        for entry in released:
+            self._leave(entry)
+        self._settle()
+        return released
+
+    def next_expiry_s(self) -> float | None:
+        """When the earliest held request is due to be answered (None: none held)."""
+        return self._expiries[0][0] if self._expiries else None
+
+    def on_tick(self, now: float, out: list[Outgoing]) -> None:
+        """Answer UNAVAILABLE the held requests whose expiry has come."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            entry = heapq.heappop(expiries)[2]
+            if entry.gone:
+                continue
+            del self._by_model[entry.submit.model][entry.seq]
+            self._leave(entry)
+            started_s = self.until_s - self._config.register_grace_s
+            msg = (
+                f"no worker has registered model {entry.submit.model!r} yet; the broker "
+                f"started {now - started_s:.1f} s ago"
+            )
+            out.append(self._answer(entry, msg))
+        self._settle()
+        for model in [m for m, entries in self._by_model.items() if not entries]:
+            del self._by_model[model]
+
+    def stop(self, out: list[Outgoing]) -> None:
+        """The broker is stopping: answer every held request UNAVAILABLE, in arrival
+        order."""
+        held = sorted(
+            (e for entries in self._by_model.values() for e in entries.values()),
+            key=lambda e: e.seq,
+        )
+        self._by_model.clear()
+        self._expiries.clear()
+        msg = "the broker is stopping before a worker registered the model; retry"
+        for entry in held:
+            self._leave(entry)
+            out.append(self._answer(entry, msg))
+
+    def _answer(self, entry: HeldRequest, message: str) -> Outgoing:
+        return self._replies.error(
+            entry.client,
+            entry.delimited,
+            entry.submit.request_id,
+            ErrorCode.UNAVAILABLE,
+            message,
+            simple=entry.simple,
+        )
+
+    def _leave(self, entry: HeldRequest) -> None:
+        entry.gone = True
+        self.count -= 1
+        self.nbytes -= entry.nbytes
+        mine = self._per_client[entry.client]
+        mine[0] -= 1
+        mine[1] -= entry.nbytes
+        if not mine[0]:
+            del self._per_client[entry.client]
+
+    def _settle(self) -> None:
+        """Drop the heap's top entries that left already, so its top is a live one."""
+        expiries = self._expiries
+        while expiries and expiries[0][2].gone:
+            heapq.heappop(expiries)

@@ -1,0 +1,227 @@
+"""holding.py: in the grace window after a start, requests for an expected model no worker
+has registered yet wait at the door until a READY registers it (then they are admitted as
+usual, in arrival order), their deadline nears, the window ends or the broker stops; each
+gets exactly one reply. Names the broker does not expect are answered as before.
+
+BrokerCore driven with wire frames and an injected clock, with test_core.py's harness
+(each test runs in both pump modes); the trace reading on files in ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from carpool.broker.config import BatchingOverride
+from carpool.broker.holding import HOLD_LEAD_S
+from carpool.broker.trace import MAX_RECORDED_MODELS, recorded_models
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import Command
+from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse fixture)
+    C1,
+    C2,
+    SPEC,
+    T0,
+    W1,
+    Broker,
+    Msg,
+    batches,
+    ids,
+    model_spec,
+    only,
+    parse,
+    pump_mode,
+    ready_frames,
+    to_clients,
+)
+
+GRACE_S = 5.0
+
+
+def restarted(**config: Any) -> Broker:
+    """A broker just started at T0 whose configuration names model ``m``."""
+    config.setdefault("models", {"m": BatchingOverride()})
+    config.setdefault("register_grace_s", GRACE_S)
+    b = Broker.make(max_batch=4, max_wait_s=0.0, **config)
+    b.core.started_s = T0
+    return b
+
+
+def codes(msgs: list[Msg]) -> list[tuple[int | None, ErrorCode]]:
+    return [(m.rid, m.code) for m in to_clients(msgs)]
+
+
+def test_a_request_held_at_the_door_is_served_when_its_worker_registers() -> None:
+    b = restarted()
+    assert b.request(T0 + 0.1, 1, timeout_ms=1000) == []
+    assert b.request(T0 + 0.2, 2, C2, simple=True) == []
+    assert b.request(T0 + 0.3, 3, delimited=True) == []
+    assert b.core.holding.count == 3
+    assert b.core.queued == 0  # not admitted: no spec could validate them yet
+    out = b.ready(T0 + 0.4, W1, slots=4)
+    assert to_clients(out) == []
+    sent = batches(out)
+    assert [rid for batch in sent for rid in ids(batch)] == [1, 2, 3]  # arrival order
+    assert b.core.holding.count == 0
+    # Each keeps the deadline it had on arrival: the hold ate into its budget.
+    assert b.core.backlog.deadlines.earliest() == pytest.approx(T0 + 1.1, abs=0.002)
+    replies = [m for batch in sent for m in to_clients(b.result(T0 + 0.45, batch)[0])]
+    assert sorted((m.to, m.rid, m.command) for m in replies) == [
+        (C1, 1, Command.REPLY),
+        (C1, 3, Command.REPLY),
+        (C2, 2, Command.REPLY),
+    ]
+    assert {m.rid: (m.simple, m.delimited) for m in replies} == {
+        1: (False, False),
+        2: (True, False),
+        3: (False, True),
+    }
+
+
+def test_a_held_request_is_answered_unavailable_its_lead_before_its_deadline() -> None:
+    b = restarted()
+    assert b.request(T0 + 0.1, 1, timeout_ms=300) == []
+    due_s = T0 + 0.1 + 0.3 - HOLD_LEAD_S
+    assert b.core.next_wakeup(T0 + 0.1) == pytest.approx(due_s)
+    assert b.tick(due_s - 0.001) == []
+    (late,) = to_clients(b.tick(due_s))
+    assert (late.rid, late.code) == (1, ErrorCode.UNAVAILABLE)
+    assert "no worker has registered model 'm' yet" in late.meta["message"]
+    assert b.core.next_wakeup(due_s) is None
+    out = b.ready(due_s + 0.01, W1)  # too late for it: nothing is sent twice
+    assert to_clients(out) == []
+    assert batches(out) == []
+
+
+def test_a_ready_after_a_held_request_fell_due_answers_it_instead_of_admitting_it() -> None:
+    """Between the expiry and the tick that would answer it, a READY arrives: the request
+    is answered UNAVAILABLE (once), not admitted with no budget left."""
+    b = restarted()
+    assert b.request(T0 + 0.1, 1, timeout_ms=300) == []
+    assert b.request(T0 + 0.1, 2, timeout_ms=2000) == []
+    out = b.worker(T0 + 0.36, W1, ready_frames(SPEC, name="w1", slots=1))
+    assert codes(out) == [(1, ErrorCode.UNAVAILABLE)]
+    assert [ids(batch) for batch in batches(out)] == [[2]]
+
+
+def test_held_requests_are_answered_when_the_grace_window_ends() -> None:
+    b = restarted()
+    assert b.request(T0 + 4.0, 1, timeout_ms=None) == []  # the default budget: 10 s
+    assert b.core.next_wakeup(T0 + 4.0) == pytest.approx(T0 + GRACE_S)
+    assert codes(b.tick(T0 + GRACE_S)) == [(1, ErrorCode.UNAVAILABLE)]
+    # After the window a model no worker registered is NOT_FOUND, expected or not.
+    assert codes(b.request(T0 + GRACE_S, 2)) == [(2, ErrorCode.NOT_FOUND)]
+
+
+def test_names_the_broker_does_not_expect_are_answered_at_once() -> None:
+    b = restarted()
+    assert codes(b.request(T0 + 0.1, 1, model="other")) == [(1, ErrorCode.UNAVAILABLE)]
+    assert b.core.holding.count == 0
+    b.core.expect(["other"])  # a model of the broker's last trace
+    assert b.request(T0 + 0.2, 2, model="other") == []
+    assert b.request(T0 + 0.2, 3) == []  # the configuration's models stay expected
+    assert b.core.holding.count == 2
+    assert codes(b.request(T0 + 0.3, 4, model="random")) == [(4, ErrorCode.UNAVAILABLE)]
+    assert codes(b.tick(T0 + GRACE_S)) == [(2, ErrorCode.UNAVAILABLE), (3, ErrorCode.UNAVAILABLE)]
+    assert codes(b.request(T0 + GRACE_S + 1, 5, model="random")) == [(5, ErrorCode.NOT_FOUND)]
+
+
+def test_no_request_is_held_without_a_grace_window_or_with_too_little_budget() -> None:
+    b = restarted(register_grace_s=0.0)
+    assert codes(b.request(T0, 1)) == [(1, ErrorCode.NOT_FOUND)]
+    b = restarted()
+    short_ms = int(1000 * HOLD_LEAD_S)
+    assert codes(b.request(T0 + 0.1, 2, timeout_ms=short_ms)) == [(2, ErrorCode.UNAVAILABLE)]
+    # A core not told when it started (the simulator, tests) holds nothing.
+    plain = Broker.make(models={"m": BatchingOverride()})
+    assert codes(plain.request(T0, 3)) == [(3, ErrorCode.NOT_FOUND)]
+
+
+def test_held_requests_count_against_the_queue_limits() -> None:
+    b = restarted(max_queued=3, max_client_requests=2)
+    assert b.request(T0 + 0.1, 1) == []
+    assert b.request(T0 + 0.1, 2) == []
+    assert codes(b.request(T0 + 0.1, 3)) == [(3, ErrorCode.UNAVAILABLE)]  # C1's share
+    assert b.request(T0 + 0.1, 4, C2) == []
+    assert codes(b.request(T0 + 0.1, 5, C2)) == [(5, ErrorCode.UNAVAILABLE)]  # the queue's
+    assert b.core.holding.count == 3
+    # And their payload bytes: 40,000 x 4 float32 is 640 kB, two of them over 1 MiB.
+    b = restarted(max_queued_mib=1)
+    assert b.request(T0 + 0.1, 6, n=40_000) == []
+    assert codes(b.request(T0 + 0.1, 7, C2, n=40_000)) == [(7, ErrorCode.UNAVAILABLE)]
+    b = restarted(max_client_mib=1)
+    assert b.request(T0 + 0.1, 8, n=40_000) == []
+    assert codes(b.request(T0 + 0.1, 9, n=40_000)) == [(9, ErrorCode.UNAVAILABLE)]
+    assert b.request(T0 + 0.1, 10, C2, n=40_000) == []
+
+
+def test_queued_requests_leave_less_room_to_hold() -> None:
+    other = model_spec("other")
+    b = restarted(max_queued=2)
+    b.ready(T0, W1, other, slots=1)
+    assert len(batches(b.request(T0 + 0.1, 1, model="other"))) == 1
+    assert b.request(T0 + 0.1, 2, model="other") == []  # queued behind the first
+    assert b.request(T0 + 0.1, 3) == []  # held: 1 queued + 1 held
+    assert codes(b.request(T0 + 0.1, 4)) == [(4, ErrorCode.UNAVAILABLE)]
+
+
+def test_a_held_request_that_does_not_fit_the_registered_spec_is_answered_on_release() -> None:
+    b = restarted()
+    assert b.request(T0 + 0.1, 1, item=(5,)) == []  # the model takes items of 4
+    assert b.request(T0 + 0.1, 2) == []
+    out = b.ready(T0 + 0.2, W1, slots=2)
+    assert codes(out) == [(1, ErrorCode.INVALID_ARGUMENT)]
+    assert [rid for batch in batches(out) for rid in ids(batch)] == [2]
+
+
+def test_a_ready_for_other_models_leaves_the_held_requests_waiting() -> None:
+    b = restarted()
+    b.core.expect(["later"])
+    assert b.request(T0 + 0.1, 1, model="later") == []
+    assert b.request(T0 + 0.1, 2) == []
+    out = b.ready(T0 + 0.2, W1, slots=2)
+    assert [rid for batch in batches(out) for rid in ids(batch)] == [2]
+    assert b.core.holding.count == 1
+
+
+def test_a_stopping_broker_answers_every_held_request_once() -> None:
+    b = restarted()
+    assert b.request(T0 + 0.1, 1) == []
+    assert b.request(T0 + 0.2, 2, C2) == []
+    msgs = [parse(o) for o in b.core.begin_stop(T0 + 0.3)]
+    assert codes(msgs) == [(1, ErrorCode.UNAVAILABLE), (2, ErrorCode.UNAVAILABLE)]
+    assert all("stopping" in m.meta["message"] for m in to_clients(msgs))
+    assert b.core.holding.count == 0
+    assert b.core.next_wakeup(T0 + 0.3) is None
+    # Nothing more is held while stopping, and nothing is answered twice.
+    assert codes(b.request(T0 + 0.4, 3)) == [(3, ErrorCode.UNAVAILABLE)]
+    assert to_clients([parse(o) for o in b.core.finish_stop(T0 + 0.5)]) == []
+    assert only(b.tick(T0 + 10), Command.ERROR) == []
+
+
+# --------------------------------------------------------------------------- the trace
+
+
+def _trace(path: Path, models: list[str], extra: str = "") -> None:
+    lines = [json.dumps({"t_s": i, "model": m, "shape": [1, 4]}) for i, m in enumerate(models)]
+    path.write_text(extra + "\n".join(lines) + "\n")
+
+
+def test_the_models_of_the_last_trace_are_read_newest_first(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    _trace(trace, ["a", "b", "a", "c"], extra='not json\n{"model": 7}\n[1]\n')
+    assert recorded_models(str(trace)) == ["c", "a", "b"]
+    assert recorded_models(str(tmp_path / "none.jsonl")) == []
+    assert recorded_models(str(tmp_path)) == []  # not a regular file
+
+
+def test_the_trace_read_for_models_is_bounded(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    names = [f"m{i}" for i in range(MAX_RECORDED_MODELS + 10)]
+    _trace(trace, [*names, "x" * 300])  # (a name longer than the protocol allows)
+    got = recorded_models(str(trace))
+    assert len(got) == MAX_RECORDED_MODELS
+    assert got[0] == names[-1]
