@@ -178,7 +178,9 @@ class BrokerConfig:
     stop_grace_s: float = 2.0
     # After a (re)start, for this long a model no worker has registered yet is answered
     # UNAVAILABLE (retry) rather than NOT_FOUND: its workers may still be reconnecting
-    # (they notice a broker that vanished after `liveness` heartbeats).
+    # (they notice a broker that vanished after `liveness` heartbeats). Requests for a
+    # model named under [models] or in the last trace wait for its READY instead, while
+    # their deadlines and the queue limits allow (holding.py, protocol §11.1).
     register_grace_s: float = 5.0
     # ZMTP heartbeats on both sockets: a PING every peer_heartbeat_s, and a connection
     # with no traffic for peer_timeout_s after one is closed. Without them a peer whose
