@@ -20,6 +20,9 @@ from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.base import Array, EngineInfo, with_rules
 
+#: How many of its latest batches a SyntheticEngine remembers (``batches``).
+RECENT_BATCHES = 1024
+
 
 def synthetic_output(x: Array, output_items: int = 0) -> Array:
     """What SyntheticEngine computes; tests use it as the oracle. With ``output_items``,
@@ -84,8 +87,9 @@ class SyntheticEngine:
             "synthetic model",
         )
         self._lock = threading.Lock()
-        # (batch size, item shape) of the most recent batches run, for tests.
-        self.batches: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=100_000)
+        # (batch size, item shape) of the most recent batches run, for tests; few, so that
+        # a worker serving for months holds no more than it did after its first minute.
+        self.batches: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=RECENT_BATCHES)
 
     @property
     def info(self) -> EngineInfo:
