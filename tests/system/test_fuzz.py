@@ -8,9 +8,11 @@ fixed number of examples and a derandomized search, makes what it receives:
   framed and the simple form; and mutations of valid requests (bit flips, truncations,
   frames added, dropped or repeated, other dtypes, shapes, ids, timeouts, huge numbers,
   payloads of the wrong size);
-* on the worker socket, from raw DEALERs that pretend to be workers: random READY,
-  RESULT, FAILED, HEARTBEAT and DISCONNECT metas, RESULTs and FAILEDs for batches they
-  were never sent (ids that other workers hold among them), and garbage.
+* on the worker socket, from raw DEALERs that pretend to be workers (on a fresh socket
+  now and then): random READY, RESULT, FAILED, HEARTBEAT and DISCONNECT metas, and
+  garbage; valid READYs for models of their own, whose BATCHes (asked for by the
+  DEALERs) they answer with RESULTs mutated as above; RESULTs and FAILEDs for batches
+  they were never sent (among them the ids of batches the embedded worker holds).
 
 Every example also sends a valid request through a carpool Client, whose answer is
 checked against the synthetic engine's known output. The fuzzing workers never announce
