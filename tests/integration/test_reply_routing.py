@@ -3,6 +3,7 @@ connection that took the routing id of one that has closed."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgpack
@@ -87,3 +88,92 @@ def test_a_newcomer_under_a_departed_clients_routing_id_gets_none_of_its_replies
         assert not newcomer.poll(0)
     finally:
         newcomer.close(linger=0)
+
+
+def _stepped_broker() -> tuple[Any, Any]:
+    """A broker this test steps itself (so that events wait as they would behind a busy
+    loop), and a worker of a 0.6 s model in a thread."""
+    from carpool.broker.server import BrokerServer
+    from carpool.common.testing import ServerThread
+    from carpool.worker.server import WorkerServer
+    from tests.conftest import loopback_config
+
+    broker = BrokerServer(loopback_config(max_batch=1, max_wait_s=0.001))
+    engine = SyntheticEngine(fixed_cost_s=0.6, item_shape=(4,), max_batch=1)
+    worker = ServerThread(WorkerServer(broker.backend_endpoint, {"slow": lambda: engine}))
+    worker.__enter__()
+    clock = MonotonicClock()
+    end = clock.now() + 20
+    while not broker.core.registry.specs.get("slow"):
+        assert clock.now() < end, "the worker never registered"
+        broker.step(0.05)
+    return broker, worker
+
+
+def _newcomer_under(
+    broker: Any, context: zmq.Context[zmq.Socket[bytes]], rid: bytes
+) -> zmq.Socket[bytes]:
+    """A connection that the broker has answered under routing id ``rid``."""
+    clock = MonotonicClock()
+    end = clock.now() + 5
+    while True:
+        assert clock.now() < end, "no newcomer got the routing id"
+        sock = _dealer(context, broker.frontend_endpoint, rid)
+        sock.send_multipart([STATS, msgpack.packb({"id": 1})])
+        until = clock.now() + 0.2
+        while clock.now() < until and not sock.poll(0):
+            broker.step(0.01)
+        if sock.poll(0):
+            sock.recv_multipart()
+            return sock
+        sock.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("descriptor", ["closed", "reused"])
+def test_a_request_read_after_its_connection_closed_is_answered_to_nobody(
+    context: zmq.Context[zmq.Socket[bytes]], descriptor: str
+) -> None:
+    """The broker reads a client's request only after that client has gone: its
+    connection is closed (its descriptor free, or already taken by another connection)
+    when the request is read. The reply must not reach a newcomer under its routing id."""
+    broker, worker = _stepped_broker()
+    others: list[zmq.Socket[bytes]] = []
+    held: list[int] = []
+    try:
+        victim = _dealer(context, broker.frontend_endpoint, b"victim")
+        victim.send_multipart(_request(7))
+        victim.close(linger=2000)
+        MonotonicClock().sleep(0.3)  # the broker does not step: all of it waits
+        if descriptor == "reused":  # another connection takes the descriptor meanwhile
+            other = context.socket(zmq.DEALER)
+            other.setsockopt(zmq.LINGER, 0)
+            other.connect(broker.frontend_endpoint)
+            others.append(other)
+            MonotonicClock().sleep(0.3)
+        broker.step(0)
+        # Something else in the broker's process takes the freed descriptor, so that no
+        # later connection reuses it.
+        held.append(os.open(os.devnull, os.O_RDONLY))
+        newcomer = _newcomer_under(broker, context, b"victim")
+        others.append(newcomer)
+        clock = MonotonicClock()
+        end = clock.now() + 3
+        got: list[list[bytes]] = []
+        while clock.now() < end and broker.core.stats.departed == 0:
+            broker.step(0.01)
+            while newcomer.poll(0):
+                got.append(newcomer.recv_multipart())
+        for _ in range(10):
+            broker.step(0.01)
+        while newcomer.poll(0):
+            got.append(newcomer.recv_multipart())
+        assert got == [], "the newcomer received the victim's reply"
+        assert broker.core.stats.departed == 1
+    finally:
+        for sock in others:
+            sock.close(linger=0)
+        for fd in held:
+            os.close(fd)
+        worker.__exit__(None, None, None)
+        broker.close()

@@ -20,19 +20,22 @@ take the id). Hence:
 - a message from a descriptor the table knows open, under the routing id that connection
   has said (or its first), is taken for that connection. If that one has in fact closed
   and a newcomer sent the message on the reused descriptor, the reply is dropped when the
-  monitor says so: a doubtful reply is dropped, never misdelivered;
+  monitor says so;
 - a message from a descriptor the table does not know open, or under another routing id
   (a connection has one), makes the server read the monitor at once; if the descriptor
   changed meanwhile, the candidates are the connection open before and those opened
   since, and the message goes to the oldest one that may have sent it (one that has said
-  nothing yet, or said this routing id);
-- the server reads the monitor at the start of each loop turn that it has events, and
-  again just before it sends replies, so a connection that closed before that point gets
-  nothing.
+  nothing yet, or said this routing id); if nothing changed and the monitor said the
+  connection on it closed (none opened since), the message came by that closed one, and
+  its reply is dropped;
+- the server reads the monitor after each loop turn's messages (not before them: a
+  connection's last message read after both its close and the reuse of its descriptor
+  would be taken for the newcomer's), and again just before it sends replies, so a
+  connection that closed before that point gets nothing.
 
-What remains (a connection that closes in the microseconds between that read and the
-send) is stated in docs/security.md; CURVE (replies bound to the authenticated key)
-closes it.
+What remains is stated in docs/security.md: a connection that closes in the
+microseconds between that read and the send, and a closed connection's one message read
+after another connection on its descriptor has spoken.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class ConnectionTable:
         self._open: dict[int, _Connection] = {}  # by descriptor
         #: Tokens of the connections open now.
         self.alive: set[bytes] = set()
+        #: Descriptors whose last connection the monitor said closed (none open on them).
+        self.closed_fds: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -85,6 +90,7 @@ class ConnectionTable:
         self._count += 1
         conn = self._open[fd] = _Connection(_TOKEN.pack(self._count))
         self.alive.add(conn.token)
+        self.closed_fds.discard(fd)
         return conn
 
     def apply(
@@ -106,7 +112,7 @@ class ConnectionTable:
                 self._close(fd)
         return touched
 
-    def _closed_token(self) -> bytes:
+    def closed_token(self) -> bytes:
         """A token of its own for a connection that closed before the table heard of it."""
         self._count += 1
         return _TOKEN.pack(self._count)
@@ -115,6 +121,7 @@ class ConnectionTable:
         conn = self._open.pop(fd, None)
         if conn is not None:
             self.alive.discard(conn.token)
+            self.closed_fds.add(fd)
 
     def open_on(self, fd: int) -> _Connection | None:
         """The connection open on ``fd``, as far as the table has heard."""
@@ -136,7 +143,7 @@ class ConnectionTable:
         it was read: the oldest candidate that may have sent it (said nothing yet, or said
         ``identity``); the newest when none may."""
         if not candidates:
-            return self._closed_token()
+            return self.closed_token()
         token = next(
             (t for t, said in candidates if said is None or said == identity),
             candidates[-1][0],
@@ -218,7 +225,12 @@ class ClientConnections:
                 return conn.token + identity
         candidates = self.refresh().get(fd)
         if candidates is None:
-            return self.table.token(fd, identity) + identity
+            table = self.table
+            if table.open_on(fd) is None and fd in table.closed_fds:
+                # The monitor said the connection on it closed, and none opened since:
+                # the message was read after its connection's close.
+                return table.closed_token() + identity
+            return table.token(fd, identity) + identity
         return self.table.choose(fd, identity, candidates) + identity
 
     def reply_to(self, key: bytes) -> bytes | None:

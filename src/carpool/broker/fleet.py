@@ -10,6 +10,7 @@ is refitted or a worker joins or leaves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,7 +140,17 @@ class FleetModel:
         rate = self._rate(model, key)
         if rate.samples_per_s <= 0:
             return None
-        free_s = min((self.ready_in_s(now, w) for w in self.registry.serving(model)), default=0.0)
+        # The soonest a worker with credits is free (unhealthy ones drain nothing); an
+        # idle one ends the look (a worker holding nothing is free now).
+        free_s = math.inf
+        for w in self.registry.serving(model):
+            if not w.credits:
+                continue
+            if not w.outstanding:
+                free_s = 0.0
+                break
+            free_s = min(free_s, w.free_at_s - now)
+        free_s = 0.0 if free_s == math.inf else max(0.0, free_s)
         last = min(samples, rate.full_batch)
         cost = rate.last_batch
         return free_s + (samples - last) / rate.samples_per_s + cost.estimate(last), cost

@@ -252,10 +252,13 @@ class BrokerServer:
                 wait_ms = 0  # whole messages wait in a buffer: no poll would say so
         events = dict(self.poller.poll(wait_ms))
         handled = 0
-        if self._clients.monitor in events:  # connections opened and closed
-            self._clients.refresh()
         if self.frontend in events:
             handled += self._drain_clients()
+        # Connections opened and closed: read after the messages that came before (a
+        # message read after its connection's close and the reuse of its descriptor
+        # could be taken for the newcomer's).
+        if self._clients.monitor in events:
+            self._clients.refresh()
         if self._wake.fd in events:
             self._wake.clear()
             if self._reload_asked:

@@ -187,6 +187,7 @@ class WorkerEvents:
             return
         if worker.health is not _HEALTHY:
             self.registry.set_health(now, worker, Health.HEALTHY)
+            self._fleet.rates.clear()  # its share of the fleet's rate changed
         self._learn(worker, batch, result.compute_ms)
         if 0 <= result.rho <= 1:  # as HEARTBEAT's: a load out of range is ignored
             self._fleet.on_load(now, worker, result.rho)
@@ -224,6 +225,7 @@ class WorkerEvents:
             return
         if worker.health is not _HEALTHY:
             self.registry.set_health(now, worker, Health.HEALTHY)
+            self._fleet.rates.clear()  # its share of the fleet's rate changed
         if 0 <= failed.rho <= 1:
             self._fleet.on_load(now, worker, failed.rho)
         logger.warning(
@@ -277,6 +279,7 @@ class WorkerEvents:
     def _recovered(self, now: float, worker: WorkerState, why: str, out: list[Outgoing]) -> None:
         """An UNHEALTHY worker showed progress: one credit, until it answers a batch."""
         self.registry.set_health(now, worker, Health.PROBATION)
+        self._fleet.rates.clear()  # its share of the fleet's rate changed
         logger.info("worker on probation name=%s: %s", worker.name, why)
         self._dispatcher.pump_models(now, worker.models, out)
 
@@ -316,6 +319,7 @@ class WorkerEvents:
                 batch.watch_s,
             )
             self.registry.set_health(now, worker, Health.UNHEALTHY)
+            self._fleet.rates.clear()  # its share of the fleet's rate changed
             self.stats.unhealthy += 1
             self._fleet.rates.clear()
             worker.free_at_s = now
