@@ -9,7 +9,9 @@ the tests wait for that event, never for a while.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from carpool.broker.auth import BrokerAuth
 from carpool.broker.config import CurveConfig
 from carpool.broker.server import BrokerServer
 from carpool.client import Client, ClientOptions, PermissionDenied
@@ -36,6 +39,7 @@ from carpool.common.protocol import (
 )
 from carpool.common.sockets import recv_frames
 from carpool.common.testing import ServerThread
+from carpool.worker.config import WorkerConfig
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.server import WorkerServer
 from tests.conftest import loopback_config, wait_for_workers
@@ -354,3 +358,71 @@ def test_secret_key_files_others_may_read_are_refused(keys: Keys) -> None:
             curve_server_key=keys.broker_public.decode(),
             curve_key=str(secret),
         )
+
+
+def test_a_secret_key_given_as_text_is_refused_by_broker_worker_and_client(keys: Keys) -> None:
+    text = load_keypair(keys.curve.server_key).secret.decode()
+    curve = dataclasses.replace(keys.curve, server_key=text)
+    with pytest.raises(ConfigError, match=r"curve\.server_key \(--curve-server-key\)") as raised:
+        BrokerServer(dataclasses.replace(loopback_config(), curve=curve))
+    assert text not in str(raised.value)
+    worker = WorkerConfig(curve_broker_key=keys.broker_public.decode(), curve_key=text)
+    with pytest.raises(ConfigError, match=r"curve_key \(--curve-key\) must be the path"):
+        worker.server()
+    with pytest.raises(ConfigError, match=r"ClientOptions\.curve_key must be the path"):
+        Client("tcp://127.0.0.1:1", curve_server_key=keys.broker_public.decode(), curve_key=text)
+
+
+def test_a_reload_refuses_an_allow_list_others_may_write_and_keeps_the_current_ones(
+    keys: Keys,
+    broker: BrokerServer,
+    context: zmq.Context[zmq.Socket[bytes]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A directory others may write: anyone could have added a key to it.
+    os.chmod(keys.root / "clients", 0o777)
+    shutil.copy(keys.root / "strangers" / "stranger.key", keys.root / "clients")
+    with caplog.at_level(logging.ERROR, "carpool.broker.auth"):
+        assert not broker.reload_keys()
+    assert f"{keys.root / 'clients'} has mode 0777" in caplog.text
+    for name, outcome in [
+        ("stranger", zmq.EVENT_HANDSHAKE_FAILED_AUTH),
+        ("client", zmq.EVENT_HANDSHAKE_SUCCEEDED),
+    ]:
+        sock, monitor = _dealer(context, broker.frontend_endpoint, keys.pair(name))
+        sock.send_multipart(encode(Command.STATS, {"id": 1}))
+        assert _handshake(monitor) == outcome
+        _close(sock, monitor)
+
+
+def test_both_curve_sockets_enforce_their_zap_domain(broker: BrokerServer) -> None:
+    for sock in (broker.frontend, broker.backend):
+        assert sock.getsockopt(zmq.ZAP_ENFORCE_DOMAIN) == 1
+
+
+@pytest.mark.parametrize("authenticator", ["running", "stopped"])
+def test_a_curve_socket_whose_authenticator_stopped_refuses_every_handshake(
+    keys: Keys, authenticator: str
+) -> None:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    auth = BrokerAuth(context, keys.curve)
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    auth.secure_frontend(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        if authenticator == "stopped":
+            auth.close()
+        sock, monitor = _dealer(context, f"tcp://127.0.0.1:{port}", keys.pair("client"))
+        sock.send_multipart(encode(Command.STATS, {"id": 1}))
+        outcome = _handshake(monitor)
+        _close(sock, monitor)
+    finally:
+        if authenticator == "running":
+            auth.close()
+        router.close()
+        context.term()
+    if authenticator == "running":
+        assert outcome == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    else:
+        assert outcome & _FAILED

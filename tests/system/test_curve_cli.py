@@ -135,3 +135,29 @@ def test_broker_and_worker_with_curve_flags_and_sighup_revocation(
     assert worker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
     broker.terminate()
     assert broker.wait(timeout=STOP_TIMEOUT_S) == 0, _logs(tmp_path)
+
+
+def test_a_secret_key_given_on_the_command_line_is_refused_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    k = tmp_path / "keys"
+    for sub in ("broker", "clients", "workers"):
+        assert _carpool("keygen", str(k / sub), sub).returncode == 0
+    text = load_keypair(k / "broker" / "broker.key_secret").secret.decode()
+    done = _carpool(
+        "broker",
+        "--frontend",
+        f"ipc://{tmp_path}/frontend",
+        "--backend",
+        f"ipc://{tmp_path}/backend",
+        "--curve",
+        "--curve-server-key",
+        text,
+        "--curve-clients",
+        str(k / "clients"),
+        "--curve-workers",
+        str(k / "workers"),
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--curve-server-key" in done.stderr
+    assert text not in done.stderr

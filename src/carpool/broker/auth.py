@@ -112,7 +112,9 @@ class BrokerAuth:
 
     def __init__(self, context: zmq.Context[Any], config: CurveConfig) -> None:
         self.config = config
-        self.pair: KeyPair = load_keypair(config.server_key)
+        self.pair: KeyPair = load_keypair(
+            config.server_key, "curve.server_key (--curve-server-key)"
+        )
         self.failures = FailureLog(config.failure_logs_per_min)
         self._clients = _AllowList("client", self.failures)
         self._workers = _AllowList("worker", self.failures)
@@ -148,11 +150,14 @@ class BrokerAuth:
         return True
 
     def secure(self, sock: zmq.Socket[Any], domain: str) -> None:
-        """Make ``sock`` a CURVE server of ZAP ``domain`` (before it binds)."""
+        """Make ``sock`` a CURVE server of ZAP ``domain`` (before it binds). With
+        ``ZAP_ENFORCE_DOMAIN`` it fails closed: with no authenticator answering, libzmq
+        refuses every handshake instead of admitting any key."""
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.pair.secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.pair.public)
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
     def secure_frontend(self, sock: zmq.Socket[Any]) -> None:
         self.secure(sock, CLIENTS)

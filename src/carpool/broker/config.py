@@ -117,17 +117,28 @@ class CurveConfig:
             missing = [k for k in ("server_key", "clients", "workers") if not getattr(self, k)]
             if missing:
                 problems.append(f"enabled needs {', '.join(missing)}")
-            elif _same_dir(self.clients, self.workers):
-                problems.append(
-                    "clients and workers must be different directories (a client key "
-                    "must never register as a worker)"
-                )
+            else:
+                problems += _shared_dirs(self)
         problems += out_of_range(self, {"failure_logs_per_min": (1, 100_000)})
         check(problems, "curve")
 
 
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _shared_dirs(c: CurveConfig) -> list[str]:
+    """The allow-lists that name one directory: each must be its own, so that a key
+    added to one list (a client's) is never on another (the workers', the operators')."""
+    pairs = {("clients", "workers"): "a client key must never register as a worker"}
+    if c.operators:
+        pairs[("operators", "clients")] = "every client would read STATS"
+        pairs[("operators", "workers")] = "a worker key would connect to the frontend"
+    return [
+        f"{a} and {b} must be different directories ({why})"
+        for (a, b), why in pairs.items()
+        if _same_dir(getattr(c, a), getattr(c, b))
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,8 @@ class ClientOptions:
         curve_server_key: for a broker with CURVE on (docs/security.md): its public key,
             as Z85 text or the path of its ``.key`` file. "" (the default): no CURVE.
         curve_key: this client's key pair with CURVE: the path of its ``.key_secret``
-            file (``carpool keygen``; mode 0600), or its Z85 secret key. Both or neither.
+            file (``carpool keygen``; mode 0600); the key itself as text is refused.
+            Both or neither.
 
     Raises:
         ValueError: an option out of its range (every such option named at once).

@@ -47,7 +47,7 @@ def curve_keys(options: ClientOptions) -> ClientKeys | None:
     Raises:
         ConfigError: a key file cannot be read, or the secret one is not private.
     """
-    return client_keys(options.curve_server_key, options.curve_key)
+    return client_keys(options.curve_server_key, options.curve_key, "ClientOptions.curve_key")
 
 
 def open_dealer(

@@ -1,10 +1,13 @@
 """curve.py: CURVE key pairs and allow-lists from files, and the socket options they set.
 
 Keys are Z85 text (40 characters), in the certificate files pyzmq's ``zmq.auth`` writes:
-``NAME.key`` holds the public key, ``NAME.key_secret`` both keys. A secret file must be
-readable by its owner only (mode 0600 or 0400): :func:`load_keypair` refuses one that
-its group or others may read, naming the file and its mode. An allow-list is a directory
-of public ``*.key`` files (``zmq.auth.load_certificates``).
+``NAME.key`` holds the public key, ``NAME.key_secret`` both keys. A secret key is read
+from its file only, never taken as text (text would show in ``ps`` and config files no
+mode guards). A secret file must be readable by its owner only (mode 0600 or 0400):
+:func:`load_keypair` refuses one that its group or others may read, naming the file and
+its mode. An allow-list is a directory of public ``*.key`` files
+(``zmq.auth.load_certificates``); :func:`load_allowed` refuses one whose directory or
+key files its group or others may write, as sshd's ``StrictModes`` does.
 
 The broker's side (the ZAP authenticator, its allow-lists) is
 :mod:`carpool.broker.auth`; this module is what every side shares, clients and workers
@@ -88,17 +91,23 @@ def check_private(path: Path) -> None:
         )
 
 
-def load_keypair(source: str | os.PathLike[str]) -> KeyPair:
-    """This side's key pair: a ``*.key_secret`` file (mode 0600), or a Z85 secret key
-    given as text (its public half is derived).
+def load_keypair(source: str | os.PathLike[str], setting: str = "secret key") -> KeyPair:
+    """This side's key pair, from its ``*.key_secret`` file (mode 0600).
+
+    Args:
+        source: the file's path.
+        setting: the setting ``source`` came from, named in the errors.
 
     Raises:
-        ConfigError: unreadable, not private, or holding no secret key.
+        ConfigError: given as Z85 text rather than a file (the message names ``setting``
+            and never shows the text), unreadable, not private, or holding no secret key.
     """
     text = os.fspath(source)
     if _is_z85_key(text) and not os.path.exists(text):
-        raw = text.encode("ascii")
-        return KeyPair(zmq.curve_public(raw), raw)
+        raise ConfigError(
+            f"{setting} must be the path of a .key_secret file (mode 0600), not the key "
+            "itself: a key given as text shows in the process list and in unguarded files"
+        )
     path = Path(text)
     check_private(path)
     public, secret = _certificate(path)
@@ -130,16 +139,34 @@ def _certificate(path: Path) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
+def _check_unwritable(path: Path) -> None:
+    """Refuse an allow-list directory or key file its group or others may write."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read the CURVE allow-list {path}: {exc.strerror}") from None
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"CURVE allow-list {path} has mode {stat.S_IMODE(mode):04o}: its group or others "
+            f"may write it and so add keys; make it theirs read-only (chmod go-w {path})"
+        )
+
+
 def load_allowed(directory: str | os.PathLike[str]) -> frozenset[bytes]:
     """The public keys of the ``*.key`` files in ``directory`` (an allow-list).
 
     Raises:
-        ConfigError: the directory cannot be read, or a certificate in it cannot.
+        ConfigError: the directory cannot be read, or a certificate in it cannot; the
+            directory or one of its ``*.key`` files may be written by its group or others
+            (the message names the path and its mode).
     """
     path = Path(directory)
     if not path.is_dir():
         raise ConfigError(f"CURVE allow-list {path} is not a directory")
+    _check_unwritable(path)
     try:
+        for key_file in sorted(path.glob("*.key")):
+            _check_unwritable(key_file)
         keys = zmq.auth.load_certificates(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load the CURVE allow-list {path}: {exc}") from None
@@ -180,9 +207,10 @@ def connect_keys(sock: zmq.Socket[Any], keys: ClientKeys) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.own.secret)
 
 
-def client_keys(server: str, own: str) -> ClientKeys | None:
-    """The keys of a connecting side from its settings (file paths or Z85 text); None when
-    both are empty (CURVE off).
+def client_keys(server: str, own: str, own_setting: str = "curve_key") -> ClientKeys | None:
+    """The keys of a connecting side from its settings (the broker's public key as a file
+    path or Z85 text, its own pair as a ``.key_secret`` path); None when both are empty
+    (CURVE off). ``own_setting`` names the second setting in the errors.
 
     Raises:
         ConfigError: only one of the two is given, or a key cannot be loaded.
@@ -191,4 +219,4 @@ def client_keys(server: str, own: str) -> ClientKeys | None:
         return None
     if not server or not own:
         raise ConfigError("CURVE needs both the broker's public key and this side's own key pair")
-    return ClientKeys(load_public(server), load_keypair(own))
+    return ClientKeys(load_public(server), load_keypair(own, own_setting))

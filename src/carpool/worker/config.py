@@ -202,5 +202,7 @@ class WorkerConfig:
             shm_output_mode=self.shm_output_mode,
             shm_output_group=self.shm_output_group or None,
             embedded=embedded,
-            curve=None if embedded else client_keys(self.curve_broker_key, self.curve_key),
+            curve=None
+            if embedded
+            else client_keys(self.curve_broker_key, self.curve_key, "curve_key (--curve-key)"),
         )
