@@ -404,25 +404,35 @@ def test_both_curve_sockets_enforce_their_zap_domain(broker: BrokerServer) -> No
 def test_a_curve_socket_whose_authenticator_stopped_refuses_every_handshake(
     keys: Keys, authenticator: str
 ) -> None:
+    """The ROUTER's own monitor reports the outcome: a refusal for want of an
+    authenticator sends the peer nothing, it only sees its connection close."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     auth = BrokerAuth(context, keys.curve)
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     auth.secure_frontend(router)
+    watch = router.get_monitor_socket(_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     port = router.bind_to_random_port("tcp://127.0.0.1")
+    sock = None
     try:
         if authenticator == "stopped":
             auth.close()
-        sock, monitor = _dealer(context, f"tcp://127.0.0.1:{port}", keys.pair("client"))
+        sock = _dealer(context, f"tcp://127.0.0.1:{port}", keys.pair("client"), watch=False)[0]
         sock.send_multipart(encode(Command.STATS, {"id": 1}))
-        outcome = _handshake(monitor)
-        _close(sock, monitor)
+        outcome = _handshake(watch)
+        heard = router.poll(10_000 if authenticator == "running" else 200)
     finally:
+        if sock is not None:
+            sock.close()
         if authenticator == "running":
             auth.close()
+        router.disable_monitor()
+        watch.close()
         router.close()
         context.term()
     if authenticator == "running":
         assert outcome == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert heard
     else:
         assert outcome & _FAILED
+        assert not heard
