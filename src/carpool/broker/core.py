@@ -165,25 +165,42 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ stopping
 
-    def begin_stop(self, now: float) -> list[Outgoing]:
-        """The broker is stopping: answer every queued or held request UNAVAILABLE now,
-        and refuse new ones; batches already at workers may still finish
-        (``finish_stop``)."""
+    def begin_stop(self, now: float, until_s: float | None = None) -> list[Outgoing]:
+        """The broker is stopping: refuse new requests, answer every held request
+        UNAVAILABLE, and answer UNAVAILABLE now each queued request that cannot be
+        answered by ``until_s`` (the end of ``stop_grace_s``): no live worker serves its
+        model, or its predicted completion, behind what is queued ahead of it, lies past
+        ``until_s``. The others stay queued and are dispatched as usual; batches already
+        at workers may still finish. ``finish_stop`` answers what is left. ``until_s``
+        None: answer every queued one."""
         self.backlog.stopping = True
         out: list[Outgoing] = []
         self.holding.stop(out)
         msg = "the broker is stopping before the request was dispatched; retry"
         answer = self.dispatcher.answer_queued
-        for queue in self.backlog.queues.values():
+        registry, fleet = self.registry, self.fleet
+        ahead: dict[str, int] = {}  # samples kept so far, by model
+        stop_by_s = until_s if until_s is not None else float("-inf")
+        for queue in list(self.backlog.queues.values()):
             for req in list(queue):
-                answer(queue, req, ErrorCode.UNAVAILABLE, msg, out)
-        self.dispatcher.stop()
+                model = req.model
+                keep = until_s is not None and any(registry.serving(model))
+                if keep:
+                    samples = ahead.get(model, 0) + req.samples
+                    completion = fleet.completion(now, model, queue.key, samples)
+                    keep = completion is None or now + completion[0] <= stop_by_s
+                if keep:
+                    ahead[model] = samples
+                else:
+                    answer(queue, req, ErrorCode.UNAVAILABLE, msg, out)
+        if until_s is None:
+            self.dispatcher.stop()
         return out
 
     def finish_stop(self, now: float) -> list[Outgoing]:
         """The last word: answer what is still at workers UNAVAILABLE and tell every
         worker over a socket to go (DISCONNECT), so none waits out its heartbeats."""
-        out = self.begin_stop(now) if not self.stopping else []
+        out = self.begin_stop(now)
         msg = "the broker stopped before the request's batch finished; retry"
         for batch in self.inflight:
             self.workers.fail_batch(batch, ErrorCode.UNAVAILABLE, msg, out)

@@ -133,6 +133,7 @@ class BrokerServer:
         except ConfigError:
             self._close_early()
             raise
+        self._frontend_endpoint = str(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))
         # stop() wakes a blocked poll from any thread or a signal handler.
         self._wake = WakePipe()
         self.poller = zmq.Poller()
@@ -220,7 +221,7 @@ class BrokerServer:
 
     @property
     def frontend_endpoint(self) -> str:
-        return str(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+        return self._frontend_endpoint  # (read at bind: wind_down closes the socket)
 
     @property
     def backend_endpoint(self) -> str:
@@ -336,16 +337,24 @@ class BrokerServer:
         self.wind_down()
 
     def wind_down(self) -> None:
-        """Answer every queued request UNAVAILABLE at once and refuse new ones; give the
-        batches at workers up to ``stop_grace_s`` to finish (a second :meth:`stop` cuts it
-        short); answer what is left UNAVAILABLE and send every worker DISCONNECT. The
-        sockets then linger a moment on close, so those answers leave."""
+        """Stop without losing a request (protocol.md §11). New requests are answered
+        UNAVAILABLE "stopping" as they arrive, read as before; queued requests predicted
+        to finish within ``stop_grace_s`` are still dispatched, the others answered
+        UNAVAILABLE at once; batches at workers get the rest of the grace to finish (a
+        second :meth:`stop` cuts it short). Then what is left is answered UNAVAILABLE,
+        every worker is sent DISCONNECT, what arrived meanwhile is read and answered, and
+        the frontend closes (lingering until its answers have left): new connections are
+        refused, and each client's connection closes, so a client learns at once that a
+        request it sent after the last read will not be answered. (Closing, not
+        unbinding: libzmq's unbind closes the connections it accepted at once, dropping
+        the answers still queued for them, so the answers of the grace would be lost.)"""
         if self.core.stopping:
             return
         self._stopping = True
-        self._send(self.core.begin_stop(self.clock.now()))
         until = self.clock.now() + self.config.stop_grace_s
-        while self.core.inflight_batches and not self._stops:
+        self._send(self.core.begin_stop(self.clock.now(), until))
+        core = self.core
+        while (core.inflight_batches or core.queued) and not self._stops:
             left = until - self.clock.now()
             if left <= 0:
                 break
@@ -360,6 +369,10 @@ class BrokerServer:
             ]
         )
         self._linger_ms = _STOP_LINGER_MS
+        self.frontend.setsockopt(zmq.LINGER, _STOP_LINGER_MS)
+        self._drain_clients()  # answered "stopping" by the intake
+        self.poller.unregister(self.frontend)
+        self.frontend.close(linger=_STOP_LINGER_MS)
 
     @property
     def signal_fd(self) -> int:

@@ -106,6 +106,11 @@ class ClientCore:
     shm_outputs: bool = False
     reader: RegionReader | None = None
     _next_sweep_s: float = 0.0
+    #: Connections to the broker that closed with requests possibly in flight (each
+    #: such request failed UNAVAILABLE then), and replies that came for a request no
+    #: longer pending (already failed, timed out or answered): dropped, counted here.
+    lost_connections: int = 0
+    late_replies: int = 0
     # STATS requests asked for and not yet given up: id -> reply (or the broker's error:
     # PERMISSION_DENIED under CURVE), None until it arrives. (Several may be in flight at
     # once, each waiting for the reply that echoes its id.)
@@ -367,8 +372,11 @@ class ClientCore:
         return self._settle(rid), result
 
     def _settle(self, request_id: int | None) -> int | None:
-        if request_id is None or self.pending.pop(request_id, None) is None:
-            return None  # late, duplicate or anonymous: nobody waits for it
+        if request_id is None:
+            return None  # anonymous: nobody waits for it
+        if self.pending.pop(request_id, None) is None:
+            self.late_replies += 1  # late or duplicate: nobody waits for it any more
+            return None
         if self._leases:
             self._release(request_id)
         return request_id

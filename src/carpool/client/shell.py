@@ -57,24 +57,78 @@ def open_dealer(
     *,
     own_context: bool,
     keys: ClientKeys | None = None,
+    watch: list[ConnectionWatch] | None = None,
 ) -> tuple[SocketT, weakref.finalize[..., object]]:
     """A DEALER socket connected to ``endpoint`` (a CURVE client with ``keys``), and the
     finalizer that closes it (and ``context`` too, with ``own_context``) at ``close()``
-    or when ``owner`` is collected without one (see :func:`release_socket`)."""
+    or when ``owner`` is collected without one (see :func:`release_socket`). With
+    ``watch``, a :class:`ConnectionWatch` of the socket is appended to it (the finalizer
+    closes it too)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         connect_keys(socket, keys)
+    watcher = None
+    if watch is not None:
+        watcher = ConnectionWatch(socket)
+        watch.append(watcher)
     socket.connect(endpoint)
-    return socket, weakref.finalize(owner, release_socket, socket, context, own_context)
+    return socket, weakref.finalize(owner, release_socket, socket, context, own_context, watcher)
 
 
-def release_socket(socket: zmq.Socket[Any], context: zmq.Context[Any], own_context: bool) -> None:
+#: ZMTP heartbeats on the client's connection: a broker that stops answering them (its
+#: host gone, the process frozen) counts as a closed connection after the timeout.
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 3000
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+class ConnectionWatch:
+    """Heartbeats on a client's socket and a monitor of its connections: :meth:`lost`
+    says when a connection that had completed its handshake closed (a peer refused at the
+    handshake, by CURVE say, never counts). A blocking monitor socket, for either twin."""
+
+    def __init__(self, socket: zmq.Socket[Any]) -> None:
+        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        address = f"inproc://carpool-client-monitor-{id(socket):x}"
+        socket.monitor(address, _EVENTS)
+        self.monitor: zmq.Socket[bytes] = zmq.Socket(socket.context, zmq.PAIR)
+        self.monitor.connect(address)
+        self._up = False
+
+    def lost(self) -> bool:
+        """Read the events waiting; True if a handshaken connection closed among them."""
+        lost = False
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return lost
+            event = int.from_bytes(frames[0][:2], "little")
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up = True
+            elif event == zmq.EVENT_DISCONNECTED and self._up:
+                self._up = False
+                lost = True
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
+
+
+def release_socket(
+    socket: zmq.Socket[Any],
+    context: zmq.Context[Any],
+    own_context: bool,
+    watch: ConnectionWatch | None = None,
+) -> None:
     """Close a client's socket, and its context if the client made it: at ``close()``, or
     when a client dropped without ``close()`` is collected (a weakref finalizer). Left to
     pyzmq's own finalizers, a client collected in a cycle with its futures (a request
     still pending) would leave its socket open and block the collecting thread for ever in
     ``Context.term()``."""
+    if watch is not None:
+        socket.disable_monitor()
+        watch.close()
     socket.close(linger=0)
     if own_context:
         context.term()

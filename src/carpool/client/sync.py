@@ -29,7 +29,15 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.core import InferResult
 from carpool.client.options import ClientOptionArgs, ClientOptions
-from carpool.client.shell import ClientState, close_core, curve_keys, open_core, open_dealer
+from carpool.client.shell import (
+    ClientState,
+    ConnectionWatch,
+    close_core,
+    curve_keys,
+    open_core,
+    open_dealer,
+    release_socket,
+)
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
@@ -120,12 +128,17 @@ class Client:
         self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
         self.context = context or zmq.Context()
+        self._endpoint, self._keys = endpoint, keys
+        watch: list[ConnectionWatch] = []
         self.socket, self._release = open_dealer(
-            self, self.context, endpoint, own_context=context is None, keys=keys
+            self, self.context, endpoint, own_context=context is None, keys=keys, watch=watch
         )
+        self._watch = watch[0]
+        self._release_owns = context is None
         # One poller for the socket's life (Socket.poll builds a new one on every call).
         self._poller = zmq.Poller()
         self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self._watch.monitor, zmq.POLLIN)
         self._futures: dict[int, ReplyFuture] = {}
         self.state = ClientState.OPEN
         # Threads (module docstring): the socket's owner, if any, and how many threads
@@ -364,6 +377,9 @@ class Client:
                     if which is self.socket:
                         for frames in waiting(self.socket):
                             completed += self._dispatch(frames)
+                    elif which is self._watch.monitor:
+                        if self._watch.lost():
+                            completed += self._connection_lost()
                     else:
                         self._wake.clear()  # a sender's wake-up: it takes the socket next
             except zmq.ZMQError:
@@ -379,6 +395,40 @@ class Client:
             return completed
         finally:
             self._let_go()
+
+    def _connection_lost(self) -> int:
+        """The connection to the broker closed (the broker stopped, or missed its
+        heartbeats): what it sent before is read, and every request still pending fails
+        UNAVAILABLE now (its reply can no longer come: the broker answers by connection).
+        The socket is opened afresh, so that nothing still queued in the old one reaches
+        the broker the client connects to next and is answered twice."""
+        completed = 0
+        for frames in waiting(self.socket):
+            completed += self._dispatch(frames)
+        msg = "the connection to the broker closed before the reply; the request may have run"
+        for rid, future in self._futures.items():
+            self.core.forget(rid)
+            future._set(Unavailable(msg, request_id=rid))
+            completed += 1
+        self._futures.clear()
+        self.core.lost_connections += 1
+        self._poller.unregister(self.socket)
+        self._poller.unregister(self._watch.monitor)
+        own_context = self._release.detach() is not None and self._release_owns
+        release_socket(self.socket, self.context, False, self._watch)
+        watch: list[ConnectionWatch] = []
+        self.socket, self._release = open_dealer(
+            self,
+            self.context,
+            self._endpoint,
+            own_context=own_context,
+            keys=self._keys,
+            watch=watch,
+        )
+        self._watch = watch[0]
+        self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self._watch.monitor, zmq.POLLIN)
+        return completed
 
     def _dispatch(self, frames: list[zmq.Frame]) -> int:
         try:
