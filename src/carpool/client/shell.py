@@ -9,6 +9,7 @@ is the core's; only these resources are here.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from enum import Enum
 from typing import Any, TypeVar
@@ -82,6 +83,9 @@ HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 3000
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
+_MONITORS = itertools.count()
+
+
 class ConnectionWatch:
     """Heartbeats on a client's socket and a monitor of its connections: :meth:`lost`
     says when a connection that had completed its handshake closed (a peer refused at the
@@ -90,7 +94,9 @@ class ConnectionWatch:
     def __init__(self, socket: zmq.Socket[Any]) -> None:
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        address = f"inproc://carpool-client-monitor-{id(socket):x}"
+        # A name of its own (an id() is reused once a dropped client is collected, while
+        # its monitor's endpoint may still be bound).
+        address = f"inproc://carpool-client-monitor-{next(_MONITORS)}"
         socket.monitor(address, _EVENTS)
         self.monitor: zmq.Socket[bytes] = zmq.Socket(socket.context, zmq.PAIR)
         self.monitor.connect(address)

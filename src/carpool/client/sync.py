@@ -27,7 +27,7 @@ from typing import Any, Unpack
 import zmq
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.core import InferResult
+from carpool.client.futures import ReplyFuture
 from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.shell import (
     ClientState,
@@ -48,56 +48,6 @@ _OPEN = ClientState.OPEN  # (checked per call: a global is cheaper than Enum.MEM
 #: How long a thread waiting for another's socket sleeps before it looks again (it is
 #: woken sooner when the other lets go); bounds any wake-up lost to a race.
 _RECHECK_S = 0.05
-
-
-class ReplyFuture:
-    """The pending reply of one request; :meth:`result` waits for it."""
-
-    def __init__(self, client: Client, request_id: int) -> None:
-        self._client = client
-        self.request_id = request_id
-        self._result: InferResult | None = None
-        self._error: RequestError | None = None
-
-    def done(self) -> bool:
-        return self._result is not None or self._error is not None
-
-    def _set(self, outcome: InferResult | RequestError) -> None:
-        if isinstance(outcome, RequestError):
-            self._error = outcome
-        else:
-            self._result = outcome
-
-    def result(self, timeout_s: float | None = None) -> InferResult:
-        """Wait for the reply (at most ``timeout_s``); raise its typed error if it failed.
-
-        Raises:
-            TimeoutError: ``timeout_s`` passed first (the request stays pending).
-            RequestError: the request failed (a subclass per error code).
-        """
-        ready = self._result
-        if ready is not None:  # the common case once polled: no clock reads
-            return ready
-        clock = self._client.clock
-        until = None if timeout_s is None else clock.now() + timeout_s
-        while not self.done():
-            left = None if until is None else until - clock.now()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"request {self.request_id} still pending")
-            try:
-                self._client._poll(left, self)
-            except CarpoolError:
-                if not self.done():
-                    raise
-                # (Another thread closed the client between done() and poll(): this
-                # future was answered then.)
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None  # done() and no error
-        return self._result
-
-    def outputs(self, timeout_s: float | None = None) -> dict[str, NDArray[Any]]:
-        return self.result(timeout_s).outputs
 
 
 class Client:
