@@ -29,8 +29,8 @@ def test_a_stopping_broker_leaves_no_request_to_its_timeout(tmp_path: Path) -> N
         _run(tmp_path, frontend, log)
 
 
-def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
-    broker = subprocess.Popen(
+def _start_broker(tmp_path: Path, frontend: str, log: BinaryIO) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -48,6 +48,21 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+
+
+def _kind(exc: Unavailable) -> str:
+    text = str(exc)
+    if "no reply from the broker" in text:
+        return "timed out"
+    if "stopping" in text or "stopped" in text:
+        return "stopping"
+    if "connection to the broker closed" in text:
+        return "connection closed"
+    return text
+
+
+def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
+    broker = _start_broker(tmp_path, frontend, log)
     x = np.ones((1, 16), np.float32)
     try:
         with Client(frontend, default_timeout_s=TIMEOUT_S, grace_s=0.5) as client:
@@ -74,15 +89,7 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
                     future.result(TIMEOUT_S + 2)
                     outcomes["answered"] += 1
                 except Unavailable as exc:
-                    text = str(exc)
-                    if "no reply from the broker" in text:
-                        outcomes["timed out"] += 1
-                    elif "stopping" in text or "stopped" in text:
-                        outcomes["stopping"] += 1
-                    elif "connection to the broker closed" in text:
-                        outcomes["connection closed"] += 1
-                    else:
-                        outcomes[text] += 1
+                    outcomes[_kind(exc)] += 1
             assert sum(outcomes.values()) == len(futures)
             assert outcomes["answered"] > 0
             assert outcomes["timed out"] == 0, outcomes
@@ -93,3 +100,49 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
         if broker.poll() is None:
             broker.kill()
             broker.wait()
+
+
+def test_a_request_the_client_failed_while_the_broker_was_away_never_runs(
+    tmp_path: Path,
+) -> None:
+    """Sent between a broker's stop and its restart, a request waits for room in the
+    client (no connection is up to queue it on) and fails there at its timeout; the
+    broker started next never receives it, so no reply comes for a failed request."""
+    frontend = f"ipc://{tmp_path}/fe"
+    x = np.ones((1, 16), np.float32)
+    with (tmp_path / "broker.log").open("wb") as log:
+        brokers = [_start_broker(tmp_path, frontend, log)]
+        try:
+            with Client(frontend, default_timeout_s=0.5, grace_s=0.2) as client:
+                client.infer("synthetic", {"x": x}, timeout_s=30)  # up and serving
+                brokers[0].send_signal(signal.SIGTERM)
+                assert brokers[0].wait(10) == 0
+                until = time.monotonic() + 10
+                while client.core.lost_connections == 0 and time.monotonic() < until:
+                    client.poll(0.05)
+                assert client.core.lost_connections == 1, "the client never saw the broker go"
+                futures = [client.submit("synthetic", {"x": x}) for _ in range(3)]
+                for future in futures:
+                    with pytest.raises(Unavailable):
+                        future.result(5.0)
+                brokers.append(_start_broker(tmp_path, frontend, log))
+                _until_served(client, x)
+                client.poll(0.2)  # (a reply to an earlier request would have come first)
+                assert client.core.late_replies == 0
+        finally:
+            for broker in brokers:
+                if broker.poll() is None:
+                    broker.terminate()
+                    broker.wait(10)
+
+
+def _until_served(client: Client, x: np.ndarray) -> None:
+    """Send until a request is answered (the broker starting, its worker registering)."""
+    until = time.monotonic() + 30
+    while True:
+        try:
+            client.infer("synthetic", {"x": x}, timeout_s=5)
+            return
+        except Unavailable:
+            assert time.monotonic() < until, "the broker never served"
+            client.poll(0.1)

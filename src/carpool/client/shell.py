@@ -59,14 +59,19 @@ def open_dealer(
     own_context: bool,
     keys: ClientKeys | None = None,
     watch: list[ConnectionWatch] | None = None,
+    immediate: bool = False,
 ) -> tuple[SocketT, weakref.finalize[..., object]]:
     """A DEALER socket connected to ``endpoint`` (a CURVE client with ``keys``), and the
     finalizer that closes it (and ``context`` too, with ``own_context``) at ``close()``
     or when ``owner`` is collected without one (see :func:`release_socket`). With
     ``watch``, a :class:`ConnectionWatch` of the socket is appended to it (the finalizer
-    closes it too)."""
+    closes it too). ``immediate``: queue messages only on a connection that is up
+    (``ZMQ_IMMEDIATE``), so that a send while no broker listens waits for room instead
+    (see :func:`reopen_dealer`)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    if immediate:
+        socket.setsockopt(zmq.IMMEDIATE, 1)
     if keys is not None:
         connect_keys(socket, keys)
     watcher = None
@@ -75,6 +80,33 @@ def open_dealer(
         watch.append(watcher)
     socket.connect(endpoint)
     return socket, weakref.finalize(owner, release_socket, socket, context, own_context, watcher)
+
+
+def reopen_dealer(
+    owner: object,
+    context: zmq.Context[SocketT],
+    endpoint: str,
+    old: tuple[SocketT, weakref.finalize[..., object], ConnectionWatch],
+    *,
+    own_context: bool,
+    keys: ClientKeys | None,
+) -> tuple[SocketT, weakref.finalize[..., object], ConnectionWatch]:
+    """Close a client's socket and its watch (``old``, as :func:`open_dealer` made them;
+    not the context) and open a fresh, watched one to ``endpoint``: nothing still queued
+    in the old one reaches the broker connected next. The fresh socket queues only on a
+    connection that is up: a request sent while the broker is away (restarting) waits in
+    its send window and fails there, never queued for a broker that starts after the
+    client failed the request at its timeout (that broker would run it and answer a
+    request nobody waits for). ``own_context``: whether the client made its context (the
+    new finalizer terminates it then, if the old one had not run yet)."""
+    socket, release, watch = old
+    owns = release.detach() is not None and own_context
+    release_socket(socket, context, False, watch)
+    watches: list[ConnectionWatch] = []
+    fresh, finalizer = open_dealer(
+        owner, context, endpoint, own_context=owns, keys=keys, watch=watches, immediate=True
+    )
+    return fresh, finalizer, watches[0]
 
 
 #: ZMTP heartbeats on the client's connection: a broker that stops answering them (its

@@ -36,7 +36,7 @@ from carpool.client.shell import (
     curve_keys,
     open_core,
     open_dealer,
-    release_socket,
+    reopen_dealer,
 )
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
@@ -364,18 +364,14 @@ class Client:
         self.core.lost_connections += 1
         self._poller.unregister(self.socket)
         self._poller.unregister(self._watch.monitor)
-        own_context = self._release.detach() is not None and self._release_owns
-        release_socket(self.socket, self.context, False, self._watch)
-        watch: list[ConnectionWatch] = []
-        self.socket, self._release = open_dealer(
+        self.socket, self._release, self._watch = reopen_dealer(
             self,
             self.context,
             self._endpoint,
-            own_context=own_context,
+            (self.socket, self._release, self._watch),
+            own_context=self._release_owns,
             keys=self._keys,
-            watch=watch,
         )
-        self._watch = watch[0]
         self._poller.register(self.socket, zmq.POLLIN)
         self._poller.register(self._watch.monitor, zmq.POLLIN)
         return completed
