@@ -1,9 +1,11 @@
 """A broker process told to stop (SIGTERM) while a client sends at a steady rate answers
 every request it read, and a request it could not read fails in the client as soon as
-the connection closes: none waits for its own timeout (protocol.md §11)."""
+the connection closes: none waits for its own timeout (protocol.md §11), with either
+client."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from typing import BinaryIO
 import numpy as np
 import pytest
 
-from carpool.client import Client, Unavailable
+from carpool.client import AsyncClient, Client, Unavailable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,6 +102,54 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
         if broker.poll() is None:
             broker.kill()
             broker.wait()
+
+
+def test_a_stopping_broker_leaves_no_async_request_to_its_timeout(tmp_path: Path) -> None:
+    frontend = f"ipc://{tmp_path}/fe"
+    with (tmp_path / "broker.log").open("wb") as log:
+        broker = _start_broker(tmp_path, frontend, log)
+        try:
+            asyncio.run(_run_async(frontend, broker))
+            assert broker.wait(10) == 0
+        finally:
+            if broker.poll() is None:
+                broker.kill()
+                broker.wait()
+
+
+async def _run_async(frontend: str, broker: subprocess.Popen[bytes]) -> None:
+    x = np.ones((1, 16), np.float32)
+    async with AsyncClient(frontend, default_timeout_s=TIMEOUT_S, grace_s=0.5) as client:
+        await client.infer("synthetic", {"x": x}, timeout_s=30)  # up and serving
+        futures = []
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        stopped = False
+        n = 0
+        # Send until the client learns that the connection closed (bounded: 10 s).
+        while client.core.lost_connections == 0 and (now := loop.time()) - start < 10:
+            if not stopped and now - start > 0.5:
+                broker.send_signal(signal.SIGTERM)
+                stopped = True
+            due = start + n / RATE_RPS
+            if now < due:
+                await asyncio.sleep(min(due - now, 0.002))
+                continue
+            futures.append(await client.submit("synthetic", {"x": x}))
+            n += 1
+        assert client.core.lost_connections == 1, "the client never saw the broker go"
+        outcomes: Counter[str] = Counter()
+        for future in futures:
+            try:
+                await asyncio.wait_for(future, TIMEOUT_S + 2)
+                outcomes["answered"] += 1
+            except Unavailable as exc:
+                outcomes[_kind(exc)] += 1
+        assert sum(outcomes.values()) == len(futures)
+        assert outcomes["answered"] > 0
+        assert outcomes["timed out"] == 0, outcomes
+        assert set(outcomes) <= {"answered", "stopping", "connection closed"}, outcomes
+        assert client.core.late_replies == 0
 
 
 def test_a_request_the_client_failed_while_the_broker_was_away_never_runs(

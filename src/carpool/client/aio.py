@@ -20,10 +20,24 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.core import InferResult
 from carpool.client.options import ClientOptionArgs, ClientOptions
-from carpool.client.shell import ClientState, close_core, curve_keys, open_core, open_dealer
+from carpool.client.shell import (
+    ClientState,
+    ConnectionWatch,
+    close_core,
+    curve_keys,
+    open_core,
+    open_dealer,
+    reopen_dealer,
+)
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
+
+
+def _cancelled() -> bool:
+    """Whether the running task itself is being cancelled (not a socket it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class AsyncClient:
@@ -42,9 +56,14 @@ class AsyncClient:
         self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
         self.context = context or zmq.asyncio.Context()
+        self._endpoint, self._keys = endpoint, keys
+        self._release_owns = context is None
+        watch: list[ConnectionWatch] = []
         self.socket, self._release = open_dealer(
-            self, self.context, endpoint, own_context=context is None, keys=keys
+            self, self.context, endpoint, own_context=context is None, keys=keys, watch=watch
         )
+        self._watch = watch[0]
+        self._poller = self._new_poller()
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
         # stats() calls waiting for their replies, by STATS id (several may overlap).
         self._stats: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -79,8 +98,8 @@ class AsyncClient:
             self._settle(rid, Unavailable("the broker is not taking requests", request_id=rid))
             return future
         except asyncio.CancelledError:
-            if self._ended_by_close():
-                return future  # it holds close()'s answer
+            if self._ended_by_close() or (future.done() and not _cancelled()):
+                return future  # it holds close()'s answer, or the lost connection's
             self.core.forget(rid)
             self._futures.pop(rid, None)
             raise
@@ -163,6 +182,7 @@ class AsyncClient:
             if self._reader is not None and not old.is_closed():
                 self._reader.cancel()  # (if that loop ever runs again)
             self._reader = None
+            self._poller = self._new_poller()  # (its shadow of the monitor: that loop's)
         self._loop = loop
         return loop
 
@@ -187,15 +207,52 @@ class AsyncClient:
             # Wake at least once a second so requests with shorter timeouts expire on time.
             wait_s = 1.0 if deadline is None else min(1.0, deadline - self.clock.now())
             wait_ms = max(0, math.ceil(wait_s * 1000))
-            if await self.socket.poll(wait_ms):
-                while True:
-                    try:
-                        frames = await self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._dispatch(frames)
+            ready = dict(await self._poller.poll(wait_ms))
+            if self.socket in ready:
+                await self._receive()
+            if self._watch_shadow in ready and self._watch.lost():
+                await self._connection_lost()
             for rid, error in self.core.expire(self.clock.now()):
                 self._settle(rid, error)
+
+    async def _receive(self) -> None:
+        while True:
+            try:
+                frames = await self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._dispatch(frames)
+
+    def _new_poller(self) -> zmq.asyncio.Poller:
+        """A poller of the socket and of its watch's monitor (through an asyncio shadow of
+        that blocking socket; :meth:`ConnectionWatch.lost` reads it)."""
+        self._watch_shadow = zmq.asyncio.Socket.from_socket(self._watch.monitor)
+        poller = zmq.asyncio.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._watch_shadow, zmq.POLLIN)
+        return poller
+
+    async def _connection_lost(self) -> None:
+        """The connection to the broker closed (it stopped, or missed its heartbeats):
+        what it sent before is read, every request still pending fails UNAVAILABLE now
+        (its reply can no longer come: the broker answers by connection), and the socket
+        is opened afresh, so that nothing still queued in the old one reaches the broker
+        connected next and is answered twice (as :class:`carpool.client.Client` does)."""
+        await self._receive()
+        msg = "the connection to the broker closed before the reply; the request may have run"
+        for rid in list(self._futures):
+            self.core.forget(rid)
+            self._settle(rid, Unavailable(msg, request_id=rid))
+        self.core.lost_connections += 1
+        self.socket, self._release, self._watch = reopen_dealer(
+            self,
+            self.context,
+            self._endpoint,
+            (self.socket, self._release, self._watch),
+            own_context=self._release_owns,
+            keys=self._keys,
+        )
+        self._poller = self._new_poller()
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         try:
