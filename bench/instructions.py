@@ -6,12 +6,14 @@ valgrind's callgrind — a measure the load of a shared machine does not move.
 Method: the worktrees of bench/compare_revs.py; in each, this checkout's
 ``bench/hot_path.py`` drives the revision's ``BrokerCore`` (``core_run``: bursts of K
 requests, deferred mode, as ``hot_path.py core``) under ``valgrind --tool=callgrind``,
-once with ``--small-n`` and once with ``--large-n`` requests, with a fixed hash seed so
-that runs repeat; the difference of the two instruction totals over the difference of
-the counts is the cost of a request, without the interpreter's start and imports. Needs
-valgrind (about a minute a run). Instructions are not time (cache misses, branch
-mispredictions and the allocator's page faults are not in them), but a change in them is
-a change in the work the code does. Writes bench/out/instructions.json.
+once with ``--small-n`` and once with ``--large-n`` requests, with a fixed hash seed and
+a clock that advances 10 µs a reading (so that runs repeat, and every revision sees the
+same times and forms the same batches); the difference of the two instruction totals
+over the difference of the counts is the cost of a request, without the interpreter's
+start and imports. Needs valgrind (about a minute a run). Instructions are not time
+(cache misses, branch mispredictions and the allocator's page faults are not in them),
+but a change in them is a change in the work the code does. Writes
+bench/out/instructions.json.
 """
 
 from __future__ import annotations
@@ -30,9 +32,17 @@ from compare_revs import Revision, worktrees
 HERE = Path(__file__).resolve().parent
 
 _DRIVER = """
-import sys
+import itertools, sys, time
 sys.path.insert(0, {bench!r})
 import hot_path
+# The core's clock: 10 us a reading, the same at every revision (under valgrind the real
+# one runs ~50 times slower, and the batches the policy forms would follow it).
+ticks = itertools.count()
+class Clock:
+    monotonic = staticmethod(lambda: next(ticks) * 1e-5)
+    perf_counter = staticmethod(time.perf_counter)
+    process_time = staticmethod(time.process_time)
+hot_path.time = Clock
 k, policy, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 hot_path.core_run(k, policy, n)
 """
