@@ -80,10 +80,7 @@ def check_private(path: Path) -> None:
     Raises:
         ConfigError: no such file, or its mode lets others in (the message names both).
     """
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise ConfigError(f"cannot read secret key file {path}: {exc.strerror}") from None
+    mode = _mode(path, "secret key file")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(
             f"secret key file {path} has mode {stat.S_IMODE(mode):04o}: its group or others "
@@ -139,12 +136,17 @@ def _certificate(path: Path) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
+def _mode(path: Path, what: str) -> int:
+    """``path``'s mode bits; ConfigError naming ``what`` when it cannot be read."""
+    try:
+        return path.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
 def _check_unwritable(path: Path) -> None:
     """Refuse an allow-list directory or key file its group or others may write."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise ConfigError(f"cannot read the CURVE allow-list {path}: {exc.strerror}") from None
+    mode = _mode(path, "the CURVE allow-list")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ConfigError(
             f"CURVE allow-list {path} has mode {stat.S_IMODE(mode):04o}: its group or others "
