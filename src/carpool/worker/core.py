@@ -317,33 +317,29 @@ class WorkerCore:
         )
 
     def on_job_done(self, now: float, outcome: JobOutcome) -> WorkerResult | WorkerFailed | None:
-        """The RESULT or FAILED for a finished batch (None when its epoch has passed),
-        once its time per sample has taught :meth:`runs_inline`."""
+        """The RESULT or FAILED for a finished batch (None when its epoch has passed: it
+        is still accounted), once its time per sample has taught :meth:`runs_inline`."""
         if outcome.samples > 0:
             per_sample = (outcome.end_s - outcome.start_s) / outcome.samples
             last = self._run_ewma_s.get(outcome.model, per_sample)
             self._run_ewma_s[outcome.model] = last + _RUN_EWMA_WEIGHT * (per_sample - last)
-        if outcome.error is not None:
-            code, message = outcome.error
-            return self.on_batch_failed(
-                now,
-                outcome.epoch,
-                outcome.batch_id,
-                outcome.start_s,
-                outcome.end_s,
-                code,
-                message,
-            )
-        return self.on_batch_done(
-            now,
-            outcome.epoch,
-            outcome.batch_id,
-            outcome.start_s,
-            outcome.end_s,
-            outcome.counts,
-            outcome.frames,
-            timed=outcome.timed,
-        )
+        self._finished(outcome.start_s, outcome.end_s)
+        error = outcome.error
+        if error is None:
+            self.batches_done += 1
+        else:
+            self.batches_failed += 1
+        if outcome.epoch != self.epoch:
+            return None
+        rho = self.meter.rho(now)
+        if error is not None:
+            code, message = error
+            return WorkerFailed(FailedMeta(outcome.batch_id, code, message, rho))
+        # Not ``timed``: not the batch's engine time (it ran again request by request);
+        # the RESULT says 0, which the broker's cost model ignores.
+        compute_ms = 1000.0 * (outcome.end_s - outcome.start_s) if outcome.timed else 0.0
+        meta = ResultMeta(outcome.batch_id, rho, compute_ms, tuple(outcome.counts))
+        return WorkerResult(meta, outcome.frames)
 
     def on_batch_queued(self, now: float) -> None:
         """A batch was handed to the inference thread."""
@@ -367,47 +363,6 @@ class WorkerCore:
         self._in_thread = max(0, self._in_thread - 1)
         # The thread goes straight on to the next queued batch, if any.
         self.meter.running_since = ended_s if self._in_thread else None
-
-    def on_batch_done(
-        self,
-        now: float,
-        epoch: int,
-        batch_id: int,
-        started_s: float,
-        ended_s: float,
-        counts: Sequence[int],
-        frames: Sequence[Any],
-        *,
-        timed: bool = True,
-    ) -> WorkerResult | None:
-        """The RESULT for a finished batch (None when its epoch has passed). ``timed``
-        False: the time is not the batch's engine time (it ran again request by request),
-        and the RESULT says 0, which the broker's cost model ignores."""
-        self._finished(started_s, ended_s)
-        self.batches_done += 1
-        if epoch != self.epoch:
-            return None
-        compute_ms = 1000.0 * (ended_s - started_s) if timed else 0.0
-        return WorkerResult(
-            ResultMeta(batch_id, self.meter.rho(now), compute_ms, tuple(counts)), frames
-        )
-
-    def on_batch_failed(
-        self,
-        now: float,
-        epoch: int,
-        batch_id: int,
-        started_s: float,
-        ended_s: float,
-        code: ErrorCode,
-        message: str,
-    ) -> WorkerFailed | None:
-        """The FAILED message for a batch that could not run (None when stale)."""
-        self._finished(started_s, ended_s)
-        self.batches_failed += 1
-        if epoch != self.epoch:
-            return None
-        return WorkerFailed(FailedMeta(batch_id, code, message, self.meter.rho(now)))
 
     def on_stop(self) -> WorkerDisconnect:
         """The DISCONNECT to send when shutting down."""

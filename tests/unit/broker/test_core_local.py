@@ -31,7 +31,7 @@ from carpool.common.protocol import (
     encode_reply,
     parse_header,
 )
-from carpool.worker.core import RunBatch, WorkerCore
+from carpool.worker.core import JobOutcome, RunBatch, WorkerCore
 from tests.unit.broker.test_core import SPEC2, T0, W1, raw_request, ready_frames
 from tests.unit.broker.test_core_shm import shm_request
 
@@ -149,7 +149,8 @@ def test_a_worker_core_takes_batch_objects_and_gives_result_objects() -> None:
     assert isinstance(action, RunBatch)
     assert action.batch is batch.batch
     counts, frames = replies_for(action.batch)
-    msg = w.on_batch_done(T0, action.epoch, action.batch.batch_id, T0, T0 + 0.001, counts, frames)
+    outcome = JobOutcome(action.epoch, action.batch.batch_id, "m", T0, T0 + 0.001, counts, frames)
+    msg = w.on_job_done(T0, outcome)
     assert isinstance(msg, WorkerResult)
     assert msg.result.frames == tuple(counts)
     assert list(msg.replies) == frames

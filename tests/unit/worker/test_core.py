@@ -30,6 +30,7 @@ from carpool.worker.core import (
     Action,
     Answer,
     BusyMeter,
+    JobOutcome,
     Reconnect,
     RunBatch,
     WorkerCore,
@@ -47,6 +48,34 @@ BATCH = BatchMeta(
     (TensorMeta("x", "float32", (-1, 4)),),
     (BatchItem(1, 1, False, 0.5), BatchItem(2, 2, True, 1.0)),
 )
+
+
+def finish(
+    w: WorkerCore,
+    now: float,
+    epoch: int,
+    batch_id: int,
+    start: float,
+    end: float,
+    counts: list[int],
+    frames: list[Any],
+) -> Any:
+    """The core's answer to a batch the engine ran from ``start`` to ``end``."""
+    return w.on_job_done(now, JobOutcome(epoch, batch_id, "m", start, end, counts, frames))
+
+
+def fail(
+    w: WorkerCore,
+    now: float,
+    epoch: int,
+    batch_id: int,
+    start: float,
+    end: float,
+    code: ErrorCode,
+    message: str,
+) -> Any:
+    """The core's answer to a batch the engine failed after running from ``start``."""
+    return w.on_job_done(now, JobOutcome(epoch, batch_id, "m", start, end, error=(code, message)))
 
 
 def core(**kwargs: Any) -> WorkerCore:
@@ -218,7 +247,7 @@ def test_heartbeats_carry_rho() -> None:
     w.on_batch_queued(T0 + 0.25)  # busy for the last 0.75 s of the window
     (msg,), _ = w.on_tick(T0 + 1.0)
     assert decoded(msg)[1]["rho"] == pytest.approx(0.75)
-    w.on_batch_done(T0 + 1.5, 1, 1, T0 + 0.25, T0 + 1.5, [3], [b"h", b"m", b"p"])
+    finish(w, T0 + 1.5, 1, 1, T0 + 0.25, T0 + 1.5, [3], [b"h", b"m", b"p"])
     (msg,), _ = w.on_tick(T0 + 2.0)
     assert decoded(msg)[1]["rho"] == pytest.approx(0.5)  # [1.0, 1.5] of [1.0, 2.0]
     (msg,), _ = w.on_tick(T0 + 3.0)
@@ -235,10 +264,10 @@ def test_heartbeats_say_how_long_the_inference_thread_has_run_its_batch() -> Non
     assert decoded(msg)[1]["busy_ms"] == 750
     (msg,), _ = w.on_tick(T0 + 2.0)
     assert decoded(msg)[1]["busy_ms"] == 1750  # still on the first: it grows
-    w.on_batch_done(T0 + 2.5, w.epoch, 1, T0 + 0.25, T0 + 2.5, [1], [b"x"])
+    finish(w, T0 + 2.5, w.epoch, 1, T0 + 0.25, T0 + 2.5, [1], [b"x"])
     (msg,), _ = w.on_tick(T0 + 3.0)
     assert decoded(msg)[1]["busy_ms"] == 500  # the second, since the first ended
-    w.on_batch_done(T0 + 3.2, w.epoch, 2, T0 + 2.5, T0 + 3.2, [1], [b"x"])
+    finish(w, T0 + 3.2, w.epoch, 2, T0 + 2.5, T0 + 3.2, [1], [b"x"])
     (msg,), _ = w.on_tick(T0 + 4.0)
     assert decoded(msg)[1]["busy_ms"] == 0
     w.on_batch_queued(T0 + 4.1)
@@ -263,7 +292,7 @@ def test_result_message() -> None:
     w = connected()
     w.on_batch_queued(T0 + 0.1)
     frames = [b"hdr", b"meta", b"payload", b"simple"]
-    msg = w.on_batch_done(T0 + 0.5, 1, 7, T0 + 0.1, T0 + 0.4, [3, 1], frames)
+    msg = finish(w, T0 + 0.5, 1, 7, T0 + 0.1, T0 + 0.4, [3, 1], frames)
     assert msg is not None
     command, meta, payloads = decoded(msg)
     assert command is Command.RESULT
@@ -278,7 +307,7 @@ def test_result_message() -> None:
     # than the wire keeps, so that each rounding shows).
     w.on_batch_queued(T0 + 0.6)
     end = T0 + 0.9001234
-    msg = w.on_batch_done(end, 1, 8, T0 + 0.6, end, [3], frames[:3])
+    msg = finish(w, end, 1, 8, T0 + 0.6, end, [3], frames[:3])
     assert msg is not None
     expected = ResultMeta(8, w.meter.rho(end), 1000.0 * (end - (T0 + 0.6)), (3,))
     assert round(expected.rho, 3) != round(expected.rho, 4)
@@ -289,7 +318,7 @@ def test_result_message() -> None:
 def test_failed_message() -> None:
     w = connected()
     w.on_batch_queued(T0)
-    msg = w.on_batch_failed(T0 + 0.2, 1, 9, T0, T0 + 0.2, ErrorCode.INTERNAL, "engine died")
+    msg = fail(w, T0 + 0.2, 1, 9, T0, T0 + 0.2, ErrorCode.INTERNAL, "engine died")
     assert msg is not None
     command, meta, payloads = decoded(msg)
     assert command is Command.FAILED
@@ -307,16 +336,13 @@ def test_results_from_an_older_epoch_are_dropped() -> None:
     w.on_batch_queued(T0)
     w.on_batch_queued(T0)
     w.on_connect(T0 + 1.0)  # reconnected while both batches ran
-    assert w.on_batch_done(T0 + 1.5, action.epoch, 7, T0, T0 + 1.5, [1], [b"x"]) is None
-    assert (
-        w.on_batch_failed(T0 + 1.6, action.epoch, 8, T0 + 1.5, T0 + 1.6, ErrorCode.INTERNAL, "")
-        is None
-    )
+    assert finish(w, T0 + 1.5, action.epoch, 7, T0, T0 + 1.5, [1], [b"x"]) is None
+    assert fail(w, T0 + 1.6, action.epoch, 8, T0 + 1.5, T0 + 1.6, ErrorCode.INTERNAL, "") is None
     # Still accounted: both finished, the meter has their time and nothing is running.
     assert (w.batches_done, w.batches_failed) == (1, 1)
     assert w.meter.running_since is None
     assert w.meter.rho(T0 + 1.6) == pytest.approx(1.0)
-    assert w.on_batch_done(T0 + 2.0, w.epoch, 9, T0 + 1.9, T0 + 2.0, [1], [b"x"]) is not None
+    assert finish(w, T0 + 2.0, w.epoch, 9, T0 + 1.9, T0 + 2.0, [1], [b"x"]) is not None
 
 
 def test_running_since_follows_the_inference_thread() -> None:
@@ -324,9 +350,9 @@ def test_running_since_follows_the_inference_thread() -> None:
     w.on_batch_queued(T0)
     w.on_batch_queued(T0 + 0.1)  # queued behind the first
     assert w.meter.running_since == T0
-    w.on_batch_done(T0 + 0.3, 1, 1, T0, T0 + 0.3, [1], [b"x"])
+    finish(w, T0 + 0.3, 1, 1, T0, T0 + 0.3, [1], [b"x"])
     assert w.meter.running_since == T0 + 0.3  # the thread went straight on to the second
-    w.on_batch_done(T0 + 0.5, 1, 2, T0 + 0.3, T0 + 0.5, [1], [b"x"])
+    finish(w, T0 + 0.5, 1, 2, T0 + 0.3, T0 + 0.5, [1], [b"x"])
     assert w.meter.running_since is None
     assert w.meter.rho(T0 + 0.5) == pytest.approx(0.5)
 
