@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.replies import Outgoing, Replies
-from carpool.broker.requests import ClientId
+from carpool.broker.requests import ClientId, Received
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Frame, Submit
 
 #: A held request is answered this long before its deadline, so that its client still
 #: has time to act on the UNAVAILABLE (retry elsewhere, or report); a request with less
@@ -44,11 +43,7 @@ class HeldRequest:
     """A request waiting for its model's first READY (decoded, not yet validated)."""
 
     seq: int  # arrival order
-    client: ClientId
-    delimited: bool  # it came from a REQ socket (answered after an empty frame)
-    simple: bool  # it came in the simple form (answered in it)
-    submit: Submit
-    payloads: Sequence[Frame]
+    received: Received
     nbytes: int  # payload bytes, counted against the queue limits
     deadline_s: float  # receipt plus its budget, on the broker's clock
     expires_s: float  # when it is answered UNAVAILABLE unless released first
@@ -77,19 +72,11 @@ class HeldRequests:
         """Hold requests for ``names`` too, besides the configuration's models."""
         self.names = frozenset(self._config.models) | frozenset(names)
 
-    def hold(
-        self,
-        now: float,
-        client: ClientId,
-        delimited: bool,
-        submit: Submit,
-        payloads: Sequence[Frame],
-        *,
-        simple: bool,
-    ) -> bool:
+    def hold(self, now: float, received: Received) -> bool:
         """Hold a request for a model with no spec, if it is expected, the grace window
         and the request's budget leave time, and the limits allow. False: not held (the
         caller answers it)."""
+        submit, client = received.submit, received.client
         if submit.model not in self.names or now >= self.until_s or self._backlog.stopping:
             return False
         config = self._config
@@ -100,7 +87,7 @@ class HeldRequests:
         if expires_s <= now:
             return False
         nbytes = 0
-        for frame in payloads:
+        for frame in received.payloads:
             nbytes += len(frame)
         backlog = self._backlog
         if (
@@ -115,9 +102,7 @@ class HeldRequests:
         if held >= config.max_client_requests or held_bytes + nbytes > config.max_client_mib << 20:
             return False
         self._seq += 1
-        entry = HeldRequest(
-            self._seq, client, delimited, simple, submit, payloads, nbytes, deadline_s, expires_s
-        )
+        entry = HeldRequest(self._seq, received, nbytes, deadline_s, expires_s)
         self._by_model.setdefault(submit.model, {})[entry.seq] = entry
         heapq.heappush(self._expiries, (expires_s, entry.seq, entry))
         self.count += 1
@@ -153,11 +138,11 @@ class HeldRequests:
             entry = heapq.heappop(expiries)[2]
             if entry.gone:
                 continue
-            del self._by_model[entry.submit.model][entry.seq]
+            del self._by_model[entry.received.submit.model][entry.seq]
             self._leave(entry)
             started_s = self.until_s - self._config.register_grace_s
             msg = (
-                f"no worker has registered model {entry.submit.model!r} yet; the broker "
+                f"no worker has registered model {entry.received.submit.model!r} yet; the broker "
                 f"started {now - started_s:.1f} s ago"
             )
             out.append(self._answer(entry, msg))
@@ -180,24 +165,21 @@ class HeldRequests:
             out.append(self._answer(entry, msg))
 
     def _answer(self, entry: HeldRequest, message: str) -> Outgoing:
+        r = entry.received
+        code = ErrorCode.UNAVAILABLE
         return self._replies.error(
-            entry.client,
-            entry.delimited,
-            entry.submit.request_id,
-            ErrorCode.UNAVAILABLE,
-            message,
-            simple=entry.simple,
+            r.client, r.delimited, r.submit.request_id, code, message, simple=r.simple
         )
 
     def _leave(self, entry: HeldRequest) -> None:
         entry.gone = True
         self.count -= 1
         self.nbytes -= entry.nbytes
-        mine = self._per_client[entry.client]
+        mine = self._per_client[entry.received.client]
         mine[0] -= 1
         mine[1] -= entry.nbytes
         if not mine[0]:
-            del self._per_client[entry.client]
+            del self._per_client[entry.received.client]
 
     def _settle(self) -> None:
         """Drop the heap's top entries that left already, so its top is a live one."""

@@ -32,7 +32,7 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies
-from carpool.broker.requests import ClientId, PendingRequest
+from carpool.broker.requests import ClientId, PendingRequest, Received
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
@@ -43,7 +43,6 @@ from carpool.common.protocol import (
     Priority,
     RequestDecoder,
     ShmRef,
-    Submit,
     VersionMismatch,
     decode_meta,
     decode_simple_request,
@@ -115,12 +114,9 @@ class ClientIntake:
             for held in holding.release(model):
                 # More than HOLD_LEAD_S is left: on_tick answered the rest.
                 left_ms = math.floor(1000 * (held.deadline_s - now))
-                submit = dataclasses.replace(held.submit, timeout_ms=max(1, left_ms))
-                out.extend(
-                    self._admit(
-                        now, held.client, held.delimited, submit, held.payloads, simple=held.simple
-                    )
-                )
+                received = held.received
+                submit = dataclasses.replace(received.submit, timeout_ms=max(1, left_ms))
+                out.extend(self._admit(now, dataclasses.replace(received, submit=submit)))
 
     def respec(self, spec: ModelSpec, worker: str, out: list[Outgoing]) -> None:
         """A model no live worker served is registered again with a different spec:
@@ -217,7 +213,7 @@ class ClientIntake:
             return [
                 self._replies.error(client, delimited, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
             ]
-        return self._admit(now, client, delimited, submit, frames[2:], simple=False)
+        return self._admit(now, Received(client, delimited, submit, frames[2:], False))
 
     def _on_simple(
         self, now: float, client: ClientId, delimited: bool, frame: Frame
@@ -232,19 +228,17 @@ class ClientIntake:
             )
             rid = request_id_of(exc.meta)
             return [self._replies.error(client, delimited, rid, code, str(exc), simple=True)]
-        return self._admit(now, client, delimited, submit, payloads, simple=True)
+        return self._admit(now, Received(client, delimited, submit, payloads, True))
 
-    def _admit(
-        self,
-        now: float,
-        client: ClientId,
-        delimited: bool,
-        submit: Submit,
-        payloads: Sequence[Frame],
-        *,
-        simple: bool,
-    ) -> list[Outgoing]:
+    def _admit(self, now: float, received: Received) -> list[Outgoing]:
         """Validate a decoded request against its model; queue it or answer an error."""
+        client, delimited, submit, payloads, simple = (
+            received.client,
+            received.delimited,
+            received.submit,
+            received.payloads,
+            received.simple,
+        )
         rid = submit.request_id
         spec = self.registry.specs.get(submit.model)
         if spec is None:
@@ -252,7 +246,7 @@ class ClientIntake:
                 # Just (re)started: its workers may not have said READY yet, and a client
                 # must not take a restart for a model that does not exist. A model the
                 # broker expects waits for them (holding.py), if its budget allows.
-                if self._holding.hold(now, client, delimited, submit, payloads, simple=simple):
+                if self._holding.hold(now, received):
                     return []
                 msg = (
                     f"no worker has registered model {submit.model!r} yet; the broker "

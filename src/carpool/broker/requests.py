@@ -33,10 +33,22 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, NewType
 
-from carpool.common.protocol import Frame, Priority, ShmRef
+from carpool.common.protocol import Frame, Priority, ShmRef, Submit
 
 ClientId = NewType("ClientId", bytes)
 RequestKey = tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A request as it came in at the door: decoded, not yet validated against a model
+    (admission does that; a request held for a model not yet registered waits so)."""
+
+    client: ClientId
+    delimited: bool  # it came from a REQ socket (answered after an empty frame)
+    submit: Submit
+    payloads: Sequence[Frame]
+    simple: bool  # it came in the simple form (answered in it)
 
 
 class RequestState(Enum):
