@@ -22,12 +22,10 @@ from carpool.client.core import InferResult
 from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.shell import (
     ClientState,
-    ConnectionWatch,
+    Dealer,
     close_core,
     curve_keys,
     open_core,
-    open_dealer,
-    reopen_dealer,
 )
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
@@ -56,13 +54,7 @@ class AsyncClient:
         self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
         self.context = context or zmq.asyncio.Context()
-        self._endpoint, self._keys = endpoint, keys
-        self._release_owns = context is None
-        watch: list[ConnectionWatch] = []
-        self.socket, self._release = open_dealer(
-            self, self.context, endpoint, own_context=context is None, keys=keys, watch=watch
-        )
-        self._watch = watch[0]
+        self._dealer = Dealer(self, self.context, endpoint, own_context=context is None, keys=keys)
         self._poller = self._new_poller()
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
         # stats() calls waiting for their replies, by STATS id (several may overlap).
@@ -70,6 +62,11 @@ class AsyncClient:
         self._reader: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # of the futures and reader
         self.state = ClientState.OPEN
+
+    @property
+    def socket(self) -> zmq.asyncio.Socket:
+        """The DEALER socket to the broker (a fresh one after a lost connection)."""
+        return self._dealer.socket
 
     async def submit(
         self,
@@ -210,7 +207,7 @@ class AsyncClient:
             ready = dict(await self._poller.poll(wait_ms))
             if self.socket in ready:
                 await self._receive()
-            if self._watch_shadow in ready and self._watch.lost():
+            if self._watch_shadow in ready and self._dealer.watch.lost():
                 await self._connection_lost()
             for rid, error in self.core.expire(self.clock.now()):
                 self._settle(rid, error)
@@ -226,7 +223,7 @@ class AsyncClient:
     def _new_poller(self) -> zmq.asyncio.Poller:
         """A poller of the socket and of its watch's monitor (through an asyncio shadow of
         that blocking socket; :meth:`ConnectionWatch.lost` reads it)."""
-        self._watch_shadow = zmq.asyncio.Socket.from_socket(self._watch.monitor)
+        self._watch_shadow = zmq.asyncio.Socket.from_socket(self._dealer.watch.monitor)
         poller = zmq.asyncio.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._watch_shadow, zmq.POLLIN)
@@ -244,14 +241,7 @@ class AsyncClient:
             self.core.forget(rid)
             self._settle(rid, Unavailable(msg, request_id=rid))
         self.core.lost_connections += 1
-        self.socket, self._release, self._watch = reopen_dealer(
-            self,
-            self.context,
-            self._endpoint,
-            (self.socket, self._release, self._watch),
-            own_context=self._release_owns,
-            keys=self._keys,
-        )
+        self._dealer.reopen(self)
         self._poller = self._new_poller()
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
@@ -306,7 +296,7 @@ class AsyncClient:
             for answer in self._stats.values():
                 if not answer.done():
                     answer.set_exception(CarpoolError("the client is closed"))
-            self._release()
+            self._dealer.close()
             close_core(self.core)
 
     async def __aenter__(self) -> AsyncClient:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import zmq
 
@@ -51,62 +51,62 @@ def curve_keys(options: ClientOptions) -> ClientKeys | None:
     return client_keys(options.curve_server_key, options.curve_key, "ClientOptions.curve_key")
 
 
-def open_dealer(
-    owner: object,
-    context: zmq.Context[SocketT],
-    endpoint: str,
-    *,
-    own_context: bool,
-    keys: ClientKeys | None = None,
-    watch: list[ConnectionWatch] | None = None,
-    immediate: bool = False,
-) -> tuple[SocketT, weakref.finalize[..., object]]:
-    """A DEALER socket connected to ``endpoint`` (a CURVE client with ``keys``), and the
-    finalizer that closes it (and ``context`` too, with ``own_context``) at ``close()``
-    or when ``owner`` is collected without one (see :func:`release_socket`). With
-    ``watch``, a :class:`ConnectionWatch` of the socket is appended to it (the finalizer
-    closes it too). ``immediate``: queue messages only on a connection that is up
-    (``ZMQ_IMMEDIATE``), so that a send while no broker listens waits for room instead
-    (see :func:`reopen_dealer`)."""
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    if immediate:
-        socket.setsockopt(zmq.IMMEDIATE, 1)
-    if keys is not None:
-        connect_keys(socket, keys)
-    watcher = None
-    if watch is not None:
-        watcher = ConnectionWatch(socket)
-        watch.append(watcher)
-    socket.connect(endpoint)
-    return socket, weakref.finalize(owner, release_socket, socket, context, own_context, watcher)
+class Dealer(Generic[SocketT]):
+    """A client's DEALER socket to its broker (a CURVE client with ``keys``), the
+    :class:`ConnectionWatch` of its connection, and the finalizer that closes both (and
+    ``context`` too, with ``own_context``) at :meth:`close` or when ``owner`` is
+    collected without one (see :func:`release_socket`). This object alone holds them;
+    the client reads ``socket`` and ``watch`` from it.
+    """
 
+    def __init__(
+        self,
+        owner: object,
+        context: zmq.Context[SocketT],
+        endpoint: str,
+        *,
+        own_context: bool,
+        keys: ClientKeys | None,
+    ) -> None:
+        self._context, self._endpoint, self._keys = context, endpoint, keys
+        self._own_context = own_context
+        self.socket, self.watch, self._release = self._open(owner, immediate=False)
 
-def reopen_dealer(
-    owner: object,
-    context: zmq.Context[SocketT],
-    endpoint: str,
-    old: tuple[SocketT, weakref.finalize[..., object], ConnectionWatch],
-    *,
-    own_context: bool,
-    keys: ClientKeys | None,
-) -> tuple[SocketT, weakref.finalize[..., object], ConnectionWatch]:
-    """Close a client's socket and its watch (``old``, as :func:`open_dealer` made them;
-    not the context) and open a fresh, watched one to ``endpoint``: nothing still queued
-    in the old one reaches the broker connected next. The fresh socket queues only on a
-    connection that is up: a request sent while the broker is away (restarting) waits in
-    its send window and fails there, never queued for a broker that starts after the
-    client failed the request at its timeout (that broker would run it and answer a
-    request nobody waits for). ``own_context``: whether the client made its context (the
-    new finalizer terminates it then, if the old one had not run yet)."""
-    socket, release, watch = old
-    owns = release.detach() is not None and own_context
-    release_socket(socket, context, False, watch)
-    watches: list[ConnectionWatch] = []
-    fresh, finalizer = open_dealer(
-        owner, context, endpoint, own_context=owns, keys=keys, watch=watches, immediate=True
-    )
-    return fresh, finalizer, watches[0]
+    def _open(
+        self, owner: object, *, immediate: bool
+    ) -> tuple[SocketT, ConnectionWatch, weakref.finalize[..., object]]:
+        """``immediate``: queue messages only on a connection that is up
+        (``ZMQ_IMMEDIATE``), so that a send while no broker listens waits for room
+        instead (see :meth:`reopen`)."""
+        context = self._context
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        if immediate:
+            socket.setsockopt(zmq.IMMEDIATE, 1)
+        if self._keys is not None:
+            connect_keys(socket, self._keys)
+        watch = ConnectionWatch(socket)
+        socket.connect(self._endpoint)
+        release = weakref.finalize(owner, release_socket, socket, context, self._own_context, watch)
+        return socket, watch, release
+
+    def reopen(self, owner: object) -> None:
+        """Close the socket and its watch (not the context) and open a fresh, watched one
+        to the same endpoint: nothing still queued in the old one reaches the broker
+        connected next. The fresh socket queues only on a connection that is up: a
+        request sent while the broker is away (restarting) waits in its send window and
+        fails there, never queued for a broker that starts after the client failed the
+        request at its timeout (that broker would run it and answer a request nobody
+        waits for). The new finalizer terminates the context if the client made it and
+        the old one had not run yet."""
+        self._own_context = self._release.detach() is not None and self._own_context
+        release_socket(self.socket, self._context, False, self.watch)
+        self.socket, self.watch, self._release = self._open(owner, immediate=True)
+
+    def close(self) -> None:
+        """Close the socket and its watch, and the context if the client made it (once;
+        later calls do nothing)."""
+        self._release()
 
 
 #: ZMTP heartbeats on the client's connection: a broker that stops answering them (its

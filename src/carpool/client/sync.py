@@ -31,12 +31,10 @@ from carpool.client.futures import ReplyFuture
 from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.shell import (
     ClientState,
-    ConnectionWatch,
+    Dealer,
     close_core,
     curve_keys,
     open_core,
-    open_dealer,
-    reopen_dealer,
 )
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
@@ -78,17 +76,11 @@ class Client:
         self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
         self.context = context or zmq.Context()
-        self._endpoint, self._keys = endpoint, keys
-        watch: list[ConnectionWatch] = []
-        self.socket, self._release = open_dealer(
-            self, self.context, endpoint, own_context=context is None, keys=keys, watch=watch
-        )
-        self._watch = watch[0]
-        self._release_owns = context is None
+        self._dealer = Dealer(self, self.context, endpoint, own_context=context is None, keys=keys)
         # One poller for the socket's life (Socket.poll builds a new one on every call).
         self._poller = zmq.Poller()
         self._poller.register(self.socket, zmq.POLLIN)
-        self._poller.register(self._watch.monitor, zmq.POLLIN)
+        self._poller.register(self._dealer.watch.monitor, zmq.POLLIN)
         self._futures: dict[int, ReplyFuture] = {}
         self.state = ClientState.OPEN
         # Threads (module docstring): the socket's owner, if any, and how many threads
@@ -103,6 +95,11 @@ class Client:
         self._wake = WakePipe()
         weakref.finalize(self, self._wake.close)  # a Client dropped without close()
         self._poller.register(self._wake.fd, zmq.POLLIN)
+
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """The DEALER socket to the broker (a fresh one after a lost connection)."""
+        return self._dealer.socket
 
     def submit(
         self,
@@ -327,8 +324,8 @@ class Client:
                     if which is self.socket:
                         for frames in waiting(self.socket):
                             completed += self._dispatch(frames)
-                    elif which is self._watch.monitor:
-                        if self._watch.lost():
+                    elif which is self._dealer.watch.monitor:
+                        if self._dealer.watch.lost():
                             completed += self._connection_lost()
                     else:
                         self._wake.clear()  # a sender's wake-up: it takes the socket next
@@ -363,17 +360,10 @@ class Client:
         self._futures.clear()
         self.core.lost_connections += 1
         self._poller.unregister(self.socket)
-        self._poller.unregister(self._watch.monitor)
-        self.socket, self._release, self._watch = reopen_dealer(
-            self,
-            self.context,
-            self._endpoint,
-            (self.socket, self._release, self._watch),
-            own_context=self._release_owns,
-            keys=self._keys,
-        )
+        self._poller.unregister(self._dealer.watch.monitor)
+        self._dealer.reopen(self)
         self._poller.register(self.socket, zmq.POLLIN)
-        self._poller.register(self._watch.monitor, zmq.POLLIN)
+        self._poller.register(self._dealer.watch.monitor, zmq.POLLIN)
         return completed
 
     def _dispatch(self, frames: list[zmq.Frame]) -> int:
@@ -425,7 +415,7 @@ class Client:
             raise
         finally:
             self._let_go()
-        self._release()
+        self._dealer.close()
         close_core(self.core)
 
     def __enter__(self) -> Client:
