@@ -110,26 +110,19 @@ class RequestQueue:
 
     def push(self, req: PendingRequest) -> None:
         self._arrivals.append(req)
-        heapq.heappush(self._index(req), (req.deadline_s, req.seq, req))
-        self.samples += req.samples
-        self.count += 1
+        self._index_in(req)
 
     def arrive(self, req: PendingRequest) -> None:
         """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time)."""
-        self._arrivals.append(req)
-        heapq.heappush(self._index(req), (req.deadline_s, req.seq, req))
-        samples = req.samples
-        self.samples += samples
-        self.count += 1
-        entry = (req.arrival_s, samples)
-        self._long.append(entry)
-        self._short.append(entry)
-        self._long_samples += samples
-        self._short_samples += samples
+        self.push(req)
+        self.note_arrival(req.arrival_s, req.samples)
 
     def push_front(self, req: PendingRequest) -> None:
         """Put back a request that was dispatched before (it keeps its arrival time)."""
         self._arrivals.appendleft(req)
+        self._index_in(req)
+
+    def _index_in(self, req: PendingRequest) -> None:
         heapq.heappush(self._index(req), (req.deadline_s, req.seq, req))
         self.samples += req.samples
         self.count += 1
