@@ -15,6 +15,7 @@ from carpool.client.futures import ReplyFuture
 from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.sync import Client
 from carpool.common.errors import (
+    Cancelled,
     CarpoolError,
     DeadlineExceeded,
     InternalError,
@@ -31,6 +32,7 @@ from carpool.common.protocol import Priority
 
 __all__ = [
     "AsyncClient",
+    "Cancelled",
     "CarpoolError",
     "Client",
     "ClientOptionArgs",

@@ -34,6 +34,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 6
     UNSUPPORTED_VERSION = 7
     PERMISSION_DENIED = 8
+    CANCELLED = 9
 
 
 class CarpoolError(Exception):
@@ -121,6 +122,12 @@ class PermissionDenied(RequestError):
     code = ErrorCode.PERMISSION_DENIED
 
 
+class Cancelled(RequestError):
+    """The client cancelled the request while it was still waiting at the broker."""
+
+    code = ErrorCode.CANCELLED
+
+
 _BY_CODE: dict[int, type[RequestError]] = {
     cls.code: cls
     for cls in (
@@ -132,6 +139,7 @@ _BY_CODE: dict[int, type[RequestError]] = {
         Unavailable,
         InternalError,
         PermissionDenied,
+        Cancelled,
     )
 }
 

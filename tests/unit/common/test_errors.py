@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from carpool.common.errors import (
+    Cancelled,
     CarpoolError,
     ConfigError,
     DeadlineExceeded,
@@ -30,6 +31,7 @@ BY_CODE = {
     ErrorCode.INTERNAL: InternalError,
     ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersion,
     ErrorCode.PERMISSION_DENIED: PermissionDenied,
+    ErrorCode.CANCELLED: Cancelled,
 }
 
 
@@ -47,6 +49,7 @@ def test_wire_values_never_change() -> None:
         "INTERNAL": 6,
         "UNSUPPORTED_VERSION": 7,
         "PERMISSION_DENIED": 8,
+        "CANCELLED": 9,
     }
 
 
@@ -62,7 +65,7 @@ def test_error_for_code_maps_to_class(code: ErrorCode, cls: type[RequestError]) 
     assert isinstance(exc, CarpoolError)
 
 
-@pytest.mark.parametrize("code", [0, 9, 99, -1, 2**40])
+@pytest.mark.parametrize("code", [0, 10, 99, -1, 2**40])
 def test_unknown_code_becomes_internal_error(code: int) -> None:
     exc = error_for_code(code, "what", request_id=3)
     assert type(exc) is InternalError

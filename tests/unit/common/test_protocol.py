@@ -21,6 +21,7 @@ from carpool.common.protocol import (
     BatchInputCache,
     BatchItem,
     BatchMeta,
+    Cancel,
     Command,
     ErrorReply,
     FailedMeta,
@@ -97,7 +98,7 @@ def test_parse_header_version_mismatch(version: int) -> None:
     assert str(PROTOCOL_VERSION) in str(info.value)
 
 
-@pytest.mark.parametrize("command", [0x00, 0x05, 0x0F, 0x16, 0xFF])
+@pytest.mark.parametrize("command", [0x00, 0x06, 0x0F, 0x16, 0xFF])
 def test_parse_header_unknown_command(command: int) -> None:
     with pytest.raises(ProtocolError, match=f"unknown command 0x{command:02x}"):
         parse_header(b"CP\x01" + bytes((command,)))
@@ -259,6 +260,7 @@ def test_check_frame_sizes_rejects(frames: list[bytes], match: str) -> None:
             MAX_TIMEOUT_MS,
             (TensorMeta("a", "uint16", (2, 2)), TensorMeta("b", "bool", (2,))),
         ),
+        Submit(3, "m", 9, (TensorMeta("x", "int8", (3,)),), client=bytes(range(16))),
     ],
 )
 def test_submit_round_trip(submit: Submit) -> None:
@@ -309,6 +311,9 @@ def test_decode_submit_preserves_input_order() -> None:
         ({"inputs": [tensor(shape=[0, 4])]}, "bad dimension"),
         ({"inputs": [tensor(shape=[-1, 4])]}, "bad dimension"),
         ({"inputs": ["x"]}, "expected a msgpack map"),
+        ({"client": b"\0" * 15}, "client must be bin of 16 bytes"),
+        ({"client": b"\0" * 17}, "client must be bin of 16 bytes"),
+        ({"client": "0123456789abcdef"}, "client must be bin of 16 bytes"),
     ],
 )
 def test_decode_submit_rejects(changes: dict[str, Any], match: str) -> None:
@@ -533,6 +538,8 @@ def test_encode_reply_simple() -> None:
         ErrorReply(3, ErrorCode.NOT_FOUND, "no such model"),
         ErrorReply(None, ErrorCode.INVALID_ARGUMENT, "garbage"),
         ErrorReply(4, ErrorCode.OVERLOADED, "full", retry_after_ms=25),
+        ErrorReply(5, ErrorCode.UNAVAILABLE, "stopping", retry=True),
+        ErrorReply(6, ErrorCode.CANCELLED, "cancelled by the client"),
     ],
 )
 def test_error_reply_round_trip(err: ErrorReply) -> None:
@@ -541,6 +548,37 @@ def test_error_reply_round_trip(err: ErrorReply) -> None:
     assert frames[0] == header(Command.ERROR)
     assert len(frames) == 2
     assert ErrorReply.from_wire(decode_meta(frames[1])) == err
+
+
+def test_retry_is_read_only_as_true_on_unavailable() -> None:
+    """``retry`` says a stopping broker did not run the request (§6.3): anything but
+    ``true``, or on another code, reads as no."""
+    base = {"id": 1, "code": int(ErrorCode.UNAVAILABLE), "message": "m"}
+    assert ErrorReply.from_wire({**base, "retry": True}).retry
+    assert not ErrorReply.from_wire({**base, "retry": 1}).retry
+    assert not ErrorReply.from_wire(base).retry
+    assert "retry" not in ErrorReply(1, ErrorCode.UNAVAILABLE, "m").to_wire()
+    other = {**base, "code": int(ErrorCode.INTERNAL), "retry": True}
+    assert not ErrorReply.from_wire(other).retry
+
+
+def test_cancel_round_trip_and_checks() -> None:
+    cancel = Cancel(2**64 - 1, bytes(range(16)))
+    frames = cancel.to_frames()
+    assert frames[0] == header(Command.CANCEL) == b"CP\x01\x05"
+    assert Cancel.from_wire(decode_meta(frames[1])) == cancel
+    with pytest.raises(ProtocolError, match="'client'"):
+        Cancel.from_wire({"id": 1})
+    with pytest.raises(ProtocolError, match="16 bytes"):
+        Cancel.from_wire({"id": 1, "client": b"short"})
+    with pytest.raises(ProtocolError, match="'id'"):
+        Cancel.from_wire({"client": bytes(16)})
+
+
+def test_a_simple_request_cannot_carry_a_client_nonce() -> None:
+    submit = Submit(1, "m", 5, (TensorMeta("x", "uint8", (1,)),), client=bytes(16))
+    with pytest.raises(ProtocolError, match="framed form"):
+        decode_simple_request(encode_simple_request(submit, [b"\0"]))
 
 
 def test_error_reply_simple_form() -> None:

@@ -52,7 +52,10 @@ def test_an_unknown_layout_is_decoded_in_full() -> None:
 
 def test_a_remembered_layout_takes_the_fast_path() -> None:
     got = warm().decode(meta(id=9, priority=1, shm_outputs=True), FRAMES)
-    assert got == KnownRequest("layout", 9, 500, Priority.BULK, None, True)
+    assert got == KnownRequest("layout", 9, 500, Priority.BULK, None, True, None)
+    nonce = bytes(range(16))
+    got = warm().decode(meta(id=9, client=nonce), FRAMES)
+    assert got == KnownRequest("layout", 9, 500, Priority.INTERACTIVE, None, False, nonce)
 
 
 def test_shared_memory_references_are_parsed_on_the_fast_path() -> None:
@@ -72,6 +75,8 @@ def test_shared_memory_references_are_parsed_on_the_fast_path() -> None:
         ({"timeout_ms": 1.5}, FRAMES),
         ({"priority": 2}, FRAMES),
         ({"shm_outputs": 1}, FRAMES),
+        ({"client": b"\0" * 15}, FRAMES),
+        ({"client": "0" * 16}, FRAMES),
         ({}, [b"\0" * 31]),
         ({}, FRAMES * 2),
         ({"inputs": [{"name": "x", "dtype": "float32", "shape": [2, 4], "shm": {}}]}, [b""]),

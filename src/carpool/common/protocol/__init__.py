@@ -12,10 +12,12 @@ Every message (after the ROUTER's routing-id frame, which only the broker sees) 
 
 Client ↔ broker (client DEALER or REQ → broker frontend ROUTER)::
 
-    REQUEST  C→B  meta {id, model, timeout_ms?, inputs: [{name, dtype, shape}], priority?}
+    REQUEST  C→B  meta {id, model, timeout_ms?, inputs: [{name, dtype, shape}], priority?,
+                        client?}
     REPLY    B→C  meta {id, outputs: [{name, dtype, shape}], batch_size, queue_ms, compute_ms}
-    ERROR    B→C  meta {id, code, message, retry_after_ms?}                (no tensor frames)
+    ERROR    B→C  meta {id, code, message, retry_after_ms?, retry?}        (no tensor frames)
     STATS    C→B  meta {id?}       B→C meta {broker counters, id?}
+    CANCEL   C→B  meta {id, client}                                        (never answered)
 
     The simple form: one msgpack frame (a map, so its first byte is never b"C"):
     {v: 1, id, model, timeout_ms, inputs: [{name, dtype, shape, data: bin}]}; the reply comes
@@ -47,6 +49,8 @@ a test holds it to that.
 """
 
 from carpool.common.protocol.client_messages import (
+    CLIENT_NONCE_BYTES,
+    Cancel,
     ErrorReply,
     ReplyMeta,
     Submit,
@@ -144,6 +148,7 @@ from carpool.common.protocol.worker_messages import (
 )
 
 __all__ = [
+    "CLIENT_NONCE_BYTES",
     "HEADER_BYTES",
     "HEARTBEAT_TO_WORKER",
     "MAGIC",
@@ -163,6 +168,7 @@ __all__ = [
     "BrokerDisconnect",
     "BrokerHeartbeat",
     "BrokerMalformed",
+    "Cancel",
     "Command",
     "ErrorReply",
     "FailedMeta",

@@ -1,8 +1,8 @@
 """client_messages.py: what clients and the broker say to each other — pure.
 
-REQUEST (:class:`Submit`), REPLY (:class:`ReplyMeta`) and ERROR (:class:`ErrorReply`)
-metas, their encoders and decoders, and the single-frame simple form of a request and
-its reply.
+REQUEST (:class:`Submit`), REPLY (:class:`ReplyMeta`), ERROR (:class:`ErrorReply`) and
+CANCEL (:class:`Cancel`) metas, their encoders and decoders, and the single-frame simple
+form of a request and its reply.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from carpool.common.protocol.tensors import TensorMeta, check_frame_sizes, tenso
 
 #: Header frames, built once.
 _REQUEST, _REPLY, _ERROR = header(Command.REQUEST), header(Command.REPLY), header(Command.ERROR)
+_CANCEL = header(Command.CANCEL)
+
+#: Bytes of a client's nonce (REQUEST and CANCEL ``client``, §6.1).
+CLIENT_NONCE_BYTES = 16
 
 _Ref = TypeVar("_Ref")
 
@@ -71,11 +75,20 @@ class Submit:
     shm: tuple[ShmRef | None, ...] | None = None
     # The client can read outputs from a worker's ring on its host (§5.5).
     shm_outputs: bool = False
+    # The client's 128-bit nonce, drawn once at its start: with it the broker knows a
+    # request sent again (same nonce and id) and a CANCEL of it (§6.1, §6.5).
+    client: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
         inputs = _tensors_wire(self.inputs, self.shm, ref_wire)
         return request_wire(
-            self.request_id, self.model, inputs, self.timeout_ms, self.priority, self.shm_outputs
+            self.request_id,
+            self.model,
+            inputs,
+            self.timeout_ms,
+            self.priority,
+            self.shm_outputs,
+            self.client,
         )
 
 
@@ -86,9 +99,11 @@ def request_wire(
     timeout_ms: int | None,
     priority: int = 0,
     shm_outputs: bool = False,
+    client: bytes | None = None,
 ) -> dict[str, Any]:
     """A REQUEST meta from its fields; ``inputs`` are descriptor maps (:func:`tensor_wire`,
-    with ``shm`` from :func:`ref_wire` for an input in shared memory)."""
+    with ``shm`` from :func:`ref_wire` for an input in shared memory); ``client``: the
+    client's nonce (:data:`CLIENT_NONCE_BYTES`), if it sends one."""
     meta: dict[str, Any] = {"id": request_id, "model": model, "inputs": inputs}
     if timeout_ms is not None:
         meta["timeout_ms"] = timeout_ms
@@ -96,7 +111,24 @@ def request_wire(
         meta["priority"] = int(priority)
     if shm_outputs:
         meta["shm_outputs"] = True
+    if client is not None:
+        meta["client"] = client
     return meta
+
+
+def client_nonce_of(meta: dict[str, Any], what: str) -> bytes | None:
+    """The ``client`` field of a REQUEST or CANCEL meta: absent, or bin of exactly
+    :data:`CLIENT_NONCE_BYTES` bytes.
+
+    Raises:
+        ProtocolError: it is there and is something else.
+    """
+    nonce = meta.get("client")
+    if nonce is None:
+        return None
+    if type(nonce) is not bytes or len(nonce) != CLIENT_NONCE_BYTES:
+        raise ProtocolError(f"{what}: client must be bin of {CLIENT_NONCE_BYTES} bytes")
+    return nonce
 
 
 def request_frames(meta: dict[str, Any], payloads: Sequence[object]) -> list[Any]:
@@ -135,7 +167,8 @@ def decode_submit(meta: dict[str, Any]) -> Submit:
     shm_outputs = meta.get("shm_outputs", False)
     if type(shm_outputs) is not bool:
         raise ProtocolError("request: shm_outputs must be true or false")
-    return Submit(rid, model, timeout, inputs, PRIORITIES[prio], shm_refs(raw), shm_outputs)
+    nonce = client_nonce_of(meta, "request")
+    return Submit(rid, model, timeout, inputs, PRIORITIES[prio], shm_refs(raw), shm_outputs, nonce)
 
 
 def encode_request(submit: Submit, payloads: Sequence[object]) -> list[Any]:
@@ -159,6 +192,8 @@ def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes
         submit = decode_submit(obj)
         if submit.shm is not None or submit.shm_outputs:
             raise ProtocolError("simple request: shared memory needs the framed form")
+        if submit.client is not None:
+            raise ProtocolError("simple request: client (resends, CANCEL) needs the framed form")
         payloads: list[bytes] = []
         for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
             data = raw.get("data")
@@ -234,6 +269,9 @@ class ErrorReply:
     code: ErrorCode
     message: str
     retry_after_ms: int | None = None
+    # UNAVAILABLE from a broker that is stopping: the request did not run; it may be sent
+    # again, with the same id, on a new connection (§6.3, §11).
+    retry: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -243,6 +281,8 @@ class ErrorReply:
         }
         if self.retry_after_ms is not None:
             meta["retry_after_ms"] = self.retry_after_ms
+        if self.retry:
+            meta["retry"] = True
         return meta
 
     @classmethod
@@ -259,7 +299,8 @@ class ErrorReply:
         except ValueError:
             ecode = ErrorCode.INTERNAL
             message = f"unknown error code {code}: {message}"
-        return cls(request_id_of(meta), ecode, str(message), retry)
+        again = meta.get("retry", False) is True and ecode is ErrorCode.UNAVAILABLE
+        return cls(request_id_of(meta), ecode, str(message), retry, again)
 
 
 def encode_error(error: ErrorReply, *, simple: bool = False) -> list[bytes]:
@@ -308,3 +349,29 @@ def reply_frames(
 def encode_reply(reply: ReplyMeta, payloads: Sequence[object], *, simple: bool) -> list[Any]:
     """Frames of a successful reply, framed or in the simple form (payloads inline)."""
     return reply_frames(reply.to_wire(), payloads, simple=simple)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """CANCEL meta: the client no longer needs request ``request_id`` (§6.5). Only a
+    request sent with the same ``client`` nonce (and, with CURVE, by the same key) is
+    cancelled; the CANCEL itself is never answered."""
+
+    request_id: int
+    client: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.request_id, "client": self.client}
+
+    def to_frames(self) -> list[Any]:
+        return [_CANCEL, codec.pack(self.to_wire())]
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> Cancel:
+        rid = request_id_of(meta)
+        if rid is None:
+            raise ProtocolError("cancel: field 'id' missing or not an unsigned 64-bit int")
+        nonce = client_nonce_of(meta, "cancel")
+        if nonce is None:
+            raise ProtocolError("cancel: field 'client' (the requests' nonce) missing")
+        return cls(rid, nonce)

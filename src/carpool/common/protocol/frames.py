@@ -36,6 +36,7 @@ class Command(IntEnum):
     REPLY = 0x02
     ERROR = 0x03
     STATS = 0x04
+    CANCEL = 0x05
     READY = 0x10
     HEARTBEAT = 0x11
     BATCH = 0x12

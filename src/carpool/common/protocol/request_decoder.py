@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from carpool.common.errors import ProtocolError
-from carpool.common.protocol.client_messages import Submit, decode_submit, request_id_of
+from carpool.common.protocol.client_messages import (
+    CLIENT_NONCE_BYTES,
+    Submit,
+    decode_submit,
+    request_id_of,
+)
 from carpool.common.protocol.frames import MAX_TIMEOUT_MS, PRIORITIES, Frame, Priority
 from carpool.common.protocol.refs import MAX_REF_BYTES, ShmRef, shm_refs
 from carpool.common.protocol.tensors import Signature, tensor_signature
@@ -36,6 +41,7 @@ class KnownRequest(Generic[L]):
     # Per input, in the request's order: its shared-memory reference or None (§5.4).
     refs: tuple[ShmRef | None, ...] | None
     shm_outputs: bool
+    client: bytes | None  # the client's nonce (§6.1)
 
 
 class RequestDecoder(Generic[L]):
@@ -99,9 +105,13 @@ class RequestDecoder(Generic[L]):
         timeout = meta.get("timeout_ms")
         prio = meta.get("priority", 0)
         shm_outputs = meta.get("shm_outputs", False)
+        nonce = meta.get("client")
         if (
             rid is None
             or type(shm_outputs) is not bool
+            or (
+                nonce is not None and (type(nonce) is not bytes or len(nonce) != CLIENT_NONCE_BYTES)
+            )
             or (
                 timeout is not None
                 and (type(timeout) is not int or not 0 < timeout <= MAX_TIMEOUT_MS)
@@ -110,4 +120,4 @@ class RequestDecoder(Generic[L]):
             or prio not in (0, 1)
         ):
             return decode_submit(meta)
-        return KnownRequest(layout, rid, timeout, PRIORITIES[prio], refs, shm_outputs)
+        return KnownRequest(layout, rid, timeout, PRIORITIES[prio], refs, shm_outputs, nonce)
