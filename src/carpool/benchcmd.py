@@ -226,7 +226,7 @@ def _live(args: argparse.Namespace, items: list[Arrival], **kwargs: Any) -> int:
         report = run(
             args.endpoint, items, synthetic_inputs(items, args.input_name, args.dtype), **kwargs
         )
-    except TimeoutError:  # the first STATS went unanswered
+    except TimeoutError:  # no STATS before the run was answered (loadgen.first_stats)
         return _fail(
             f"no broker answered at {args.endpoint} (is one running, and is --endpoint its "
             "frontend?)"

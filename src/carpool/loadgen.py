@@ -306,7 +306,7 @@ def run(
     # send_timeout_s=0: a send never waits for room (that wait would hold up every later
     # send); a request the broker does not take fails UNAVAILABLE at once.
     with Client(endpoint, grace_s=1.0, send_timeout_s=0.0, **shm) as client:
-        before = _batch_sizes(client.stats())  # TimeoutError: no broker, nothing run
+        before = _batch_sizes(first_stats(client))  # TimeoutError: no broker, nothing run
         samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
         try:
             after: dict[str, Counter[int]] | None = _batch_sizes(client.stats())
@@ -320,6 +320,22 @@ def run(
     if keep:
         report.samples = samples
     return report
+
+
+def first_stats(client: Client, tries: int = 3, timeout_s: float = 3.0) -> dict[str, Any]:
+    """The broker's STATS before a run, asked up to ``tries`` times (each waits
+    ``timeout_s``): one answer lost or late (a broker still starting, a host busy for a
+    few seconds) does not end the run before it began.
+
+    Raises:
+        TimeoutError: no answer to any of them (no broker at the endpoint).
+    """
+    for attempt in range(1, tries):
+        try:
+            return client.stats(timeout_s=timeout_s)
+        except TimeoutError:  # noqa: PERF203 (three tries, each seconds long)
+            logger.info("no STATS answer in %.0f s (try %d of %d)", timeout_s, attempt, tries)
+    return client.stats(timeout_s=timeout_s)
 
 
 def schedule_end(arrivals: Sequence[Arrival], samples: Sequence[Sample] = ()) -> float:

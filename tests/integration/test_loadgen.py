@@ -24,7 +24,15 @@ from carpool.client import Client
 from carpool.common.clock import MonotonicClock, wall_offset_s
 from carpool.common.shm import available as shm_available
 from carpool.common.testing import FakeClock, ServerThread
-from carpool.loadgen import Sample, drive, run, schedule_end, summarize, synthetic_inputs
+from carpool.loadgen import (
+    Sample,
+    drive,
+    first_stats,
+    run,
+    schedule_end,
+    summarize,
+    synthetic_inputs,
+)
 from carpool.sim.workload import Arrival, read_trace, write_trace
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.server import WorkerServer
@@ -460,3 +468,27 @@ def test_bench_writes_strict_json_and_csv_when_nothing_is_answered(
     assert report["latency_ms"]["p50"] is None
     assert report["per_second"][0]["p99_ms"] is None
     assert out_csv.read_text().splitlines() == ["second,sent,goodput,p99_ms", "0.0,10.0,0.0,"]
+
+
+class _SlowStats:
+    """A client whose first ``misses`` STATS calls get no answer."""
+
+    def __init__(self, misses: int) -> None:
+        self.misses = misses
+        self.calls: list[float] = []
+
+    def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        self.calls.append(timeout_s)
+        if len(self.calls) <= self.misses:
+            raise TimeoutError("no STATS reply from the broker")
+        return {"batch_sizes": {}}
+
+
+def test_the_stats_before_a_run_are_asked_three_times_before_giving_up() -> None:
+    late = _SlowStats(misses=2)
+    assert first_stats(late, tries=3, timeout_s=3.0) == {"batch_sizes": {}}  # type: ignore[arg-type]
+    assert late.calls == [3.0, 3.0, 3.0]
+    gone = _SlowStats(misses=3)
+    with pytest.raises(TimeoutError):
+        first_stats(gone, tries=3, timeout_s=3.0)  # type: ignore[arg-type]
+    assert len(gone.calls) == 3

@@ -438,8 +438,10 @@ def test_bench_fails_when_every_request_fails(tmp_path: Path, spawn: Spawn) -> N
         "bench", "--endpoint", frontend, "--model", "nosuch", "--load", "constant",
         "--rate", "20", "--duration-s", "0.5", "--warmup-s", "0", "--no-progress",
     )  # fmt: skip
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "carpool: no request was answered (errors: UNAVAILABLE 10)" in result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr + _logs(tmp_path)
+    assert "carpool: no request was answered (errors: UNAVAILABLE 10)" in result.stderr, (
+        result.stderr + _logs(tmp_path)
+    )
     assert "errors:      UNAVAILABLE 10" in result.stdout  # the report still comes
 
 
