@@ -18,7 +18,7 @@ reply goes to the id after the key (:data:`KEY_CHARS` bytes on). On the backend
 :class:`WorkerKeys` records the key a worker id first spoke with and refuses a message
 under that id with another key while the worker is registered.
 
-Refused handshakes and messages are logged by :class:`FailureLog`: at most so many lines
+Refused handshakes and messages are logged by a :class:`RateLimitedLog`: at most so many lines
 a minute, then one line with the count of those not logged.
 """
 
@@ -32,11 +32,11 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from carpool.broker.config import CurveConfig
-from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.curve import KEY_CHARS, KeyPair, load_allowed, load_keypair
 from carpool.common.errors import ConfigError
+from carpool.common.ratelog import RateLimitedLog
 
-__all__ = ["CLIENTS", "KEY_CHARS", "WORKERS", "BrokerAuth", "FailureLog", "WorkerKeys"]
+__all__ = ["CLIENTS", "KEY_CHARS", "WORKERS", "BrokerAuth", "WorkerKeys"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,39 +55,11 @@ def _user_id(frame: zmq.Frame) -> str:
     return _frame_get(frame, _USER_ID)  # type: ignore[return-value]  # (a str property)
 
 
-class FailureLog:
-    """Warnings about refused peers, at most ``per_min`` lines a minute; the lines not
-    written are counted and reported with the next one written."""
-
-    def __init__(self, per_min: int, clock: Clock | None = None) -> None:
-        self.per_min = per_min
-        self._clock: Clock = clock or MonotonicClock()
-        self._window_s = -60.0
-        self._written = 0
-        self.suppressed = 0
-        self.total = 0
-
-    def refused(self, fmt: str, *args: object) -> None:
-        self.total += 1
-        now = self._clock.now()
-        if now - self._window_s >= 60.0:
-            self._window_s, self._written = now, 0
-        if self._written >= self.per_min:
-            self.suppressed += 1
-            return
-        self._written += 1
-        if self.suppressed:
-            fmt += " (%d more refused and not logged)"
-            args = (*args, self.suppressed)
-            self.suppressed = 0
-        logger.warning(fmt, *args)
-
-
 class _AllowList:
     """A ZAP domain's credentials provider (``configure_curve_callback``): the keys it
     accepts are swapped whole on reload, so the authenticator's thread reads either."""
 
-    def __init__(self, side: str, log: FailureLog) -> None:
+    def __init__(self, side: str, log: RateLimitedLog) -> None:
         self.side = side
         self.keys: frozenset[bytes] = frozenset()
         self._log = log
@@ -95,7 +67,7 @@ class _AllowList:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
-        self._log.refused("CURVE key %s refused on the %s socket", key.decode(), self.side)
+        self._log("CURVE key %s refused on the %s socket", key.decode(), self.side)
         return False
 
 
@@ -115,7 +87,7 @@ class BrokerAuth:
         self.pair: KeyPair = load_keypair(
             config.server_key, "curve.server_key (--curve-server-key)"
         )
-        self.failures = FailureLog(config.failure_logs_per_min)
+        self.failures = RateLimitedLog(logger, config.failure_logs_per_min)
         self._clients = _AllowList("client", self.failures)
         self._workers = _AllowList("worker", self.failures)
         self.operators: frozenset[bytes] = frozenset()
@@ -197,7 +169,7 @@ class WorkerKeys:
         log: where refusals go.
     """
 
-    def __init__(self, knows: Callable[[bytes], bool], log: FailureLog) -> None:
+    def __init__(self, knows: Callable[[bytes], bool], log: RateLimitedLog) -> None:
         self._knows = knows
         self._log = log
         self._by_worker: dict[bytes, str] = {}
@@ -215,7 +187,7 @@ class WorkerKeys:
             return True
         if bound is not None and self._knows(wid):
             self.refused += 1
-            self._log.refused(
+            self._log(
                 "worker %s spoke with key %s; it registered with %s: refused", wid.hex(), key, bound
             )
             return False

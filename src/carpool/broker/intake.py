@@ -54,6 +54,7 @@ from carpool.common.protocol import (
     shm_wire,
     view,
 )
+from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class ClientIntake:
         # Who may read STATS, by client id (the server sets it under CURVE: operators'
         # keys only); None: everyone.
         self.stats_gate: Callable[[bytes], bool] | None = None
+        self._log_version = RateLimitedLog(logger, PEER_LINES_PER_MIN, level=logging.INFO)
 
     def release(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
         """A READY registered ``models``: the requests held for them at the door go
@@ -202,7 +204,9 @@ class ClientIntake:
                 request = decode_submit(meta)  # the full path answers UNAVAILABLE
             submit = request
         except VersionMismatch as exc:
-            logger.info("client=%s sent protocol version %d", identity.hex(), exc.version)
+            self._log_version(
+                "client=%s sent protocol version %d", identity.hex(), exc.version, now=now
+            )
             return [
                 self._replies.error(
                     client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc)

@@ -30,6 +30,7 @@ from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
 from carpool.common.clock import Clock, MonotonicClock, wall_offset_s
 from carpool.common.errors import ConfigError
 from carpool.common.link import LinkListener, link_path
+from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 from carpool.common.routing_ids import seed_routing_ids
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
@@ -88,6 +89,8 @@ class BrokerServer:
         self._closed = False
         self._linger_ms = 0  # wind_down raises it: its answers must leave before close
         self._delivering = False  # running upstream.later
+        self._log_unread = RateLimitedLog(logger, PEER_LINES_PER_MIN)  # (peers cause these)
+        self._log_gone = RateLimitedLog(logger, PEER_LINES_PER_MIN, level=logging.INFO)
         self.transports: list[WorkerTransport] = []
         self.local: LinkWorkers | None = None
         config = self.config
@@ -308,12 +311,14 @@ class BrokerServer:
             try:
                 send_frames(self.frontend, msg.frames, NOBLOCK, identity)
             except zmq.Again:
-                logger.warning("peer=%s on %s is not reading; dropped", identity.hex(), msg.side)
+                self._log_unread(
+                    "peer=%s on %s is not reading; dropped", identity.hex(), msg.side.value
+                )
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EHOSTUNREACH:
                     raise
-                logger.info("peer=%s on %s is gone", identity.hex(), msg.side.value)
+                self._log_gone("peer=%s on %s is gone", identity.hex(), msg.side.value)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
         if self._later and not self._delivering:
             self._run_later()

@@ -36,6 +36,7 @@ from carpool.common.protocol import (
     ResultMeta,
 )
 from carpool.common.protocol import from_worker as msgs
+from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class WorkerEvents:
         self._dispatcher = dispatcher
         self._replies = replies
         self._intake = intake
+        # Lines a peer on the worker socket can cause, each kind rate-limited apart.
+        self._log_protocol = RateLimitedLog(logger, PEER_LINES_PER_MIN)
+        self._log_refused = RateLimitedLog(logger, PEER_LINES_PER_MIN)
+        self._log_failed = RateLimitedLog(logger, PEER_LINES_PER_MIN)
+        self._log_churn = RateLimitedLog(logger, 2 * PEER_LINES_PER_MIN, level=logging.INFO)
 
     def on_heartbeats_due(self, now: float, out: list[Outgoing]) -> None:
         """The registry's next event is due: lose the workers whose heartbeats stopped,
@@ -127,7 +133,7 @@ class WorkerEvents:
                 raise ProtocolError(msg.error)
         except ProtocolError as exc:
             # A worker that breaks the protocol is dropped; it may reconnect and re-register.
-            logger.warning("worker=%s protocol error: %s", identity.hex(), exc)
+            self._log_protocol("worker=%s protocol error: %s", identity.hex(), exc, now=now)
             worker = self.registry.get(wid)
             if worker is not None:
                 self.lose_worker(now, worker, f"protocol error: {exc}", out)
@@ -147,13 +153,17 @@ class WorkerEvents:
                 f"READY announces {len(ready.models)} models; this broker takes at most "
                 f"{limit} per worker (max_models_per_worker)"
             )
-            logger.warning("worker=%s name=%s refused: %s", wid.hex(), ready.name, reason)
+            self._log_refused(
+                "worker=%s name=%s refused: %s", wid.hex(), ready.name, reason, now=now
+            )
             out.append(disconnect(wid, reason))
             return
         conflicts = self.registry.conflicts(ready)
         if conflicts:
             reason = f"model spec differs from the registered one for {', '.join(conflicts)}"
-            logger.warning("worker=%s name=%s refused: %s", wid.hex(), ready.name, reason)
+            self._log_refused(
+                "worker=%s name=%s refused: %s", wid.hex(), ready.name, reason, now=now
+            )
             out.append(disconnect(wid, reason))
             return
         for spec in self.registry.replaced(ready):
@@ -164,11 +174,12 @@ class WorkerEvents:
         self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
         self._fleet.rates.clear()
         names = [m.name for m in ready.models]
-        logger.info(
+        self._log_churn(
             "worker joined name=%s models=%s slots=%d",
             ready.name,
             ",".join(names[:8]) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             ready.slots,
+            now=now,
         )
         # Requests held at the door for these models (just after a start) go in first.
         self._intake.release(now, names, out)
@@ -228,12 +239,13 @@ class WorkerEvents:
             self._fleet.rates.clear()  # its share of the fleet's rate changed
         if 0 <= failed.rho <= 1:
             self._fleet.on_load(now, worker, failed.rho)
-        logger.warning(
+        self._log_failed(
             "batch failed worker=%s model=%s code=%s: %s",
             worker.name,
             batch.key[0],
             failed.code.name,
             failed.message,
+            now=now,
         )
         self.fail_batch(batch, failed.code, failed.message, out)
         self._dispatcher.pump_models(now, worker.models, out)
@@ -297,7 +309,7 @@ class WorkerEvents:
         """Forget a worker; its in-flight requests go back to their queues when they may."""
         self.registry.remove(worker.wid)
         self._fleet.rates.clear()
-        logger.info("worker left name=%s reason=%s", worker.name, reason)
+        self._log_churn("worker left name=%s reason=%s", worker.name, reason, now=now)
         msg = f"worker {worker.name} was lost while running the request ({reason})"
         self._requeue(now, worker, msg, out)
 

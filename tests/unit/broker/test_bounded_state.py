@@ -7,12 +7,15 @@ BrokerCore driven with wire frames and an injected clock, with test_core.py's ha
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from carpool.broker.config import BatchingOverride, BrokerConfig
 from carpool.broker.requests import ClientId
 from carpool.common.errors import ConfigError, ErrorCode
 from carpool.common.protocol import Command
+from carpool.common.ratelog import PEER_LINES_PER_MIN
 from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse fixture)
     C1,
     C2,
@@ -207,3 +210,21 @@ def test_names_announced_by_short_lived_workers_stay_bounded() -> None:
     assert b.core.registry.specs == {}
     assert len(b.core.registry) == 0
     assert b.core.fleet.rates == {}
+
+
+def test_a_flood_of_bad_worker_messages_writes_a_bounded_number_of_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each kind of line a peer on the worker socket can cause (protocol errors here) is
+    written at most PEER_LINES_PER_MIN times a minute, then once with the count left out;
+    every bad message is still answered DISCONNECT."""
+    b = Broker.make()
+    with caplog.at_level(logging.INFO, "carpool.broker.workers"):
+        for k in range(200):
+            out = b.worker(T0 + k * 0.01, b"\x01bad%d" % k, [b"CP\x01\x7f", b"\x80"])
+            assert [m.command for m in out] == [Command.DISCONNECT]
+        lines = [r.getMessage() for r in caplog.records if "protocol error" in r.getMessage()]
+        assert len(lines) == PEER_LINES_PER_MIN
+        b.worker(T0 + 61.0, b"\x01late", [b"CP\x01\x7f", b"\x80"])
+    last = caplog.records[-1].getMessage()
+    assert f"({200 - PEER_LINES_PER_MIN} more like it not logged)" in last

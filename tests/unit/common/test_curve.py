@@ -1,16 +1,14 @@
 """common/curve.py and the broker's CURVE settings: key files, modes, allow-lists; the
-rate-limited log of refusals (broker/auth.py FailureLog)."""
+rate-limited log of refusals (common/ratelog.py)."""
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 import pytest
 import zmq
 
-from carpool.broker.auth import FailureLog
 from carpool.broker.config import CurveConfig
 from carpool.common.curve import (
     client_keys,
@@ -20,7 +18,6 @@ from carpool.common.curve import (
     load_public,
 )
 from carpool.common.errors import ConfigError
-from carpool.common.testing import FakeClock
 
 
 def test_a_pair_loads_from_its_files_and_a_public_key_from_z85_text(tmp_path: Path) -> None:
@@ -121,19 +118,3 @@ def test_the_operators_list_is_a_directory_of_its_own(tmp_path: Path, shared: st
     CurveConfig(
         enabled=True, server_key="k", clients=clients, workers=workers, operators=f"{tmp_path}/o"
     )
-
-
-def test_refusals_are_logged_at_most_per_min_lines_a_minute(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    clock = FakeClock()
-    log = FailureLog(3, clock)
-    with caplog.at_level(logging.WARNING, "carpool.broker.auth"):
-        for _ in range(1000):
-            log.refused("key %s refused", "k")
-        assert len(caplog.records) == 3
-        clock.advance(60.0)
-        log.refused("key %s refused", "k")
-    assert len(caplog.records) == 4
-    assert "997 more refused and not logged" in caplog.records[-1].getMessage()
-    assert log.total == 1001
