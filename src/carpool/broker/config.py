@@ -167,6 +167,10 @@ class BrokerConfig:
     max_client_mib: int = 1024
     # Models one READY may announce; a READY with more is refused with DISCONNECT.
     max_models_per_worker: int = 64
+    # Workers registered at once; a READY past it is refused with DISCONNECT (each
+    # holds lanes, heartbeat and credit state: a peer opening sockets in a loop cannot
+    # grow the broker without end).
+    max_workers: int = 1024
     # A model no live worker has served for this long is forgotten (its spec, policy,
     # queues and counters): its name answers NOT_FOUND again, and names that workers
     # announced and left cannot pile up. Models named under [models] are kept.
@@ -214,6 +218,7 @@ class BrokerConfig:
                 "max_client_requests": (1, 1 << 24),
                 "max_client_mib": (1, 1 << 24),
                 "max_models_per_worker": (1, 256),
+                "max_workers": (1, 1 << 16),
                 "forget_unserved_s": (0.001, 86_400),
                 "liveness": (1, 100),
                 "max_attempts": (1, 10),

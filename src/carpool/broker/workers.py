@@ -158,6 +158,16 @@ class WorkerEvents:
             )
             out.append(disconnect(wid, reason))
             return
+        if len(self.registry) >= self.config.max_workers:
+            reason = (
+                f"this broker has its limit of {self.config.max_workers} workers registered "
+                "(max_workers)"
+            )
+            self._log_refused(
+                "worker=%s name=%s refused: %s", wid.hex(), ready.name, reason, now=now
+            )
+            out.append(disconnect(wid, reason))
+            return
         conflicts = self.registry.conflicts(ready)
         if conflicts:
             reason = f"model spec differs from the registered one for {', '.join(conflicts)}"

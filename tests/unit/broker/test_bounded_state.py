@@ -39,6 +39,7 @@ CID1, CID2 = ClientId(C1), ClientId(C2)
     [
         {"max_models_per_worker": 0},
         {"max_models_per_worker": 257},
+        {"max_workers": 0},
         {"max_client_requests": 0},
         {"max_client_mib": 0},
         {"forget_unserved_s": 0.0},
@@ -70,6 +71,20 @@ def test_a_ready_at_the_limit_registers_every_model() -> None:
     b = Broker.make(max_models_per_worker=3)
     assert b.ready(T0, W1, *[model_spec(f"m{i}") for i in range(3)]) == []
     assert sorted(b.core.registry.specs) == ["m0", "m1", "m2"]
+
+
+def test_a_ready_past_max_workers_is_refused_until_one_leaves() -> None:
+    b = Broker.make(max_workers=2)
+    assert b.ready(T0, W1) == []
+    assert b.ready(T0, W2) == []
+    w3 = b"\x01third"
+    (msg,) = only(b.ready(T0, w3), Command.DISCONNECT)
+    assert msg.to == w3
+    assert "max_workers" in msg.meta["reason"]
+    assert len(b.core.registry) == 2
+    b.disconnect(T0 + 0.01, W1)
+    assert b.ready(T0 + 0.02, w3) == []
+    assert len(b.core.registry) == 2
 
 
 # --------------------------------------------------------------------------- client limits
