@@ -167,10 +167,7 @@ class BrokerConfig:
     max_client_mib: int = 1024
     # Models one READY may announce; a READY with more is refused with DISCONNECT.
     max_models_per_worker: int = 64
-    # Workers registered at once; a READY past it is refused with DISCONNECT (each
-    # holds lanes, heartbeat and credit state: a peer opening sockets in a loop cannot
-    # grow the broker without end).
-    max_workers: int = 1024
+    max_workers: int = 1024  # registered at once; a READY past it is refused the same way
     # A model no live worker has served for this long is forgotten (its spec, policy,
     # queues and counters): its name answers NOT_FOUND again, and names that workers
     # announced and left cannot pile up. Models named under [models] are kept.
