@@ -9,6 +9,7 @@ import pytest
 
 from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import (
     HEADER_BYTES,
     MAGIC,
@@ -648,6 +649,42 @@ MODEL = ModelSpec(
 
 def test_model_spec_round_trip() -> None:
     assert ModelSpec.from_wire(wire(MODEL.to_wire())) == MODEL
+
+
+DETECTOR = ModelSpec(
+    "det",
+    (TensorMeta("x", "float32", (-1, 3, -1, -1)),),
+    (TensorMeta("map", "float32", (-1, 1, -1, -1)),),
+    8,
+    pads=(PadRule(multiple_of=(1, 32, 32)),),
+    crops=((CropAxis(2, "x", 2), CropAxis(3, "x", 3)),),
+)
+
+
+def test_a_model_spec_with_pad_rules_and_crops_round_trips() -> None:
+    meta = DETECTOR.to_wire()
+    assert meta["inputs"][0]["pad"] == {"value": 0.0, "multiple_of": [1, 32, 32]}
+    assert [c["axis"] for c in meta["outputs"][0]["crop"]] == [2, 3]
+    assert ModelSpec.from_wire(wire(meta)) == DETECTOR
+    assert "pad" not in MODEL.to_wire()["inputs"][0]
+    assert "crop" not in MODEL.to_wire()["outputs"][0]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda m: m["inputs"][0].update(pad={"multiple_of": [32, 32]}), "multiple_of has 2"),
+        (lambda m: m["outputs"][0].update(crop={"axis": 2}), "crop must be a list"),
+        (lambda m: m["outputs"][0]["crop"].append(m["outputs"][0]["crop"][0]), "cropped twice"),
+        (lambda m: m["outputs"][0]["crop"][0].update(input="z"), "names input 'z'"),
+        (lambda m: m["inputs"][0].pop("pad"), "no input is padded"),
+    ],
+)
+def test_bad_pad_and_crop_descriptors_are_refused(change: Any, match: str) -> None:
+    meta = wire(DETECTOR.to_wire())
+    change(meta)
+    with pytest.raises(ProtocolError, match=match):
+        ModelSpec.from_wire(meta)
 
 
 def test_model_spec_sorts_and_dedups_preferred() -> None:

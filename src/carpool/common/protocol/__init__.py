@@ -38,9 +38,9 @@ Worker ↔ broker (worker DEALER → broker backend ROUTER)::
 
 Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (tensor
 descriptors and frame sizes), :mod:`.refs` (shared-memory references),
-:mod:`.client_messages` (REQUEST, REPLY, ERROR, the simple form), :mod:`.request_decoder`
-(REQUEST metas of layouts seen before), :mod:`.worker_messages` (READY, BATCH, RESULT,
-FAILED), :mod:`.from_worker` and :mod:`.from_broker` (each side's messages to the other
+:mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL, the simple form),
+:mod:`.request_decoder` (REQUEST metas of layouts seen before), :mod:`.ready` (READY and
+its model specs), :mod:`.worker_messages` (BATCH, RESULT, FAILED), :mod:`.from_worker` and :mod:`.from_broker` (each side's messages to the other
 as one typed union, each with its ``to_frames``). Each message has
 one encoder (``<message>_wire`` builds its meta map from its fields, ``<message>_frames``
 its frames; a dataclass's ``to_wire`` calls the former) and one decoder, used by every
@@ -109,6 +109,7 @@ from carpool.common.protocol.from_worker import (
     checked_from_worker,
     decode_from_worker,
 )
+from carpool.common.protocol.ready import ModelSpec, Ready
 from carpool.common.protocol.refs import (
     MAX_REF_BYTES,
     OutputRef,
@@ -136,8 +137,6 @@ from carpool.common.protocol.worker_messages import (
     BatchItem,
     BatchMeta,
     FailedMeta,
-    ModelSpec,
-    Ready,
     ResultMeta,
     batch_frames,
     batch_inputs_wire,

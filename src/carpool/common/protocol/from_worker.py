@@ -19,12 +19,8 @@ from typing import Any
 
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol.frames import Command, Frame, decode_meta, encode, parse_header, view
-from carpool.common.protocol.worker_messages import (
-    FailedMeta,
-    Ready,
-    ResultMeta,
-    result_frames,
-)
+from carpool.common.protocol.ready import Ready
+from carpool.common.protocol.worker_messages import FailedMeta, ResultMeta, result_frames
 
 
 @dataclass(frozen=True, slots=True)

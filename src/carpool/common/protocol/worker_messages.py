@@ -1,8 +1,8 @@
 """worker_messages.py: what workers and the broker say to each other — pure.
 
-READY (:class:`Ready` with its :class:`ModelSpec` list), BATCH (:class:`BatchMeta` of
-:class:`BatchItem`), RESULT (:class:`ResultMeta`) and FAILED (:class:`FailedMeta`)
-metas, their encoders and decoders.
+BATCH (:class:`BatchMeta` of :class:`BatchItem`), RESULT (:class:`ResultMeta`) and
+FAILED (:class:`FailedMeta`) metas, their encoders and decoders; READY is in
+:mod:`.ready`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol.client_messages import ErrorReply
 from carpool.common.protocol.frames import (
-    MAX_MODELS,
     Command,
     header,
     optional_number,
@@ -26,104 +25,9 @@ from carpool.common.protocol.frames import (
 )
 from carpool.common.protocol.refs import ShmRef, parse_batch_refs, shm_wire
 from carpool.common.protocol.tensors import Signature, TensorMeta, tensor_list, tensor_signature
-from carpool.common.shape_rules import ShapeRule
 
 #: Header frames, built once.
 _BATCH, _RESULT = header(Command.BATCH), header(Command.RESULT)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """What a worker serves for one model: I/O specs (dim 0 is the batch) and batch limits."""
-
-    name: str
-    inputs: tuple[TensorMeta, ...]
-    outputs: tuple[TensorMeta, ...]
-    max_batch: int
-    # Batch sizes the engine runs best at (TensorRT profile sizes); empty means any.
-    preferred_batch: tuple[int, ...] = ()
-    # Limits on each input's dims beyond its shape, in input order; () when none has any.
-    rules: tuple[ShapeRule | None, ...] = ()
-
-    def to_wire(self) -> dict[str, Any]:
-        inputs = [t.to_wire() for t in self.inputs]
-        for descriptor, rule in zip(inputs, self.rules or [None] * len(inputs), strict=True):
-            if rule:
-                descriptor.update(rule.to_wire())
-        return {
-            "name": self.name,
-            "inputs": inputs,
-            "outputs": [t.to_wire() for t in self.outputs],
-            "max_batch": self.max_batch,
-            "preferred_batch": list(self.preferred_batch),
-        }
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> ModelSpec:
-        m = require_map(obj, "model spec")
-        name = require_name(m.get("name"), "model spec")
-        inputs = tensor_list(m.get("inputs"), f"model {name} inputs", allow_dynamic=True)
-        rules = tuple(
-            ShapeRule.from_wire(d, len(t.shape), f"model {name} input {t.name!r}")
-            for d, t in zip(m["inputs"], inputs, strict=True)
-        )
-        outputs = tensor_list(m.get("outputs"), f"model {name} outputs", allow_dynamic=True)
-        max_batch = require_field(m, "max_batch", int, f"model {name}")
-        if max_batch < 1:
-            raise ProtocolError(f"model {name}: max_batch must be >= 1")
-        preferred = m.get("preferred_batch", [])
-        if not isinstance(preferred, list) or not all(
-            isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= max_batch
-            for p in preferred
-        ):
-            raise ProtocolError(f"model {name}: preferred_batch must list ints in 1..max_batch")
-        return cls(
-            name,
-            inputs,
-            outputs,
-            max_batch,
-            tuple(sorted(set(preferred))),
-            rules if any(rules) else (),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Ready:
-    """READY meta: a worker announces itself and what it serves."""
-
-    name: str
-    # How many batches the broker may have outstanding at this worker (credits).
-    slots: int
-    models: tuple[ModelSpec, ...]
-    # The worker's heartbeat interval; the broker heartbeats it at the same rate.
-    heartbeat_ms: int = 1000
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "slots": self.slots,
-            "models": [m.to_wire() for m in self.models],
-            "heartbeat_ms": self.heartbeat_ms,
-        }
-
-    @classmethod
-    def from_wire(cls, meta: dict[str, Any]) -> Ready:
-        name = require_name(meta.get("name"), "ready")
-        slots = require_field(meta, "slots", int, "ready")
-        if not 1 <= slots <= 1024:
-            raise ProtocolError("ready: slots must be in 1..1024")
-        models = meta.get("models")
-        if not isinstance(models, list) or not models or len(models) > MAX_MODELS:
-            raise ProtocolError(f"ready: models must be a list of 1..{MAX_MODELS} model specs")
-        specs = tuple(ModelSpec.from_wire(m) for m in models)
-        if len({s.name for s in specs}) != len(specs):
-            raise ProtocolError("ready: duplicate model names")
-        heartbeat_ms = meta.get("heartbeat_ms", 1000)
-        if isinstance(heartbeat_ms, bool) or not isinstance(heartbeat_ms, int):
-            raise ProtocolError("ready: heartbeat_ms must be an int")
-        if not 10 <= heartbeat_ms <= 600_000:
-            raise ProtocolError("ready: heartbeat_ms must be in 10..600000")
-        return cls(name, slots, specs, heartbeat_ms)
 
 
 @dataclass(slots=True)
