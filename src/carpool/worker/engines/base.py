@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from numpy.typing import NDArray
 
 from carpool.common import shape_rules
+from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import ModelSpec, TensorMeta
 from carpool.common.shape_rules import ShapeRule
 
@@ -34,10 +35,22 @@ class EngineInfo:
     # Limits on each input's dims beyond its shape (protocol §8.1), in input order; ()
     # when none has any: see with_rules.
     rules: tuple[ShapeRule | None, ...] = ()
+    # How each input's requests are padded into buckets, in input order, and the axes
+    # of each output cropped back to a request's extent, in output order (protocol §8.1,
+    # common/padding.py); () when none.
+    pads: tuple[PadRule | None, ...] = ()
+    crops: tuple[tuple[CropAxis, ...], ...] = ()
 
     def spec(self, name: str) -> ModelSpec:
         return ModelSpec(
-            name, self.inputs, self.outputs, self.max_batch, self.preferred_batch, self.rules
+            name,
+            self.inputs,
+            self.outputs,
+            self.max_batch,
+            self.preferred_batch,
+            self.rules,
+            self.pads,
+            self.crops,
         )
 
 
