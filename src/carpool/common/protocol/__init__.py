@@ -40,12 +40,12 @@ Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (
 descriptors and frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL, the simple form),
 :mod:`.request_decoder` (REQUEST metas of layouts seen before), :mod:`.ready` (READY and
-its model specs), :mod:`.worker_messages` (BATCH, RESULT, FAILED), :mod:`.from_worker` and :mod:`.from_broker` (each side's messages to the other
-as one typed union, each with its ``to_frames``). Each message has
-one encoder (``<message>_wire`` builds its meta map from its fields, ``<message>_frames``
-its frames; a dataclass's ``to_wire`` calls the former) and one decoder, used by every
-caller. The package imports nothing that does I/O (no sockets, files, locks or threads);
-a test holds it to that.
+its model specs), :mod:`.worker_messages` (BATCH, RESULT, FAILED), :mod:`.from_worker`
+and :mod:`.from_broker` (each side's messages to the other as one typed union, each with
+its ``to_frames``). Each message has one encoder (``<message>_wire`` builds its meta map
+from its fields, ``<message>_frames`` its frames; a dataclass's ``to_wire`` calls the
+former) and one decoder, used by every caller. The package imports nothing that does I/O
+(no sockets, files, locks or threads); a test holds it to that.
 """
 
 from carpool.common.protocol.client_messages import (
