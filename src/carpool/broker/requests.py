@@ -39,10 +39,12 @@ ClientId = NewType("ClientId", bytes)
 RequestKey = tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Received:
     """A request as it came in at the door: decoded, not yet validated against a model
-    (admission does that; a request held for a model not yet registered waits so)."""
+    (admission does that; a request held for a model not yet registered waits so). Not
+    frozen: one is made per request, and a frozen dataclass's ``__init__`` costs several
+    times a plain one's; nothing changes one after it is made."""
 
     client: ClientId
     delimited: bool  # it came from a REQ socket (answered after an empty frame)
