@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from carpool.broker import metadata
 from carpool.broker.admission import (
     FULL_UNTIL_PUMPED,
     Layout,
@@ -176,6 +177,8 @@ class ClientIntake:
                 if len(frames) > 1:  # echo the caller's id, so it can match the reply
                     snapshot["id"] = sid
                 return [self._replies.to_client(client, delimited, encode(Command.STATS, snapshot))]
+            if command is Command.METADATA:
+                return [metadata.answer(self.registry, self._replies, client, delimited, frames)]
             if command is not Command.REQUEST:
                 raise ProtocolError(f"command {command.name} is not valid from a client")
             if len(frames) < 2:

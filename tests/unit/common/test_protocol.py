@@ -99,7 +99,7 @@ def test_parse_header_version_mismatch(version: int) -> None:
     assert str(PROTOCOL_VERSION) in str(info.value)
 
 
-@pytest.mark.parametrize("command", [0x00, 0x06, 0x0F, 0x16, 0xFF])
+@pytest.mark.parametrize("command", [0x00, 0x07, 0x0F, 0x16, 0xFF])
 def test_parse_header_unknown_command(command: int) -> None:
     with pytest.raises(ProtocolError, match=f"unknown command 0x{command:02x}"):
         parse_header(b"CP\x01" + bytes((command,)))

@@ -18,6 +18,7 @@ Client ↔ broker (client DEALER or REQ → broker frontend ROUTER)::
     ERROR    B→C  meta {id, code, message, retry_after_ms?, retry?}        (no tensor frames)
     STATS    C→B  meta {id?}       B→C meta {broker counters, id?}
     CANCEL   C→B  meta {id, client}                                        (never answered)
+    METADATA C→B  meta {id?, model?}   B→C meta {id, models: [{model spec, workers}]}
 
     The simple form: one msgpack frame (a map, so its first byte is never b"C"):
     {v: 1, id, model, timeout_ms, inputs: [{name, dtype, shape, data: bin}]}; the reply comes
@@ -40,12 +41,13 @@ Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (
 descriptors and frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL, the simple form),
 :mod:`.request_decoder` (REQUEST metas of layouts seen before), :mod:`.ready` (READY and
-its model specs), :mod:`.worker_messages` (BATCH, RESULT, FAILED), :mod:`.from_worker`
-and :mod:`.from_broker` (each side's messages to the other as one typed union, each with
-its ``to_frames``). Each message has one encoder (``<message>_wire`` builds its meta map
-from its fields, ``<message>_frames`` its frames; a dataclass's ``to_wire`` calls the
-former) and one decoder, used by every caller. The package imports nothing that does I/O
-(no sockets, files, locks or threads); a test holds it to that.
+its model specs), :mod:`.metadata` (METADATA), :mod:`.worker_messages` (BATCH, RESULT,
+FAILED), :mod:`.from_worker` and :mod:`.from_broker` (each side's messages to the other
+as one typed union, each with its ``to_frames``). Each message has one encoder
+(``<message>_wire`` builds its meta map from its fields, ``<message>_frames`` its frames;
+a dataclass's ``to_wire`` calls the former) and one decoder, used by every caller. The
+package imports nothing that does I/O (no sockets, files, locks or threads); a test
+holds it to that.
 """
 
 from carpool.common.protocol.client_messages import (
@@ -108,6 +110,12 @@ from carpool.common.protocol.from_worker import (
     WorkerResult,
     checked_from_worker,
     decode_from_worker,
+)
+from carpool.common.protocol.metadata import (
+    MetadataRequest,
+    ModelMetadata,
+    metadata_reply_frames,
+    parse_metadata_reply,
 )
 from carpool.common.protocol.ready import ModelSpec, Ready
 from carpool.common.protocol.refs import (
@@ -175,6 +183,8 @@ __all__ = [
     "FromBroker",
     "FromWorker",
     "KnownRequest",
+    "MetadataRequest",
+    "ModelMetadata",
     "ModelSpec",
     "OutputRef",
     "Priority",
@@ -213,9 +223,11 @@ __all__ = [
     "encode_simple_request",
     "header",
     "is_simple_form",
+    "metadata_reply_frames",
     "output_ref_wire",
     "parse_batch_refs",
     "parse_header",
+    "parse_metadata_reply",
     "parse_output_ref",
     "parse_ref",
     "ref_wire",

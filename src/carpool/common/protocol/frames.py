@@ -37,6 +37,7 @@ class Command(IntEnum):
     ERROR = 0x03
     STATS = 0x04
     CANCEL = 0x05
+    METADATA = 0x06
     READY = 0x10
     HEARTBEAT = 0x11
     BATCH = 0x12

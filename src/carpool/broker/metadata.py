@@ -1,0 +1,69 @@
+"""metadata.py: the broker's answer to METADATA (§6.6) — pure.
+
+From the live workers' READY: each model's spec (the one its live workers share, with
+the largest ``max_batch`` any of them takes) and the names of the workers that serve it.
+Models no live worker serves are left out (a client could not use them); a request for
+one by name is answered NOT_FOUND, as one for a name the broker never heard of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from carpool.broker.registry import WorkerRegistry
+from carpool.broker.replies import Replies, ToClient
+from carpool.broker.requests import ClientId
+from carpool.common.errors import ErrorCode
+from carpool.common.protocol import (
+    Frame,
+    MetadataRequest,
+    ModelMetadata,
+    decode_meta,
+    metadata_reply_frames,
+    view,
+)
+
+__all__ = ["answer", "describe"]
+
+
+def _model(registry: WorkerRegistry, name: str) -> ModelMetadata | None:
+    workers = registry.serving(name)
+    spec = registry.specs.get(name)
+    if not workers or spec is None:
+        return None
+    spec = dataclasses.replace(spec, max_batch=registry.max_batch(name))
+    return ModelMetadata(spec, tuple(sorted({w.name for w in workers})))
+
+
+def describe(registry: WorkerRegistry, request: MetadataRequest) -> list[ModelMetadata] | None:
+    """The models a METADATA request asks about, sorted by name; None when it names a
+    model no live worker serves."""
+    if request.model is not None:
+        one = _model(registry, request.model)
+        return None if one is None else [one]
+    found = (_model(registry, name) for name in sorted(registry.specs))
+    return [m for m in found if m is not None]
+
+
+def answer(
+    registry: WorkerRegistry,
+    replies: Replies,
+    client: ClientId,
+    delimited: bool,
+    frames: Sequence[Frame],
+) -> ToClient:
+    """The one answer to a METADATA message (its header already read): the models, or
+    NOT_FOUND for a model no live worker serves.
+
+    Raises:
+        ProtocolError: the meta frame is unreadable (the caller answers INVALID_ARGUMENT).
+    """
+    request = MetadataRequest()
+    if len(frames) > 1:
+        request = MetadataRequest.from_wire(decode_meta(view(frames[1])))
+    models = describe(registry, request)
+    if models is None:
+        msg = f"model {request.model!r} is not served by any worker"
+        return replies.error(client, delimited, request.request_id, ErrorCode.NOT_FOUND, msg)
+    return replies.to_client(client, delimited, metadata_reply_frames(request.request_id, models))
