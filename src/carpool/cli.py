@@ -147,7 +147,7 @@ def _embedded_workers(args: argparse.Namespace) -> list[Any]:
     config = WorkerConfig(name="embedded")
     models: list[ModelConfig] = []
     if getattr(args, "embed_config", None):
-        data = load_toml(args.embed_config)
+        data, _ = _with_repository(load_toml(args.embed_config))
         config = from_mapping(WorkerConfig, {"name": "embedded", **data})
         if "models" in data:  # else WorkerConfig's default model is not wanted here
             models += config.models
@@ -172,8 +172,9 @@ def _worker(args: argparse.Namespace) -> int:
 
     A worker: runs the batches the broker sends it. Settings come from --config, then
     CARPOOL_BROKER, then these flags. The models it serves are those of --model and
-    --synthetic together, or, when neither is given, the [[models]] of --config (else the
-    catalogue model orientation). --max-batch and --threads apply to every model served,
+    --synthetic together, or, when neither is given, the [[models]] of --config, else
+    every model of --repository (or the repository of --config), else the built-in model
+    orientation. --max-batch and --threads apply to every model served,
     including those of --config.
     """
     config = worker_config(args)
@@ -190,10 +191,13 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     data = load_toml(args.config) if args.config else {}
     data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
     data = _overlay(data, {"broker": args.broker, "name": args.name, "slots": args.slots})
+    data = _overlay(data, {"repository": args.repository})
     data = _overlay(data, worker_curve(args))
+    data, repository = _with_repository(data)
     config = from_mapping(WorkerConfig, data)
-    # --model and --synthetic add up, and together replace the file's [[models]].
-    models = [model_from_arg(m) for m in args.model or ()]
+    # --model and --synthetic add up, and together replace the file's [[models]] (and
+    # the repository's models: --model NAME picks one of them).
+    models = [model_from_arg(m, repository) for m in args.model or ()]
     if args.synthetic:
         fixed_ms, per_sample_ms = args.synthetic
         name = args.synthetic_name or "synthetic"
@@ -213,6 +217,18 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             config, models=tuple(_limited(m, limits) for m in config.models)
         )
     return config
+
+
+def _with_repository(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, ModelConfig] | None]:
+    """worker.toml's ``data`` with its models taken from its ``repository`` (if any:
+    ``repository.worker_models``), and that repository's models by name."""
+    folder = data.get("repository")
+    if not folder or not isinstance(folder, str):
+        return data, None  # (a repository of the wrong type: from_mapping reports it)
+    from carpool.worker.repository import load, worker_models
+
+    repository = load(folder)
+    return worker_models(data, repository), repository.configs()
 
 
 def _limited(model: ModelConfig, limits: dict[str, Any]) -> ModelConfig:
@@ -300,12 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--name", help="worker name in logs and STATS (default HOST-PID)")
     w.add_argument("--slots", type=int, help="batches outstanding at most")
     w.add_argument(
+        "--repository",
+        metavar="DIR",
+        help="a model repository (docs/models.md): serve every model in it, or those "
+        "named by --model",
+    )
+    w.add_argument(
         "--model",
         action="append",
         metavar="MODEL",
-        help="model to serve (repeatable): a catalogue name (orientation, ppocr-cls, "
-        "ppocr-det, ppocr-rec), an ONNX file (served under the file's name without .onnx), "
-        "or NAME=FILE.onnx",
+        help="model to serve (repeatable): a model of --repository, a built-in model "
+        "(orientation, ppocr-cls, ppocr-det, ppocr-rec), an ONNX file (served under the "
+        "file's name without .onnx), or NAME=FILE.onnx",
     )
     _cost_flag(
         w,
@@ -334,10 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
 
     from carpool.benchcmd import add_parsers as add_bench_parsers
+    from carpool.modelscmd import add_parsers as add_models_parsers
     from carpool.sim.commands import add_parsers as add_sim_parsers
 
     add_sim_parsers(sub)
     add_bench_parsers(sub)
+    add_models_parsers(sub)
     # --log-level after the command too (carpool tune --log-level DEBUG); SUPPRESS keeps a
     # command that was not given it from overwriting the value before it (or the env's).
     for command in sub.choices.values():

@@ -10,12 +10,15 @@ import pytest
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
 from carpool.worker.engines.ort import OnnxRuntimeEngine
-from carpool.worker.models import CATALOG, locate, sha256_of
+from carpool.worker.models import locate, sha256_of
+from carpool.worker.repository import builtin
 
 
-@pytest.mark.parametrize("name", sorted(CATALOG))
+@pytest.mark.parametrize("name", sorted(builtin().models))
 def test_catalogue_files_match_their_pinned_checksums(name: str) -> None:
-    assert sha256_of(locate(name)) == CATALOG[name].sha256
+    source = builtin().models[name].config.source
+    assert source is not None
+    assert sha256_of(locate(name)) == source.sha256
 
 
 def test_unknown_catalogue_model_is_a_config_error() -> None:

@@ -61,7 +61,7 @@ def test_the_readmes_input_limits_example_is_a_worker_config_that_says_what_it_s
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     (block,) = re.findall(r"```toml\n(\[\[models\]\].*?)```", text, re.S)
     (model,) = from_mapping(WorkerConfig, tomllib.loads(block)).models
-    rule = model.inputs["x"]
+    rule = model.inputs["x"].rule()
     assert rule == ShapeRule(max_shape=(-1, 3, 1536, 1536), multiple_of=(1, 1, 32, 32))
     (claim,) = re.findall(r'\("(dim 2 is 720, .*?\))"\)', text, re.S)
     assert rule.violation((1, 3, 720, 1280)) == " ".join(claim.split())

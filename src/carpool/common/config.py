@@ -45,11 +45,25 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     Nested dataclasses are built from nested tables; ``dict[str, X]`` fields from tables of
     tables. Unknown keys and wrong types are collected and raised together.
     """
-    problems: list[str] = []
-    obj = _build(cls, data, where or cls.__name__, problems)
-    if problems or obj is _INVALID:
+    obj, problems = collect(cls, data, where or cls.__name__)
+    if obj is None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    return typing.cast(T, obj)
+    return obj
+
+
+def collect(cls: type[T], data: Mapping[str, Any], where: str) -> tuple[T | None, list[str]]:
+    """:func:`from_mapping` that returns its problems, with the object (None when there
+    are any). Each problem starts with ``where`` and the key: ``where.key: ...``, or, for a
+    ``where`` that ends in ``": "`` (a file's name), ``where`` then the key."""
+    problems: list[str] = []
+    obj = _build(cls, data, where, problems)
+    if problems or obj is _INVALID:
+        return None, problems
+    return typing.cast(T, obj), problems
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}{key}" if where.endswith(": ") else f"{where}.{key}"
 
 
 def _build(cls: Any, data: Any, where: str, problems: list[str]) -> Any:
@@ -61,9 +75,9 @@ def _build(cls: Any, data: Any, where: str, problems: list[str]) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            problems.append(f"{where}.{key}: unknown setting (known: {', '.join(fields)})")
+            problems.append(f"{_at(where, key)}: unknown setting (known: {', '.join(fields)})")
             continue
-        converted = _convert(hints[key], value, f"{where}.{key}", problems)
+        converted = _convert(hints[key], value, _at(where, key), problems)
         if converted is not _INVALID:
             kwargs[key] = converted
     if any(v is _INVALID for v in kwargs.values()):

