@@ -82,6 +82,17 @@ def _build(cls: Any, data: Any, where: str, problems: list[str]) -> Any:
             kwargs[key] = converted
     if any(v is _INVALID for v in kwargs.values()):
         return _INVALID  # a nested problem is already reported; build nothing from it
+    missing = [
+        name
+        for name, f in fields.items()
+        if f.init
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and name not in data
+    ]
+    if missing:
+        problems += [f"{_at(where, name)}: missing (it has no default)" for name in missing]
+        return _INVALID
     try:
         return cls(**kwargs)
     except ConfigError as exc:

@@ -87,8 +87,8 @@ def _parse(folder: Path) -> tuple[RepoModel | None, list[str]]:
     prefix = f"{toml}: "
     try:
         data = load_toml(toml)
-    except ConfigError as exc:
-        return None, [str(exc)]
+    except ConfigError as exc:  # ("config FILE is not valid TOML: ...")
+        return None, [prefix + str(exc).replace(f"config {toml} ", "")]
     problems = []
     name = data.get("name", folder.name)
     if name != folder.name:

@@ -151,7 +151,8 @@ def _pad_problems(
     if own:
         return [_keyed(key, p) for p in own]
     found = []
-    for i, (step, dim) in enumerate(zip(pad.multiple_of, item, strict=True), 1):
+    # (multiple_of is empty or has one step per item dim)
+    for i, (step, dim) in enumerate(zip(pad.multiple_of, item, strict=False), 1):
         if dim != -1 and dim % step:
             found.append(
                 (f"{key}.multiple_of", f"dim {i} is fixed at {dim}, not a multiple of {step}")
