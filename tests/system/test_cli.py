@@ -499,3 +499,59 @@ def test_an_execution_provider_onnxruntime_lacks_is_a_config_error(tmp_path: Pat
     assert "['NoSuchExecutionProvider'] are not available here" in result.stderr
     assert "CPUExecutionProvider" in result.stderr  # what it has
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------- models
+
+
+def test_models_check_passes_the_built_in_repository_and_fails_a_broken_one(
+    tmp_path: Path,
+) -> None:
+    result = _carpool("models", "check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.endswith(": 4 model(s), no problems\n")
+    (tmp_path / "det").mkdir()
+    (tmp_path / "det" / "model.onnx").symlink_to(locate("ppocr-det"))
+    (tmp_path / "det" / "model.toml").write_text("[inputs.x.pad]\nmultiple_of = [32, 32]\n")
+    result = _carpool("models", "check", str(tmp_path))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout == (
+        f"{tmp_path}/det/model.toml: inputs.x.pad.multiple_of: has 2 entries, the input "
+        "has 3 dims after the batch dim\n"
+    )
+    assert "1 problem(s)" in result.stderr
+
+
+def test_models_list_shows_each_built_in_model() -> None:
+    result = _carpool("models", "list")
+    assert result.returncode == 0, result.stderr
+    assert "ppocr-det: PP-OCRv4 text detector" in result.stdout
+    assert "  input      x float32 [B, 3, ?, ?]  rule {'multiple_of': [1, 1, 32, 32]}" in (
+        result.stdout
+    )
+    assert "  file       rapidocr-onnxruntime==1.4.4 ch_PP-OCRv4_rec_infer.onnx" in result.stdout
+
+
+def test_a_worker_serves_a_repository_through_a_broker(tmp_path: Path, spawn: Spawn) -> None:
+    """carpool worker --repository DIR serves the models of DIR (here the text-line
+    classifier, warmed up at its declared shape, and one named by --model only)."""
+    repo = tmp_path / "models"
+    (repo / "angle").mkdir(parents=True)
+    (repo / "angle" / "model.onnx").symlink_to(locate("ppocr-cls"))
+    (repo / "angle" / "model.toml").write_text(
+        'description = "text-line angle"\nmax_batch = 4\n[warmup]\nx = [[1, 3, 48, 96]]\n'
+    )
+    (repo / "other").mkdir()
+    (repo / "other" / "model.toml").write_text('path = "missing.onnx"\n')
+    frontend, backend = f"ipc://{tmp_path}/frontend", f"ipc://{tmp_path}/backend"
+    broker = spawn("broker", "--frontend", frontend, "--backend", backend)
+    worker = spawn(
+        "worker", "--broker", backend, "--repository", str(repo), "--model", "angle",
+        "--name", "w0",
+    )  # fmt: skip
+    with Client(frontend, default_timeout_s=5.0) as client:
+        workers = _until_registered(client, broker, worker, tmp_path)
+        assert [w["models"] for w in workers] == [["angle"]]
+        x = np.zeros((2, 3, 48, 96), np.float32)
+        (scores,) = client.infer("angle", {"x": x}, timeout_s=5.0).values()
+        assert scores.shape == (2, 2)

@@ -52,6 +52,13 @@ def test_worker_example_loads() -> None:
     assert config.models[2].item_shape == (16,)
 
 
+def test_worker_examples_commented_repository_names_one() -> None:
+    text = (SYSTEMD / "worker.toml.example").read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith("# repository = ")]
+    config = from_mapping(WorkerConfig, tomllib.loads(line.removeprefix("# ")))
+    assert config.repository == "/var/lib/carpool/models"
+
+
 def test_worker_examples_commented_input_rules_load_and_fit_ppocr_cls() -> None:
     from carpool.common.shape_rules import ShapeRule
 
@@ -63,7 +70,7 @@ def test_worker_examples_commented_input_rules_load_and_fit_ppocr_cls() -> None:
     config = from_mapping(WorkerConfig, tomllib.loads("\n".join(lines)))
     cls = config.models[1]
     rule = ShapeRule((1, 3, 48, 16), (-1, 3, 48, 2048), (1, 1, 1, 8))
-    assert cls.inputs == {"x": rule}
+    assert {name: declared.rule() for name, declared in cls.inputs.items()} == {"x": rule}
     assert cls.factory()().info.rules == (rule,)
 
 
