@@ -82,6 +82,8 @@ def _keyed(key: str, message: str) -> tuple[str, str]:
     """A rule's problem under the key it is about: the field its message starts with."""
     message = message.removeprefix("crop ")
     word, _, rest = message.partition(" ")
+    if word == "bucket":  # ("bucket [3, 48] has 2 dims, ...": one of the buckets)
+        return f"{key}.buckets", message
     if word in _FIELDS and rest:
         return f"{key}.{word}", rest
     return key, message

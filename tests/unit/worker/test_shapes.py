@@ -82,6 +82,10 @@ def test_a_detector_padded_to_multiples_of_32_and_cropped_back_fits() -> None:
             ),
         ),
         (
+            {"inputs": {"x": InputConfig(pad=PadRule(buckets=((48, 320),)))}},
+            ("inputs.x.pad.buckets", "bucket [48, 320] has 2 dims, the input has 3"),
+        ),
+        (
             {"inputs": {"x": InputConfig(pad=PadRule())}},
             ("inputs.x.pad", "a pad rule needs multiple_of or buckets"),
         ),
