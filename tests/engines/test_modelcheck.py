@@ -114,6 +114,16 @@ def _cls_file() -> str:
     return str(locate("ppocr-cls"))
 
 
+@pytest.mark.parametrize("name", ["orientation", "ppocr-cls", "ppocr-det", "ppocr-rec"])
+def test_the_onnx_package_reads_what_onnx_runtime_reads(name: str) -> None:
+    """Where onnxruntime is missing (a TensorRT host), check reads files with onnx."""
+    from carpool.worker.engines.ort import read_io
+    from carpool.worker.modelcheck import read_with_onnx
+    from carpool.worker.models import locate
+
+    assert read_with_onnx(locate(name)) == read_io(locate(name))
+
+
 def test_a_file_onnx_runtime_cannot_load_is_a_problem_of_its_path(tmp_path: Path) -> None:
     folder = add_model(tmp_path, "m", "", onnx=None)
     (folder / "model.onnx").write_bytes(b"not a model")

@@ -2,7 +2,8 @@
 
 :func:`check` goes further than reading a repository (:func:`repository.scan`): for each
 model it finds the ONNX file (a ``[source]`` wheel installed at the pinned version, the
-file's sha256), reads its real inputs and outputs with ONNX Runtime, and checks the
+file's sha256), reads its real inputs and outputs with ONNX Runtime (or, without it,
+the ``onnx`` package), and checks the
 model's shape declarations against them (:func:`carpool.worker.shapes.problems`). Each
 problem reads ``FILE: KEY: rule``. :func:`describe` is one model as ``list`` shows it.
 """
@@ -13,6 +14,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 
+from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
 from carpool.worker.config import ModelConfig
@@ -85,14 +87,52 @@ def read(config: ModelConfig) -> tuple[ModelIO, list[tuple[str, str]]]:
         if not path.is_file():
             return ModelIO(str(path)), [(key, f"no ONNX file {path}")]
     try:
-        from carpool.worker.engines.ort import read_io
+        try:
+            from carpool.worker.engines.ort import read_io
+        except ImportError:  # (a TensorRT host without onnxruntime)
+            inputs, outputs = read_with_onnx(path)
+        else:
+            inputs, outputs = read_io(path)
     except ImportError:
-        return ModelIO(str(path)), [(key, "inputs and outputs not read: onnxruntime is missing")]
-    try:
-        inputs, outputs = read_io(path)
+        problem = "inputs and outputs not read: neither onnxruntime nor onnx is installed"
+        return ModelIO(str(path)), [(key, problem)]
     except ConfigError as exc:
         return ModelIO(str(path)), [(key, str(exc))]
     return ModelIO(str(path), inputs, outputs), []
+
+
+def read_with_onnx(path: str | Path) -> tuple[tuple[TensorMeta, ...], tuple[TensorMeta, ...]]:
+    """An ONNX file's inputs and outputs read with the ``onnx`` package, where
+    onnxruntime is missing (its graph inputs that are initializers are not inputs).
+
+    Raises:
+        ImportError: no onnx package.
+        ConfigError: the file cannot be read, or has a tensor carpool cannot serve.
+    """
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as exc:  # protobuf's DecodeError, an OSError, ...
+        raise ConfigError(f"cannot load ONNX model {path}: {exc}") from None
+
+    def meta(value: onnx.ValueInfoProto, what: str) -> TensorMeta:
+        tensor = value.type.tensor_type
+        try:
+            dtype = tensor_dtype_to_np_dtype(tensor.elem_type).name
+        except KeyError:
+            dtype = ""
+        if dtype not in DTYPES:
+            raise ConfigError(f"{path}: {what} {value.name!r} has unsupported type {dtype}")
+        dims = tuple(d.dim_value if d.dim_value > 0 else -1 for d in tensor.shape.dim)
+        if not dims:
+            raise ConfigError(f"{path}: {what} {value.name!r} has no dims")
+        return TensorMeta(value.name, dtype, dims)
+
+    initializers = {i.name for i in graph.initializer}
+    inputs = tuple(meta(v, "input") for v in graph.input if v.name not in initializers)
+    return inputs, tuple(meta(v, "output") for v in graph.output)
 
 
 def describe(model: RepoModel) -> tuple[list[str], list[str]]:
