@@ -16,7 +16,7 @@ the ONNX files (``carpool models check``, :mod:`carpool.worker.modelcheck`, does
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,18 +158,3 @@ def worker_models(data: Mapping[str, Any], repository: Repository | None) -> dic
         else:
             out.append(merged(model.data, table))
     return {**data, "models": out}
-
-
-def models_of(names: Sequence[str], repository: Repository) -> list[ModelConfig]:
-    """The models named (all, when ``names`` is empty), in order.
-
-    Raises:
-        ConfigError: a name that is not in the repository.
-    """
-    unknown = [n for n in names if n not in repository.models]
-    if unknown:
-        raise ConfigError(
-            f"model repository {repository.root} has no {', '.join(map(repr, unknown))}; "
-            f"its models are {', '.join(repository.models)}"
-        )
-    return [repository.models[n].config for n in names or repository.models]
