@@ -7,8 +7,9 @@ the queue is full (by count or payload bytes), its client already holds its shar
 (``max_client_requests``, ``max_client_mib``: queued or at workers), or even the best
 case (the work queued ahead at full speed, then this request) ends past its deadline.
 :func:`conform` checks a request's inputs against its model (names, dtypes, shapes, shape
-rules); a :class:`Layout` is what a request that passed is remembered by, in the
-protocol's RequestDecoder, for its fast path.
+rules), and :func:`bucketed` puts a padded model's request in its bucket (§8.1); a
+:class:`Layout` is what a request that passed is remembered by, in the protocol's
+RequestDecoder, for its fast path.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Layout:
     shape: tuple[int, ...]  # the first input's shape, for the arrival trace
     samples: int
     order: tuple[int, ...] | None  # request frame index per spec input; None: the same
+    # Its own item shapes per spec input where they differ from its bucket's (the key's):
+    # BATCH ``requests[i].shapes`` (§8.3); None: it has the bucket's shape.
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,50 @@ def conform(
     return tuple(ordered_inputs), tuple(order), samples
 
 
+def bucketed(
+    spec: ModelSpec,
+    inputs: Sequence[TensorMeta],
+    order: Sequence[int],
+    refs: Sequence[ShmRef | None] | None,
+) -> tuple[tuple[TensorMeta, ...], tuple[tuple[int, ...], ...] | None]:
+    """A conforming request (``inputs`` in spec order, ``order`` their index among the
+    request's, ``refs`` its shared-memory references in its order) of a model with pad
+    rules, as its queue sees it: each padded input with its bucket's item shape
+    (:meth:`PadRule.bucket <carpool.common.padding.PadRule.bucket>`), and the request's
+    own item shapes where any differs from the bucket (else None).
+
+    Raises:
+        ProtocolError: an input fits no bucket (naming it, its shape and what the rule
+            allows), or an input that needs padding is in shared memory (§5.4: only a
+            bucket-shaped input may be).
+    """
+    out: list[TensorMeta] = []
+    own: list[tuple[int, ...]] = []
+    differs = False
+    for i, (t, rule) in enumerate(zip(inputs, spec.pads, strict=True)):
+        item = t.shape[1:]
+        own.append(item)
+        if rule is None:
+            out.append(t)
+            continue
+        bucket = rule.bucket(item)
+        if bucket is None:
+            raise ProtocolError(
+                f"input {t.name!r}: shape {list(t.shape)} fits no bucket of model "
+                f"{spec.name!r}; it takes {rule.allowed()}"
+            )
+        if bucket != item:
+            if refs is not None and refs[order[i]] is not None:
+                raise ProtocolError(
+                    f"input {t.name!r}: shape {list(t.shape)} is padded to its bucket "
+                    f"{list(bucket)}; an input in shared memory must have its bucket's shape"
+                )
+            differs = True
+            t = TensorMeta(t.name, t.dtype, (t.shape[0], *bucket))
+        out.append(t)
+    return tuple(out), (tuple(own) if differs else None)
+
+
 def misfit(
     want: TensorMeta, dtype: str, shape: tuple[int, ...], rule: ShapeRule | None
 ) -> str | None:
@@ -212,15 +260,21 @@ def queued_misfit(spec: ModelSpec, req: PendingRequest) -> tuple[ErrorCode, str]
     if set(names) != set(expected):
         msg = f"model {spec.name!r} now takes inputs {expected}, request has {names}"
         return ErrorCode.INVALID_ARGUMENT, msg
-    rules = spec.rules
+    rules, pads, own = spec.rules, spec.pads, req.shapes
+    rebucketed = False
     for i, want in enumerate(spec.inputs):
-        dtype, item = given[want.name]
+        dtype, bucket = given[want.name]
+        item = bucket if own is None else own[names.index(want.name)]
         problem = misfit(want, dtype, (req.samples, *item), rules[i] if rules else None)
         if problem is not None:
             msg = f"model {spec.name!r} was re-registered while the request was queued: {problem}"
             return ErrorCode.INVALID_ARGUMENT, msg
-    if names != expected:
-        msg = f"model {spec.name!r} was re-registered with its inputs in another order"
+        rule = pads[i] if pads else None
+        if (item if rule is None else rule.bucket(item)) != bucket:
+            rebucketed = True
+    if names != expected or rebucketed:
+        what = "inputs in another order" if names != expected else "other buckets"
+        msg = f"model {spec.name!r} was re-registered with its {what}"
         return ErrorCode.UNAVAILABLE, f"{msg} while the request was queued; resend it"
     return None
 

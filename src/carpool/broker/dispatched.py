@@ -63,6 +63,7 @@ class DispatchedBatch:
                 1000.0 * (sent_s - r.arrival_s),
                 r.shm,
                 r.shm_outputs,
+                r.shapes,
             )
             for r in self.requests
         ]
@@ -80,6 +81,7 @@ class DispatchedBatch:
                 1000.0 * (sent_s - r.arrival_s),
                 r.refs,
                 r.shm_outputs,
+                r.shapes,
             )
             for r in self.requests
         )

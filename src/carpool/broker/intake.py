@@ -22,6 +22,7 @@ from carpool.broker.admission import (
     Layout,
     Refused,
     admit,
+    bucketed,
     conform,
     queued_misfit,
 )
@@ -189,7 +190,8 @@ class ClientIntake:
             if isinstance(request, KnownRequest):  # a layout validated before
                 layout = request.layout
                 max_batch = self.registry.max_batch(layout.model)
-                if max_batch:
+                # (an input in shared memory that needs padding: the full path refuses it)
+                if max_batch and (request.refs is None or layout.shapes is None):
                     return self._enqueue(
                         now,
                         client,
@@ -275,15 +277,20 @@ class ClientIntake:
             ]
         try:
             inputs, order, samples = conform(spec, submit.inputs, payloads, submit.shm)
+            shape = inputs[0].shape
+            shapes = None
+            if spec.pads:  # queued by bucket (§8.1)
+                inputs, shapes = bucketed(spec, inputs, order, submit.shm)
         except ProtocolError as exc:
             code = ErrorCode.INVALID_ARGUMENT
             return [self._replies.error(client, delimited, rid, code, str(exc), simple=simple)]
         layout = Layout(
             spec.name,
             request_key(spec.name, inputs),
-            inputs[0].shape,
+            shape,
             samples,
             None if order == tuple(range(len(order))) else order,
+            shapes,
         )
         if not simple:
             self.request_decoder.remember(submit, layout)
@@ -400,6 +407,7 @@ class ClientIntake:
             shm_outputs,
             refs,
             nbytes=nbytes,
+            shapes=layout.shapes,
         )
         queue = backlog.add(req)
         if dispatcher.defer_pumps:  # the batch forms at the end of the turn

@@ -128,6 +128,9 @@ class PendingRequest:
     state: RequestState = _QUEUED
     attempts: int = 0
     nbytes: int = 0  # payload bytes held in its frames (what max_queued_mib counts)
+    # Its own item shapes per input (spec order) where they differ from its bucket, the
+    # key's: BATCH ``requests[i].shapes`` (§8.3); None: the key's shapes are its own.
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __lt__(self, other: PendingRequest) -> bool:
         return self.seq < other.seq

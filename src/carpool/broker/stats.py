@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from carpool.broker.registry import Lane, WorkerRegistry
+from carpool.broker.requests import RequestKey
 
 
 class BrokerStats:
@@ -29,10 +30,24 @@ class BrokerStats:
         self.unhealthy = 0  # workers marked unhealthy by the engine watchdog
         self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
         self.shed_at_door = 0  # ... of them refused on arrival, never queued
+        # Per padded model, per bucket label: [batches, samples, padded elements, bucket
+        # elements], from the RESULTs that carry ``padding`` (§8.4).
+        self.buckets: dict[str, dict[str, list[int]]] = {}
 
     def forget(self, model: str) -> None:
         """A model no worker serves is forgotten: its counters go too."""
         self.batch_sizes.pop(model, None)
+        self.buckets.pop(model, None)
+
+    def padded(self, key: RequestKey, samples: int, padding: tuple[int, int]) -> None:
+        """A batch of queue ``key`` (a bucket) came back with its RESULT's ``padding``."""
+        model = key[0]
+        label = bucket_label(key)
+        counts = self.buckets.setdefault(model, {}).setdefault(label, [0, 0, 0, 0])
+        counts[0] += 1
+        counts[1] += samples
+        counts[2] += padding[0]
+        counts[3] += padding[1]
 
     def batch(self, model: str, samples: int) -> None:
         sizes = self.batch_sizes.get(model)
@@ -69,6 +84,10 @@ def snapshot(
         "unhealthy": stats.unhealthy,
         "shed": stats.shed,
         "shed_at_door": stats.shed_at_door,
+        "buckets": {
+            model: {label: _bucket_snapshot(c) for label, c in sorted(labels.items())}
+            for model, labels in stats.buckets.items()
+        },
         "known_models": len(registry.specs),
         "workers": [
             {
@@ -93,4 +112,22 @@ def _lane_snapshot(lane: Lane) -> dict[str, Any]:
         "fixed_cost_ms": round(1000 * cost.fixed_cost_s, 3),
         "per_sample_ms": round(1000 * cost.per_sample_s, 3),
         "calibrated": cost.calibrated,
+    }
+
+
+def bucket_label(key: RequestKey) -> str:
+    """A bucket's name in STATS: its item shape, ``3x736x1280``; for a model of several
+    inputs, each input's as ``name=3x48x320``, joined by commas."""
+    inputs = key[1]
+    if len(inputs) == 1:
+        return "x".join(map(str, inputs[0][2]))
+    return ",".join(f"{name}=" + "x".join(map(str, shape)) for name, _, shape in inputs)
+
+
+def _bucket_snapshot(counts: list[int]) -> dict[str, Any]:
+    batches, samples, padded, elements = counts
+    return {
+        "batches": batches,
+        "samples": samples,
+        "padded_share": round(padded / elements, 4) if elements else 0.0,
     }

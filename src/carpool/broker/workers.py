@@ -236,6 +236,8 @@ class WorkerEvents:
                     out.append(ToClient(req.client, frames))
                 start = stop
             self.stats.replies += answered
+            if result.padding is not None:
+                self.stats.padded(batch.key, batch.samples, result.padding)
         self._dispatcher.pump_models(now, worker.models, out)
 
     def _on_failed(

@@ -137,6 +137,8 @@ class JobOutcome:
     # run again request by request; the RESULT then says 0, which the broker ignores).
     timed: bool = True
     error: tuple[ErrorCode, str] | None = None
+    # A padded model's batch: RESULT ``padding`` (§8.4), (padded, bucket) elements.
+    padding: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +340,7 @@ class WorkerCore:
         # Not ``timed``: not the batch's engine time (it ran again request by request);
         # the RESULT says 0, which the broker's cost model ignores.
         compute_ms = 1000.0 * (outcome.end_s - outcome.start_s) if outcome.timed else 0.0
-        meta = ResultMeta(outcome.batch_id, rho, compute_ms, tuple(outcome.counts))
+        meta = ResultMeta(outcome.batch_id, rho, compute_ms, tuple(outcome.counts), outcome.padding)
         return WorkerResult(meta, outcome.frames)
 
     def on_batch_queued(self, now: float) -> None:

@@ -21,6 +21,7 @@ from carpool.common.codec import numpy_dtype
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, encode_error
 from carpool.common.shm import RegionReader, ShmRing
+from carpool.worker.buckets import padded_replies, padding_of, stack_padded
 from carpool.worker.core import JobOutcome, RunBatch
 from carpool.worker.engines.base import Array, BadInput, Engine
 from carpool.worker.tensors import ItemError, replies, stack, unreadable
@@ -34,10 +35,11 @@ def warm_up(engine: Engine, name: str = "model") -> None:
 
     The shapes are the model's declared warm-up shapes (``EngineInfo.warmup``: each run
     on zeros of its shapes, and the per-sample check on the first run's first sample)
-    where it has them. Else a dynamic dim takes the smallest size its shape rule allows
-    (ppocr-det: 32 x 32); a model with a dynamic dim no rule bounds is skipped (no shape
-    to guess). A model whose run fails on these made-up inputs (zeros may be out of range
-    for an index input) is served anyway, with a warning: real requests decide.
+    where it has them. Else a dynamic dim takes the smallest size its shape rule allows,
+    or its pad rule's smallest bucket (ppocr-det: 32 x 32); a model with a dynamic dim
+    neither bounds is skipped (no shape to guess). A model whose run fails on these
+    made-up inputs (zeros may be out of range for an index input) is served anyway, with
+    a warning: real requests decide.
 
     Raises:
         ConfigError: the model's outputs are not per sample.
@@ -81,12 +83,17 @@ def _sample(engine: Engine) -> dict[str, Array] | None:
     feeds = {}
     for i, spec in enumerate(info.inputs):
         rule = info.rules[i] if info.rules else None
+        pad = info.pads[i] if info.pads else None
+        # A padded input's smallest bucket holds its smallest request (§8.1).
+        smallest = None if pad is None else pad.bucket([1] * (len(spec.shape) - 1))
         shape = [1]
         for d, dim in enumerate(spec.shape[1:], 1):
             if dim != -1:
                 shape.append(dim)
                 continue
             size = None if rule is None else rule.smallest(d)
+            if smallest is not None:
+                size = max(size or 1, smallest[d - 1])
             if size is None:
                 return None  # no shape to guess, or none the rule allows
             shape.append(size)
@@ -263,7 +270,7 @@ def run_job(
                 # The engine did not run: nothing to learn.
                 return _outcome(job, start, end, counts, out, timed=False)
             try:
-                inputs = stack(batch, frames, reader)
+                inputs = _stack(engine, batch, frames, reader)
                 break
             except ItemError as bad:
                 skip = [bad]
@@ -304,6 +311,10 @@ def run_job(
             if outputs is None:
                 counts, frames = _one_by_one(engine, batch, frames, reader, clock)
                 end = clock.now()
+            elif engine.info.pads:
+                compute_ms = 1000.0 * (end - start)
+                crops = engine.info.crops
+                counts, frames = padded_replies(batch, outputs, names, crops, compute_ms, ring)
             else:
                 counts, frames = replies(batch, outputs, names, 1000.0 * (end - start), ring)
             if failed:
@@ -315,7 +326,19 @@ def run_job(
             raise JobError(ErrorCode.INTERNAL, f"encoding outputs failed: {exc}") from None
     except JobError as exc:
         return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
-    return _outcome(job, start, end, counts, frames, samples=samples, timed=outputs is not None)
+    padding = padding_of(batch, engine.info.pads) if engine.info.pads else None
+    return _outcome(
+        job, start, end, counts, frames, samples=samples, timed=outputs is not None, padding=padding
+    )
+
+
+def _stack(
+    engine: Engine, batch: BatchMeta, frames: Sequence[Any], reader: RegionReader | None
+) -> dict[str, Array]:
+    """The batch's input arrays: stacked, or padded into its bucket (a model with pad
+    rules, worker/buckets.py)."""
+    pads = engine.info.pads
+    return stack(batch, frames, reader) if not pads else stack_padded(batch, frames, pads, reader)
 
 
 def _outcome(
@@ -328,6 +351,7 @@ def _outcome(
     samples: int = 0,
     timed: bool = True,
     error: tuple[ErrorCode, str] | None = None,
+    padding: tuple[int, int] | None = None,
 ) -> JobOutcome:
     return JobOutcome(
         job.epoch,
@@ -340,6 +364,7 @@ def _outcome(
         samples,
         timed,
         error,
+        padding,
     )
 
 
@@ -362,7 +387,7 @@ def _one_by_one(
         one = BatchMeta(batch.batch_id, batch.model, batch.inputs, (item,))
         start = clock.now()
         try:
-            inputs = stack(one, frames[i * n : (i + 1) * n], reader)
+            inputs = _stack(engine, one, frames[i * n : (i + 1) * n], reader)
             outputs = engine.run(inputs)
         except ItemError as bad:  # its shared memory changed since the batch was stacked
             error = ErrorReply(item.request_id, bad.code, bad.message)
@@ -370,7 +395,12 @@ def _one_by_one(
             logger.info("engine failed on request %d of %s: %s", item.request_id, one.model, exc)
             error = ErrorReply(item.request_id, _engine_code(exc), f"engine error: {exc}")
         else:
-            k, reply = replies(one, outputs, names, 1000.0 * (clock.now() - start))
+            compute_ms = 1000.0 * (clock.now() - start)
+            if engine.info.pads:
+                crops = engine.info.crops
+                k, reply = padded_replies(one, outputs, names, crops, compute_ms)
+            else:
+                k, reply = replies(one, outputs, names, compute_ms)
             counts.extend(k)
             out.extend(reply)
             continue

@@ -109,6 +109,7 @@ def stack(
             frame = frames[j]
             if len(frame) != n * sample_bytes[j]:
                 check_frame_sizes(batch.request_tensors(requests[0]), frames, None)  # raises
+                raise _unpadded(batch)  # (its own shapes fit its frames: not this batch's)
             one[spec.name] = np.frombuffer(view(frame), dtypes[j]).reshape((n, *item_shapes[j]))
         return one
     shared = False
@@ -123,6 +124,7 @@ def stack(
                 own = frames[i * n_inputs : (i + 1) * n_inputs]
                 # raises, with details
                 check_frame_sizes(batch.request_tensors(item), own, refs)
+                raise _unpadded(batch)
     if shared and reader is None:
         raise ProtocolError("this worker does not read shared-memory inputs")
     total = batch.total_samples
@@ -153,6 +155,13 @@ def stack(
     return out
 
 
+def _unpadded(batch: BatchMeta) -> ProtocolError:
+    return ProtocolError(
+        f"batch {batch.batch_id}: a request's own shapes differ from the batch's, and "
+        f"model {batch.model!r} has no pad rule here"
+    )
+
+
 #: Outputs at least this large go through the worker's ring when the client asked (§5.5).
 SHM_OUTPUT_MIN_BYTES = 64 * 1024
 
@@ -163,9 +172,11 @@ def replies(
     output_names: Sequence[str],
     compute_ms: float,
     ring: ShmRing | None = None,
+    batch_size: int | None = None,
 ) -> tuple[list[int], list[Any]]:
     """Client reply frames for every request of a batch; the large outputs of requests
     that asked for shared-memory outputs go into ``ring`` (when it is free) instead.
+    ``batch_size``: what the replies say the batch was (default: this batch's samples).
 
     Returns:
         (frame count per request, all frames in request order), ready for a RESULT.
@@ -229,7 +240,9 @@ def replies(
             ]
         if ring is not None and item.shm_outputs and not item.simple:
             described_n, pieces, since = _into_ring(ring, described_n, pieces, since)
-        meta = reply_wire(item.request_id, described_n, total, item.queue_ms, compute_ms)
+        meta = reply_wire(
+            item.request_id, described_n, batch_size or total, item.queue_ms, compute_ms
+        )
         encoded = reply_frames(meta, pieces, simple=item.simple)
         counts.append(len(encoded))
         frames.extend(encoded)

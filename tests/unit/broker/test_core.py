@@ -1528,6 +1528,7 @@ def test_stats_snapshot_counts() -> None:
         "unhealthy": 0,
         "shed": 0,
         "shed_at_door": 0,
+        "buckets": {},
         "known_models": 1,
         "workers": [
             {

@@ -136,8 +136,9 @@ def test_providers_come_from_the_toml_and_may_not_be_empty() -> None:
 
 
 def test_input_rules_come_from_the_toml_and_reach_the_engine(tmp_path: Path) -> None:
-    """[models.inputs.NAME] (protocol §8.1); a catalogue model's own rule (ppocr-det:
-    multiples of 32) applies unless the file replaces it."""
+    """[models.inputs.NAME] (protocol §8.1); a catalogue model's own rules and padding
+    (ppocr-det: padded to multiples of 32) apply to it, not to a file of its own."""
+    from carpool.common.padding import PadRule
     from carpool.common.shape_rules import ShapeRule
 
     toml = tmp_path / "w.toml"
@@ -150,7 +151,9 @@ def test_input_rules_come_from_the_toml_and_reach_the_engine(tmp_path: Path) -> 
     )
     det, big, synthetic = worker_config(_worker_args("--config", str(toml))).models
     assert det.inputs == {}
-    assert det.factory()().info.rules == (ShapeRule(multiple_of=(1, 1, 32, 32)),)
+    det_info = det.factory()().info
+    assert det_info.rules == ()
+    assert det_info.pads == (PadRule(multiple_of=(1, 32, 32)),)
     assert big.factory()().info.rules == (
         ShapeRule(max_shape=(-1, 3, 1536, 1536), multiple_of=(1, 1, 64, 64)),
     )
@@ -158,6 +161,7 @@ def test_input_rules_come_from_the_toml_and_reach_the_engine(tmp_path: Path) -> 
     # A model of its own file has no catalogue rule.
     (own,) = worker_config(_worker_args("--model", str(locate("ppocr-det")))).models
     assert own.factory()().info.rules == ()
+    assert own.factory()().info.pads == ()
 
 
 @pytest.mark.parametrize(

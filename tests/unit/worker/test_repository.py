@@ -156,9 +156,9 @@ def test_the_built_in_models_are_a_repository_of_wheel_files() -> None:
     models = builtin().models
     assert list(models) == ["orientation", "ppocr-cls", "ppocr-det", "ppocr-rec"]
     assert all(m.config.source is not None for m in models.values())
-    # ppocr-det keeps its multiples of 32 (no pad rule until the broker and worker pad).
+    # ppocr-det pads frames to multiples of 32 instead of refusing them (protocol §8.1).
     det = models["ppocr-det"].config.inputs["x"]
-    assert (det.multiple_of, det.pad) == ((1, 1, 32, 32), None)
+    assert (det.multiple_of, det.pad) == ((), PadRule(multiple_of=(1, 32, 32)))
 
 
 def test_the_built_in_models_are_package_data() -> None:

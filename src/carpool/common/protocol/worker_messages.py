@@ -44,11 +44,21 @@ class BatchItem:
     shm: tuple[ShmRef | None, ...] | None = None
     # The client reads large outputs from this worker's ring (§5.5).
     shm_outputs: bool = False
+    # Per batch input, in spec order: this request's own item shape (its shape without
+    # dim 0), where it differs from the batch's bucket (§8.3: padded into it, its outputs
+    # cropped back); None when every input has the bucket's shape.
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         shm = None if self.shm is None else shm_wire(self.shm)
         return batch_item_wire(
-            self.request_id, self.samples, self.simple, self.queue_ms, shm, self.shm_outputs
+            self.request_id,
+            self.samples,
+            self.simple,
+            self.queue_ms,
+            shm,
+            self.shm_outputs,
+            self.shapes,
         )
 
 
@@ -59,8 +69,10 @@ def batch_item_wire(
     queue_ms: float,
     shm: list[dict[str, Any] | None] | None = None,
     shm_outputs: bool = False,
+    shapes: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """BATCH ``requests[i]`` from its fields (``shm`` in wire form: :func:`shm_wire`)."""
+    """BATCH ``requests[i]`` from its fields (``shm`` in wire form: :func:`shm_wire`;
+    ``shapes``: its own item shapes, per input, where they differ from the bucket)."""
     wire: dict[str, Any] = {
         "id": request_id,
         "n": samples,
@@ -71,6 +83,8 @@ def batch_item_wire(
         wire["shm"] = shm
     if shm_outputs:
         wire["shm_outputs"] = True
+    if shapes is not None:
+        wire["shapes"] = shapes
     return wire
 
 
@@ -168,6 +182,9 @@ class BatchMeta:
             refs = r.get("shm")
             if refs is not None:
                 refs = parse_batch_refs(refs, len(inputs))
+            shapes = r.get("shapes")
+            if shapes is not None:
+                shapes = own_shapes(shapes, inputs)
             append(
                 BatchItem(
                     rid,
@@ -176,13 +193,43 @@ class BatchMeta:
                     queue_ms,
                     refs,
                     r.get("shm_outputs") is True,
+                    shapes,
                 )
             )
         return cls(batch_id, model, inputs, tuple(items))
 
     def request_tensors(self, item: BatchItem) -> tuple[TensorMeta, ...]:
-        """The concrete tensor metas of one request of this batch."""
-        return tuple(TensorMeta(t.name, t.dtype, (item.samples, *t.shape[1:])) for t in self.inputs)
+        """The concrete tensor metas of one request of this batch (its own shapes)."""
+        shapes = item.shapes or [t.shape[1:] for t in self.inputs]
+        return tuple(
+            TensorMeta(t.name, t.dtype, (item.samples, *shape))
+            for t, shape in zip(self.inputs, shapes, strict=True)
+        )
+
+
+def own_shapes(raw: Any, inputs: Sequence[TensorMeta]) -> tuple[tuple[int, ...], ...]:
+    """BATCH ``requests[i].shapes`` checked against the batch's bucket ``inputs``: one
+    item shape per input, of its rank, each dim at most the bucket's (§8.3).
+
+    Raises:
+        ProtocolError: naming the input and the shape that does not fit.
+    """
+    if not isinstance(raw, list) or len(raw) != len(inputs):
+        raise ProtocolError(f"batch: request shapes must list one shape per input ({len(inputs)})")
+    out = []
+    for shape, t in zip(raw, inputs, strict=True):
+        bucket = t.shape[1:]
+        if (
+            not isinstance(shape, list)
+            or len(shape) != len(bucket)
+            or not all(type(d) is int and 0 <= d <= b for d, b in zip(shape, bucket, strict=True))
+        ):
+            raise ProtocolError(
+                f"batch: input {t.name!r}: request shape {shape!r} does not fit the "
+                f"batch's bucket {list(bucket)} (same rank, no dim larger)"
+            )
+        out.append(tuple(shape))
+    return tuple(out)
 
 
 @dataclass(slots=True)
@@ -193,9 +240,12 @@ class ResultMeta:
     rho: float
     compute_ms: float
     frames: tuple[int, ...]
+    # A batch padded into a bucket (§8.4): (elements padding added, elements of the
+    # bucket-shaped inputs), over the padded inputs; None for a model without pad rules.
+    padding: tuple[int, int] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return result_wire(self.batch_id, self.rho, self.compute_ms, self.frames)
+        return result_wire(self.batch_id, self.rho, self.compute_ms, self.frames, self.padding)
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
@@ -205,24 +255,43 @@ class ResultMeta:
             isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in frames
         ):
             raise ProtocolError("result: frames must be a list of ints >= 1")
+        padding = meta.get("padding")
+        if padding is not None:
+            if not (
+                type(padding) is list
+                and len(padding) == 2
+                and all(type(k) is int for k in padding)
+                and 0 <= padding[0] <= padding[1]
+            ):
+                raise ProtocolError("result: padding must be [padded, bucket] elements")
+            padding = (padding[0], padding[1])
         return cls(
             batch_id,
             optional_number(meta, "rho"),
             optional_number(meta, "compute_ms"),
             tuple(frames),
+            padding,
         )
 
 
 def result_wire(
-    batch_id: int, rho: float, compute_ms: float, frames: Iterable[int]
+    batch_id: int,
+    rho: float,
+    compute_ms: float,
+    frames: Iterable[int],
+    padding: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """A RESULT meta from its fields: ``frames[i]``, the frame count of request i's reply."""
-    return {
+    """A RESULT meta from its fields: ``frames[i]``, the frame count of request i's reply;
+    ``padding``: a padded batch's (padded, bucket) elements."""
+    wire: dict[str, Any] = {
         "batch": batch_id,
         "rho": round(rho, 4),
         "compute_ms": round(compute_ms, 3),
         "frames": list(frames),
     }
+    if padding is not None:
+        wire["padding"] = list(padding)
+    return wire
 
 
 def result_frames(meta: dict[str, Any], replies: Sequence[object]) -> list[Any]:
