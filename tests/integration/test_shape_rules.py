@@ -1,7 +1,8 @@
 """A model's shape rules end to end (protocol §8.1), on the real PP-OCRv4 detector over
-real sockets: a frame whose H or W is not a multiple of 32 fails inside the model, so the
-worker announces the rule and the broker answers INVALID_ARGUMENT, saying what to pad
-to, instead of the batch failing INTERNAL."""
+real sockets: a frame whose H or W is not a multiple of 32 fails inside the model. The
+catalogue's detector pads such a frame to the next multiples and crops its answer back;
+the same ONNX file served with a shape rule instead has the broker answer INVALID_ARGUMENT,
+saying what to pad to, rather than the batch failing INTERNAL."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from carpool.common.errors import InvalidArgument
 from carpool.worker.config import ModelConfig
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.models import locate
+from carpool.worker.shapes import InputConfig
 from tests.conftest import Fleet
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -36,7 +38,9 @@ def test_the_broker_refuses_off_grid_frames_and_serves_the_rest(
     fleet_factory: Callable[..., Fleet],
 ) -> None:
     fleet: Fleet = fleet_factory(max_batch=4, max_wait_s=0.01)
-    fleet.add_worker({"ppocr-det": ModelConfig(name="ppocr-det").factory()})
+    rule = InputConfig(multiple_of=(1, 1, 32, 32))
+    config = ModelConfig(name="ppocr-det", path=str(locate("ppocr-det")), inputs={"x": rule})
+    fleet.add_worker({"ppocr-det": config.factory()})
     client: Client = fleet.ready()
     with pytest.raises(InvalidArgument, match=r"dim 2 is 100, the model takes multiples of 32 "):
         client.infer("ppocr-det", {"x": _image(100, 96)}, timeout_s=30)
@@ -51,3 +55,24 @@ def test_the_broker_refuses_off_grid_frames_and_serves_the_rest(
     stats = client.stats()
     assert stats["errors"] == {"INVALID_ARGUMENT": 2}, stats["errors"]
     assert sum(stats["batch_sizes"]["ppocr-det"].values()) == 1
+
+
+def test_the_catalogue_detector_pads_off_grid_frames_and_crops_the_answer(
+    fleet_factory: Callable[..., Fleet],
+) -> None:
+    """A 100 x 70 frame runs padded to 128 x 96 (with zeros, bottom and right) and is
+    answered at 100 x 70: the direct run on that padded frame, cropped back."""
+    fleet: Fleet = fleet_factory(max_batch=4, max_wait_s=0.01)
+    fleet.add_worker({"ppocr-det": ModelConfig(name="ppocr-det").factory()})
+    client: Client = fleet.ready()
+    reference = OnnxRuntimeEngine(locate("ppocr-det"))
+    (name,) = (t.name for t in reference.info.outputs)
+    image = _image(100, 70)
+    got = client.infer("ppocr-det", {"x": image}, timeout_s=30)[name]
+    padded = np.pad(image, ((0, 0), (0, 0), (0, 28), (0, 26)))
+    want = reference.run({"x": padded})[name][:, :, :100, :70]
+    assert got.shape == (1, 1, 100, 70)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    buckets = client.stats()["buckets"]["ppocr-det"]
+    assert list(buckets) == ["3x128x96"]
+    assert buckets["3x128x96"]["batches"] == 1

@@ -50,8 +50,8 @@ class ModelConfig:
     dtype: str = "float32"
     # Per input ([inputs.NAME]): limits on its dynamic dims (min_shape, max_shape,
     # multiple_of; protocol §8.1), which the broker enforces, and its pad rule
-    # ([inputs.NAME.pad]). A built-in model's own (ppocr-det: H and W multiples of 32)
-    # apply unless replaced, input by input.
+    # ([inputs.NAME.pad]). A built-in model's own (ppocr-det: H and W padded to
+    # multiples of 32) apply unless replaced, input by input.
     inputs: dict[str, InputConfig] = field(default_factory=dict)
     # Per output ([outputs.NAME]): the axes cropped back to a request's extent (crop).
     outputs: dict[str, OutputConfig] = field(default_factory=dict)

@@ -14,7 +14,7 @@ import pytest
 from carpool.common import codec
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ErrorCode, ProtocolError
-from carpool.common.padding import CropAxis, PadRule
+from carpool.common.padding import CropAxis, PadRule, cropped_extent
 from carpool.common.protocol import (
     BatchItem,
     BatchMeta,
@@ -152,3 +152,26 @@ def test_own_shapes_on_an_input_without_pad_rule_fail_the_batch() -> None:
     outcome = run_job({"m": engine}, RunBatch(0, batch, frames), MonotonicClock())
     assert outcome.error is not None
     assert outcome.error[0] is ErrorCode.INVALID_ARGUMENT
+
+
+def test_the_catalogue_pads_the_ocr_models() -> None:
+    """A 720-row frame goes to the detector padded to 736 rows and is answered at 720;
+    recognizer lines pad to width buckets, their CTC sequence cropped to W / 8."""
+    from carpool.worker.repository import builtin
+
+    models = builtin().models
+    det = models["ppocr-det"].config
+    det_pad = det.inputs["x"].pad
+    assert det_pad is not None
+    assert det_pad.bucket((3, 720, 1280)) == (3, 736, 1280)
+    h, w = (c.crop_axis() for c in det.outputs["sigmoid_0.tmp_0"].crop)
+    assert [h.axis, w.axis] == [2, 3]
+    assert [cropped_extent(h, 720), cropped_extent(w, 1280)] == [720, 1280]
+    rec = models["ppocr-rec"].config
+    rec_pad = rec.inputs["x"].pad
+    assert rec_pad is not None
+    assert rec_pad.bucket((3, 48, 100)) == (3, 48, 160)
+    assert rec_pad.bucket((3, 48, 1000)) == (3, 48, 1280)
+    assert rec_pad.bucket((3, 48, 3000)) is None
+    (seq,) = (c.crop_axis() for c in rec.outputs["softmax_11.tmp_0"].crop)
+    assert cropped_extent(seq, 100) == 13
