@@ -178,6 +178,12 @@ def print_report(report: BenchReport) -> None:
         mean = sum(k * v for k, v in sizes.items()) / n if n else 0.0
         top = ", ".join(f"{k}:{v}" for k, v in sorted(sizes.items()))
         print(f"batches ({model}, whole run): {n}, mean size {mean:.2f} [{top}]")
+    for model, labels in sorted(report.buckets.items()):
+        for label, b in labels.items():
+            print(
+                f"bucket ({model} {label}): {b['batches']:.0f} batches, {b['samples']:.0f} "
+                f"samples, padded share of compute {100 * b['padded_share']:.1f}%"
+            )
     verdict = "stable" if report.stable else "NOT stable (goodput drifted between halves)"
     print(
         f"window halves goodput: {report.halves_goodput_rps[0]:.1f}/s, "

@@ -90,6 +90,9 @@ class BenchReport:
     p99_send_lag_ms: float = 0.0
     per_second: list[dict[str, float]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)  # only when asked to keep them
+    # Padded models (protocol §8.1): model → bucket → {batches, samples, padded_share}
+    # over the run (STATS ``buckets``, before and after).
+    buckets: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def kept_up(self) -> bool:
@@ -121,6 +124,7 @@ class BenchReport:
             "halves_goodput_rps": list(self.halves_goodput_rps),
             "stable": self.stable,
             "per_second": self.per_second,
+            "buckets": self.buckets,
         }
 
 
@@ -195,6 +199,33 @@ def summarize(
         sent_rps=sent_rps,
         p99_send_lag_ms=float(np.percentile(lags, 99)) * 1000 if lags else 0.0,
     )
+
+
+def bucket_counts(stats: dict[str, Any]) -> dict[tuple[str, str], Counter[str]]:
+    """STATS ``buckets`` as counters by (model, bucket)."""
+    return {
+        (model, label): Counter({k: int(v) for k, v in counts.items() if k != "padded_share"})
+        for model, labels in stats.get("buckets", {}).items()
+        for label, counts in labels.items()
+    }
+
+
+def bucket_report(
+    before: dict[tuple[str, str], Counter[str]], after: dict[tuple[str, str], Counter[str]]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """What a run added to each bucket: batches, samples and the padded share of compute."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (model, label), counts in sorted(after.items()):
+        run = counts - before.get((model, label), Counter())
+        if not run["batches"]:
+            continue
+        elements = run["bucket_elements"]
+        out.setdefault(model, {})[label] = {
+            "batches": run["batches"],
+            "samples": run["samples"],
+            "padded_share": run["padded_elements"] / elements if elements else 0.0,
+        }
+    return out
 
 
 def _batch_sizes(stats: dict[str, Any]) -> dict[str, Counter[int]]:
@@ -306,17 +337,20 @@ def run(
     # send_timeout_s=0: a send never waits for room (that wait would hold up every later
     # send); a request the broker does not take fails UNAVAILABLE at once.
     with Client(endpoint, grace_s=1.0, send_timeout_s=0.0, **shm) as client:
-        before = _batch_sizes(first_stats(client))  # TimeoutError: no broker, nothing run
+        first = first_stats(client)  # TimeoutError: no broker, nothing run
+        before = _batch_sizes(first)
         samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
         try:
-            after: dict[str, Counter[int]] | None = _batch_sizes(client.stats())
+            last = client.stats()
+            after: dict[str, Counter[int]] | None = _batch_sizes(last)
         except TimeoutError:  # the broker went away during the run: keep what was measured
             logger.warning("the broker did not answer STATS after the run: no batch sizes")
-            after = None
+            last, after = {}, None
     sizes = {} if after is None else {m: dict(after[m] - before.get(m, Counter())) for m in after}
     if end_s is None:
         end_s = schedule_end(arrivals, samples)
     report = summarize(samples, warmup_s, end_s, sizes)
+    report.buckets = bucket_report(bucket_counts(first), bucket_counts(last))
     if keep:
         report.samples = samples
     return report

@@ -129,5 +129,7 @@ def _bucket_snapshot(counts: list[int]) -> dict[str, Any]:
     return {
         "batches": batches,
         "samples": samples,
+        "padded_elements": padded,
+        "bucket_elements": elements,
         "padded_share": round(padded / elements, 4) if elements else 0.0,
     }

@@ -149,6 +149,8 @@ def test_stats_count_batches_and_the_padded_share_per_bucket() -> None:
     assert buckets["128x16"] == {
         "batches": 1,
         "samples": 1,
+        "padded_elements": 128 * 16 - 100 * 10,
+        "bucket_elements": 128 * 16,
         "padded_share": round(1 - 100 * 10 / (128 * 16), 4),
     }
 
