@@ -308,6 +308,12 @@ def _report(tally: Tally, stats: dict[str, Any]) -> None:
             f"  size {size:>3}: {n:>6} batches ({100.0 * n / batches:5.1f}%)"
             for size, n in sorted(counts.items())
         )
+    for model, labels in sorted((stats.get("buckets") or {}).items()):
+        lines.extend(  # a padded model's buckets (protocol §8.1)
+            f"bucket ({model} {label}): {b['batches']} batches, {b['samples']} samples, "
+            f"padded share of compute {100.0 * float(b['padded_share']):.1f}%"
+            for label, b in sorted(labels.items())
+        )
     rhos = ", ".join(
         f"{w['name']} {float(w['rho']):.2f}"
         for w in sorted(stats.get("workers", []), key=lambda w: str(w["name"]))
