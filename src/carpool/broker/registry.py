@@ -154,7 +154,7 @@ class WorkerRegistry:
         return self._workers.values()
 
     def conflicts(self, ready: Ready) -> list[str]:
-        """Models whose announced inputs (their shape rules included) or outputs differ from
+        """Models whose announced inputs (shape and pad rules included) or outputs differ from
         the spec of the live workers that serve them."""
         return [
             spec.name
@@ -307,5 +307,12 @@ class WorkerRegistry:
 
 def _differs(known: ModelSpec, spec: ModelSpec) -> bool:
     """Whether two specs of a model admit different requests or give different outputs
-    (``max_batch`` and ``preferred_batch`` may differ between workers)."""
-    return known.inputs != spec.inputs or known.outputs != spec.outputs or known.rules != spec.rules
+    (``max_batch`` and ``preferred_batch`` may differ between workers): inputs, outputs,
+    shape rules, or how requests are padded into buckets and cropped back."""
+    return (
+        known.inputs != spec.inputs
+        or known.outputs != spec.outputs
+        or known.rules != spec.rules
+        or known.pads != spec.pads
+        or known.crops != spec.crops
+    )

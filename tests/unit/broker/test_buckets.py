@@ -28,6 +28,7 @@ from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, bo
     F32,
     T0,
     W1,
+    W2,
     Broker,
     Msg,
     batches,
@@ -167,3 +168,33 @@ def test_an_unpadded_model_keeps_exact_shapes_and_no_bucket_stats() -> None:
     for batch in batches(out):
         result(b, batch, None)
     assert b.core.snapshot()["buckets"] == {}
+
+
+def test_queued_requests_meet_a_re_registered_model_by_their_own_shapes() -> None:
+    """(§8.1) A model re-registered with other buckets: a queued request whose bucket
+    changed is sent back to be resent; one whose bucket holds rides as it is."""
+    b = Broker.make(max_batch=4, max_wait_s=0.1)
+    b.ready(T0, W1, padded(), slots=1)
+    b.request(T0, 3, item=(120, 16))
+    assert [ids(m) for m in batches(b.tick(T0 + 0.1))] == [[3]]  # W1's one credit
+    b.request(T0, 1, item=(40, 8))  # bucket 64x8
+    b.request(T0, 2, item=(100, 16))  # bucket 128x16
+    b.disconnect(T0 + 0.1, W1)  # (request 3 goes back to its queue)
+    other = PadRule(multiple_of=(32, 1), buckets=((64, 16), (128, 16)), value=-1.0)
+    out = b.ready(T0 + 0.1, W2, padded(other), slots=1)
+    (msg,) = to_clients(out)
+    assert (msg.rid, msg.code) == (1, ErrorCode.UNAVAILABLE)
+    assert "other buckets" in msg.meta["message"]
+    out += b.tick(T0 + 0.2)
+    (batch,) = batches(out)
+    assert sorted(ids(batch)) == [2, 3]
+
+
+def test_a_worker_whose_pad_rules_differ_from_the_live_spec_is_refused() -> None:
+    """Every worker of a model must take the buckets the broker batches by."""
+    b = Broker.make()
+    b.ready(T0, W1, padded())
+    other = PadRule(multiple_of=(32, 1), buckets=((64, 16), (128, 16)), value=-1.0)
+    out = b.ready(T0, W2, padded(other))
+    assert [(m.to, m.command) for m in out] == [(W2, Command.DISCONNECT)]
+    assert W2 not in b.core.registry
