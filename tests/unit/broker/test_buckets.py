@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import (
@@ -198,3 +199,15 @@ def test_a_worker_whose_pad_rules_differ_from_the_live_spec_is_refused() -> None
     out = b.ready(T0, W2, padded(other))
     assert [(m.to, m.command) for m in out] == [(W2, Command.DISCONNECT)]
     assert W2 not in b.core.registry
+
+
+def test_a_batch_for_a_worker_in_the_broker_process_carries_the_own_shapes() -> None:
+    """(The embedded transport hands the typed BATCH over; the socket one its frames.)"""
+    from carpool.broker.dispatched import BatchInputs, DispatchedBatch
+    from tests.unit.broker.pending import pending_request
+
+    req = pending_request(1)
+    req.shapes = ((3,),)
+    batch = DispatchedBatch(7, "m", BatchInputs.of(req.key), [req], req.payloads, 0.0)
+    assert batch.to_message().batch.items[0].shapes == ((3,),)
+    assert codec.unpack(batch.to_frames()[1])["requests"][0]["shapes"] == [[3]]
