@@ -30,7 +30,7 @@ from carpool.common.padding import CropAxis, PadRule, cropped_extent
 from carpool.common.protocol import BatchItem, BatchMeta, Frame, check_frame_sizes, view
 from carpool.common.shm import RegionReader, ShmError, ShmRing
 from carpool.worker.engines.base import Array
-from carpool.worker.tensors import ItemError, replies
+from carpool.worker.tensors import ItemError, replies, stack
 
 
 def own_shapes(batch: BatchMeta, item: BatchItem) -> Sequence[tuple[int, ...]]:
@@ -53,8 +53,10 @@ def stack_padded(
         ItemError: one request's shared-memory input cannot be read, or it is in
             shared memory and needs padding.
     """
-    n_inputs = len(batch.inputs)
     items = batch.items
+    if all(item.shapes is None for item in items):
+        return stack(batch, frames, reader)  # all in the bucket's shape: nothing to pad
+    n_inputs = len(batch.inputs)
     if len(frames) != n_inputs * len(items):
         raise ProtocolError(
             f"batch {batch.batch_id}: {len(frames)} frames for {len(items)} requests "
