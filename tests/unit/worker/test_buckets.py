@@ -175,3 +175,24 @@ def test_the_catalogue_pads_the_ocr_models() -> None:
     assert rec_pad.bucket((3, 48, 3000)) is None
     (seq,) = (c.crop_axis() for c in rec.outputs["softmax_11.tmp_0"].crop)
     assert cropped_extent(seq, 100) == 13
+
+
+def test_a_batch_with_shapes_larger_than_its_bucket_is_answered_failed() -> None:
+    """Through the worker's decoder and core: FAILED INVALID_ARGUMENT for the batch."""
+    from carpool.common.protocol import decode_from_broker, encode
+    from carpool.worker.core import Answer, WorkerCore
+
+    meta = {
+        "batch": 5,
+        "model": "m",
+        "inputs": [t.to_wire() for t in INPUTS],
+        "requests": [{"id": 1, "n": 1, "simple": False, "queue_ms": 0.0, "shapes": [[9, 12]]}],
+    }
+    engine = SyntheticEngine(item_shape=(-1, -1), pad=RULE, max_batch=8)
+    core = WorkerCore("w", [engine.info.spec("m")])
+    core.on_connect(0.0)
+    action = core.on_broker(0.0, decode_from_broker(encode(Command.BATCH, meta, [b""])))
+    assert isinstance(action, Answer)
+    failed = action.message.failed
+    assert (failed.batch_id, failed.code) == (5, ErrorCode.INVALID_ARGUMENT)
+    assert "does not fit the batch's bucket [8, 12]" in failed.message
