@@ -33,7 +33,7 @@ from carpool.worker.engines.base import Array
 from carpool.worker.tensors import ItemError, replies, stack
 
 
-def own_shapes(batch: BatchMeta, item: BatchItem) -> Sequence[tuple[int, ...]]:
+def item_shapes(batch: BatchMeta, item: BatchItem) -> Sequence[tuple[int, ...]]:
     """A request's own item shape per input (the bucket's where it names none)."""
     return item.shapes if item.shapes is not None else [t.shape[1:] for t in batch.inputs]
 
@@ -65,7 +65,7 @@ def stack_padded(
     dtypes = [numpy_dtype(t.dtype) for t in batch.inputs]
     buckets = [t.shape[1:] for t in batch.inputs]
     for i, item in enumerate(items):
-        shapes = own_shapes(batch, item)
+        shapes = item_shapes(batch, item)
         for j, (shape, bucket) in enumerate(zip(shapes, buckets, strict=True)):
             if shape != bucket and (j >= len(pads) or pads[j] is None):
                 raise ProtocolError(
@@ -98,7 +98,7 @@ def stack_padded(
         data = np.full((total, *buckets[j]), value, dtype=dtypes[j])
         pos = 0
         for i, item in enumerate(items):
-            shape = own_shapes(batch, item)[j]
+            shape = item_shapes(batch, item)[j]
             n = item.samples
             refs = item.shm
             ref = None if refs is None else refs[j]
