@@ -35,7 +35,8 @@ from common import parser, quiet_logs, table, write_json
 from numpy.typing import NDArray
 
 from carpool.common.padding import PadRule
-from carpool.worker.models import CATALOG, locate
+from carpool.worker.models import locate
+from carpool.worker.repository import builtin
 
 CAMERAS = [(480, 640), (720, 1280), (1080, 1920)]
 LARGEST = (1088, 1920)
@@ -77,7 +78,7 @@ def measure(cameras: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
         str(locate("ppocr-det")), sess_options=options, providers=["CPUExecutionProvider"]
     )
     (name,) = (o.name for o in det.get_outputs())
-    (rule,) = (r for _, r in CATALOG["ppocr-det"].pads)
+    rule = builtin().models["ppocr-det"].config.inputs["x"].pad
     assert rule == PadRule(multiple_of=(1, 32, 32))
     rows = []
     for seed, (h, w) in enumerate(cameras):

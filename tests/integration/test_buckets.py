@@ -38,9 +38,9 @@ def test_a_synthetic_padded_model_batches_by_bucket_and_crops_back(
     # The size trigger alone forms batches: four requests per bucket make one batch.
     fleet: Fleet = fleet_factory(max_batch=4, max_wait_s=30.0, policy="fixed")
     crop = OutputConfig((CropConfig(1, "x", 1), CropConfig(2, "x", 2)))
-    shapes = ModelShapes({"x": InputConfig(pad=RULE)}, {"y": crop})
+    declared = ModelShapes({"x": InputConfig(pad=RULE)}, {"y": crop})
     fleet.add_worker(
-        {"m": lambda: SyntheticEngine(item_shape=(-1, -1), max_batch=4, shapes=shapes)}
+        {"m": lambda: SyntheticEngine(item_shape=(-1, -1), max_batch=4, shapes=declared)}
     )
     client: Client = fleet.ready()
     rng = np.random.default_rng(7)

@@ -188,7 +188,7 @@ def test_a_batch_with_shapes_larger_than_its_bucket_is_answered_failed() -> None
         "inputs": [t.to_wire() for t in INPUTS],
         "requests": [{"id": 1, "n": 1, "simple": False, "queue_ms": 0.0, "shapes": [[9, 12]]}],
     }
-    engine = SyntheticEngine(item_shape=(-1, -1), pad=RULE, max_batch=8)
+    engine = padded_engine()
     core = WorkerCore("w", [engine.info.spec("m")])
     core.on_connect(0.0)
     action = core.on_broker(0.0, decode_from_broker(encode(Command.BATCH, meta, [b""])))
