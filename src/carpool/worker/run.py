@@ -21,10 +21,10 @@ from carpool.common.codec import numpy_dtype
 from carpool.common.errors import ConfigError, ErrorCode, ProtocolError
 from carpool.common.protocol import BatchMeta, ErrorReply, encode_error
 from carpool.common.shm import RegionReader, ShmRing
-from carpool.worker.buckets import padded_replies, padding_of, stack_padded
+from carpool.worker.buckets import batch_inputs, batch_replies, padding_of
 from carpool.worker.core import JobOutcome, RunBatch
 from carpool.worker.engines.base import Array, BadInput, Engine
-from carpool.worker.tensors import ItemError, replies, stack, unreadable
+from carpool.worker.tensors import ItemError, unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def run_job(
                 # The engine did not run: nothing to learn.
                 return _outcome(job, start, end, counts, out, timed=False)
             try:
-                inputs = _stack(engine, batch, frames, reader)
+                inputs = batch_inputs(engine.info, batch, frames, reader)
                 break
             except ItemError as bad:
                 skip = [bad]
@@ -311,12 +311,9 @@ def run_job(
             if outputs is None:
                 counts, frames = _one_by_one(engine, batch, frames, reader, clock)
                 end = clock.now()
-            elif engine.info.pads:
-                compute_ms = 1000.0 * (end - start)
-                crops = engine.info.crops
-                counts, frames = padded_replies(batch, outputs, names, crops, compute_ms, ring)
             else:
-                counts, frames = replies(batch, outputs, names, 1000.0 * (end - start), ring)
+                compute_ms = 1000.0 * (end - start)
+                counts, frames = batch_replies(engine.info, batch, outputs, names, compute_ms, ring)
             if failed:
                 counts, frames = _merge(failed, alive, counts, frames)
         except ProtocolError as exc:
@@ -326,19 +323,10 @@ def run_job(
             raise JobError(ErrorCode.INTERNAL, f"encoding outputs failed: {exc}") from None
     except JobError as exc:
         return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
-    padding = padding_of(batch, engine.info.pads) if engine.info.pads else None
+    padding = padding_of(batch, engine.info.pads)
     return _outcome(
         job, start, end, counts, frames, samples=samples, timed=outputs is not None, padding=padding
     )
-
-
-def _stack(
-    engine: Engine, batch: BatchMeta, frames: Sequence[Any], reader: RegionReader | None
-) -> dict[str, Array]:
-    """The batch's input arrays: stacked, or padded into its bucket (a model with pad
-    rules, worker/buckets.py)."""
-    pads = engine.info.pads
-    return stack(batch, frames, reader) if not pads else stack_padded(batch, frames, pads, reader)
 
 
 def _outcome(
@@ -387,7 +375,7 @@ def _one_by_one(
         one = BatchMeta(batch.batch_id, batch.model, batch.inputs, (item,))
         start = clock.now()
         try:
-            inputs = _stack(engine, one, frames[i * n : (i + 1) * n], reader)
+            inputs = batch_inputs(engine.info, one, frames[i * n : (i + 1) * n], reader)
             outputs = engine.run(inputs)
         except ItemError as bad:  # its shared memory changed since the batch was stacked
             error = ErrorReply(item.request_id, bad.code, bad.message)
@@ -396,11 +384,7 @@ def _one_by_one(
             error = ErrorReply(item.request_id, _engine_code(exc), f"engine error: {exc}")
         else:
             compute_ms = 1000.0 * (clock.now() - start)
-            if engine.info.pads:
-                crops = engine.info.crops
-                k, reply = padded_replies(one, outputs, names, crops, compute_ms)
-            else:
-                k, reply = replies(one, outputs, names, compute_ms)
+            k, reply = batch_replies(engine.info, one, outputs, names, compute_ms)
             counts.extend(k)
             out.extend(reply)
             continue
