@@ -25,19 +25,14 @@ Array = NDArray[Any]
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """I/O of an engine; dim 0 of every tensor is the batch (``-1``); other ``-1`` dims
-    are dynamic."""
+    are dynamic. Every field but ``warmup`` is the :class:`ModelSpec` field of that name
+    (its shape rules: see :func:`with_rules`), which :meth:`spec` announces."""
 
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
     max_batch: int
-    # Sizes the engine is tuned for (TensorRT optimisation profiles); empty means any.
     preferred_batch: tuple[int, ...] = ()
-    # Limits on each input's dims beyond its shape (protocol §8.1), in input order; ()
-    # when none has any: see with_rules.
     rules: tuple[ShapeRule | None, ...] = ()
-    # How each input's requests are padded into buckets, in input order, and the axes
-    # of each output cropped back to a request's extent, in output order (protocol §8.1,
-    # common/padding.py); () when none.
     pads: tuple[PadRule | None, ...] = ()
     crops: tuple[tuple[CropAxis, ...], ...] = ()
     # The shapes the worker's warm-up runs on (a model config's ``warmup``): per run, one
