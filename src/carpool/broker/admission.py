@@ -63,6 +63,7 @@ class Refused:
     # its deadline, not for the broker stopping or a batch it can never fit).
     arrival: bool = True
     shed: bool = False  # refused as hopeless (counted with the requests shed)
+    retry: bool = False  # the broker is stopping: the request may be sent again (§6.3)
 
 
 ADMITTED = Admitted()
@@ -73,6 +74,7 @@ _STOPPING = Refused(
     ErrorCode.UNAVAILABLE,
     "the broker is stopping; retry with another broker or after its restart",
     arrival=False,
+    retry=True,
 )
 
 

@@ -151,6 +151,12 @@ class BrokerAuth:
 
         return key
 
+    @staticmethod
+    def key_of(client: bytes) -> bytes:
+        """The authenticated key the core's client id ``client`` starts with
+        (:meth:`client_key`): part of a request's origin (resends.py)."""
+        return client[:KEY_CHARS]
+
     def is_operator(self, client: bytes) -> bool:
         """Whether the core's client id ``client`` is an operator's (STATS)."""
         return client[:KEY_CHARS] in self.operators

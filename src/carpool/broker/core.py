@@ -16,6 +16,8 @@ The parts, one concern each (composed here, none inherits from another):
   refused by the pure :func:`~carpool.broker.admission.admit`;
 - :class:`~carpool.broker.holding.HeldRequests`: just after a start, requests for an
   expected model no worker has registered yet, held at the door until one does;
+- :class:`~carpool.broker.resends.Resends`: a request sent again with its client's nonce
+  (answered once, on the copy's connection), and CANCEL;
 - :class:`~carpool.broker.workers.WorkerEvents`: worker messages and losses;
 - :class:`~carpool.broker.replies.Replies` and :mod:`carpool.broker.stats`: error replies,
   counters and the STATS snapshot.
@@ -49,6 +51,7 @@ from carpool.broker.intake import Arrival, ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies, Side, ToClient, ToWorker, disconnect
 from carpool.broker.requests import RequestBook
+from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
@@ -89,8 +92,18 @@ class BrokerCore:
             book, backlog, inflight, fleet, replies, stats, registry, defer_pumps=defer_pumps
         )
         self.holding = holding = HeldRequests(config, backlog, replies)
+        self.resends = resends = Resends(book, holding, backlog, dispatcher, replies, stats)
         self.intake = intake = ClientIntake(
-            config, registry, stats, backlog, fleet, dispatcher, replies, self.snapshot, holding
+            config,
+            registry,
+            stats,
+            backlog,
+            fleet,
+            dispatcher,
+            replies,
+            self.snapshot,
+            holding,
+            resends,
         )
         self.workers = workers = WorkerEvents(
             config, registry, stats, book, backlog, inflight, fleet, dispatcher, replies, intake
@@ -128,6 +141,17 @@ class BrokerCore:
     @stats_gate.setter
     def stats_gate(self, gate: Callable[[bytes], bool] | None) -> None:
         self.intake.stats_gate = gate
+
+    @property
+    def authenticated_key(self) -> Callable[[bytes], bytes] | None:
+        """The authenticated key a client id starts with, part of a request's origin
+        (the server sets it under CURVE); None: no keys, a request's origin is its
+        client's nonce alone."""
+        return self.resends.key_of
+
+    @authenticated_key.setter
+    def authenticated_key(self, key_of: Callable[[bytes], bytes] | None) -> None:
+        self.resends.key_of = key_of
 
     @property
     def started_s(self) -> float:
@@ -175,7 +199,7 @@ class BrokerCore:
         None: answer every queued one."""
         self.backlog.stopping = True
         out: list[Outgoing] = []
-        self.holding.stop(out)
+        self.holding.stop(out)  # (each UNAVAILABLE of a request that did not run: retry)
         msg = "the broker is stopping before the request was dispatched; retry"
         answer = self.dispatcher.answer_queued
         registry, fleet = self.registry, self.fleet

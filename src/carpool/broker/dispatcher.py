@@ -261,11 +261,14 @@ class Dispatcher:
         message: str,
         out: list[Outgoing],
     ) -> None:
-        """Take a request out of its queue and answer it with an error."""
+        """Take a request out of its queue and answer it with an error (an UNAVAILABLE
+        once the broker is stopping with ``retry``: the request did not run)."""
         queue.forget(req)
-        self._backlog.dequeued(req)
+        backlog = self._backlog
+        backlog.dequeued(req)
         self._book.move(req, _FAILED)
-        out.append(self._replies.request_error(req, code, message))
+        retry = backlog.stopping and code is ErrorCode.UNAVAILABLE
+        out.append(self._replies.request_error(req, code, message, retry=retry))
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]
@@ -349,14 +352,17 @@ class Dispatcher:
         keys of queues that lost a request (what was behind it may leave now)."""
         touched: set[RequestKey] = set()
         for req in self._backlog.deadlines.pop_expired(now):
-            if req.state is _QUEUED:
+            queued = req.state is _QUEUED
+            if queued:
                 self._backlog.queues[req.key].forget(req)
                 self._backlog.dequeued(req)
                 touched.add(req.key)
+            retry = False
             if self.registry.serving(req.model):
                 code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
             else:
                 code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
+                retry = queued and self._backlog.stopping  # (it did not run)
             self._book.move(req, _EXPIRED)
-            out.append(self._replies.request_error(req, code, msg))
+            out.append(self._replies.request_error(req, code, msg, retry=retry))
         return touched

@@ -11,7 +11,12 @@ request book; this object alone owns it until it leaves, exactly once:
   the normal admission with what remains of its budget (``ClientIntake.release``);
 - answered UNAVAILABLE at its deadline less :data:`HOLD_LEAD_S`, or when the grace
   window ends (``on_tick``);
-- answered UNAVAILABLE when the broker stops (``stop``).
+- answered UNAVAILABLE when the broker stops (``stop``), with ``retry``;
+- answered CANCELLED when its client cancels it (``cancel``).
+
+A held request sent with a nonce is indexed by its origin, as the request book indexes
+the requests it holds: a copy sent again (protocol.md §6.1) points its answer at the
+copy's connection (``redirect``) instead of being held a second time.
 
 Bounded: only expected names are held, so random names cannot fill it, and a request
 is held only while the held and queued requests together stay within ``max_queued``
@@ -24,12 +29,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.replies import Outgoing, Replies
-from carpool.broker.requests import ClientId, Received
+from carpool.broker.requests import ClientId, Origin, Received
 from carpool.common.errors import ErrorCode
 
 #: A held request is answered this long before its deadline, so that its client still
@@ -47,6 +52,7 @@ class HeldRequest:
     nbytes: int  # payload bytes, counted against the queue limits
     deadline_s: float  # receipt plus its budget, on the broker's clock
     expires_s: float  # when it is answered UNAVAILABLE unless released first
+    origin: Origin | None = None  # sent with a nonce: how a copy or a CANCEL finds it
     gone: bool = False  # released or answered (its heap entry is dropped lazily)
 
 
@@ -67,15 +73,17 @@ class HeldRequests:
         self._by_model: dict[str, dict[int, HeldRequest]] = {}
         self._expiries: list[tuple[float, int, HeldRequest]] = []
         self._per_client: dict[ClientId, list[int]] = {}  # client -> [requests, bytes]
+        #: The held requests that carry an origin, by it.
+        self.by_origin: dict[Origin, HeldRequest] = {}
 
     def expect(self, names: Iterable[str]) -> None:
         """Hold requests for ``names`` too, besides the configuration's models."""
         self.names = frozenset(self._config.models) | frozenset(names)
 
-    def hold(self, now: float, received: Received) -> bool:
+    def hold(self, now: float, received: Received, origin: Origin | None = None) -> bool:
         """Hold a request for a model with no spec, if it is expected, the grace window
         and the request's budget leave time, and the limits allow. False: not held (the
-        caller answers it)."""
+        caller answers it). ``origin``: the request's, when it carries a nonce."""
         submit, client = received.submit, received.client
         if submit.model not in self.names or now >= self.until_s or self._backlog.stopping:
             return False
@@ -102,8 +110,10 @@ class HeldRequests:
         if held >= config.max_client_requests or held_bytes + nbytes > config.max_client_mib << 20:
             return False
         self._seq += 1
-        entry = HeldRequest(self._seq, received, nbytes, deadline_s, expires_s)
+        entry = HeldRequest(self._seq, received, nbytes, deadline_s, expires_s, origin)
         self._by_model.setdefault(submit.model, {})[entry.seq] = entry
+        if origin is not None:
+            self.by_origin[origin] = entry
         heapq.heappush(self._expiries, (expires_s, entry.seq, entry))
         self.count += 1
         self.nbytes += nbytes
@@ -112,6 +122,47 @@ class HeldRequests:
         else:
             mine[0] += 1
             mine[1] += nbytes
+        return True
+
+    def redirect(self, entry: HeldRequest, client: ClientId, delimited: bool) -> None:
+        """A copy of a held request came by another connection (``client``): its answer
+        goes there, and its share of the per-client limits moves there with it."""
+        old = entry.received.client
+        if old != client:
+            self._count_out(old, entry.nbytes)
+            mine = self._per_client.get(client)
+            if mine is None:
+                self._per_client[client] = [1, entry.nbytes]
+            else:
+                mine[0] += 1
+                mine[1] += entry.nbytes
+        entry.received = replace(entry.received, client=client, delimited=delimited)
+
+    def cancel(self, origin: Origin, out: list[Outgoing]) -> bool:
+        """Drop the held request of ``origin``, if there is one, and answer it CANCELLED
+        (its one answer). False: none is held."""
+        entry = self.by_origin.get(origin)
+        if entry is None:
+            return False
+        model = entry.received.submit.model
+        entries = self._by_model[model]
+        del entries[entry.seq]
+        if not entries:
+            del self._by_model[model]
+        self._leave(entry)
+        self._settle()
+        r = entry.received
+        message = "cancelled by its client before a worker registered the model"
+        out.append(
+            self._replies.error(
+                r.client,
+                r.delimited,
+                r.submit.request_id,
+                ErrorCode.CANCELLED,
+                message,
+                simple=r.simple,
+            )
+        )
         return True
 
     def release(self, model: str) -> list[HeldRequest]:
@@ -162,24 +213,29 @@ class HeldRequests:
         msg = "the broker is stopping before a worker registered the model; retry"
         for entry in held:
             self._leave(entry)
-            out.append(self._answer(entry, msg))
+            out.append(self._answer(entry, msg, retry=True))
 
-    def _answer(self, entry: HeldRequest, message: str) -> Outgoing:
+    def _answer(self, entry: HeldRequest, message: str, *, retry: bool = False) -> Outgoing:
         r = entry.received
         code = ErrorCode.UNAVAILABLE
         return self._replies.error(
-            r.client, r.delimited, r.submit.request_id, code, message, simple=r.simple
+            r.client, r.delimited, r.submit.request_id, code, message, simple=r.simple, retry=retry
         )
 
     def _leave(self, entry: HeldRequest) -> None:
         entry.gone = True
         self.count -= 1
         self.nbytes -= entry.nbytes
-        mine = self._per_client[entry.received.client]
+        self._count_out(entry.received.client, entry.nbytes)
+        if entry.origin is not None:
+            del self.by_origin[entry.origin]
+
+    def _count_out(self, client: ClientId, nbytes: int) -> None:
+        mine = self._per_client[client]
         mine[0] -= 1
-        mine[1] -= entry.nbytes
+        mine[1] -= nbytes
         if not mine[0]:
-            del self._per_client[entry.received.client]
+            del self._per_client[client]
 
     def _settle(self) -> None:
         """Drop the heap's top entries that left already, so its top is a live one."""

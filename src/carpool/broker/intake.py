@@ -1,11 +1,12 @@
 """intake.py: ClientIntake — messages from clients, checked and queued or answered at once.
 
 Pure: ``now`` comes in. A client message is decoded (the framed form, the simple form,
-STATS), validated against its model's spec (names, dtypes, shapes, sizes, shared-memory
-references), let in or refused by :func:`carpool.broker.admission.admit`, and queued for
-the :class:`carpool.broker.dispatcher.Dispatcher`. A request layout that passed once is
-remembered by the protocol's RequestDecoder, and the next request with it takes its fast
-path, with the same checks and answers.
+STATS, CANCEL), validated against its model's spec (names, dtypes, shapes, sizes,
+shared-memory references), let in or refused by :func:`carpool.broker.admission.admit`,
+and queued for the :class:`carpool.broker.dispatcher.Dispatcher`. A request sent again
+with its client's nonce, and a CANCEL, go to :class:`carpool.broker.resends.Resends`. A
+request layout that passed once is remembered by the protocol's RequestDecoder, and the
+next request with it takes its fast path, with the same checks and answers.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies
-from carpool.broker.requests import ClientId, PendingRequest, Received
+from carpool.broker.requests import ClientId, Origin, PendingRequest, Received
+from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
+    Cancel,
     Command,
     Frame,
     KnownRequest,
@@ -82,6 +85,7 @@ class ClientIntake:
         replies: Replies,
         snapshot: Callable[[], dict[str, Any]],
         holding: HeldRequests,
+        resends: Resends,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -92,6 +96,7 @@ class ClientIntake:
         self._replies = replies
         self._snapshot = snapshot
         self._holding = holding
+        self._resends = resends
         self._seq = 0
         # Request layouts validated once per (model, input names, dtypes, shapes); valid
         # while the model's spec stands (``respec`` drops a replaced model's).
@@ -181,6 +186,11 @@ class ClientIntake:
             if command is Command.METADATA:
                 return [metadata.answer(self.registry, self._replies, client, delimited, frames)]
             if command is not Command.REQUEST:
+                if command is Command.CANCEL:
+                    if len(frames) != 2:
+                        raise ProtocolError("CANCEL is a header and a meta frame")
+                    meta = decode_meta(view(frames[1]))
+                    return self._resends.cancel(client, Cancel.from_wire(meta))
                 raise ProtocolError(f"command {command.name} is not valid from a client")
             if len(frames) < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
@@ -189,6 +199,13 @@ class ClientIntake:
             request = self.request_decoder.decode(meta, payloads)
             if isinstance(request, KnownRequest):  # a layout validated before
                 layout = request.layout
+                origin = None
+                if request.client is not None:  # sent with its client's nonce
+                    resends = self._resends
+                    origin = resends.origin(client, request.client, request.request_id)
+                    copied = resends.copy(client, delimited, origin, layout.model)
+                    if copied is not None:
+                        return copied
                 max_batch = self.registry.max_batch(layout.model)
                 # (an input in shared memory that needs padding: the full path refuses it)
                 if max_batch and (request.refs is None or layout.shapes is None):
@@ -205,6 +222,7 @@ class ClientIntake:
                         False,
                         request.refs,
                         request.shm_outputs,
+                        origin,
                     )
                 request = decode_submit(meta)  # the full path answers UNAVAILABLE
             submit = request
@@ -249,20 +267,32 @@ class ClientIntake:
             received.simple,
         )
         rid = submit.request_id
+        origin = None
+        if submit.client is not None:  # sent with its client's nonce
+            resends = self._resends
+            origin = resends.origin(client, submit.client, rid)
+            copied = resends.copy(client, delimited, origin, submit.model)
+            if copied is not None:
+                return copied
         spec = self.registry.specs.get(submit.model)
+        stopping = self._backlog.stopping  # an UNAVAILABLE now may be sent again (§6.3)
         if spec is None:
             if now < self.started_s + self.config.register_grace_s:
                 # Just (re)started: its workers may not have said READY yet, and a client
                 # must not take a restart for a model that does not exist. A model the
                 # broker expects waits for them (holding.py), if its budget allows.
-                if self._holding.hold(now, received):
+                if self._holding.hold(now, received, origin):
                     return []
                 msg = (
                     f"no worker has registered model {submit.model!r} yet; the broker "
                     f"started {now - self.started_s:.1f} s ago"
                 )
                 code = ErrorCode.UNAVAILABLE
-                return [self._replies.error(client, delimited, rid, code, msg, simple=simple)]
+                return [
+                    self._replies.error(
+                        client, delimited, rid, code, msg, simple=simple, retry=stopping
+                    )
+                ]
             msg = f"model {submit.model!r} is not served by any worker"
             return [
                 self._replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
@@ -270,9 +300,10 @@ class ClientIntake:
         max_batch = self.registry.max_batch(spec.name)
         if max_batch == 0:  # before the payload checks (protocol §6.1)
             msg = f"no live worker serves model {spec.name!r} right now"
+            code = ErrorCode.UNAVAILABLE
             return [
                 self._replies.error(
-                    client, delimited, rid, ErrorCode.UNAVAILABLE, msg, simple=simple
+                    client, delimited, rid, code, msg, simple=simple, retry=stopping
                 )
             ]
         try:
@@ -307,6 +338,7 @@ class ClientIntake:
             simple,
             submit.shm,
             submit.shm_outputs,
+            origin,
         )
 
     def _enqueue(
@@ -323,11 +355,13 @@ class ClientIntake:
         simple: bool,
         refs: tuple[ShmRef | None, ...] | None = None,
         shm_outputs: bool = False,
+        origin: Origin | None = None,
     ) -> list[Outgoing]:
         """Queue a valid request if :func:`admit` lets it in, else answer its refusal; in
         deferred mode the batch forms at the end of the turn. ``refs``: the inputs'
         shared-memory references, in the request's order (§5.4); ``max_batch``: the
-        largest batch a live worker of its model takes (> 0: both callers checked)."""
+        largest batch a live worker of its model takes (> 0: both callers checked);
+        ``origin``: the request's, when it carries its client's nonce."""
         model = layout.model
         timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s
         out: list[Outgoing] = []
@@ -377,6 +411,7 @@ class ClientIntake:
                 verdict.message,
                 simple=simple,
                 retry_after_ms=verdict.retry_after_ms,
+                retry=verdict.retry,
             )
             out.append(error)
             return out
@@ -408,6 +443,7 @@ class ClientIntake:
             refs,
             nbytes=nbytes,
             shapes=layout.shapes,
+            origin=origin,
         )
         queue = backlog.add(req)
         if dispatcher.defer_pumps:  # the batch forms at the end of the turn

@@ -4,7 +4,9 @@ Pure: the core's events return lists of :data:`Outgoing`: :class:`ToClient` (a c
 id and the frames for it) or :class:`ToWorker` (a worker's id and a typed message, which
 its transport encodes, or hands as is to a worker in this process); the server sends
 them. Error replies are counted in the stats and carry OVERLOADED's retry hint, the
-fleet's drain time of what waits ahead.
+fleet's drain time of what waits ahead; the callers say which UNAVAILABLE carries
+``retry`` (one for a request that did not run, from the moment the broker is told to
+stop: protocol.md §6.3, §11).
 """
 
 from __future__ import annotations
@@ -112,13 +114,16 @@ class Replies:
         *,
         simple: bool = False,
         retry_after_ms: int | None = None,
+        retry: bool = False,
     ) -> ToClient:
         self.stats.errors[code.name] += 1
         logger.debug("error id=%s code=%s: %s", request_id, code.name, message)
-        reply = ErrorReply(request_id, code, message, retry_after_ms)
+        reply = ErrorReply(request_id, code, message, retry_after_ms, retry)
         return self.to_client(client, delimited, encode_error(reply, simple=simple))
 
-    def request_error(self, req: PendingRequest, code: ErrorCode, message: str) -> ToClient:
+    def request_error(
+        self, req: PendingRequest, code: ErrorCode, message: str, *, retry: bool = False
+    ) -> ToClient:
         hint = None
         if code is ErrorCode.OVERLOADED:  # (a worker's FAILED: §12 wants a hint with it)
             ahead = self._backlog.samples_ahead(req.model, int(req.priority)) + req.samples
@@ -131,4 +136,5 @@ class Replies:
             message,
             simple=req.simple,
             retry_after_ms=hint,
+            retry=retry,
         )

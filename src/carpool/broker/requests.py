@@ -12,7 +12,7 @@ table, and one method applies it)::
       │                  ├──expire / doomed──▶ EXPIRED
       │                  └──failed / lost / stop──▶ FAILED
       ├──expire / shed──▶ EXPIRED
-      └──answered from the queue (stop, respec, unservable)──▶ FAILED
+      └──answered from the queue (stop, respec, unservable, cancel)──▶ FAILED
 
 DONE, EXPIRED and FAILED are final: the request has had its one reply.
 
@@ -24,6 +24,13 @@ Rules:
 - The book keeps, per client, the requests it holds (entered and not yet final) and their
   payload bytes: what the door's per-client limits read. A client holding none has no
   entry.
+- The book indexes the requests it holds that carry an origin (:data:`Origin`: the
+  client's nonce, after its authenticated key under CURVE, and the request id), so that
+  a copy sent again (protocol.md §6.1) and a CANCEL (§6.5) find the request. An entry
+  leaves when its request reaches a final state, so the index holds no more than the
+  queue and in-flight limits let in. :meth:`RequestBook.redirect` points a request's
+  answer at the connection a copy came by, and moves its share of the per-client limits
+  with it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from typing import Any, ClassVar, NewType
 from carpool.common.protocol import Frame, Priority, ShmRef, Submit
 
 ClientId = NewType("ClientId", bytes)
+#: Who sent a request, as a copy of it is known by: (origin, request id), where the origin
+#: is the client's nonce (REQUEST ``client``), after its authenticated key under CURVE.
+Origin = tuple[bytes, int]
 RequestKey = tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]
 
 
@@ -73,7 +83,7 @@ _QUEUED, _DISPATCHED, _DONE, _EXPIRED, _FAILED = (
 TRANSITIONS: dict[tuple[RequestState, RequestState], str] = {
     (_QUEUED, _DISPATCHED): "taken into a batch for a worker",
     (_QUEUED, _EXPIRED): "deadline passed, or shed as hopeless, while queued",
-    (_QUEUED, _FAILED): "answered from the queue (stopping, respec, unservable)",
+    (_QUEUED, _FAILED): "answered from the queue (stopping, respec, unservable, cancelled)",
     (_DISPATCHED, _DONE): "its worker's RESULT answered it",
     (_DISPATCHED, _EXPIRED): "deadline passed in flight, or doomed at dispatch",
     (_DISPATCHED, _FAILED): "its batch failed, its worker was lost, or the broker stopped",
@@ -131,6 +141,7 @@ class PendingRequest:
     # Its own item shapes per input (spec order) where they differ from its bucket, the
     # key's: BATCH ``requests[i].shapes`` (§8.3); None: the key's shapes are its own.
     shapes: tuple[tuple[int, ...], ...] | None = None
+    origin: Origin | None = None  # sent with a nonce: how a copy or a CANCEL finds it
 
     def __lt__(self, other: PendingRequest) -> bool:
         return self.seq < other.seq
@@ -150,6 +161,8 @@ class RequestBook:
         #: Per client: [requests held, their payload bytes], for the requests entered
         #: (:meth:`enter`) that have not reached a final state.
         self.held: dict[ClientId, list[int]] = {}
+        #: The requests entered and not yet final that carry an origin, by it.
+        self.by_origin: dict[Origin, PendingRequest] = {}
 
     def enter(self, req: PendingRequest) -> None:
         """A new request is held for its client until it reaches a final state."""
@@ -159,6 +172,29 @@ class RequestBook:
         else:
             held[0] += 1
             held[1] += req.nbytes
+        if req.origin is not None:
+            self.by_origin[req.origin] = req
+
+    def redirect(self, req: PendingRequest, client: ClientId, delimited: bool) -> None:
+        """A copy of ``req`` came by another connection (``client``): the request's one
+        answer goes there, and its share of the per-client limits moves there with it."""
+        old = req.client
+        if old != client:
+            held = self.held.get(old)
+            if held is not None:  # (None: a request made without enter, in tests)
+                if held[0] <= 1:
+                    del self.held[old]
+                else:
+                    held[0] -= 1
+                    held[1] -= req.nbytes
+                mine = self.held.get(client)
+                if mine is None:
+                    self.held[client] = [1, req.nbytes]
+                else:
+                    mine[0] += 1
+                    mine[1] += req.nbytes
+            req.client = client
+        req.delimited = delimited
 
     def move(self, req: PendingRequest, to: RequestState) -> None:
         """Move ``req`` to state ``to``; raise :class:`IllegalTransition` if the table
@@ -178,6 +214,8 @@ class RequestBook:
                 else:
                     held[0] -= 1
                     held[1] -= req.nbytes
+            if req.origin is not None:
+                del self.by_origin[req.origin]
         if self.observers:
             for observe in self.observers:
                 observe(frm, to)

@@ -163,6 +163,8 @@ class BrokerServer:
         self._client_key = clients.key if auth is None else auth.client_key(clients.key)
         if auth is not None:
             self.core.stats_gate = auth.is_operator
+            # A request's origin (resends, CANCEL) is bound to its key, not its nonce alone.
+            self.core.authenticated_key = auth.key_of
         self.backend = backend
         self.core.worker_transport = self._transport_label
         self.poller.register(self._wake.fd, zmq.POLLIN)

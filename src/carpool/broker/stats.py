@@ -26,6 +26,9 @@ class BrokerStats:
         # replies dropped because the client's connection had closed (connections.py)
         self.departed = 0
         self.requeued = 0
+        # copies of requests the broker held, answered once on the copy's connection
+        self.resent = 0
+        self.cancelled = 0  # requests dropped by a CANCEL (answered CANCELLED)
         self.late_results = 0  # RESULT/FAILED for a batch the sender no longer holds
         self.unhealthy = 0  # workers marked unhealthy by the engine watchdog
         self.shed = 0  # answered DEADLINE_EXCEEDED before reaching a worker (hopeless)
@@ -80,6 +83,8 @@ def snapshot(
         "requeued": stats.requeued,
         "undeliverable": stats.undeliverable,
         "departed": stats.departed,
+        "resent": stats.resent,
+        "cancelled": stats.cancelled,
         "late_results": stats.late_results,
         "unhealthy": stats.unhealthy,
         "shed": stats.shed,

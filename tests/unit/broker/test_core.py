@@ -215,10 +215,11 @@ class Broker:
         simple: bool = False,
         delimited: bool = False,
         priority: Priority = Priority.INTERACTIVE,
+        nonce: bytes | None = None,
     ) -> list[Any]:
         t = TensorMeta("x", F32, (n, *item))
         data = payload(rid, n, item)
-        submit = Submit(rid, model, timeout_ms, (t,), priority)
+        submit = Submit(rid, model, timeout_ms, (t,), priority, client=nonce)
         if simple:
             frames: list[Any] = [encode_simple_request(submit, [data])]
         else:
@@ -1524,6 +1525,8 @@ def test_stats_snapshot_counts() -> None:
         "requeued": 0,
         "undeliverable": 1,
         "departed": 0,
+        "resent": 0,
+        "cancelled": 0,
         "late_results": 0,
         "unhealthy": 0,
         "shed": 0,
@@ -2066,17 +2069,20 @@ def test_stopping_answers_the_queue_at_once_and_lets_running_batches_finish() ->
         (C3, 3, ErrorCode.UNAVAILABLE),
         (C3, 4, ErrorCode.UNAVAILABLE),
     ]
+    assert all(m.meta.get("retry") is True for m in out)  # they did not run (§6.3)
     assert b.core.queued == 0
     # New requests are refused; a running batch still reaches its client.
     (refused,) = to_clients(b.request(T0 + 0.02, 5, C1))
     assert (refused.rid, refused.code) == (5, ErrorCode.UNAVAILABLE)
     assert "stopping" in refused.meta["message"]
+    assert refused.meta.get("retry") is True
     done, _ = b.result(T0 + 0.03, first)
     assert [(m.to, m.rid, m.command) for m in to_clients(done)] == [(C1, 1, Command.REPLY)]
     assert batches(done) == []  # nothing more leaves
     # The last word: what is still at a worker fails, every worker hears DISCONNECT.
     final = [parse(o) for o in b.core.finish_stop(T0 + 2.0)]
     assert [(m.to, m.rid, m.code) for m in to_clients(final)] == [(C2, 2, ErrorCode.UNAVAILABLE)]
+    assert "retry" not in to_clients(final)[0].meta  # it was running: it may have run
     assert sorted(m.to for m in only(final, Command.DISCONNECT, Side.BACKEND)) == [W1, W2]
     assert b.core.inflight_batches == 0
     late, _ = b.result(T0 + 2.1, second)

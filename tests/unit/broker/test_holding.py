@@ -194,10 +194,12 @@ def test_a_stopping_broker_answers_every_held_request_once() -> None:
     msgs = [parse(o) for o in b.core.begin_stop(T0 + 0.3)]
     assert codes(msgs) == [(1, ErrorCode.UNAVAILABLE), (2, ErrorCode.UNAVAILABLE)]
     assert all("stopping" in m.meta["message"] for m in to_clients(msgs))
+    assert all(m.meta.get("retry") is True for m in to_clients(msgs))
     assert b.core.holding.count == 0
     assert b.core.next_wakeup(T0 + 0.3) is None
     # Nothing more is held while stopping, and nothing is answered twice.
-    assert codes(b.request(T0 + 0.4, 3)) == [(3, ErrorCode.UNAVAILABLE)]
+    (late,) = to_clients(b.request(T0 + 0.4, 3))
+    assert (late.rid, late.code, late.meta.get("retry")) == (3, ErrorCode.UNAVAILABLE, True)
     assert to_clients([parse(o) for o in b.core.finish_stop(T0 + 0.5)]) == []
     assert only(b.tick(T0 + 10), Command.ERROR) == []
 
