@@ -441,9 +441,9 @@ class ClientIntake:
             shm,
             shm_outputs,
             refs,
-            nbytes=nbytes,
-            shapes=layout.shapes,
-            origin=origin,
+            nbytes,
+            layout.shapes,
+            origin,
         )
         queue = backlog.add(req)
         if dispatcher.defer_pumps:  # the batch forms at the end of the turn

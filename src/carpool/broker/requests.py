@@ -135,13 +135,13 @@ class PendingRequest:
     shm_outputs: bool = False  # BATCH ``requests[i].shm_outputs`` (§5.5)
     # The same references, parsed (spec order): what an embedded worker's BatchItem takes.
     refs: tuple[ShmRef | None, ...] | None = None
-    state: RequestState = _QUEUED
-    attempts: int = 0
     nbytes: int = 0  # payload bytes held in its frames (what max_queued_mib counts)
     # Its own item shapes per input (spec order) where they differ from its bucket, the
     # key's: BATCH ``requests[i].shapes`` (§8.3); None: the key's shapes are its own.
     shapes: tuple[tuple[int, ...], ...] | None = None
     origin: Origin | None = None  # sent with a nonce: how a copy or a CANCEL finds it
+    state: RequestState = _QUEUED
+    attempts: int = 0
 
     def __lt__(self, other: PendingRequest) -> bool:
         return self.seq < other.seq
