@@ -122,6 +122,17 @@ def test_a_copy_of_a_held_request_is_answered_on_its_connection_after_the_releas
     assert b.core.book.by_origin == {}
 
 
+def test_a_copy_of_a_held_request_moves_its_client_share() -> None:
+    b = Broker.make(models={"m": BatchingOverride()}, register_grace_s=5.0, max_client_requests=1)
+    b.core.started_s = T0
+    assert b.request(T0 + 0.1, 7, C1, nonce=NONCE) == []
+    assert b.request(T0 + 0.2, 7, C2, nonce=NONCE) == []  # the copy: C2's share now
+    (refused,) = to_clients(b.request(T0 + 0.3, 8, C2))
+    assert (refused.rid, refused.code) == (8, ErrorCode.UNAVAILABLE)
+    assert b.request(T0 + 0.3, 9, C1) == []  # C1 holds none: held
+    assert b.core.holding.count == 2
+
+
 def test_a_cancel_drops_a_queued_request_and_is_not_answered_itself() -> None:
     b = served()
     (batch,) = batches(b.request(T0, 1, C1, nonce=NONCE))
