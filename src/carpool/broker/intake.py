@@ -1,7 +1,7 @@
 """intake.py: ClientIntake — messages from clients, checked and queued or answered at once.
 
 Pure: ``now`` comes in. A client message is decoded (the framed form, the simple form,
-STATS, CANCEL), validated against its model's spec (names, dtypes, shapes, sizes,
+STATS, METADATA, CANCEL), validated against its model's spec (names, dtypes, shapes, sizes,
 shared-memory references), let in or refused by :func:`carpool.broker.admission.admit`,
 and queued for the :class:`carpool.broker.dispatcher.Dispatcher`. A request sent again
 with its client's nonce, and a CANCEL, go to :class:`carpool.broker.resends.Resends`. A
