@@ -199,13 +199,14 @@ class ClientIntake:
             request = self.request_decoder.decode(meta, payloads)
             if isinstance(request, KnownRequest):  # a layout validated before
                 layout = request.layout
-                origin = None
+                origin: Origin | None = None
                 if request.client is not None:  # sent with its client's nonce
-                    resends = self._resends
-                    origin = resends.origin(client, request.client, request.request_id)
-                    copied = resends.copy(client, delimited, origin, layout.model)
-                    if copied is not None:
-                        return copied
+                    claim = self._resends.claim(
+                        client, delimited, request.client, request.request_id, layout.model
+                    )
+                    if isinstance(claim, list):  # a copy of a request held
+                        return claim
+                    origin = claim
                 max_batch = self.registry.max_batch(layout.model)
                 # (an input in shared memory that needs padding: the full path refuses it)
                 if max_batch and (request.refs is None or layout.shapes is None):
@@ -267,13 +268,12 @@ class ClientIntake:
             received.simple,
         )
         rid = submit.request_id
-        origin = None
+        origin: Origin | None = None
         if submit.client is not None:  # sent with its client's nonce
-            resends = self._resends
-            origin = resends.origin(client, submit.client, rid)
-            copied = resends.copy(client, delimited, origin, submit.model)
-            if copied is not None:
-                return copied
+            claim = self._resends.claim(client, delimited, submit.client, rid, submit.model)
+            if isinstance(claim, list):  # a copy of a request held
+                return claim
+            origin = claim
         spec = self.registry.specs.get(submit.model)
         stopping = self._backlog.stopping  # an UNAVAILABLE now may be sent again (§6.3)
         if spec is None:

@@ -12,7 +12,7 @@ queue and in-flight limits.
   worker) is a copy sent again after the client lost its connection: it is not run
   again and gets no answer of its own. The held request's one answer goes to the
   connection the copy came by, and the request's share of the per-client limits moves
-  there with it (:meth:`Resends.copy`). A copy that names another model than the
+  there with it (:meth:`Resends.claim`). A copy that names another model than the
   request it matches is answered INVALID_ARGUMENT, and the request goes on as it was.
 - A CANCEL of a request held at the door or queued drops it and answers it CANCELLED on
   the connection its latest copy came by; of one at a worker, or one the broker does not
@@ -67,22 +67,25 @@ class Resends:
         key_of = self.key_of
         return (nonce if key_of is None else key_of(client) + nonce, request_id)
 
-    def copy(
-        self, client: ClientId, delimited: bool, origin: Origin, model: str
-    ) -> list[Outgoing] | None:
-        """A REQUEST of ``origin`` for ``model`` came from ``client``: None when it is no
-        copy of a request held (the caller admits it), else what to send: nothing (the
-        held request answers on ``client``'s connection) or, for a copy that names
-        another model, its INVALID_ARGUMENT."""
+    def claim(
+        self, client: ClientId, delimited: bool, nonce: bytes, request_id: int, model: str
+    ) -> Origin | list[Outgoing]:
+        """A REQUEST with ``nonce`` and ``request_id`` for ``model`` came from ``client``:
+        its (origin, id) when it is no copy of a request held (the caller admits it with
+        that origin), else what to send: nothing (the held request answers on
+        ``client``'s connection) or, for a copy that names another model, its
+        INVALID_ARGUMENT. (One call: it runs for every request sent with a nonce.)"""
+        key_of = self.key_of
+        origin = (nonce if key_of is None else key_of(client) + nonce, request_id)
         req = self._by_origin.get(origin)
         holding = self._holding
         entry = None
         if req is None:
             if not holding.count:
-                return None
+                return origin
             entry = holding.by_origin.get(origin)
             if entry is None:
-                return None
+                return origin
             held_model = entry.received.submit.model
         else:
             held_model = req.model
