@@ -275,7 +275,6 @@ class ClientIntake:
                 return claim
             origin = claim
         spec = self.registry.specs.get(submit.model)
-        stopping = self._backlog.stopping  # an UNAVAILABLE now may be sent again (§6.3)
         if spec is None:
             if now < self.started_s + self.config.register_grace_s:
                 # Just (re)started: its workers may not have said READY yet, and a client
@@ -287,12 +286,7 @@ class ClientIntake:
                     f"no worker has registered model {submit.model!r} yet; the broker "
                     f"started {now - self.started_s:.1f} s ago"
                 )
-                code = ErrorCode.UNAVAILABLE
-                return [
-                    self._replies.error(
-                        client, delimited, rid, code, msg, simple=simple, retry=stopping
-                    )
-                ]
+                return [self._unavailable(received, msg)]
             msg = f"model {submit.model!r} is not served by any worker"
             return [
                 self._replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
@@ -300,12 +294,7 @@ class ClientIntake:
         max_batch = self.registry.max_batch(spec.name)
         if max_batch == 0:  # before the payload checks (protocol §6.1)
             msg = f"no live worker serves model {spec.name!r} right now"
-            code = ErrorCode.UNAVAILABLE
-            return [
-                self._replies.error(
-                    client, delimited, rid, code, msg, simple=simple, retry=stopping
-                )
-            ]
+            return [self._unavailable(received, msg)]
         try:
             inputs, order, samples = conform(spec, submit.inputs, payloads, submit.shm)
             shape = inputs[0].shape
@@ -340,6 +329,12 @@ class ClientIntake:
             submit.shm_outputs,
             origin,
         )
+
+    def _unavailable(self, r: Received, message: str) -> Outgoing:
+        """UNAVAILABLE at the door; once the broker is stopping, with ``retry`` (§6.3)."""
+        code, rid, retry = ErrorCode.UNAVAILABLE, r.submit.request_id, self._backlog.stopping
+        error = self._replies.error
+        return error(r.client, r.delimited, rid, code, message, simple=r.simple, retry=retry)
 
     def _enqueue(
         self,
