@@ -253,13 +253,27 @@ _DEMO_FLAGS: dict[str, tuple[type, float, str]] = {
     "max_batch": (int, 8, "broker B_max"),
     "max_wait_ms": (float, 5.0, "broker T_max"),
 }
+#: Where ``--scenario ocr`` has defaults of its own: a 1080p frame costs the detector
+#: about half a second on a CPU, so fewer frames, for a few seconds.
+_OCR_DEMO_DEFAULTS: dict[str, float] = {"duration_s": 4.0, "cameras": 3, "fps": 0.5}
 
 
 def _demo(args: argparse.Namespace) -> int:
     """run a broker, two CPU workers and a camera client"""
+    ocr = args.scenario == "ocr"
+    values: dict[str, Any] = {}
+    for name, (kind, default, _) in _DEMO_FLAGS.items():
+        given = getattr(args, name)
+        values[name] = kind(_OCR_DEMO_DEFAULTS.get(name, default) if ocr else default)
+        if given is not None:
+            values[name] = given
+    if args.scenario == "ocr":
+        from carpool.ocr.demo import run_ocr_demo
+
+        return run_ocr_demo(**values)
     from carpool.demo import run_demo
 
-    return run_demo(**{name: getattr(args, name) for name in _DEMO_FLAGS})
+    return run_demo(**values)
 
 
 # ---------------------------------------------------------------------- parser
@@ -352,8 +366,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_keygen_parsers(sub)
 
     d = add_command(sub, "demo", _demo)
+    d.add_argument(
+        "--scenario",
+        choices=("orientation", "ocr"),
+        default="orientation",
+        help="orientation: pages in four rotations to the orientation model (default); "
+        "ocr: cameras at 640x480, 1280x720 and 1920x1080 to the text detector, their "
+        "lines to the recognizer",
+    )
     for name, (kind, default, text) in _DEMO_FLAGS.items():
-        d.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=text)
+        ocr = _OCR_DEMO_DEFAULTS.get(name)
+        shown = f"{default:g}" + ("" if ocr is None else f"; ocr {ocr:g}")
+        d.add_argument(
+            "--" + name.replace("_", "-"), type=kind, default=None, help=f"{text} ({shown})"
+        )
 
     from carpool.benchcmd import add_parsers as add_bench_parsers
     from carpool.modelscmd import add_parsers as add_models_parsers

@@ -127,7 +127,7 @@ def run_demo(
         raise ConfigError(str(exc)) from None
 
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    with _sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="carpool-demo-") as tmp:
+    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="carpool-demo-") as tmp:
         frontend = f"ipc://{Path(tmp) / 'frontend'}"
         backend = f"ipc://{Path(tmp) / 'backend'}"
         try:
@@ -136,19 +136,19 @@ def run_demo(
                 f"{workers} CPU workers; B_max {max_batch}, T_max {max_wait_ms:g} ms",
                 flush=True,
             )
-            procs["broker"] = _spawn(
+            procs["broker"] = spawn(
                 "broker",
                 *("--frontend", frontend, "--backend", backend),
                 *("--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms)),
             )
             for i in range(workers):
-                procs[f"cpu-{i}"] = _spawn(
+                procs[f"cpu-{i}"] = spawn(
                     "worker",
                     *("--broker", backend, "--model", MODEL, "--name", f"cpu-{i}"),
                     *("--max-batch", str(max_batch)),
                 )
             with Client(frontend, default_timeout_s=REQUEST_TIMEOUT_S) as client:
-                ready_s = _wait_ready(client, procs, workers)
+                ready_s = wait_ready(client, procs, workers)
                 print(f"fleet ready in {ready_s:.1f} s; cameras rolling", flush=True)
                 tally = _run_cameras(client, frames, duration_s, cameras, fps)
                 try:
@@ -157,7 +157,7 @@ def run_demo(
                     print("carpool demo: no STATS reply from the broker", file=sys.stderr)
                     stats = {}
             _report(tally, stats)
-            dead = _exited(procs)
+            dead = exited(procs)
             if dead:
                 print(f"carpool demo: exited early: {dead}", file=sys.stderr)
             ok = tally.replies == tally.sent and tally.correct == tally.sent and not dead
@@ -168,24 +168,24 @@ def run_demo(
         except KeyboardInterrupt:
             print("carpool demo: interrupted", file=sys.stderr)
             return 130
-        except _Terminated:
+        except Terminated:
             print("carpool demo: terminated", file=sys.stderr)
             return 143
         finally:
-            _stop(procs)
+            stop(procs)
 
 
-class _Terminated(Exception):
+class Terminated(Exception):
     """SIGTERM arrived: unwind so that the children are stopped too."""
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated
+    raise Terminated
 
 
 @contextlib.contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`_Terminated` (main thread only: elsewhere
+def sigterm_unwinds() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` (main thread only: elsewhere
     signal handlers cannot be set, and the block leaves SIGTERM as it is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -197,12 +197,12 @@ def _sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _spawn(*args: str) -> subprocess.Popen[bytes]:
+def spawn(*args: str) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "carpool", "--log-level", _CHILD_LOG_LEVEL, *args]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
 
-def _exited(procs: dict[str, subprocess.Popen[bytes]]) -> str:
+def exited(procs: dict[str, subprocess.Popen[bytes]]) -> str:
     """The processes that have exited, as ``name (code N)``, comma-separated."""
     return ", ".join(
         f"{name} (code {proc.returncode})"
@@ -211,14 +211,14 @@ def _exited(procs: dict[str, subprocess.Popen[bytes]]) -> str:
     )
 
 
-def _wait_ready(client: Client, procs: dict[str, subprocess.Popen[bytes]], workers: int) -> float:
+def wait_ready(client: Client, procs: dict[str, subprocess.Popen[bytes]], workers: int) -> float:
     """Wait until the broker answers STATS with ``workers`` live workers; returns the
     seconds it took."""
     clock = client.clock
     start_s = clock.now()
     until = start_s + READY_TIMEOUT_S
     while clock.now() < until:
-        dead = _exited(procs)
+        dead = exited(procs)
         if dead:
             raise DemoError(f"exited early: {dead}")
         try:
@@ -342,7 +342,7 @@ def _report(tally: Tally, stats: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+def stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
     """SIGTERM the processes (workers before the broker), wait, then SIGKILL stragglers."""
     clock = MonotonicClock()
     ordered = list(reversed(procs.items()))

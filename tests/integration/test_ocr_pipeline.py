@@ -22,6 +22,7 @@ from carpool.ocr.pipeline import (
     EngineTransport,
     FleetTransport,
     OcrPipeline,
+    OcrSteps,
     load_charset,
 )
 from carpool.ocr.render import Frame, render_frame
@@ -57,8 +58,7 @@ def test_text_read_through_the_fleet_matches_the_rendered_lines_and_a_direct_run
                 "ppocr-rec": OnnxRuntimeEngine(locate("ppocr-rec")),
             }
         ),
-        charset,
-        detector_pad=DetectorPad.MINIMAL,
+        OcrSteps(charset, DetectorPad.MINIMAL),
     )
     fleet: Fleet = fleet_factory(max_batch=4, max_wait_s=0.01)
     fleet.add_worker(
@@ -67,7 +67,7 @@ def test_text_read_through_the_fleet_matches_the_rendered_lines_and_a_direct_run
             "ppocr-rec": ModelConfig(name="ppocr-rec", max_batch=4).factory(),
         }
     )
-    served = OcrPipeline(FleetTransport(fleet.ready()), charset, detector_pad=DetectorPad.MINIMAL)
+    served = OcrPipeline(FleetTransport(fleet.ready()), OcrSteps(charset, DetectorPad.MINIMAL))
     for width_px, height_px in SIZES:
         frames = [render_frame(seed, width_px, height_px) for seed in range(FRAMES)]
         assert sum(len(f.lines) for f in frames) >= 30

@@ -105,3 +105,34 @@ def test_a_child_that_does_not_stop_has_its_stacks_dumped_then_is_killed(
     err = capfd.readouterr().err
     assert "broker did not stop within" in err
     assert "in wait_forever" in err  # the child's stack, on the shared stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT_S + 30)
+def test_the_ocr_scenario_reads_the_rendered_text(tmp_path: Path) -> None:
+    # Two cameras (640x480 and 1280x720) for one tick: the 1080p camera's frames cost the
+    # detector half a second each on this CPU (bench/ocr_buckets.py runs all three).
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    command = [sys.executable, "-m", "carpool", "demo", "--scenario", "ocr", "--cameras", "2"]
+    result = subprocess.run(
+        [*command, "--duration-s", "1", "--fps", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    stray = _leftovers(str(tmp_path))
+    for proc in stray:
+        proc.kill()
+    assert not stray, f"the demo left processes running: {[p.pid for p in stray]}"
+    assert result.returncode == 0, output
+    assert re.search(r"^requests sent:\s+14 \(ppocr-det 2, ppocr-rec 12\)$", output, re.M), output
+    assert re.search(r"^replies:\s+14$", output, re.M), output
+    assert re.search(r"^errors:\s+none$", output, re.M), output
+    assert re.search(r"^latency ms \(frame\): p50 \d+\s+p95 \d+\s+p99 \d+$", output, re.M), output
+    assert re.search(r"^batches \(ppocr-det\): \d+: ", output, re.M), output
+    assert re.search(r"^text read \(640x480\): 6 lines, \d exact, CER \d+\.\d%$", output, re.M)
+    assert re.search(r"^text read \(1280x720\): 6 lines, ", output, re.M), output
+    assert re.search(r"^text read \(all\):\s+12 lines, CER \d+\.\d%$", output, re.M), output

@@ -1,12 +1,12 @@
 """pipeline.py: frames to text, over a transport that runs the two models.
 
-:class:`OcrPipeline` is the whole of the OCR logic: the detector's input for each frame,
-its probability map to boxes, each box to a recognizer input, each CTC output to text.
-What runs the models is a :class:`Transport`: :class:`EngineTransport` calls ONNX
-Runtime in this process one request at a time; :class:`FleetTransport` sends every
-request to a carpool broker at once through a ``Client`` and waits for them all. The two
-differ only in transport, batching and padding, so comparing their text measures what
-the fleet changes.
+:class:`OcrSteps` is the whole of the OCR logic: the detector's input for each frame, its
+probability map to boxes, each box to a recognizer input, each CTC output to text.
+:class:`OcrPipeline` runs those steps over a :class:`Transport`: :class:`EngineTransport`
+calls ONNX Runtime in this process one request at a time; :class:`FleetTransport` sends
+every request to a carpool broker at once through a ``Client`` and waits for them all.
+The two differ only in transport, batching and padding, so comparing their text
+measures what the fleet changes.
 
 Padding of the detector's frames (:class:`DetectorPad`) is the pipeline's choice:
 ``MINIMAL`` pads each frame here to the next multiples of 32 (what the model needs, and
@@ -20,7 +20,7 @@ their own width: the fleet pads them into its width buckets; a direct run does n
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
@@ -87,27 +87,15 @@ class Reading:
     confidence: float
 
 
-class OcrPipeline:
-    """Reads text in RGB frames ``[H, W, 3]`` uint8 through ``transport``."""
+@dataclass(frozen=True, slots=True)
+class OcrSteps:
+    """The OCR logic without a transport: each frame's detector input, boxes from its
+    output, text from a recognizer output (for callers that run the models themselves,
+    such as the demo's open-loop cameras)."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        charset: Charset,
-        *,
-        detector_pad: DetectorPad | tuple[int, int] = DetectorPad.MINIMAL,
-        params: DbParams | None = None,
-        detector: str = DETECTOR,
-        recognizer: str = RECOGNIZER,
-    ) -> None:
-        self.transport = transport
-        self.charset = charset
-        self.detector_pad = detector_pad
-        self.params = DbParams() if params is None else params
-        self.detector = detector
-        self.recognizer = recognizer
-
-    # The steps, for callers that run the models themselves (the demo, the benchmark).
+    charset: Charset
+    detector_pad: DetectorPad | tuple[int, int] = DetectorPad.MINIMAL
+    params: DbParams = field(default_factory=DbParams)
 
     def detector_input(self, pixels: NDArray[np.uint8]) -> NDArray[np.float32]:
         """A frame as the detector's ``x``, padded as ``detector_pad`` says."""
@@ -127,19 +115,28 @@ class OcrPipeline:
         """Text and confidence from the recognizer's output ``[1, T, symbols]``."""
         return self.charset.decode(probs[0])
 
-    # The whole.
+
+@dataclass(frozen=True, slots=True)
+class OcrPipeline:
+    """Reads text in RGB frames ``[H, W, 3]`` uint8: ``steps`` over ``transport``."""
+
+    transport: Transport
+    steps: OcrSteps
+    detector: str = DETECTOR
+    recognizer: str = RECOGNIZER
 
     def read(self, frames: Sequence[NDArray[np.uint8]]) -> list[list[Reading]]:
         """What each frame says: its boxes top to bottom and their texts."""
+        steps = self.steps
         maps = self.transport.run(
-            self.detector, detect.OUTPUT, [self.detector_input(p) for p in frames]
+            self.detector, detect.OUTPUT, [steps.detector_input(p) for p in frames]
         )
-        found = [self.boxes(p, m) for p, m in zip(frames, maps, strict=True)]
+        found = [steps.boxes(p, m) for p, m in zip(frames, maps, strict=True)]
         lines = [
             recognize.line_input(p, b) for p, bs in zip(frames, found, strict=True) for b in bs
         ]
         outputs = iter(self.transport.run(self.recognizer, recognize.OUTPUT, lines))
-        return [[Reading(b, *self.text(next(outputs))) for b in bs] for bs in found]
+        return [[Reading(b, *steps.text(next(outputs))) for b in bs] for bs in found]
 
 
 def load_charset(path: str | Any) -> Charset:
