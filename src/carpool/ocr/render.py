@@ -28,7 +28,6 @@ _VOCABULARY = (
     "north south east west cold dry heavy spare parts batch camera frame robot"
 )
 _WORDS = tuple(_VOCABULARY.split())
-_MAX_WORDS = 3
 _GAP = 0.6  # space between words, in font sizes (a wide space reads back as one)
 _INK_BOX = ((min, 0), (min, 1), (max, 2), (max, 3))  # union of word boxes
 _EDGE_PX = 4  # flush-right lines end, and the last line ends, this far from the edge
@@ -64,9 +63,9 @@ def font_px_for(height_px: int) -> int:
     return max(30, round(height_px / 20))
 
 
-def _phrase(rng: random.Random, fits: Callable[[list[str]], bool]) -> list[str]:
+def _phrase(rng: random.Random, fits: Callable[[list[str]], bool], most: int) -> list[str]:
     words: list[str] = []
-    while len(words) < _MAX_WORDS:
+    while len(words) < most:
         word = rng.choice(_WORDS) if rng.random() < 0.7 else f"{rng.randrange(10, 99999)}"
         if rng.random() < 0.15:
             word = word.upper()
@@ -76,8 +75,11 @@ def _phrase(rng: random.Random, fits: Callable[[list[str]], bool]) -> list[str]:
     return words
 
 
-def render_frame(seed: int, width_px: int, height_px: int, lines: int = 10) -> Frame:
-    """A frame of ``width_px`` x ``height_px`` with ``lines`` text lines, chosen by ``seed``.
+def render_frame(
+    seed: int, width_px: int, height_px: int, lines: int = 10, words: int = 3
+) -> Frame:
+    """A frame of ``width_px`` x ``height_px`` with ``lines`` text lines of up to ``words``
+    words (words and numbers; fewer where the line would not fit), chosen by ``seed``.
 
     Raises:
         ValueError: the frame is too small for that many lines of its text size.
@@ -114,18 +116,18 @@ def render_frame(seed: int, width_px: int, height_px: int, lines: int = 10) -> F
         def fits(words: list[str], room_px: float = room_px) -> bool:
             return width(words) <= room_px
 
-        words = _phrase(rng, fits)
+        chosen = _phrase(rng, fits, words)
         bottom_px = round((i + 1) * pitch_px)
         top_px = round(i * pitch_px + 0.3 * font_px)
         if i == lines - 1:
             top_px = bottom_px - bottom_ink_px
-        x_px = width_px - _EDGE_PX - width(words) if flush_right else left_px
+        x_px = width_px - _EDGE_PX - width(chosen) if flush_right else left_px
         ink = rng.randrange(0, 70)
         boxes = []
-        for word in words:
+        for word in chosen:
             boxes.append(draw.textbbox((x_px, top_px), word, font=font))
             draw.text((x_px, top_px), word, fill=(ink, ink, ink), font=font)
             x_px += round(draw.textlength(word, font=font)) + gap_px
         x0, y0, x1, y1 = (round(f(b[k] for b in boxes)) for f, k in _INK_BOX)
-        rendered.append(TextLine(" ".join(words), (x0, y0, x1, y1)))
+        rendered.append(TextLine(" ".join(chosen), (x0, y0, x1, y1)))
     return Frame(np.asarray(image, dtype=np.uint8).copy(), tuple(rendered))
