@@ -133,6 +133,12 @@ def test_the_ocr_scenario_reads_the_rendered_text(tmp_path: Path) -> None:
     assert re.search(r"^errors:\s+none$", output, re.M), output
     assert re.search(r"^latency ms \(frame\): p50 \d+\s+p95 \d+\s+p99 \d+$", output, re.M), output
     assert re.search(r"^batches \(ppocr-det\): \d+: ", output, re.M), output
+    # The 720-row frame ran in its bucket, 736 rows: 16 of them padding.
+    bucket = (
+        r"^bucket \(ppocr-det 3x736x1280\): 1 batches, 1 samples, padded share of compute 2\.2%$"
+    )
+    assert re.search(bucket, output, re.M), output
+    assert re.search(r"^bucket \(ppocr-rec 3x48x\d+\): \d+ batches", output, re.M), output
     assert re.search(r"^text read \(640x480\): 6 lines, \d exact, CER \d+\.\d%$", output, re.M)
     assert re.search(r"^text read \(1280x720\): 6 lines, ", output, re.M), output
     assert re.search(r"^text read \(all\):\s+12 lines, CER \d+\.\d%$", output, re.M), output
