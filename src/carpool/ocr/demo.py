@@ -14,6 +14,7 @@ rate of the text read against the text rendered.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tempfile
 from collections import Counter, defaultdict
@@ -109,7 +110,7 @@ def run_ocr_demo(
     except ImportError as exc:
         raise ConfigError(str(exc)) from None
 
-    procs: dict[str, Any] = {}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="carpool-demo-") as tmp:
         frontend = f"ipc://{Path(tmp) / 'frontend'}"
         backend = f"ipc://{Path(tmp) / 'backend'}"

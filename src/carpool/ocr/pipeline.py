@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -139,7 +140,7 @@ class OcrPipeline:
         return [[Reading(b, *steps.text(next(outputs))) for b in bs] for bs in found]
 
 
-def load_charset(path: str | Any) -> Charset:
+def load_charset(path: str | Path) -> Charset:
     """The recognizer's charset from its ONNX file's metadata (needs onnxruntime)."""
     import onnxruntime as ort
 
