@@ -146,5 +146,5 @@ def load_charset(path: str | Path) -> Charset:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), sess_options=options)
-    return Charset.from_metadata(dict(session.get_modelmeta().custom_metadata_map))
+    model = ort.InferenceSession(str(path), sess_options=options)
+    return Charset.from_metadata(dict(model.get_modelmeta().custom_metadata_map))
