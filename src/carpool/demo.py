@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -106,6 +106,41 @@ def run_demo(
     Raises:
         ConfigError: an argument is out of range, or Pillow is not installed.
     """
+    check_settings(duration_s, cameras, fps, workers, max_batch, max_wait_ms)
+    try:
+        frames = render_frames()
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
+
+    def fleet(tmp: Path, procs: dict[str, subprocess.Popen[bytes]]) -> int:
+        print(
+            f"carpool demo: {cameras} cameras x {fps:g} fps for {duration_s:g} s; "
+            f"{workers} CPU workers; B_max {max_batch}, T_max {max_wait_ms:g} ms",
+            flush=True,
+        )
+        frontend = start_fleet(
+            procs,
+            tmp,
+            workers,
+            ("--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms)),
+            ("--model", MODEL, "--max-batch", str(max_batch)),
+        )
+        with Client(frontend, default_timeout_s=REQUEST_TIMEOUT_S) as client:
+            ready_s = wait_ready(client, procs, workers)
+            print(f"fleet ready in {ready_s:.1f} s; cameras rolling", flush=True)
+            tally = _run_cameras(client, frames, duration_s, cameras, fps)
+            stats = final_stats(client)
+        _report(tally, stats)
+        ok = tally.replies == tally.sent and tally.correct == tally.sent
+        return 0 if none_exited(procs) and ok else 1
+
+    return run_fleet(fleet)
+
+
+def check_settings(
+    duration_s: float, cameras: int, fps: float, workers: int, max_batch: int, max_wait_ms: float
+) -> None:
+    """Raise :class:`ConfigError` naming each demo setting out of its range."""
     problems = [
         f"{name} must be > 0, got {value}"
         for name, value in (
@@ -121,47 +156,16 @@ def run_demo(
         problems.append(f"max_wait_ms must be >= 0, got {max_wait_ms}")
     if problems:
         raise ConfigError("demo: " + "; ".join(problems))
-    try:
-        frames = render_frames()
-    except ImportError as exc:
-        raise ConfigError(str(exc)) from None
 
+
+def run_fleet(body: Callable[[Path, dict[str, subprocess.Popen[bytes]]], int]) -> int:
+    """Run ``body(tmp, procs)`` in a temporary folder, and stop every process it put in
+    ``procs`` at the end, whatever happens: a :class:`DemoError` is exit code 1, Ctrl-C
+    130 and SIGTERM 143 (each said on stderr)."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="carpool-demo-") as tmp:
-        frontend = f"ipc://{Path(tmp) / 'frontend'}"
-        backend = f"ipc://{Path(tmp) / 'backend'}"
         try:
-            print(
-                f"carpool demo: {cameras} cameras x {fps:g} fps for {duration_s:g} s; "
-                f"{workers} CPU workers; B_max {max_batch}, T_max {max_wait_ms:g} ms",
-                flush=True,
-            )
-            procs["broker"] = spawn(
-                "broker",
-                *("--frontend", frontend, "--backend", backend),
-                *("--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms)),
-            )
-            for i in range(workers):
-                procs[f"cpu-{i}"] = spawn(
-                    "worker",
-                    *("--broker", backend, "--model", MODEL, "--name", f"cpu-{i}"),
-                    *("--max-batch", str(max_batch)),
-                )
-            with Client(frontend, default_timeout_s=REQUEST_TIMEOUT_S) as client:
-                ready_s = wait_ready(client, procs, workers)
-                print(f"fleet ready in {ready_s:.1f} s; cameras rolling", flush=True)
-                tally = _run_cameras(client, frames, duration_s, cameras, fps)
-                try:
-                    stats = client.stats(timeout_s=2.0)
-                except TimeoutError:
-                    print("carpool demo: no STATS reply from the broker", file=sys.stderr)
-                    stats = {}
-            _report(tally, stats)
-            dead = exited(procs)
-            if dead:
-                print(f"carpool demo: exited early: {dead}", file=sys.stderr)
-            ok = tally.replies == tally.sent and tally.correct == tally.sent and not dead
-            return 0 if ok else 1
+            return body(Path(tmp), procs)
         except DemoError as exc:
             print(f"carpool demo: {exc}", file=sys.stderr)
             return 1
@@ -173,6 +177,39 @@ def run_demo(
             return 143
         finally:
             stop(procs)
+
+
+def start_fleet(
+    procs: dict[str, subprocess.Popen[bytes]],
+    tmp: Path,
+    workers: int,
+    broker_args: Sequence[str],
+    worker_args: Sequence[str],
+) -> str:
+    """Start a broker on ipc endpoints in ``tmp`` and ``workers`` workers (``cpu-0``,
+    ...) with these extra arguments, into ``procs``; returns the frontend."""
+    frontend, backend = f"ipc://{tmp / 'frontend'}", f"ipc://{tmp / 'backend'}"
+    procs["broker"] = spawn("broker", "--frontend", frontend, "--backend", backend, *broker_args)
+    for i in range(workers):
+        procs[f"cpu-{i}"] = spawn("worker", "--broker", backend, "--name", f"cpu-{i}", *worker_args)
+    return frontend
+
+
+def final_stats(client: Client) -> dict[str, Any]:
+    """The broker's STATS after the run ({} when it does not answer, said on stderr)."""
+    try:
+        return client.stats(timeout_s=2.0)
+    except TimeoutError:
+        print("carpool demo: no STATS reply from the broker", file=sys.stderr)
+        return {}
+
+
+def none_exited(procs: dict[str, subprocess.Popen[bytes]]) -> bool:
+    """No process of the fleet has exited (those that have are said on stderr)."""
+    dead = exited(procs)
+    if dead:
+        print(f"carpool demo: exited early: {dead}", file=sys.stderr)
+    return not dead
 
 
 class Terminated(Exception):

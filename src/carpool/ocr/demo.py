@@ -15,8 +15,6 @@ rate of the text read against the text rendered.
 from __future__ import annotations
 
 import subprocess
-import sys
-import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +25,11 @@ import numpy as np
 from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.errors import ConfigError
 from carpool.demo import (
-    DemoError,
-    Terminated,
-    exited,
-    sigterm_unwinds,
-    spawn,
-    stop,
+    check_settings,
+    final_stats,
+    none_exited,
+    run_fleet,
+    start_fleet,
     wait_ready,
 )
 from carpool.ocr import detect, recognize
@@ -88,14 +85,7 @@ def run_ocr_demo(
     Raises:
         ConfigError: an argument is out of range, Pillow or the model wheel is missing.
     """
-    values = {"duration_s": duration_s, "cameras": cameras, "fps": fps, "workers": workers}
-    problems = [f"{k} must be > 0, got {v}" for k, v in values.items() if not v > 0]
-    if not max_batch > 0:
-        problems.append(f"max_batch must be > 0, got {max_batch}")
-    if max_wait_ms < 0:
-        problems.append(f"max_wait_ms must be >= 0, got {max_wait_ms}")
-    if problems:
-        raise ConfigError("demo: " + "; ".join(problems))
+    check_settings(duration_s, cameras, fps, workers, max_batch, max_wait_ms)
     from carpool.worker.models import locate
 
     try:
@@ -110,61 +100,43 @@ def run_ocr_demo(
     except ImportError as exc:
         raise ConfigError(str(exc)) from None
 
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    with sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="carpool-demo-") as tmp:
-        frontend = f"ipc://{Path(tmp) / 'frontend'}"
-        backend = f"ipc://{Path(tmp) / 'backend'}"
-        try:
-            sizes = ", ".join(f"{w}x{h}" for w, h in RESOLUTIONS[: min(cameras, 3)])
-            print(
-                f"carpool demo (ocr): {cameras} cameras ({sizes}) x {fps:g} fps for "
-                f"{duration_s:g} s; {workers} CPU workers serving {DETECTOR} and "
-                f"{RECOGNIZER}; B_max {max_batch}, T_max {max_wait_ms:g} ms",
-                flush=True,
-            )
-            # The engine watchdog predicts a batch's time from one fitted cost per model,
-            # for all its buckets: a 1080p batch after 480p ones runs far past it. A long
-            # slack keeps it from marking busy workers unhealthy.
-            config = Path(tmp) / "broker.toml"
-            config.write_text(f"watchdog_slack_s = {WATCHDOG_SLACK_S}\n")
-            procs["broker"] = spawn(
-                "broker",
-                *("--frontend", frontend, "--backend", backend, "--config", str(config)),
-                *("--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms)),
-            )
-            for i in range(workers):
-                procs[f"cpu-{i}"] = spawn(
-                    "worker",
-                    *("--broker", backend, "--name", f"cpu-{i}"),
-                    *("--model", DETECTOR, "--model", RECOGNIZER),
-                    *("--max-batch", str(max_batch)),
-                )
-            with Client(frontend, default_timeout_s=REQUEST_TIMEOUT_S) as client:
-                ready_s = wait_ready(client, procs, workers)
-                print(f"fleet ready in {ready_s:.1f} s; cameras rolling", flush=True)
-                tally = _run_cameras(client, steps, shots, duration_s, fps)
-                try:
-                    stats = client.stats(timeout_s=2.0)
-                except TimeoutError:
-                    print("carpool demo: no STATS reply from the broker", file=sys.stderr)
-                    stats = {}
-            total = _report(tally, stats)
-            dead = exited(procs)
-            if dead:
-                print(f"carpool demo: exited early: {dead}", file=sys.stderr)
-            ok = tally.replies == tally.sent and not tally.errors and not dead
-            return 0 if ok and total.cer <= MAX_CER else 1
-        except DemoError as exc:
-            print(f"carpool demo: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("carpool demo: interrupted", file=sys.stderr)
-            return 130
-        except Terminated:
-            print("carpool demo: terminated", file=sys.stderr)
-            return 143
-        finally:
-            stop(procs)
+    def fleet(tmp: Path, procs: dict[str, subprocess.Popen[bytes]]) -> int:
+        sizes = ", ".join(f"{w}x{h}" for w, h in RESOLUTIONS[: min(cameras, 3)])
+        print(
+            f"carpool demo (ocr): {cameras} cameras ({sizes}) x {fps:g} fps for "
+            f"{duration_s:g} s; {workers} CPU workers serving {DETECTOR} and "
+            f"{RECOGNIZER}; B_max {max_batch}, T_max {max_wait_ms:g} ms",
+            flush=True,
+        )
+        # The engine watchdog predicts a batch's time from one fitted cost per model,
+        # for all its buckets: a 1080p batch after 480p ones runs far past it. A long
+        # slack keeps it from marking busy workers unhealthy.
+        config = tmp / "broker.toml"
+        config.write_text(f"watchdog_slack_s = {WATCHDOG_SLACK_S}\n")
+        frontend = start_fleet(
+            procs,
+            tmp,
+            workers,
+            (
+                "--config",
+                str(config),
+                "--max-batch",
+                str(max_batch),
+                "--max-wait-ms",
+                str(max_wait_ms),
+            ),
+            ("--model", DETECTOR, "--model", RECOGNIZER, "--max-batch", str(max_batch)),
+        )
+        with Client(frontend, default_timeout_s=REQUEST_TIMEOUT_S) as client:
+            ready_s = wait_ready(client, procs, workers)
+            print(f"fleet ready in {ready_s:.1f} s; cameras rolling", flush=True)
+            tally = _run_cameras(client, steps, shots, duration_s, fps)
+            stats = final_stats(client)
+        total = _report(tally, stats)
+        ok = tally.replies == tally.sent and not tally.errors
+        return 0 if none_exited(procs) and ok and total.cer <= MAX_CER else 1
+
+    return run_fleet(fleet)
 
 
 def _run_cameras(
