@@ -1,9 +1,10 @@
 """aio.py: AsyncClient — the asyncio twin of :class:`carpool.client.Client`.
 
-Same methods (``submit``, ``infer``, ``stats``, ``close``) over the same ClientCore; one
-reader task per client completes the futures. Use it from one event loop at a time: a
-client moves to a new loop once the old one has stopped (``asyncio.run`` after
-``asyncio.run``), and refuses a second loop while the first runs.
+Same methods (``submit``, ``infer``, ``stats``, ``cancel``, ``close``) over the same
+ClientCore; one reader task per client completes the futures, and sends what the core
+has for the socket (requests sent again after a lost connection, CANCELs). Use it from
+one event loop at a time: a client moves to a new loop once the old one has stopped
+(``asyncio.run`` after ``asyncio.run``), and refuses a second loop while the first runs.
 """
 
 from __future__ import annotations
@@ -25,17 +26,38 @@ from carpool.client.shell import (
     Dealer,
     close_core,
     curve_keys,
+    flush,
     open_core,
 )
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
 
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+
 
 def _cancelled() -> bool:
     """Whether the running task itself is being cancelled (not a socket it awaited)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+class _Reply(asyncio.Future[InferResult]):
+    """The future of one request: cancelling it (``future.cancel()``, or a task or
+    ``asyncio.wait_for`` that gives up on it) sends the request's CANCEL too, and its
+    later answer is dropped (:meth:`AsyncClient.cancel` keeps the answer instead)."""
+
+    __slots__ = ("_client", "request_id")
+
+    def __init__(self, client: AsyncClient, request_id: int, loop: asyncio.AbstractEventLoop):
+        super().__init__(loop=loop)
+        self._client, self.request_id = client, request_id
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self._client._cancel(self.request_id)
+        return True
 
 
 class AsyncClient:
@@ -55,11 +77,14 @@ class AsyncClient:
         self.clock: Clock = clock or MonotonicClock()
         self.context = context or zmq.asyncio.Context()
         self._dealer = Dealer(self, self.context, endpoint, own_context=context is None, keys=keys)
+        self._poll_events = _POLLIN  # the socket's, in the poller (set by _new_poller)
         self._poller = self._new_poller()
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
         # stats() calls waiting for their replies, by STATS id (several may overlap).
         self._stats: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._polling: asyncio.Future[Any] | None = None  # the reader's poll: cancelled
+        # to wake it (when the core has something for the socket)
         self._loop: asyncio.AbstractEventLoop | None = None  # of the futures and reader
         self.state = ClientState.OPEN
 
@@ -84,19 +109,24 @@ class AsyncClient:
         loop = self._bind()
         now = self.clock.now()
         rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
-        future: asyncio.Future[InferResult] = loop.create_future()
+        future = _Reply(self, rid, loop)
         self._futures[rid] = future
         # (The time the request took to encode counts against its window.)
         send_s = now + self.core.send_window_s(timeout_s) - self.clock.now()
+        socket = self.socket
         try:
-            await asyncio.wait_for(self.socket.send_multipart(frames, copy=False), send_s)
+            await asyncio.wait_for(socket.send_multipart(frames, copy=False), send_s)
         except (TimeoutError, asyncio.TimeoutError):  # (one class from 3.11 on)
             self.core.forget(rid)
             self._settle(rid, Unavailable("the broker is not taking requests", request_id=rid))
             return future
         except asyncio.CancelledError:
-            if self._ended_by_close() or (future.done() and not _cancelled()):
-                return future  # it holds close()'s answer, or the lost connection's
+            if self._ended_by_close() or (
+                not _cancelled() and (future.done() or socket is not self.socket)
+            ):
+                # It holds close()'s answer or the lost connection's, or the reader
+                # reopened the socket and sends it again.
+                return future
             self.core.forget(rid)
             self._futures.pop(rid, None)
             raise
@@ -139,6 +169,37 @@ class AsyncClient:
         finally:  # answered or given up: a later reply is dropped, the reader may go idle
             self._stats.pop(sid, None)
             self.core.forget_stats(sid)
+
+    def cancel(self, future: asyncio.Future[InferResult]) -> bool:
+        """Cancel ``future``'s request without waiting, as
+        :meth:`carpool.client.ReplyFuture.cancel` does: the future still resolves with
+        the request's one answer (``Cancelled`` if the broker dropped it before any
+        worker had it, else its result). Cancelling the asyncio future itself
+        (``future.cancel()``, ``asyncio.wait_for`` giving up) sends the CANCEL too, and
+        drops that answer. Returns False if the future was answered already, or is not
+        this client's."""
+        if not isinstance(future, _Reply) or future.done() or future._client is not self:
+            return False
+        self._cancel(future.request_id)
+        return True
+
+    def _cancel(self, rid: int) -> None:
+        error = self.core.cancel(rid)
+        if error is not None:
+            self._settle(rid, error)  # it was at no broker (waiting to be sent again)
+        elif self.state is ClientState.OPEN:
+            self._send_outgoing()
+
+    def _send_outgoing(self) -> None:
+        """Send what the core has for the socket while it takes it; wake the reader to
+        poll for room if some is left."""
+        if flush(self.core, self.socket, self.clock.now()):
+            polling = self._polling
+            if polling is not None and not polling.done():
+                polling.cancel()  # (the reader polls again, for POLLOUT as well)
+        # A send outside zmq.asyncio's own may take the socket's edge-triggered readable
+        # event; reading EVENTS through it schedules what is waiting.
+        self.socket.get(zmq.EVENTS)
 
     def _ended_by_close(self) -> bool:
         """Whether the CancelledError being handled came from close() (zmq cancels what
@@ -204,21 +265,36 @@ class AsyncClient:
             # Wake at least once a second so requests with shorter timeouts expire on time.
             wait_s = 1.0 if deadline is None else min(1.0, deadline - self.clock.now())
             wait_ms = max(0, math.ceil(wait_s * 1000))
-            ready = dict(await self._poller.poll(wait_ms))
-            if self.socket in ready:
+            events = _POLLIN | _POLLOUT if self.core.resend.has_outgoing else _POLLIN
+            if events != self._poll_events:  # (POLLOUT while the core has messages)
+                self._poller.register(self.socket, events)  # (registered: a modify)
+                self._poll_events = events
+            self._polling = polling = asyncio.ensure_future(self._poller.poll(wait_ms))
+            try:
+                ready = dict(await polling)
+            except asyncio.CancelledError:
+                if _cancelled():
+                    raise
+                ready = {}  # woken: the core has something for the socket
+            finally:
+                self._polling = None
+            if ready.get(self.socket, 0) & _POLLIN:
                 await self._receive()
             if self._watch_shadow in ready and self._dealer.watch.lost():
                 await self._connection_lost()
             for rid, error in self.core.expire(self.clock.now()):
                 self._settle(rid, error)
+            if self.core.resend.has_outgoing:
+                self._send_outgoing()
 
     async def _receive(self) -> None:
+        now = self.clock.now()
         while True:
             try:
                 frames = await self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._dispatch(frames)
+            self._dispatch(frames, now)
 
     def _new_poller(self) -> zmq.asyncio.Poller:
         """A poller of the socket and of its watch's monitor (through an asyncio shadow of
@@ -226,27 +302,25 @@ class AsyncClient:
         self._watch_shadow = zmq.asyncio.Socket.from_socket(self._dealer.watch.monitor)
         poller = zmq.asyncio.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        self._poll_events = _POLLIN
         poller.register(self._watch_shadow, zmq.POLLIN)
         return poller
 
     async def _connection_lost(self) -> None:
         """The connection to the broker closed (it stopped, or missed its heartbeats):
-        what it sent before is read, every request still pending fails UNAVAILABLE now
-        (its reply can no longer come: the broker answers by connection), and the socket
-        is opened afresh, so that nothing still queued in the old one reaches the broker
-        connected next and is answered twice (as :class:`carpool.client.Client` does)."""
+        what it sent before is read, the socket is opened afresh (so that nothing still
+        queued in the old one reaches the broker connected next and is answered twice),
+        and each request still pending is sent again on it while its budget allows, or
+        fails UNAVAILABLE now (as :class:`carpool.client.Client` does)."""
         await self._receive()
-        msg = "the connection to the broker closed before the reply; the request may have run"
-        for rid in list(self._futures):
-            self.core.forget(rid)
-            self._settle(rid, Unavailable(msg, request_id=rid))
-        self.core.lost_connections += 1
         self._dealer.reopen(self)
         self._poller = self._new_poller()
+        for rid, error in self.core.connection_lost(self.clock.now()):
+            self._settle(rid, error)
 
-    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+    def _dispatch(self, frames: list[zmq.Frame], now: float) -> None:
         try:
-            rid, outcome = self.core.on_reply(frames)
+            rid, outcome = self.core.on_reply(frames, now)
         except ProtocolError:
             return
         if isinstance(outcome, dict):

@@ -8,6 +8,12 @@ Local deadline: the broker answers every request by its deadline, so a client th
 nothing for ``timeout + grace`` concludes the broker is unreachable and fails the request
 with :class:`Unavailable` instead of waiting forever.
 
+Sending again and cancelling: what the core keeps of each request until its answer, and
+the rules for sending it again or cancelling it, are :class:`~carpool.client.resend.
+Resends`' (``ClientCore.resend``); the core asks it at each event (a reply, an
+UNAVAILABLE with ``retry``, a lost connection, a cancel) and hands the twins what it has
+to send (:meth:`ClientCore.outgoing`).
+
 Send window: ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
 away or not reading; past it a send waits for room, for at most :meth:`ClientCore.send_window_s`
 (the request's timeout, or the client's ``send_timeout_s`` if shorter).
@@ -26,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from carpool.client.inputs import encode_inputs
+from carpool.client.resend import Resends
 from carpool.common import codec
 from carpool.common.errors import (
     InternalError,
@@ -45,12 +53,10 @@ from carpool.common.protocol import (
     decode_meta,
     encode,
     parse_header,
-    ref_wire,
     request_frames,
     request_id_of,
     request_wire,
     tensor_signature,
-    tensor_wire,
     view,
 )
 from carpool.common.shm import RegionReader, ShmArena, ShmError
@@ -60,11 +66,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: A request settled by the core itself, and its answer.
+Failed = tuple[int, RequestError]
+
 # Read per request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
 _STATS, _ERROR, _REPLY = Command.STATS, Command.ERROR, Command.REPLY
-#: Inputs at least this large are sent without a copy (pyzmq's zmq.COPY_THRESHOLD);
-#: the client copies those that are the caller's memory first.
-_ALIAS_MIN_BYTES = 65536
 #: Reply layouts a client remembers (the cache stops growing when full).
 _MAX_LAYOUTS = 256
 
@@ -106,8 +112,8 @@ class ClientCore:
     shm_outputs: bool = False
     reader: RegionReader | None = None
     _next_sweep_s: float = 0.0
-    #: Connections to the broker that closed with requests possibly in flight (each
-    #: such request failed UNAVAILABLE then), and replies that came for a request no
+    #: Connections to the broker that closed (each request then in flight sent again or
+    #: failed: :mod:`carpool.client.resend`), and replies that came for a request no
     #: longer pending (already failed, timed out or answered): dropped, counted here.
     lost_connections: int = 0
     late_replies: int = 0
@@ -115,6 +121,8 @@ class ClientCore:
     # PERMISSION_DENIED under CURVE), None until it arrives. (Several may be in flight at
     # once, each waiting for the reply that echoes its id.)
     _stats: dict[int, dict[str, Any] | RequestError | None] = field(default_factory=dict)
+    # What each pending request needs to be sent again, and the client's nonce.
+    resend: Resends = field(default_factory=Resends)
 
     @classmethod
     def from_options(cls, options: ClientOptions, arena: ShmArena | None = None) -> ClientCore:
@@ -146,59 +154,17 @@ class ClientCore:
         priority: Priority = Priority.INTERACTIVE,
     ) -> tuple[int, list[Any]]:
         """Encode a request. Returns its id and frames, and starts its local deadline."""
-        if type(inputs) is not dict and not isinstance(inputs, Mapping):
-            # (An array's truth value, or a list's missing .items(), said nothing useful.)
-            raise TypeError(
-                f"inputs must map each input's name to its array, e.g. {{'x': array}}; "
-                f"got {type(inputs).__name__}"
-            )
-        if not inputs:
-            raise ValueError("a request needs at least one input tensor")
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not 0 < timeout <= 3600:
             raise ValueError(f"timeout_s must be in (0, 3600], got {timeout}")
-        metas: list[dict[str, Any]] = []
-        payloads: list[Any] = []
-        leases: list[int] = []
-        arena = self.arena
-        try:
-            for name, value in inputs.items():
-                arr = np.asarray(value)
-                if arr.ndim == 0:
-                    raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
-                dtype = codec.wire_dtype(arr.dtype)
-                given = arr
-                arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
-                desc = tensor_wire(name, dtype, [int(d) for d in arr.shape])
-                metas.append(desc)
-                if arena is not None and arr.nbytes >= self.shm_min_bytes:
-                    offset = arena.put(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
-                    if offset is not None:  # else no room: this one goes in its frame
-                        desc["shm"] = ref_wire((arena.name, offset, arena.key))
-                        leases.append(offset)
-                        payloads.append(b"")
-                        continue
-                if (
-                    arr.nbytes >= _ALIAS_MIN_BYTES
-                    and not isinstance(value, list | tuple)  # (made here: nobody else has it)
-                    and np.may_share_memory(arr, given)
-                ):
-                    # Sent without a copy, the caller's own buffer would be read when the
-                    # socket gets to it: a camera loop that refills its frame after
-                    # submit() would change a request already made. Smaller frames are
-                    # copied by pyzmq itself.
-                    arr = arr.copy()
-                payloads.append(arr)
-        except BaseException:
-            for offset in leases:  # a later input was bad: give back what was placed
-                assert arena is not None
-                arena.free(offset)
-            raise
+        metas, payloads, leases = encode_inputs(inputs, self.arena, self.shm_min_bytes)
         rid = next(self._ids)
         if leases:
             self._leases[rid] = leases
         timeout_ms = max(1, round(timeout * 1000))
-        meta = request_wire(rid, model, metas, timeout_ms, priority, self.shm_outputs)
+        resend = self.resend
+        meta = request_wire(rid, model, metas, timeout_ms, priority, self.shm_outputs, resend.nonce)
+        resend.keep(rid, model, meta, payloads, now)
         deadline = now + timeout + self.grace_s
         self.pending[rid] = deadline
         heap = self._deadlines
@@ -235,15 +201,17 @@ class ClientCore:
         return None, meta  # a late answer to a call that gave up, or one nobody asked
 
     def on_reply(
-        self, frames: Sequence[Frame]
+        self, frames: Sequence[Frame], now: float | None = None
     ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
-        """Decode a message from the broker.
+        """Decode a message from the broker that arrived at ``now`` (the twins pass it: a
+        model's latency is learnt from it, and an UNAVAILABLE with ``retry`` is kept to be
+        sent again only while its budget allows; None: neither is checked here).
 
         Returns:
             (request id, result or error) for replies to requests still pending;
             (stats id, stats map) for a STATS reply awaited (:meth:`stats_request`), and
             (None, stats map) for one that is not; (None, error) for an error that names
-            no pending request.
+            no pending request, or for one kept to be sent again on the next connection.
         Raises:
             ProtocolError: the message is not valid.
         """
@@ -252,7 +220,7 @@ class ClientCore:
         command = parse_header(view(frames[0]))
         meta = decode_meta(view(frames[1]))
         try:
-            return self._decode(command, meta, frames)
+            return self._decode(command, meta, frames, now)
         except Exception as exc:
             # Whatever a message from the network makes the decoding raise (numpy's own
             # refusals included) is a message that cannot be read, never a client that
@@ -270,7 +238,7 @@ class ClientCore:
             return self._settle(rid), InternalError(msg, request_id=rid)
 
     def _decode(
-        self, command: Command, meta: dict[str, Any], frames: Sequence[Frame]
+        self, command: Command, meta: dict[str, Any], frames: Sequence[Frame], now: float | None
     ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
         if command is _STATS:
             return self._on_stats(meta)
@@ -283,17 +251,23 @@ class ClientCore:
             if err.request_id is not None and err.request_id in self._stats:
                 self._stats[err.request_id] = exc  # a STATS request refused
                 return err.request_id, exc
+            if (
+                err.retry
+                and err.request_id in self.pending
+                and self.resend.refused(err.request_id, exc, now)
+            ):
+                return None, exc  # sent again on the next connection, or failed later
             return self._settle(err.request_id), exc
         if command is not _REPLY:
             raise ProtocolError(f"unexpected command {command.name} from the broker")
         payloads = frames[2:]
-        known = self._known_reply(meta, payloads)
+        known = self._known_reply(meta, payloads, now)
         if known is not None:
             return known
         reply = ReplyMeta.from_wire(meta)
         check_frame_sizes(reply.outputs, payloads, reply.shm)
         if reply.shm is not None:
-            rid = self._settle(reply.request_id)
+            rid = self._settle(reply.request_id, now)
             if rid is None:  # late or unknown: nobody waits, nothing to copy out
                 return None, Unavailable("a late reply", request_id=reply.request_id)
             return rid, self._shared_outputs(reply, payloads)
@@ -307,7 +281,7 @@ class ClientCore:
                 (t.name, codec.numpy_dtype(t.dtype), t.shape, t.nbytes) for t in reply.outputs
             )
         result = InferResult(outputs, reply.batch_size, reply.queue_ms, reply.compute_ms)
-        return self._settle(reply.request_id), result
+        return self._settle(reply.request_id, now), result
 
     def _shared_outputs(
         self, reply: ReplyMeta, payloads: Sequence[Frame]
@@ -343,7 +317,7 @@ class ClientCore:
         return InferResult(outputs, reply.batch_size, reply.queue_ms, reply.compute_ms)
 
     def _known_reply(
-        self, meta: dict[str, Any], payloads: Sequence[Frame]
+        self, meta: dict[str, Any], payloads: Sequence[Frame], now: float | None
     ) -> tuple[int | None, InferResult] | None:
         """A REPLY whose outputs (names, dtypes, shapes) were validated before, decoded
         without building the metas again; None: anything else (the full path decides)."""
@@ -369,14 +343,17 @@ class ClientCore:
                 return None
             outputs[name] = np.frombuffer(view(payload), dtype).reshape(shape)
         result = InferResult(outputs, batch_size, queue_ms, compute_ms)
-        return self._settle(rid), result
+        return self._settle(rid, now), result
 
-    def _settle(self, request_id: int | None) -> int | None:
+    def _settle(self, request_id: int | None, answered_s: float | None = None) -> int | None:
+        """Settle a pending request; ``answered_s``: when its outputs came (a latency
+        sample). Returns its id, or None for one not pending (late, unknown)."""
         if request_id is None:
             return None  # anonymous: nobody waits for it
         if self.pending.pop(request_id, None) is None:
             self.late_replies += 1  # late or duplicate: nobody waits for it any more
             return None
+        self.resend.pop(request_id, answered_s)
         if self._leases:
             self._release(request_id)
         return request_id
@@ -390,8 +367,46 @@ class ClientCore:
                 self.arena.free(offset)
 
     def forget(self, request_id: int) -> None:
+        """Stop waiting for request ``request_id`` (failed or given up by the caller)."""
         self.pending.pop(request_id, None)
+        self.resend.pop(request_id)
         self._release(request_id)
+
+    def connection_lost(self, now: float) -> list[tuple[int, RequestError]]:
+        """The connection to the broker closed, and the twin opened its socket afresh:
+        each pending request is queued to be sent again (:meth:`outgoing`) while its
+        budget allows; the others are returned with their answers (settled here)."""
+        self.lost_connections += 1
+        return self._settled_all(self.resend.lost(now))
+
+    def cancel(self, request_id: int) -> RequestError | None:
+        """Cancel pending request ``request_id``: its CANCEL is queued (:meth:`outgoing`;
+        its answer comes from the broker), or, when it is not at any broker, its answer
+        is returned now (settled here). None too for a request not pending."""
+        if request_id not in self.pending:
+            return None
+        error = self.resend.cancel(request_id)
+        if error is not None:
+            self.forget(request_id)
+        return error
+
+    def outgoing(self, now: float) -> list[Any] | None:
+        """Frames the core has for the socket now (a request sent again, a CANCEL), or
+        None; once the socket takes them, call :meth:`took`. Expire first (:meth:`expire`
+        fails what may no longer be sent)."""
+        return self.resend.outgoing(now) if self.resend.has_outgoing else None
+
+    def took(self) -> None:
+        """The socket took the frames :meth:`outgoing` gave."""
+        self.resend.took()
+
+    def _settled_all(
+        self, failed: list[tuple[int, RequestError]]
+    ) -> list[tuple[int, RequestError]]:
+        for rid, _ in failed:
+            self.pending.pop(rid, None)
+            self._release(rid)
+        return failed
 
     def expire(self, now: float) -> list[tuple[int, RequestError]]:
         """Pending requests whose local deadline passed without any reply. (Also lets go
@@ -404,10 +419,17 @@ class ClientCore:
             _, rid = heapq.heappop(self._deadlines)
             if self.pending.pop(rid, None) is not None:
                 self._release(rid)
+                self.resend.pop(rid)
                 out.append((rid, Unavailable("no reply from the broker", request_id=rid)))
+        out += self._settled_all(self.resend.expire(now))
         return out
 
     def next_deadline(self) -> float | None:
+        """When :meth:`expire` next has something to do (None: nothing pending)."""
         while self._deadlines and self._deadlines[0][1] not in self.pending:
             heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        deadline = self._deadlines[0][0] if self._deadlines else None
+        give_up = self.resend.next_give_up()
+        if give_up is not None and (deadline is None or give_up < deadline):
+            return give_up
+        return deadline

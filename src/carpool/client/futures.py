@@ -12,11 +12,13 @@ from carpool.common.errors import CarpoolError, RequestError
 
 
 class _Owner(Protocol):
-    """The client a future belongs to: its clock, and its poll for one future."""
+    """The client a future belongs to: its clock, its poll for one future, its cancel."""
 
     clock: Clock
 
     def _poll(self, timeout_s: float | None, future: ReplyFuture) -> int: ...
+
+    def cancel(self, future: ReplyFuture) -> bool: ...
 
 
 class ReplyFuture:
@@ -67,3 +69,25 @@ class ReplyFuture:
 
     def outputs(self, timeout_s: float | None = None) -> dict[str, NDArray[Any]]:
         return self.result(timeout_s).outputs
+
+    def cancel(self) -> bool:
+        """Tell the broker this request is no longer needed (CANCEL, protocol §6.5),
+        without waiting: a request still queued there is dropped. The future still
+        resolves with the request's one answer, which says what became of it:
+        :class:`~carpool.common.errors.Cancelled` if it was dropped before a worker had
+        it, else its result (or error) as usual. A request waiting in the client to be
+        sent again (after a lost connection) is at no broker: it resolves ``Cancelled``
+        at once. Returns False if the future was already answered."""
+        return self._client.cancel(self)
+
+
+def answer(futures: dict[int, ReplyFuture], failed: list[tuple[int, RequestError]]) -> int:
+    """Complete the futures (taken out of ``futures``) of requests that the client's core
+    settled itself; returns how many it completed."""
+    completed = 0
+    for rid, error in failed:
+        future = futures.pop(rid, None)
+        if future is not None:
+            future._set(error)
+            completed += 1
+    return completed

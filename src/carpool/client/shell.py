@@ -10,7 +10,9 @@ is the core's; only these resources are here.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
@@ -18,10 +20,15 @@ import zmq
 
 from carpool.client.core import ClientCore
 from carpool.client.options import ClientOptions
+from carpool.common.clock import Clock
 from carpool.common.curve import ClientKeys, client_keys, connect_keys
 from carpool.common.shm import ShmArena
+from carpool.common.sockets import NOBLOCK, send_frames
 
 SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
+#: How long a blocking send waiting for room sleeps before it looks again at whether the
+#: client is closing.
+_RECHECK_S = 0.05
 
 
 class ClientState(Enum):
@@ -170,6 +177,46 @@ def release_socket(
     socket.close(linger=0)
     if own_context:
         context.term()
+
+
+def send_within(
+    socket: zmq.Socket[Any],
+    frames: Sequence[Any],
+    until_s: float,
+    clock: Clock,
+    stopping: Callable[[], bool],
+) -> bool:
+    """Send a message on a blocking socket, waiting for room at most until ``until_s``
+    (or until ``stopping()``); False: not sent. (ZeroMQ queues up to its high-water mark,
+    1,000 messages, for a broker that is away or not reading, and the reopened socket
+    only on a connection that is up; a blocking send would wait for ever.)"""
+    try:
+        send_frames(socket, frames, NOBLOCK)
+        return True
+    except zmq.Again:
+        pass
+    while (left := until_s - clock.now()) > 0 and not stopping():
+        # In slices: close() from another thread waits for this send to give up.
+        if socket.poll(max(1, math.ceil(min(left, _RECHECK_S) * 1000)), zmq.POLLOUT):
+            try:
+                send_frames(socket, frames, NOBLOCK)
+                return True
+            except zmq.Again:
+                continue
+    return False
+
+
+def flush(core: ClientCore, socket: zmq.Socket[Any], now: float) -> bool:
+    """Send what the core has for the socket (requests sent again, CANCELs) while the
+    socket takes it without waiting. True: some is left (poll for POLLOUT, then flush
+    again). Either twin's socket: nothing here awaits."""
+    while (frames := core.outgoing(now)) is not None:
+        try:
+            send_frames(socket, frames, NOBLOCK)
+        except zmq.Again:
+            return True
+        core.took()
+    return False
 
 
 def close_core(core: ClientCore) -> None:

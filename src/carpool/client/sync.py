@@ -27,22 +27,25 @@ from typing import Any, Unpack
 import zmq
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.futures import ReplyFuture
+from carpool.client.futures import ReplyFuture, answer
 from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.shell import (
     ClientState,
     Dealer,
     close_core,
     curve_keys,
+    flush,
     open_core,
+    send_within,
 )
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import Priority
-from carpool.common.sockets import NOBLOCK, send_frames, waiting
+from carpool.common.sockets import waiting
 from carpool.common.wake import WakePipe
 
 _OPEN = ClientState.OPEN  # (checked per call: a global is cheaper than Enum.MEMBER)
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 #: How long a thread waiting for another's socket sleeps before it looks again (it is
 #: woken sooner when the other lets go); bounds any wake-up lost to a race.
 _RECHECK_S = 0.05
@@ -81,7 +84,10 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self.socket, zmq.POLLIN)
         self._poller.register(self._dealer.watch.monitor, zmq.POLLIN)
+        self._events = _POLLIN  # the socket's, in the poller: POLLOUT too while the core
+        # has messages the socket did not take yet (sent again, CANCELs)
         self._futures: dict[int, ReplyFuture] = {}
+        self._cancels: deque[int] = deque()  # asked for by any thread; the owner sends
         self.state = ClientState.OPEN
         # Threads (module docstring): the socket's owner, if any, and how many threads
         # wait to send; a sender wakes the pumper through _wake, which its poll watches.
@@ -133,7 +139,7 @@ class Client:
             now = self.clock.now()
             rid, frames = self.core.request(now, model, inputs, timeout_s, priority)
             future = ReplyFuture(self, rid)
-            if not self._send(frames, now + window_s):
+            if not send_within(self.socket, frames, now + window_s, self.clock, self._stopping):
                 # Its timeout passed with the broker taking nothing (down, or not
                 # reading): an answer now, not a send that blocks while the broker is away.
                 self.core.forget(rid)
@@ -144,24 +150,27 @@ class Client:
         finally:
             self._let_go()
 
-    def _send(self, frames: list[Any], until_s: float) -> bool:
-        """Send a message, waiting for room at most until ``until_s``. (ZeroMQ queues up
-        to its high-water mark, 1,000 messages, for a broker that is away or not
-        reading; a blocking send would then wait for it for ever.)"""
+    def _stopping(self) -> bool:  # (a send waiting for room gives up once close() began)
+        return self._closing
+
+    def cancel(self, future: ReplyFuture) -> bool:
+        """Cancel ``future``'s request without waiting (:meth:`ReplyFuture.cancel`): any
+        thread may call it; the thread that owns the socket sends the CANCEL. False: the
+        future was answered already, or is not this client's."""
+        rid = future.request_id
+        if future.done() or self._futures.get(rid) is not future:
+            return False
+        self._cancels.append(rid)
         try:
-            send_frames(self.socket, frames, NOBLOCK)
-            return True
-        except zmq.Again:
-            pass
-        while (left := until_s - self.clock.now()) > 0 and not self._closing:
-            # In slices: close() from another thread waits for this send to give up.
-            if self.socket.poll(max(1, math.ceil(min(left, _RECHECK_S) * 1000)), zmq.POLLOUT):
-                try:
-                    send_frames(self.socket, frames, NOBLOCK)
-                    return True
-                except zmq.Again:
-                    continue
-        return False
+            if self._take(0.0, send=False):
+                self._send_outgoing()
+            else:
+                self._wake.wake()  # the owner, if polling, returns and sends it
+        except CarpoolError:
+            return False  # closed meanwhile: close() answered the future
+        finally:
+            self._let_go()
+        return True
 
     def infer(
         self,
@@ -189,7 +198,7 @@ class Client:
                     raise TimeoutError("the broker is not taking requests")
                 self._check_open()
                 sid, frames = self.core.stats_request()
-                if not self._send(frames, until):
+                if not send_within(self.socket, frames, until, self.clock, self._stopping):
                     raise TimeoutError("the broker is not taking requests")
             finally:
                 self._let_go()
@@ -322,8 +331,9 @@ class Client:
             try:
                 for which, _ in self._poller.poll(wait_ms):
                     if which is self.socket:
+                        now = self.clock.now()
                         for frames in waiting(self.socket):
-                            completed += self._dispatch(frames)
+                            completed += self._dispatch(frames, now)
                     elif which is self._dealer.watch.monitor:
                         if self._dealer.watch.lost():
                             completed += self._connection_lost()
@@ -334,41 +344,52 @@ class Client:
                 # client's own error (close answered every future), not libzmq's.
                 self._check_open()
                 raise
-            for rid, error in self.core.expire(self.clock.now()):
-                future = self._futures.pop(rid, None)
-                if future is not None:
-                    future._set(error)
-                    completed += 1
+            completed += answer(self._futures, self.core.expire(self.clock.now()))
+            if self._cancels or self._events != _POLLIN or self.core.resend.has_outgoing:
+                completed += self._send_outgoing()
             return completed
         finally:
             self._let_go()
 
+    def _send_outgoing(self) -> int:
+        """(Owning the socket.) Apply the cancels asked for, and send what the core has
+        for the socket while it takes it, polling for POLLOUT until it has taken all.
+        Returns the number of futures completed (cancelled before being sent again)."""
+        completed = 0
+        while self._cancels:
+            error = self.core.cancel(self._cancels.popleft())
+            if error is not None and error.request_id is not None:
+                completed += answer(self._futures, [(error.request_id, error)])
+        events = _POLLIN
+        if flush(self.core, self.socket, self.clock.now()):
+            events |= _POLLOUT
+        if events != self._events:
+            self._poller.modify(self.socket, events)
+            self._events = events
+        return completed
+
     def _connection_lost(self) -> int:
         """The connection to the broker closed (the broker stopped, or missed its
-        heartbeats): what it sent before is read, and every request still pending fails
-        UNAVAILABLE now (its reply can no longer come: the broker answers by connection).
-        The socket is opened afresh, so that nothing still queued in the old one reaches
-        the broker the client connects to next and is answered twice."""
+        heartbeats): what it sent before is read, and the socket is opened afresh, so
+        that nothing still queued in the old one reaches the broker the client connects
+        to next and is answered twice. Each request still pending (its reply can no
+        longer come: the broker answers by connection) is sent again on the new socket
+        while its budget allows, and fails UNAVAILABLE now otherwise (protocol §11)."""
         completed = 0
+        now = self.clock.now()
         for frames in waiting(self.socket):
-            completed += self._dispatch(frames)
-        msg = "the connection to the broker closed before the reply; the request may have run"
-        for rid, future in self._futures.items():
-            self.core.forget(rid)
-            future._set(Unavailable(msg, request_id=rid))
-            completed += 1
-        self._futures.clear()
-        self.core.lost_connections += 1
+            completed += self._dispatch(frames, now)
         self._poller.unregister(self.socket)
         self._poller.unregister(self._dealer.watch.monitor)
         self._dealer.reopen(self)
-        self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self.socket, _POLLIN)
+        self._events = _POLLIN
         self._poller.register(self._dealer.watch.monitor, zmq.POLLIN)
-        return completed
+        return completed + answer(self._futures, self.core.connection_lost(self.clock.now()))
 
-    def _dispatch(self, frames: list[zmq.Frame]) -> int:
+    def _dispatch(self, frames: list[zmq.Frame], now: float) -> int:
         try:
-            rid, outcome = self.core.on_reply(frames)
+            rid, outcome = self.core.on_reply(frames, now)
         except ProtocolError:
             return 0  # not a message we can read; nothing waits on it
         if isinstance(outcome, dict):

@@ -120,9 +120,11 @@ def test_request_frames_are_exactly_what_encode_request_gives(priority: Priority
     Submit.to_wire through encode_request."""
     x = np.arange(6, dtype=">f4").reshape(3, 2)  # big-endian: converted on the way out
     m = np.ones((3,), np.uint8)
-    rid, frames = ClientCore().request(T0, "m", {"x": x, "mask": m}, 0.5, priority)
+    core = ClientCore()
+    rid, frames = core.request(T0, "m", {"x": x, "mask": m}, 0.5, priority)
     tensors = (TensorMeta("x", "float32", (3, 2)), TensorMeta("mask", "uint8", (3,)))
-    expected = encode_request(Submit(rid, "m", 500, tensors, priority), [x, m])
+    submit = Submit(rid, "m", 500, tensors, priority, client=core.resend.nonce)
+    expected = encode_request(submit, [x, m])
     assert frames[:2] == expected[:2]
     assert bytes(frames[2]) == x.astype("<f4").tobytes()
     assert bytes(frames[3]) == m.tobytes()
