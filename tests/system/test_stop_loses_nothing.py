@@ -1,7 +1,10 @@
 """A broker process told to stop (SIGTERM) while a client sends at a steady rate answers
-every request it read, and a request it could not read fails in the client as soon as
-the connection closes: none waits for its own timeout (protocol.md §11), with either
-client."""
+every request it read, and a request it could not read is the client's to send again on
+its next connection (protocol.md §11), with either client. No broker comes back here, so
+such a request fails "connection closed" as soon as its budget no longer allows sending
+it again; none waits for the SDK's own expiry (timeout plus grace), and nothing is sent
+again. (tests/integration/test_client_resend.py has the rule on a scripted socket: too
+little budget left, failed at once; and the broker coming back.)"""
 
 from __future__ import annotations
 
@@ -92,7 +95,7 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
                     outcomes["answered"] += 1
                 except Unavailable as exc:
                     outcomes[_kind(exc)] += 1
-            _assert_nothing_lost(outcomes, len(futures), client.core.late_replies)
+            _assert_nothing_lost(outcomes, len(futures), client)
         assert broker.wait(10) == 0
     finally:
         if broker.poll() is None:
@@ -100,14 +103,17 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
             broker.wait()
 
 
-def _assert_nothing_lost(outcomes: Counter[str], sent: int, late_replies: int) -> None:
-    """Every request sent was answered, refused "stopping", or failed when the connection
-    closed; none waited out its timeout, and no reply came after the SDK gave up."""
+def _assert_nothing_lost(outcomes: Counter[str], sent: int, client: Client | AsyncClient) -> None:
+    """Every request sent was answered, refused "stopping", or failed because the
+    connection closed (at once, or when its budget to be sent again ran out); none waited
+    out its timeout, none was sent again (no broker came back), and no reply came after
+    the SDK gave up."""
     assert sum(outcomes.values()) == sent
     assert outcomes["answered"] > 0
     assert outcomes["timed out"] == 0, outcomes
     assert set(outcomes) <= {"answered", "stopping", "connection closed"}, outcomes
-    assert late_replies == 0
+    assert client.core.resend.resends == 0
+    assert client.core.late_replies == 0
 
 
 def test_a_stopping_broker_leaves_no_async_request_to_its_timeout(tmp_path: Path) -> None:
@@ -151,7 +157,7 @@ async def _run_async(frontend: str, broker: subprocess.Popen[bytes]) -> None:
                 outcomes["answered"] += 1
             except Unavailable as exc:
                 outcomes[_kind(exc)] += 1
-        _assert_nothing_lost(outcomes, len(futures), client.core.late_replies)
+        _assert_nothing_lost(outcomes, len(futures), client)
 
 
 def test_a_request_the_client_failed_while_the_broker_was_away_never_runs(

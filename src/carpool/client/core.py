@@ -9,10 +9,10 @@ nothing for ``timeout + grace`` concludes the broker is unreachable and fails th
 with :class:`Unavailable` instead of waiting forever.
 
 Sending again and cancelling: what the core keeps of each request until its answer, and
-the rules for sending it again or cancelling it, are :class:`~carpool.client.resend.
-Resends`' (``ClientCore.resend``); the core asks it at each event (a reply, an
-UNAVAILABLE with ``retry``, a lost connection, a cancel) and hands the twins what it has
-to send (:meth:`ClientCore.outgoing`).
+the rules for sending it again or cancelling it, belong to its
+:class:`~carpool.client.resend.Resender` (``ClientCore.resend``). The core tells it of
+each event (a reply, an UNAVAILABLE with ``retry``, a lost connection, a cancel) and
+hands the twins what it has for the socket (:meth:`ClientCore.outgoing`).
 
 Send window: ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
 away or not reading; past it a send waits for room, for at most :meth:`ClientCore.send_window_s`
@@ -33,7 +33,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.inputs import encode_inputs
-from carpool.client.resend import Resends
+from carpool.client.resend import Resender
 from carpool.common import codec
 from carpool.common.errors import (
     InternalError,
@@ -122,7 +122,7 @@ class ClientCore:
     # once, each waiting for the reply that echoes its id.)
     _stats: dict[int, dict[str, Any] | RequestError | None] = field(default_factory=dict)
     # What each pending request needs to be sent again, and the client's nonce.
-    resend: Resends = field(default_factory=Resends)
+    resend: Resender = field(default_factory=Resender)
 
     @classmethod
     def from_options(cls, options: ClientOptions, arena: ShmArena | None = None) -> ClientCore:
@@ -419,8 +419,8 @@ class ClientCore:
             _, rid = heapq.heappop(self._deadlines)
             if self.pending.pop(rid, None) is not None:
                 self._release(rid)
-                self.resend.pop(rid)
-                out.append((rid, Unavailable("no reply from the broker", request_id=rid)))
+                why = self.resend.expired(rid)
+                out.append((rid, why or Unavailable("no reply from the broker", request_id=rid)))
         out += self._settled_all(self.resend.expire(now))
         return out
 

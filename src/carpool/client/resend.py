@@ -1,9 +1,9 @@
-"""resend.py: Resends — what a client keeps of each request until its answer, to send it
+"""resend.py: Resender — what a client keeps of each request until its answer, to send it
 again, and the CANCELs it still has to send.
 
-Pure: no sockets, threads or clock (``now`` is passed in). :class:`~carpool.client.core.
-ClientCore` holds one; the twins only move the messages :meth:`Resends.outgoing` gives
-them, when the socket takes them.
+Pure: no sockets, threads or clock (``now`` is passed in). Each
+:class:`~carpool.client.core.ClientCore` holds one; the twins only move the messages
+that :meth:`Resender.outgoing` gives them, when the socket takes them.
 
 **Sending again** (protocol §6.1, §11). A client draws a 128-bit nonce once, and each of
 its requests carries it, so a broker that still holds a request sent again (same nonce
@@ -16,7 +16,7 @@ made and ``timeout_ms`` = what remains of its budget (its timeout, counted from 
   connection is lost and the socket reopened,
 
 and only while what remains of its budget exceeds the latency the client has seen for
-its model (:meth:`Resends.needed_s`). A request whose budget is smaller than that is
+its model (:meth:`Resender.needed_s`). A request whose budget is smaller than that is
 failed at once: ``UNAVAILABLE``, the lost connection's, or the broker's own answer when it
 was refused. One waiting to be sent again is failed the same way when its budget gets
 that small, so none is sent after its deadline.
@@ -103,7 +103,7 @@ class Kept:
 
 
 @dataclass(slots=True)
-class Resends:
+class Resender:
     """The kept requests of one client, its nonce, and its latency per model."""
 
     nonce: bytes = field(default_factory=lambda: os.urandom(CLIENT_NONCE_BYTES))
@@ -138,6 +138,15 @@ class Resends:
             self.latency_s[kept.model] = average_s + LATENCY_WEIGHT * (sample_s - average_s)
         elif len(self.latency_s) < _MAX_MODELS:
             self.latency_s[kept.model] = sample_s
+
+    def expired(self, rid: int) -> RequestError | None:
+        """Request ``rid`` reached its local deadline (the client was busy past its
+        give-up): let go of it; its answer if it was waiting to be sent again (None:
+        it was at a broker, which did not answer)."""
+        kept = self.kept.pop(rid, None)
+        if kept is None or kept.stage is Stage.SENT:
+            return None
+        return self._answer(rid, kept)
 
     def needed_s(self, model: str) -> float:
         """The budget a request for ``model`` must have left to be sent again: the latency

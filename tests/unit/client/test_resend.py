@@ -243,3 +243,20 @@ def test_a_request_lost_twice_keeps_one_place_in_the_outbox() -> None:
     assert again is not None
     assert submit_of(again).timeout_ms == 1500
     assert codec.unpack(again[1])["id"] == rid
+
+
+def test_a_request_waiting_to_be_sent_again_at_its_local_deadline_fails_as_lost() -> None:
+    """A client busy past a request's give-up (a blocking submit waiting for room) finds
+    it at its local deadline: it failed because the connection closed, not for want of
+    a reply from a broker that never had it."""
+    core = ClientCore(grace_s=0.5)
+    lost_rid, _ = core.request(T0, "m", {"x": X}, 1.0)
+    refused_rid, _ = core.request(T0, "m", {"x": X}, 1.0)
+    core.on_reply(stopping(refused_rid), T0)
+    core.connection_lost(T0 + 0.1)
+    failed = dict(core.expire(T0 + 2.0))
+    assert set(failed) == {lost_rid, refused_rid}
+    assert "connection to the broker closed" in str(failed[lost_rid])
+    assert str(failed[refused_rid]) == "stopping"
+    assert not core.pending
+    assert not core.resend.kept
