@@ -10,7 +10,7 @@ import numpy as np
 import zmq.asyncio
 from numpy.typing import NDArray
 
-from carpool.client import AsyncClient, InferResult, NotFound, Priority, Unavailable
+from carpool.client import AsyncClient, Cancelled, InferResult, NotFound, Priority, Unavailable
 
 
 async def infer_and_submit(image: NDArray[np.float32], images: list[NDArray[np.float32]]) -> None:
@@ -27,6 +27,8 @@ async def infer_and_submit(image: NDArray[np.float32], images: list[NDArray[np.f
         assert_type(await bulk, InferResult)
         assert_type(await client.stats(1.0), dict[str, Any])
         assert_type(client.in_flight, int)
+        assert_type(client.cancel(bulk), bool)
+        assert_type(bulk.cancel(), bool)
 
 
 async def with_context(context: zmq.asyncio.Context, image: NDArray[np.float32]) -> None:
@@ -35,7 +37,7 @@ async def with_context(context: zmq.asyncio.Context, image: NDArray[np.float32])
         await client.infer("orientation", {"x": image})
     except NotFound as exc:
         assert_type(exc.request_id, int | None)
-    except Unavailable:
+    except (Unavailable, Cancelled):
         pass
     finally:
         await client.close()

@@ -43,6 +43,8 @@ def infer_and_submit(image: NDArray[np.float32], images: list[NDArray[np.float32
         assert_type(bulk.request_id, int)
         assert_type(client.stats(timeout_s=1.0), dict[str, Any])
         assert_type(client.in_flight, int)
+        assert_type(futures[2].cancel(), bool)
+        assert_type(client.cancel(futures[3]), bool)
 
 
 def options(context: zmq.Context[zmq.Socket[bytes]]) -> Client:

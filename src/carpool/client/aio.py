@@ -188,7 +188,10 @@ class AsyncClient:
         if error is not None:
             self._settle(rid, error)  # it was at no broker (waiting to be sent again)
         elif self.state is ClientState.OPEN:
-            self._send_outgoing()
+            # (From a future's cancel() too, which must not raise: a socket that fails
+            # here fails the reader as well, which answers every request.)
+            with contextlib.suppress(zmq.ZMQError):
+                self._send_outgoing()
 
     def _send_outgoing(self) -> None:
         """Send what the core has for the socket while it takes it; wake the reader to
