@@ -372,7 +372,7 @@ class ClientCore:
         self.resend.pop(request_id)
         self._release(request_id)
 
-    def connection_lost(self, now: float) -> list[tuple[int, RequestError]]:
+    def connection_lost(self, now: float) -> list[Failed]:
         """The connection to the broker closed, and the twin opened its socket afresh:
         each pending request is queued to be sent again (:meth:`outgoing`) while its
         budget allows; the others are returned with their answers (settled here)."""
@@ -400,17 +400,17 @@ class ClientCore:
         """The socket took the frames :meth:`outgoing` gave."""
         self.resend.took()
 
-    def _settled_all(
-        self, failed: list[tuple[int, RequestError]]
-    ) -> list[tuple[int, RequestError]]:
+    def _settled_all(self, failed: list[Failed]) -> list[Failed]:
+        """Settle requests that :attr:`resend` failed (it let go of them already)."""
         for rid, _ in failed:
             self.pending.pop(rid, None)
             self._release(rid)
         return failed
 
-    def expire(self, now: float) -> list[tuple[int, RequestError]]:
-        """Pending requests whose local deadline passed without any reply. (Also lets go
-        of removed worker rings, about once a second.)"""
+    def expire(self, now: float) -> list[Failed]:
+        """Pending requests whose local deadline passed without any reply, and those
+        waiting to be sent again whose budget got too small, with their answers (settled
+        here). (Also lets go of removed worker rings, about once a second.)"""
         if self.reader is not None and now >= self._next_sweep_s:
             self._next_sweep_s = now + 1.0
             self.reader.sweep()

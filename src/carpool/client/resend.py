@@ -74,7 +74,7 @@ class Event(Enum):
 
 
 #: The stage table (module docstring): (stage, event) -> next stage.
-_NEXT: dict[tuple[Stage, Event], Stage] = {
+NEXT_STAGE: dict[tuple[Stage, Event], Stage] = {
     (Stage.SENT, Event.REFUSED): Stage.PARKED,
     (Stage.SENT, Event.LOST): Stage.QUEUED,
     (Stage.PARKED, Event.LOST): Stage.QUEUED,
@@ -99,7 +99,7 @@ class Kept:
     resent: bool = False  # sent more than once: its latency is not a sample
 
     def move(self, event: Event) -> None:
-        self.stage = _NEXT[self.stage, event]  # (a KeyError: a transition the table lacks)
+        self.stage = NEXT_STAGE[self.stage, event]  # (a KeyError: a transition the table lacks)
 
 
 @dataclass(slots=True)
@@ -174,7 +174,8 @@ class Resender:
         failed: list[tuple[int, RequestError]] = []
         for rid, kept in list(self.kept.items()):
             if kept.stage is Stage.QUEUED:
-                continue  # (it waits for the socket still: its give-up stands)
+                kept.move(Event.LOST)  # (it waits for the socket still: its give-up stands)
+                continue
             give_up_s = kept.budget_end_s - self.needed_s(kept.model)
             if kept.cancelling or now >= give_up_s:
                 del self.kept[rid]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from carpool.client.core import ClientCore, InferResult
-from carpool.client.resend import UNKNOWN_LATENCY_S, Stage
+from carpool.client.resend import NEXT_STAGE, UNKNOWN_LATENCY_S, Event, Kept, Stage
 from carpool.common import codec
 from carpool.common.errors import Cancelled, ErrorCode, RequestError, Unavailable
 from carpool.common.protocol import (
@@ -260,3 +260,25 @@ def test_a_request_waiting_to_be_sent_again_at_its_local_deadline_fails_as_lost(
     assert str(failed[refused_rid]) == "stopping"
     assert not core.pending
     assert not core.resend.kept
+
+
+def test_every_row_of_the_stage_table_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: set[tuple[Stage, Event]] = set()
+    move = Kept.move
+
+    def recording(self: Kept, event: Event) -> None:
+        seen.add((self.stage, event))
+        move(self, event)
+
+    monkeypatch.setattr(Kept, "move", recording)
+    core = ClientCore()
+    refused, _ = core.request(T0, "m", {"x": X}, 5.0)
+    lost, _ = core.request(T0, "m", {"x": X}, 5.0)
+    core.on_reply(stopping(refused), T0)  # SENT -> PARKED
+    core.connection_lost(T0 + 0.1)  # PARKED -> QUEUED, SENT -> QUEUED
+    core.connection_lost(T0 + 0.2)  # QUEUED -> QUEUED
+    while core.outgoing(T0 + 0.3) is not None:
+        core.took()  # QUEUED -> SENT
+    assert seen == set(NEXT_STAGE)
+    with pytest.raises(KeyError):
+        core.resend.kept[lost].move(Event.TAKEN)  # not in the table: SENT does not take
