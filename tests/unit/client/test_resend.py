@@ -282,3 +282,32 @@ def test_every_row_of_the_stage_table_is_used(monkeypatch: pytest.MonkeyPatch) -
     assert seen == set(NEXT_STAGE)
     with pytest.raises(KeyError):
         core.resend.kept[lost].move(Event.TAKEN)  # not in the table: SENT does not take
+
+
+def test_shared_memory_stays_held_through_a_resend_until_the_answer() -> None:
+    from carpool.common.shm import ShmArena, available
+
+    if not available():
+        pytest.skip("no usable /dev/shm")
+    arena = ShmArena(8192)
+    core = ClientCore(arena=arena, shm_min_bytes=1024)
+    try:
+        big = np.zeros((1, 1536), np.float32)
+        rid, frames = core.request(T0, "m", {"x": big}, 2.0)
+        held = arena.used_bytes
+        assert held > 0
+        core.connection_lost(T0 + 0.1)
+        again = core.outgoing(T0 + 0.1)
+        assert again is not None
+        assert submit_of(again).shm == submit_of(frames).shm  # the same place, still held
+        core.took()
+        assert arena.used_bytes == held
+        core.on_reply(reply(rid), T0 + 0.2)
+        assert arena.used_bytes == 0
+        # And given back when one waiting to be sent again runs out of budget.
+        rid, _ = core.request(T0, "m", {"x": big}, 1.0)
+        core.connection_lost(T0 + 0.1)
+        assert [r for r, _ in core.expire(T0 + 1.0)] == [rid]
+        assert arena.used_bytes == 0
+    finally:
+        arena.close()
