@@ -112,7 +112,7 @@ def _assert_nothing_lost(outcomes: Counter[str], sent: int, client: Client | Asy
     assert outcomes["answered"] > 0
     assert outcomes["timed out"] == 0, outcomes
     assert set(outcomes) <= {"answered", "stopping", "connection closed"}, outcomes
-    assert client.core.resend.resends == 0
+    assert client.core.resends == 0
     assert client.core.late_replies == 0
 
 

@@ -136,6 +136,11 @@ class ClientCore:
             shm_outputs=options.shared_memory_outputs,
         )
 
+    @property
+    def resends(self) -> int:
+        """Requests sent again (after a lost connection, or an UNAVAILABLE with retry)."""
+        return self.resend.resends
+
     def send_window_s(self, timeout_s: float | None) -> float:
         """How long a request with this timeout (None: the default) may wait for room to
         be sent: its timeout, or ``send_timeout_s`` if that is shorter. A request not sent

@@ -74,7 +74,7 @@ def test_a_lost_connection_queues_the_request_again_with_what_remains_of_its_bud
     assert bytes(again[2]) == bytes(frames[2])
     core.took()
     assert core.outgoing(T0 + 0.75) is None
-    assert core.resend.resends == 1
+    assert core.resends == 1
     assert core.on_reply(reply(rid), T0 + 1.0)[0] == rid  # answered, once
     assert core.on_reply(reply(rid), T0 + 1.0)[0] is None
     assert core.late_replies == 1
