@@ -119,7 +119,9 @@ class Client:
 
         The inputs may be reused (refilled) as soon as this returns. If the broker takes
         nothing for the request's whole timeout (it is away and 1,000 messages wait for
-        it already), the future fails ``Unavailable`` then.
+        it already), the future fails ``Unavailable`` then. A request whose connection is
+        lost before its answer is sent again on the next while its budget allows
+        (:mod:`carpool.client.resend`); :meth:`ReplyFuture.cancel` cancels it.
 
         Raises (here, before anything is sent; what the broker refuses fails the future):
             TypeError: ``inputs`` is not a mapping of input names to arrays.
