@@ -63,7 +63,9 @@ def test_a_stopping_broker_answers_everything_it_holds(caplog: pytest.LogCapture
             assert clock.now() < until, "the batch never left"
         broker.stop()  # one request running, three queued
         with pytest.raises(Unavailable, match="the broker is stopping"):
-            client.infer("m", {"x": x}, timeout_s=30)  # a new one is refused at once
+            # A new one is refused at once. (With a budget too small to be sent again on
+            # the next connection, the client fails it with the broker's answer.)
+            client.infer("m", {"x": x}, timeout_s=0.04)
         assert not any(f.done() for f in futures)
         release.set()  # all four end within stop_grace_s: each client gets its result
         reference = SyntheticEngine(item_shape=(2,))
