@@ -1,16 +1,22 @@
-"""modelscmd.py: ``carpool models check [DIR]`` and ``carpool models list [DIR]``.
+"""modelscmd.py: ``carpool models check [DIR]``, ``list [DIR]`` and ``show [NAME]``.
 
-Both read a model repository (docs/models.md), the built-in one without ``DIR``; the
-work is in :mod:`carpool.worker.modelcheck`.
+``check`` and ``list`` read a model repository (docs/models.md), the built-in one
+without ``DIR``; the work is in :mod:`carpool.worker.modelcheck`. ``show`` asks a running
+broker what its live workers serve (METADATA, docs/protocol.md §6.6).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carpool.commandline import add_command
+from carpool.curvecmd import add_client_flags
+
+if TYPE_CHECKING:
+    from carpool.common.protocol import ModelMetadata
 
 __all__ = ["add_parsers"]
 
@@ -64,8 +70,63 @@ def _list(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    """show the models a running broker serves
+
+    Asks the broker at --endpoint (METADATA) what its live workers serve: each model's
+    inputs and outputs (B: the batch dim, ?: a dynamic dim) with their shape rules,
+    buckets and crops, its batch limits, and the workers that serve it, by name. NAME:
+    that model only. Exits 1 when no live worker serves NAME, 2 when no broker answers.
+    """
+    from carpool.client import Client, NotFound
+    from carpool.common.errors import ConfigError
+    from carpool.curvecmd import client_curve
+
+    try:
+        client = Client(args.endpoint, **client_curve(args))
+    except (ValueError, ConfigError) as exc:
+        print(f"carpool models show: {exc}", file=sys.stderr)
+        return 2
+    with client:
+        try:
+            if args.name:
+                found: tuple[ModelMetadata, ...] = (client.model(args.name, args.timeout_s),)
+            else:
+                found = client.models(args.timeout_s)
+        except NotFound as exc:
+            print(f"carpool models show: {exc}", file=sys.stderr)
+            return 1
+        except TimeoutError:
+            print(f"carpool models show: no broker answered at {args.endpoint}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps([m.to_wire() for m in found], indent=2))
+    else:
+        print("\n".join(line for m in found for line in _served(m)))
+    return 0
+
+
+def _served(model: ModelMetadata) -> list[str]:
+    """One model as ``carpool models show`` prints it (as ``list`` does, from the wire)."""
+    from carpool.worker.modelcheck import io_lines
+
+    spec = model.spec
+    preferred = f" (preferred {list(spec.preferred_batch)})" if spec.preferred_batch else ""
+    count = len(spec.inputs)
+    inputs = zip(
+        spec.inputs, spec.rules or (None,) * count, spec.pads or (None,) * count, strict=True
+    )
+    outputs = zip(spec.outputs, spec.crops or ((),) * len(spec.outputs), strict=True)
+    return [
+        spec.name,
+        f"  workers    {', '.join(model.workers)}",
+        f"  max_batch  {spec.max_batch}{preferred}",
+        *io_lines(inputs, outputs),
+    ]
+
+
 def _models(args: argparse.Namespace) -> int:
-    """inspect a model repository (check, list)"""
+    """inspect a model repository (check, list) or a running broker's models (show)"""
     return 2  # (argparse requires a sub-command)
 
 
@@ -75,3 +136,9 @@ def add_parsers(sub: Any) -> None:
     for name, func in (("check", _check), ("list", _list)):
         p = add_command(commands, name, func)
         p.add_argument("dir", nargs="?", help="the repository (default: the built-in models)")
+    show = add_command(commands, "show", _show)
+    show.add_argument("name", nargs="?", help="the model (default: every model served)")
+    show.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
+    show.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait")
+    show.add_argument("--json", action="store_true", help="print the METADATA maps as JSON")
+    add_client_flags(show)

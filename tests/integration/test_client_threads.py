@@ -117,9 +117,9 @@ def _until_another_thread_owns(client: Client, thread: threading.Thread) -> None
     clock = MonotonicClock()
     until = clock.now() + 5
     while clock.now() < until:
-        if not client._own.acquire(False):
+        if not client._turns.own.acquire(False):
             return
-        client._own.release()
+        client._turns.own.release()
         thread.join(0.001)
     raise AssertionError("the other thread never took the socket")
 
@@ -262,24 +262,24 @@ def test_threads_waiting_for_the_socket_take_it_in_turn(nobody: str) -> None:
     otherwise take it straight back, ahead of them)."""
     client = Client(nobody)
     order: list[str] = []
-    assert client._take(None, send=True)  # this thread owns it
+    assert client._turns.take(None, send=True)  # this thread owns it
 
     def waiter() -> None:
-        assert client._take(5, send=True)
+        assert client._turns.take(5, send=True)
         order.append("waiter")
-        client._let_go()
+        client._turns.let_go()
 
     thread = threading.Thread(target=waiter)
     thread.start()
     clock = MonotonicClock()
     until = clock.now() + 5
-    while not client._line and clock.now() < until:
+    while not client._turns.line and clock.now() < until:
         thread.join(0.001)
-    assert client._line  # the waiter is in line
-    client._let_go()
-    assert client._take(5, send=True)  # at once again: behind the waiter
+    assert client._turns.line  # the waiter is in line
+    client._turns.let_go()
+    assert client._turns.take(5, send=True)  # at once again: behind the waiter
     order.append("first owner")
-    client._let_go()
+    client._turns.let_go()
     thread.join(10)
     client.close()
     assert order == ["waiter", "first owner"]
@@ -388,7 +388,7 @@ from carpool.client import Client
 X = {{"x": np.ones((1, 4), np.float32)}}
 c = Client({nobody!r}, grace_s=0.2)
 def hold(s):  # another thread owns the socket for s seconds (a slow send, say)
-    c._own.acquire(); time.sleep(s); c._let_go()
+    c._turns.own.acquire(); time.sleep(s); c._turns.let_go()
 """
 
 
@@ -464,13 +464,13 @@ seen = []
 def handler(*a):
     closer = threading.Thread(target=c.close)
     closer.start()
-    while not c._closing:
+    while not c._turns.closing:
         time.sleep(0.001)
     try:
         c.submit("m", X, 1)
     except CarpoolError:
         pass
-    seen.append(c._own._is_owned())
+    seen.append(c._turns.own._is_owned())
     closer.join(0.5)
     seen.append(c.state.value)
 signal.signal(signal.SIGALRM, handler)

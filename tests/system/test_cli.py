@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -556,3 +557,28 @@ def test_a_worker_serves_a_repository_through_a_broker(tmp_path: Path, spawn: Sp
         x = np.zeros((2, 3, 48, 96), np.float32)
         (scores,) = client.infer("angle", {"x": x}, timeout_s=5.0).values()
         assert scores.shape == (2, 2)
+        # What the running broker says of the models its workers serve.
+        shown = _carpool("models", "show", "--endpoint", frontend, "angle")
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.splitlines() == [
+            "angle",
+            "  workers    w0",
+            "  max_batch  4",
+            "  input      x float32 [B, 3, ?, ?]",
+            "  output     save_infer_model/scale_0.tmp_1 float32 [B, 2]",
+        ]
+        listed = _carpool("models", "show", "--endpoint", frontend, "--json")
+        assert listed.returncode == 0, listed.stderr
+        (described,) = json.loads(listed.stdout)
+        assert (described["name"], described["workers"]) == ("angle", ["w0"])
+        missing = _carpool("models", "show", "--endpoint", frontend, "nosuch")
+        assert missing.returncode == 1
+        assert "'nosuch' is not served by any worker" in missing.stderr
+
+
+def test_models_show_says_when_no_broker_answers(tmp_path: Path) -> None:
+    result = _carpool(
+        "models", "show", "--endpoint", f"ipc://{tmp_path}/nobody", "--timeout-s", "0.3"
+    )
+    assert result.returncode == 2
+    assert result.stderr == f"carpool models show: no broker answered at ipc://{tmp_path}/nobody\n"

@@ -10,7 +10,15 @@ import numpy as np
 import zmq.asyncio
 from numpy.typing import NDArray
 
-from carpool.client import AsyncClient, Cancelled, InferResult, NotFound, Priority, Unavailable
+from carpool.client import (
+    AsyncClient,
+    Cancelled,
+    InferResult,
+    ModelMetadata,
+    NotFound,
+    Priority,
+    Unavailable,
+)
 
 
 async def infer_and_submit(image: NDArray[np.float32], images: list[NDArray[np.float32]]) -> None:
@@ -26,6 +34,8 @@ async def infer_and_submit(image: NDArray[np.float32], images: list[NDArray[np.f
         bulk = await client.submit("orientation", {"x": image}, priority=Priority.BULK)
         assert_type(await bulk, InferResult)
         assert_type(await client.stats(1.0), dict[str, Any])
+        assert_type(await client.model("orientation"), ModelMetadata)
+        assert_type(await client.models(1.0), tuple[ModelMetadata, ...])
         assert_type(client.in_flight, int)
         assert_type(client.cancel(bulk), bool)
         assert_type(bulk.cancel(), bool)

@@ -16,6 +16,7 @@ from carpool.client import (
     ClientOptions,
     DeadlineExceeded,
     InferResult,
+    ModelMetadata,
     Overloaded,
     Priority,
     ReplyFuture,
@@ -42,6 +43,10 @@ def infer_and_submit(image: NDArray[np.float32], images: list[NDArray[np.float32
         bulk = client.submit("orientation", {"x": [[1.0, 2.0]]}, priority=Priority.BULK)
         assert_type(bulk.request_id, int)
         assert_type(client.stats(timeout_s=1.0), dict[str, Any])
+        model = client.model("orientation", timeout_s=1.0)
+        assert_type(model, ModelMetadata)
+        assert_type(model.workers, tuple[str, ...])
+        assert_type(client.models(), tuple[ModelMetadata, ...])
         assert_type(client.in_flight, int)
         assert_type(futures[2].cancel(), bool)
         assert_type(client.cancel(futures[3]), bool)

@@ -28,7 +28,7 @@ from carpool.common.errors import (
     Unavailable,
     UnsupportedVersion,
 )
-from carpool.common.protocol import Priority
+from carpool.common.protocol import ModelMetadata, Priority
 
 __all__ = [
     "AsyncClient",
@@ -41,6 +41,7 @@ __all__ = [
     "InferResult",
     "InternalError",
     "InvalidArgument",
+    "ModelMetadata",
     "NotFound",
     "Overloaded",
     "PermissionDenied",

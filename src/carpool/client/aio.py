@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Unpack
 
 import zmq
@@ -21,6 +21,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.core import InferResult
 from carpool.client.options import ClientOptionArgs, ClientOptions
+from carpool.client.queries import models_in
 from carpool.client.shell import (
     ClientState,
     Dealer,
@@ -31,7 +32,7 @@ from carpool.client.shell import (
 )
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
-from carpool.common.protocol import Priority
+from carpool.common.protocol import ModelMetadata, Priority
 
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 
@@ -80,8 +81,8 @@ class AsyncClient:
         self._poll_events = _POLLIN  # the socket's, in the poller (set by _new_poller)
         self._poller = self._new_poller()
         self._futures: dict[int, asyncio.Future[InferResult]] = {}
-        # stats() calls waiting for their replies, by STATS id (several may overlap).
-        self._stats: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        # stats() and model() calls waiting for their answers, by id (several may overlap).
+        self._queries: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._polling: asyncio.Future[Any] | None = None  # the reader's poll: cancelled
         # to wake it (when the core has something for the socket)
@@ -151,10 +152,29 @@ class AsyncClient:
 
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The broker's counters (see :meth:`carpool.client.Client.stats`)."""
+        return await self._query(self.core.queries.stats_request, timeout_s)
+
+    async def model(self, name: str, timeout_s: float = 5.0) -> ModelMetadata:
+        """What the live workers say of model ``name`` (see :meth:`carpool.client.Client.model`).
+
+        Raises:
+            NotFound: no live worker serves ``name``.
+        """
+        answer = await self._query(lambda: self.core.queries.metadata_request(name), timeout_s)
+        return models_in(answer)[0]
+
+    async def models(self, timeout_s: float = 5.0) -> tuple[ModelMetadata, ...]:
+        """Every model a live worker serves, sorted by name."""
+        return models_in(await self._query(self.core.queries.metadata_request, timeout_s))
+
+    async def _query(
+        self, ask: Callable[[], tuple[int, list[Any]]], timeout_s: float
+    ) -> dict[str, Any]:
+        """Send the STATS or METADATA request ``ask`` makes and wait for its answer."""
         self._check_open()
         answer: asyncio.Future[dict[str, Any]] = self._bind().create_future()
-        sid, frames = self.core.stats_request()
-        self._stats[sid] = answer
+        qid, frames = ask()
+        self._queries[qid] = answer
         try:
             try:
                 await asyncio.wait_for(self.socket.send_multipart(frames), timeout_s)
@@ -167,8 +187,8 @@ class AsyncClient:
             self._ensure_reader()
             return await asyncio.wait_for(answer, timeout_s)
         finally:  # answered or given up: a later reply is dropped, the reader may go idle
-            self._stats.pop(sid, None)
-            self.core.forget_stats(sid)
+            self._queries.pop(qid, None)
+            self.core.queries.forget(qid)
 
     def cancel(self, future: asyncio.Future[InferResult]) -> bool:
         """Cancel ``future``'s request without waiting, as
@@ -235,9 +255,9 @@ class AsyncClient:
                     future.set_exception(
                         Unavailable("the client moved to another event loop", request_id=rid)
                     )
-            for sid, answer in list(self._stats.items()):
-                self.core.forget_stats(sid)
-                del self._stats[sid]
+            for qid, answer in list(self._queries.items()):
+                self.core.queries.forget(qid)
+                del self._queries[qid]
                 if not answer.done() and not old.is_closed():
                     answer.set_exception(CarpoolError("the client moved to another loop"))
             if self._reader is not None and not old.is_closed():
@@ -263,7 +283,7 @@ class AsyncClient:
     async def _read_loop(self) -> None:
         while self.state is ClientState.OPEN:
             deadline = self.core.next_deadline()
-            if deadline is None and not self._futures and not self._stats:
+            if deadline is None and not self._futures and not self._queries:
                 return  # idle: the next submit restarts the reader
             # Wake at least once a second so requests with shorter timeouts expire on time.
             wait_s = 1.0 if deadline is None else min(1.0, deadline - self.clock.now())
@@ -327,13 +347,13 @@ class AsyncClient:
         except ProtocolError:
             return
         if isinstance(outcome, dict):
-            # A STATS reply: rid is the stats() call's that asked (None: nobody waits).
-            answer = None if rid is None else self._stats.get(rid)
+            # A STATS or METADATA answer: rid is the call's that asked (None: nobody waits).
+            answer = None if rid is None else self._queries.get(rid)
             if answer is not None and not answer.done():
                 answer.set_result(outcome)
             return
         if rid is not None:
-            refused = self._stats.get(rid)  # a STATS request answered with an error
+            refused = self._queries.get(rid)  # a query answered with an error
             if refused is not None and not isinstance(outcome, InferResult):
                 if not refused.done():
                     refused.set_exception(outcome)
@@ -370,7 +390,7 @@ class AsyncClient:
         finally:
             for rid in list(self._futures):
                 self._settle(rid, Unavailable("the client was closed", request_id=rid))
-            for answer in self._stats.values():
+            for answer in self._queries.values():
                 if not answer.done():
                     answer.set_exception(CarpoolError("the client is closed"))
             self._dealer.close()

@@ -33,6 +33,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.inputs import encode_inputs
+from carpool.client.queries import Queries
 from carpool.client.resend import Resender
 from carpool.common import codec
 from carpool.common.errors import (
@@ -51,7 +52,6 @@ from carpool.common.protocol import (
     Signature,
     check_frame_sizes,
     decode_meta,
-    encode,
     parse_header,
     request_frames,
     request_id_of,
@@ -70,7 +70,8 @@ logger = logging.getLogger(__name__)
 Failed = tuple[int, RequestError]
 
 # Read per request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
-_STATS, _ERROR, _REPLY = Command.STATS, Command.ERROR, Command.REPLY
+_ERROR, _REPLY = Command.ERROR, Command.REPLY
+_QUERIES = (Command.STATS, Command.METADATA)
 #: Reply layouts a client remembers (the cache stops growing when full).
 _MAX_LAYOUTS = 256
 
@@ -117,12 +118,13 @@ class ClientCore:
     #: longer pending (already failed, timed out or answered): dropped, counted here.
     lost_connections: int = 0
     late_replies: int = 0
-    # STATS requests asked for and not yet given up: id -> reply (or the broker's error:
-    # PERMISSION_DENIED under CURVE), None until it arrives. (Several may be in flight at
-    # once, each waiting for the reply that echoes its id.)
-    _stats: dict[int, dict[str, Any] | RequestError | None] = field(default_factory=dict)
+    # STATS and METADATA requests asked and awaited (ids from the same count as requests').
+    queries: Queries = field(init=False)
     # What each pending request needs to be sent again, and the client's nonce.
     resend: Resender = field(default_factory=Resender)
+
+    def __post_init__(self) -> None:
+        self.queries = Queries(self._ids)
 
     @classmethod
     def from_options(cls, options: ClientOptions, arena: ShmArena | None = None) -> ClientCore:
@@ -181,30 +183,6 @@ class ClientCore:
             heapq.heapify(heap)
         return rid, request_frames(meta, payloads)
 
-    def stats_request(self) -> tuple[int, list[Any]]:
-        """A STATS request, awaited from now on: the reply that echoes the returned id is
-        kept for :meth:`stats_reply` until :meth:`forget_stats`."""
-        sid = next(self._ids)
-        self._stats[sid] = None
-        return sid, encode(Command.STATS, {"id": sid})
-
-    def stats_reply(self, stats_id: int) -> dict[str, Any] | RequestError | None:
-        """The broker's answer to STATS request ``stats_id`` (the stats, or the error it
-        answered); None while it has not come."""
-        return self._stats.get(stats_id)
-
-    def forget_stats(self, stats_id: int) -> None:
-        """Stop waiting for STATS request ``stats_id`` (answered, or given up): a reply
-        that comes later is dropped."""
-        self._stats.pop(stats_id, None)
-
-    def _on_stats(self, meta: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
-        sid = meta.get("id")
-        if type(sid) is int and sid in self._stats:
-            self._stats[sid] = meta
-            return sid, meta
-        return None, meta  # a late answer to a call that gave up, or one nobody asked
-
     def on_reply(
         self, frames: Sequence[Frame], now: float | None = None
     ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
@@ -214,8 +192,9 @@ class ClientCore:
 
         Returns:
             (request id, result or error) for replies to requests still pending;
-            (stats id, stats map) for a STATS reply awaited (:meth:`stats_request`), and
-            (None, stats map) for one that is not; (None, error) for an error that names
+            (query id, meta map) for a STATS or METADATA answer awaited
+            (:class:`~carpool.client.queries.Queries`), and (None, meta map) for
+            one that is not; (None, error) for an error that names
             no pending request, or for one kept to be sent again on the next connection.
         Raises:
             ProtocolError: the message is not valid.
@@ -235,7 +214,7 @@ class ClientCore:
             # An answer that names a request waiting here still answers it: with the
             # reason, now, rather than dropped (and the request failed at its timeout).
             rid = request_id_of(meta)
-            if command is _STATS or rid is None or rid not in self.pending:
+            if command in _QUERIES or rid is None or rid not in self.pending:
                 if isinstance(exc, ProtocolError):
                     raise
                 raise ProtocolError(f"unreadable message from the broker: {exc!r}") from exc
@@ -245,17 +224,16 @@ class ClientCore:
     def _decode(
         self, command: Command, meta: dict[str, Any], frames: Sequence[Frame], now: float | None
     ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
-        if command is _STATS:
-            return self._on_stats(meta)
+        if command in _QUERIES:
+            return self.queries.on_answer(meta)
         if command is _ERROR:
             err = ErrorReply.from_wire(meta)
             retry = None if err.retry_after_ms is None else err.retry_after_ms / 1000.0
             exc = error_for_code(
                 err.code, err.message, request_id=err.request_id, retry_after_s=retry
             )
-            if err.request_id is not None and err.request_id in self._stats:
-                self._stats[err.request_id] = exc  # a STATS request refused
-                return err.request_id, exc
+            if self.queries.refused(err.request_id, exc):
+                return err.request_id, exc  # a STATS or METADATA request refused
             if (
                 err.retry
                 and err.request_id in self.pending

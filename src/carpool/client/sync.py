@@ -18,10 +18,9 @@ release.
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Unpack
 
 import zmq
@@ -29,6 +28,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.futures import ReplyFuture, answer
 from carpool.client.options import ClientOptionArgs, ClientOptions
+from carpool.client.queries import models_in
 from carpool.client.shell import (
     ClientState,
     Dealer,
@@ -38,17 +38,14 @@ from carpool.client.shell import (
     open_core,
     send_within,
 )
+from carpool.client.turns import RECHECK_S, Turns
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
-from carpool.common.protocol import Priority
+from carpool.common.protocol import ModelMetadata, Priority
 from carpool.common.sockets import waiting
-from carpool.common.wake import WakePipe
 
 _OPEN = ClientState.OPEN  # (checked per call: a global is cheaper than Enum.MEMBER)
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
-#: How long a thread waiting for another's socket sleeps before it looks again (it is
-#: woken sooner when the other lets go); bounds any wake-up lost to a race.
-_RECHECK_S = 0.05
 
 
 class Client:
@@ -89,16 +86,9 @@ class Client:
         self._futures: dict[int, ReplyFuture] = {}
         self._cancels: deque[int] = deque()  # asked for by any thread; the owner sends
         self.state = ClientState.OPEN
-        # Threads (module docstring): the socket's owner, if any, and how many threads
-        # wait to send; a sender wakes the pumper through _wake, which its poll watches.
-        # Re-entrant, both: a signal handler (or a __del__) that calls close() or submit()
-        # runs in whichever thread it interrupts, perhaps the one that holds them.
-        self._own = threading.RLock()  # held by the thread that uses the socket
-        self._cond = threading.Condition(threading.RLock())  # threads waiting for it
-        self._line: deque[int] = deque()  # idents of the threads waiting, in order
-        self._sending: set[int] = set()  # threads waiting to send: a pumper won't block
-        self._closing = False  # close() has begun: the others give up
-        self._wake = WakePipe()
+        # Threads (module docstring): the socket's owner and the line waiting for it.
+        self._turns = Turns(self.clock)
+        self._wake = self._turns.wake
         weakref.finalize(self, self._wake.close)  # a Client dropped without close()
         self._poller.register(self._wake.fd, zmq.POLLIN)
 
@@ -131,7 +121,7 @@ class Client:
         """
         window_s = self.core.send_window_s(timeout_s)
         try:  # (acquired inside: an exception from a signal handler cannot skip finally)
-            if not self._take(window_s, send=True):
+            if not self._turns.take(window_s, send=True):
                 # Other threads' sends have held the socket for all that time (the
                 # broker takes nothing): as if this send had waited itself.
                 future = ReplyFuture(self, 0)
@@ -150,10 +140,10 @@ class Client:
             self._futures[rid] = future
             return future
         finally:
-            self._let_go()
+            self._turns.let_go()
 
     def _stopping(self) -> bool:  # (a send waiting for room gives up once close() began)
-        return self._closing
+        return self._turns.closing
 
     def cancel(self, future: ReplyFuture) -> bool:
         """Cancel ``future``'s request without waiting (:meth:`ReplyFuture.cancel`): any
@@ -164,14 +154,14 @@ class Client:
             return False
         self._cancels.append(rid)
         try:
-            if self._take(0.0, send=False):
+            if self._turns.take(0.0, send=False):
                 self._send_outgoing()
             else:
                 self._wake.wake()  # the owner, if polling, returns and sends it
         except CarpoolError:
             return False  # closed meanwhile: close() answered the future
         finally:
-            self._let_go()
+            self._turns.let_go()
         return True
 
     def infer(
@@ -191,104 +181,51 @@ class Client:
 
     def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The broker's counters: batch-size distribution per model, errors, workers."""
+        return self._query(self.core.queries.stats_request, timeout_s)
+
+    def model(self, name: str, timeout_s: float = 5.0) -> ModelMetadata:
+        """What the broker's live workers say of model ``name`` (METADATA, protocol
+        §6.6): its inputs and outputs, batch limits, shape rules and buckets, and the
+        names of the workers that serve it.
+
+        Raises:
+            NotFound: no live worker serves ``name``.
+        """
+        answer = self._query(lambda: self.core.queries.metadata_request(name), timeout_s)
+        return models_in(answer)[0]
+
+    def models(self, timeout_s: float = 5.0) -> tuple[ModelMetadata, ...]:
+        """Every model a live worker serves, sorted by name (see :meth:`model`)."""
+        return models_in(self._query(self.core.queries.metadata_request, timeout_s))
+
+    def _query(self, ask: Callable[[], tuple[int, list[Any]]], timeout_s: float) -> dict[str, Any]:
+        """Send the STATS or METADATA request ``ask`` makes and wait for its answer."""
         self._check_open()
         until = self.clock.now() + timeout_s
-        sid = 0  # (no id yet: forgetting it is a no-op)
+        qid = 0  # (no id yet: forgetting it is a no-op)
         try:
             try:
-                if not self._take(timeout_s, send=True):
+                if not self._turns.take(timeout_s, send=True):
                     raise TimeoutError("the broker is not taking requests")
                 self._check_open()
-                sid, frames = self.core.stats_request()
+                qid, frames = ask()
                 if not send_within(self.socket, frames, until, self.clock, self._stopping):
                     raise TimeoutError("the broker is not taking requests")
             finally:
-                self._let_go()
-            # Whichever thread pumps the socket hands the reply to the core.
-            while (got := self.core.stats_reply(sid)) is None:
+                self._turns.let_go()
+            # Whichever thread pumps the socket hands the answer to the core.
+            while (got := self.core.queries.answer(qid)) is None:
                 left = until - self.clock.now()
                 if left <= 0:
-                    raise TimeoutError("no STATS reply from the broker")
-                self._poll(left, None, sid)
+                    raise TimeoutError("no answer from the broker")
+                self._poll(left, None, qid)
             if isinstance(got, RequestError):
-                raise got  # PermissionDenied: STATS is for operator keys (CURVE)
+                raise got  # PermissionDenied (STATS is for operator keys), NotFound
             return got
         finally:
-            self.core.forget_stats(sid)
+            self.core.queries.forget(qid)
 
     # ------------------------------------------------------------------ threads
-
-    def _take(self, wait_s: float | None, *, send: bool, close: bool = False) -> bool:
-        """Own the socket: at once when it is free and no thread waits for it (with one
-        thread, all this costs); else in turn, for at most ``wait_s`` (None: as long as
-        it takes; False: not owned by then). A thread that waits to send wakes the owner
-        if it is blocked in its poll. ``close`` goes before the line; once it has begun,
-        a sender raises and a poller gives up after a nap (close answers its futures).
-
-        A signal handler's call runs in whichever thread it interrupts: in the owner it
-        goes on at once (before any check that could raise, so that the caller's
-        ``_let_go`` cannot release the interrupted frame's hold); in a thread waiting in
-        line it goes before the line, as close() does (behind its own thread's ticket it
-        would wait for ever).
-
-        Raises:
-            CarpoolError: the client is closed (or closing, for a sender).
-        """
-        own = self._own
-        if own._is_owned():  # type: ignore[attr-defined]
-            own.acquire()  # (re-entrant: a handler in the thread that owns it)
-            return True
-        if not self._line and not self._closing and own.acquire(False):
-            return True
-        clock = self.clock
-        until_s = None if wait_s is None else clock.now() + wait_s
-        me = threading.get_ident()
-        with self._cond:
-            ahead = close or me in self._line  # (a handler in a waiting thread)
-            queued = not ahead
-            try:
-                if queued:
-                    self._line.append(me)
-                if send:
-                    self._sending.add(me)
-                while True:
-                    # (Under _cond, which close() holds to close the pipe.)
-                    self._check_open()
-                    left_s = _RECHECK_S if until_s is None else until_s - clock.now()
-                    if self._closing and not close:
-                        if send:
-                            raise CarpoolError("the client is closed")
-                        if left_s > 0:
-                            self._cond.wait(min(left_s, _RECHECK_S))
-                        return False
-                    if (ahead or self._line[0] == me) and own.acquire(False):
-                        return True
-                    if left_s <= 0:
-                        return False
-                    if send or close:
-                        self._wake.wake()  # the owner, if polling, returns and lets go
-                    self._cond.wait(min(left_s, _RECHECK_S))
-            finally:
-                if queued and me in self._line:  # (first: an interrupt must not strand it)
-                    head = self._line[0] == me
-                    self._line.remove(me)
-                    if head and self._line and not own._is_owned():  # type: ignore[attr-defined]
-                        self._cond.notify_all()  # it gave up its turn: the next one's
-                if send:
-                    self._sending.discard(me)
-
-    def _let_go(self) -> None:
-        """Release the socket if this thread holds it (an exception may have struck
-        before the acquire or between it and the ``try``), and wake waiting threads."""
-        own = self._own
-        if own._is_owned():  # type: ignore[attr-defined]
-            own.release()
-        if self._line or self._closing:
-            self._notify()
-
-    def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     def poll(self, timeout_s: float | None = 0.0) -> int:
         """Receive what has arrived (waiting at most ``timeout_s``, or until the next local
@@ -297,21 +234,20 @@ class Client:
         and that thread completes every thread's futures)."""
         return self._poll(timeout_s, None)
 
-    def _poll(self, timeout_s: float | None, future: ReplyFuture | None, stats_id: int = 0) -> int:
-        """:meth:`poll` for ``future``'s sake (or STATS request ``stats_id``'s): it does not
+    def _poll(self, timeout_s: float | None, future: ReplyFuture | None, query_id: int = 0) -> int:
+        """:meth:`poll` for ``future``'s sake (or query ``query_id``'s): it does not
         wait once that is answered (another thread may receive the answer between the
         caller's look and this one's poll)."""
         try:  # (acquired inside: an exception from a signal handler cannot skip finally)
             # Waiting for the socket, a nap at most: the owner, pumping, completes this
             # thread's futures meanwhile, and the caller looks at them again.
-            own = self._own
             waited = False
-            if self._line or self._closing or not own.acquire(False):
-                nap_s = _RECHECK_S if timeout_s is None else min(timeout_s, _RECHECK_S)
-                if not self._take(nap_s, send=False):
+            if self._turns.contended or not self._turns.own.acquire(False):
+                nap_s = RECHECK_S if timeout_s is None else min(timeout_s, RECHECK_S)
+                if not self._turns.take(nap_s, send=False):
                     return 0
                 waited = True
-            # The socket is this thread's until _let_go.
+            # The socket is this thread's until it lets go.
             self._check_open()
             deadline = self.core.next_deadline()
             now = self.clock.now()
@@ -320,9 +256,9 @@ class Client:
                 wait_s = deadline - now if wait_s is None else min(wait_s, deadline - now)
             if (
                 waited
-                or self._sending
+                or self._turns.sending
                 or (future is not None and future.done())
-                or (stats_id and self.core.stats_reply(stats_id) is not None)
+                or (query_id and self.core.queries.answer(query_id) is not None)
             ):
                 # It waited its turn: what it waits for may have come meanwhile (the
                 # owner before it pumped), so it looks and lets its caller check. Or a
@@ -351,7 +287,7 @@ class Client:
                 completed += self._send_outgoing()
             return completed
         finally:
-            self._let_go()
+            self._turns.let_go()
 
     def _send_outgoing(self) -> int:
         """(Owning the socket.) Apply the cancels asked for, and send what the core has
@@ -395,7 +331,7 @@ class Client:
         except ProtocolError:
             return 0  # not a message we can read; nothing waits on it
         if isinstance(outcome, dict):
-            return 0  # a STATS reply: the core keeps it for the stats() call that asked
+            return 0  # a STATS or METADATA answer: the core keeps it for the call that asked
         future = None if rid is None else self._futures.pop(rid, None)
         if future is None:
             return 0
@@ -413,16 +349,17 @@ class Client:
     def close(self) -> None:
         if self.state is ClientState.CLOSED:
             return
-        self._closing = True  # a send that waits for room gives up (within _RECHECK_S)
+        self._turns.closing = True  # a send that waits for room gives up (RECHECK_S)
         try:
             # Own the socket: no other thread is in it then. (Re-entrant: close() from a
             # signal handler in the thread that owns it goes on at once; that thread's
             # interrupted call then fails on the closed socket.)
-            self._take(None, send=False, close=True)
+            self._turns.take(None, send=False, close=True)
             if self.state is not _OPEN:  # (closed by another thread meanwhile)
                 return
-            with self._cond:  # no thread is waking the pipe while it closes
+            with self._turns.cond:  # no thread is waking the pipe while it closes
                 self.state = ClientState.CLOSED
+                self._turns.closed = True
                 self._wake.close()
             for rid, future in self._futures.items():  # each still gets an answer
                 self.core.forget(rid)
@@ -434,10 +371,10 @@ class Client:
             # Interrupted (a second Ctrl-C) before it closed anything: the client stays
             # open, and usable, rather than refusing every send as if closing for ever.
             if self.state is _OPEN:
-                self._closing = False
+                self._turns.closing = False
             raise
         finally:
-            self._let_go()
+            self._turns.let_go()
         self._dealer.close()
         close_core(self.core)
 

@@ -11,12 +11,15 @@ problem reads ``FILE: KEY: rule``. :func:`describe` is one model as ``list`` sho
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
+from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import TensorMeta
+from carpool.common.shape_rules import ShapeRule
 from carpool.worker.config import ModelConfig
 from carpool.worker.models import locate_source, sha256_of
 from carpool.worker.repository import RepoModel, Repository, scan
@@ -148,23 +151,16 @@ def describe(model: RepoModel) -> tuple[list[str], list[str]]:
         + (f" (preferred {list(config.preferred_batch)})" if config.preferred_batch else ""),
         f"  file       {where}",
     ]
+    inputs = []
     for t in io.inputs:
         declared = config.inputs.get(t.name)
-        line = f"  input      {t.name} {t.dtype} {_dims(t.shape)}"
-        if declared is not None and declared.rule():
-            line += f"  rule {declared.rule().to_wire()}"
-        if declared is not None and declared.pad is not None:
-            line += f"  buckets: {declared.pad.allowed()}"
-        lines.append(line)
+        rule = None if declared is None else declared.rule()
+        inputs.append((t, rule or None, None if declared is None else declared.pad))
+    outputs = []
     for t in io.outputs:
         crops = config.outputs.get(t.name)
-        line = f"  output     {t.name} {t.dtype} {_dims(t.shape)}"
-        if crops is not None and crops.crop:
-            line += "  crop " + ", ".join(
-                f"axis {c.axis} = {c.input}[{c.input_axis}]×{c.scale[0]}/{c.scale[-1]}"
-                for c in crops.crop
-            )
-        lines.append(line)
+        outputs.append((t, () if crops is None else tuple(c.crop_axis() for c in crops.crop)))
+    lines += io_lines(inputs, outputs)
     if config.warmup:
         lines.append(f"  warmup     {_runs(config)}")
     return lines, problems
@@ -172,6 +168,32 @@ def describe(model: RepoModel) -> tuple[list[str], list[str]]:
 
 def _runs(config: ModelConfig) -> dict[str, list[list[int]]]:
     return {name: [list(s) for s in shapes] for name, shapes in config.warmup.items()}
+
+
+def io_lines(
+    inputs: Iterable[tuple[TensorMeta, ShapeRule | None, PadRule | None]],
+    outputs: Iterable[tuple[TensorMeta, Sequence[CropAxis]]],
+) -> list[str]:
+    """A model's inputs (with their shape rule and buckets) and outputs (with the axes
+    they are cropped on), a line each, as ``carpool models list`` and ``show`` print
+    them."""
+    lines = []
+    for t, rule, pad in inputs:
+        line = f"  input      {t.name} {t.dtype} {_dims(t.shape)}"
+        if rule:
+            line += f"  rule {rule.to_wire()}"
+        if pad is not None:
+            line += f"  buckets: {pad.allowed()}"
+        lines.append(line)
+    for t, crop in outputs:
+        line = f"  output     {t.name} {t.dtype} {_dims(t.shape)}"
+        if crop:
+            line += "  crop " + ", ".join(
+                f"axis {c.axis} = {c.input}[{c.input_axis}]×{c.numerator}/{c.denominator}"
+                for c in crop
+            )
+        lines.append(line)
+    return lines
 
 
 def _dims(shape: tuple[int, ...]) -> str:

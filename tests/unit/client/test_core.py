@@ -133,7 +133,7 @@ def test_request_frames_are_exactly_what_encode_request_gives(priority: Priority
 def test_request_ids_are_unique_and_shared_with_stats() -> None:
     c = ClientCore()
     ids = [c.request(T0, "m", {"x": [1]})[0] for _ in range(3)]
-    sid, frames = c.stats_request()
+    sid, frames = c.queries.stats_request()
     assert ids == [1, 2, 3]
     assert sid == 4
     assert frames == encode(Command.STATS, {"id": 4})
@@ -318,31 +318,49 @@ def test_stats_reply() -> None:
 
 def test_stats_replies_are_matched_to_their_requests_by_id() -> None:
     c = ClientCore()
-    first, _ = c.stats_request()
-    second, _ = c.stats_request()
-    assert c.stats_reply(first) is None  # asked, not answered yet
+    first, _ = c.queries.stats_request()
+    second, _ = c.queries.stats_request()
+    assert c.queries.answer(first) is None  # asked, not answered yet
     assert c.on_reply(encode(Command.STATS, {"id": second, "n": 2})) == (
         second,
         {"id": second, "n": 2},
     )
-    assert c.stats_reply(first) is None
+    assert c.queries.answer(first) is None
     assert c.on_reply(encode(Command.STATS, {"id": first, "n": 1}))[0] == first
-    assert c.stats_reply(first) == {"id": first, "n": 1}
-    assert c.stats_reply(second) == {"id": second, "n": 2}
-    c.forget_stats(first)
-    assert c.stats_reply(first) is None
+    assert c.queries.answer(first) == {"id": first, "n": 1}
+    assert c.queries.answer(second) == {"id": second, "n": 2}
+    c.queries.forget(first)
+    assert c.queries.answer(first) is None
     assert c.on_reply(encode(Command.STATS, {"id": first, "n": 3}))[0] is None  # given up
-    assert c.stats_reply(first) is None
-    assert c.stats_reply(second) == {"id": second, "n": 2}
+    assert c.queries.answer(first) is None
+    assert c.queries.answer(second) == {"id": second, "n": 2}
+
+
+def test_metadata_answers_and_refusals_are_matched_to_their_requests_by_id() -> None:
+    c = ClientCore()
+    one, frames = c.queries.metadata_request("echo")
+    every, every_frames = c.queries.metadata_request()
+    assert parse_header(frames[0]) is Command.METADATA
+    assert decode_meta(frames[1]) == {"id": one, "model": "echo"}
+    assert decode_meta(every_frames[1]) == {"id": every}
+    answer = {"id": every, "models": []}
+    assert c.on_reply([header(Command.METADATA), codec.pack(answer)]) == (every, answer)
+    assert c.queries.answer(one) is None
+    refused = encode_error(ErrorReply(one, ErrorCode.NOT_FOUND, "no echo"))
+    got_id, error = c.on_reply(refused)
+    assert got_id == one
+    assert isinstance(error, NotFound)
+    assert c.queries.answer(one) is error
+    assert c.queries.answer(every) == answer
 
 
 @pytest.mark.parametrize("sid", [None, "1", 1.0, True])
 def test_a_stats_reply_without_an_awaited_id_answers_nobody(sid: object) -> None:
     c = ClientCore()
-    asked, _ = c.stats_request()
+    asked, _ = c.queries.stats_request()
     assert asked == 1
     assert c.on_reply(encode(Command.STATS, {"id": sid}))[0] is None
-    assert c.stats_reply(asked) is None
+    assert c.queries.answer(asked) is None
 
 
 @pytest.mark.parametrize(
