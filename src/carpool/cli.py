@@ -243,15 +243,14 @@ def _limited(model: ModelConfig, limits: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------------- demo
 
 
-#: ``carpool demo``'s flags, by the keyword argument of ``run_demo`` each one sets:
-#: (type, default, help).
-_DEMO_FLAGS: dict[str, tuple[type, float, str]] = {
-    "duration_s": (float, 10.0, "how long the cameras send"),
-    "cameras": (int, 4, "cameras sending in step"),
-    "fps": (float, 10.0, "frames per second per camera"),
-    "workers": (int, 2, "CPU workers to start"),
-    "max_batch": (int, 8, "broker B_max"),
-    "max_wait_ms": (float, 5.0, "broker T_max"),
+#: ``carpool demo``'s flags, by the :class:`~carpool.demo.DemoSettings` field each sets.
+_DEMO_FLAGS: dict[str, str] = {
+    "duration_s": "how long the cameras send",
+    "cameras": "cameras sending in step",
+    "fps": "frames per second per camera",
+    "workers": "CPU workers to start",
+    "max_batch": "broker B_max",
+    "max_wait_ms": "broker T_max",
 }
 #: Where ``--scenario ocr`` has defaults of its own: a 1080p frame costs the detector
 #: about half a second on a CPU, so fewer frames, for a few seconds.
@@ -260,20 +259,19 @@ _OCR_DEMO_DEFAULTS: dict[str, float] = {"duration_s": 4.0, "cameras": 3, "fps": 
 
 def _demo(args: argparse.Namespace) -> int:
     """run a broker, two CPU workers and a camera client"""
+    from carpool.demo import DemoSettings
+
     ocr = args.scenario == "ocr"
-    values: dict[str, Any] = {}
-    for name, (kind, default, _) in _DEMO_FLAGS.items():
-        given = getattr(args, name)
-        values[name] = kind(_OCR_DEMO_DEFAULTS.get(name, default) if ocr else default)
-        if given is not None:
-            values[name] = given
-    if args.scenario == "ocr":
+    values: dict[str, Any] = dict(_OCR_DEMO_DEFAULTS) if ocr else {}
+    values.update({k: getattr(args, k) for k in _DEMO_FLAGS if getattr(args, k) is not None})
+    settings = DemoSettings(**values)
+    if ocr:
         from carpool.ocr.demo import run_ocr_demo
 
-        return run_ocr_demo(**values)
+        return run_ocr_demo(settings)
     from carpool.demo import run_demo
 
-    return run_demo(**values)
+    return run_demo(settings)
 
 
 # ---------------------------------------------------------------------- parser
@@ -374,11 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
         "ocr: cameras at 640x480, 1280x720 and 1920x1080 to the text detector, their "
         "lines to the recognizer",
     )
-    for name, (kind, default, text) in _DEMO_FLAGS.items():
-        ocr = _OCR_DEMO_DEFAULTS.get(name)
+    from carpool.demo import DemoSettings
+
+    for field in dataclasses.fields(DemoSettings):
+        default, ocr = field.default, _OCR_DEMO_DEFAULTS.get(field.name)
         shown = f"{default:g}" + ("" if ocr is None else f"; ocr {ocr:g}")
+        kind = int if isinstance(default, int) else float
+        text = _DEMO_FLAGS[field.name]
         d.add_argument(
-            "--" + name.replace("_", "-"), type=kind, default=None, help=f"{text} ({shown})"
+            "--" + field.name.replace("_", "-"), type=kind, default=None, help=f"{text} ({shown})"
         )
 
     from carpool.benchcmd import add_parsers as add_bench_parsers

@@ -80,16 +80,9 @@ def render_frames(pages: int = PAGES) -> list[Frame]:
     ]
 
 
-def run_demo(
-    *,
-    duration_s: float,
-    cameras: int,
-    fps: float,
-    workers: int,
-    max_batch: int,
-    max_wait_ms: float,
-) -> int:
-    """Run the demo fleet and cameras; print a report.
+@dataclass(frozen=True, slots=True)
+class DemoSettings:
+    """What ``carpool demo`` runs (each scenario its own defaults: ``carpool demo --help``).
 
     Args:
         duration_s: how long the cameras send.
@@ -98,6 +91,36 @@ def run_demo(
         workers: CPU worker processes to start.
         max_batch: the broker's B_max (and the workers' largest batch).
         max_wait_ms: the broker's T_max.
+    """
+
+    duration_s: float = 10.0
+    cameras: int = 4
+    fps: float = 10.0
+    workers: int = 2
+    max_batch: int = 8
+    max_wait_ms: float = 5.0
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming each setting out of its range."""
+        problems = [
+            f"{name} must be > 0, got {value}"
+            for name, value in (
+                ("duration_s", self.duration_s),
+                ("cameras", self.cameras),
+                ("fps", self.fps),
+                ("workers", self.workers),
+                ("max_batch", self.max_batch),
+            )
+            if not value > 0
+        ]
+        if self.max_wait_ms < 0:
+            problems.append(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if problems:
+            raise ConfigError("demo: " + "; ".join(problems))
+
+
+def run_demo(settings: DemoSettings) -> int:
+    """Run the demo fleet and cameras; print a report.
 
     Returns:
         0 if every request got a reply and every rotation was classified correctly, else 1;
@@ -106,7 +129,9 @@ def run_demo(
     Raises:
         ConfigError: an argument is out of range, or Pillow is not installed.
     """
-    check_settings(duration_s, cameras, fps, workers, max_batch, max_wait_ms)
+    settings.check()
+    duration_s, cameras, fps = settings.duration_s, settings.cameras, settings.fps
+    workers, max_batch, max_wait_ms = settings.workers, settings.max_batch, settings.max_wait_ms
     try:
         frames = render_frames()
     except ImportError as exc:
@@ -135,27 +160,6 @@ def run_demo(
         return 0 if none_exited(procs) and ok else 1
 
     return run_fleet(fleet)
-
-
-def check_settings(
-    duration_s: float, cameras: int, fps: float, workers: int, max_batch: int, max_wait_ms: float
-) -> None:
-    """Raise :class:`ConfigError` naming each demo setting out of its range."""
-    problems = [
-        f"{name} must be > 0, got {value}"
-        for name, value in (
-            ("duration_s", duration_s),
-            ("cameras", cameras),
-            ("fps", fps),
-            ("workers", workers),
-            ("max_batch", max_batch),
-        )
-        if not value > 0
-    ]
-    if max_wait_ms < 0:
-        problems.append(f"max_wait_ms must be >= 0, got {max_wait_ms}")
-    if problems:
-        raise ConfigError("demo: " + "; ".join(problems))
 
 
 def run_fleet(body: Callable[[Path, dict[str, subprocess.Popen[bytes]]], int]) -> int:

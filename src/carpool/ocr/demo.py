@@ -25,7 +25,7 @@ import numpy as np
 from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.errors import ConfigError
 from carpool.demo import (
-    check_settings,
+    DemoSettings,
     final_stats,
     none_exited,
     run_fleet,
@@ -67,15 +67,7 @@ class _Tally:
     last_reply_s: float = 0.0
 
 
-def run_ocr_demo(
-    *,
-    duration_s: float,
-    cameras: int,
-    fps: float,
-    workers: int,
-    max_batch: int,
-    max_wait_ms: float,
-) -> int:
+def run_ocr_demo(settings: DemoSettings) -> int:
     """Run the OCR fleet and cameras; print a report.
 
     Returns:
@@ -85,7 +77,9 @@ def run_ocr_demo(
     Raises:
         ConfigError: an argument is out of range, Pillow or the model wheel is missing.
     """
-    check_settings(duration_s, cameras, fps, workers, max_batch, max_wait_ms)
+    settings.check()
+    duration_s, cameras, fps = settings.duration_s, settings.cameras, settings.fps
+    workers, max_batch, max_wait_ms = settings.workers, settings.max_batch, settings.max_wait_ms
     from carpool.worker.models import locate
 
     try:
