@@ -1,0 +1,129 @@
+"""pycuda_driver.py: the CUDA seam on pycuda (``pycuda.driver``).
+
+For Jetson setups that have pycuda (built from source against JetPack's CUDA toolkit).
+``pycuda.autoinit`` is never used: it makes a new, non-primary context current in the
+importing thread only, while TensorRT works in the primary context. :func:`open_pycuda`
+retains the device's primary context and pushes it on the calling thread, which owns this
+object; :meth:`PyCudaCuda.close` pops it there (a context left on the stack at exit makes
+pycuda complain).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from carpool.worker.cuda.base import (
+    CudaError,
+    CudaUnavailable,
+    DeviceBuffer,
+    Event,
+    HostBuffer,
+    Owner,
+    Stream,
+)
+
+_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
+
+
+class PyCudaCuda:
+    """:class:`~carpool.worker.cuda.base.Cuda` on pycuda's driver API."""
+
+    name = "pycuda"
+
+    def __init__(self, drv: Any, device: int) -> None:
+        self._drv = drv
+        self.device = device
+        self._owner = Owner(f"CUDA device {device} (pycuda)")
+        self._context = drv.Device(device).retain_primary_context()
+        self._context.push()
+        self._closed = False
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        self._owner.check()
+        try:
+            return fn(*args)
+        except self._drv.Error as exc:
+            raise CudaError(f"{what} failed: {exc}") from None
+
+    def pinned(self, nbytes: int) -> HostBuffer:
+        array = self._call("pagelocked_empty", self._drv.pagelocked_empty, nbytes, np.uint8)
+        return HostBuffer(int(array.ctypes.data), nbytes, array, native=array.base)
+
+    def device_buffer(self, nbytes: int) -> DeviceBuffer:
+        native = self._call("mem_alloc", self._drv.mem_alloc, max(nbytes, 1))
+        return DeviceBuffer(int(native), nbytes, native)
+
+    def stream(self) -> Stream:
+        native = self._call("Stream", self._drv.Stream, _NON_BLOCKING)
+        return Stream(int(native.handle), native)
+
+    def event(self) -> Event:
+        return Event(self._call("Event", self._drv.Event))
+
+    def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
+        self._call(
+            "memcpy_htod_async",
+            self._drv.memcpy_htod_async,
+            dst.ptr,
+            src.array[:nbytes],
+            stream.native,
+        )
+
+    def to_host(self, dst: HostBuffer, src: DeviceBuffer, nbytes: int, stream: Stream) -> None:
+        self._call(
+            "memcpy_dtoh_async",
+            self._drv.memcpy_dtoh_async,
+            dst.array[:nbytes],
+            src.ptr,
+            stream.native,
+        )
+
+    def record(self, event: Event, stream: Stream) -> None:
+        self._call("Event.record", event.native.record, stream.native)
+
+    def wait_event(self, event: Event) -> None:
+        self._call("Event.synchronize", event.native.synchronize)
+
+    def synchronize(self, stream: Stream) -> None:
+        self._call("Stream.synchronize", stream.native.synchronize)
+
+    def elapsed_s(self, start: Event, end: Event) -> float:
+        return float(self._call("Event.time_since", end.native.time_since, start.native)) / 1000
+
+    def free(self, buffer: HostBuffer | DeviceBuffer) -> None:
+        if isinstance(buffer, DeviceBuffer):
+            self._call("DeviceAllocation.free", buffer.native.free)
+        else:  # page-locked arrays are freed with their last reference
+            self._call("HostAllocation.free", buffer.native.free)
+
+    def destroy(self, handle: Stream | Event) -> None:
+        self._owner.check()  # pycuda frees streams and events with their last reference
+
+    def close(self) -> None:
+        self._owner.check()
+        if not self._closed:
+            self._closed = True
+            self._context.pop()
+            self._context.detach()
+
+
+def open_pycuda(device: int = 0) -> PyCudaCuda:
+    """pycuda on ``device``'s primary context, owned by the calling thread.
+
+    Raises:
+        CudaUnavailable: pycuda is not installed, or no device answers.
+    """
+    try:
+        import pycuda.driver as drv
+    except ImportError as exc:
+        raise CudaUnavailable(f"pycuda is not installed ({exc})") from None
+    try:
+        drv.init()
+        count = drv.Device.count()
+    except drv.Error as exc:
+        raise CudaUnavailable(f"no CUDA device (pycuda: {exc})") from None
+    if not 0 <= device < count:
+        raise CudaUnavailable(f"no CUDA device {device} (this machine has {count})")
+    return PyCudaCuda(drv, device)
