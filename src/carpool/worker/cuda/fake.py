@@ -65,15 +65,22 @@ class FakeCuda:
         """The bytes of the device buffer at ``ptr`` (for fake kernels)."""
         return self.memory[ptr]
 
-    def launch(self, stream: Stream, name: str, cost_s: float, run: Callable[[], None]) -> None:
-        """Queue a kernel taking ``cost_s`` of device time, running ``run`` when reached."""
+    def launch(self, stream: int, name: str, cost_s: float, run: Callable[[], None]) -> None:
+        """Queue a kernel on the stream of handle ``stream``, taking ``cost_s`` of device
+        time after the kernels queued before it, running ``run`` when reached."""
         self._owner.check()
-        state = self._streams[stream.handle]
+        state = self._streams[stream]
         start = max(state.free_at_s, self._compute_free_s, self.host_s)
         state.free_at_s = self._compute_free_s = start + cost_s
-        self.kernels.append((stream.handle, name, start, start + cost_s))
-        self.calls.append(("launch", stream.handle, name))
+        self.kernels.append((stream, name, start, start + cost_s))
+        self.calls.append(("launch", stream, name))
         state.ops.append(_Op(run))
+
+    def drain(self, stream: int) -> None:
+        """Run what the stream of handle ``stream`` has queued (as TensorRT does inside a
+        run whose output shapes depend on the data); not recorded."""
+        state = self._streams[stream]
+        self._drain(state, len(state.ops))
 
     # -- the interface -------------------------------------------------------------------
     def pinned(self, nbytes: int) -> HostBuffer:

@@ -1,0 +1,129 @@
+"""The CUDA layer's contract, run against the recording fake here and against each real
+binding where a GPU answers (marked ``gpu``: skipped with the reason elsewhere)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from carpool.worker.cuda import open_cuda
+from carpool.worker.cuda.base import Cuda, CudaError, CudaUnavailable
+from carpool.worker.cuda.fake import FakeCuda
+
+
+@pytest.fixture(
+    params=[
+        "fake",
+        pytest.param("cuda-python", marks=pytest.mark.gpu),
+        pytest.param("pycuda", marks=pytest.mark.gpu),
+    ]
+)
+def cuda(request):
+    if request.param == "fake":
+        layer: Cuda = FakeCuda()
+    else:
+        try:
+            layer = open_cuda(0, (request.param,))
+        except CudaUnavailable as exc:
+            pytest.skip(f"{request.param}: {exc}")
+    yield layer
+    layer.close()
+
+
+def _roundtrip(cuda: Cuda, data: np.ndarray) -> tuple:
+    src, dst = cuda.pinned(data.nbytes), cuda.pinned(data.nbytes)
+    dev = cuda.device_buffer(data.nbytes)
+    src.view(data.dtype, data.shape)[...] = data
+    return src, dst, dev
+
+
+def test_pinned_buffers_view_as_arrays(cuda):
+    host = cuda.pinned(64)
+    assert host.nbytes == 64 and host.array.size == 64
+    view = host.view(np.dtype(np.float32), (4, 2))
+    view[...] = 7
+    assert host.array[:32].view(np.float32).tolist() == [7.0] * 8
+    cuda.free(host)
+
+
+def test_async_copies_round_trip_once_the_stream_is_done(cuda):
+    data = np.arange(1000, dtype=np.float32)
+    src, dst, dev = _roundtrip(cuda, data)
+    stream = cuda.stream()
+    cuda.to_device(dev, src, data.nbytes, stream)
+    cuda.to_host(dst, dev, data.nbytes, stream)
+    cuda.synchronize(stream)
+    np.testing.assert_array_equal(dst.view(data.dtype, data.shape), data)
+    for b in (src, dst, dev):
+        cuda.free(b)
+    cuda.destroy(stream)
+
+
+def test_an_event_marks_the_work_before_it_and_times_it(cuda):
+    data = np.arange(1 << 16, dtype=np.int32)
+    src, dst, dev = _roundtrip(cuda, data)
+    stream, start, end = cuda.stream(), cuda.event(), cuda.event()
+    cuda.record(start, stream)
+    cuda.to_device(dev, src, data.nbytes, stream)
+    cuda.to_host(dst, dev, data.nbytes, stream)
+    cuda.record(end, stream)
+    cuda.wait_event(end)
+    np.testing.assert_array_equal(dst.view(data.dtype, data.shape), data)
+    assert cuda.elapsed_s(start, end) >= 0.0
+    for h in (start, end, stream):
+        cuda.destroy(h)
+
+
+def test_two_streams_carry_their_own_copies(cuda):
+    pairs = []
+    for k in range(2):
+        data = np.full(4096, k + 1, np.uint8)
+        src, dst, dev = _roundtrip(cuda, data)
+        stream = cuda.stream()
+        cuda.to_device(dev, src, data.nbytes, stream)
+        cuda.to_host(dst, dev, data.nbytes, stream)
+        pairs.append((stream, dst, k + 1))
+    for stream, dst, value in pairs:
+        cuda.synchronize(stream)
+        assert set(dst.array.tolist()) == {value}
+
+
+def test_the_context_belongs_to_the_thread_that_opened_it(cuda):
+    errors = []
+
+    def other() -> None:
+        try:
+            cuda.pinned(16)
+        except CudaError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join(timeout=10)
+    assert errors and "thread" in str(errors[0])
+
+
+def test_the_fake_runs_a_stream_only_when_waited_for():
+    cuda = FakeCuda()
+    data = np.arange(8, dtype=np.uint8)
+    src, dst, dev = _roundtrip(cuda, data)
+    stream, end = cuda.stream(), cuda.event()
+    cuda.to_device(dev, src, 8, stream)
+    cuda.to_host(dst, dev, 8, stream)
+    cuda.record(end, stream)
+    assert dst.array.tolist() == [0] * 8  # queued, not done
+    with pytest.raises(CudaError, match="NotReady"):
+        cuda.elapsed_s(end, end)
+    cuda.wait_event(end)
+    assert dst.array.tolist() == list(range(8))
+
+
+def test_open_cuda_gives_every_bindings_reason_when_none_opens():
+    try:
+        cuda = open_cuda(0)
+    except CudaUnavailable as exc:
+        assert "cuda-python:" in str(exc) and "pycuda:" in str(exc)
+    else:  # a machine with a GPU
+        cuda.close()
