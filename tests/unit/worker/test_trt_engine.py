@@ -195,7 +195,8 @@ def test_close_frees_everything_it_made():
     freed = sum(1 for c in cuda.calls if c[0] == "free")
     assert made == freed
     assert cuda.memory == {}
-    assert plan.closed and cuda.closed
+    assert plan.closed
+    assert cuda.closed
 
 
 def test_a_plan_with_a_fixed_batch_dim_is_refused():
