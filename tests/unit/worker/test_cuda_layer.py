@@ -123,5 +123,5 @@ def test_the_fake_runs_a_stream_only_when_waited_for():
 
 
 def test_open_cuda_gives_every_bindings_reason_when_none_opens():
-    with pytest.raises(CudaUnavailable, match="^one: unknown CUDA binding; two: unknown"):
+    with pytest.raises(CudaUnavailable, match=r"^one: unknown CUDA binding; two: unknown"):
         open_cuda(0, ("one", "two"))

@@ -9,6 +9,7 @@ from carpool.common.errors import ConfigError
 from carpool.worker.cuda.fake import FakeCuda
 from carpool.worker.engines.base import BadInput
 from carpool.worker.engines.trt import TensorRTEngine
+from carpool.worker.engines.trt_plan import TensorIO
 from carpool.worker.run import warm_up
 from tests.unit.worker.trt_fakes import FakePlan, expected
 
@@ -46,11 +47,7 @@ def test_each_batch_runs_in_the_tightest_profile_that_admits_its_shape():
     engine.run({"x": _x(3)})  # both admit 3: the small one
     engine.run({"x": _x(9)})  # only the large one
     engine.run({"x": _x(4)})  # small again
-    executed = [
-        (p, c[2][0])
-        for ctx in plan.contexts
-        for p, c in _profiles_at_execute(ctx.calls)
-    ]
+    executed = [(p, c[2][0]) for ctx in plan.contexts for p, c in _profiles_at_execute(ctx.calls)]
     assert sorted(executed, key=lambda e: e[1]) == [(0, 3), (0, 4), (1, 9)]
 
 
@@ -202,9 +199,7 @@ def test_close_frees_everything_it_made():
 def test_a_plan_with_a_fixed_batch_dim_is_refused():
     cuda = FakeCuda()
     plan = FakePlan(cuda)
-    plan.tensors = lambda: [  # type: ignore[method-assign]
-        *FakePlan(cuda).tensors()[:1],
-        type(FakePlan(cuda).tensors()[1])("y", False, "float32", (1, 8)),
-    ]
+    fixed = [TensorIO("x", True, "float32", (-1, 8)), TensorIO("y", False, "float32", (1, 8))]
+    plan.tensors = lambda: fixed  # type: ignore[method-assign]
     with pytest.raises(ConfigError, match="dynamic batch dim"):
         TensorRTEngine(plan, cuda)

@@ -5,7 +5,8 @@ Its model: ``x`` float32 ``[B, W]`` → ``y = 2x + 1`` (same shape) and, with ``
 an int32 ``pos`` ``[B, W]`` whose shape the plan leaves open (a TensorRT output of
 data-dependent shape, which the engine learns through its output allocator once the kernel
 ran): each sample's indices of its positive values, -1 past them. Kernels read and write
-the fake device memory at the addresses the engine set, so a wrong address or a missing copy shows in the outputs.
+the fake device memory at the addresses the engine set, so a wrong address or a missing
+copy shows in the outputs.
 """
 
 from __future__ import annotations
