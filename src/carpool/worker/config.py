@@ -19,7 +19,7 @@ from carpool.worker.models import SourceConfig
 from carpool.worker.server import EngineFactory, WorkerServer
 from carpool.worker.shapes import InputConfig, ModelShapes, OutputConfig
 
-ENGINES = ("onnxruntime", "synthetic")
+ENGINES = ("onnxruntime", "tensorrt", "synthetic")
 #: What a model's ``backends`` may name: the engines that may serve it.
 BACKENDS = ("onnxruntime", "tensorrt", "synthetic")
 
@@ -30,8 +30,12 @@ class ModelConfig:
     repository's ``model.toml`` (one schema; every key in docs/models.md)."""
 
     name: str = "orientation"  # a built-in model's name, or any name with `path`/`source`
-    engine: str = "onnxruntime"  # onnxruntime | synthetic
+    engine: str = "onnxruntime"  # onnxruntime | tensorrt | synthetic
     path: str = ""  # an ONNX file; empty (and no source): the built-in model `name`
+    # tensorrt engine only: its serialized plan; empty: the ONNX file's path with the
+    # suffix .plan. Without TensorRT, a GPU or a plan that loads, ONNX Runtime serves the
+    # ONNX file (unless backends leave it out).
+    plan: str = ""
     source: SourceConfig | None = None  # or a file inside an installed wheel
     description: str = ""
     # The engines that may serve it ("onnxruntime", "tensorrt", "synthetic"); a worker
@@ -138,6 +142,8 @@ class ModelConfig:
             )
         if self.engine == "synthetic":
             return self._synthetic
+        if self.engine == "tensorrt":
+            return self._tensorrt
         return self._onnxruntime
 
     def _synthetic(self) -> Engine:
@@ -153,8 +159,34 @@ class ModelConfig:
             shapes=self.shapes(),
         )
 
+    def _tensorrt(self) -> Engine:
+        from carpool.worker.engines.trt_load import tensorrt_or_onnxruntime
+
+        model, onnx = self._onnx()
+        plan = Path(self.plan) if self.plan else Path(onnx).with_suffix(".plan")
+        return tensorrt_or_onnxruntime(
+            plan,
+            f"model {self.name!r}",
+            self._onnxruntime,
+            may_fall_back=not self.backends or "onnxruntime" in self.backends,
+            shapes=model.shapes(),
+        )
+
     def _onnxruntime(self) -> Engine:
         from carpool.worker.engines.ort import OnnxRuntimeEngine
+
+        model, path = self._onnx()
+        return OnnxRuntimeEngine(
+            path,
+            max_batch=self.max_batch,
+            intra_op_threads=self.intra_op_threads,
+            preferred_batch=self.preferred_batch,
+            providers=self.providers,
+            shapes=model.shapes(),
+        )
+
+    def _onnx(self) -> tuple[ModelConfig, str]:
+        """This model over its built-in base (if any), and the path of its ONNX file."""
         from carpool.worker.models import locate, locate_source
         from carpool.worker.repository import builtin
 
@@ -166,17 +198,8 @@ class ModelConfig:
             else:
                 model = self.over(base.config)
         if model.source is not None:
-            path = str(locate_source(model.source, f"model {self.name!r}"))
-        else:
-            path = model.path
-        return OnnxRuntimeEngine(
-            path,
-            max_batch=self.max_batch,
-            intra_op_threads=self.intra_op_threads,
-            preferred_batch=self.preferred_batch,
-            providers=self.providers,
-            shapes=model.shapes(),
-        )
+            return model, str(locate_source(model.source, f"model {self.name!r}"))
+        return model, model.path
 
 
 def model_from_arg(text: str, repository: Mapping[str, ModelConfig] | None = None) -> ModelConfig:

@@ -98,6 +98,9 @@ def _parse(folder: Path) -> tuple[RepoModel | None, list[str]]:
         path = data.get("path", DEFAULT_ONNX)
         if isinstance(path, str) and path:
             data["path"] = str(folder / path)
+    plan = data.get("plan")
+    if isinstance(plan, str) and plan:
+        data["plan"] = str(folder / plan)
     config, found = collect(ModelConfig, data, prefix)
     problems += [p if p.startswith(prefix) else prefix + p for p in found]
     if config is None or problems:
