@@ -73,7 +73,7 @@ def tensorrt_or_onnxruntime(
     if reason is None:
         try:
             return load_tensorrt(plan, what, shapes)
-        except (ConfigError, CudaUnavailable, CudaError, OSError, RuntimeError) as exc:
+        except (ConfigError, CudaUnavailable, CudaError, ImportError, OSError, RuntimeError) as exc:
             reason = f"the plan did not load: {exc}"
     if not may_fall_back:
         raise ConfigError(f"{what} cannot be served with TensorRT here: {reason}")
