@@ -3,6 +3,7 @@ line, and the same ONNX model served with ONNX Runtime (or a clear refusal)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from carpool.worker.models import locate
 from tests.system.test_cli import Spawn, _logs, _until_registered, spawn  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("tensorrt") is not None,
+    importlib.util.find_spec("tensorrt") is not None,
     reason="TensorRT is installed here: the fallback for its absence is not reachable",
 )
 
@@ -63,9 +64,9 @@ def test_without_tensorrt_the_onnx_model_is_served_by_onnx_runtime(tmp_path, cap
 def test_each_reason_tensorrt_cannot_serve_falls_back_in_one_line(
     tmp_path, caplog, monkeypatch, probe, plan, says
 ):
-    real_find_spec = trt_load.importlib.util.find_spec
+    real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        trt_load.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name: object() if name == "tensorrt" else real_find_spec(name),
     )
