@@ -79,6 +79,7 @@ class TensorRTEngine:
         contexts: execution contexts (and streams) that take batches in turn.
         shapes: a model config's shape declarations (pads, crops, warm-up shapes); the
             shape rules and warm-up come from the profiles where it declares none.
+        owns_cuda: :meth:`close` closes ``cuda`` too.
     """
 
     def __init__(
@@ -89,10 +90,11 @@ class TensorRTEngine:
         what: str = "TensorRT engine",
         contexts: int = CONTEXTS,
         shapes: ModelShapes | None = None,
+        owns_cuda: bool = True,
     ) -> None:
         if contexts < 1:
             raise ValueError("a TensorRT engine needs at least one execution context")
-        self._plan, self._cuda = plan, cuda
+        self._plan, self._cuda, self._owns_cuda = plan, cuda, owns_cuda
         self._io = plan.tensors()
         self._inputs = [t for t in self._io if t.is_input]
         self._outputs = [t for t in self._io if not t.is_input]
@@ -237,7 +239,8 @@ class TensorRTEngine:
             self._cuda.destroy(event)
         self._slots.clear()
         self._plan.close()
-        self._cuda.close()
+        if self._owns_cuda:
+            self._cuda.close()
 
 
 # -- the adapter: the only code that touches tensorrt ----------------------------------

@@ -1,0 +1,243 @@
+"""gpu_check.py: one command that checks carpool's GPU side on a GPU machine.
+
+    python bench/gpu_check.py [--out bench/out/gpu_check.json] [--no-bench]
+
+In order, each step recorded as ok, skipped (with the reason) or failed:
+
+1. environment: which of the packages involved import, and the cores;
+2. probe: the worker's GPU probe (a child process asks the CUDA runtime);
+3. cuda: each CUDA binding of the worker's CUDA layer that opens: pinned buffers, async
+   copies both ways (bandwidth from CUDA events), events;
+4. pipeline: the TensorRT engine's CUDA pipeline with a CuPy kernel standing in for
+   TensorRT (bench/gpu_standin.py): outputs checked, batches on one context and on two
+   (copy/compute overlap), GPU busy time from events against the wall clock (ρ);
+5. tensorrt: where tensorrt imports, a plan built from an ONNX model, run by the engine
+   and compared with ONNX Runtime;
+6. nvml: the device's name, memory and utilization, idle and during the pipeline;
+7. benchmarks: bench/broker_ceiling.py and bench/added_latency.py in their quick modes
+   (with a core per process: skipped on fewer than 8 cores).
+
+Without a GPU, steps 3-6 are skipped, saying so, and it still exits 0 with its report.
+It fits in 4 minutes. bench/gpu_check.sh installs the carried wheels first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from carpool.worker.cuda import open_cuda  # noqa: E402
+from carpool.worker.cuda.base import CudaUnavailable  # noqa: E402
+from carpool.worker.engines.gpu_probe import probe_gpu  # noqa: E402
+
+Step = dict[str, Any]
+PACKAGES = ("cuda.bindings", "pycuda", "cupy", "tensorrt", "pynvml", "onnxruntime", "zmq")
+
+
+def skipped(reason: str) -> Step:
+    return {"status": "skipped", "reason": reason}
+
+
+def _has(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def environment() -> Step:
+    return {
+        "status": "ok",
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cores": os.cpu_count(),
+        "imports": {name: _has(name) for name in PACKAGES},
+    }
+
+
+def cuda_layer(binding: str) -> Step:
+    try:
+        cuda = open_cuda(0, (binding,))
+    except CudaUnavailable as exc:
+        return skipped(str(exc))
+    try:
+        nbytes = 64 << 20
+        src, dst, dev = cuda.pinned(nbytes), cuda.pinned(nbytes), cuda.device_buffer(nbytes)
+        src.array[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+        stream, a, b, c = cuda.stream(), cuda.event(), cuda.event(), cuda.event()
+        cuda.record(a, stream)
+        cuda.to_device(dev, src, nbytes, stream)
+        cuda.record(b, stream)
+        cuda.to_host(dst, dev, nbytes, stream)
+        cuda.record(c, stream)
+        cuda.wait_event(c)
+        same = bool(np.array_equal(src.array, dst.array))
+        h2d_s, d2h_s = cuda.elapsed_s(a, b), cuda.elapsed_s(b, c)
+        for buffer in (src, dst, dev):
+            cuda.free(buffer)
+        return {
+            "status": "ok" if same else "failed",
+            "round_trip_equal": same,
+            "h2d_GBps": round(nbytes / h2d_s / 1e9, 2),
+            "d2h_GBps": round(nbytes / d2h_s / 1e9, 2),
+        }
+    finally:
+        cuda.close()
+
+
+def pipeline(batches: int = 40) -> Step:
+    if not _has("cupy"):
+        return skipped("CuPy does not import: no stand-in kernel")
+    try:
+        cuda = open_cuda(0)
+    except CudaUnavailable as exc:
+        return skipped(str(exc))
+    from gpu_standin import StandinPlan
+
+    from carpool.worker.engines.trt import TensorRTEngine
+
+    out: Step = {"status": "ok", "batches": batches}
+    plan = StandinPlan()
+    x = np.random.default_rng(0).random((plan.max_batch, plan.width), dtype=np.float32)
+    for contexts in (1, 2):
+        engine = TensorRTEngine(plan, cuda, contexts=contexts, owns_cuda=False)
+        engine.run({"x": x})  # warm-up (the kernel compiles)
+        busy0, t0 = engine.busy_s(), time.perf_counter()
+        pending = [engine.enqueue({"x": x}) for _ in range(batches)]
+        ys = [p.result()["y"] for p in pending]
+        wall_s = time.perf_counter() - t0
+        busy_s = engine.busy_s() - busy0
+        right = all(np.allclose(y, 2 * x + 1) for y in ys)
+        out[f"contexts_{contexts}"] = {
+            "outputs_right": right,
+            "wall_ms_per_batch": round(1000 * wall_s / batches, 3),
+            "gpu_busy_ms_per_batch": round(1000 * busy_s / batches, 3),
+            "rho": round(busy_s / wall_s, 3),
+        }
+        if not right:
+            out["status"] = "failed"
+        engine.close()
+    cuda.close()
+    one, two = out["contexts_1"]["wall_ms_per_batch"], out["contexts_2"]["wall_ms_per_batch"]
+    out["two_contexts_speedup"] = round(one / two, 3) if two else None
+    return out
+
+
+def tensorrt_engine() -> Step:
+    if not _has("tensorrt"):
+        return skipped("tensorrt does not import: TensorRT is not installed on this machine")
+    return skipped("a plan needs `carpool build-engine` (not run by this check yet)")
+
+
+def nvml(during: Callable[[], Step] | None = None) -> tuple[Step, Step | None]:
+    if not _has("pynvml"):
+        return skipped("nvidia-ml-py does not import"), during() if during else None
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return skipped(f"NVML: {exc}"), during() if during else None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+        def read() -> dict[str, Any]:
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            use = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            return {"gpu_pct": use.gpu, "used_MiB": memory.used >> 20}
+
+        name = pynvml.nvmlDeviceGetName(handle)
+        step: Step = {
+            "status": "ok",
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "total_MiB": pynvml.nvmlDeviceGetMemoryInfo(handle).total >> 20,
+            "idle": read(),
+        }
+        result = during() if during else None
+        step["after_pipeline"] = read()
+        return step, result
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def benchmarks(enabled: bool) -> Step:
+    cores = os.cpu_count() or 1
+    if not enabled:
+        return skipped("--no-bench")
+    if cores < 8:
+        return skipped(f"needs a core per process; this machine has {cores}")
+    if not _has("zmq"):
+        return skipped("pyzmq does not import (bench/gpu_check.sh installs the carried wheels)")
+    out: Step = {"status": "ok"}
+    path = f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"
+    for script in ("broker_ceiling.py", "added_latency.py"):
+        try:
+            done = subprocess.run(
+                [sys.executable, str(ROOT / "bench" / script), "--quick"],
+                capture_output=True,
+                text=True,
+                timeout=100,
+                check=False,
+                env={**os.environ, "PYTHONPATH": path},
+            )
+            out[script] = {"rc": done.returncode, "output": done.stdout[-4000:]}
+            if done.returncode:
+                out[script]["stderr"] = done.stderr[-2000:]
+                out["status"] = "failed"
+        except subprocess.TimeoutExpired:
+            out[script] = {"rc": None, "output": "timed out after 100 s"}
+            out["status"] = "failed"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "gpu_check.json")
+    p.add_argument("--no-bench", action="store_true", help="skip the two CPU benchmarks")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    report: dict[str, Step] = {"environment": environment()}
+    found = probe_gpu()
+    report["probe"] = {
+        "status": "ok" if found.ok else "skipped",
+        "devices": found.devices,
+        "binding": found.binding,
+        "reason": found.reason,
+    }
+    if found.ok:
+        for binding in ("cuda-python", "pycuda"):
+            report[f"cuda[{binding}]"] = cuda_layer(binding)
+        report["nvml"], piped = nvml(pipeline)
+        report["pipeline"] = piped or skipped("not run")
+        report["tensorrt"] = tensorrt_engine()
+    else:
+        why = f"no GPU: {found.reason}"
+        for name in ("cuda[cuda-python]", "cuda[pycuda]", "pipeline", "tensorrt", "nvml"):
+            report[name] = skipped(why)
+    report["benchmarks"] = benchmarks(not args.no_bench)
+    report["elapsed_s"] = {"status": "ok", "value": round(time.perf_counter() - start, 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for name, step in report.items():
+        print(f"{name:20} {step['status']:8} {step.get('reason', '')}")
+    print(f"report: {args.out}")
+    failed = [n for n, s in report.items() if s["status"] == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
