@@ -6,10 +6,11 @@ validation: refused when the broker is stopping, the request is larger than any 
 the queue is full (by count or payload bytes), its client already holds its share
 (``max_client_requests``, ``max_client_mib``: queued or at workers), or even the best
 case (the work queued ahead at full speed, then this request) ends past its deadline.
-:func:`conform` checks a request's inputs against its model (names, dtypes, shapes, shape
-rules), and :func:`bucketed` puts a padded model's request in its bucket (§8.1); a
-:class:`Layout` is what a request that passed is remembered by, in the protocol's
-RequestDecoder, for its fast path.
+:func:`conform` checks a request's inputs against its model (names, dtypes, shapes), and
+:func:`bucketed` puts a padded model's request in its bucket (§8.1); :func:`layout_of`
+does both and gives the :class:`Layout` a request that passed is remembered by, in the
+protocol's RequestDecoder, for its fast path. Shape rules and batch limits are each
+worker's own: the registry says which workers admit a layout's key (broker/limits.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from carpool.broker.backlog import Backlog
+from carpool.broker.batcher import request_key
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.replies import retry_after_ms
@@ -27,10 +29,10 @@ from carpool.common.protocol import (
     Frame,
     ModelSpec,
     ShmRef,
+    Submit,
     TensorMeta,
     check_frame_sizes,
 )
-from carpool.common.shape_rules import ShapeRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,7 @@ def admit(
 ) -> Admitted | Refused:
     """May a valid request of ``layout`` (``nbytes`` of payload, due in ``timeout_s``,
     of ``priority``, from ``client``) queue ``now``? ``max_batch``: the largest batch a live
-    worker of its model takes (> 0); ``pumpable``: batches may form this turn before the
+    worker that admits its shapes takes (> 0); ``pumpable``: batches may form this turn before the
     door closes (then a full queue answers :data:`FULL_UNTIL_PUMPED`)."""
     if backlog.stopping:
         return _STOPPING
@@ -171,10 +173,9 @@ def conform(
     ordered_inputs: list[TensorMeta] = []
     order: list[int] = []
     samples = -1
-    rules = spec.rules
     for want in spec.inputs:
         index, got = given[want.name]
-        problem = misfit(want, got.dtype, got.shape, rules[len(order)] if rules else None)
+        problem = misfit(want, got.dtype, got.shape)
         if problem is not None:
             raise ProtocolError(problem)
         if samples not in (-1, got.shape[0]):
@@ -229,11 +230,26 @@ def bucketed(
     return tuple(out), (tuple(own) if differs else None)
 
 
-def misfit(
-    want: TensorMeta, dtype: str, shape: tuple[int, ...], rule: ShapeRule | None
-) -> str | None:
+def layout_of(spec: ModelSpec, submit: Submit, payloads: Sequence[Frame]) -> Layout:
+    """The layout of a request that conforms to ``spec`` (:func:`conform`), in its bucket
+    where the model is padded (:func:`bucketed`).
+
+    Raises:
+        ProtocolError: it does not conform, or fits no bucket.
+    """
+    inputs, order, samples = conform(spec, submit.inputs, payloads, submit.shm)
+    shape = inputs[0].shape
+    shapes = None
+    if spec.pads:  # queued by bucket (§8.1)
+        inputs, shapes = bucketed(spec, inputs, order, submit.shm)
+    in_order = order == tuple(range(len(order)))
+    key = request_key(spec.name, inputs)
+    return Layout(spec.name, key, shape, samples, None if in_order else order, shapes)
+
+
+def misfit(want: TensorMeta, dtype: str, shape: tuple[int, ...]) -> str | None:
     """Why a request input of ``dtype`` and ``shape`` does not fit the model input
-    ``want`` under its shape ``rule`` (None: it fits)."""
+    ``want`` (None: it fits)."""
     if dtype != want.dtype:
         return f"input {want.name!r}: dtype {dtype}, model takes {want.dtype}"
     if len(shape) != len(want.shape):
@@ -245,9 +261,6 @@ def misfit(
         if w != -1 and g != w:
             fit = spec_shape(want.shape)
             return f"input {want.name!r}: shape {list(shape)} does not fit {fit}"
-    broken = rule.violation(shape) if rule is not None else None
-    if broken is not None:
-        return f"input {want.name!r}: shape {list(shape)}: {broken}"
     return None
 
 
@@ -262,12 +275,12 @@ def queued_misfit(spec: ModelSpec, req: PendingRequest) -> tuple[ErrorCode, str]
     if set(names) != set(expected):
         msg = f"model {spec.name!r} now takes inputs {expected}, request has {names}"
         return ErrorCode.INVALID_ARGUMENT, msg
-    rules, pads, own = spec.rules, spec.pads, req.shapes
+    pads, own = spec.pads, req.shapes
     rebucketed = False
     for i, want in enumerate(spec.inputs):
         dtype, bucket = given[want.name]
         item = bucket if own is None else own[names.index(want.name)]
-        problem = misfit(want, dtype, (req.samples, *item), rules[i] if rules else None)
+        problem = misfit(want, dtype, (req.samples, *item))
         if problem is not None:
             msg = f"model {spec.name!r} was re-registered while the request was queued: {problem}"
             return ErrorCode.INVALID_ARGUMENT, msg

@@ -136,7 +136,7 @@ class Dispatcher:
         capacities for the rest of the pump."""
         model = queue.key[0]
         policy = self._fleet.policy(model)
-        workers = self.registry.serving(model)
+        workers = self.registry.admitting(queue.key)
         if not policy.edf or not workers or queue.count == 0:
             return None
         # Hopeless against the best worker: its earliest start plus the smallest batch the
@@ -175,8 +175,14 @@ class Dispatcher:
             head = queue.head()
             if head is None:
                 return
-            worker = self.registry.best_free(model, 1)
+            worker = self.registry.best_free(queue.key, 1)
             if worker is None:
+                if not self.registry.limit(queue.key) and self.registry.serving(model):
+                    # The workers that took its shapes have left: answer the queue now,
+                    # not let it wait for its deadlines.
+                    for req in list(queue):
+                        self._unservable(queue, req, out)
+                    return
                 # A RESULT, READY or worker loss will pump again; meanwhile shed on time.
                 if shed_at is not None:
                     self.wake_s[queue.key] = shed_at
@@ -195,9 +201,9 @@ class Dispatcher:
             assert first is not None  # the queue is not empty
             assert urgent is not None
             if worker.lanes[model].max_batch < first.samples:
-                bigger = self.registry.best_free(model, first.samples)
+                bigger = self.registry.best_free(queue.key, first.samples)
                 if bigger is None:
-                    if self.registry.max_batch(model) < first.samples:
+                    if self.registry.limit(queue.key) < first.samples:
                         # The worker that could take it has left: answer it now, not let
                         # everything behind it wait for its deadline.
                         self._unservable(queue, first, out)
@@ -227,7 +233,7 @@ class Dispatcher:
                 # Several workers idle: each takes a share of what leaves now (workers run in
                 # parallel, so a batch each ends sooner than all of it on one worker).
                 leaving = min(leaving, queue.samples)
-                idle = self._fleet.idle_workers(model, worker, first.samples, leaving)
+                idle = self._fleet.idle_workers(queue.key, worker, first.samples, leaving)
                 size = min(engine_max, max(first.samples, -(-leaving // idle)))
             move = self._book.move
             requests = (
@@ -245,11 +251,15 @@ class Dispatcher:
             caps.pop(worker.wid, None)  # its backlog and credits changed
 
     def _unservable(self, queue: RequestQueue, req: PendingRequest, out: list[Outgoing]) -> None:
-        """Answer a queued request larger than any live worker of its model takes (it was
-        admitted, or requeued, while a larger worker served the model)."""
+        """Answer a queued request that no live worker of its model takes now: larger than
+        any takes, or of shapes none admits (it was admitted, or requeued, while a worker
+        that took it served the model)."""
+        most = self.registry.limit(req.key)
         msg = (
             f"request has {req.samples} samples; no live worker of model {req.model!r} "
-            f"takes more than {self.registry.max_batch(req.model)} per batch now"
+            f"takes more than {most} per batch now"
+            if most
+            else f"no live worker of model {req.model!r} takes its shapes now"
         )
         self.answer_queued(queue, req, ErrorCode.UNAVAILABLE, msg, out)
 

@@ -143,7 +143,7 @@ class FleetModel:
         # The soonest a worker with credits is free (unhealthy ones drain nothing); an
         # idle one ends the look (a worker holding nothing is free now).
         free_s = math.inf
-        for w in self.registry.serving(model):
+        for w in self.registry.admitting(key):
             if not w.credits:
                 continue
             if not w.outstanding:
@@ -167,7 +167,7 @@ class FleetModel:
         cap = self.batching_for(model).max_batch
         rate_sps = fixed_s = per_sample_s = spread = 0.0
         full = cap
-        for w in self.registry.serving(model):
+        for w in self.registry.admitting(key):
             if not w.credits:  # unhealthy: it drains nothing
                 continue
             lane = w.lanes[model]
@@ -187,15 +187,16 @@ class FleetModel:
         self, now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest
     ) -> QueueView:
         """What the policy sees of a queue; its arrival rate is shared among the workers."""
-        workers = max(1, len(self.registry.serving(queue.key[0])))
+        workers = max(1, len(self.registry.admitting(queue.key)))
         return QueueView(
             queue.samples, head.arrival_s, urgent.deadline_s, queue.arrival_sps(now) / workers
         )
 
-    def idle_workers(self, model: str, worker: WorkerState, samples: int, most: int) -> int:
-        """Workers of ``model`` that could start a batch now (``worker`` included, 1 if it
+    def idle_workers(self, key: RequestKey, worker: WorkerState, samples: int, most: int) -> int:
+        """Workers that could start a batch of ``key`` now (``worker`` included, 1 if it
         is busy itself), counted only up to ``most``."""
-        workers = self.registry.serving(model)
+        model = key[0]
+        workers = self.registry.admitting(key)
         if most <= 1 or worker.outstanding or len(workers) < 2:
             return 1
         idle = 0

@@ -17,18 +17,16 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from carpool.broker import metadata
+from carpool.broker import limits, metadata
 from carpool.broker.admission import (
     FULL_UNTIL_PUMPED,
     Layout,
     Refused,
     admit,
-    bucketed,
-    conform,
+    layout_of,
     queued_misfit,
 )
 from carpool.broker.backlog import Backlog
-from carpool.broker.batcher import request_key
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
@@ -207,7 +205,7 @@ class ClientIntake:
                     if isinstance(claim, list):  # a copy of a request held
                         return claim
                     origin = claim
-                max_batch = self.registry.max_batch(layout.model)
+                max_batch = self.registry.limit(layout.key)
                 # (an input in shared memory that needs padding: the full path refuses it)
                 if max_batch and (request.refs is None or layout.shapes is None):
                     return self._enqueue(
@@ -291,27 +289,20 @@ class ClientIntake:
             return [
                 self._replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
             ]
-        max_batch = self.registry.max_batch(spec.name)
-        if max_batch == 0:  # before the payload checks (protocol §6.1)
+        if not self.registry.serving(spec.name):  # before the payload checks (§6.1)
             msg = f"no live worker serves model {spec.name!r} right now"
             return [self._unavailable(received, msg)]
         try:
-            inputs, order, samples = conform(spec, submit.inputs, payloads, submit.shm)
-            shape = inputs[0].shape
-            shapes = None
-            if spec.pads:  # queued by bucket (§8.1)
-                inputs, shapes = bucketed(spec, inputs, order, submit.shm)
+            layout = layout_of(spec, submit, payloads)
         except ProtocolError as exc:
             code = ErrorCode.INVALID_ARGUMENT
             return [self._replies.error(client, delimited, rid, code, str(exc), simple=simple)]
-        layout = Layout(
-            spec.name,
-            request_key(spec.name, inputs),
-            shape,
-            samples,
-            None if order == tuple(range(len(order))) else order,
-            shapes,
-        )
+        max_batch = self.registry.limit(layout.key)
+        if max_batch == 0:  # no live worker's limits admit its shapes
+            named = ((w.name, w.models[spec.name]) for w in self.registry.serving(spec.name))
+            msg = limits.refusal(spec.name, layout.key, named)
+            code = ErrorCode.INVALID_ARGUMENT
+            return [self._replies.error(client, delimited, rid, code, msg, simple=simple)]
         if not simple:
             self.request_decoder.remember(submit, layout)
         return self._enqueue(
@@ -355,7 +346,7 @@ class ClientIntake:
         """Queue a valid request if :func:`admit` lets it in, else answer its refusal; in
         deferred mode the batch forms at the end of the turn. ``refs``: the inputs'
         shared-memory references, in the request's order (§5.4); ``max_batch``: the
-        largest batch a live worker of its model takes (> 0: both callers checked);
+        largest batch a live worker that admits its shapes takes (> 0: both callers checked);
         ``origin``: the request's, when it carries its client's nonce."""
         model = layout.model
         timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s

@@ -1,7 +1,9 @@
 """metadata.py: the broker's answer to METADATA (§6.6) — pure.
 
 From the live workers' READY: each model's spec (the one its live workers share, with
-the largest ``max_batch`` any of them takes) and the names of the workers that serve it.
+the union of their limits: the largest ``max_batch`` any of them takes, the loosest
+shape rules, broker/limits.py), the names of the workers that serve it, and each one's
+own limits.
 Models no live worker serves are left out (a client could not use them); a request for
 one by name is answered NOT_FOUND, as one for a name the broker never heard of.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from carpool.broker.limits import hull
 from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Replies, ToClient
 from carpool.broker.requests import ClientId
@@ -19,6 +22,7 @@ from carpool.common.protocol import (
     Frame,
     MetadataRequest,
     ModelMetadata,
+    WorkerLimits,
     decode_meta,
     metadata_reply_frames,
     view,
@@ -32,8 +36,21 @@ def _model(registry: WorkerRegistry, name: str) -> ModelMetadata | None:
     spec = registry.specs.get(name)
     if not workers or spec is None:
         return None
-    spec = dataclasses.replace(spec, max_batch=registry.max_batch(name))
-    return ModelMetadata(spec, tuple(sorted({w.name for w in workers})))
+    own = [w.models[name] for w in workers]
+    spec = dataclasses.replace(
+        spec,
+        max_batch=registry.max_batch(name),
+        preferred_batch=tuple(sorted({p for s in own for p in s.preferred_batch})),
+        rules=hull(own),
+    )
+    limits = sorted(
+        {
+            WorkerLimits(w.name, s.max_batch, s.preferred_batch, s.rules)
+            for w, s in zip(workers, own, strict=True)
+        },
+        key=lambda w: (w.worker, w.max_batch, repr(w.rules)),
+    )
+    return ModelMetadata(spec, tuple(sorted({w.name for w in workers})), tuple(limits))
 
 
 def describe(registry: WorkerRegistry, request: MetadataRequest) -> list[ModelMetadata] | None:

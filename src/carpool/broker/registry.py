@@ -8,6 +8,9 @@ worker whose batch outran the engine watchdog is UNHEALTHY and gets no batches; 
 showed progress since (a RESULT or FAILED, or a HEARTBEAT whose inference thread started
 its batch after the trip) is on PROBATION with one credit, and HEALTHY again once it
 answers a batch it still holds (docs/protocol.md §10.6).
+Limits (:mod:`carpool.broker.limits`): each worker keeps its own ``max_batch`` and shape
+rules; :meth:`WorkerRegistry.admitting` lists the live workers that admit a queue's
+shapes, and :meth:`WorkerRegistry.limit` the largest batch one of them takes.
 A model's spec outlives its last worker (its name answers UNAVAILABLE, not NOT_FOUND) until
 the broker forgets it (:meth:`WorkerRegistry.unserved_for`, :meth:`WorkerRegistry.forget`).
 """
@@ -22,6 +25,7 @@ from typing import NewType
 from carpool.broker.adaptive import BatchSizeController
 from carpool.broker.batcher import RequestKey
 from carpool.broker.latency import CostEstimate, LatencyModel
+from carpool.broker.limits import violation
 from carpool.common.protocol import ModelSpec, Ready
 
 WorkerId = NewType("WorkerId", bytes)
@@ -134,6 +138,10 @@ class WorkerRegistry:
         # (None: recompute). Kept up to date on add/remove/reschedule, so the per-message
         # and per-turn paths do not scan every worker.
         self._max_batch: dict[str, int] = {}
+        # Per model, per request key: the live workers whose limits admit its shapes and
+        # the largest batch one of them takes (dropped when a worker of the model comes
+        # or goes; bounded, since clients choose shapes).
+        self._admitting: dict[str, dict[RequestKey, tuple[list[WorkerState], int]]] = {}
         self._event_s: float | None = None
         self._event_stale = False
         # Models whose last live worker left: since when (stamped by unserved_for, which
@@ -154,8 +162,8 @@ class WorkerRegistry:
         return self._workers.values()
 
     def conflicts(self, ready: Ready) -> list[str]:
-        """Models whose announced inputs (shape and pad rules included) or outputs differ from
-        the spec of the live workers that serve them."""
+        """Models whose announced inputs (pad rules included) or outputs differ from the
+        spec of the live workers that serve them (limits may differ)."""
         return [
             spec.name
             for spec in ready.models
@@ -164,7 +172,7 @@ class WorkerRegistry:
 
     def replaced(self, ready: Ready) -> list[ModelSpec]:
         """The announced specs that will replace a registered one: models no live worker
-        serves, whose inputs (shape rules included) or outputs differ from the last spec."""
+        serves, whose inputs (pad rules included) or outputs differ from the last spec."""
         out = []
         for spec in ready.models:
             known = self.specs.get(spec.name)
@@ -231,6 +239,7 @@ class WorkerRegistry:
             raise ValueError(f"model {name!r} is served; only an unserved model is forgotten")
         self.specs.pop(name, None)
         self._max_batch.pop(name, None)
+        self._admitting.pop(name, None)
         self._unserved_s.pop(name, None)
         self._orphans.discard(name)
 
@@ -239,6 +248,7 @@ class WorkerRegistry:
             self._max_batch[name] = max(
                 (w.lanes[name].max_batch for w in self.serving(name)), default=0
             )
+            self._admitting.pop(name, None)
         self.reschedule()
 
     def reschedule(self) -> None:
@@ -270,11 +280,40 @@ class WorkerRegistry:
         """The largest batch any live worker accepts for ``model`` (0 if none serves it)."""
         return self._max_batch.get(model, 0)
 
-    def best_free(self, model: str, samples: int) -> WorkerState | None:
-        """The worker to take the next batch of ``model``: the most free credits, then the
-        lowest reported load; only workers whose max batch admits ``samples``."""
+    #: Request keys whose admitting workers a model keeps (dropped whole when full).
+    MAX_KEYS = 1024
+
+    def admitting(self, key: RequestKey) -> list[WorkerState]:
+        """The live workers of ``key``'s model whose limits admit its shapes."""
+        return self._eligible(key)[0]
+
+    def limit(self, key: RequestKey) -> int:
+        """The largest batch of ``key`` a live worker takes (0: none admits its shapes)."""
+        return self._eligible(key)[1]
+
+    def _eligible(self, key: RequestKey) -> tuple[list[WorkerState], int]:
+        model = key[0]
+        peers = self._by_model.get(model)
+        if not peers:
+            return [], 0
+        known = self._admitting.setdefault(model, {})
+        hit = known.get(key)
+        if hit is None:
+            workers = peers
+            if any(w.models[model].rules for w in peers):
+                workers = [w for w in peers if violation(w.models[model], key) is None]
+            hit = (workers, max((w.lanes[model].max_batch for w in workers), default=0))
+            if len(known) >= self.MAX_KEYS:
+                known.clear()
+            known[key] = hit
+        return hit
+
+    def best_free(self, key: RequestKey, samples: int) -> WorkerState | None:
+        """The worker to take the next batch of ``key``: the most free credits, then the
+        lowest reported load; only workers whose limits admit its shapes and ``samples``."""
+        model = key[0]
         best: WorkerState | None = None
-        for w in self._by_model.get(model, ()):
+        for w in self.admitting(key):
             if w.free_slots <= 0 or w.lanes[model].max_batch < samples:
                 continue
             if best is None or (w.free_slots, -w.rho) > (best.free_slots, -best.rho):
@@ -306,13 +345,12 @@ class WorkerRegistry:
 
 
 def _differs(known: ModelSpec, spec: ModelSpec) -> bool:
-    """Whether two specs of a model admit different requests or give different outputs
-    (``max_batch`` and ``preferred_batch`` may differ between workers): inputs, outputs,
-    shape rules, or how requests are padded into buckets and cropped back."""
+    """Whether two specs of a model take requests of another form or give other outputs:
+    inputs, outputs, or how requests are padded into buckets and cropped back. Limits
+    (``max_batch``, ``preferred_batch``, shape rules) may differ between workers."""
     return (
         known.inputs != spec.inputs
         or known.outputs != spec.outputs
-        or known.rules != spec.rules
         or known.pads != spec.pads
         or known.crops != spec.crops
     )

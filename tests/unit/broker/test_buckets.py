@@ -101,13 +101,14 @@ def test_a_shape_outside_every_bucket_is_refused_with_the_range() -> None:
         text = msg.meta["message"]
         assert f"input 'x': shape [1, {item[0]}, {item[1]}] fits no bucket" in text, text
         assert "[64, 8], [128, 16] (at most [128, 16])" in text, text
-    # Shape rules still hold for the request's own shape.
+    # Shape rules hold for the bucket, the shape the engine runs: [40, 5] rides as [64, 8],
+    # which a rule of multiples of 16 refuses; [100, 9] rides as [128, 16].
     b = Broker.make(max_batch=1, max_wait_s=0.0)
-    b.ready(T0, W1, padded(rules=(ShapeRule(multiple_of=(1, 1, 2)),)), slots=4)
+    b.ready(T0, W1, padded(rules=(ShapeRule(multiple_of=(1, 1, 16)),)), slots=4)
     (msg,) = to_clients(b.request(T0, 1, item=(40, 5)))
     assert msg.code is ErrorCode.INVALID_ARGUMENT
-    assert "dim 2 is 5" in msg.meta["message"]
-    assert [ids(m) for m in batches(b.request(T0, 2, item=(40, 6)))] == [[2]]
+    assert "shape [64, 8] (without dim 0): dim 2 is 8" in msg.meta["message"]
+    assert [ids(m) for m in batches(b.request(T0, 2, item=(100, 9)))] == [[2]]
 
 
 def test_a_padded_input_in_shared_memory_must_have_its_bucket_shape() -> None:

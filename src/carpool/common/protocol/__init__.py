@@ -114,6 +114,7 @@ from carpool.common.protocol.from_worker import (
 from carpool.common.protocol.metadata import (
     MetadataRequest,
     ModelMetadata,
+    WorkerLimits,
     metadata_reply_frames,
     parse_metadata_reply,
 )
@@ -201,6 +202,7 @@ __all__ = [
     "WorkerDisconnect",
     "WorkerFailed",
     "WorkerHeartbeat",
+    "WorkerLimits",
     "WorkerMalformed",
     "WorkerReady",
     "WorkerResult",

@@ -3,7 +3,8 @@
 A client asks for one model by name, or for every model; the broker answers from its
 live workers' READY (§6.6): each model's inputs and outputs (names, dtypes, shapes with
 ``-1`` for dynamic dims, shape rules, pad rules and buckets, crops), its batch limits,
-and the names of the workers that serve it (never a routing id or an address). Modelled
+the names of the workers that serve it (never a routing id or an address), and each
+worker's own limits (:class:`WorkerLimits`: batch limit and shape rules). Modelled
 on KServe v2's model metadata (``GET v2/models/<name>``), in this protocol's own types.
 """
 
@@ -18,8 +19,16 @@ from carpool.common.errors import ProtocolError
 from carpool.common.protocol.client_messages import request_id_of
 from carpool.common.protocol.frames import Command, header, require_map, require_name
 from carpool.common.protocol.ready import ModelSpec
+from carpool.common.protocol.tensors import TensorMeta
+from carpool.common.shape_rules import ShapeRule
 
-__all__ = ["MetadataRequest", "ModelMetadata", "metadata_reply_frames", "parse_metadata_reply"]
+__all__ = [
+    "MetadataRequest",
+    "ModelMetadata",
+    "WorkerLimits",
+    "metadata_reply_frames",
+    "parse_metadata_reply",
+]
 
 _METADATA = header(Command.METADATA)
 
@@ -51,16 +60,58 @@ class MetadataRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerLimits:
+    """What one live worker (by the name it gave) takes of a model: its ``max_batch``,
+    ``preferred_batch`` and shape rules (per input, in input order; ``()``: none)."""
+
+    worker: str
+    max_batch: int
+    preferred_batch: tuple[int, ...] = ()
+    rules: tuple[ShapeRule | None, ...] = ()
+
+    def to_wire(self, inputs: Sequence[TensorMeta]) -> dict[str, Any]:
+        ruled = zip(inputs, self.rules or [None] * len(inputs), strict=True)
+        return {
+            "worker": self.worker,
+            "max_batch": self.max_batch,
+            "preferred_batch": list(self.preferred_batch),
+            "inputs": [{"name": t.name, **(r.to_wire() if r else {})} for t, r in ruled],
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any, inputs: Sequence[TensorMeta]) -> WorkerLimits:
+        m = require_map(obj, "worker limits")
+        worker = require_name(m.get("worker"), "worker limits")
+        max_batch, preferred = m.get("max_batch"), m.get("preferred_batch", [])
+        if type(max_batch) is not int or max_batch < 1:
+            raise ProtocolError("worker limits: max_batch must be an int >= 1")
+        if not isinstance(preferred, list) or not all(type(p) is int for p in preferred):
+            raise ProtocolError("worker limits: preferred_batch must list ints")
+        raw = m.get("inputs", [])
+        if not isinstance(raw, list) or len(raw) != len(inputs):
+            raise ProtocolError("worker limits: inputs must list the model's inputs")
+        rules = tuple(
+            ShapeRule.from_wire(require_map(d, "worker limits input"), len(t.shape), t.name)
+            for d, t in zip(raw, inputs, strict=True)
+        )
+        return cls(worker, max_batch, tuple(preferred), rules if any(rules) else ())
+
+
+@dataclass(frozen=True, slots=True)
 class ModelMetadata:
-    """One model as METADATA describes it: its spec (with the largest ``max_batch`` a
-    live worker takes) and the names of the live workers that serve it, sorted."""
+    """One model as METADATA describes it: its spec, with the union of its live workers'
+    limits (the largest ``max_batch``, every ``preferred_batch``, the loosest shape rules
+    that every shape one of them admits keeps), the names of the live workers that serve
+    it, sorted, and each one's own limits (``limits``, sorted by worker name)."""
 
     spec: ModelSpec
     workers: tuple[str, ...]
+    limits: tuple[WorkerLimits, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         wire = self.spec.to_wire()
         wire["workers"] = list(self.workers)
+        wire["limits"] = [w.to_wire(self.spec.inputs) for w in self.limits]
         return wire
 
     @classmethod
@@ -69,7 +120,12 @@ class ModelMetadata:
         workers = m.get("workers", [])
         if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
             raise ProtocolError("model metadata: workers must be a list of names")
-        return cls(ModelSpec.from_wire(m), tuple(workers))
+        spec = ModelSpec.from_wire(m)
+        raw = m.get("limits", [])
+        if not isinstance(raw, list):
+            raise ProtocolError("model metadata: limits must be a list")
+        limits = tuple(WorkerLimits.from_wire(w, spec.inputs) for w in raw)
+        return cls(spec, tuple(workers), limits)
 
 
 def metadata_reply_frames(request_id: int | None, models: Sequence[ModelMetadata]) -> list[Any]:
