@@ -26,7 +26,7 @@ from carpool.broker.adaptive import BatchSizeController
 from carpool.broker.batcher import RequestKey
 from carpool.broker.latency import CostEstimate, LatencyModel
 from carpool.broker.limits import violation
-from carpool.common.protocol import ModelSpec, Ready
+from carpool.common.protocol import ModelSpec, Ready, Telemetry
 
 WorkerId = NewType("WorkerId", bytes)
 
@@ -113,6 +113,7 @@ class WorkerState:
     health: Health = Health.HEALTHY
     credits: int = -1  # batches it may hold in its health: slots, 1, or 0 (-1: slots)
     unhealthy_since_s: float = 0.0  # when it last turned UNHEALTHY
+    telemetry: Telemetry | None = None  # its host and device, as last reported (§8.2)
 
     def __post_init__(self) -> None:
         if self.credits < 0:

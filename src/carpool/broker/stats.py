@@ -104,6 +104,7 @@ def snapshot(
                 "health": w.health.value,
                 "lanes": {name: _lane_snapshot(lane) for name, lane in w.lanes.items()},
                 "transport": transport(w.wid),
+                "telemetry": w.telemetry.to_wire() if w.telemetry is not None else {},
             }
             for w in registry.all()
         ],

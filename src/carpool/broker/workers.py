@@ -119,8 +119,12 @@ class WorkerEvents:
                     self.stats.late_results += 1
                 return out
             if isinstance(msg, msgs.WorkerResult):
+                if msg.result.telemetry is not None:
+                    worker.telemetry = msg.result.telemetry
                 self._on_result(now, worker, msg.result, msg.replies, out)
             elif isinstance(msg, msgs.WorkerHeartbeat):
+                if msg.telemetry is not None:
+                    worker.telemetry = msg.telemetry
                 if msg.rho is not None:
                     self._fleet.on_load(now, worker, msg.rho)
                 if msg.busy_ms is not None and worker.health is Health.UNHEALTHY:

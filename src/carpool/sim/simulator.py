@@ -44,7 +44,7 @@ from carpool.common.protocol import (
     header,
 )
 from carpool.sim.workload import Arrival
-from carpool.worker.core import BusyMeter
+from carpool.worker.load import BusyMeter
 
 
 @dataclass(frozen=True, slots=True)

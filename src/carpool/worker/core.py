@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -35,12 +34,14 @@ from carpool.common.protocol import (
     ModelSpec,
     Ready,
     ResultMeta,
+    Telemetry,
     WorkerDisconnect,
     WorkerFailed,
     WorkerHeartbeat,
     WorkerReady,
     WorkerResult,
 )
+from carpool.worker.load import BusyMeter, ReportedBusy
 
 logger = logging.getLogger(__name__)
 #: Batches of thread-free engines predicted to take less than this run on the loop
@@ -54,41 +55,6 @@ class WorkerState(Enum):
     CONNECTING = "connecting"  # socket open, READY not yet sent
     READY = "ready"  # registered; batches may arrive
     STOPPED = "stopped"
-
-
-class BusyMeter:
-    """ρ: the fraction of the last ``window_s`` the engine spent running batches.
-
-    Finished batches are exact spans reported by the inference thread; a batch still
-    running counts from ``running_since`` (when the idle thread was handed work). A running
-    total of the spans in the window keeps ``rho`` cheap however many batches there are.
-    """
-
-    def __init__(self, window_s: float = 1.0) -> None:
-        self.window_s = window_s
-        self._spans: deque[tuple[float, float]] = deque()
-        self._total_s = 0.0  # summed length of the spans in _spans
-        self.running_since: float | None = None
-
-    def add(self, start: float, end: float) -> None:
-        if end > start:
-            self._spans.append((start, end))
-            self._total_s += end - start
-
-    def rho(self, now: float) -> float:
-        begin = now - self.window_s
-        spans = self._spans
-        while spans and spans[0][1] <= begin:
-            start, end = spans.popleft()
-            self._total_s -= end - start
-        busy = self._total_s
-        if spans and spans[0][0] < begin:  # the oldest span straddles the window's start
-            busy -= begin - spans[0][0]
-        if spans and spans[-1][1] > now:  # reported with a later clock than ours
-            busy -= spans[-1][1] - max(now, spans[-1][0])
-        if self.running_since is not None:
-            busy += max(0.0, now - max(self.running_since, begin))
-        return min(1.0, max(0.0, busy / self.window_s))
 
 
 @dataclass(slots=True)
@@ -175,6 +141,10 @@ class WorkerCore:
         thread_free: the models whose engines may run on any thread (not TensorRT's,
             whose CUDA context is bound to the inference thread): their short batches
             may run on the loop thread.
+        telemetry: takes a sample of the host and device (worker/telemetry); asked at
+            heartbeat cadence, and the sample rides on the next HEARTBEAT or RESULT.
+        busy_s: the engines' own busy seconds so far (CUDA-event time), where they
+            report them: ρ is then their share of the window, not wall-clock batch time.
     """
 
     def __init__(
@@ -188,6 +158,8 @@ class WorkerCore:
         rho_window_s: float = 1.0,
         backoff: Backoff = Backoff(),
         thread_free: Iterable[str] = (),
+        telemetry: Callable[[], Telemetry] | None = None,
+        busy_s: Callable[[], float] | None = None,
     ) -> None:
         self.name = name
         self.specs = {s.name: s for s in specs}
@@ -197,6 +169,9 @@ class WorkerCore:
         self.heartbeat_s = heartbeat_s
         self.liveness = liveness
         self.meter = BusyMeter(rho_window_s)
+        self.reported = ReportedBusy(busy_s, rho_window_s) if busy_s is not None else None
+        self._telemetry = telemetry
+        self._next_sample_s = -math.inf
         self.state = WorkerState.CONNECTING
         self.epoch = 0
         self._last_heard_s = 0.0
@@ -241,9 +216,7 @@ class WorkerCore:
         if msg.batch_id is None:
             return None
         # Answer it, so the broker gets its credit back and replies to clients.
-        failed = FailedMeta(
-            msg.batch_id, ErrorCode.INVALID_ARGUMENT, msg.error, self.meter.rho(now)
-        )
+        failed = FailedMeta(msg.batch_id, ErrorCode.INVALID_ARGUMENT, msg.error, self.rho(now))
         return Answer(WorkerFailed(failed))
 
     def on_tick(self, now: float) -> tuple[list[WorkerHeartbeat], Reconnect | None]:
@@ -256,8 +229,21 @@ class WorkerCore:
         out = []
         if now >= self._next_heartbeat_s:
             self._next_heartbeat_s = now + self.heartbeat_s
-            out.append(WorkerHeartbeat(round(self.meter.rho(now), 4), self.busy_ms(now)))
+            beat = WorkerHeartbeat(round(self.rho(now), 4), self.busy_ms(now), self._sample(now))
+            out.append(beat)
         return out, None
+
+    def rho(self, now: float) -> float:
+        """ρ over the last window: from the engines' own busy seconds where they report
+        them, else from the wall-clock spans of the batches the worker ran."""
+        return self.reported.rho(now) if self.reported is not None else self.meter.rho(now)
+
+    def _sample(self, now: float) -> Telemetry | None:
+        """A telemetry sample, once per heartbeat interval (None between)."""
+        if self._telemetry is None or now < self._next_sample_s:
+            return None
+        self._next_sample_s = now + self.heartbeat_s
+        return self._telemetry()
 
     def busy_ms(self, now: float) -> int:
         """How long the inference thread has been running its current batch (0: idle):
@@ -333,14 +319,15 @@ class WorkerCore:
             self.batches_failed += 1
         if outcome.epoch != self.epoch:
             return None
-        rho = self.meter.rho(now)
+        rho = self.rho(now)
         if error is not None:
             code, message = error
             return WorkerFailed(FailedMeta(outcome.batch_id, code, message, rho))
         # Not ``timed``: not the batch's engine time (it ran again request by request);
         # the RESULT says 0, which the broker's cost model ignores.
         compute_ms = 1000.0 * (outcome.end_s - outcome.start_s) if outcome.timed else 0.0
-        meta = ResultMeta(outcome.batch_id, rho, compute_ms, tuple(outcome.counts), outcome.padding)
+        counts, padding = tuple(outcome.counts), outcome.padding
+        meta = ResultMeta(outcome.batch_id, rho, compute_ms, counts, padding, self._sample(now))
         return WorkerResult(meta, outcome.frames)
 
     def on_batch_queued(self, now: float) -> None:

@@ -14,7 +14,7 @@ import grp
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import zmq
 
@@ -22,7 +22,7 @@ from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.curve import ClientKeys
 from carpool.common.errors import ConfigError
 from carpool.common.link import link_path
-from carpool.common.protocol import FromBroker, ToBroker, decode_from_broker
+from carpool.common.protocol import FromBroker, Telemetry, ToBroker, decode_from_broker
 from carpool.common.shm import RegionReader
 from carpool.common.wake import WakePipe
 from carpool.worker.connection import (
@@ -42,7 +42,9 @@ from carpool.worker.core import (
     WorkerCore,
 )
 from carpool.worker.inference import EngineFactory, InferenceThread
+from carpool.worker.load import engines_busy_s
 from carpool.worker.run import LazyRing, run_job
+from carpool.worker.telemetry import TelemetrySampler
 
 __all__ = ["EngineFactory", "WorkerServer"]
 
@@ -88,6 +90,8 @@ class WorkerServer:
             :meth:`service`; :meth:`serve` is not used.
         curve: CURVE keys for a ZeroMQ broker endpoint (the broker's public key, this
             worker's pair; :func:`carpool.common.curve.client_keys`); None: no CURVE.
+        telemetry: takes a sample of the host and device for HEARTBEAT/RESULT (§8.2);
+            None: :meth:`TelemetrySampler.detect` (NVML, a Jetson's sysfs, the host).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class WorkerServer:
         shm_output_group: str | None = None,
         embedded: bool = False,
         curve: ClientKeys | None = None,
+        telemetry: Callable[[], Telemetry] | None = None,
     ) -> None:
         if not models:
             raise ConfigError("a worker needs at least one model")
@@ -145,6 +150,8 @@ class WorkerServer:
             liveness=liveness,
             backoff=EMBEDDED_BACKOFF if embedded else Backoff(),
             thread_free=thread_free,
+            telemetry=telemetry or TelemetrySampler.detect(),
+            busy_s=engines_busy_s(self._engines),
         )
         # Embedded in a broker's process (carpool.broker.server.BrokerServer(embedded=)):
         # no socket to the broker; messages to it wait in an outbox for the broker's loop.

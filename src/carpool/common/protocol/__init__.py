@@ -133,6 +133,7 @@ from carpool.common.protocol.refs import (
     valid_region,
 )
 from carpool.common.protocol.request_decoder import KnownRequest, RequestDecoder
+from carpool.common.protocol.telemetry import Telemetry
 from carpool.common.protocol.tensors import (
     Signature,
     TensorMeta,
@@ -196,6 +197,7 @@ __all__ = [
     "ShmRef",
     "Signature",
     "Submit",
+    "Telemetry",
     "TensorMeta",
     "ToBroker",
     "VersionMismatch",

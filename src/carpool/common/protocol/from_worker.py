@@ -20,6 +20,7 @@ from typing import Any
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol.frames import Command, Frame, decode_meta, encode, parse_header, view
 from carpool.common.protocol.ready import Ready
+from carpool.common.protocol.telemetry import Telemetry
 from carpool.common.protocol.worker_messages import FailedMeta, ResultMeta, result_frames
 
 
@@ -64,6 +65,8 @@ class WorkerHeartbeat:
 
     rho: float | None
     busy_ms: int | None = None
+    # The worker's host and device, when it took a sample for this message (§8.2).
+    telemetry: Telemetry | None = None
 
     def to_frames(self) -> list[Any]:
         meta: dict[str, Any] = {}
@@ -71,6 +74,8 @@ class WorkerHeartbeat:
             meta["rho"] = round(self.rho, 4)
         if self.busy_ms is not None:
             meta["busy_ms"] = self.busy_ms
+        if self.telemetry is not None:
+            meta["telemetry"] = self.telemetry.to_wire()
         return encode(Command.HEARTBEAT, meta)
 
 
@@ -134,9 +139,12 @@ def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
             busy_ms = meta.get("busy_ms")
             if not (isinstance(busy_ms, int) and not isinstance(busy_ms, bool) and busy_ms >= 0):
                 busy_ms = None
+            telemetry = Telemetry.from_wire(meta.get("telemetry"))
             if isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0 <= rho <= 1:
-                return WorkerHeartbeat(float(rho), busy_ms)
-            return _HEARTBEAT if busy_ms is None else WorkerHeartbeat(None, busy_ms)
+                return WorkerHeartbeat(float(rho), busy_ms, telemetry)
+            if busy_ms is None and telemetry is None:
+                return _HEARTBEAT
+            return WorkerHeartbeat(None, busy_ms, telemetry)
         if command is Command.FAILED:
             return WorkerFailed(FailedMeta.from_wire(meta))
         if command is Command.DISCONNECT:

@@ -24,6 +24,7 @@ from carpool.common.protocol.frames import (
     require_name,
 )
 from carpool.common.protocol.refs import ShmRef, parse_batch_refs, shm_wire
+from carpool.common.protocol.telemetry import Telemetry
 from carpool.common.protocol.tensors import Signature, TensorMeta, tensor_list, tensor_signature
 
 #: Header frames, built once.
@@ -243,9 +244,13 @@ class ResultMeta:
     # A batch padded into a bucket (§8.4): (elements padding added, elements of the
     # bucket-shaped inputs), over the padded inputs; None for a model without pad rules.
     padding: tuple[int, int] | None = None
+    # The worker's host and device, when it took a sample for this message (§8.2).
+    telemetry: Telemetry | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return result_wire(self.batch_id, self.rho, self.compute_ms, self.frames, self.padding)
+        return result_wire(
+            self.batch_id, self.rho, self.compute_ms, self.frames, self.padding, self.telemetry
+        )
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
@@ -271,6 +276,7 @@ class ResultMeta:
             optional_number(meta, "compute_ms"),
             tuple(frames),
             padding,
+            Telemetry.from_wire(meta.get("telemetry")),
         )
 
 
@@ -280,9 +286,11 @@ def result_wire(
     compute_ms: float,
     frames: Iterable[int],
     padding: tuple[int, int] | None = None,
+    telemetry: Telemetry | None = None,
 ) -> dict[str, Any]:
     """A RESULT meta from its fields: ``frames[i]``, the frame count of request i's reply;
-    ``padding``: a padded batch's (padded, bucket) elements."""
+    ``padding``: a padded batch's (padded, bucket) elements; ``telemetry``: a sample of
+    the worker's host and device (§8.2)."""
     wire: dict[str, Any] = {
         "batch": batch_id,
         "rho": round(rho, 4),
@@ -291,6 +299,8 @@ def result_wire(
     }
     if padding is not None:
         wire["padding"] = list(padding)
+    if telemetry is not None:
+        wire["telemetry"] = telemetry.to_wire()
     return wire
 
 
