@@ -1543,6 +1543,7 @@ def test_stats_snapshot_counts() -> None:
                 "health": "healthy",
                 "lanes": {"m": snap["workers"][0]["lanes"]["m"]},
                 "transport": "zeromq",
+                "telemetry": {},
             }
         ],
     }

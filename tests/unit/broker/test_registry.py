@@ -7,6 +7,9 @@ import pytest
 from carpool.broker.registry import HEALTH_MOVES, Health, WorkerId, WorkerRegistry
 from carpool.common.protocol import ModelSpec, Ready, TensorMeta
 
+#: The queue key of model "m"'s requests of one item shape (the registry reads its model).
+KEY = ("m", (("x", "float32", (4,)),))
+
 
 def spec(name: str = "m", max_batch: int = 8, item: int = 4) -> ModelSpec:
     return ModelSpec(
@@ -106,14 +109,14 @@ def test_best_free_prefers_free_credits_then_low_rho() -> None:
     a = reg.add(0.0, W1, ready("a", 2), 1.0)
     b = reg.add(0.0, W2, ready("b", 2), 1.0)
     a.rho, b.rho = 0.9, 0.1
-    assert reg.best_free("m", 1) is b
+    assert reg.best_free(KEY, 1) is b
     b.outstanding.add(1)
-    assert reg.best_free("m", 1) is a  # more free credits beats lower load
+    assert reg.best_free(KEY, 1) is a  # more free credits beats lower load
     a.outstanding.update({2, 3})
-    assert reg.best_free("m", 1) is b
+    assert reg.best_free(KEY, 1) is b
     b.outstanding.add(4)
-    assert reg.best_free("m", 1) is None
-    assert reg.best_free("other", 1) is None
+    assert reg.best_free(KEY, 1) is None
+    assert reg.best_free(("other", KEY[1]), 1) is None
 
 
 def test_health_sets_the_credits_and_only_moves_along_its_table() -> None:
@@ -123,7 +126,7 @@ def test_health_sets_the_credits_and_only_moves_along_its_table() -> None:
     assert (w.health, w.free_slots) == (Health.HEALTHY, 4)
     reg.set_health(5.0, w, Health.UNHEALTHY)
     assert (w.free_slots, w.unhealthy_since_s) == (0, 5.0)
-    assert reg.best_free("m", 1) is other  # the fewer credits of a healthy worker win
+    assert reg.best_free(KEY, 1) is other  # the fewer credits of a healthy worker win
     reg.set_health(6.0, w, Health.PROBATION)
     assert w.free_slots == 1
     w.outstanding.add(1)
@@ -142,11 +145,11 @@ def test_best_free_respects_max_batch() -> None:
     reg = WorkerRegistry()
     small = reg.add(0.0, W1, ready("small", 4, spec(max_batch=2)), 1.0)
     big = reg.add(0.0, W2, ready("big", 1, spec(max_batch=8)), 1.0)
-    assert reg.best_free("m", 2) is small
-    assert reg.best_free("m", 3) is big
+    assert reg.best_free(KEY, 2) is small
+    assert reg.best_free(KEY, 3) is big
     big.outstanding.add(1)
-    assert reg.best_free("m", 3) is None
-    assert reg.best_free("m", 9) is None
+    assert reg.best_free(KEY, 3) is None
+    assert reg.best_free(KEY, 9) is None
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from carpool.common.protocol import (
     Telemetry,
     TensorMeta,
     WorkerHeartbeat,
+    WorkerResult,
     decode_from_worker,
 )
 from carpool.worker.core import JobOutcome, WorkerCore
@@ -138,11 +139,11 @@ def test_the_core_samples_at_heartbeat_cadence_onto_heartbeat_or_result() -> Non
     core.on_batch_queued(1.2)
     done = JobOutcome(core.epoch, 1, "m", 1.2, 1.3, (1,), [b""], 1)
     result = core.on_job_done(1.3, done)
-    assert result is not None
+    assert isinstance(result, WorkerResult)
     assert result.result.telemetry is None  # sampled 0.3 s ago: not again yet
     core.on_batch_queued(2.1)
     result = core.on_job_done(2.2, JobOutcome(core.epoch, 2, "m", 2.1, 2.2, (1,), [b""], 1))
-    assert result is not None
+    assert isinstance(result, WorkerResult)
     assert result.result.telemetry == Telemetry(host_cpu_pct=1.0)  # due: rides on RESULT
     (beat,), _ = core.on_tick(2.2)  # the heartbeat is due, the next sample is not
     assert beat.telemetry is None
