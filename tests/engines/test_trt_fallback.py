@@ -17,9 +17,9 @@ from carpool.client import Client
 from carpool.common.errors import ConfigError
 from carpool.worker.config import ModelConfig
 from carpool.worker.engines import trt_load
-from carpool.worker.engines.base import busy_s
 from carpool.worker.engines.gpu_probe import GpuProbe, probe_gpu
 from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.load import engines_busy_s
 from carpool.worker.models import locate
 from tests.system.test_cli import Spawn, _logs, _until_registered, spawn  # noqa: F401
 
@@ -43,7 +43,7 @@ def test_without_tensorrt_the_onnx_model_is_served_by_onnx_runtime(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="carpool.worker.engines.trt_load"):
         engine = config.factory()()
     assert isinstance(engine, OnnxRuntimeEngine)
-    assert busy_s(engine) is None  # measured on the wall clock by the worker
+    assert engines_busy_s({"m": engine}) is None  # measured on the wall clock by the worker
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "model 'cls': serving with ONNX Runtime, not TensorRT: TensorRT is not installed "

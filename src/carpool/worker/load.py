@@ -81,8 +81,9 @@ class ReportedBusy:
 
 
 def engines_busy_s(engines: Mapping[str, Any]) -> Callable[[], float] | None:
-    """The summed ``busy_s()`` of ``engines`` when every one of them has it, else None
-    (ρ from wall-clock batch time)."""
+    """The summed ``busy_s()`` of ``engines`` when every one of them has it (seconds
+    their device spent computing, from CUDA events: the TensorRT engine), else None (ρ
+    from wall-clock batch time: ONNX Runtime, synthetic)."""
     counters = [getattr(e, "busy_s", None) for e in engines.values()]
     if not counters or not all(callable(c) for c in counters):
         return None

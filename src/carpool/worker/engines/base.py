@@ -87,15 +87,6 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def busy_s(engine: Engine) -> float | None:
-    """Seconds the engine's device has spent computing its batches so far, measured on the
-    device (the TensorRT engine's ``busy_s()``, from CUDA events), or None for an engine
-    that does not measure it (ONNX Runtime, synthetic: the worker falls back to the wall
-    clock). A load ρ over an interval is the growth of this over the interval's length."""
-    measured = getattr(engine, "busy_s", None)
-    return None if measured is None else float(measured())
-
-
 def as_batch_dim(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A spec shape with dim 0 marked as the (dynamic) batch dim."""
     return (-1, *shape[1:]) if shape else shape
