@@ -1,0 +1,325 @@
+"""profiles.py: TensorRT optimization profiles from a model's config or from flags. Pure.
+
+A profile gives every input a min, opt and max shape (dim 0 is the batch). From a model
+(:func:`from_model`):
+
+- the batch runs 1..``max_batch``, its opt the largest ``preferred_batch`` (else
+  ``max_batch``); ``batches`` (``--batch MIN:OPT:MAX``) splits it into several ranges;
+- a fixed dim is min = opt = max;
+- an input whose pad rule lists buckets gets **one profile per bucket** (min = opt = max
+  = the bucket: the broker pads every request into one), several such inputs the
+  product of their buckets;
+- any other dynamic dim takes its shape rule's range (``min_shape``/``max_shape``, kept
+  to ``multiple_of`` steps), its opt the first warm-up shape's size (else its max); a
+  dynamic dim without an upper bound is refused.
+
+:func:`check_limits` refuses sets that make builds slow and plans large: more than
+``max_profiles`` profiles, or a dim whose max/min exceeds ``max_ratio``, naming the model,
+the input and the dim. :func:`select` picks the profile of a batch; the broker's shape
+rules and a worker's preferred batch sizes come from the profiles too
+(:func:`shape_rules`, :func:`preferred_batch`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from carpool.common.errors import ConfigError, InvalidArgument
+from carpool.common.protocol import TensorMeta
+from carpool.common.shape_rules import ShapeRule
+from carpool.worker.config import ModelConfig
+
+__all__ = [
+    "InputRange",
+    "Limits",
+    "Profile",
+    "check_limits",
+    "from_flags",
+    "from_model",
+    "max_batch",
+    "parse_batch",
+    "parse_profile",
+    "preferred_batch",
+    "select",
+    "shape_rules",
+]
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InputRange:
+    """One input's shapes in one profile."""
+
+    name: str
+    min: Shape
+    opt: Shape
+    max: Shape
+
+    def admits(self, shape: Sequence[int]) -> bool:
+        return len(shape) == len(self.min) and all(
+            lo <= d <= hi for d, lo, hi in zip(shape, self.min, self.max, strict=True)
+        )
+
+    def text(self) -> str:
+        """``x [1..8, 3, 48, 160..320]``."""
+        dims = (
+            f"{lo}" if lo == hi else f"{lo}..{hi}"
+            for lo, hi in zip(self.min, self.max, strict=True)
+        )
+        return f"{self.name} [{', '.join(dims)}]"
+
+    def to_key(self) -> list[object]:
+        return [self.name, list(self.min), list(self.opt), list(self.max)]
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One optimization profile: a range for every input, in the model's input order."""
+
+    inputs: tuple[InputRange, ...]
+
+    def admits(self, shapes: Mapping[str, Sequence[int]]) -> bool:
+        return all(r.admits(shapes.get(r.name, ())) for r in self.inputs)
+
+    def text(self) -> str:
+        return ", ".join(r.text() for r in self.inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How large a profile set may be built (``--max-profiles``, ``--max-ratio``)."""
+
+    max_profiles: int = 8
+    max_ratio: float = 16.0
+
+
+def _dims(text: str, what: str) -> Shape:
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"{what}: {text!r} is not a shape such as 1x3x224x224") from None
+    if not dims or any(d < 1 for d in dims):
+        raise ConfigError(f"{what}: {text!r} has a dim below 1")
+    return dims
+
+
+def parse_profile(text: str) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """One ``--profile`` flag: ``NAME=MIN:OPT:MAX[,NAME=...]``, each shape ``AxBxC``.
+
+    Raises:
+        ConfigError: it does not read so.
+    """
+    out: dict[str, tuple[Shape, Shape, Shape]] = {}
+    for part in text.split(","):
+        name, eq, shapes = part.strip().partition("=")
+        parts = shapes.split(":")
+        if not eq or not name or len(parts) != 3:
+            raise ConfigError(f"--profile {text!r}: each input is NAME=MIN:OPT:MAX")
+        what = f"--profile {name}"
+        lo, opt, hi = (_dims(p, what) for p in parts)
+        out[name] = (lo, opt, hi)
+    return out
+
+
+def parse_batch(text: str) -> tuple[int, int, int]:
+    """One ``--batch MIN:OPT:MAX`` flag.
+
+    Raises:
+        ConfigError: not three ints with 1 <= MIN <= OPT <= MAX.
+    """
+    try:
+        lo, opt, hi = (int(p) for p in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--batch {text!r} is not MIN:OPT:MAX") from None
+    if not 1 <= lo <= opt <= hi:
+        raise ConfigError(f"--batch {text!r}: needs 1 <= MIN <= OPT <= MAX")
+    return lo, opt, hi
+
+
+def _checked(model: str, spec: TensorMeta, r: InputRange) -> InputRange:
+    what = f"model {model!r}, input {spec.name!r}"
+    for label, shape in (("min", r.min), ("opt", r.opt), ("max", r.max)):
+        if len(shape) != len(spec.shape):
+            raise ConfigError(
+                f"{what}: {label} shape {list(shape)} has {len(shape)} dims, "
+                f"the input has {len(spec.shape)}"
+            )
+    for i, fixed in enumerate(spec.shape):
+        lo, opt, hi = r.min[i], r.opt[i], r.max[i]
+        if not 1 <= lo <= opt <= hi:
+            raise ConfigError(
+                f"{what}, dim {i}: needs 1 <= min <= opt <= max, got {lo}, {opt}, {hi}"
+            )
+        if i and fixed != -1 and (lo, hi) != (fixed, fixed):
+            raise ConfigError(f"{what}, dim {i}: is fixed at {fixed}, the profile gives {lo}..{hi}")
+    return r
+
+
+def from_flags(
+    model: str, inputs: Sequence[TensorMeta], flags: Sequence[str]
+) -> tuple[Profile, ...]:
+    """One profile per ``--profile`` flag; each must name every input."""
+    profiles = []
+    for text in flags:
+        given = parse_profile(text)
+        unknown = sorted(set(given) - {t.name for t in inputs})
+        if unknown:
+            names = [t.name for t in inputs]
+            raise ConfigError(f"--profile {text!r}: no input {unknown[0]!r}; inputs are {names}")
+        missing = [t.name for t in inputs if t.name not in given]
+        if missing:
+            raise ConfigError(f"--profile {text!r}: gives no shapes for input(s) {missing}")
+        profiles.append(
+            Profile(tuple(_checked(model, t, InputRange(t.name, *given[t.name])) for t in inputs))
+        )
+    return tuple(profiles)
+
+
+def _dim_range(config: ModelConfig, spec: TensorMeta, i: int) -> tuple[int, int, int]:
+    """min, opt, max of dynamic dim ``i >= 1`` of an input without buckets."""
+    declared = config.inputs.get(spec.name)
+    rule = declared.rule() if declared is not None else ShapeRule()
+    step = 1
+    if declared is not None and declared.pad is not None and declared.pad.multiple_of:
+        step = declared.pad.multiple_of[i - 1]
+    if rule.multiple_of:
+        step = math.lcm(step, rule.multiple_of[i])
+    hi = rule.max_shape[i] if rule.max_shape else -1
+    if hi == -1:
+        raise ConfigError(
+            f"model {config.name!r}, input {spec.name!r}, dim {i} is dynamic with no upper "
+            f"bound: give [inputs.{spec.name}] max_shape or buckets in its model.toml, or "
+            "--profile flags"
+        )
+    lo = rule.min_shape[i] if rule.min_shape else 1
+    lo, hi = -(-lo // step) * step, hi // step * step
+    if lo > hi:
+        raise ConfigError(
+            f"model {config.name!r}, input {spec.name!r}, dim {i}: no size in "
+            f"{rule.min_shape[i] if rule.min_shape else 1}..{rule.max_shape[i]} "
+            f"is a multiple of {step}"
+        )
+    runs = config.warmup.get(spec.name, ())
+    opt = runs[0][i] if runs and len(runs[0]) > i and lo <= runs[0][i] <= hi else hi
+    return lo, opt, hi
+
+
+def from_model(
+    config: ModelConfig,
+    inputs: Sequence[TensorMeta],
+    batches: Sequence[tuple[int, int, int]] = (),
+) -> tuple[Profile, ...]:
+    """The profiles of a model (see the module docstring), in order: batch ranges, then
+    buckets (the first input's first bucket first).
+
+    Raises:
+        ConfigError: a dim that cannot be given a range, or a batch range above max_batch.
+    """
+    top = config.max_batch
+    if not batches:
+        batches = [(1, max(config.preferred_batch, default=top), top)]
+    for lo, _, hi in batches:
+        if hi > top:
+            raise ConfigError(
+                f"model {config.name!r}: --batch {lo}..{hi} is above its max_batch {top}"
+            )
+    per_input: list[list[InputRange]] = []  # each input's item ranges (batch dim 1..1)
+    for spec in inputs:
+        declared = config.inputs.get(spec.name)
+        buckets = declared.pad.buckets if declared is not None and declared.pad else ()
+        if buckets:
+            per_input.append([InputRange(spec.name, (1, *b), (1, *b), (1, *b)) for b in buckets])
+            continue
+        ranges = [
+            (d, d, d) if d != -1 else _dim_range(config, spec, i)
+            for i, d in enumerate(spec.shape)
+            if i
+        ]
+        lows, opts, highs = (tuple(r[k] for r in ranges) for k in range(3))
+        per_input.append([InputRange(spec.name, (1, *lows), (1, *opts), (1, *highs))])
+    return tuple(
+        Profile(
+            tuple(
+                _checked(config.name, spec, _with_batch(r, batch))
+                for spec, r in zip(inputs, combo, strict=True)
+            )
+        )
+        for batch in batches
+        for combo in itertools.product(*per_input)
+    )
+
+
+def _with_batch(r: InputRange, batch: tuple[int, int, int]) -> InputRange:
+    lo, opt, hi = batch
+    return InputRange(r.name, (lo, *r.min[1:]), (opt, *r.opt[1:]), (hi, *r.max[1:]))
+
+
+def check_limits(model: str, profiles: Sequence[Profile], limits: Limits) -> None:
+    """Refuse a set that would make the build slow and the plan large.
+
+    Raises:
+        ConfigError: more than ``limits.max_profiles`` profiles, or a dim (the batch
+            included) whose max/min exceeds ``limits.max_ratio``; the message names the
+            model, the input and the dim.
+    """
+    if not profiles:
+        raise ConfigError(f"model {model!r}: no optimization profiles")
+    if len(profiles) > limits.max_profiles:
+        raise ConfigError(
+            f"model {model!r}: {len(profiles)} optimization profiles, more than "
+            f"{limits.max_profiles} (each profile adds build time and plan size); the "
+            "count is its buckets times its --batch ranges: merge buckets, or raise "
+            "--max-profiles"
+        )
+    for k, profile in enumerate(profiles):
+        for r in profile.inputs:
+            for i, (lo, hi) in enumerate(zip(r.min, r.max, strict=True)):
+                if hi / lo > limits.max_ratio:
+                    dim = "dim 0 (the batch)" if i == 0 else f"dim {i}"
+                    fix = "split the batch with --batch ranges" if i == 0 else "use buckets"
+                    raise ConfigError(
+                        f"model {model!r}, input {r.name!r}, {dim}: profile {k} spans "
+                        f"{lo}..{hi}, max/min {hi / lo:g} is above {limits.max_ratio:g} "
+                        f"(kernels tuned for one end run slowly at the other): {fix}, "
+                        "or raise --max-ratio"
+                    )
+
+
+def select(profiles: Sequence[Profile], shapes: Mapping[str, Sequence[int]]) -> int:
+    """The index of the first profile that admits every input's shape.
+
+    Raises:
+        InvalidArgument: no profile does; the message lists what each one takes.
+    """
+    for k, profile in enumerate(profiles):
+        if profile.admits(shapes):
+            return k
+    given = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
+    allowed = "; ".join(f"profile {k}: {p.text()}" for k, p in enumerate(profiles))
+    raise InvalidArgument(f"shapes {given} fit no optimization profile ({allowed})")
+
+
+def shape_rules(profiles: Sequence[Profile]) -> dict[str, ShapeRule]:
+    """Per input, the broker's rule: the least min and the greatest max of each dim over
+    the profiles (dim 0's entries are not applied: the batch is bounded by max_batch)."""
+    rules: dict[str, ShapeRule] = {}
+    for r in profiles[0].inputs:
+        ranges = [p_r for p in profiles for p_r in p.inputs if p_r.name == r.name]
+        lo = tuple(min(x.min[i] for x in ranges) for i in range(len(r.min)))
+        hi = tuple(max(x.max[i] for x in ranges) for i in range(len(r.max)))
+        rules[r.name] = ShapeRule(lo, hi)
+    return rules
+
+
+def preferred_batch(profiles: Sequence[Profile]) -> tuple[int, ...]:
+    """The batch sizes the profiles are tuned for (their opt batch), ascending."""
+    return tuple(sorted({p.inputs[0].opt[0] for p in profiles if p.inputs}))
+
+
+def max_batch(profiles: Sequence[Profile]) -> int:
+    """The largest batch some profile takes."""
+    return max(p.inputs[0].max[0] for p in profiles)
