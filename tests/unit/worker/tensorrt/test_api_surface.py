@@ -1,0 +1,128 @@
+"""The TensorRT API surface: every tensorrt attribute the adapters use (read from their
+source, src/carpool/worker/engines/trt*.py) is a member of the real binding modules of
+TensorRT 10.3 (JetPack 6) and 11.4, as tools/trt_members.py recorded them in
+tests/data/tensorrt/; one only guarded by ``hasattr`` may be missing from one of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .surface import UNKNOWN, Use, merged, uses
+
+ROOT = Path(__file__).resolve().parents[4]
+DATA = ROOT / "tests" / "data" / "tensorrt"
+RELEASES = ("10.3.0", "11.4.0.106")
+ADAPTERS = sorted((ROOT / "src" / "carpool" / "worker" / "engines").glob("trt*.py"))
+
+
+def _listing(release: str) -> dict[str, dict[str, str | None]]:
+    data = json.loads((DATA / f"tensorrt-{release}.json").read_text())
+    assert data["version"] == release
+    members: dict[str, dict[str, str | None]] = data["members"]
+    return members
+
+
+LISTS = {release: _listing(release) for release in RELEASES}
+ALL = merged(*LISTS.values())
+
+
+def problems(found: list[Use], where: str) -> list[str]:
+    """What of ``found`` is not in the releases' member lists."""
+    out = []
+    for use in found:
+        at = f"{where}:{use.line}: tensorrt"
+        if use.cls == UNKNOWN:
+            out.append(
+                f"{at} attribute {use.attr!r} is used on a value whose class cannot be told "
+                "(assign it from a call whose class the member lists give)"
+            )
+            continue
+        missing = [r for r in RELEASES if use.attr not in LISTS[r].get(use.cls, {})]
+        if missing and (not use.guarded or len(missing) == len(RELEASES)):
+            lists = ", ".join(f"tests/data/tensorrt/tensorrt-{r}.json" for r in missing)
+            out.append(
+                f"{at} {use.cls}.{use.attr} is not in TensorRT {', '.join(missing)} ({lists})"
+                + ("" if use.guarded else "; guard it with hasattr or keep to both releases")
+            )
+    return out
+
+
+def test_there_is_an_adapter_to_check() -> None:
+    assert ROOT / "src" / "carpool" / "worker" / "engines" / "trt_builder.py" in ADAPTERS
+
+
+@pytest.mark.parametrize("path", ADAPTERS, ids=lambda p: p.name)
+def test_every_tensorrt_attribute_an_adapter_uses_is_in_10_3_and_11_4(path: Path) -> None:
+    found = uses(path.read_text(), ALL)
+    assert found, f"{path}: no tensorrt use found (does it import tensorrt?)"
+    assert problems(found, str(path.relative_to(ROOT))) == []
+
+
+def test_the_builder_adapter_reaches_the_classes_it_builds_with() -> None:
+    """The walk follows the adapter's values to their classes (not only trt.X names)."""
+    found = uses((ROOT / "src/carpool/worker/engines/trt_builder.py").read_text(), ALL)
+    assert {u.cls for u in found} >= {
+        "<module>",
+        "Builder",
+        "IBuilderConfig",
+        "OnnxParser",
+        "IOptimizationProfile",
+        "ITimingCache",
+        "BuilderFlag",
+        "IProgressMonitor",
+    }
+
+
+# A made-up adapter: each use below breaks the rule in one way.
+BROKEN = """
+class Adapter:
+    def __init__(self):
+        import tensorrt as trt
+        self._builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
+        self._config = self._builder.create_builder_config()
+
+    def bad(self):
+        import tensorrt as trt
+        self._builder.create_netwrok(0)                    # made up
+        self._config.set_flag(trt.BuilderFlag.FP16)       # gone in 11, unguarded
+        fast = self._builder.platform_has_fast_fp16       # gone in 11, unguarded
+        if hasattr(trt.BuilderFlag, "FP16"):
+            self._config.set_flag(trt.BuilderFlag.FP16)   # guarded: fine
+        if hasattr(trt, "NoSuchThing"):
+            trt.NoSuchThing                                 # guarded, but in neither
+        self._config.get_memory_pool_limit(0).real         # an int: no class to check against
+"""
+
+
+def test_the_check_fails_a_made_up_attribute_and_ones_11_removed() -> None:
+    found = problems(uses(BROKEN, ALL), "broken.py")
+    assert found == [
+        "broken.py:10: tensorrt Builder.create_netwrok is not in TensorRT 10.3.0, 11.4.0.106 "
+        "(tests/data/tensorrt/tensorrt-10.3.0.json, tests/data/tensorrt/tensorrt-11.4.0.106.json)"
+        "; guard it with hasattr or keep to both releases",
+        "broken.py:11: tensorrt BuilderFlag.FP16 is not in TensorRT 11.4.0.106 "
+        "(tests/data/tensorrt/tensorrt-11.4.0.106.json); guard it with hasattr or keep to both "
+        "releases",
+        "broken.py:12: tensorrt Builder.platform_has_fast_fp16 is not in TensorRT 11.4.0.106 "
+        "(tests/data/tensorrt/tensorrt-11.4.0.106.json); guard it with hasattr or keep to both "
+        "releases",
+        "broken.py:16: tensorrt <module>.NoSuchThing is not in TensorRT 10.3.0, 11.4.0.106 "
+        "(tests/data/tensorrt/tensorrt-10.3.0.json, tests/data/tensorrt/tensorrt-11.4.0.106.json)",
+        "broken.py:17: tensorrt attribute 'real' is used on a value whose class cannot be told "
+        "(assign it from a call whose class the member lists give)",
+    ]
+
+
+def test_the_member_lists_hold_what_the_research_recorded() -> None:
+    """A cross-check of the recorded lists against docs/ facts about the releases."""
+    ten, eleven = LISTS["10.3.0"], LISTS["11.4.0.106"]
+    assert "FP16" in ten["BuilderFlag"]
+    assert "FP16" not in eleven["BuilderFlag"]
+    assert "EXPLICIT_BATCH" in ten["NetworkDefinitionCreationFlag"]
+    assert "EXPLICIT_BATCH" not in eleven["NetworkDefinitionCreationFlag"]
+    assert "IInt8EntropyCalibrator2" in ten
+    assert "IInt8EntropyCalibrator2" not in eleven
+    assert ten["Builder"]["create_builder_config"] == "IBuilderConfig"
