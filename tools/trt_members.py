@@ -89,7 +89,8 @@ def listing(names, get):
 members = {"<module>": listing(dir(mod), lambda n: getattr(mod, n))}
 for c in sorted(classes):
     cls = getattr(mod, c)
-    members[c] = listing(dir(cls), lambda n: inspect.getattr_static(cls, n, None) or getattr(cls, n))
+    static = lambda n: inspect.getattr_static(cls, n, None) or getattr(cls, n)
+    members[c] = listing(dir(cls), static)
 print(json.dumps({"version": getattr(mod, "__version__", None), "members": members}))
 """
 
@@ -111,17 +112,34 @@ def _stub_library(folder: Path, sonames: tuple[str, ...], binding: Path) -> None
     source.write_text("".join(f"void *{s}(void) {{ return 0; }}\n" for s in symbols))
     for soname in sonames:
         subprocess.run(
-            ["cc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(folder / soname),
-             str(source)],
+            [
+                "cc",
+                "-shared",
+                "-fPIC",
+                f"-Wl,-soname,{soname}",
+                "-o",
+                str(folder / soname),
+                str(source),
+            ],
             check=True,
         )
 
 
 def _fetch(specs: tuple[str, ...], wheels: Path) -> list[Path]:
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
-         "-d", str(wheels), *specs],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            f"{sys.version_info.major}.{sys.version_info.minor}",
+            "-d",
+            str(wheels),
+            *specs,
+        ],
         check=True,
     )
     found = []
@@ -150,10 +168,9 @@ def members_of(
         binding = next((site / module).glob("tensorrt*.so"))
         _stub_library(stubs, sonames, binding)
         env["LD_LIBRARY_PATH"] = str(stubs)
-    if module == "tensorrt_lean_bindings":  # (its libs wheel loads libnvinfer_lean first)
-        code = "import tensorrt_lean_libs\n" + _LIST
-    else:
-        code = _LIST
+    # (the lean bindings need libnvinfer_lean, which importing its libs wheel loads)
+    lean = module == "tensorrt_lean_bindings"
+    code = ("import tensorrt_lean_libs\n" if lean else "") + _LIST
     done = subprocess.run(
         [sys.executable, "-c", code, module], env=env, capture_output=True, text=True, cwd=work
     )

@@ -20,7 +20,7 @@ from carpool.worker.tensorrt.profiles import InputRange, Limits, Profile
 from carpool.worker.tensorrt.progress import PlainListener
 from carpool.worker.tensorrt.versions import TrtVersion
 
-from .conftest import image_model
+from .onnx_files import image_model
 
 H200 = Device("NVIDIA H200", (9, 0))
 PROFILES = tuple(

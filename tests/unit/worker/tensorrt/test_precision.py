@@ -12,7 +12,7 @@ from carpool.common.errors import ConfigError
 from carpool.worker.tensorrt.precision import OnnxPrecision, inspect_onnx, plan
 from carpool.worker.tensorrt.versions import TrtVersion
 
-from .conftest import image_model
+from .onnx_files import image_model
 
 V10 = TrtVersion.parse("10.3.0")
 V11 = TrtVersion.parse("11.4.0.106")

@@ -1,0 +1,102 @@
+"""``carpool build-engine`` through its entry point: the profiles it derives, a refused
+profile set (exit 2, naming the dim), and, where tensorrt or a GPU is missing, exit 3
+with one line saying which."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.worker.tensorrt.onnx_files import image_model
+
+CARPOOL = [sys.executable, "-m", "carpool", "build-engine"]
+
+TOML = """description = "a [B,3,H,W] image model"
+max_batch = 8
+[inputs.x]
+min_shape = [1, 3, 32, 32]
+max_shape = [-1, 3, 256, 256]
+"""
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CARPOOL, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    folder = tmp_path / "img"
+    folder.mkdir()
+    (folder / "model.toml").write_text(TOML)
+    image_model(folder / "model.onnx")
+    return tmp_path
+
+
+def test_a_dry_run_shows_the_profiles_from_the_shape_rule(repo: Path) -> None:
+    done = _run("--repository", str(repo), "img", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "profile 0: x [1..8, 3, 32..256, 32..256]",
+        f"plans go to {repo / 'img' / 'plans'}",
+    ]
+
+
+def test_a_profile_set_too_wide_is_refused_naming_the_dim(repo: Path) -> None:
+    done = _run("--repository", str(repo), "img", "--max-ratio", "4")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "carpool: model 'img', input 'x', dim 0 (the batch): profile 0 spans 1..8, max/min 8 "
+        "is above 4 (kernels tuned for one end run slowly at the other): split the batch "
+        "with --batch ranges, or raise --max-ratio"
+    )
+
+
+def test_an_unknown_model_is_refused_listing_the_models(repo: Path) -> None:
+    done = _run("--repository", str(repo), "nope")
+    assert done.returncode == 2
+    assert "has no model 'nope'; it has ['img']" in done.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorrt") is not None, reason="tensorrt is installed here"
+)
+def test_without_tensorrt_it_exits_3_with_one_line_saying_so(repo: Path) -> None:
+    done = _run("--repository", str(repo), "img", "--batch", "1:4:8")
+    assert done.returncode == 3
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("carpool build-engine: cannot build here: tensorrt is not installed")
+    assert "docs/gpu.md" in line
+    assert not (repo / "img" / "plans").exists()
+
+
+def test_with_tensorrt_but_no_gpu_it_exits_3_before_any_tensorrt_object(
+    repo: Path, tmp_path: Path
+) -> None:
+    """A stand-in tensorrt package whose Builder ends the process: the probe answers first."""
+    if importlib.util.find_spec("pynvml") or importlib.util.find_spec("cuda"):
+        pytest.skip("nvidia-ml-py or cuda-python is installed: the probe may find a GPU")
+    fake = tmp_path / ".site" / "tensorrt"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        '__version__ = "10.3.0"\n'
+        "def Builder(*args):\n"
+        '    raise SystemExit("a Builder was created")\n'
+    )
+    done = subprocess.run(
+        [*CARPOOL, "--repository", str(repo), "img"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / ".site")},
+    )
+    assert done.returncode == 3
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("carpool build-engine: cannot build here: no GPU found (")
