@@ -22,8 +22,8 @@ __all__ = ["GpuProbe", "parse", "probe"]
 # Runs in the child: the first GPU's name and compute capability, or why there is none.
 _CHILD = r"""
 import json
-why = []
-try:
+
+def nvml():
     import pynvml
     pynvml.nvmlInit()
     if pynvml.nvmlDeviceGetCount() < 1:
@@ -31,21 +31,14 @@ try:
     h = pynvml.nvmlDeviceGetHandleByIndex(0)
     name = pynvml.nvmlDeviceGetName(h)
     name = name.decode() if isinstance(name, bytes) else name
-    cc = list(pynvml.nvmlDeviceGetCudaComputeCapability(h))
-    print(json.dumps({"name": name, "cc": cc, "via": "nvml"}))
-    raise SystemExit(0)
-except SystemExit:
-    raise
-except ImportError:
-    why.append("nvidia-ml-py is not installed")
-except Exception as exc:
-    why.append(f"NVML: {type(exc).__name__}: {exc}")
-try:
+    return name, list(pynvml.nvmlDeviceGetCudaComputeCapability(h))
+
+def cuda():
     from cuda.bindings import driver as cu
     def ok(result):
         err, *rest = result
         if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{err.name}")
+            raise RuntimeError(err.name)
         return rest[0] if len(rest) == 1 else rest
     ok(cu.cuInit(0))
     if ok(cu.cuDeviceGetCount()) < 1:
@@ -53,17 +46,23 @@ try:
     dev = ok(cu.cuDeviceGet(0))
     name = ok(cu.cuDeviceGetName(64, dev)).split(b"\0", 1)[0].decode()
     attr = cu.CUdevice_attribute
-    cc = [ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)),
-          ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))]
-    print(json.dumps({"name": name, "cc": cc, "via": "cuda"}))
-    raise SystemExit(0)
-except SystemExit:
-    raise
-except ImportError:
-    why.append("cuda-python is not installed")
-except Exception as exc:
-    why.append(f"CUDA driver: {type(exc).__name__}: {exc}")
-print(json.dumps({"error": "; ".join(why)}))
+    major = attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    minor = attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+    return name, [ok(cu.cuDeviceGetAttribute(major, dev)), ok(cu.cuDeviceGetAttribute(minor, dev))]
+
+why = []
+for via, ask, package in (("nvml", nvml, "nvidia-ml-py"), ("cuda", cuda, "cuda-python")):
+    try:
+        name, cc = ask()
+    except ImportError:
+        why.append(f"{package} is not installed")
+    except Exception as exc:
+        why.append(f"{via}: {type(exc).__name__}: {exc}")
+    else:
+        print(json.dumps({"name": name, "cc": cc, "via": via}))
+        break
+else:
+    print(json.dumps({"error": "; ".join(why)}))
 """
 
 
