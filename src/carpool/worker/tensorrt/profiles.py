@@ -15,9 +15,9 @@ A profile gives every input a min, opt and max shape (dim 0 is the batch). From 
 
 :func:`check_limits` refuses sets that make builds slow and plans large: more than
 ``max_profiles`` profiles, or a dim whose max/min exceeds ``max_ratio``, naming the model,
-the input and the dim. :func:`select` picks the profile of a batch; the broker's shape
+the input and the dim. :func:`select_profile` picks the profile of a batch; the broker's shape
 rules and a worker's preferred batch sizes come from the profiles too
-(:func:`shape_rules`, :func:`preferred_batch`).
+(:func:`shape_rules_from_profiles`, :func:`preferred_batch`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ __all__ = [
     "parse_batch",
     "parse_profile",
     "preferred_batch",
-    "select",
-    "shape_rules",
+    "select_profile",
+    "shape_rules_from_profiles",
 ]
 
 Shape = tuple[int, ...]
@@ -289,7 +289,7 @@ def check_limits(model: str, profiles: Sequence[Profile], limits: Limits) -> Non
                     )
 
 
-def select(profiles: Sequence[Profile], shapes: Mapping[str, Sequence[int]]) -> int:
+def select_profile(profiles: Sequence[Profile], shapes: Mapping[str, Sequence[int]]) -> int:
     """The index of the first profile that admits every input's shape.
 
     Raises:
@@ -303,7 +303,7 @@ def select(profiles: Sequence[Profile], shapes: Mapping[str, Sequence[int]]) -> 
     raise InvalidArgument(f"shapes {given} fit no optimization profile ({allowed})")
 
 
-def shape_rules(profiles: Sequence[Profile]) -> dict[str, ShapeRule]:
+def shape_rules_from_profiles(profiles: Sequence[Profile]) -> dict[str, ShapeRule]:
     """Per input, the broker's rule: the least min and the greatest max of each dim over
     the profiles (dim 0's entries are not applied: the batch is bounded by max_batch)."""
     rules: dict[str, ShapeRule] = {}

@@ -177,12 +177,12 @@ BUCKETED = tuple(
     ("shape", "index"), [((1, 3, 48, 160), 0), ((8, 3, 48, 320), 1), ((3, 3, 48, 320), 1)]
 )
 def test_a_batch_selects_the_profile_that_admits_its_shapes(shape, index) -> None:
-    assert profiles.select(BUCKETED, {"x": shape}) == index
+    assert profiles.select_profile(BUCKETED, {"x": shape}) == index
 
 
 def test_a_shape_outside_every_profile_is_refused_listing_what_each_takes() -> None:
     with pytest.raises(InvalidArgument) as caught:
-        profiles.select(BUCKETED, {"x": (9, 3, 48, 160)})
+        profiles.select_profile(BUCKETED, {"x": (9, 3, 48, 160)})
     assert str(caught.value) == (
         "shapes x [9, 3, 48, 160] fit no optimization profile (profile 0: x [1..8, 3, 48, 160]; "
         "profile 1: x [1..8, 3, 48, 320])"
@@ -190,7 +190,9 @@ def test_a_shape_outside_every_profile_is_refused_listing_what_each_takes() -> N
 
 
 def test_the_broker_rules_are_the_envelope_of_the_profiles() -> None:
-    assert profiles.shape_rules(BUCKETED) == {"x": ShapeRule((1, 3, 48, 160), (8, 3, 48, 320))}
+    assert profiles.shape_rules_from_profiles(BUCKETED) == {
+        "x": ShapeRule((1, 3, 48, 160), (8, 3, 48, 320))
+    }
     assert profiles.preferred_batch(BUCKETED) == (8,)
 
 
