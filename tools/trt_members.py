@@ -57,9 +57,10 @@ TARGETS = (
     ),
 )
 
-# Runs in the subprocess: prints {"version", "members": {class: {member: returns}}}, where
-# "<module>" holds the module's own names and `returns` is the class a call (or a
-# property, or a value) gives, where that is one of the module's classes, else null.
+# Runs in the subprocess: prints {"version", "members": {class: {member: returns}},
+# "callbacks": {class: [method]}}, where "<module>" holds the module's own names and
+# `returns` is the class a call (or a property, or a value) gives, where that is one of
+# the module's classes, else null.
 _LIST = r"""
 import importlib, inspect, json, re, sys
 mod = importlib.import_module(sys.argv[1])
@@ -91,7 +92,16 @@ for c in sorted(classes):
     cls = getattr(mod, c)
     static = lambda n: inspect.getattr_static(cls, n, None) or getattr(cls, n)
     members[c] = listing(dir(cls), static)
-print(json.dumps({"version": getattr(mod, "__version__", None), "members": members}))
+# Methods an application class overrides (IOutputAllocator's reallocate_output_async, ...)
+# are not attributes of a pybind11 trampoline class: its docstring's example names them.
+DEF = re.compile(r"^\s*def (\w+)\(self", re.M)
+callbacks = {}
+for c in sorted(classes):
+    names = sorted(set(DEF.findall(getattr(mod, c).__doc__ or "")) - {"__init__"})
+    if names:
+        callbacks[c] = names
+version = getattr(mod, "__version__", None)
+print(json.dumps({"version": version, "members": members, "callbacks": callbacks}))
 """
 
 

@@ -7,9 +7,9 @@ method call or property of a known class has the class its pybind11 signature re
 attributes keep the type of what was assigned to them. Each attribute read or written on
 such a value is a :class:`Use`. A use on a value derived from tensorrt whose class cannot
 be told is a use of class ``?``, so the check can say so instead of passing it by. A
-class defined on a tensorrt base uses the base's member for each method it defines
-(IProgressMonitor's callbacks). A use inside ``if hasattr(E, "name"):`` of ``E.name`` is
-guarded: it need exist in one release only.
+class defined on a tensorrt base uses the base's member for each public method it
+defines (IProgressMonitor's callbacks, IOutputAllocator's). A use inside
+``if hasattr(E, "name"):`` of ``E.name`` is guarded: it need exist in one release only.
 """
 
 from __future__ import annotations
@@ -113,8 +113,10 @@ class _Walker:
         elif isinstance(stmt, ast.ClassDef):
             bases = [self.typeof(b, env, cls, guards) for b in stmt.bases]
             for base in (b for b in bases if b and b.startswith("class:")):
-                for item in stmt.body:
-                    if isinstance(item, ast.FunctionDef) and self.record:
+                methods = [m for m in stmt.body if isinstance(m, ast.FunctionDef)]
+                for item in methods:  # (a private helper is no override)
+                    private = item.name.startswith("_") and not item.name.startswith("__")
+                    if self.record and not private:
                         name = base.removeprefix("class:")
                         self.uses.append(Use(name, item.name, item.lineno, False))
             self.body(stmt.body, dict(env), stmt.name, guards)
@@ -131,16 +133,14 @@ class _Walker:
             self.typeof(stmt.test, env, cls, guards)
             self.body(stmt.body, env, cls, guards | set(_guards(stmt.test)))
             self.body(stmt.orelse, env, cls, guards)
-        else:
+        else:  # (with items and except handlers hold exprs and stmts a level down)
             for child in ast.iter_child_nodes(stmt):
-                if isinstance(child, ast.expr):
-                    self.typeof(child, env, cls, guards)
-                elif isinstance(child, ast.stmt):
-                    self.stmt(child, env, cls, guards)
-            for name in ("body", "orelse", "finalbody", "handlers"):
-                for child in getattr(stmt, name, []):
-                    if isinstance(child, ast.ExceptHandler):
-                        self.body(child.body, env, cls, guards)
+                parts = [child] if isinstance(child, ast.expr | ast.stmt) else []
+                for part in parts or ast.iter_child_nodes(child):
+                    if isinstance(part, ast.expr):
+                        self.typeof(part, env, cls, guards)
+                    elif isinstance(part, ast.stmt):
+                        self.stmt(part, env, cls, guards)
 
 
 def uses(source: str, members: Mapping[str, Mapping[str, Any]]) -> list[Use]:
