@@ -80,8 +80,8 @@ def test_with_tensorrt_but_no_gpu_it_exits_3_before_any_tensorrt_object(
     repo: Path, tmp_path: Path
 ) -> None:
     """A stand-in tensorrt package whose Builder ends the process: the probe answers first."""
-    if importlib.util.find_spec("pynvml") or importlib.util.find_spec("cuda"):
-        pytest.skip("nvidia-ml-py or cuda-python is installed: the probe may find a GPU")
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine has an NVIDIA driver: the probe may find a GPU")
     fake = tmp_path / ".site" / "tensorrt"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(
