@@ -52,7 +52,7 @@ from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies, Side, ToClient, ToWorker, disconnect
 from carpool.broker.requests import RequestBook
 from carpool.broker.resends import Resends
-from carpool.broker.stats import BrokerStats, snapshot
+from carpool.broker.stats import BrokerStats, model_table, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
 
@@ -327,16 +327,21 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ queries
 
-    def snapshot(self) -> dict[str, Any]:
-        """Counters and state for STATS replies (msgpack-friendly: str keys only)."""
-        backlog = self.backlog
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        """Counters and state for STATS replies (msgpack-friendly: str keys only); the
+        latency percentiles are over the window before ``now`` (None: all kept)."""
+        backlog, stats, registry = self.backlog, self.stats, self.registry
+        names = {*registry.specs, *self.config.models}
+        batching = self.fleet.batching_for
+        models = model_table(stats, registry, names, backlog.queued_samples, batching, now)
         return snapshot(
-            self.stats,
-            self.registry,
+            stats,
+            registry,
             backlog.queued,
             backlog.queued_bytes,
             len(self.inflight),
             self.worker_transport,
+            models,
         )
 
 

@@ -326,6 +326,7 @@ class Dispatcher:
             samples,
             predicted_s,
             self._watch_s(now, key, samples, requests, predicted_s),
+            sent_s=now,
         )
         self._inflight.add(now, worker, inflight)
         worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s

@@ -38,6 +38,7 @@ class InflightBatch:
     # When the watchdog gives up on it: set once it is the oldest batch at its worker.
     due_s: float = math.inf
     head_s: float = 0.0  # when it became the oldest batch at its worker
+    sent_s: float = 0.0  # when it was dispatched (its requests' queue wait ends)
 
 
 class InflightTable:

@@ -81,7 +81,7 @@ class ClientIntake:
         fleet: FleetModel,
         dispatcher: Dispatcher,
         replies: Replies,
-        snapshot: Callable[[], dict[str, Any]],
+        snapshot: Callable[[float], dict[str, Any]],
         holding: HeldRequests,
         resends: Resends,
     ) -> None:
@@ -177,7 +177,7 @@ class ClientIntake:
                             "STATS is answered to operator keys only",
                         )
                     ]
-                snapshot = self._snapshot()
+                snapshot = self._snapshot(now)
                 if len(frames) > 1:  # echo the caller's id, so it can match the reply
                     snapshot["id"] = sid
                 return [self._replies.to_client(client, delimited, encode(Command.STATS, snapshot))]
@@ -386,9 +386,7 @@ class ClientIntake:
                 (now, model, layout.shape, round(1000 * timeout_s), int(priority), max_batch)
             )
         if type(verdict) is Refused:
-            if verdict.shed:
-                self.stats.shed += 1
-                self.stats.shed_at_door += 1
+            self.stats.refused(model, verdict.code.name, verdict.shed)
             error = self._replies.error(
                 client,
                 delimited,

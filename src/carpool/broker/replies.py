@@ -125,6 +125,7 @@ class Replies:
         self, req: PendingRequest, code: ErrorCode, message: str, *, retry: bool = False
     ) -> ToClient:
         hint = None
+        self.stats.failed(req.model, code.name)
         if code is ErrorCode.OVERLOADED:  # (a worker's FAILED: §12 wants a hint with it)
             ahead = self._backlog.samples_ahead(req.model, int(req.priority)) + req.samples
             hint = retry_after_ms(self._fleet.drain_time_s(req.model, req.key, ahead) or 0.05)

@@ -1,17 +1,22 @@
 """stats.py: the broker's counters, and the STATS reply built from them and its state.
 
 Pure. :class:`BrokerStats` is counted into on the hot path (plain attributes);
-:func:`snapshot` is what a STATS request answers (msgpack-friendly: str keys only).
+:func:`snapshot` is what a STATS request answers (msgpack-friendly: str keys only). Its
+per-model figures (answers and errors by model, admission refusals, the time histograms
+of :mod:`carpool.broker.timings`) are kept only for models the broker knows a spec of,
+and go when the model is forgotten: made-up names cannot grow them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from carpool.broker.config import BatchingConfig
 from carpool.broker.registry import Lane, WorkerRegistry
-from carpool.broker.requests import RequestKey
+from carpool.broker.requests import PendingRequest, RequestKey
+from carpool.broker.timings import ModelTimings
 
 
 class BrokerStats:
@@ -36,11 +41,46 @@ class BrokerStats:
         # Per padded model, per bucket label: [batches, samples, padded elements, bucket
         # elements], from the RESULTs that carry ``padding`` (§8.4).
         self.buckets: dict[str, dict[str, list[int]]] = {}
+        # Per model: its time histograms and answered count; its error replies by code
+        # (admitted requests; those refused at the door are in ``refusals`` as well).
+        self.timings: dict[str, ModelTimings] = {}
+        self.answers: Counter[str] = Counter()
+        self.model_errors: dict[str, Counter[str]] = {}
+        self.refusals: dict[str, Counter[str]] = {}  # refused on arrival, by code name
 
     def forget(self, model: str) -> None:
         """A model no worker serves is forgotten: its counters go too."""
-        self.batch_sizes.pop(model, None)
-        self.buckets.pop(model, None)
+        for table in (self.batch_sizes, self.buckets, self.timings, self.model_errors):
+            table.pop(model, None)
+        self.refusals.pop(model, None)
+        self.answers.pop(model, None)
+
+    def answered(
+        self, now: float, model: str, requests: list[PendingRequest], sent_s: float, compute_s: float
+    ) -> None:
+        """A batch of ``model`` sent at ``sent_s`` came back at ``now`` (its RESULT)."""
+        timings = self.timings.get(model)
+        if timings is None:
+            timings = self.timings[model] = ModelTimings()
+        self.answers[model] += timings.answered(now, requests, sent_s, compute_s)
+
+    def failed(self, model: str, code: str) -> None:
+        """An admitted request of ``model`` was answered with the error ``code``."""
+        errors = self.model_errors.get(model)
+        if errors is None:
+            errors = self.model_errors[model] = Counter()
+        errors[code] += 1
+
+    def refused(self, model: str, code: str, shed: bool) -> None:
+        """A request of ``model`` (a known one) was refused on arrival (admission)."""
+        if shed:
+            self.shed += 1
+            self.shed_at_door += 1
+        self.failed(model, code)
+        refusals = self.refusals.get(model)
+        if refusals is None:
+            refusals = self.refusals[model] = Counter()
+        refusals[code] += 1
 
     def padded(self, key: RequestKey, samples: int, padding: tuple[int, int]) -> None:
         """A batch of queue ``key`` (a bucket) came back with its RESULT's ``padding``."""
@@ -59,6 +99,36 @@ class BrokerStats:
         sizes[samples] += 1
 
 
+def model_table(
+    stats: BrokerStats,
+    registry: WorkerRegistry,
+    names: Iterable[str],
+    queued_samples: dict[str, list[int]],
+    batching: Callable[[str], BatchingConfig],
+    now: float | None,
+) -> dict[str, dict[str, Any]]:
+    """STATS ``models``: per model of ``names`` (those the broker knows a spec of, and
+    those its configuration names), its live workers, current B_max (the largest of its
+    workers' lanes), T_max, queued samples, answers, errors and recent latency."""
+    table = {}
+    for name in sorted(names):
+        serving = registry.serving(name)
+        lanes = [w.lanes[name] for w in serving if name in w.lanes]
+        timings = stats.timings.get(name)
+        table[name] = {
+            "workers": len(serving),
+            "healthy_workers": sum(1 for w in serving if w.health.value == "healthy"),
+            "b_max": max((lane.batch_limit for lane in lanes), default=0),
+            "max_wait_ms": round(1000 * batching(name).max_wait_s, 3),
+            "queued": sum(queued_samples.get(name, ())),
+            "answered": stats.answers.get(name, 0),
+            "errors": dict(stats.model_errors.get(name, {})),
+            "refused": dict(stats.refusals.get(name, {})),
+            "latency": None if timings is None else timings.percentiles(now),
+        }
+    return table
+
+
 def snapshot(
     stats: BrokerStats,
     registry: WorkerRegistry,
@@ -66,9 +136,11 @@ def snapshot(
     queued_bytes: int,
     inflight: int,
     transport: Callable[[bytes], str],
+    models: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Counters and state for STATS replies (msgpack-friendly: str keys only);
-    ``transport`` names how each worker is connected, by its id."""
+    ``transport`` names how each worker is connected, by its id; ``models``: the
+    per-model table (:func:`model_table`)."""
     return {
         "requests": stats.requests,
         "replies": stats.replies,
@@ -94,6 +166,7 @@ def snapshot(
             for model, labels in stats.buckets.items()
         },
         "known_models": len(registry.specs),
+        "models": models or {},
         "workers": [
             {
                 "name": w.name,

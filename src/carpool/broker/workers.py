@@ -214,6 +214,7 @@ class WorkerEvents:
             self.registry.set_health(now, worker, Health.HEALTHY)
             self._fleet.rates.clear()  # its share of the fleet's rate changed
         self._learn(worker, batch, result.compute_ms)
+        compute_s = result.compute_ms / 1000.0
         if 0 <= result.rho <= 1:  # as HEARTBEAT's: a load out of range is ignored
             self._fleet.on_load(now, worker, result.rho)
         if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):
@@ -240,6 +241,7 @@ class WorkerEvents:
                     out.append(ToClient(req.client, frames))
                 start = stop
             self.stats.replies += answered
+            self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
             if result.padding is not None:
                 self.stats.padded(batch.key, batch.samples, result.padding)
         self._dispatcher.pump_models(now, worker.models, out)

@@ -1533,6 +1533,19 @@ def test_stats_snapshot_counts() -> None:
         "shed_at_door": 0,
         "buckets": {},
         "known_models": 1,
+        "models": {
+            "m": {
+                "workers": 1,
+                "healthy_workers": 1,
+                "b_max": snap["workers"][0]["lanes"]["m"]["b_max"],
+                "max_wait_ms": 10.0,
+                "queued": 0,
+                "answered": 2,  # requests 1 and 2, of the first batch
+                "errors": {},
+                "refused": {},
+                "latency": {"p50_ms": 50.0, "p95_ms": 50.0, "p99_ms": 50.0, "n": 2},
+            }
+        },
         "workers": [
             {
                 "name": "w1",

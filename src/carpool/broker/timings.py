@@ -1,0 +1,111 @@
+"""timings.py: per-model latency figures: cumulative histograms and a recent window.
+
+Pure: ``now`` comes in. The broker's loop counts every answered batch into its model's
+:class:`ModelTimings` (:meth:`BrokerStats.answered`): each request's end-to-end time in
+the broker (arrival to RESULT) and its queue wait (arrival to dispatch), and the batch's
+compute time as its worker reported it. The histograms are cumulative over the broker's
+life (what Prometheus scrapes); the window keeps the last :data:`WINDOW` requests'
+end-to-end times, of which :meth:`ModelTimings.percentiles` reads those of the last
+``window_s`` (what STATS, ``carpool status`` and ``carpool top`` show).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from carpool.broker.requests import PendingRequest, RequestState
+
+#: Upper bounds of the time histograms' buckets, in seconds (+Inf follows): from a CPU
+#: model's sub-millisecond batches to a detector's seconds on a 1080p frame.
+TIME_BOUNDS_S: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: Requests kept per model for the percentiles.
+WINDOW = 2048
+#: The percentiles' window: requests answered in the last this many seconds.
+WINDOW_S = 60.0
+_DONE = RequestState.DONE
+
+
+class Histogram:
+    """Counts per bucket (``counts[i]``: observations in ``(bounds[i-1], bounds[i]]``,
+    the last one above every bound) and their sum, as Prometheus keeps them."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it), ending with (inf, count)."""
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+    def copy(self) -> Histogram:
+        other = Histogram(self.bounds)
+        other.counts = list(self.counts)
+        other.sum = self.sum
+        return other
+
+
+class ModelTimings:
+    """One model's time histograms and recent end-to-end times; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.latency = Histogram(TIME_BOUNDS_S)  # arrival → RESULT, per request
+        self.wait = Histogram(TIME_BOUNDS_S)  # arrival → dispatch, per request
+        self.compute = Histogram(TIME_BOUNDS_S)  # the worker's engine time, per batch
+        self._recent: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (when, latency)
+
+    def answered(
+        self, now: float, requests: Iterable[PendingRequest], sent_s: float, compute_s: float
+    ) -> int:
+        """A batch dispatched at ``sent_s`` came back at ``now``; its requests answered by
+        it (state DONE; the others were answered before, at their deadlines) are counted.
+        Returns how many."""
+        latency, wait, recent = self.latency, self.wait, self._recent
+        n = 0
+        for req in requests:
+            if req.state is _DONE:
+                arrival_s = req.arrival_s
+                latency.observe(now - arrival_s)
+                wait.observe(sent_s - arrival_s)
+                recent.append((now, now - arrival_s))
+                n += 1
+        if compute_s > 0:  # 0: not the batch's engine time (run request by request)
+            self.compute.observe(compute_s)
+        return n
+
+    def percentiles(
+        self, now: float | None, window_s: float = WINDOW_S
+    ) -> dict[str, float] | None:
+        """p50, p95 and p99 of the end-to-end times answered in the last ``window_s``
+        before ``now`` (None: all those kept), in milliseconds, with their count ``n``;
+        None when there are none."""
+        since = -math.inf if now is None else now - window_s
+        values = sorted(lat for when, lat in self._recent if when >= since)
+        if not values:
+            return None
+        figures = {f"p{q}_ms": round(1000 * _rank(values, q / 100), 3) for q in (50, 95, 99)}
+        return {**figures, "n": len(values)}
+
+
+def _rank(ordered: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``ordered`` (sorted, not empty)."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
