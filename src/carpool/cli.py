@@ -19,7 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from carpool import __version__
-from carpool.commandline import add_batching_flags, add_command
+from carpool.commandline import add_batching_flags, add_command, add_metrics_flag
 from carpool.common.config import from_mapping, load_toml
 from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
@@ -103,7 +103,8 @@ def _broker(args: argparse.Namespace) -> int:
     )
     data = _overlay(
         data,
-        {"frontend": args.frontend, "backend": args.backend, "local_backend": args.local},
+        {"frontend": args.frontend, "backend": args.backend, "local_backend": args.local}
+        | {"metrics": args.metrics},
     )
     config = from_mapping(BrokerConfig, broker_curve(data, args))
     overrides: dict[str, Any] = {}
@@ -191,7 +192,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     data = load_toml(args.config) if args.config else {}
     data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
     data = _overlay(data, {"broker": args.broker, "name": args.name, "slots": args.slots})
-    data = _overlay(data, {"repository": args.repository})
+    data = _overlay(data, {"repository": args.repository, "metrics": args.metrics})
     data = _overlay(data, worker_curve(args))
     data, repository = _with_repository(data)
     config = from_mapping(WorkerConfig, data)
@@ -287,6 +288,7 @@ def _broker_args(b: argparse.ArgumentParser) -> None:
         help="also take workers on this host on a unix socket (cheaper hops than ZeroMQ)",
     )
     add_batching_flags(b)
+    add_metrics_flag(b)
     add_broker_flags(b)
 
 
@@ -361,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_worker_flags(w)
+    add_metrics_flag(w)
     add_keygen_parsers(sub)
 
     d = add_command(sub, "demo", _demo)

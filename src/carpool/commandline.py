@@ -59,6 +59,16 @@ def add_batching_flags(group: Any, defaults: BatchingConfig | None = None) -> No
     )
 
 
+def add_metrics_flag(parser: Any) -> None:
+    """``--metrics HOST:PORT``: the Prometheus endpoint of ``carpool broker`` and ``worker``."""
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve /metrics, /healthz and /readyz here (a bare PORT: on 127.0.0.1; "
+        "default: none; docs/operations.md)",
+    )
+
+
 def add_burst_flags(group: Any, *, burst_rps: float, period: str) -> None:
     """``--burst-rps``, ``--period-s`` and ``--burst-s``: the bursts of a ``bursts`` load
     (``workload.bursts``), ``burst_rps`` their default rate; ``period`` the help of

@@ -9,6 +9,7 @@ from typing import Any
 
 from carpool.common.config import check, out_of_range
 from carpool.common.link import link_path
+from carpool.common.listen import listen_problems
 
 POLICIES = ("carpool", "fixed", "seed")
 
@@ -203,9 +204,13 @@ class BrokerConfig:
     peer_heartbeat_s: float = 10.0
     peer_timeout_s: float = 30.0
     curve: CurveConfig = field(default_factory=CurveConfig)
+    # HOST:PORT of the Prometheus endpoint (/metrics, /healthz, /readyz); a bare PORT
+    # listens on 127.0.0.1; "": none (docs/operations.md).
+    metrics: str = ""
 
     def __post_init__(self) -> None:
         problems = out_of_range(self, {"default_timeout_s": (0.001, 3600)})
+        problems += listen_problems(self.metrics)
         if self.max_queued < 1:
             problems.append("max_queued must be >= 1")
         problems += out_of_range(

@@ -21,6 +21,7 @@ from carpool.broker.auth import KEY_CHARS, BrokerAuth, WorkerKeys
 from carpool.broker.config import BrokerConfig
 from carpool.broker.connections import ClientConnections
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
+from carpool.broker.metrics import BrokerMetrics
 from carpool.broker.registry import WorkerId
 from carpool.broker.trace import TraceWriter, recorded_models
 from carpool.broker.transports import BURST, Upstream, WorkerTransport
@@ -87,6 +88,7 @@ class BrokerServer:
         self._reload_asked = False  # ask_reload (SIGHUP): reload_keys on the next turn
         self._stops = 0  # stop() calls after the first: one ends wind_down's wait
         self._closed = False
+        self.metrics: BrokerMetrics | None = None
         self._linger_ms = 0  # wind_down raises it: its answers must leave before close
         self._delivering = False  # running upstream.later
         self._log_unread = RateLimitedLog(logger, PEER_LINES_PER_MIN)  # (peers cause these)
@@ -188,12 +190,21 @@ class BrokerServer:
             self.local = LinkWorkers(listener, self.poller, up)
             # The links before the embedded workers, as each turn has always handled them.
             self.transports.insert(1, self.local)
+        if config.metrics:  # /metrics, /healthz, /readyz (broker/metrics.py)
+            self.metrics = self._serve_metrics(config.metrics)
         logger.info(
             "broker listening frontend=%s backend=%s%s",
             self.frontend_endpoint,
             self.backend_endpoint,
             f" local={config.local_backend}" if self.local else "",
         )
+
+    def _serve_metrics(self, address: str) -> BrokerMetrics:
+        try:
+            return BrokerMetrics(address, self.core, self._wake.wake, lambda: not self._stopping)
+        except ConfigError:
+            self.close()
+            raise
 
     def _close_early(self) -> None:
         """What __init__ made before a ConfigError."""
@@ -276,6 +287,8 @@ class BrokerServer:
         self._send(self.core.on_tick(now))
         for transport in transports:
             transport.after_turn(now)
+        if self.metrics is not None:
+            self.metrics.on_turn(now)
         if self._trace is not None and self.core.recording:
             self._trace.write(self.core.recording)
             self.core.recording.clear()
@@ -403,6 +416,8 @@ class BrokerServer:
         self._closed = True
         if self._trace is not None:
             self._trace.close()
+        if self.metrics is not None:
+            self.metrics.close()
         for transport in reversed(self.transports):
             transport.close(self._linger_ms)
         self.frontend.close(linger=self._linger_ms)

@@ -56,7 +56,12 @@ class BrokerStats:
         self.answers.pop(model, None)
 
     def answered(
-        self, now: float, model: str, requests: list[PendingRequest], sent_s: float, compute_s: float
+        self,
+        now: float,
+        model: str,
+        requests: list[PendingRequest],
+        sent_s: float,
+        compute_s: float,
     ) -> None:
         """A batch of ``model`` sent at ``sent_s`` came back at ``now`` (its RESULT)."""
         timings = self.timings.get(model)

@@ -12,56 +12,17 @@ end-to-end times, of which :meth:`ModelTimings.percentiles` reads those of the l
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
 
 from carpool.broker.requests import PendingRequest, RequestState
+from carpool.common.histogram import TIME_BOUNDS_S, Histogram
 
-#: Upper bounds of the time histograms' buckets, in seconds (+Inf follows): from a CPU
-#: model's sub-millisecond batches to a detector's seconds on a 1080p frame.
-TIME_BOUNDS_S: tuple[float, ...] = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
 #: Requests kept per model for the percentiles.
 WINDOW = 2048
 #: The percentiles' window: requests answered in the last this many seconds.
 WINDOW_S = 60.0
 _DONE = RequestState.DONE
-
-
-class Histogram:
-    """Counts per bucket (``counts[i]``: observations in ``(bounds[i-1], bounds[i]]``,
-    the last one above every bound) and their sum, as Prometheus keeps them."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, observations at or below it), ending with (inf, count)."""
-        out, total = [], 0
-        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
-
-    def copy(self) -> Histogram:
-        other = Histogram(self.bounds)
-        other.counts = list(self.counts)
-        other.sum = self.sum
-        return other
 
 
 class ModelTimings:
@@ -92,9 +53,7 @@ class ModelTimings:
             self.compute.observe(compute_s)
         return n
 
-    def percentiles(
-        self, now: float | None, window_s: float = WINDOW_S
-    ) -> dict[str, float] | None:
+    def percentiles(self, now: float | None, window_s: float = WINDOW_S) -> dict[str, float] | None:
         """p50, p95 and p99 of the end-to-end times answered in the last ``window_s``
         before ``now`` (None: all those kept), in milliseconds, with their count ``n``;
         None when there are none."""

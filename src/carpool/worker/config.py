@@ -13,6 +13,7 @@ from carpool.common.codec import DTYPES
 from carpool.common.config import check, out_of_range
 from carpool.common.curve import client_keys
 from carpool.common.errors import ConfigError
+from carpool.common.listen import listen_problems
 from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
 from carpool.worker.engines.base import Engine
 from carpool.worker.models import SourceConfig
@@ -254,6 +255,9 @@ class WorkerConfig:
     # .key file, or Z85 text) and this worker's .key_secret file (mode 0600). Both or none.
     curve_broker_key: str = ""
     curve_key: str = ""
+    # HOST:PORT of the Prometheus endpoint (/metrics, /healthz, /readyz); a bare PORT
+    # listens on 127.0.0.1; "": none (docs/operations.md).
+    metrics: str = ""
 
     def __post_init__(self) -> None:
         problems = out_of_range(
@@ -274,7 +278,7 @@ class WorkerConfig:
             problems.append("model names must be unique")
         if bool(self.curve_broker_key) != bool(self.curve_key):
             problems.append("curve_broker_key and curve_key go together (CURVE needs both)")
-        check(problems, "worker")
+        check(problems + listen_problems(self.metrics), "worker")
 
     def server(self, *, embedded: bool = False) -> WorkerServer:
         """A WorkerServer with these settings (``embedded``: inside a broker's process,
@@ -290,6 +294,7 @@ class WorkerConfig:
             shm_output_mode=self.shm_output_mode,
             shm_output_group=self.shm_output_group or None,
             embedded=embedded,
+            metrics="" if embedded else self.metrics,
             curve=None
             if embedded
             else client_keys(self.curve_broker_key, self.curve_key, "curve_key (--curve-key)"),

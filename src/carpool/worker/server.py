@@ -43,6 +43,7 @@ from carpool.worker.core import (
 )
 from carpool.worker.inference import EngineFactory, InferenceThread
 from carpool.worker.load import engines_busy_s
+from carpool.worker.metrics import WorkerMetrics
 from carpool.worker.run import LazyRing, run_job
 from carpool.worker.telemetry import TelemetrySampler
 
@@ -92,6 +93,7 @@ class WorkerServer:
             worker's pair; :func:`carpool.common.curve.client_keys`); None: no CURVE.
         telemetry: takes a sample of the host and device for HEARTBEAT/RESULT (§8.2);
             None: :meth:`TelemetrySampler.detect` (NVML, a Jetson's sysfs, the host).
+        metrics: HOST:PORT of its Prometheus endpoint (docs/operations.md); "": none.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class WorkerServer:
         embedded: bool = False,
         curve: ClientKeys | None = None,
         telemetry: Callable[[], Telemetry] | None = None,
+        metrics: str = "",
     ) -> None:
         if not models:
             raise ConfigError("a worker needs at least one model")
@@ -171,7 +174,11 @@ class WorkerServer:
         self.poller.register(self._wake.fd, zmq.POLLIN)
         self._stopping = False
         self._closed = False
+        self.metrics: WorkerMetrics | None = None  # /metrics, /healthz, /readyz
         try:
+            if metrics:
+                names = [spec.name for spec in self.specs]
+                self.metrics = WorkerMetrics(metrics, self.core, self._wake.wake, names)
             self._connect()
         except ConfigError:  # a malformed endpoint: nothing of this worker stays behind
             self.close(wait_s=5.0)
@@ -237,6 +244,8 @@ class WorkerServer:
         if self._wake.fd in events:
             self._wake.clear()
         self._tick()
+        if self.metrics is not None:
+            self.metrics.on_turn(self.clock.now())
         return handled
 
     def _tick(self) -> None:
@@ -245,6 +254,8 @@ class WorkerServer:
             self._shm.sweep()
         for beat in messages:
             self._conn.send(beat)
+            if self.metrics is not None:
+                self.metrics.on_heartbeat(beat)
         if reconnect is not None:
             self._reconnect(reconnect.reason)
 
@@ -277,6 +288,8 @@ class WorkerServer:
 
     def _finish_job(self, outcome: JobOutcome) -> bool:
         """Report a finished batch to the broker; False if it had to reconnect."""
+        if self.metrics is not None:
+            self.metrics.on_job(outcome)
         msg = self.core.on_job_done(self.clock.now(), outcome)
         if msg is not None and not self._conn.send(msg):
             # A lost RESULT would hold its credit at the broker for good while heartbeats
@@ -359,6 +372,8 @@ class WorkerServer:
         # Batches not started yet are dropped: the broker requeues them on DISCONNECT.
         self._inference.stop(self._close_wait_s if wait_s is None else wait_s)
         self._conn.shut()
+        if self.metrics is not None:
+            self.metrics.close()
         self._wake.close()
         if not self._inference.release_after(self._release):
             # A batch still runs: it may still use the regions. The inference thread lets
