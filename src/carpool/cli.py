@@ -388,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from carpool.benchcmd import add_parsers as add_bench_parsers
     from carpool.modelscmd import add_parsers as add_models_parsers
+    from carpool.ops import add_parsers as add_ops_parsers
     from carpool.sim.commands import add_parsers as add_sim_parsers
     from carpool.worker.tensorrt.command import add_parsers as add_build_engine_parsers
 
@@ -395,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parsers(sub)
     add_models_parsers(sub)
     add_build_engine_parsers(sub)
+    add_ops_parsers(sub)
     # --log-level after the command too (carpool tune --log-level DEBUG); SUPPRESS keeps a
     # command that was not given it from overwriting the value before it (or the env's).
     for command in sub.choices.values():
