@@ -8,10 +8,13 @@ prometheus_client's own parser, then held against what was sent and against STAT
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +52,21 @@ def scrape(url: str) -> dict[str, Any]:
         for sample in family.samples:
             samples.setdefault(sample.name, []).append((sample.labels, sample.value))
     return samples
+
+
+#: The series names each family type exposes (a family with no sample yet included).
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+
+
+def exported_names(url: str) -> set[str]:
+    """Every series name ``url``/metrics declares, whether it has samples yet or not."""
+    status, text = get(url + "/metrics")
+    assert status == 200
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names |= {family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",))}
+        names |= {sample.name for sample in family.samples}
+    return names
 
 
 def value(samples: dict[str, Any], name: str, **labels: str) -> float:
@@ -169,3 +187,30 @@ def test_a_stopped_loop_fails_health_and_a_bad_address_is_refused() -> None:
     for bad in ("127.0.0.1:http", "1:2:3", "127.0.0.1:70000"):
         with pytest.raises(ConfigError, match="metrics"):
             dataclasses.replace(loopback_config(), metrics=bad)
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "carpool.json"
+
+
+@pytest.mark.timeout(60)
+def test_the_grafana_dashboard_asks_only_for_metrics_the_code_exports(fleet: Any) -> None:
+    broker, worker, client = fleet
+    client.infer(MODEL, {"x": np.ones((1, 16), np.float32)})
+    exported = exported_names(broker.metrics.endpoint.url) | exported_names(
+        worker.metrics.endpoint.url
+    )
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(dashboard["panels"]) >= 12
+    assert all(panel["targets"] for panel in dashboard["panels"])
+    asked = {name for expr in exprs for name in re.findall(r"\bcarpool_[a-z0-9_]+", expr)}
+    assert asked, "no carpool_ metric in the dashboard"
+    assert asked - exported == set()
+    # And the dashboard shows what the operators tune from: QPS, p95, batch sizes.
+    assert {
+        "carpool_requests_total",
+        "carpool_request_latency_seconds_bucket",
+        "carpool_batch_size_bucket",
+        "carpool_worker_rho",
+        "carpool_model_b_max",
+    } <= asked
