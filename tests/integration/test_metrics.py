@@ -189,7 +189,7 @@ def test_a_stopped_loop_fails_health_and_a_bad_address_is_refused() -> None:
             dataclasses.replace(loopback_config(), metrics=bad)
 
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "carpool.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "fleet-dashboard.json"
 
 
 @pytest.mark.timeout(60)
