@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import (
 from carpool.broker.core import BrokerCore
 from carpool.common.errors import ErrorCode
 from carpool.common.histogram import BATCH_BOUNDS, Histogram
-from carpool.common.metrics import MetricsEndpoint, Snapshot, Snapshots
+from carpool.common.metrics import MetricsEndpoint, Snapshot, Snapshots, gauges
 
 
 class BrokerMetrics:
@@ -166,6 +166,14 @@ _COUNTERS = (
 )
 
 
+_GAUGES = (
+    ("queued", "carpool_queued_requests", "requests queued"),
+    ("queued_bytes", "carpool_queued_bytes", "payload bytes queued"),
+    ("inflight_batches", "carpool_inflight_batches", "batches at workers"),
+    ("ready", "carpool_ready", "1 while the broker takes requests"),
+)
+
+
 def _counters(s: Snapshot) -> Iterator[Metric]:
     for key, name, text in _COUNTERS:
         yield CounterMetricFamily(name, text, value=s[key])
@@ -173,13 +181,7 @@ def _counters(s: Snapshot) -> Iterator[Metric]:
     for code in ErrorCode:  # every code, 0 or not: a fixed set of series
         errors.add_metric([code.name.lower()], s["errors"].get(code.name, 0))
     yield errors
-    for key, name, text in (
-        ("queued", "carpool_queued_requests", "requests queued"),
-        ("queued_bytes", "carpool_queued_bytes", "payload bytes queued"),
-        ("inflight_batches", "carpool_inflight_batches", "batches at workers"),
-        ("ready", "carpool_ready", "1 while the broker takes requests"),
-    ):
-        yield GaugeMetricFamily(name, text, value=float(s[key]))
+    yield from gauges(s, _GAUGES)
 
 
 def _workers(workers: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -96,6 +96,12 @@ class _Collector:
         yield from host_families()
 
 
+def gauges(snapshot: Snapshot, rows: Iterable[tuple[str, str, str]]) -> Iterator[Metric]:
+    """A gauge per ``(snapshot key, metric name, help)`` row, of that key's value."""
+    for key, name, text in rows:
+        yield GaugeMetricFamily(name, text, value=float(snapshot[key]))
+
+
 def host_families() -> Iterator[Metric]:
     """The host's CPU and memory use (psutil)."""
     cpu = GaugeMetricFamily("carpool_host_cpu_percent", "host CPU use since the last scrape")

@@ -22,7 +22,7 @@ from prometheus_client.metrics_core import (
 )
 
 from carpool.common.histogram import BATCH_BOUNDS, TIME_BOUNDS_S, Histogram
-from carpool.common.metrics import MetricsEndpoint, Snapshot, Snapshots
+from carpool.common.metrics import MetricsEndpoint, Snapshot, Snapshots, gauges
 from carpool.common.protocol import WorkerHeartbeat
 from carpool.worker.core import JobOutcome, WorkerCore
 
@@ -98,6 +98,14 @@ class WorkerMetrics:
         self.endpoint.close()
 
 
+_GAUGES = (
+    ("ready", "carpool_worker_ready", "1 while engines are warm and the broker registered it"),
+    ("rho", "carpool_worker_load", "the engine's busy share of the last second"),
+    ("in_thread", "carpool_worker_thread_batches", "batches with the inference thread"),
+    ("slots", "carpool_worker_credits", "batches the broker may have outstanding here"),
+)
+
+
 def worker_families(s: Snapshot) -> Iterator[Metric]:
     batches = CounterMetricFamily(
         "carpool_worker_batches", "batches run, by model and outcome", labels=["model", "outcome"]
@@ -114,12 +122,6 @@ def worker_families(s: Snapshot) -> Iterator[Metric]:
         sizes.add_metric([model], size_h.cumulative(), size_h.sum)
         compute.add_metric([model], compute_h.cumulative(), compute_h.sum)
     yield from (batches, sizes, compute)
-    for name, text, key in (
-        ("carpool_worker_ready", "1 while engines are warm and the broker registered it", "ready"),
-        ("carpool_worker_load", "the engine's busy share of the last second", "rho"),
-        ("carpool_worker_thread_batches", "batches with the inference thread", "in_thread"),
-        ("carpool_worker_credits", "batches the broker may have outstanding here", "slots"),
-    ):
-        yield GaugeMetricFamily(name, text, value=float(s[key]))
+    yield from gauges(s, _GAUGES)
     for field, value in sorted(s["telemetry"].items()):
         yield GaugeMetricFamily(f"carpool_worker_{field}", f"HEARTBEAT {field}", value=value)
