@@ -12,6 +12,7 @@ end-to-end times, of which :meth:`ModelTimings.percentiles` reads those of the l
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -40,15 +41,23 @@ class ModelTimings:
         """A batch dispatched at ``sent_s`` came back at ``now``; its requests answered by
         it (state DONE; the others were answered before, at their deadlines) are counted.
         Returns how many."""
-        latency, wait, recent = self.latency, self.wait, self._recent
+        # Histogram.observe, inlined (per request): a bisect and an add for each figure.
+        latency, wait, append = self.latency, self.wait, self._recent.append
+        latency_counts, wait_counts, bounds = latency.counts, wait.counts, TIME_BOUNDS_S
+        latency_sum = wait_sum = 0.0
         n = 0
         for req in requests:
             if req.state is _DONE:
                 arrival_s = req.arrival_s
-                latency.observe(now - arrival_s)
-                wait.observe(sent_s - arrival_s)
-                recent.append((now, now - arrival_s))
+                latency_s, wait_s = now - arrival_s, sent_s - arrival_s
+                latency_counts[bisect_left(bounds, latency_s)] += 1
+                wait_counts[bisect_left(bounds, wait_s)] += 1
+                latency_sum += latency_s
+                wait_sum += wait_s
+                append((now, latency_s))
                 n += 1
+        latency.sum += latency_sum
+        wait.sum += wait_sum
         if compute_s > 0:  # 0: not the batch's engine time (run request by request)
             self.compute.observe(compute_s)
         return n
