@@ -144,6 +144,8 @@ def test_scrape_counts_what_was_sent_and_matches_stats(fleet: Any) -> None:
     )
     assert value(wsamples, "carpool_worker_batch_size_sum", model=MODEL) == SENT
     assert value(wsamples, "carpool_worker_ready") == 1
+    # The host figures of the worker's latest telemetry sample (§8.2).
+    assert value(wsamples, "carpool_worker_host_memory_total_mib") > 0
 
 
 @pytest.mark.timeout(60)

@@ -171,6 +171,7 @@ class WorkerCore:
         self.meter = BusyMeter(rho_window_s)
         self.reported = ReportedBusy(busy_s, rho_window_s) if busy_s is not None else None
         self._telemetry = telemetry
+        self.last_telemetry: Telemetry | None = None  # the latest sample sent
         self._next_sample_s = -math.inf
         self.state = WorkerState.CONNECTING
         self.epoch = 0
@@ -243,7 +244,8 @@ class WorkerCore:
         if self._telemetry is None or now < self._next_sample_s:
             return None
         self._next_sample_s = now + self.heartbeat_s
-        return self._telemetry()
+        self.last_telemetry = self._telemetry()
+        return self.last_telemetry
 
     def busy_ms(self, now: float) -> int:
         """How long the inference thread has been running its current batch (0: idle):

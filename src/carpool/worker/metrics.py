@@ -11,7 +11,6 @@ exposed as ``carpool_worker_<field>``); a worker that reports none exposes none.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.metrics_core import (
@@ -23,11 +22,18 @@ from prometheus_client.metrics_core import (
 
 from carpool.common.histogram import BATCH_BOUNDS, TIME_BOUNDS_S, Histogram
 from carpool.common.metrics import MetricsEndpoint, Snapshot, Snapshots, gauges
-from carpool.common.protocol import WorkerHeartbeat
+from carpool.common.protocol import Telemetry
 from carpool.worker.core import JobOutcome, WorkerCore
 
-#: HEARTBEAT fields that are not device telemetry.
-_PROTOCOL_FIELDS = frozenset({"rho", "busy_ms"})
+#: Telemetry fields (docs/protocol.md §8.2) as gauges: field -> (metric, help).
+_TELEMETRY = {
+    "host_cpu_pct": ("carpool_worker_host_cpu_percent", "the host's CPU use, 0..100"),
+    "host_mem_used_mib": ("carpool_worker_host_memory_used_mib", "the host's memory in use"),
+    "host_mem_total_mib": ("carpool_worker_host_memory_total_mib", "the host's memory"),
+    "gpu_util_pct": ("carpool_worker_gpu_utilization_percent", "the GPU's use, 0..100"),
+    "gpu_mem_used_mib": ("carpool_worker_gpu_memory_used_mib", "device memory in use"),
+    "gpu_mem_total_mib": ("carpool_worker_gpu_memory_total_mib", "device memory"),
+}
 
 
 class _ModelCounts:
@@ -42,14 +48,13 @@ class _ModelCounts:
 
 class WorkerMetrics:
     """A worker's endpoint; its server calls :meth:`on_job` for every finished batch,
-    :meth:`on_heartbeat` for every HEARTBEAT sent and :meth:`on_turn` after each turn."""
+    and :meth:`on_turn` after each turn."""
 
     def __init__(
         self, address: str, core: WorkerCore, wake: Callable[[], None], models: Iterable[str]
     ) -> None:
         self._core = core
         self._counts = {name: _ModelCounts() for name in models}
-        self._telemetry: dict[str, float] = {}
         self.snapshots = Snapshots(wake)
         self.endpoint = MetricsEndpoint(address, self.snapshots, worker_families)
 
@@ -66,15 +71,6 @@ class WorkerMetrics:
         if outcome.timed:
             counts.compute.observe(outcome.end_s - outcome.start_s)
 
-    def on_heartbeat(self, beat: WorkerHeartbeat) -> None:
-        self._telemetry = {
-            f.name: float(value)
-            for f in dataclasses.fields(beat)
-            if f.name not in _PROTOCOL_FIELDS
-            and isinstance(value := getattr(beat, f.name), int | float)
-            and not isinstance(value, bool)
-        }
-
     def on_turn(self, now: float) -> None:
         """(The loop thread.) Build the snapshot a scrape waits for, if one does."""
         if self.snapshots.asked:
@@ -84,14 +80,14 @@ class WorkerMetrics:
         core = self._core
         return {
             "ready": core.registered,
-            "rho": core.meter.rho(now),
+            "rho": core.rho(now),
             "in_thread": core.in_thread,
             "slots": core.slots,
             "models": {
                 name: (c.ok, c.failed, c.sizes.copy(), c.compute.copy())
                 for name, c in self._counts.items()
             },
-            "telemetry": dict(self._telemetry),
+            "telemetry": _telemetry(core.last_telemetry),
         }
 
     def close(self) -> None:
@@ -104,6 +100,13 @@ _GAUGES = (
     ("in_thread", "carpool_worker_thread_batches", "batches with the inference thread"),
     ("slots", "carpool_worker_credits", "batches the broker may have outstanding here"),
 )
+
+
+def _telemetry(sample: Telemetry | None) -> dict[str, float]:
+    """The host and device figures of the worker's latest telemetry sample."""
+    if sample is None:
+        return {}
+    return {name: float(v) for name in _TELEMETRY if (v := getattr(sample, name)) is not None}
 
 
 def worker_families(s: Snapshot) -> Iterator[Metric]:
@@ -124,4 +127,5 @@ def worker_families(s: Snapshot) -> Iterator[Metric]:
     yield from (batches, sizes, compute)
     yield from gauges(s, _GAUGES)
     for field, value in sorted(s["telemetry"].items()):
-        yield GaugeMetricFamily(f"carpool_worker_{field}", f"HEARTBEAT {field}", value=value)
+        name, text = _TELEMETRY[field]
+        yield GaugeMetricFamily(name, text, value=value)

@@ -254,8 +254,6 @@ class WorkerServer:
             self._shm.sweep()
         for beat in messages:
             self._conn.send(beat)
-            if self.metrics is not None:
-                self.metrics.on_heartbeat(beat)
         if reconnect is not None:
             self._reconnect(reconnect.reason)
 
