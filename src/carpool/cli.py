@@ -391,12 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
     from carpool.ops import add_parsers as add_ops_parsers
     from carpool.sim.commands import add_parsers as add_sim_parsers
     from carpool.worker.tensorrt.command import add_parsers as add_build_engine_parsers
+    from carpool.up.command import add_parsers as add_up_parsers
 
     add_sim_parsers(sub)
     add_bench_parsers(sub)
     add_models_parsers(sub)
     add_build_engine_parsers(sub)
     add_ops_parsers(sub)
+    add_up_parsers(sub)
     # --log-level after the command too (carpool tune --log-level DEBUG); SUPPRESS keeps a
     # command that was not given it from overwriting the value before it (or the env's).
     for command in sub.choices.values():
