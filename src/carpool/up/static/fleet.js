@@ -108,7 +108,7 @@ function renderWorkers(workers) {
     card.dataset.worker = w.name;
     card.dataset.registered = String(w.registered);
     card.appendChild(el("div", "name", w.name));
-    const bmax = Object.entries(w.b_max).map(([m, b]) => `${m} ${b}`).join(", ");
+    const bmax = Object.entries(w.b_max).map(([m, b]) => `${b} (${m})`).join(", ");
     card.appendChild(el("div", "meta", w.registered ? `ρ ${fmt(w.rho, 2)} · B_max ${bmax || "–"}` : w.state));
     const rho = el("div", "rho");
     const fill = el("div");

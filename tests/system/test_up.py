@@ -1,0 +1,102 @@
+"""``carpool up`` through its entry point: N workers register, a killed worker is started
+again, SIGTERM stops every child; flags it refuses before starting anything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from carpool.client import Client
+from tests.system.upfleet import SYNTHETIC, UpFleet
+
+pytestmark = pytest.mark.timeout(180)
+
+JOINED = "worker joined name=worker-1 "
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[UpFleet]:
+    up = UpFleet(tmp_path, "--workers", "2", *SYNTHETIC)
+    yield up
+    if up.proc.poll() is None:
+        up.stop()
+
+
+@pytest.mark.slow
+def test_workers_register_a_killed_one_is_restarted_and_sigterm_stops_all(
+    fleet: UpFleet,
+) -> None:
+    with Client(fleet.frontend) as client:
+        fleet.until_workers(client, ["worker-0", "worker-1"])
+        first = fleet.children()
+        os.kill(first["worker-1"].pid, signal.SIGKILL)
+        restarted = fleet.until(
+            "worker-1 started again",
+            lambda: (kid := fleet.children().get("worker-1")) and kid.pid != first["worker-1"].pid,
+        )
+        assert restarted
+        # The new one registered (the broker says so in its log: STATS names no pids).
+        fleet.until("worker-1 joined again", lambda: fleet.output().count(JOINED) == 2)
+        fleet.until_workers(client, ["worker-0", "worker-1"])
+        assert fleet.children()["worker-0"].pid == first["worker-0"].pid  # untouched
+        assert fleet.children()["broker"].pid == first["broker"].pid
+        x = np.ones((1, 16), np.float32)
+        y = client.infer("synthetic", {"x": x}, timeout_s=10.0)
+        assert y["y"].tolist() == [[3.0] * 16]
+    assert len(fleet.seen) == 4  # broker, two workers, one worker again
+    assert fleet.stop() == 0
+    assert fleet.left == [], f"children still running after SIGTERM\n{fleet.output()}"
+    out = fleet.output()
+    assert "worker-1 exited (status -9); starting it again in 0.5 s" in out
+    for name in ("broker", "worker-0", "worker-1"):
+        assert f"{name} exited (status 0)" in out, out  # each drained on its SIGTERM
+
+
+def _up(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "carpool", "up", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--workers", "0"], "--workers must be in 1..16, got 0"),
+        (["--workers", "4", "--max-workers", "2"], "--workers must be in 1..2, got 4"),
+        (["--metrics-base", "65530", "--max-workers", "8"], "must lie in 1..65535"),
+        (["--page", "0.0.0.0:0"], "needs --page-token-file"),
+        (["--page", "nonsense"], "HOST:PORT is needed"),
+        (["--traffic", "10"], "--traffic feeds the page"),
+        (["--page", "127.0.0.1:0", "--traffic", "5", "--model", "m"], "needs --traffic-shape"),
+        (["--curve-worker-key", "k.key_secret"], "needs --curve-server-key"),
+    ],
+    ids=["none", "above-max", "ports", "non-loopback", "address", "no-page", "shape", "curve"],
+)
+def test_a_bad_flag_is_refused_before_any_process_starts(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    result = _up("--frontend", f"ipc://{tmp_path}/f", "--backend", f"ipc://{tmp_path}/b", *args)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "started broker" not in result.stderr
+
+
+def test_a_page_token_file_others_may_read_is_refused(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("a-token-of-the-operators-own\n")
+    token.chmod(0o644)
+    result = _up("--page", "127.0.0.1:0", "--page-token-file", str(token))
+    assert result.returncode == 2
+    assert "chmod 600" in result.stderr
