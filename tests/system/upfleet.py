@@ -4,6 +4,7 @@ SIGKILL of whatever is left: only processes it started)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -55,10 +56,8 @@ class UpFleet:
         raise AssertionError(f"{what}: not within {timeout_s:g} s\n{self.output()}")
 
     def proc_wait(self, timeout_s: float) -> None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
 
     def children(self) -> dict[str, psutil.Process]:
         """Its live children by name (``broker``, ``worker-k``)."""
