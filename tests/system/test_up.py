@@ -3,10 +3,12 @@ again, SIGTERM stops every child; flags it refuses before starting anything."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from carpool.client import Client
+from carpool.common.curve import create_keypair
 from tests.system.upfleet import SYNTHETIC, UpFleet
 
 pytestmark = pytest.mark.timeout(180)
@@ -100,3 +103,42 @@ def test_a_page_token_file_others_may_read_is_refused(tmp_path: Path) -> None:
     result = _up("--page", "127.0.0.1:0", "--page-token-file", str(token))
     assert result.returncode == 2
     assert "chmod 600" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_fleet_with_curve_serves_its_page_and_traffic_with_the_operators_key(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    for folder, name in [("broker", "broker"), ("workers", "w"), ("operators", "ops")]:
+        create_keypair(keys / folder, name)
+    (keys / "clients").mkdir(mode=0o700)
+    broker_secret = keys / "broker" / "broker.key_secret"
+    fleet = UpFleet(
+        tmp_path,
+        *("--workers", "1", *SYNTHETIC, "--curve", "--curve-server-key", str(broker_secret)),
+        *("--curve-clients", str(keys / "clients"), "--curve-workers", str(keys / "workers")),
+        *("--curve-operators", str(keys / "operators")),
+        *("--curve-worker-key", str(keys / "workers" / "w.key_secret")),
+        *("--curve-client-key", str(keys / "operators" / "ops.key_secret")),
+        *("--page", "127.0.0.1:0", "--traffic", "20"),
+    )
+    try:
+        url, _ = fleet.page_url()
+
+        def served() -> dict | None:
+            with urllib.request.urlopen(url + "api/fleet", timeout=10) as reply:
+                view = json.load(reply)
+            ok = view["live_workers"] == 1 and view["traffic"] and view["traffic"]["ok"] > 0
+            return view if ok else None
+
+        view = fleet.until("the page's figures over CURVE", served)
+        assert view["workers"][0]["name"] == "worker-0"
+        assert view["traffic"]["errors"] == {}
+        # A client without a key gets nothing from this broker.
+        with Client(fleet.frontend) as stranger, pytest.raises(TimeoutError):
+            stranger.stats(timeout_s=1.0)
+    finally:
+        code = fleet.stop()
+    assert code == 0, fleet.output()
+    assert fleet.left == []

@@ -148,8 +148,8 @@ def _client(args: argparse.Namespace) -> Client:
     if args.curve:
         if not args.curve_client_key or not args.curve_server_key:
             raise ConfigError(
-                "--page and --traffic with --curve need --curve-client-key (an operator "
-                "key the broker's clients and operators allow-lists hold)"
+                "--page and --traffic with --curve need --curve-client-key (a key of "
+                "the broker's operators allow-list: STATS is answered to operators only)"
             )
         public = load_keypair(args.curve_server_key, "--curve-server-key").public.decode()
         keys = {"curve_server_key": public, "curve_key": args.curve_client_key}
