@@ -24,7 +24,7 @@ from typing import Protocol
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.wake import WakePipe
 from carpool.up.plan import FleetPlan
-from carpool.up.supervisor import Action, ChildState, Kill, Start, Supervisor, Terminate
+from carpool.up.supervisor import Action, ChildState, Supervisor, Verb
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class FleetRunner:
         while actions:
             action = actions.pop(0)
             proc = self.processes.get(action.name)
-            if isinstance(action, Start):
+            if action.verb is Verb.START:
                 try:
                     self.processes[action.name] = started = self.launch(self.plan.argv(action.name))
                 except OSError as exc:
@@ -206,9 +206,9 @@ class FleetRunner:
                     actions += self._exited(self.clock.now(), action.name, None)
                     continue
                 logger.info("started %s (pid %d)", action.name, started.pid)
-            elif proc is not None and isinstance(action, Terminate):
+            elif proc is not None and action.verb is Verb.TERMINATE:
                 proc.send_signal(signal.SIGTERM)
-            elif proc is not None and isinstance(action, Kill):
+            elif proc is not None and action.verb is Verb.KILL:
                 logger.warning("%s did not stop in time: SIGKILL", action.name)
                 proc.send_signal(signal.SIGKILL)
 

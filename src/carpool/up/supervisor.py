@@ -3,7 +3,7 @@
 :class:`Supervisor` keeps one table: a broker and the worker slots ``worker-0`` ..
 ``worker-{N-1}`` (N, the desired count, changes with :meth:`Supervisor.scale`). Events
 go in with the time as an argument (``now``, monotonic seconds); what the shell must do
-comes back as a list of :data:`Action` values (start, SIGTERM, SIGKILL a child). It never
+comes back as a list of :class:`Action` values (start, SIGTERM, SIGKILL a child). It never
 reads a clock, starts a process or sends a signal (that is :mod:`carpool.up.processes`).
 
 Restarts: a child that exits without being asked to is started again after a backoff
@@ -36,22 +36,18 @@ class ChildState(enum.Enum):
     FAILED = "failed"  # exited too often too quickly: given up
 
 
-@dataclass(frozen=True, slots=True)
-class Start:
-    name: str
+class Verb(enum.Enum):
+    START = "start"
+    TERMINATE = "terminate"  # SIGTERM: drain and exit
+    KILL = "kill"  # SIGKILL
 
 
 @dataclass(frozen=True, slots=True)
-class Terminate:
+class Action:
+    """What the shell must do to child ``name``."""
+
+    verb: Verb
     name: str
-
-
-@dataclass(frozen=True, slots=True)
-class Kill:
-    name: str
-
-
-Action = Start | Terminate | Kill
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +160,7 @@ class Supervisor:
                 actions.append(self._start(now, child.name, child))
             elif child.state is ChildState.STOPPING:
                 child.state = ChildState.KILLED
-                actions.append(Kill(child.name))
+                actions.append(Action(Verb.KILL, child.name))
         return actions
 
     def scale(self, now: float, workers: int) -> list[Action]:
@@ -221,17 +217,17 @@ class Supervisor:
 
     # ------------------------------------------------------------------ helpers
 
-    def _start(self, now: float, name: str, child: Child | None = None) -> Start:
+    def _start(self, now: float, name: str, child: Child | None = None) -> Action:
         if child is None:
             self.children[name] = Child(name, ChildState.RUNNING, now)
         else:
             child.state, child.started_s = ChildState.RUNNING, now
-        return Start(name)
+        return Action(Verb.START, name)
 
-    def _terminate(self, now: float, child: Child) -> Terminate:
+    def _terminate(self, now: float, child: Child) -> Action:
         child.state = ChildState.STOPPING
         child.due_s = now + self.policy.stop_timeout_s
-        return Terminate(child.name)
+        return Action(Verb.TERMINATE, child.name)
 
     def _fill(self, now: float) -> list[Action]:
         """Start the desired worker slots that have no child."""

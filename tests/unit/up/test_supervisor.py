@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.up.supervisor import (
-    BROKER,
-    ChildState,
-    Kill,
-    RestartPolicy,
-    Start,
-    Supervisor,
-    Terminate,
-)
+from carpool.up.supervisor import BROKER, Action, ChildState, RestartPolicy, Supervisor, Verb
+
+
+def start(name: str) -> Action:
+    return Action(Verb.START, name)
+
+
+def terminate(name: str) -> Action:
+    return Action(Verb.TERMINATE, name)
+
+
+def kill(name: str) -> Action:
+    return Action(Verb.KILL, name)
+
 
 POLICY = RestartPolicy(base_s=1.0, max_s=8.0, stable_s=10.0, max_restarts=3, stop_timeout_s=5.0)
 
@@ -24,10 +29,10 @@ def _sup(workers: int = 2) -> Supervisor:
 def test_start_runs_the_broker_then_every_worker() -> None:
     sup = _sup(3)
     assert sup.on_start(0.0) == [
-        Start(BROKER),
-        Start("worker-0"),
-        Start("worker-1"),
-        Start("worker-2"),
+        start(BROKER),
+        start("worker-0"),
+        start("worker-1"),
+        start("worker-2"),
     ]
     assert [c.state for c in sup.snapshot()] == ["running"] * 4
     assert sup.next_wakeup() is None
@@ -43,7 +48,7 @@ def test_a_worker_that_dies_is_started_again_after_a_doubling_backoff() -> None:
         assert sup.children["worker-1"].state is ChildState.BACKOFF
         assert sup.next_wakeup() == t + delay_s
         assert sup.on_tick(t + delay_s - 0.01) == []  # not yet
-        assert sup.on_tick(t + delay_s) == [Start("worker-1")]
+        assert sup.on_tick(t + delay_s) == [start("worker-1")]
         t += delay_s + 0.5
     assert sup.children["worker-1"].restarts == 3
     assert sup.children["worker-0"].state is ChildState.RUNNING  # the others untouched
@@ -74,13 +79,13 @@ def test_a_slot_that_keeps_failing_is_given_up_and_a_new_count_retries_it() -> N
     for _ in range(POLICY.max_restarts):
         sup.on_exit(t, "worker-0", 2)
         t = sup.next_wakeup() or 0.0
-        assert sup.on_tick(t) == [Start("worker-0")]
+        assert sup.on_tick(t) == [start("worker-0")]
     assert sup.on_exit(t, "worker-0", 2) == []
     assert sup.children["worker-0"].state is ChildState.FAILED
     assert sup.next_wakeup() is None
     assert sup.on_tick(t + 100.0) == []  # never started again by itself
     assert not sup.gave_up_broker  # a worker: the fleet goes on
-    assert sup.scale(t + 100.0, 2) == [Start("worker-0")]
+    assert sup.scale(t + 100.0, 2) == [start("worker-0")]
 
 
 def test_a_broker_that_keeps_failing_is_given_up() -> None:
@@ -105,18 +110,18 @@ def test_a_start_that_fails_counts_as_a_quick_exit() -> None:
 def test_scaling_up_starts_the_missing_slots() -> None:
     sup = _sup(1)
     sup.on_start(0.0)
-    assert sup.scale(1.0, 3) == [Start("worker-1"), Start("worker-2")]
+    assert sup.scale(1.0, 3) == [start("worker-1"), start("worker-2")]
     assert sup.scale(2.0, 3) == []
 
 
 def test_scaling_down_drains_the_top_slots_then_kills_a_straggler() -> None:
     sup = _sup(3)
     sup.on_start(0.0)
-    assert sup.scale(1.0, 1) == [Terminate("worker-1"), Terminate("worker-2")]
+    assert sup.scale(1.0, 1) == [terminate("worker-1"), terminate("worker-2")]
     assert sup.next_wakeup() == 1.0 + POLICY.stop_timeout_s
     assert sup.on_exit(2.0, "worker-1", 0) == []  # drained: not started again
     assert "worker-1" not in sup.children
-    assert sup.on_tick(6.0) == [Kill("worker-2")]
+    assert sup.on_tick(6.0) == [kill("worker-2")]
     assert sup.on_exit(6.1, "worker-2", -9) == []
     assert [c.name for c in sup.snapshot()] == [BROKER, "worker-0"]
 
@@ -126,7 +131,7 @@ def test_scaling_back_up_while_a_slot_drains_starts_it_once_it_is_gone() -> None
     sup.on_start(0.0)
     sup.scale(1.0, 1)
     assert sup.scale(1.5, 2) == []  # worker-1 is still draining
-    assert sup.on_exit(2.0, "worker-1", 0) == [Start("worker-1")]
+    assert sup.on_exit(2.0, "worker-1", 0) == [start("worker-1")]
 
 
 def test_scaling_down_a_slot_in_backoff_drops_it() -> None:
@@ -142,12 +147,12 @@ def test_stop_drains_the_workers_first_then_the_broker() -> None:
     sup = _sup(2)
     sup.on_start(0.0)
     sup.on_exit(0.2, "worker-1", 1)  # in backoff: nothing to stop, never started again
-    assert sup.stop(1.0) == [Terminate("worker-0")]
+    assert sup.stop(1.0) == [terminate("worker-0")]
     assert not sup.done
     assert sup.on_tick(5.0) == []
-    assert sup.on_exit(2.0, "worker-0", 0) == [Terminate(BROKER)]
+    assert sup.on_exit(2.0, "worker-0", 0) == [terminate(BROKER)]
     assert sup.scale(2.5, 4) == []  # no new workers once stopping
-    assert sup.on_tick(2.0 + POLICY.stop_timeout_s) == [Kill(BROKER)]
+    assert sup.on_tick(2.0 + POLICY.stop_timeout_s) == [kill(BROKER)]
     assert sup.on_exit(7.5, BROKER, -9) == []
     assert sup.done
 
@@ -155,7 +160,7 @@ def test_stop_drains_the_workers_first_then_the_broker() -> None:
 def test_stop_with_no_workers_stops_the_broker_at_once() -> None:
     sup = _sup(0)
     sup.on_start(0.0)
-    assert sup.stop(1.0) == [Terminate(BROKER)]
+    assert sup.stop(1.0) == [terminate(BROKER)]
     sup.on_exit(1.5, BROKER, 0)
     assert sup.done
 
@@ -164,8 +169,8 @@ def test_a_worker_that_dies_while_stopping_is_not_started_again() -> None:
     sup = _sup(1)
     sup.on_start(0.0)
     sup.stop(1.0)
-    assert sup.on_exit(1.1, "worker-0", -2) == [Terminate(BROKER)]
-    assert sup.on_tick(100.0) == [Kill(BROKER)]
+    assert sup.on_exit(1.1, "worker-0", -2) == [terminate(BROKER)]
+    assert sup.on_tick(100.0) == [kill(BROKER)]
 
 
 @pytest.mark.parametrize(
