@@ -6,10 +6,11 @@ second) and ``POST /api/workers`` (``{"workers": N}``: change the number of work
 
 Who may do what is decided by :func:`refusal`, pure:
 
-- A request whose ``Origin`` is not this server's own origin is refused (403), whatever
-  it asks: another site's script in the operator's browser can neither read nor drive
-  the fleet. Its ``Host`` must name this server too (403 otherwise), so a DNS name
-  rebound to 127.0.0.1 gets nothing either.
+- A request whose ``Origin`` is not the origin it was sent to (``http://`` + its
+  ``Host``) is refused (403), whatever it asks: another site's script in the operator's
+  browser can neither read nor drive the fleet. Bound to loopback, its ``Host`` must be
+  a loopback name too (any port: an SSH tunnel's), so a DNS name rebound to 127.0.0.1
+  gets nothing either; bound elsewhere, everything but the page itself needs the token.
 - ``POST /api/workers`` needs the token (``Authorization: Bearer TOKEN``; 401 without,
   403 with a wrong one). ``carpool up`` prints the token at start, in the page's URL
   (``#token=...``: a fragment, never sent to a server or written to its logs).
@@ -63,26 +64,26 @@ class Access:
     """What a request is checked against."""
 
     token: str
-    origins: frozenset[str]  # this server's own origins, http://HOST:PORT
-    hosts: frozenset[str]  # the Host headers that name it
     loopback: bool  # bound to loopback: the figures are open to this host's users
 
 
-def access_for(host: str, port: int, token: str) -> Access:
-    """The :class:`Access` of a server bound to ``host:port``."""
-    names = {host, f"[{host}]"} if ":" in host else {host}
-    if is_loopback(host):
-        names |= {"127.0.0.1", "localhost", "[::1]"}
-    hosts = frozenset(f"{n}:{port}" for n in names)
-    return Access(token, frozenset(f"http://{h}" for h in hosts), hosts, is_loopback(host))
+def _hostname(host: str) -> str:
+    """The name of a ``Host`` header: ``127.0.0.1:8080`` -> ``127.0.0.1``, ``[::1]:80``
+    -> ``::1``."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if ":" in host else host
 
 
 def refusal(method: str, path: str, headers: Headers, access: Access) -> int | None:
     """The status a request must be refused with (None: go ahead)."""
-    origin = headers.get("Origin")
-    if origin is not None and origin not in access.origins:
+    host = headers.get("Host")
+    if not host:
         return 403
-    if headers.get("Host") not in access.hosts:
+    origin = headers.get("Origin")
+    if origin is not None and origin != f"http://{host}":
+        return 403
+    if access.loopback and not is_loopback(_hostname(host)):
         return 403
     needs_token = method == "POST" or (path.startswith("/api/") and not access.loopback)
     if not needs_token:
@@ -123,7 +124,7 @@ class PageServer:
         self.httpd.daemon_threads = True
         self.host = host
         self.port = int(self.httpd.server_address[1])
-        self.access = access_for(host, self.port, token)
+        self.access = Access(token, is_loopback(host))
         self._thread = threading.Thread(
             target=self.httpd.serve_forever, name="carpool-up-page", daemon=True
         )

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from carpool.up.page import PageServer, access_for, is_loopback, refusal
+from carpool.up.page import Access, PageServer, is_loopback, refusal
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -36,32 +36,39 @@ def test_loopback_is_told_apart(host: str, loopback: bool) -> None:
 
 
 def test_a_same_origin_get_is_served_without_a_token_on_loopback() -> None:
-    access = access_for("127.0.0.1", 8080, TOKEN)
+    access = Access(TOKEN, loopback=True)
     assert refusal("GET", "/api/fleet", _headers(8080), access) is None
     same = _headers(8080, Origin="http://127.0.0.1:8080")
     assert refusal("GET", "/api/fleet", same, access) is None
     assert refusal("GET", "/", {"Host": "localhost:8080"}, access) is None
+    # Through an SSH tunnel (ssh -L 9000:127.0.0.1:8080): the browser's port, not ours.
+    tunnel = {"Host": "127.0.0.1:9000", "Origin": "http://127.0.0.1:9000"}
+    assert refusal("GET", "/api/fleet", tunnel, access) is None
+    assert refusal("GET", "/api/fleet", {"Host": "[::1]:8080"}, access) is None
 
 
 @pytest.mark.parametrize(
     "origin", ["http://evil.example", "http://127.0.0.1:8081", "https://127.0.0.1:8080", "null"]
 )
 def test_another_origin_is_refused_whatever_it_asks(origin: str) -> None:
-    access = access_for("127.0.0.1", 8080, TOKEN)
+    access = Access(TOKEN, loopback=True)
     for method, path in [("GET", "/"), ("GET", "/api/fleet"), ("POST", "/api/workers")]:
         headers = _headers(8080, Origin=origin, Authorization=f"Bearer {TOKEN}")
         assert refusal(method, path, headers, access) == 403
 
 
 def test_a_host_header_that_names_another_server_is_refused() -> None:
-    """A DNS name rebound to 127.0.0.1 reaches the page with its own name as Host."""
-    access = access_for("127.0.0.1", 8080, TOKEN)
+    """A DNS name rebound to 127.0.0.1 reaches the page with its own name as Host (and
+    as Origin: the same origin, to the browser)."""
+    access = Access(TOKEN, loopback=True)
     assert refusal("GET", "/api/fleet", {"Host": "rebound.example:8080"}, access) == 403
+    rebound = {"Host": "rebound.example:8080", "Origin": "http://rebound.example:8080"}
+    assert refusal("GET", "/api/fleet", rebound, access) == 403
     assert refusal("GET", "/api/fleet", {}, access) == 403
 
 
 def test_a_post_needs_the_token() -> None:
-    access = access_for("127.0.0.1", 8080, TOKEN)
+    access = Access(TOKEN, loopback=True)
     assert refusal("POST", "/api/workers", _headers(8080), access) == 401
     wrong = _headers(8080, Authorization="Bearer nope")
     assert refusal("POST", "/api/workers", wrong, access) == 403
@@ -72,7 +79,7 @@ def test_a_post_needs_the_token() -> None:
 
 
 def test_off_loopback_the_figures_need_the_token_too() -> None:
-    access = access_for("192.168.1.20", 8080, TOKEN)
+    access = Access(TOKEN, loopback=False)
     headers = {"Host": "192.168.1.20:8080"}
     assert refusal("GET", "/", headers, access) is None  # the page itself: no secrets
     assert refusal("GET", "/api/fleet", headers, access) == 401
