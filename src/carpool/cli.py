@@ -390,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     from carpool.modelscmd import add_parsers as add_models_parsers
     from carpool.ops import add_parsers as add_ops_parsers
     from carpool.sim.commands import add_parsers as add_sim_parsers
-    from carpool.worker.tensorrt.command import add_parsers as add_build_engine_parsers
     from carpool.up.command import add_parsers as add_up_parsers
+    from carpool.worker.tensorrt.command import add_parsers as add_build_engine_parsers
 
     add_sim_parsers(sub)
     add_bench_parsers(sub)

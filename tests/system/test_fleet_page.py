@@ -111,6 +111,8 @@ def test_the_page_draws_the_fleet_and_its_control_changes_the_workers(
                 lambda: "asked for 3 workers" in _text(browser, "#control-message"),
             )
             fleet.until_workers(client, ["worker-0", "worker-1", "worker-2"])
+            three = ["worker-0", "worker-1", "worker-2"]
+            fleet.until("carpool status --json lists 3", lambda: fleet.status_workers() == three)
             fleet.until("three worker cards", lambda: len(_cards(browser)) == 3)
             fleet.until(
                 "the third worker busy",
@@ -124,6 +126,9 @@ def test_the_page_draws_the_fleet_and_its_control_changes_the_workers(
             browser.find_element("id", "workers-minus").click()
             browser.find_element("id", "workers-apply").click()
             fleet.until_workers(client, ["worker-0"])
+            fleet.until(
+                "carpool status --json lists 1", lambda: fleet.status_workers() == ["worker-0"]
+            )
             fleet.until("one worker card", lambda: _cards(browser) == ["worker-0"])
     finally:
         code = fleet.stop()

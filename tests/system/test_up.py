@@ -142,3 +142,40 @@ def test_a_fleet_with_curve_serves_its_page_and_traffic_with_the_operators_key(
         code = fleet.stop()
     assert code == 0, fleet.output()
     assert fleet.left == []
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P + 1 free on 127.0.0.1 (for --metrics-base: broker, worker-0)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise AssertionError("no two free ports in a row")
+
+
+@pytest.mark.slow
+def test_metrics_base_gives_the_broker_and_each_worker_their_port(tmp_path: Path) -> None:
+    base = _free_port_pair()
+    fleet = UpFleet(tmp_path, "--workers", "1", *SYNTHETIC, "--metrics-base", str(base))
+    try:
+        fleet.until(
+            "carpool status --json lists worker-0", lambda: fleet.status_workers() == ["worker-0"]
+        )
+
+        def scrape(port: int) -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                return str(r.read().decode())
+
+        assert "carpool_model_workers" in scrape(base)
+        fleet.until("worker-0 ready", lambda: "carpool_worker_ready 1.0" in scrape(base + 1))
+    finally:
+        code = fleet.stop()
+    assert code == 0, fleet.output()

@@ -5,6 +5,7 @@ SIGKILL of whatever is left: only processes it started)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import subprocess
@@ -91,6 +92,21 @@ class UpFleet:
             return sorted(str(w["name"]) for w in client.stats(timeout_s=2.0)["workers"])
         except TimeoutError:
             return []
+
+    def status_workers(self) -> list[str]:
+        """The names of the workers ``carpool status --json`` lists (empty while the
+        broker does not answer: exit status 2)."""
+        done = subprocess.run(
+            [sys.executable, "-m", "carpool", "status", "--json", "--endpoint", self.frontend],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if done.returncode == 2:
+            return []
+        assert done.returncode in (0, 1), done.stderr
+        return sorted(str(w["name"]) for w in json.loads(done.stdout)["workers"])
 
     def until_workers(self, client: Client, names: list[str], timeout_s: float = 60.0) -> None:
         self.until(
