@@ -71,15 +71,3 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
 def worker_curve(args: argparse.Namespace) -> dict[str, Any]:
     """The worker settings the CURVE flags give."""
     return {"curve_broker_key": args.curve_broker_key, "curve_key": args.curve_key}
-
-
-def add_client_flags(parser: argparse.ArgumentParser) -> None:
-    """The CURVE flags of a command that talks to a broker as a client."""
-    c = parser.add_argument_group("CURVE", "for a broker with CURVE on (docs/security.md)")
-    c.add_argument("--curve-server-key", metavar="FILE", help="the broker's public .key")
-    c.add_argument("--curve-key", metavar="FILE", help="this client's .key_secret")
-
-
-def client_curve(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`~carpool.client.ClientOptions` the client CURVE flags give."""
-    return {"curve_server_key": args.curve_server_key or "", "curve_key": args.curve_key or ""}

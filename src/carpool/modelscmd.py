@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from carpool.commandline import add_command
-from carpool.curvecmd import add_client_flags
+from carpool.ops.status import add_client_flags
 
 if TYPE_CHECKING:
     from carpool.common.protocol import ModelMetadata
@@ -76,23 +76,24 @@ def _show(args: argparse.Namespace) -> int:
     Asks the broker at --endpoint (METADATA) what its live workers serve: each model's
     inputs and outputs (B: the batch dim, ?: a dynamic dim) with their shape rules,
     buckets and crops, its batch limits, and the workers that serve it, by name. NAME:
-    that model only. Exits 1 when no live worker serves NAME, 2 when no broker answers.
+    that model only. Exits 1 when no live worker serves NAME, 2 when no broker answers
+    within --timeout.
     """
-    from carpool.client import Client, NotFound
+    from carpool.client import NotFound
     from carpool.common.errors import ConfigError
-    from carpool.curvecmd import client_curve
+    from carpool.ops.status import open_client
 
     try:
-        client = Client(args.endpoint, **client_curve(args))
-    except (ValueError, ConfigError) as exc:
+        client = open_client(args)
+    except ConfigError as exc:
         print(f"carpool models show: {exc}", file=sys.stderr)
         return 2
     with client:
         try:
             if args.name:
-                found: tuple[ModelMetadata, ...] = (client.model(args.name, args.timeout_s),)
+                found: tuple[ModelMetadata, ...] = (client.model(args.name, args.timeout),)
             else:
-                found = client.models(args.timeout_s)
+                found = client.models(args.timeout)
         except NotFound as exc:
             print(f"carpool models show: {exc}", file=sys.stderr)
             return 1
@@ -138,7 +139,5 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("dir", nargs="?", help="the repository (default: the built-in models)")
     show = add_command(commands, "show", _show)
     show.add_argument("name", nargs="?", help="the model (default: every model served)")
-    show.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
-    show.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait")
     show.add_argument("--json", action="store_true", help="print the METADATA maps as JSON")
     add_client_flags(show)

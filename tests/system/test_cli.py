@@ -578,7 +578,7 @@ def test_a_worker_serves_a_repository_through_a_broker(tmp_path: Path, spawn: Sp
 
 def test_models_show_says_when_no_broker_answers(tmp_path: Path) -> None:
     result = _carpool(
-        "models", "show", "--endpoint", f"ipc://{tmp_path}/nobody", "--timeout-s", "0.3"
+        "models", "show", "--endpoint", f"ipc://{tmp_path}/nobody", "--timeout", "0.3"
     )
     assert result.returncode == 2
     assert result.stderr == f"carpool models show: no broker answered at ipc://{tmp_path}/nobody\n"

@@ -27,22 +27,26 @@ __all__ = ["add_client_flags", "fetch", "open_client", "renderable", "run_status
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags ``status`` and ``top`` share: the broker, the wait, the CURVE keys."""
+    """The flags of the commands that ask a broker (``status``, ``top``, ``models
+    show``): the broker, the wait, the CURVE keys."""
     parser.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker frontend")
     parser.add_argument(
-        "--timeout", type=float, default=2.0, help="seconds to wait for STATS (default 2)"
+        "--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)"
     )
     c = parser.add_argument_group("CURVE", "for a broker with CURVE on (docs/security.md)")
     c.add_argument(
         "--curve-server-key", metavar="FILE", default="", help="the broker's public .key"
     )
     c.add_argument(
-        "--curve-key", metavar="FILE", default="", help="an operator's .key_secret (STATS)"
+        "--curve-key",
+        metavar="FILE",
+        default="",
+        help="this client's .key_secret (STATS: an operator's)",
     )
 
 
 def open_client(args: argparse.Namespace) -> Client:
-    """A client for STATS only (``ConfigError`` for keys that go wrong)."""
+    """A client for questions to the broker (``ConfigError`` for keys that go wrong)."""
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be more than 0, got {args.timeout:g}")
     try:
