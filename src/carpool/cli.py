@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import faulthandler
 import logging
 import os
@@ -16,19 +15,20 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from carpool import __version__
 from carpool.commandline import add_batching_flags, add_command, add_metrics_flag
-from carpool.common.config import from_mapping, load_toml
 from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
 from carpool.common.memory import tune_allocator
-from carpool.curvecmd import add_broker_flags, add_worker_flags, broker_curve, worker_curve
+from carpool.common.sdnotify import SdNotifier
+from carpool.common.settings import check_variables
+from carpool.curvecmd import add_broker_flags, add_worker_flags
 from carpool.curvecmd import add_parsers as add_keygen_parsers
+from carpool.roles import broker_config, embedded_workers, known_variables, worker_config
 
-if TYPE_CHECKING:
-    from carpool.worker.config import ModelConfig, WorkerConfig
+__all__ = ["build_parser", "main", "worker_config"]
 
 logger = logging.getLogger("carpool")
 
@@ -68,13 +68,6 @@ def _stop_on_signals(stop: Any) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def _overlay(data: dict[str, Any], pairs: dict[str, Any]) -> dict[str, Any]:
-    """Apply non-None values of ``pairs`` over ``data``."""
-    out = dict(data)
-    out.update({k: v for k, v in pairs.items() if v is not None})
-    return out
-
-
 def _check_writable(path: str, what: str) -> None:
     """Fail now, with one line, where opening ``path`` to append would fail later."""
     try:
@@ -89,45 +82,23 @@ def _check_writable(path: str, what: str) -> None:
 
 def _broker(args: argparse.Namespace) -> int:
     """run a broker"""
-    from carpool.broker.config import BrokerConfig
+    from carpool.broker.notify import broker_watch
     from carpool.broker.server import BrokerServer
 
-    data = load_toml(args.config) if args.config else {}
-    data = _overlay(
-        data,
-        {
-            "frontend": os.environ.get("CARPOOL_FRONTEND"),
-            "backend": os.environ.get("CARPOOL_BACKEND"),
-            "local_backend": os.environ.get("CARPOOL_LOCAL_BACKEND"),
-        },
-    )
-    data = _overlay(
-        data,
-        {"frontend": args.frontend, "backend": args.backend, "local_backend": args.local}
-        | {"metrics": args.metrics},
-    )
-    config = from_mapping(BrokerConfig, broker_curve(data, args))
-    overrides: dict[str, Any] = {}
-    if args.max_batch is not None:
-        overrides["max_batch"] = args.max_batch
-    if args.max_wait_ms is not None:
-        overrides["max_wait_s"] = args.max_wait_ms / 1000
-    if args.policy is not None:
-        overrides["policy"] = args.policy
-    if overrides:
-        batching = dataclasses.replace(config.batching, **overrides)
-        config = dataclasses.replace(config, batching=batching)
+    check_variables(os.environ, known_variables())
+    config = broker_config(args, os.environ)
     record = getattr(args, "record", None)
     if record:
         _check_writable(record, "trace")
     tune_allocator()  # large tensor frames reuse heap memory (carpool.common.memory)
     with contextlib.ExitStack() as stack:
-        embedded = [stack.enter_context(w) for w in _embedded_workers(args)]
+        notifier = stack.enter_context(SdNotifier())
+        embedded = [stack.enter_context(w) for w in embedded_workers(args)]
         server = stack.enter_context(BrokerServer(config, record=record, embedded=embedded))
         # SIGHUP reads the CURVE allow-lists again (revocation without a restart).
         signal.signal(signal.SIGHUP, lambda signum, frame: server.ask_reload())
         with _stopped_by_signals(server.stop, server.signal_fd):
-            server.serve()
+            server.serve(broker_watch(server, notifier))
     return 0
 
 
@@ -141,30 +112,6 @@ def _record(args: argparse.Namespace) -> int:
     return _broker(args)
 
 
-def _embedded_workers(args: argparse.Namespace) -> list[Any]:
-    """The worker to run inside the broker's process (``--embed-*``), if any."""
-    from carpool.worker.config import ModelConfig, WorkerConfig
-
-    config = WorkerConfig(name="embedded")
-    models: list[ModelConfig] = []
-    if getattr(args, "embed_config", None):
-        data, _ = _with_repository(load_toml(args.embed_config))
-        config = from_mapping(WorkerConfig, {"name": "embedded", **data})
-        if "models" in data:  # else WorkerConfig's default model is not wanted here
-            models += config.models
-    max_batch = getattr(args, "embed_max_batch", None)
-    for name in getattr(args, "embed_model", None) or ():
-        models.append(ModelConfig(name=name, max_batch=max_batch or 8))
-    synthetic = getattr(args, "embed_synthetic", None)
-    if synthetic:
-        fixed_ms, per_sample_ms = synthetic
-        models.append(ModelConfig.synthetic("synthetic", fixed_ms, per_sample_ms, max_batch or 32))
-    if not models:
-        return []
-    config = dataclasses.replace(config, models=tuple(models))  # checks unique names
-    return [config.server(embedded=True)]
-
-
 # ---------------------------------------------------------------------- worker
 
 
@@ -172,73 +119,22 @@ def _worker(args: argparse.Namespace) -> int:
     """run a worker
 
     A worker: runs the batches the broker sends it. Settings come from --config, then
-    CARPOOL_BROKER, then these flags. The models it serves are those of --model and
-    --synthetic together, or, when neither is given, the [[models]] of --config, else
-    every model of --repository (or the repository of --config), else the built-in model
-    orientation. --max-batch and --threads apply to every model served,
-    including those of --config.
+    CARPOOL_WORKER_* variables, then --set KEY=VALUE, then these flags. The models it
+    serves are those of --model and --synthetic together, or, when neither is given, the
+    [[models]] of --config, else every model of --repository (or the repository of
+    --config), else the built-in model orientation. --max-batch and --threads apply to
+    every model served, including those of --config.
     """
-    config = worker_config(args)
+    from carpool.worker.notify import worker_watch
+
+    check_variables(os.environ, known_variables())
+    config = worker_config(args, os.environ)
     tune_allocator()
-    with config.server() as server, _stopped_by_signals(server.stop, server.signal_fd):
-        server.serve()
+    with SdNotifier() as notifier:
+        notifier.send(STATUS=f"loading {len(config.models)} models")
+        with config.server() as server, _stopped_by_signals(server.stop, server.signal_fd):
+            server.serve(worker_watch(server, notifier, config.hung_batch_s))
     return 0
-
-
-def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    """The WorkerConfig of ``carpool worker ARGS``: file, environment, then flags."""
-    from carpool.worker.config import ModelConfig, WorkerConfig, model_from_arg
-
-    data = load_toml(args.config) if args.config else {}
-    data = _overlay(data, {"broker": os.environ.get("CARPOOL_BROKER")})
-    data = _overlay(data, {"broker": args.broker, "name": args.name, "slots": args.slots})
-    data = _overlay(data, {"repository": args.repository, "metrics": args.metrics})
-    data = _overlay(data, worker_curve(args))
-    data, repository = _with_repository(data)
-    config = from_mapping(WorkerConfig, data)
-    # --model and --synthetic add up, and together replace the file's [[models]] (and
-    # the repository's models: --model NAME picks one of them).
-    models = [model_from_arg(m, repository) for m in args.model or ()]
-    if args.synthetic:
-        fixed_ms, per_sample_ms = args.synthetic
-        name = args.synthetic_name or "synthetic"
-        models.append(ModelConfig.synthetic(name, fixed_ms, per_sample_ms, 32))
-    elif args.synthetic_name is not None:
-        raise ConfigError("--synthetic-name names the model of --synthetic, which is not given")
-    if models:
-        config = dataclasses.replace(config, models=tuple(models))
-    # --max-batch and --threads apply to every model served, the file's ones included.
-    limits: dict[str, Any] = {}
-    if args.max_batch is not None:
-        limits["max_batch"] = args.max_batch
-    if args.threads is not None:
-        limits["intra_op_threads"] = args.threads
-    if limits:
-        config = dataclasses.replace(
-            config, models=tuple(_limited(m, limits) for m in config.models)
-        )
-    return config
-
-
-def _with_repository(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, ModelConfig] | None]:
-    """worker.toml's ``data`` with its models taken from its ``repository`` (if any:
-    ``repository.worker_models``), and that repository's models by name."""
-    folder = data.get("repository")
-    if not folder or not isinstance(folder, str):
-        return data, None  # (a repository of the wrong type: from_mapping reports it)
-    from carpool.worker.repository import load, worker_models
-
-    repository = load(folder)
-    return worker_models(data, repository), repository.configs()
-
-
-def _limited(model: ModelConfig, limits: dict[str, Any]) -> ModelConfig:
-    """``model`` with the flags' limits; preferred batch sizes above a --max-batch are
-    dropped (they are advice to the broker; the flag is the operator's word)."""
-    if "max_batch" in limits:
-        cap = limits["max_batch"]
-        limits = {**limits, "preferred_batch": tuple(p for p in model.preferred_batch if p <= cap)}
-    return dataclasses.replace(model, **limits)
 
 
 # ---------------------------------------------------------------------- demo
@@ -290,6 +186,7 @@ def _broker_args(b: argparse.ArgumentParser) -> None:
     add_batching_flags(b)
     add_metrics_flag(b)
     add_broker_flags(b)
+    _set_arg(b, "broker.toml", "batching.max_wait_s=0.004")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--max-batch",
         type=int,
-        help="largest batch of every model served (default 8 for --model, 32 for "
-        "--synthetic, max_batch of --config's models)",
+        help="largest batch of every model served (default: what its engine takes, so "
+        "the broker's --max-batch binds; max_batch of --config's models)",
     )
     w.add_argument(
         "--threads",
@@ -364,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_worker_flags(w)
     add_metrics_flag(w)
+    _set_arg(w, "worker.toml", "hung_batch_s=300")
     add_keygen_parsers(sub)
 
     d = add_command(sub, "demo", _demo)
@@ -404,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():
         _log_level_arg(command, default=argparse.SUPPRESS)
     return parser
+
+
+def _set_arg(parser: argparse.ArgumentParser, file: str, example: str) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help=f"any setting of {file}, dotted as in TOML (--set {example}); over the file "
+        "and the environment, under the flags above (repeatable)",
+    )
 
 
 def _cost_flag(parser: Any, flag: str, text: str) -> None:

@@ -214,7 +214,7 @@ def test_embed_config_without_models_serves_only_the_flag_models(
     """`--embed-config w.toml` (slots only) with `--embed-synthetic`: WorkerConfig's default
     model (the catalogue 'orientation') is not added too."""
     import carpool.worker.config as wc
-    from carpool import cli
+    from carpool import cli, roles
 
     made: list[list[str]] = []
 
@@ -228,7 +228,7 @@ def test_embed_config_without_models_serves_only_the_flag_models(
     args = cli.build_parser().parse_args(
         ["broker", "--embed-config", str(toml), "--embed-synthetic", "0", "0"]
     )
-    cli._embedded_workers(args)
+    roles.embedded_workers(args)
     assert made == [["synthetic"]]
 
 

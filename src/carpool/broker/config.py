@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.common.config import check, out_of_range
+from carpool.common.config import MAX_BATCH_CEILING, check, out_of_range
 from carpool.common.link import link_path
 from carpool.common.listen import listen_problems
 
@@ -78,8 +78,8 @@ class BatchingOverride:
 def _batching_problems(b: BatchingConfig | BatchingOverride) -> list[str]:
     """What is wrong with the keys ``b`` sets (an override's unset keys pass)."""
     problems = []
-    if b.max_batch is not None and not 1 <= b.max_batch <= 4096:
-        problems.append(f"max_batch must be in 1..4096, got {b.max_batch}")
+    if b.max_batch is not None and not 1 <= b.max_batch <= MAX_BATCH_CEILING:
+        problems.append(f"max_batch must be in 1..{MAX_BATCH_CEILING}, got {b.max_batch}")
     if b.max_wait_s is not None and not 0.0 <= b.max_wait_s <= 60.0:
         problems.append(f"max_wait_s must be in 0..60, got {b.max_wait_s}")
     if b.policy is not None and b.policy not in POLICIES:

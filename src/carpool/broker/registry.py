@@ -51,6 +51,16 @@ class Lane:
             return limit
         return min(limit, self.controller.batch_size)
 
+    @property
+    def bound_by(self) -> str:
+        """Which limit sets :attr:`batch_limit`: ``"adaptive"`` (the controller's size,
+        below both caps), ``"broker"`` (its max_batch, below the engine's limit) or
+        ``"worker"`` (the engine's limit, which a larger broker cap cannot raise)."""
+        limit = min(self.max_batch, self.cap) if self.cap else self.max_batch
+        if self.controller is not None and self.controller.batch_size < limit:
+            return "adaptive"
+        return "broker" if self.cap and self.cap < self.max_batch else "worker"
+
     def cost(self, key: RequestKey | None) -> CostEstimate:
         model = self.latency.get(key) if key is not None else None
         return model.cost if model is not None else CostEstimate()

@@ -34,6 +34,7 @@ from carpool.common.link import LinkListener, link_path
 from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 from carpool.common.routing_ids import seed_routing_ids
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
+from carpool.common.supervision import LoopWatch
 from carpool.common.wake import WakePipe
 
 logger = logging.getLogger(__name__)
@@ -349,11 +350,13 @@ class BrokerServer:
         finally:
             self._delivering = False
 
-    def serve(self) -> None:
+    def serve(self, watch: LoopWatch | None = None) -> None:
         """Loop until :meth:`stop` is called (from any thread or a signal handler); then
-        stop as :meth:`wind_down` says."""
+        stop as :meth:`wind_down` says. ``watch`` is told of every turn (systemd)."""
         while not self._stopping:
-            self.step()
+            self.step(None if watch is None else watch.turn(self.clock.now()))
+        if watch is not None:
+            watch.stopping()
         self.wind_down()
 
     def wind_down(self) -> None:

@@ -172,6 +172,7 @@ def snapshot(
         },
         "known_models": len(registry.specs),
         "models": models or {},
+        "max_batch_bound_by": bound_by(registry),
         "workers": [
             {
                 "name": w.name,
@@ -189,10 +190,22 @@ def snapshot(
     }
 
 
+def bound_by(registry: WorkerRegistry) -> dict[str, str]:
+    """Per model served: which limit binds its B_max (:attr:`Lane.bound_by`), on the
+    worker whose B_max is largest (the fleet's batches are at most that)."""
+    out: dict[str, str] = {}
+    for name in registry.specs:
+        lanes = [w.lanes[name] for w in registry.serving(name)]
+        if lanes:
+            out[name] = max(lanes, key=lambda lane: lane.batch_limit).bound_by
+    return out
+
+
 def _lane_snapshot(lane: Lane) -> dict[str, Any]:
     cost = lane.cost(lane.last_key)
     return {
         "b_max": lane.batch_limit,
+        "max_batch_bound_by": lane.bound_by,
         "fixed_cost_ms": round(1000 * cost.fixed_cost_s, 3),
         "per_sample_ms": round(1000 * cost.per_sample_s, 3),
         "calibrated": cost.calibrated,

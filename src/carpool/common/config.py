@@ -22,6 +22,11 @@ else:  # pragma: no cover - JetPack 6 ships Python 3.10
 
 T = TypeVar("T")
 
+#: The largest B_max a broker may be configured with, and so the limit a worker announces
+#: for an engine that takes any batch (an ONNX model with a symbolic batch dim): the
+#: broker's cap then binds, not a worker default nobody chose.
+MAX_BATCH_CEILING = 4096
+
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file; a missing, non-UTF-8 or malformed file is a ConfigError."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from carpool.common.codec import DTYPES
-from carpool.common.config import check, out_of_range
+from carpool.common.config import MAX_BATCH_CEILING, check, out_of_range
 from carpool.common.curve import client_keys
 from carpool.common.errors import ConfigError
 from carpool.common.listen import listen_problems
@@ -42,7 +42,10 @@ class ModelConfig:
     # The engines that may serve it ("onnxruntime", "tensorrt", "synthetic"); a worker
     # refuses to serve it with another. Empty: any.
     backends: tuple[str, ...] = ()
-    max_batch: int = 8
+    # The largest batch this worker takes of the model. By default what the engine takes:
+    # any batch for a symbolic batch dim, announced as the broker's ceiling, so that the
+    # broker's max_batch is the one that binds (STATS: max_batch_bound_by).
+    max_batch: int = MAX_BATCH_CEILING
     preferred_batch: tuple[int, ...] = ()
     intra_op_threads: int = 1
     # ONNX Runtime execution providers, in order of preference: e.g. ["CUDAExecutionProvider",
@@ -77,8 +80,8 @@ class ModelConfig:
             problems.append("path and source both name the ONNX file: give one")
         if self.source is not None:
             problems += [f"source.{p}" for p in self.source.problems()]
-        if not 1 <= self.max_batch <= 4096:
-            problems.append("max_batch must be in 1..4096")
+        if not 1 <= self.max_batch <= MAX_BATCH_CEILING:
+            problems.append(f"max_batch must be in 1..{MAX_BATCH_CEILING}")
         if any(not 1 <= p <= self.max_batch for p in self.preferred_batch):
             problems.append("preferred_batch sizes must lie in 1..max_batch")
         if self.fixed_cost_s < 0 or self.per_sample_s < 0:
@@ -258,6 +261,10 @@ class WorkerConfig:
     # HOST:PORT of the Prometheus endpoint (/metrics, /healthz, /readyz); a bare PORT
     # listens on 127.0.0.1; "": none (docs/operations.md).
     metrics: str = ""
+    # Under systemd (WatchdogSec=): a batch running longer than this stops the watchdog
+    # pings, and systemd restarts the worker (a hung engine). 0: a batch never counts as
+    # hung. Above any batch's honest time, a TensorRT first run included.
+    hung_batch_s: float = 120.0
 
     def __post_init__(self) -> None:
         problems = out_of_range(
@@ -267,7 +274,9 @@ class WorkerConfig:
             problems.append(f"name must have at most {MAX_NAME_CHARS} characters")
         if not 1 <= len(self.models) <= MAX_MODELS:
             problems.append(f"1..{MAX_MODELS} [[models]] entries are needed")
-        problems += out_of_range(self, {"shm_output_mib": (0, 1 << 20)})
+        problems += out_of_range(
+            self, {"shm_output_mib": (0, 1 << 20), "hung_batch_s": (0, 86_400)}
+        )
         if not 0 <= self.shm_output_mode <= 0o777 or self.shm_output_mode & 0o022:
             problems.append(
                 "shm_output_mode must be a file mode such as 0o600 or 0o640: clients may "

@@ -174,6 +174,7 @@ class WorkerCore:
         self.last_telemetry: Telemetry | None = None  # the latest sample sent
         self._next_sample_s = -math.inf
         self.state = WorkerState.CONNECTING
+        self.registered = False  # the broker answered this connection's READY
         self.epoch = 0
         self._last_heard_s = 0.0
         self._next_heartbeat_s = 0.0
@@ -197,6 +198,7 @@ class WorkerCore:
         self.rejoin_at_s = None
         self.epoch += 1
         self.state = WorkerState.READY
+        self.registered = False  # until the broker's first word on this connection
         self._last_heard_s = now
         self._next_heartbeat_s = now + self.heartbeat_s
         return WorkerReady(
@@ -207,6 +209,9 @@ class WorkerCore:
         """A message from the broker (``decode_from_broker``'s, or the broker's own object
         in its process). Returns what the shell must do, if anything."""
         self._last_heard_s = now
+        # Any word but DISCONNECT after READY: the broker has registered this worker (it
+        # sends heartbeats and batches only to workers it holds).
+        self.registered = not isinstance(msg, BrokerDisconnect)
         if isinstance(msg, BrokerBatch):
             return RunBatch(self.epoch, msg.batch, msg.payloads)
         if isinstance(msg, BrokerHeartbeat):
@@ -278,6 +283,7 @@ class WorkerCore:
         broker requeues it. Returns True to connect again at once; else wait until
         ``rejoin_at_s``."""
         self.epoch += 1
+        self.registered = False
         backoff = self.backoff
         if now - self.last_join_s < backoff.min_s:
             self.backoff_s = min(backoff.max_s, max(backoff.min_s, 2 * self.backoff_s))

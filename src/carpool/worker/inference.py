@@ -104,6 +104,10 @@ class InferenceThread:
         """Readable when outcomes may wait: poll it, then call :meth:`finished`."""
         return self._ready.fd
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, job: RunBatch) -> None:
         """Queue a batch; its outcome comes back through :meth:`finished`."""
         self._jobs.put(job)

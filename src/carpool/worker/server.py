@@ -24,6 +24,7 @@ from carpool.common.errors import ConfigError
 from carpool.common.link import link_path
 from carpool.common.protocol import FromBroker, Telemetry, ToBroker, decode_from_broker
 from carpool.common.shm import RegionReader
+from carpool.common.supervision import LoopWatch
 from carpool.common.wake import WakePipe
 from carpool.worker.connection import (
     BrokerConnection,
@@ -296,10 +297,18 @@ class WorkerServer:
             return False
         return True
 
-    def serve(self) -> None:
-        """Loop until :meth:`stop`; then say DISCONNECT to the broker."""
+    def serve(self, watch: LoopWatch | None = None) -> None:
+        """Loop until :meth:`stop` (``watch`` told of every turn: systemd); closing then
+        says DISCONNECT to the broker."""
         while not self._stopping:
-            self.step()
+            self.step(None if watch is None else watch.turn(self.clock.now()))
+        if watch is not None:
+            watch.stopping()
+
+    @property
+    def inference_alive(self) -> bool:
+        """The inference thread still runs (it ends only when stopped)."""
+        return self._inference.alive
 
     @property
     def signal_fd(self) -> int:

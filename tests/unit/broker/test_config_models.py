@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from carpool import cli
+from carpool import cli, roles
 from carpool.broker.config import BatchingConfig, BatchingOverride, BrokerConfig
 from carpool.broker.core import BrokerCore
 from carpool.broker.policy import FixedPolicy
@@ -44,53 +43,21 @@ def test_a_model_table_inherits_the_keys_it_leaves_unset(tmp_path: Path) -> None
     assert config.models == {"synthetic": BatchingOverride(max_batch=4)}
 
 
-class _Server:
-    """Stands in for BrokerServer in ``carpool broker``: keeps the config it was given."""
-
-    configs: list[BrokerConfig] = []  # noqa: RUF012 - one test's record
-
-    def __init__(self, config: BrokerConfig, **_: Any) -> None:
-        self.configs.append(config)
-
-    def __enter__(self) -> _Server:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        pass
-
-    signal_fd = -1
-
-    def serve(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
-def broker_config_from_cli(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> BrokerConfig:
-    """The BrokerConfig ``carpool broker ARGV`` would serve with (cli._broker's own code)."""
-    for name in ("CARPOOL_FRONTEND", "CARPOOL_BACKEND", "CARPOOL_LOCAL_BACKEND"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("carpool.broker.server.BrokerServer", _Server)
-    no_handlers = lambda stop, fd=-1: contextlib.nullcontext()  # noqa: E731 (not in a test)
-    monkeypatch.setattr(cli, "_stopped_by_signals", no_handlers)
-    monkeypatch.setattr(cli, "tune_allocator", lambda: None)
-    _Server.configs = []
+def broker_config_from_cli(argv: list[str]) -> BrokerConfig:
+    """The BrokerConfig ``carpool broker ARGV`` would serve with, in an empty environment."""
     args = cli.build_parser().parse_args(["broker", *argv])
-    assert args.func(args) == 0
-    (config,) = _Server.configs
-    return config
+    return roles.broker_config(args, {})
 
 
 def test_command_line_flags_reach_models_with_a_table(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     path = tmp_path / "broker.toml"
     path.write_text(
         PARTIAL_MODEL_TOML + '[models.pinned]\npolicy = "carpool"\nmax_wait_s = 0.001\n'
     )
     flags = ["--policy", "seed", "--max-wait-ms", "20", "--max-batch", "16"]
-    config = broker_config_from_cli(monkeypatch, ["--config", str(path), *flags])
+    config = broker_config_from_cli(["--config", str(path), *flags])
     assert config.batching == BatchingConfig(max_batch=16, max_wait_s=0.02, policy="seed")
     # Unset keys follow the flags; keys the model's table sets stay as set.
     assert config.batching_for("synthetic") == BatchingConfig(

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from carpool.cli import build_parser, worker_config
+from carpool.common.config import MAX_BATCH_CEILING
 from carpool.common.errors import ConfigError
 from carpool.worker.config import ModelConfig, model_from_arg
 from carpool.worker.models import locate
@@ -108,7 +109,9 @@ def test_without_flags_the_files_settings_stand(tmp_path: Path) -> None:
 
 def test_flag_models_keep_their_defaults() -> None:
     config = worker_config(_worker_args("--model", "orientation", "--synthetic", "1", "0"))
-    assert [(m.max_batch, m.intra_op_threads) for m in config.models] == [(8, 1), (32, 1)]
+    # max_batch: what the engine takes (a symbolic batch dim: any), so the broker's binds.
+    expected = [(MAX_BATCH_CEILING, 1), (MAX_BATCH_CEILING, 1)]
+    assert [(m.max_batch, m.intra_op_threads) for m in config.models] == expected
 
 
 def test_max_batch_applies_to_flag_models() -> None:

@@ -1,0 +1,39 @@
+"""notify.py: the broker's systemd notifications — when it is ready, and its STATUS= line.
+
+READY=1 once both ROUTERs are bound (the server binds them in its constructor, so the
+first turn of its loop). STATUS= gives the live figures an operator sees in
+``systemctl status``: workers registered, models served, requests queued and the request
+rate since the last line. Health is the loop itself: a loop that turns is a broker that
+answers, and one that does not sends no WATCHDOG=1 (``carpool.common.supervision``).
+"""
+
+from __future__ import annotations
+
+from carpool.broker.server import BrokerServer
+from carpool.common.sdnotify import SdNotifier
+from carpool.common.supervision import LoopWatch
+
+
+class BrokerStatus:
+    """The STATUS= line of ``server``; each call's rate covers the time since the last."""
+
+    def __init__(self, server: BrokerServer) -> None:
+        self._server = server
+        self._last = (server.clock.now(), server.core.stats.requests)
+
+    def __call__(self) -> str:
+        core = self._server.core
+        now, requests = self._server.clock.now(), core.stats.requests
+        then, before = self._last
+        self._last = (now, requests)
+        rate = (requests - before) / (now - then) if now > then else 0.0
+        models = sum(1 for name in core.registry.specs if core.registry.serving(name))
+        return (
+            f"workers={len(core.registry)} models={models} queued={core.queued} "
+            f"req/s={rate:.1f} requests={requests}"
+        )
+
+
+def broker_watch(server: BrokerServer, notifier: SdNotifier) -> LoopWatch:
+    """The LoopWatch for ``server``'s loop (``BrokerServer.serve(watch)``)."""
+    return LoopWatch(notifier, BrokerStatus(server))

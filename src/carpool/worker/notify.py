@@ -1,0 +1,45 @@
+"""notify.py: the worker's systemd notifications — ready, healthy, and its STATUS= line.
+
+READY=1 once the engines are built and warm (the server's constructor) and the broker has
+answered this connection's READY: its first heartbeat or batch, never a DISCONNECT
+(``WorkerCore.registered``). WATCHDOG=1 only while the inference thread is alive and has
+not been inside one batch longer than ``hung_batch_s``: an engine that hangs (a wedged GPU,
+a deadlock in a runtime) stops the pings, and systemd restarts the worker, as a wedged
+loop does. STATUS=: the models, batches done and failed, ρ and the broker connection.
+"""
+
+from __future__ import annotations
+
+from carpool.common.sdnotify import SdNotifier
+from carpool.common.supervision import LoopWatch
+from carpool.worker.server import WorkerServer
+
+
+def worker_trouble(server: WorkerServer, hung_batch_s: float) -> str | None:
+    """Why ``server`` is not well (None: it is); ``hung_batch_s`` 0: batches never hang."""
+    if not server.inference_alive:
+        return "the inference thread has ended"
+    busy_s = server.core.busy_ms(server.clock.now()) / 1000
+    if hung_batch_s > 0 and busy_s > hung_batch_s:
+        return f"a batch has run {busy_s:.0f} s (hung_batch_s {hung_batch_s:g})"
+    return None
+
+
+def worker_status(server: WorkerServer) -> str:
+    core = server.core
+    link = "registered" if core.registered else "connecting"
+    return (
+        f"model={','.join(core.specs)} batches={core.batches_done} "
+        f"failed={core.batches_failed} rho={core.meter.rho(server.clock.now()):.2f} "
+        f"broker={link}"
+    )
+
+
+def worker_watch(server: WorkerServer, notifier: SdNotifier, hung_batch_s: float) -> LoopWatch:
+    """The LoopWatch for ``server``'s loop (``WorkerServer.serve(watch)``)."""
+    return LoopWatch(
+        notifier,
+        lambda: worker_status(server),
+        ready=lambda: server.core.registered,
+        trouble=lambda: worker_trouble(server, hung_batch_s),
+    )
