@@ -97,3 +97,43 @@ def test_unit_files_verify(unit: str, tmp_path: Path) -> None:
     ]
     assert result.returncode == 0, result.stdout + result.stderr
     assert not problems, result.stdout + result.stderr
+
+
+#: The highest ``systemd-analyze security --offline=yes`` exposure each unit may score
+#: (0 safest, 10 exposed; systemd 252 scores them 1.5 and 1.9). docs/deploy.md states them.
+EXPOSURE = {"carpool-broker.service": 1.5, "carpool-worker@.service": 1.9}
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+@pytest.mark.parametrize("unit", sorted(EXPOSURE))
+def test_unit_hardening_keeps_the_exposure_score_low(unit: str, tmp_path: Path) -> None:
+    import re
+
+    target = tmp_path / unit.replace("@.", "@x.")
+    target.write_text((SYSTEMD / unit).read_text())
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    found = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert found, result.stdout + result.stderr
+    assert float(found.group(1)) <= EXPOSURE[unit], result.stdout
+
+
+@pytest.mark.parametrize("unit", sorted(EXPOSURE))
+def test_units_are_notify_units_with_a_watchdog(unit: str) -> None:
+    settings = [line.split("=", 1) for line in (SYSTEMD / unit).read_text().splitlines()]
+    values = {k: v for k, *rest in settings for v in rest}
+    assert values["Type"] == "notify"
+    assert values["NotifyAccess"] == "main"
+    assert values["Restart"] == "on-failure"
+    assert values["WatchdogSec"].endswith("s")
+
+
+def test_the_docs_state_the_exposure_scores() -> None:
+    text = (SYSTEMD.parent / "docs" / "deploy.md").read_text()
+    for unit, score in EXPOSURE.items():
+        assert f"`{unit}` | {score}" in text, unit

@@ -15,11 +15,12 @@ from carpool.common.supervision import LoopWatch
 from carpool.worker.server import WorkerServer
 
 
-def worker_trouble(server: WorkerServer, hung_batch_s: float) -> str | None:
-    """Why ``server`` is not well (None: it is); ``hung_batch_s`` 0: batches never hang."""
-    if not server.inference_alive:
+def worker_trouble(alive: bool, busy_ms: int, hung_batch_s: float) -> str | None:
+    """Why a worker is not well (None: it is): its inference thread is not ``alive``, or
+    has been in one batch for ``busy_ms``, past ``hung_batch_s`` (0: batches never hang)."""
+    if not alive:
         return "the inference thread has ended"
-    busy_s = server.core.busy_ms(server.clock.now()) / 1000
+    busy_s = busy_ms / 1000
     if hung_batch_s > 0 and busy_s > hung_batch_s:
         return f"a batch has run {busy_s:.0f} s (hung_batch_s {hung_batch_s:g})"
     return None
@@ -41,5 +42,7 @@ def worker_watch(server: WorkerServer, notifier: SdNotifier, hung_batch_s: float
         notifier,
         lambda: worker_status(server),
         ready=lambda: server.core.registered,
-        trouble=lambda: worker_trouble(server, hung_batch_s),
+        trouble=lambda: worker_trouble(
+            server.inference_alive, server.core.busy_ms(server.clock.now()), hung_batch_s
+        ),
     )
