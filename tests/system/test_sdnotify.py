@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -52,9 +52,13 @@ class Systemd:
         )
         stderr = self.proc.stderr
         assert stderr is not None
-        self._reader = threading.Thread(target=lambda: [self.lines.put(x) for x in stderr])
+        self._reader = threading.Thread(target=self._read, args=(stderr,))
         self._reader.start()
         return self.proc
+
+    def _read(self, stderr: Iterable[str]) -> None:
+        for line in stderr:
+            self.lines.put(line)
 
     def message(self, timeout_s: float) -> dict[str, str] | None:
         """The next message, as its fields; None when none comes within ``timeout_s``."""

@@ -9,14 +9,19 @@ and go when the model is forgotten: made-up names cannot grow them.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from carpool.broker.config import BatchingConfig
-from carpool.broker.registry import Lane, WorkerRegistry
+from carpool.broker.inflight import InflightBatch
+from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
 from carpool.broker.requests import PendingRequest, RequestKey
 from carpool.broker.timings import ModelTimings
+
+#: The per-batch records (DEBUG): a logger of their own, to turn on alone.
+batch_log = logging.getLogger("carpool.broker.batches")
 
 
 class BrokerStats:
@@ -230,3 +235,23 @@ def _bucket_snapshot(counts: list[int]) -> dict[str, Any]:
         "bucket_elements": elements,
         "padded_share": round(padded / elements, 4) if elements else 0.0,
     }
+
+
+def batch_record(now: float, worker: WorkerState, batch: InflightBatch, compute_ms: float) -> None:
+    """One finished batch at DEBUG: model, size, bucket (item shape), the oldest request's
+    queue wait, the worker's compute time, the round trip and the worker (a batch log
+    without patching anything: ``--log-level DEBUG``)."""
+    oldest_s = min((r.arrival_s for r in batch.requests), default=batch.sent_s)
+    batch_log.debug(
+        "batch model=%s size=%d bucket=%s wait_ms=%.2f compute_ms=%.2f round_trip_ms=%.2f "
+        "worker=%s b_max=%d bound_by=%s",
+        batch.key[0],
+        batch.samples,
+        bucket_label(batch.key),
+        1000 * (batch.sent_s - oldest_s),
+        compute_ms,
+        1000 * (now - batch.sent_s),
+        worker.name,
+        worker.lanes[batch.key[0]].batch_limit,
+        worker.lanes[batch.key[0]].bound_by,
+    )

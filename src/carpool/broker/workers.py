@@ -25,7 +25,7 @@ from carpool.broker.intake import ClientIntake
 from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, heartbeat
 from carpool.broker.requests import RequestBook, RequestState
-from carpool.broker.stats import BrokerStats
+from carpool.broker.stats import BrokerStats, batch_log, batch_record
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     MAX_TIMEOUT_MS,
@@ -188,11 +188,13 @@ class WorkerEvents:
         self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
         self._fleet.rates.clear()
         names = [m.name for m in ready.models]
+        # B_max and the limit that binds it, per model: broker cap, worker limit, adaptive.
+        limits = [f"{n}:{lanes[n].batch_limit}({lanes[n].bound_by})" for n in names[:8]]
         self._log_churn(
-            "worker joined name=%s models=%s slots=%d",
+            "worker joined name=%s slots=%d b_max=%s",
             ready.name,
-            ",".join(names[:8]) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             ready.slots,
+            ",".join(limits) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             now=now,
         )
         # Requests held at the door for these models (just after a start) go in first.
@@ -215,6 +217,8 @@ class WorkerEvents:
             self._fleet.rates.clear()  # its share of the fleet's rate changed
         self._learn(worker, batch, result.compute_ms)
         compute_s = result.compute_ms / 1000.0
+        if batch_log.isEnabledFor(logging.DEBUG):
+            batch_record(now, worker, batch, result.compute_ms)
         if 0 <= result.rho <= 1:  # as HEARTBEAT's: a load out of range is ignored
             self._fleet.on_load(now, worker, result.rho)
         if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):

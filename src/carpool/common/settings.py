@@ -91,8 +91,11 @@ def check_variables(environ: Mapping[str, str], known: Iterable[str]) -> None:
         return
     lines = []
     for name in unknown:
-        close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        # A key without its role and section (CARPOOL_MAX_BATCH): the names that end so.
+        tail = "_" + name.removeprefix(PREFIX)
+        close = sorted(n for n in names if n.endswith(tail))[:3]
+        close = close or difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         lines.append(f"{name}: unknown carpool environment variable{hint}")
     raise ConfigError("\n  ".join(["unknown environment variables:", *lines]))
 

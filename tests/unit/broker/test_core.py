@@ -1546,6 +1546,8 @@ def test_stats_snapshot_counts() -> None:
                 "latency": {"p50_ms": 50.0, "p95_ms": 50.0, "p99_ms": 50.0, "n": 2},
             }
         },
+        # The broker's 2 below the worker's 8 (model_spec's limit) binds.
+        "max_batch_bound_by": {"m": "broker"},
         "workers": [
             {
                 "name": "w1",
@@ -1561,7 +1563,14 @@ def test_stats_snapshot_counts() -> None:
         ],
     }
     lane = snap["workers"][0]["lanes"]["m"]
-    assert set(lane) == {"b_max", "fixed_cost_ms", "per_sample_ms", "calibrated"}
+    assert set(lane) == {
+        "b_max",
+        "max_batch_bound_by",
+        "fixed_cost_ms",
+        "per_sample_ms",
+        "calibrated",
+    }
+    assert lane["max_batch_bound_by"] == "broker"
     assert lane["calibrated"] is False  # one batch size seen so far
     assert ids(second) == [4]
     # Request 5 went out with the credit returned by the first RESULT.
