@@ -66,6 +66,8 @@ def _stop_on_signals(stop: Any) -> None:
     # SIGUSR1 writes every thread's Python stack to stderr (the journal, under systemd)
     # and the process goes on: what a broker or worker that will not stop is doing.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # SIGABRT (systemd's watchdog kill), SIGSEGV and the like: the stacks, then the end.
+    faulthandler.enable(all_threads=True)
 
 
 def _check_writable(path: str, what: str) -> None:

@@ -137,3 +137,29 @@ def test_the_docs_state_the_exposure_scores() -> None:
     text = (SYSTEMD.parent / "docs" / "deploy.md").read_text()
     for unit, score in EXPOSURE.items():
         assert f"`{unit}` | {score}" in text, unit
+
+
+def test_worker_example_leaves_the_orientation_limit_to_its_engine() -> None:
+    from carpool.common.config import MAX_BATCH_CEILING
+
+    config = from_mapping(WorkerConfig, load_toml(SYSTEMD / "worker.toml.example"))
+    assert config.models[0].max_batch == MAX_BATCH_CEILING
+    assert config.hung_batch_s == WorkerConfig().hung_batch_s
+
+
+@pytest.mark.parametrize(
+    ("example", "role"), [("broker.toml.example", "broker"), ("worker.toml.example", "worker")]
+)
+def test_every_key_of_the_examples_has_a_variable(example: str, role: str) -> None:
+    """The example files' keys, each under its variable (names from the dataclasses)."""
+    from carpool.common.settings import variables
+    from carpool.roles import role_classes
+
+    names = set(variables(role, role_classes()[role]).values())
+    data = load_toml(SYSTEMD / example)
+    keys = {(k,) for k, v in data.items() if not isinstance(v, dict) or k == "models"}
+    keys |= {
+        (k, sub) for k, v in data.items() if isinstance(v, dict) and k != "models" for sub in v
+    }
+    assert keys <= names, keys - names
+    assert len(keys) >= 10
