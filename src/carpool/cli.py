@@ -94,7 +94,7 @@ def _broker(args: argparse.Namespace) -> int:
         _check_writable(record, "trace")
     tune_allocator()  # large tensor frames reuse heap memory (carpool.common.memory)
     with contextlib.ExitStack() as stack:
-        notifier = stack.enter_context(SdNotifier())
+        notifier = stack.enter_context(contextlib.closing(SdNotifier()))
         embedded = [stack.enter_context(w) for w in embedded_workers(args)]
         server = stack.enter_context(BrokerServer(config, record=record, embedded=embedded))
         # SIGHUP reads the CURVE allow-lists again (revocation without a restart).
@@ -132,7 +132,7 @@ def _worker(args: argparse.Namespace) -> int:
     check_variables(os.environ, known_variables())
     config = worker_config(args, os.environ)
     tune_allocator()
-    with SdNotifier() as notifier:
+    with contextlib.closing(SdNotifier()) as notifier:
         notifier.send(STATUS=f"loading {len(config.models)} models")
         with config.server() as server, _stopped_by_signals(server.stop, server.signal_fd):
             server.serve(worker_watch(server, notifier, config.hung_batch_s))

@@ -157,7 +157,9 @@ def test_every_key_of_the_examples_has_a_variable(example: str, role: str) -> No
 
     names = set(variables(role, role_classes()[role]).values())
     data = load_toml(SYSTEMD / example)
-    keys = {(k,) for k, v in data.items() if not isinstance(v, dict) or k == "models"}
+    keys: set[tuple[str, ...]] = {
+        (k,) for k, v in data.items() if not isinstance(v, dict) or k == "models"
+    }
     keys |= {
         (k, sub) for k, v in data.items() if isinstance(v, dict) and k != "models" for sub in v
     }

@@ -69,15 +69,10 @@ class SdNotifier:
         return True
 
     def close(self) -> None:
+        """Close the socket (``contextlib.closing`` for a ``with``)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-    def __enter__(self) -> SdNotifier:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _watchdog_s(env: Mapping[str, str], pid: int) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def _notifier(tmp_path: Path, **env: str) -> SdNotifier:
 def test_ready_then_pings_every_half_interval_while_healthy(tmp_path: Path, systemd) -> None:
     trouble: list[str | None] = [None]
     ready = [False]
-    with _notifier(tmp_path, WATCHDOG_USEC="2000000", WATCHDOG_PID="42") as notifier:
+    with closing(_notifier(tmp_path, WATCHDOG_USEC="2000000", WATCHDOG_PID="42")) as notifier:
         watch = LoopWatch(
             notifier, lambda: "ok", ready=lambda: ready[0], trouble=lambda: trouble[0]
         )
@@ -61,7 +62,7 @@ def test_ready_then_pings_every_half_interval_while_healthy(tmp_path: Path, syst
 
 
 def test_a_watchdog_meant_for_another_process_is_not_pinged(tmp_path: Path, systemd) -> None:
-    with _notifier(tmp_path, WATCHDOG_USEC="2000000", WATCHDOG_PID="7") as notifier:
+    with closing(_notifier(tmp_path, WATCHDOG_USEC="2000000", WATCHDOG_PID="7")) as notifier:
         assert notifier.watchdog_s is None
         watch = LoopWatch(notifier, lambda: "ok")
         watch.turn(0.0)
@@ -72,7 +73,7 @@ def test_a_watchdog_meant_for_another_process_is_not_pinged(tmp_path: Path, syst
 def test_an_abstract_socket_name_is_reached(systemd) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind("\0carpool-test-notify")
-    with sock, SdNotifier({"NOTIFY_SOCKET": "@carpool-test-notify"}) as notifier:
+    with sock, closing(SdNotifier({"NOTIFY_SOCKET": "@carpool-test-notify"})) as notifier:
         assert notifier.send(READY=1)
         assert sock.recv(100) == b"READY=1"
 
