@@ -20,8 +20,8 @@ from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
 from carpool.broker.requests import PendingRequest, RequestKey
 from carpool.broker.timings import ModelTimings
 
-#: The per-batch records (DEBUG): a logger of their own, to turn on alone.
-batch_log = logging.getLogger("carpool.broker.batches")
+#: The per-batch records (DEBUG; this module logs nothing else: turn it on alone).
+batch_log = logging.getLogger(__name__)
 
 
 class BrokerStats:

@@ -38,7 +38,7 @@ def test_each_finished_batch_is_one_debug_record(caplog: pytest.LogCaptureFixtur
     b.ready(T0, W1, slots=1)
     b.request(T0, 1)
     (batch,) = batches(b.request(T0 + 0.001, 2))
-    with caplog.at_level(logging.DEBUG, logger="carpool.broker.batches"):
+    with caplog.at_level(logging.DEBUG, logger="carpool.broker.stats"):
         b.result(T0 + 0.011, batch)
     (record,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("batch ")]
     assert "model=m size=2 bucket=" in record
