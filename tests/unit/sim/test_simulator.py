@@ -359,7 +359,8 @@ def test_cli_tune(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = cli.main(["--log-level", "WARNING", "tune", "--trace", str(trace), "--top", "3"])
     assert code == 0
     captured = capsys.readouterr()
-    assert "grid search 43/43" in captured.err
+    assert "grid search: 43/43 (100%)" in captured.err  # piped: plain lines
+    assert "\r" not in captured.err
     lines = captured.out.splitlines()
     assert lines[0] == "engine: 5 ms + 0.5 ms x B, max batch 64 (assumed; --engine-max-batch)"
     assert lines[1].split()[:3] == ["policy", "thru/s", "good/s"]
