@@ -18,7 +18,7 @@ from tests.system.upfleet import UpFleet
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 #: Where to keep the page's picture as well (docs/img/fleet-page.png is made this way).
-SCREENSHOT_ENV = "CARPOOL_FLEET_PAGE_PNG"
+SCREENSHOT_ENV = "FLEET_PAGE_SCREENSHOT"
 #: A synthetic model whose batch costs 5 ms + 1 ms a sample (a sleep: no CPU), under 80
 #: requests a second: some batches hold more than one request.
 FLEET_ARGS = ("--synthetic", "5", "1", "--traffic", "80")

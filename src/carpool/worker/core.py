@@ -345,15 +345,6 @@ class WorkerCore:
         self._in_thread += 1
 
     @property
-    def registered(self) -> bool:
-        """Connected, and the broker has spoken since this READY (it took the worker)."""
-        return (
-            self.state is WorkerState.READY
-            and self.rejoin_at_s is None
-            and self._last_heard_s > self.last_join_s
-        )
-
-    @property
     def in_thread(self) -> int:
         """Batches handed to the inference thread and not finished yet."""
         return self._in_thread
