@@ -143,11 +143,13 @@ def _state_writes(tree: ast.AST) -> list[tuple[ast.AST, str | None]]:
 
 
 def test_only_the_book_writes_a_request_state() -> None:
-    """Across src/, the one write of a ``state`` attribute of another object (a request)
-    is in RequestBook.move; objects that set their own ``self.state`` (the worker core,
-    the clients) hold their own lifecycles, and PendingRequest sets none of its own."""
+    """Across the broker (where requests live), the one write of a ``state`` attribute
+    of another object (a request) is in RequestBook.move; objects that set their own
+    ``self.state`` hold their own lifecycles, and PendingRequest sets none of its own.
+    (Elsewhere ``state`` is other things': the worker core's, the clients', the
+    supervisor's slots'.)"""
     writers: list[str] = []
-    for path in sorted(SRC.rglob("*.py")):
+    for path in sorted((SRC / "carpool" / "broker").rglob("*.py")):
         for node, where in _state_writes(ast.parse(path.read_text(), str(path))):
             own = (
                 isinstance(node, ast.Attribute)

@@ -76,7 +76,7 @@ def test_batch_ranges_split_the_batch_into_profiles_times_the_buckets() -> None:
 
 def test_a_batch_range_above_max_batch_is_refused() -> None:
     with pytest.raises(ConfigError, match=re.escape("--batch 1..32 is above its max_batch 8")):
-        profiles.from_model(ModelConfig(name="m"), FIXED, [(1, 8, 32)])
+        profiles.from_model(ModelConfig(name="m", max_batch=8), FIXED, [(1, 8, 32)])
 
 
 def test_a_dynamic_dim_without_an_upper_bound_is_refused_naming_the_input_and_dim() -> None:
@@ -107,7 +107,8 @@ def test_a_dim_whose_rule_admits_no_step_is_refused() -> None:
 
 def test_more_profiles_than_allowed_are_refused_naming_the_model() -> None:
     buckets = tuple((3, 48, 160 * k) for k in range(1, 11))
-    config = ModelConfig(name="rec", inputs={"x": InputConfig(pad=PadRule(buckets=buckets))})
+    pad = InputConfig(pad=PadRule(buckets=buckets))
+    config = ModelConfig(name="rec", max_batch=8, inputs={"x": pad})
     got = profiles.from_model(config, LINE)
     with pytest.raises(ConfigError, match=r"model 'rec': 10 optimization profiles, more than 8"):
         profiles.check_limits("rec", got, Limits())
