@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import socket
 import subprocess
@@ -68,7 +69,10 @@ def test_status_exit_codes_healthy_then_no_worker_then_unreachable(live: LiveFle
     assert "synthetic" in done.stdout
     assert "w-ops" in done.stdout
     assert "\x1b[" not in done.stdout  # piped: plain text
+    # B_max with the limit that binds it (the worker's default takes any batch).
+    assert re.search(r"\b\d+ \((broker|adaptive)\)", done.stdout), done.stdout
     report: dict[str, Any] = json.loads(live.status("--json").stdout)
+    assert report["max_batch_bound_by"]["synthetic"] in ("broker", "adaptive")
     assert report["reachable"] is True
     assert report["problems"] == []
     assert report["models"]["synthetic"]["workers"] == 1

@@ -72,12 +72,13 @@ def tables(stats: Mapping[str, Any], per_s: Mapping[str, float] | None = None) -
     model_headers += ("req/s",) if per_s is not None else ()
     model_headers += ("errors", "p50 ms", "p95 ms", "p99 ms")
     model_rows = []
+    bound_by = stats.get("max_batch_bound_by", {})  # which limit binds B_max (§6.4)
     for name, row in sorted(stats.get("models", {}).items()):
         latency = row.get("latency") or {}
         cells = [
             name,
             f"{row['healthy_workers']}/{row['workers']}",
-            str(row["b_max"]),
+            _bound(row["b_max"], bound_by.get(name)),
             f"{row['max_wait_ms']:g}",
             str(row["queued"]),
             str(row["answered"]),
@@ -96,7 +97,10 @@ def tables(stats: Mapping[str, Any], per_s: Mapping[str, float] | None = None) -
             str(w["slots"]),
             str(w["outstanding"]),
             f"{w['rho']:.2f}",
-            " ".join(f"{m}={lane['b_max']}" for m, lane in sorted(w["lanes"].items())),
+            " ".join(
+                f"{m}={_bound(lane['b_max'], lane.get('max_batch_bound_by'))}"
+                for m, lane in sorted(w["lanes"].items())
+            ),
         )
         for w in stats.get("workers", [])
     ]
@@ -104,6 +108,11 @@ def tables(stats: Mapping[str, Any], per_s: Mapping[str, float] | None = None) -
         Table("models", model_headers, tuple(model_rows)),
         Table("workers", worker_headers, tuple(worker_rows)),
     ]
+
+
+def _bound(b_max: int, by: str | None) -> str:
+    """A B_max with the limit that binds it: ``16 (broker)``, ``8 (worker)``."""
+    return f"{b_max} ({by})" if by else str(b_max)
 
 
 def _errors(errors: Mapping[str, int]) -> str:
