@@ -1,249 +1,53 @@
-"""trt.py: TensorRTEngine — a serialized TensorRT plan run on a CUDA device.
+"""trt.py: the TensorRT adapter — the only module that imports tensorrt.
 
-The only module that imports tensorrt to run a plan, and only inside :class:`TrtPlan` and
-:class:`TrtContext`, the thin adapter through which :class:`TensorRTEngine` calls it (name
-based I/O, ``execute_async_v3``; the calls exist in TensorRT 10.3, the JetPack 6 release,
-and in 11.x). Everything else is logic tested against a recording fake of the adapter
-and of the CUDA layer (:mod:`carpool.worker.cuda`):
+A thin layer over the TensorRT Python API, one method per call carpool makes, and no
+decisions of its own:
 
-- the profile of each batch is chosen from its shapes (:func:`~.trt_plan.select_profile`);
-  a shape in no profile is refused as bad input;
-- every buffer is allocated when the engine is made: per execution context and profile,
-  a pinned host and a device buffer per tensor, at the profile's max; none per batch;
-- two (or more) execution contexts take batches in turn, each on its own stream, so one
-  batch's copies run while the batch before it computes (:meth:`TensorRTEngine.enqueue`
-  returns before the device is done; :meth:`TensorRTEngine.run` is enqueue then wait);
-- outputs whose shape depends on the data go through TensorRT's ``IOutputAllocator``;
-- the GPU busy time (:meth:`TensorRTEngine.busy_s`) is measured with CUDA events.
+- running a plan: :class:`TrtPlan` (a Runtime's deserialized ``ICudaEngine``) and
+  :class:`TrtContext` (an ``IExecutionContext``, with an ``IOutputAllocator`` for outputs
+  whose shape depends on the data), the adapter protocols of
+  :mod:`~carpool.worker.engines.trt_slots` on which :class:`TensorRTEngine`
+  (:mod:`~carpool.worker.engines.trt_engine`, re-exported here) runs batches;
+- building one: :class:`TensorRTBuilder` (Logger, Builder, create_network, OnnxParser,
+  the builder config, optimization profiles, the timing cache, IProgressMonitor,
+  build_serialized_network), driven by :func:`carpool.worker.tensorrt.build.build`;
+- :func:`tensorrt_version`.
 
-The engine belongs to the thread that made it (the CUDA context's owner): the worker's
-inference thread.
+Everything else is logic tested against recording fakes of these classes. Only names
+present in both TensorRT 10.3 (JetPack 6) and 11.x are used, except behind a ``hasattr``
+guard; tests/unit/worker/tensorrt/test_api_surface.py checks that against the real
+binding modules' member lists (tests/data/tensorrt/). tensorrt is imported inside the
+methods, never at module load. Make no object here before the GPU probe
+(:func:`carpool.worker.tensorrt.probe.probe`) has found a device: a Runtime or Builder
+made without one can crash the interpreter.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections import deque
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from carpool.common.errors import ConfigError
-from carpool.worker.cuda.base import Cuda, Event
-from carpool.worker.engines.base import Array, BadInput, EngineInfo
-from carpool.worker.engines.trt_plan import (
-    BufferPlan,
-    BusyClock,
-    Profile,
-    Shape,
-    TensorIO,
-    engine_info,
-    numpy_dtype,
-    plan_buffers,
-    select_profile,
-)
-from carpool.worker.engines.trt_slots import ContextAdapter, OutputStore, PlanAdapter, Slot
-from carpool.worker.shapes import ModelShapes, declare
+from carpool.worker.engines.base import BadInput
+from carpool.worker.engines.trt_engine import CONTEXTS, PendingBatch, TensorRTEngine
+from carpool.worker.engines.trt_plan import Shape, TensorIO, numpy_dtype
+from carpool.worker.engines.trt_slots import ContextAdapter, OutputStore
 
-#: Execution contexts by default: two let one batch's copies overlap the other's compute.
-CONTEXTS = 2
+if TYPE_CHECKING:
+    from carpool.worker.tensorrt.build import BuildListener
 
-
-class PendingBatch:
-    """A batch queued on the device; :meth:`result` waits for it."""
-
-    def __init__(self, engine: TensorRTEngine, slot: Slot, end: Event, shapes: dict[str, Shape]):
-        self._engine = engine
-        self.slot = slot
-        self.end = end
-        self.shapes = shapes  # output name -> shape (a data-dependent one: once known)
-        self.profile = slot.profile
-        self.outputs: dict[str, Array] | None = None
-
-    def result(self) -> dict[str, Array]:
-        """The batch's outputs (copied out of the pinned buffers, which the next batch on
-        this context reuses); every batch queued before it is collected first."""
-        while self.outputs is None:
-            self._engine._collect_oldest()
-        return self.outputs
+__all__ = [
+    "CONTEXTS",
+    "PendingBatch",
+    "TensorRTBuilder",
+    "TensorRTEngine",
+    "TrtContext",
+    "TrtPlan",
+    "tensorrt_version",
+]
 
 
-class TensorRTEngine:
-    """Runs a deserialized TensorRT plan (see the module docstring).
-
-    Args:
-        plan: the deserialized engine, through its adapter.
-        cuda: the CUDA layer, opened on this thread.
-        what: how messages name the model.
-        contexts: execution contexts (and streams) that take batches in turn.
-        shapes: a model config's shape declarations (pads, crops, warm-up shapes); the
-            shape rules and warm-up come from the profiles where it declares none.
-        owns_cuda: :meth:`close` closes ``cuda`` too.
-    """
-
-    def __init__(
-        self,
-        plan: PlanAdapter,
-        cuda: Cuda,
-        *,
-        what: str = "TensorRT engine",
-        contexts: int = CONTEXTS,
-        shapes: ModelShapes | None = None,
-        owns_cuda: bool = True,
-    ) -> None:
-        if contexts < 1:
-            raise ValueError("a TensorRT engine needs at least one execution context")
-        self._plan, self._cuda, self._owns_cuda = plan, cuda, owns_cuda
-        self._io = plan.tensors()
-        self._inputs = [t for t in self._io if t.is_input]
-        self._outputs = [t for t in self._io if not t.is_input]
-        self.profiles = [
-            Profile(i, {t.name: plan.get_tensor_profile_shape(t.name, i) for t in self._inputs})
-            for i in range(plan.num_optimization_profiles())
-        ]
-        self._info = engine_info(self._io, self.profiles, what)
-        if shapes is not None:  # (its warm-up shapes, where it declares any, replace these)
-            declared = declare(self._info, shapes, what)
-            self._info = dataclasses.replace(declared, warmup=declared.warmup or self._info.warmup)
-        first = plan.create_execution_context()
-        self.plans = self._plan_buffers(first)
-        self._slots = [
-            Slot.make(cuda, c, self.plans, self._io)
-            for c in [first, *(plan.create_execution_context() for _ in range(contexts - 1))]
-        ]
-        # End events in a ring one longer than the contexts: the previous batch's stays
-        # unrecorded until the next batch is collected (its gap is timed from it).
-        self._ends = [cuda.event() for _ in range(contexts + 1)]
-        self._queued = 0
-        self._in_flight: deque[PendingBatch] = deque()
-        self._last_end: Event | None = None
-        self._busy = BusyClock()
-
-    def _plan_buffers(self, context: ContextAdapter) -> list[BufferPlan]:
-        """Each profile's buffers, from the output shapes the context gives its max."""
-        stream = self._cuda.stream()
-        plans = []
-        for profile in self.profiles:
-            context.set_optimization_profile_async(profile.index, stream.handle)
-            for t in self._inputs:
-                context.set_input_shape(t.name, profile.max(t.name))
-            shapes = {t.name: context.get_tensor_shape(t.name) for t in self._outputs}
-            bounds = {n: context.get_max_output_size(n) for n, s in shapes.items() if -1 in s}
-            plans.append(plan_buffers(self._io, profile, shapes, bounds))
-        self._cuda.synchronize(stream)
-        self._cuda.destroy(stream)
-        return plans
-
-    @property
-    def info(self) -> EngineInfo:
-        return self._info
-
-    def busy_s(self) -> float:
-        """GPU seconds spent computing batches collected so far (CUDA events)."""
-        return self._busy.total_s
-
-    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
-        return self.enqueue(inputs).result()
-
-    def enqueue(self, inputs: Mapping[str, Array]) -> PendingBatch:
-        """Queue one batch on the next execution context and return without waiting for
-        the device (only for that context's previous batch, if it is still queued).
-
-        Raises:
-            BadInput: an input is missing, or the shapes lie outside every profile.
-        """
-        missing = [t.name for t in self._inputs if t.name not in inputs]
-        if missing:
-            raise BadInput(f"missing inputs {missing}")
-        shapes = {t.name: tuple(int(d) for d in np.shape(inputs[t.name])) for t in self._inputs}
-        profile = select_profile(self.profiles, shapes)
-        slot = self._slots[self._queued % len(self._slots)]
-        while any(p.slot is slot for p in self._in_flight):
-            self._collect_oldest()
-        cuda, stream, context = self._cuda, slot.stream, slot.context
-        if slot.profile != profile.index:
-            context.set_optimization_profile_async(profile.index, stream.handle)
-            slot.profile = profile.index
-        buffers = slot.buffers[profile.index]
-        for t in self._inputs:
-            host, device = buffers[t.name]
-            assert device is not None  # (inputs always have one)
-            view = host.view(np.dtype(t.dtype), shapes[t.name])
-            np.copyto(view, inputs[t.name], casting="same_kind")
-            cuda.to_device(device, host, view.nbytes, stream)
-            context.set_input_shape(t.name, shapes[t.name])
-            context.set_tensor_address(t.name, device.ptr)
-        out_shapes: dict[str, Shape] = {}
-        for t in self._outputs:
-            device = buffers[t.name][1]
-            if device is not None:
-                out_shapes[t.name] = context.get_tensor_shape(t.name)
-                context.set_tensor_address(t.name, device.ptr)
-        if slot.store is not None:
-            slot.store.forget_shapes()
-        cuda.record(slot.start, stream)
-        if not context.execute_async_v3(stream.handle):
-            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log)")
-        end = self._ends[self._queued % len(self._ends)]
-        cuda.record(end, stream)
-        self._copy_back(slot, buffers, out_shapes)
-        cuda.record(slot.done, stream)
-        self._queued += 1
-        pending = PendingBatch(self, slot, end, out_shapes)
-        self._in_flight.append(pending)
-        return pending
-
-    def _copy_back(
-        self, slot: Slot, buffers: Mapping[str, tuple[Any, Any]], out_shapes: dict[str, Shape]
-    ) -> None:
-        """Queue every output's copy to its pinned buffer (a data-dependent output's shape
-        is known once TensorRT has told its allocator: after the run, if not during it)."""
-        for t in self._outputs:
-            host, device = buffers[t.name]
-            if device is None:
-                store = slot.store
-                assert store is not None  # (a data-dependent output has one)
-                if store.shapes[t.name] is None:
-                    self._cuda.synchronize(slot.stream)
-                shape = store.shapes[t.name]
-                if shape is None:
-                    raise RuntimeError(f"TensorRT gave no shape for output {t.name!r}")
-                out_shapes[t.name] = shape
-                device = store.buffers[t.name]
-            nbytes = int(np.prod(out_shapes[t.name], dtype=np.int64)) * np.dtype(t.dtype).itemsize
-            self._cuda.to_host(host, device, nbytes, slot.stream)
-
-    def _collect_oldest(self) -> None:
-        """Wait for the oldest queued batch, time it, and copy its outputs out."""
-        pending = self._in_flight.popleft()
-        slot, cuda = pending.slot, self._cuda
-        cuda.wait_event(slot.done)
-        compute_s = cuda.elapsed_s(slot.start, pending.end)
-        gap_s = None if self._last_end is None else cuda.elapsed_s(self._last_end, slot.start)
-        self._busy.add(compute_s, gap_s)
-        self._last_end = pending.end
-        assert pending.profile is not None
-        buffers = slot.buffers[pending.profile]
-        pending.outputs = {
-            t.name: buffers[t.name][0].view(np.dtype(t.dtype), pending.shapes[t.name]).copy()
-            for t in self._outputs
-        }
-
-    def close(self) -> None:
-        while self._in_flight:
-            self._collect_oldest()
-        for slot in self._slots:
-            slot.close(self._cuda)
-        for event in self._ends:
-            self._cuda.destroy(event)
-        self._slots.clear()
-        self._plan.close()
-        if self._owns_cuda:
-            self._cuda.close()
-
-
-# -- the adapter: the only code that touches tensorrt ----------------------------------
+# -- running a plan -------------------------------------------------------------------
 
 
 class TrtPlan:
@@ -358,3 +162,122 @@ def _allocator_class(trt: Any) -> Any:
             self._store.notify_shape(tensor_name, tuple(shape))
 
     return StoreAllocator
+
+
+# -- building a plan ------------------------------------------------------------------
+
+
+def tensorrt_version() -> str:
+    """``tensorrt.__version__`` (importing the module creates no TensorRT object).
+
+    Raises:
+        ImportError: tensorrt is not installed.
+    """
+    import tensorrt as trt
+
+    return str(trt.__version__)
+
+
+class TensorRTBuilder:
+    """One build: a network parsed from an ONNX file, a config, a plan.
+
+    Raises:
+        ImportError: from the constructor, when tensorrt is not installed.
+    """
+
+    def __init__(self) -> None:
+        import tensorrt as trt
+
+        self.version: str = str(trt.__version__)
+        # The logger must outlive every object made with it: it is kept here.
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._builder = trt.Builder(self._logger)
+        self._network: Any = None
+        self._parser: Any = None
+        self._config: Any = None
+        self._timing: Any = None  # (TensorRT needs it alive until the build ends)
+        self._monitor: Any = None
+
+    def create_network(self, strongly_typed: bool) -> None:
+        import tensorrt as trt
+
+        flags = 0
+        if strongly_typed:
+            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        self._network = self._builder.create_network(flags)
+
+    def parse_onnx(self, path: str) -> list[str]:
+        """Parse the ONNX file at ``path`` into the network; the parser's errors."""
+        import tensorrt as trt
+
+        self._parser = trt.OnnxParser(self._network, self._logger)
+        if self._parser.parse_from_file(path):
+            return []
+        return [str(self._parser.get_error(i)) for i in range(self._parser.num_errors)]
+
+    def create_config(self, workspace_bytes: int | None) -> None:
+        import tensorrt as trt
+
+        self._config = self._builder.create_builder_config()
+        if workspace_bytes is not None:
+            self._config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+
+    def set_precision_flag(self, name: str) -> None:
+        """Set ``BuilderFlag.<name>`` (FP16 or INT8: TensorRT 10 only).
+
+        Raises:
+            ValueError: this release has no such flag.
+        """
+        import tensorrt as trt
+
+        flags = trt.BuilderFlag
+        if name == "FP16" and hasattr(flags, "FP16"):
+            self._config.set_flag(flags.FP16)
+        elif name == "INT8" and hasattr(flags, "INT8"):
+            self._config.set_flag(flags.INT8)
+        else:
+            raise ValueError(f"TensorRT {self.version} has no builder flag {name}")
+
+    def add_profile(self, shapes: Sequence[tuple[str, Shape, Shape, Shape]]) -> int:
+        """Add one optimization profile (name, min, opt, max per input); its index."""
+        profile = self._builder.create_optimization_profile()
+        for name, low, opt, high in shapes:
+            profile.set_shape(name, low, opt, high)
+        return int(self._config.add_optimization_profile(profile))
+
+    def set_timing_cache(self, data: bytes) -> bool:
+        """Use the serialized timing cache ``data`` (``b""``: a new one); False when
+        TensorRT refuses it (made on another device or release)."""
+        self._timing = self._config.create_timing_cache(data)
+        return bool(self._config.set_timing_cache(self._timing, False))
+
+    def timing_cache(self) -> bytes:
+        """The timing cache as it is now (after a build: with that build's timings)."""
+        return bytes(self._config.get_timing_cache().serialize())
+
+    def set_listener(self, listener: BuildListener) -> None:
+        """Report the build's phases to ``listener`` (IProgressMonitor)."""
+        import tensorrt as trt
+
+        class Monitor(trt.IProgressMonitor):  # type: ignore[misc]
+            def __init__(self) -> None:
+                trt.IProgressMonitor.__init__(self)
+
+            def phase_start(
+                self, phase_name: str, parent_phase: str | None, num_steps: int
+            ) -> None:
+                listener.phase_start(phase_name, parent_phase, num_steps)
+
+            def step_complete(self, phase_name: str, step: int) -> bool:
+                return listener.step_complete(phase_name, step)
+
+            def phase_finish(self, phase_name: str) -> None:
+                listener.phase_finish(phase_name)
+
+        self._monitor = Monitor()
+        self._config.progress_monitor = self._monitor
+
+    def build(self) -> bytes | None:
+        """The serialized plan, or None when TensorRT built none (its log says why)."""
+        plan = self._builder.build_serialized_network(self._network, self._config)
+        return None if plan is None else bytes(plan)

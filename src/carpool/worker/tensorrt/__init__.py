@@ -1,6 +1,6 @@
 """tensorrt: building TensorRT plans from a model repository, and caching them.
 
-Pure modules decide; one adapter (:mod:`carpool.worker.engines.trt_builder`) calls
+Pure modules decide; one adapter (:mod:`carpool.worker.engines.trt`) calls
 TensorRT. :mod:`.versions` reads what a TensorRT release can do from its version string,
 :mod:`.precision` turns a requested precision into network and builder flags,
 :mod:`.profiles` derives optimization profiles from a model's buckets and shape rules

@@ -3,7 +3,7 @@
 :func:`prepare` (pure) checks the profile set's size, turns the precision into flags for
 this TensorRT release and computes the plan's cache key; :func:`ensure` looks the key up
 and, on a miss, builds (or refuses, where the caller may not build); :func:`build` drives
-a :class:`Builder` — :class:`~carpool.worker.engines.trt_builder.TensorRTBuilder`, or a
+a :class:`Builder` — :class:`~carpool.worker.engines.trt.TensorRTBuilder`, or a
 recording fake in the tests — through one build: network, ONNX parse, config, precision
 flags, one optimization profile per profile, the timing cache loaded before and saved
 after, the progress listener, the plan stored with its sidecar.
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Protocol
 
 from carpool.common.errors import CarpoolError
-from carpool.worker.engines.trt_builder import BuildListener
 from carpool.worker.models import sha256_of
 from carpool.worker.tensorrt import cache
 from carpool.worker.tensorrt.cache import Device, Hit, PlanKey
@@ -26,13 +25,32 @@ from carpool.worker.tensorrt.precision import plan as precision_plan
 from carpool.worker.tensorrt.profiles import Limits, Profile, check_limits
 from carpool.worker.tensorrt.versions import TrtVersion
 
-__all__ = ["BuildError", "BuildRequest", "Builder", "Outcome", "build", "ensure", "prepare"]
+__all__ = [
+    "BuildError",
+    "BuildListener",
+    "BuildRequest",
+    "Builder",
+    "Outcome",
+    "build",
+    "ensure",
+    "prepare",
+]
 
 Shape = tuple[int, ...]
 
 
 class BuildError(CarpoolError):
     """A plan could not be had: TensorRT failed, or the worker may not build one."""
+
+
+class BuildListener(Protocol):
+    """What hears TensorRT's build phases (IProgressMonitor's calls, same arguments)."""
+
+    def phase_start(self, phase: str, parent: str | None, steps: int) -> None: ...
+
+    def step_complete(self, phase: str, step: int) -> bool: ...
+
+    def phase_finish(self, phase: str) -> None: ...
 
 
 class Builder(Protocol):

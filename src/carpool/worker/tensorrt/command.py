@@ -101,7 +101,7 @@ def _build_engine(args: argparse.Namespace) -> int:
     found = probe()
     if found.device is None:
         return _unavailable(found.reason)
-    from carpool.worker.engines.trt_builder import TensorRTBuilder, tensorrt_version
+    from carpool.worker.engines.trt import TensorRTBuilder, tensorrt_version
 
     try:
         version = TrtVersion.parse(tensorrt_version())

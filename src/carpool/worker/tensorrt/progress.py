@@ -2,7 +2,7 @@
 terminal, plain lines elsewhere (a log, a CI job).
 
 Both hear TensorRT's IProgressMonitor calls (phase started with its step count, step
-done, phase finished; phases nest), through the adapter's BuildListener. The plain one
+done, phase finished; phases nest), through the BuildListener of :mod:`.build`. The plain one
 prints a phase's start and end and a line each tenth of its steps, so a long build
 shows it is alive without flooding a log.
 """

@@ -4,7 +4,9 @@ Every name bound to the tensorrt module (``import tensorrt as trt``) is followed
 the code: ``trt.X`` is a module member; ``trt.C(...)`` an instance of class ``C``; a
 method call or property of a known class has the class its pybind11 signature returns
 (recorded in the member lists, tests/data/tensorrt/); local names and ``self``
-attributes keep the type of what was assigned to them. Each attribute read or written on
+attributes keep the type of what was assigned to them, and the parameters of a function
+or class of the module (its ``__init__``'s) the types of the arguments it is called with.
+Each attribute read or written on
 such a value is a :class:`Use`. A use on a value derived from tensorrt whose class cannot
 be told is a use of class ``?``, so the check can say so instead of passing it by. A
 class defined on a tensorrt base uses the base's member for each public method it
@@ -51,6 +53,8 @@ class _Walker:
         self.members = members  # class -> member -> returned class (union of the releases)
         self.aliases: set[str] = set()
         self.fields: dict[str, dict[str, str]] = {}  # class -> self attribute -> type
+        self.signatures: dict[str, list[str]] = {}  # module function/class -> its parameters
+        self.params: dict[str, dict[str, str]] = {}  # function/class -> parameter -> type
         self.uses: list[Use] = []
         self.record = False
 
@@ -79,8 +83,12 @@ class _Walker:
                 self.uses.append(Use(name, node.attr, node.lineno, guarded))
             return UNKNOWN if owner == UNKNOWN else self.member(owner, node.attr)
         if isinstance(node, ast.Call):
-            for arg in [*node.args, *(k.value for k in node.keywords)]:
-                self.typeof(arg, env, cls, guards)
+            given = [self.typeof(arg, env, cls, guards) for arg in node.args]
+            named = {k.arg: self.typeof(k.value, env, cls, guards) for k in node.keywords}
+            if isinstance(node.func, ast.Name) and node.func.id in self.signatures:
+                params = self.params.setdefault(node.func.id, {})
+                pairs = [*zip(self.signatures[node.func.id], given, strict=False), *named.items()]
+                params.update({p: kind for p, kind in pairs if p is not None and kind})
             called = self.typeof(node.func, env, cls, guards)
             if called is None:
                 return None
@@ -121,9 +129,23 @@ class _Walker:
                         self.uses.append(Use(name, item.name, item.lineno, False))
             self.body(stmt.body, dict(env), stmt.name, guards)
         elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
-            self.body(stmt.body, dict(env), cls, guards)
+            # A module function's parameters, or its class's __init__'s, typed by its calls.
+            owner = cls if stmt.name == "__init__" else None if cls else stmt.name
+            self.body(stmt.body, {**env, **self.params.get(owner or "", {})}, cls, guards)
         elif isinstance(stmt, ast.Assign):
-            kind = self.typeof(stmt.value, env, cls, guards)
+            value = stmt.value
+            tuples = [t for t in stmt.targets if isinstance(t, ast.Tuple)]
+            if (
+                isinstance(value, ast.Tuple)
+                and len(tuples) == len(stmt.targets)
+                and all(len(t.elts) == len(value.elts) for t in tuples)
+            ):  # a, b = x, y: each name the type of its value
+                kinds = [self.typeof(v, env, cls, guards) for v in value.elts]
+                for each in tuples:
+                    for element, kind in zip(each.elts, kinds, strict=True):
+                        self.assign(element, kind, env, cls, guards)
+                return
+            kind = self.typeof(value, env, cls, guards)
             for target in stmt.targets:
                 self.assign(target, kind, env, cls, guards)
         elif isinstance(stmt, ast.AnnAssign | ast.AugAssign):
@@ -148,8 +170,16 @@ def uses(source: str, members: Mapping[str, Mapping[str, Any]]) -> list[Use]:
     the class it returns, over the releases checked)."""
     tree = ast.parse(source)
     walker = _Walker(members)
-    # The first pass learns the types of self attributes; the second records the uses.
-    for record in (False, True):
+    for stmt in tree.body:
+        if isinstance(stmt, ast.FunctionDef):
+            walker.signatures[stmt.name] = [a.arg for a in stmt.args.args]
+        elif isinstance(stmt, ast.ClassDef):
+            for item in stmt.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    walker.signatures[stmt.name] = [a.arg for a in item.args.args[1:]]
+    # The first passes learn the types of self attributes and parameters (a class may be
+    # called before its definition); the last records the uses.
+    for record in (False, False, True):
         walker.record = record
         walker.body(tree.body, {}, None, frozenset())
     return walker.uses

@@ -1,5 +1,5 @@
 """The TensorRT API surface: every tensorrt attribute the adapters use (read from their
-source, src/carpool/worker/engines/trt*.py) is a member of the real binding modules of
+source, src/carpool/worker/engines/trt.py) is a member of the real binding modules of
 TensorRT 10.3 (JetPack 6) and 11.4, as tools/trt_members.py recorded them in
 tests/data/tensorrt/; one only guarded by ``hasattr`` may be missing from one of them."""
 
@@ -63,7 +63,7 @@ def problems(found: list[Use], where: str) -> list[str]:
 
 def test_only_the_adapters_import_tensorrt() -> None:
     engines = SRC / "worker" / "engines"
-    assert [engines / "trt.py", engines / "trt_builder.py"] == ADAPTERS
+    assert [engines / "trt.py"] == ADAPTERS
 
 
 @pytest.mark.parametrize("path", ADAPTERS, ids=lambda p: p.name)
@@ -73,11 +73,15 @@ def test_every_tensorrt_attribute_an_adapter_uses_is_in_10_3_and_11_4(path: Path
     assert problems(found, str(path.relative_to(ROOT))) == []
 
 
-def test_the_builder_adapter_reaches_the_classes_it_builds_with() -> None:
+def test_the_walk_reaches_the_classes_the_adapter_runs_and_builds_with() -> None:
     """The walk follows the adapter's values to their classes (not only trt.X names)."""
-    found = uses((ROOT / "src/carpool/worker/engines/trt_builder.py").read_text(), ALL)
+    found = uses((ROOT / "src/carpool/worker/engines/trt.py").read_text(), ALL)
     assert {u.cls for u in found} >= {
         "<module>",
+        "Runtime",
+        "ICudaEngine",
+        "IExecutionContext",
+        "IOutputAllocator",
         "Builder",
         "IBuilderConfig",
         "OnnxParser",
@@ -152,6 +156,20 @@ def run(path):
     except RuntimeError:
         trt.Logger.LOUD
 
+class Context:
+    def __init__(self, trt_context):
+        self._context = trt_context
+
+    def run(self, stream):
+        return self._context.execute_async_v4(stream)
+
+def make(engine):
+    made, tensors = engine.create_execution_context(), engine.num_io_tensor
+    return Context(made)
+
+def load(data):
+    return make(trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(data))
+
 class Allocator(trt.IOutputAllocator):
     def reallocate_output_async(self, tensor_name, memory, size, alignment, stream):
         return 0
@@ -164,11 +182,13 @@ class Allocator(trt.IOutputAllocator):
 """
 
 
-def test_the_check_reaches_with_try_except_and_overrides() -> None:
+def test_the_check_reaches_with_try_except_overrides_and_arguments() -> None:
     found = [p.split(" is not in")[0] for p in problems(uses(NESTED, ALL), "nested.py")]
     assert found == [
         "nested.py:6: tensorrt <module>.Runtimee",
         "nested.py:9: tensorrt Builder.no_such_method",
         "nested.py:11: tensorrt Logger.LOUD",
-        "nested.py:17: tensorrt IOutputAllocator.notify_shapes",
+        "nested.py:18: tensorrt IExecutionContext.execute_async_v4",
+        "nested.py:21: tensorrt ICudaEngine.num_io_tensor",
+        "nested.py:31: tensorrt IOutputAllocator.notify_shapes",
     ]
