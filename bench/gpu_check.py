@@ -5,7 +5,7 @@
 In order, each step recorded as ok, skipped (with the reason) or failed:
 
 1. environment: which of the packages involved import, and the cores;
-2. probe: the worker's GPU probe (a child process asks the CUDA runtime);
+2. probe: the worker's GPU probe (a child process asks NVML, else the CUDA driver);
 3. cuda: each CUDA binding of the worker's CUDA layer that opens: pinned buffers, async
    copies both ways (bandwidth from CUDA events), events;
 4. pipeline: the TensorRT engine's CUDA pipeline with a CuPy kernel standing in for
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from carpool.worker.cuda import open_cuda  # noqa: E402
 from carpool.worker.cuda.base import CudaUnavailable  # noqa: E402
-from carpool.worker.engines.gpu_probe import probe_gpu  # noqa: E402
+from carpool.worker.tensorrt.probe import probe  # noqa: E402
 
 Step = dict[str, Any]
 PACKAGES = ("cuda.bindings", "pycuda", "cupy", "tensorrt", "pynvml", "onnxruntime", "zmq")
@@ -211,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     start = time.perf_counter()
     report: dict[str, Step] = {"environment": environment()}
-    found = probe_gpu()
+    found = probe()
     report["probe"] = {
         "status": "ok" if found.ok else "skipped",
-        "devices": found.devices,
-        "binding": found.binding,
+        "gpu": None if found.device is None else found.device.name,
+        "compute_capability": None if found.device is None else found.device.compute_capability,
+        "via": found.via,
         "reason": found.reason,
     }
     if found.ok:

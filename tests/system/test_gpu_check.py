@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from carpool.worker.engines.gpu_probe import probe_gpu
+from carpool.worker.tensorrt.probe import probe
 
 CHECK = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 
 
 def test_without_a_gpu_the_check_reports_what_it_skipped(tmp_path: Path) -> None:
-    if probe_gpu().ok:
+    if probe().ok:
         pytest.skip("a CUDA device answers here: the GPU check's own run covers it")
     report_path = tmp_path / "report.json"
     done = subprocess.run(

@@ -5,8 +5,10 @@ It never imports tensorrt: it calls TensorRT through the adapter protocols of
 :mod:`carpool.worker.engines.trt` implements on tensorrt and the tests on a recording
 fake; CUDA goes through :mod:`carpool.worker.cuda`. Its logic:
 
-- the profile of each batch is chosen from its shapes (:func:`~.trt_plan.select_profile`);
-  a shape in no profile is refused as bad input;
+- the profiles are read back from the plan; each batch runs in the tightest that admits
+  its shapes (:func:`~carpool.worker.tensorrt.profiles.select_profile`), and a shape in no
+  profile is refused as bad input; the shape rules, ``preferred_batch`` and
+  ``max_batch`` it announces are the profiles' (min/max, opt, max batch);
 - every buffer is allocated when the engine is made: per execution context and profile,
   a pinned host and a device buffer per tensor, at the profile's max; none per batch;
 - two (or more) execution contexts take batches in turn, each on its own stream, so one
@@ -28,19 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from carpool.common.protocol import TensorMeta
 from carpool.worker.cuda.base import Cuda, Event
 from carpool.worker.engines.base import Array, BadInput, EngineInfo
-from carpool.worker.engines.trt_plan import (
-    BufferPlan,
-    BusyClock,
-    Profile,
-    Shape,
-    engine_info,
-    plan_buffers,
-    select_profile,
-)
+from carpool.worker.engines.trt_plan import BufferPlan, BusyClock, Shape, plan_buffers
 from carpool.worker.engines.trt_slots import ContextAdapter, PlanAdapter, Slot
 from carpool.worker.shapes import ModelShapes, declare
+from carpool.worker.tensorrt.profiles import InputRange, Profile, engine_info, select_profile
 
 #: Execution contexts by default: two let one batch's copies overlap the other's compute.
 CONTEXTS = 2
@@ -95,10 +91,20 @@ class TensorRTEngine:
         self._inputs = [t for t in self._io if t.is_input]
         self._outputs = [t for t in self._io if not t.is_input]
         self.profiles = [
-            Profile(i, {t.name: plan.get_tensor_profile_shape(t.name, i) for t in self._inputs})
+            Profile(
+                tuple(
+                    InputRange(t.name, *plan.get_tensor_profile_shape(t.name, i))
+                    for t in self._inputs
+                )
+            )
             for i in range(plan.num_optimization_profiles())
         ]
-        self._info = engine_info(self._io, self.profiles, what)
+        self._info = engine_info(
+            [TensorMeta(t.name, t.dtype, t.shape) for t in self._inputs],
+            [TensorMeta(t.name, t.dtype, t.shape) for t in self._outputs],
+            self.profiles,
+            what,
+        )
         if shapes is not None:  # (its warm-up shapes, where it declares any, replace these)
             declared = declare(self._info, shapes, what)
             self._info = dataclasses.replace(declared, warmup=declared.warmup or self._info.warmup)
@@ -120,13 +126,13 @@ class TensorRTEngine:
         """Each profile's buffers, from the output shapes the context gives its max."""
         stream = self._cuda.stream()
         plans = []
-        for profile in self.profiles:
-            context.set_optimization_profile_async(profile.index, stream.handle)
+        for index, profile in enumerate(self.profiles):
+            context.set_optimization_profile_async(index, stream.handle)
             for t in self._inputs:
-                context.set_input_shape(t.name, profile.max(t.name))
+                context.set_input_shape(t.name, profile.range_of(t.name).max)
             shapes = {t.name: context.get_tensor_shape(t.name) for t in self._outputs}
             bounds = {n: context.get_max_output_size(n) for n, s in shapes.items() if -1 in s}
-            plans.append(plan_buffers(self._io, profile, shapes, bounds))
+            plans.append(plan_buffers(self._io, index, profile, shapes, bounds))
         self._cuda.synchronize(stream)
         self._cuda.destroy(stream)
         return plans
@@ -158,10 +164,10 @@ class TensorRTEngine:
         while any(p.slot is slot for p in self._in_flight):
             self._collect_oldest()
         cuda, stream, context = self._cuda, slot.stream, slot.context
-        if slot.profile != profile.index:
-            context.set_optimization_profile_async(profile.index, stream.handle)
-            slot.profile = profile.index
-        buffers = slot.buffers[profile.index]
+        if slot.profile != profile:
+            context.set_optimization_profile_async(profile, stream.handle)
+            slot.profile = profile
+        buffers = slot.buffers[profile]
         for t in self._inputs:
             host, device = buffers[t.name]
             assert device is not None  # (inputs always have one)

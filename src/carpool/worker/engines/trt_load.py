@@ -1,8 +1,9 @@
 """trt_load.py: a model's TensorRT engine, or its ONNX Runtime engine when TensorRT
 cannot serve it here.
 
-Before any TensorRT object is made: is tensorrt installed, does a CUDA device answer
-(:func:`~.gpu_probe.probe_gpu`, in a child process), is the plan there. Then the CUDA layer
+Before any TensorRT object is made: is tensorrt installed, does a GPU answer
+(:func:`~carpool.worker.tensorrt.probe.probe`, in a child process), is the plan there. Then
+the CUDA layer
 is opened on this thread (the inference thread, which owns it) and the plan loaded. A
 worker without TensorRT, without a GPU, or with a plan that fails to load (missing, built
 by another TensorRT or for another GPU) says so in one log line and serves the same ONNX
@@ -20,13 +21,13 @@ from carpool.common.errors import ConfigError
 from carpool.worker.cuda import open_cuda
 from carpool.worker.cuda.base import CudaError, CudaUnavailable
 from carpool.worker.engines.base import Engine
-from carpool.worker.engines.gpu_probe import GpuProbe, probe_gpu
 from carpool.worker.shapes import ModelShapes
+from carpool.worker.tensorrt.probe import GpuProbe, probe
 
 logger = logging.getLogger(__name__)
 
 
-def unavailable(plan: Path, probe: Callable[[], GpuProbe] = probe_gpu) -> str | None:
+def unavailable(plan: Path, probe: Callable[[], GpuProbe] = probe) -> str | None:
     """Why TensorRT cannot serve ``plan`` here, or None when it may try; nothing of
     TensorRT is imported or made."""
     if importlib.util.find_spec("tensorrt") is None:
@@ -62,7 +63,7 @@ def tensorrt_or_onnxruntime(
     *,
     may_fall_back: bool = True,
     shapes: ModelShapes | None = None,
-    probe: Callable[[], GpuProbe] = probe_gpu,
+    probe: Callable[[], GpuProbe] = probe,
 ) -> Engine:
     """The TensorRT engine of ``plan``, else (logged, one line) ``onnxruntime()``.
 

@@ -4,8 +4,10 @@ A TensorRT Runtime or Builder made without a usable GPU can return a null-backed
 that crashes the interpreter on first use, so a worker or ``carpool build-engine`` asks
 first, in a child process (a crash there is an answer, not the end of this process):
 NVML (nvidia-ml-py) where it answers, as on GPU servers; else the CUDA driver through
-cuda-python (``cuDeviceGetCount``), as on a Jetson, whose iGPU has no NVML. The child
-prints one JSON line; :func:`parse` (pure) reads it.
+cuda-python (``cuDeviceGetCount``), as on a Jetson, whose iGPU has no NVML; else pycuda,
+which some Jetson setups have instead. The child prints one JSON line; :func:`parse`
+(pure) reads it. The worker's fallback, ``carpool build-engine`` and bench/gpu_check.py
+all ask through :func:`probe`.
 """
 
 from __future__ import annotations
@@ -50,8 +52,17 @@ def cuda():
     minor = attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
     return name, [ok(cu.cuDeviceGetAttribute(major, dev)), ok(cu.cuDeviceGetAttribute(minor, dev))]
 
+def pycuda():
+    import pycuda.driver as drv
+    drv.init()
+    if drv.Device.count() < 1:
+        raise RuntimeError("pycuda sees no GPU")
+    dev = drv.Device(0)
+    return dev.name(), list(dev.compute_capability())
+
 why = []
-for via, ask, package in (("nvml", nvml, "nvidia-ml-py"), ("cuda", cuda, "cuda-python")):
+ways = [("nvml", nvml, "nvidia-ml-py"), ("cuda", cuda, "cuda-python")]
+for via, ask, package in ways + [("pycuda", pycuda, "pycuda")]:
     try:
         name, cc = ask()
     except ImportError:
@@ -72,7 +83,11 @@ class GpuProbe:
 
     device: Device | None
     reason: str = ""  # why there is no GPU (empty when there is one)
-    via: str = ""  # nvml | cuda
+    via: str = ""  # nvml | cuda | pycuda
+
+    @property
+    def ok(self) -> bool:
+        return self.device is not None
 
 
 def parse(returncode: int, stdout: str, l4t: str | None = None) -> GpuProbe:
@@ -97,8 +112,14 @@ def probe(timeout_s: float = 30.0) -> GpuProbe:
     """Ask a child process for the first GPU (with this machine's L4T release)."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=timeout_s
+            [sys.executable, "-c", _CHILD],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return GpuProbe(None, f"the GPU probe did not answer within {timeout_s:g} s")
+    except OSError as exc:
+        return GpuProbe(None, f"the GPU probe could not start: {exc}")
     return parse(done.returncode, done.stdout, read_l4t())

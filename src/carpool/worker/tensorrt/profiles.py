@@ -15,9 +15,13 @@ A profile gives every input a min, opt and max shape (dim 0 is the batch). From 
 
 :func:`check_limits` refuses sets that make builds slow and plans large: more than
 ``max_profiles`` profiles, or a dim whose max/min exceeds ``max_ratio``, naming the model,
-the input and the dim. :func:`select_profile` picks the profile of a batch; the broker's shape
-rules and a worker's preferred batch sizes come from the profiles too
-(:func:`shape_rules_from_profiles`, :func:`preferred_batch`).
+the input and the dim.
+
+The same :class:`Profile` serves a plan: the engine reads its profiles back from the plan
+(``get_tensor_profile_shape``). :func:`select_profile` picks the profile of a batch (or
+refuses its shapes, naming each profile's ranges), and what the worker announces comes
+from them (:func:`engine_info`: the shape rules from their min/max, ``preferred_batch``
+from their opt batch sizes, ``max_batch`` their largest max batch).
 """
 
 from __future__ import annotations
@@ -26,17 +30,22 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from carpool.common.errors import ConfigError, InvalidArgument
+from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
-from carpool.worker.config import ModelConfig
+from carpool.worker.engines.base import BadInput, EngineInfo
+
+if TYPE_CHECKING:  # (the serving side imports this module without the worker's config)
+    from carpool.worker.config import ModelConfig
 
 __all__ = [
     "InputRange",
     "Limits",
     "Profile",
     "check_limits",
+    "engine_info",
     "from_flags",
     "from_model",
     "max_batch",
@@ -84,6 +93,34 @@ class Profile:
 
     def admits(self, shapes: Mapping[str, Sequence[int]]) -> bool:
         return all(r.admits(shapes.get(r.name, ())) for r in self.inputs)
+
+    def refusal(self, shapes: Mapping[str, Sequence[int]]) -> str | None:
+        """Why ``shapes`` (per input) lie outside this profile, naming the input and dim;
+        None when inside."""
+        for r in self.inputs:
+            shape = tuple(shapes.get(r.name, ()))
+            if len(shape) != len(r.min):
+                return f"input {r.name!r} has {len(shape)} dims, the engine takes {len(r.min)}"
+            for d, (n, lo, hi) in enumerate(zip(shape, r.min, r.max, strict=True)):
+                if not lo <= n <= hi:
+                    dim = "the batch (dim 0)" if d == 0 else f"dim {d}"
+                    return f"input {r.name!r}: {dim} is {n}, not in {lo}..{hi}"
+        return None
+
+    def range_of(self, name: str) -> InputRange:
+        """Input ``name``'s range.
+
+        Raises:
+            KeyError: no such input.
+        """
+        for r in self.inputs:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def max_volume(self) -> int:
+        """Elements of every input at its max shape (the smaller, the tighter)."""
+        return sum(math.prod(r.max) for r in self.inputs)
 
     def text(self) -> str:
         return ", ".join(r.text() for r in self.inputs)
@@ -290,25 +327,32 @@ def check_limits(model: str, profiles: Sequence[Profile], limits: Limits) -> Non
 
 
 def select_profile(profiles: Sequence[Profile], shapes: Mapping[str, Sequence[int]]) -> int:
-    """The index of the first profile that admits every input's shape.
+    """The index of the profile a batch of these input shapes runs in: of those that admit
+    it, the one whose max shapes are smallest (kernels tuned for the nearest sizes), the
+    first of equals.
 
     Raises:
-        InvalidArgument: no profile does; the message lists what each one takes.
+        BadInput: no profile admits the shapes; the message gives each profile's ranges
+            and the dim it refuses.
     """
-    for k, profile in enumerate(profiles):
-        if profile.admits(shapes):
-            return k
+    admitting = [k for k, p in enumerate(profiles) if p.admits(shapes)]
+    if admitting:
+        return min(admitting, key=lambda k: (profiles[k].max_volume(), k))
     given = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
-    allowed = "; ".join(f"profile {k}: {p.text()}" for k, p in enumerate(profiles))
-    raise InvalidArgument(f"shapes {given} fit no optimization profile ({allowed})")
+    reasons = "; ".join(
+        f"profile {k} takes {p.text()}: {p.refusal(shapes)}" for k, p in enumerate(profiles)
+    )
+    raise BadInput(f"shapes {given} lie outside every optimization profile ({reasons})")
 
 
 def shape_rules_from_profiles(profiles: Sequence[Profile]) -> dict[str, ShapeRule]:
     """Per input, the broker's rule: the least min and the greatest max of each dim over
-    the profiles (dim 0's entries are not applied: the batch is bounded by max_batch)."""
+    the profiles (dim 0's entries are not applied: the batch is bounded by max_batch).
+    Between profiles that do not touch, a shape inside this span but in no profile passes
+    the broker and is refused by the engine (:func:`select_profile`)."""
     rules: dict[str, ShapeRule] = {}
     for r in profiles[0].inputs:
-        ranges = [p_r for p in profiles for p_r in p.inputs if p_r.name == r.name]
+        ranges = [p.range_of(r.name) for p in profiles]
         lo = tuple(min(x.min[i] for x in ranges) for i in range(len(r.min)))
         hi = tuple(max(x.max[i] for x in ranges) for i in range(len(r.max)))
         rules[r.name] = ShapeRule(lo, hi)
@@ -316,10 +360,44 @@ def shape_rules_from_profiles(profiles: Sequence[Profile]) -> dict[str, ShapeRul
 
 
 def preferred_batch(profiles: Sequence[Profile]) -> tuple[int, ...]:
-    """The batch sizes the profiles are tuned for (their opt batch), ascending."""
-    return tuple(sorted({p.inputs[0].opt[0] for p in profiles if p.inputs}))
+    """The batch sizes the profiles are tuned for (each one's opt batch), ascending."""
+    return tuple(sorted({min(r.opt[0] for r in p.inputs) for p in profiles if p.inputs}))
 
 
 def max_batch(profiles: Sequence[Profile]) -> int:
-    """The largest batch some profile takes."""
-    return max(p.inputs[0].max[0] for p in profiles)
+    """The largest batch some profile takes (for every input)."""
+    return max(min(r.max[0] for r in p.inputs) for p in profiles)
+
+
+def engine_info(
+    inputs: Sequence[TensorMeta],
+    outputs: Sequence[TensorMeta],
+    profiles: Sequence[Profile],
+    what: str,
+) -> EngineInfo:
+    """What a worker announces for a plan with these tensors and profiles: ``max_batch``
+    from the profiles' max batch, ``preferred_batch`` their opt batch sizes, each input's
+    shape rule the span of their min..max, and a warm-up run per profile at its opt shapes.
+
+    Raises:
+        ConfigError: no profiles, or a tensor without a dynamic batch dim.
+    """
+    if not profiles:
+        raise ConfigError(f"{what}: the plan has no optimization profile")
+    for kind, tensors in (("input", inputs), ("output", outputs)):
+        for t in tensors:
+            if not t.shape or t.shape[0] != -1:
+                raise ConfigError(
+                    f"{what}: {kind} {t.name!r} has shape {list(t.shape)}; carpool needs a "
+                    "dynamic batch dim 0 (build the engine from an ONNX model whose dim 0 is "
+                    "symbolic)"
+                )
+    rules = shape_rules_from_profiles(profiles)
+    return EngineInfo(
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        max_batch=max_batch(profiles),
+        preferred_batch=preferred_batch(profiles),
+        rules=tuple(rules[t.name] for t in inputs),
+        warmup=tuple(tuple(p.range_of(t.name).opt for t in inputs) for p in profiles),
+    )

@@ -15,6 +15,13 @@ def test_an_nvml_answer_is_a_device() -> None:
     assert parse(0, out + "\n") == GpuProbe(Device("NVIDIA H200", (9, 0)), via="nvml")
 
 
+def test_a_pycuda_answer_is_a_device() -> None:
+    out = json.dumps({"name": "Orin", "cc": [8, 7], "via": "pycuda"})
+    found = parse(0, out)
+    assert found.ok
+    assert found.via == "pycuda"
+
+
 def test_a_jetson_answer_carries_its_l4t_release() -> None:
     out = json.dumps({"name": "Orin", "cc": [8, 7], "via": "cuda"})
     assert parse(0, out, "R36.4.3").device == Device("Orin", (8, 7), "R36.4.3")
@@ -32,6 +39,7 @@ def test_a_jetson_answer_carries_its_l4t_release() -> None:
 def test_a_missing_or_crashed_gpu_is_a_reason(rc, out, words) -> None:
     found = parse(rc, out)
     assert found.device is None
+    assert not found.ok
     assert words in found.reason
 
 

@@ -9,11 +9,12 @@ import re
 
 import pytest
 
-from carpool.common.errors import ConfigError, InvalidArgument
+from carpool.common.errors import ConfigError
 from carpool.common.padding import PadRule
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.config import ModelConfig
+from carpool.worker.engines.base import BadInput
 from carpool.worker.shapes import InputConfig
 from carpool.worker.tensorrt import profiles
 from carpool.worker.tensorrt.profiles import InputRange, Limits, Profile
@@ -182,12 +183,89 @@ def test_a_batch_selects_the_profile_that_admits_its_shapes(shape, index) -> Non
 
 
 def test_a_shape_outside_every_profile_is_refused_listing_what_each_takes() -> None:
-    with pytest.raises(InvalidArgument) as caught:
+    with pytest.raises(BadInput) as caught:
         profiles.select_profile(BUCKETED, {"x": (9, 3, 48, 160)})
     assert str(caught.value) == (
-        "shapes x [9, 3, 48, 160] fit no optimization profile (profile 0: x [1..8, 3, 48, 160]; "
-        "profile 1: x [1..8, 3, 48, 320])"
+        "shapes x [9, 3, 48, 160] lie outside every optimization profile (profile 0 takes "
+        "x [1..8, 3, 48, 160]: input 'x': the batch (dim 0) is 9, not in 1..8; profile 1 "
+        "takes x [1..8, 3, 48, 320]: input 'x': the batch (dim 0) is 9, not in 1..8)"
     )
+
+
+def _two(low: tuple[int, ...], opt: tuple[int, ...], high: tuple[int, ...]) -> Profile:
+    """A profile of inputs x (``low``, ``opt``, ``high``) and m (the same batch range)."""
+    return Profile((InputRange("x", low, opt, high), InputRange("m", low[:1], opt[:1], high[:1])))
+
+
+SMALL = _two((1, 32), (4, 64), (8, 128))
+LARGE = _two((1, 32), (32, 64), (64, 128))
+WIDE = _two((1, 128), (4, 256), (8, 512))
+
+
+@pytest.mark.parametrize(
+    ("x", "m", "chosen"),
+    [((2, 64), (2,), 1), ((8, 128), (8,), 1), ((9, 64), (9,), 0), ((4, 300), (4,), 2)],
+)
+def test_select_profile_takes_the_tightest_that_admits_every_input(x, m, chosen) -> None:
+    assert profiles.select_profile([LARGE, SMALL, WIDE], {"x": x, "m": m}) == chosen
+
+
+def test_select_profile_takes_the_first_of_equals() -> None:
+    assert profiles.select_profile([SMALL, SMALL], {"x": (2, 64), "m": (2,)}) == 0
+
+
+@pytest.mark.parametrize(
+    ("x", "m", "reason"),
+    [
+        (
+            (65, 64),
+            (65,),
+            "profile 1 takes x [1..64, 32..128], m [1..64]: input 'x': the "
+            "batch (dim 0) is 65, not in 1..64",
+        ),
+        (
+            (2, 16),
+            (2,),
+            "profile 0 takes x [1..8, 32..128], m [1..8]: input 'x': dim 1 is 16, not in 32..128",
+        ),
+        ((2, 64, 1), (2,), "input 'x' has 3 dims, the engine takes 2"),
+        ((2, 64), (70,), "input 'm': the batch (dim 0) is 70, not in 1..8"),
+    ],
+)
+def test_a_shape_outside_every_profile_is_refused_naming_the_dim(x, m, reason) -> None:
+    with pytest.raises(BadInput, match="outside every optimization profile") as refused:
+        profiles.select_profile([SMALL, LARGE], {"x": x, "m": m})
+    assert reason in str(refused.value)
+
+
+def test_what_a_plan_announces_comes_from_its_profiles() -> None:
+    inputs = (TensorMeta("x", "float32", (-1, -1)), TensorMeta("m", "int64", (-1,)))
+    outputs = (TensorMeta("y", "float32", (-1, 10)),)
+    info = profiles.engine_info(inputs, outputs, [SMALL, LARGE, WIDE], "m")
+    assert info.max_batch == 64
+    assert info.preferred_batch == (4, 32)  # the opt batch sizes
+    assert info.rules[0] == ShapeRule((1, 32), (64, 512))
+    assert info.rules[1] == ShapeRule((1,), (64,))
+    assert info.warmup == (((4, 64), (4,)), ((32, 64), (32,)), ((4, 256), (4,)))
+
+
+def test_max_batch_is_the_largest_one_every_input_takes() -> None:
+    uneven = Profile((InputRange("x", (1, 4), (8, 4), (16, 4)), InputRange("m", (1,), (2,), (4,))))
+    assert profiles.max_batch([uneven]) == 4
+    assert profiles.preferred_batch([uneven]) == (2,)
+
+
+@pytest.mark.parametrize(("shape", "kind"), [((4, 10), "output 'y'"), ((-1, 10), None)])
+def test_a_plan_without_a_dynamic_batch_dim_is_refused(shape, kind) -> None:
+    inputs = (TensorMeta("x", "float32", (-1, -1)), TensorMeta("m", "int64", (-1,)))
+    outputs = (TensorMeta("y", "float32", shape),)
+    if kind is None:
+        assert profiles.engine_info(inputs, outputs, [SMALL], "m").max_batch == 8
+        return
+    with pytest.raises(ConfigError, match=f"{kind} has shape .* dynamic batch dim"):
+        profiles.engine_info(inputs, outputs, [SMALL], "m")
+    with pytest.raises(ConfigError, match="no optimization profile"):
+        profiles.engine_info(inputs, (), [], "m")
 
 
 def test_the_broker_rules_are_the_envelope_of_the_profiles() -> None:
