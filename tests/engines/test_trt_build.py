@@ -1,6 +1,7 @@
 """``carpool build-engine`` on a GPU with TensorRT: a tiny ONNX model built into a
 repository's engine cache, found there the second time, and built again with a new key
-when its profiles change. Marked ``gpu``: skipped where tensorrt or a GPU is missing."""
+when its profiles change, and a worker serving it from there. Marked ``gpu``: skipped where
+tensorrt or a GPU is missing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from carpool.worker.tensorrt.probe import probe
@@ -59,3 +61,27 @@ def test_a_plan_is_built_cached_and_keyed_by_its_profiles(gpu: None, tmp_path: P
     third = _build(tmp_path, "--batch", "1:2:4")
     assert "built:" in third.stdout
     assert len(list((folder / "plans").glob("*.plan"))) == 2
+
+
+def test_a_worker_finds_the_plan_in_the_cache_and_matches_onnx_runtime(
+    gpu: None, tmp_path: Path
+) -> None:
+    from carpool.worker.engines.ort import OnnxRuntimeEngine
+    from carpool.worker.engines.trt import TensorRTEngine
+    from carpool.worker.repository import load
+
+    folder = tmp_path / "img"
+    folder.mkdir()
+    (folder / "model.toml").write_text('engine = "tensorrt"\n' + TOML)
+    image_model(folder / "model.onnx")
+    assert _build(tmp_path).returncode == 0
+    engine = load(tmp_path).models["img"].config.factory()()
+    try:
+        assert isinstance(engine, TensorRTEngine)
+        x = np.random.default_rng(0).random((3, 3, 32, 48), dtype=np.float32)
+        want = OnnxRuntimeEngine(folder / "model.onnx").run({"x": x})
+        got = engine.run({"x": x})
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-3, atol=1e-4)
+    finally:
+        engine.close()

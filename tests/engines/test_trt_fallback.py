@@ -15,13 +15,17 @@ import pytest
 
 from carpool.client import Client
 from carpool.common.errors import ConfigError
-from carpool.worker.config import ModelConfig
+from carpool.worker.config import ModelConfig, TensorRTConfig
 from carpool.worker.engines import trt_load
 from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.engines.trt_load import TensorRT
 from carpool.worker.load import engines_busy_s
 from carpool.worker.models import locate
+from carpool.worker.tensorrt import cache
+from carpool.worker.tensorrt.build import prepare, request_for
 from carpool.worker.tensorrt.cache import Device
 from carpool.worker.tensorrt.probe import GpuProbe
+from carpool.worker.tensorrt.versions import TrtVersion
 from tests.system.test_cli import Spawn, _logs, _until_registered, spawn  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
@@ -37,6 +41,14 @@ def _cls(tmp_path: Path) -> Path:
     model = tmp_path / "cls.onnx"
     shutil.copyfile(locate("ppocr-cls"), model)
     return model
+
+
+def _configured(onnx: Path) -> ModelConfig:
+    """ppocr-cls for TensorRT: its width has no upper bound, so a profile is given."""
+    profile = "x=1x3x48x192:4x3x48x192:8x3x48x192"
+    return ModelConfig(
+        name="cls", engine="tensorrt", path=str(onnx), tensorrt=TensorRTConfig(profiles=(profile,))
+    )
 
 
 def test_without_tensorrt_the_onnx_model_is_served_by_onnx_runtime(tmp_path, caplog):
@@ -57,27 +69,26 @@ def test_without_tensorrt_the_onnx_model_is_served_by_onnx_runtime(tmp_path, cap
     ("probe", "plan", "says"),
     [
         (NO_GPU, None, "no GPU found (nvml: NVMLError_LibraryNotFound)"),
-        (GPU, None, "no TensorRT plan at"),
+        (GPU, None, "this worker does not build plans: run `carpool build-engine"),
         (GPU, b"not a plan", "the plan did not load"),
     ],
     ids=["no GPU", "no plan", "plan fails to load"],
 )
 def test_each_reason_tensorrt_cannot_serve_falls_back_in_one_line(
-    tmp_path, caplog, monkeypatch, probe, plan, says
+    tmp_path, caplog, probe, plan, says
 ):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name: object() if name == "tensorrt" else real_find_spec(name),
-    )
-    plan_path = tmp_path / "cls.plan"
+    """Through the real engine cache and loader (tensorrt itself is missing here: only
+    its presence, the probe and its version are told)."""
+    config = _configured(_cls(tmp_path))
+    request = request_for(config, tmp_path, tmp_path.parent)
     if plan is not None:
-        plan_path.write_bytes(plan)
-    onnx = _cls(tmp_path)
+        version = TrtVersion.parse("10.3.0")
+        assert probe.device is not None
+        cache.store(tmp_path, prepare(request, version, probe.device).key, plan)
+    told = TensorRT(installed=lambda: True, probe=lambda: probe, version=lambda: "10.3.0")
     with caplog.at_level(logging.WARNING, logger="carpool.worker.engines.trt_load"):
         engine = trt_load.tensorrt_or_onnxruntime(
-            plan_path, "model 'cls'", lambda: OnnxRuntimeEngine(onnx), probe=lambda: probe
+            lambda: request, "model 'cls'", lambda: OnnxRuntimeEngine(request.onnx), trt=told
         )
     assert isinstance(engine, OnnxRuntimeEngine)
     assert len(caplog.records) == 1

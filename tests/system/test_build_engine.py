@@ -48,6 +48,18 @@ def test_a_dry_run_shows_the_profiles_from_the_shape_rule(repo: Path) -> None:
     ]
 
 
+def test_the_models_tensorrt_table_gives_the_defaults_and_flags_win(repo: Path) -> None:
+    toml = repo / "img" / "model.toml"
+    profile = "x=1x3x64x64:4x3x64x64:8x3x64x64"
+    toml.write_text(TOML + f'[tensorrt]\nprofiles = ["{profile}"]\nmax_ratio = 4.0\n')
+    done = _run("--repository", str(repo), "img", "--dry-run", "--max-ratio", "8")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "profile 0: x [1..8, 3, 64, 64]"
+    refused = _run("--repository", str(repo), "img", "--dry-run")  # the table's max_ratio
+    assert refused.returncode == 2
+    assert "max/min 8 is above 4" in refused.stderr
+
+
 def test_a_profile_set_too_wide_is_refused_naming_the_dim(repo: Path) -> None:
     done = _run("--repository", str(repo), "img", "--max-ratio", "4")
     assert done.returncode == 2
@@ -100,3 +112,13 @@ def test_with_tensorrt_but_no_gpu_it_exits_3_before_any_tensorrt_object(
     assert done.returncode == 3
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("carpool build-engine: cannot build here: no GPU found (")
+
+
+def test_the_built_in_recognizer_builds_a_profile_per_bucket_with_no_flags() -> None:
+    from carpool.worker.repository import BUILTIN_ROOT
+
+    done = _run("--repository", str(BUILTIN_ROOT), "ppocr-rec", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    shown = [line for line in done.stdout.splitlines() if line.startswith("profile ")]
+    assert len(shown) == 10
+    assert shown[0] == "profile 0: x [1..8, 3, 48, 160]"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +19,52 @@ from carpool.worker.engines.base import Engine
 from carpool.worker.models import SourceConfig
 from carpool.worker.server import EngineFactory, WorkerServer
 from carpool.worker.shapes import InputConfig, ModelShapes, OutputConfig
+from carpool.worker.tensorrt.precision import PRECISIONS
 
 ENGINES = ("onnxruntime", "tensorrt", "synthetic")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRTConfig:
+    """A model's ``[tensorrt]`` table: its plan's build settings, which are also part of
+    the key a worker finds the plan under in the engine cache (docs/gpu.md). Each is the
+    default of the ``carpool build-engine`` flag of that name."""
+
+    precision: str = "fp32"  # fp32 | fp16 | int8
+    # Optimization profiles, each as --profile gives one ("x=1x3x48x160:8x3x48x320:
+    # 8x3x48x320", inputs separated by ","); empty: derived from buckets and shape rules.
+    profiles: tuple[str, ...] = ()
+    batches: tuple[str, ...] = ()  # batch ranges "MIN:OPT:MAX" (--batch); empty: 1..max_batch
+    max_profiles: int = 8  # refuse a larger profile set
+    max_ratio: float = 16.0  # refuse a dim whose max/min exceeds this
+    workspace_mib: int = 0  # build scratch memory limit; 0: TensorRT's default
+    # Build a missing or stale plan on this worker, before READY (minutes; the worker's
+    # start must finish within 300 s); false: refuse, naming the build-engine command.
+    build: bool = False
+
+    def problems(self) -> list[str]:
+        from carpool.worker.tensorrt.profiles import parse_batch, parse_profile
+
+        out = []
+        if self.precision not in PRECISIONS:
+            out.append(f"tensorrt.precision must be one of {', '.join(PRECISIONS)}")
+        if self.max_profiles < 1 or self.max_ratio < 1 or self.workspace_mib < 0:
+            out.append("tensorrt: max_profiles and max_ratio must be >= 1, workspace_mib >= 0")
+        texts = [(t, parse_profile) for t in self.profiles] + [
+            (t, parse_batch) for t in self.batches
+        ]
+        out += [f"tensorrt: {why}" for text, parse in texts if (why := _refusal(parse, text))]
+        return out
+
+
+def _refusal(parse: Callable[[str], object], text: str) -> str | None:
+    try:
+        parse(text)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 #: What a model's ``backends`` may name: the engines that may serve it.
 BACKENDS = ("onnxruntime", "tensorrt", "synthetic")
 
@@ -33,11 +77,13 @@ class ModelConfig:
     name: str = "orientation"  # a built-in model's name, or any name with `path`/`source`
     engine: str = "onnxruntime"  # onnxruntime | tensorrt | synthetic
     path: str = ""  # an ONNX file; empty (and no source): the built-in model `name`
-    # tensorrt engine only: its serialized plan; empty: the ONNX file's path with the
-    # suffix .plan. Without TensorRT, a GPU or a plan that loads, ONNX Runtime serves the
-    # ONNX file (unless backends leave it out).
-    plan: str = ""
     source: SourceConfig | None = None  # or a file inside an installed wheel
+    # The model's folder: its TensorRT plans are cached in FOLDER/plans/. A repository
+    # sets it; empty: the ONNX file's folder.
+    folder: str = ""
+    # tensorrt engine only: how its plan is built and found. Without TensorRT, a GPU or a
+    # plan that loads, ONNX Runtime serves the ONNX file (unless backends leave it out).
+    tensorrt: TensorRTConfig = TensorRTConfig()
     description: str = ""
     # The engines that may serve it ("onnxruntime", "tensorrt", "synthetic"); a worker
     # refuses to serve it with another. Empty: any.
@@ -90,6 +136,7 @@ class ModelConfig:
             problems.append("intra_op_threads must be >= 1")
         if not self.providers or not all(self.providers):
             problems.append("providers must name at least one execution provider")
+        problems += self.tensorrt.problems()
         if self.engine == "synthetic":  # (an ONNX model's shapes come from its file)
             rank = len(self.item_shape)
             if not 1 <= rank < MAX_RANK or any(d < 1 and d != -1 for d in self.item_shape):
@@ -120,12 +167,14 @@ class ModelConfig:
 
     def over(self, base: ModelConfig) -> ModelConfig:
         """This model on ``base``'s file (a built-in model of the same name): ``base``'s
-        description, backends and warm-up where this has none, its inputs and outputs
-        where this does not declare them."""
+        description, backends, warm-up, folder and [tensorrt] table where this has none,
+        its inputs and outputs where this does not declare them."""
         return dataclasses.replace(
             self,
             path=base.path,
             source=base.source,
+            folder=self.folder or base.folder,
+            tensorrt=self.tensorrt if self.tensorrt != TensorRTConfig() else base.tensorrt,
             description=self.description or base.description,
             backends=self.backends or base.backends,
             inputs={**base.inputs, **self.inputs},
@@ -165,13 +214,15 @@ class ModelConfig:
 
     def _tensorrt(self) -> Engine:
         from carpool.worker.engines.trt_load import tensorrt_or_onnxruntime
+        from carpool.worker.tensorrt.build import request_for
 
         model, onnx = self._onnx()
-        plan = Path(self.plan) if self.plan else Path(onnx).with_suffix(".plan")
+        folder = Path(model.folder) if model.folder else Path(onnx).parent
         return tensorrt_or_onnxruntime(
-            plan,
+            lambda: request_for(model, folder, folder.parent),
             f"model {self.name!r}",
             self._onnxruntime,
+            may_build=model.tensorrt.build,
             may_fall_back=not self.backends or "onnxruntime" in self.backends,
             shapes=model.shapes(),
         )

@@ -6,7 +6,8 @@ Layout (docs/models.md)::
                               worker.toml (one schema, ModelConfig); its name is the folder's
     DIR/<name>/model.onnx     its ONNX file (or `path = "other.onnx"`, relative to the
                               folder; or a [source] table naming a file in a wheel)
-    DIR/<name>/plans/         reserved: TensorRT plans built from its buckets, cached
+    DIR/<name>/plans/         its TensorRT plans (the engine cache: carpool build-engine
+                              writes them, a worker finds them there)
 
 The built-in models are such a repository, shipped inside carpool (``carpool/models``).
 Reading a repository parses every model.toml and resolves file paths; it does not open
@@ -27,7 +28,7 @@ from carpool.worker.config import ModelConfig
 
 MODEL_FILE = "model.toml"
 DEFAULT_ONNX = "model.onnx"
-#: Reserved in each model's folder for the TensorRT plans built from its buckets.
+#: In each model's folder: its TensorRT plans (worker/tensorrt/cache.py).
 PLANS_DIR = "plans"
 #: The built-in models' repository, inside the installed package.
 BUILTIN_ROOT = Path(__file__).resolve().parent.parent / "models"
@@ -98,9 +99,7 @@ def _parse(folder: Path) -> tuple[RepoModel | None, list[str]]:
         path = data.get("path", DEFAULT_ONNX)
         if isinstance(path, str) and path:
             data["path"] = str(folder / path)
-    plan = data.get("plan")
-    if isinstance(plan, str) and plan:
-        data["plan"] = str(folder / plan)
+    data["folder"] = str(folder)  # (its plans/ holds its TensorRT plans)
     config, found = collect(ModelConfig, data, prefix)
     problems += [p if p.startswith(prefix) else prefix + p for p in found]
     if config is None or problems:
@@ -127,15 +126,17 @@ def builtin() -> Repository:
 
 
 def merged(base: Mapping[str, Any], table: Mapping[str, Any]) -> dict[str, Any]:
-    """``table``'s keys over ``base``'s; ``inputs`` and ``outputs`` per tensor name, and
-    ``path``/``source`` as one key (a table that names a file replaces both)."""
+    """``table``'s keys over ``base``'s; ``inputs`` and ``outputs`` per tensor name,
+    ``tensorrt`` per key, and ``path``/``source`` as one key (a table that names a file
+    replaces both)."""
     out = dict(base)
     if "path" in table or "source" in table:
         out.pop("path", None)
         out.pop("source", None)
     for key, value in table.items():
         below = out.get(key)
-        if key in ("inputs", "outputs") and isinstance(value, dict) and isinstance(below, dict):
+        nested = key in ("inputs", "outputs", "tensorrt")
+        if nested and isinstance(value, dict) and isinstance(below, dict):
             out[key] = {**below, **value}
         else:
             out[key] = value

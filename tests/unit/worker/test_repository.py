@@ -14,6 +14,7 @@ import pytest
 from carpool.cli import build_parser, worker_config
 from carpool.common.errors import ConfigError
 from carpool.common.padding import CropAxis, PadRule
+from carpool.worker.config import TensorRTConfig
 from carpool.worker.models import SourceConfig, locate
 from carpool.worker.repository import BUILTIN_ROOT, builtin, load, merged, scan
 from carpool.worker.shapes import CropConfig, InputConfig, OutputConfig
@@ -219,6 +220,49 @@ def test_worker_toml_names_a_repository_and_lays_its_tables_over_its_models(
     assert cls.inputs == {"x": InputConfig(max_shape=(-1, 3, 48, 640))}
     assert cls.warmup == {"x": ((1, 3, 48, 192), (1, 3, 48, 320))}
     assert synthetic.engine == "synthetic"
+
+
+def test_a_models_tensorrt_table_and_folder_reach_its_config(tmp_path: Path) -> None:
+    """[tensorrt] in model.toml, laid over key by key by worker.toml's [models.tensorrt];
+    the model's folder (its plans/) set by the repository."""
+    repo = tmp_path / "models"
+    add_model(
+        repo,
+        "cls",
+        CLS + '[tensorrt]\nprecision = "fp16"\nbatches = ["1:4:8"]\nmax_profiles = 10\n',
+    )
+    (model,) = load(repo).models.values()
+    assert model.config.folder == str(repo / "cls")
+    assert model.config.tensorrt == TensorRTConfig(
+        precision="fp16", batches=("1:4:8",), max_profiles=10
+    )
+    toml = tmp_path / "w.toml"
+    toml.write_text(
+        f'repository = "{repo}"\n[[models]]\nname = "cls"\n[models.tensorrt]\nbuild = true\n'
+    )
+    (cls,) = worker_config(_worker_args("--config", str(toml))).models
+    assert cls.tensorrt == TensorRTConfig(
+        precision="fp16", batches=("1:4:8",), max_profiles=10, build=True
+    )
+    assert cls.folder == str(repo / "cls")
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [
+        ('precision = "fp8"', "tensorrt.precision must be one of fp32, fp16, int8"),
+        ('batches = ["8:4:1"]', "tensorrt: --batch '8:4:1': needs 1 <= MIN <= OPT <= MAX"),
+        ('profiles = ["x=1x3"]', "tensorrt: --profile 'x=1x3': each input is NAME=MIN:OPT:MAX"),
+        ("max_profiles = 0", "tensorrt: max_profiles and max_ratio must be >= 1"),
+    ],
+)
+def test_a_bad_tensorrt_table_is_refused_naming_the_key(
+    tmp_path: Path, table: str, says: str
+) -> None:
+    add_model(tmp_path, "cls", CLS + f"[tensorrt]\n{table}\n")
+    with pytest.raises(ConfigError) as refused:
+        load(tmp_path)
+    assert says in str(refused.value)
 
 
 def test_a_table_that_names_a_file_replaces_the_repositorys() -> None:

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from carpool.common.errors import ConfigError
+from carpool.common.shape_rules import ShapeRule
 from carpool.worker.cuda.fake import FakeCuda
 from carpool.worker.engines.base import BadInput
 from carpool.worker.engines.trt import TensorRTEngine
 from carpool.worker.engines.trt_plan import TensorIO
 from carpool.worker.run import warm_up
+from carpool.worker.shapes import InputConfig, ModelShapes
 from tests.unit.worker.trt_fakes import FakePlan, expected
 
 
@@ -40,6 +42,37 @@ def test_info_comes_from_the_profiles():
     assert info.rules[0].max_shape == (16, 8)
     assert info.warmup == (((2, 8),), ((8, 8),))  # each profile's opt shape
     assert [t.shape for t in info.inputs] == [(-1, -1)]
+
+
+@pytest.mark.parametrize(
+    ("declared", "rule"),
+    [
+        (InputConfig(), ShapeRule((1, 4), (16, 8))),  # none declared: the profiles'
+        # wider than the profiles: the profiles' (the broker refuses what no profile takes)
+        (InputConfig(min_shape=(1, 1), max_shape=(-1, -1)), ShapeRule((1, 4), (16, 8))),
+        # narrower: the declared (with its multiple_of)
+        (
+            InputConfig(min_shape=(1, 6), max_shape=(-1, 7), multiple_of=(1, 2)),
+            ShapeRule((1, 6), (16, 7), (1, 2)),
+        ),
+    ],
+    ids=["none", "wider", "narrower"],
+)
+def test_a_declared_shape_rule_only_narrows_the_profiles(declared, rule):
+    cuda = FakeCuda()
+    shapes = ModelShapes(inputs={"x": declared})
+    engine = TensorRTEngine(FakePlan(cuda), cuda, shapes=shapes)
+    assert engine.info.rules == (rule,)
+    assert engine.info.max_batch == 16
+    assert engine.info.preferred_batch == (2, 8)
+
+
+def test_declared_warm_up_shapes_run_after_every_profiles_opt_shape():
+    cuda = FakeCuda()
+    # (3, 6) is in a profile; (2, 20) is in none and is left out
+    shapes = ModelShapes(warmup={"x": ((3, 6), (2, 20), (8, 8))})
+    engine = TensorRTEngine(FakePlan(cuda), cuda, shapes=shapes)
+    assert engine.info.warmup == (((2, 8),), ((8, 8),), ((3, 6),))
 
 
 def test_each_batch_runs_in_the_tightest_profile_that_admits_its_shape():

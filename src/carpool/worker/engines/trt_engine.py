@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from carpool.common.protocol import TensorMeta
+from carpool.common.shape_rules import ShapeRule
 from carpool.worker.cuda.base import Cuda, Event
 from carpool.worker.engines.base import Array, BadInput, EngineInfo
 from carpool.worker.engines.trt_plan import BufferPlan, BusyClock, Shape, plan_buffers
@@ -40,6 +41,20 @@ from carpool.worker.tensorrt.profiles import InputRange, Profile, engine_info, s
 
 #: Execution contexts by default: two let one batch's copies overlap the other's compute.
 CONTEXTS = 2
+
+
+def narrowed(rule: ShapeRule | None, declared: ShapeRule | None) -> ShapeRule | None:
+    """``rule`` (the profiles') within ``declared`` (a model config's): the greater min and
+    the smaller max of each dim (``-1``: no max), and the declared ``multiple_of``."""
+    if rule is None or not declared:
+        return rule if rule is not None else declared
+    low = declared.min_shape or rule.min_shape
+    high = declared.max_shape or rule.max_shape
+    return ShapeRule(
+        tuple(max(a, b) for a, b in zip(rule.min_shape, low, strict=True)),
+        tuple(a if b == -1 else min(a, b) for a, b in zip(rule.max_shape, high, strict=True)),
+        declared.multiple_of,
+    )
 
 
 class PendingBatch:
@@ -105,9 +120,8 @@ class TensorRTEngine:
             self.profiles,
             what,
         )
-        if shapes is not None:  # (its warm-up shapes, where it declares any, replace these)
-            declared = declare(self._info, shapes, what)
-            self._info = dataclasses.replace(declared, warmup=declared.warmup or self._info.warmup)
+        if shapes is not None:
+            self._info = self._declared(shapes, what)
         first = plan.create_execution_context()
         self.plans = self._plan_buffers(first)
         self._slots = [
@@ -121,6 +135,28 @@ class TensorRTEngine:
         self._in_flight: deque[PendingBatch] = deque()
         self._last_end: Event | None = None
         self._busy = BusyClock()
+
+    def _declared(self, shapes: ModelShapes, what: str) -> EngineInfo:
+        """The profiles' info with a model config's pad rules and crops; its shape rules
+        may only narrow the profiles' (a shape no profile admits is refused at the
+        broker's door), and its warm-up shapes that some profile admits run after each
+        profile's opt shapes."""
+        own = self._info
+        declared = declare(own, shapes, what)
+        rules = tuple(
+            narrowed(rule, mine)
+            for rule, mine in zip(
+                own.rules, declared.rules or (None,) * len(own.rules), strict=True
+            )
+        )
+        names = [t.name for t in own.inputs]
+        extra = tuple(
+            run
+            for run in declared.warmup
+            if run not in own.warmup
+            and any(p.admits(dict(zip(names, run, strict=True))) for p in self.profiles)
+        )
+        return dataclasses.replace(declared, rules=rules, warmup=own.warmup + extra)
 
     def _plan_buffers(self, context: ContextAdapter) -> list[BufferPlan]:
         """Each profile's buffers, from the output shapes the context gives its max."""

@@ -1,43 +1,40 @@
-"""trt_load.py: a model's TensorRT engine, or its ONNX Runtime engine when TensorRT
-cannot serve it here.
+"""trt_load.py: a model's TensorRT engine, its plan found through the engine cache, or its
+ONNX Runtime engine when TensorRT cannot serve it here.
 
-Before any TensorRT object is made: is tensorrt installed, does a GPU answer
-(:func:`~carpool.worker.tensorrt.probe.probe`, in a child process), is the plan there. Then
-the CUDA layer
-is opened on this thread (the inference thread, which owns it) and the plan loaded. A
-worker without TensorRT, without a GPU, or with a plan that fails to load (missing, built
-by another TensorRT or for another GPU) says so in one log line and serves the same ONNX
-model with ONNX Runtime, unless the model's ``backends`` forbid it.
+In order, before any TensorRT object is made: is tensorrt installed; does a GPU answer
+(:func:`~carpool.worker.tensorrt.probe.probe`, in a child process). Then the plan's cache
+key (:mod:`carpool.worker.tensorrt.cache`) from this machine (``tensorrt.__version__``,
+the GPU's name and compute capability, the L4T release on a Jetson) and the model (its
+ONNX file's hash, the profiles and precision of its ``[tensorrt]`` table): a plan filed
+under that key loads; a missing, stale or foreign one is built here where the model's
+``build`` is true, else refused naming the ``carpool build-engine`` command to run. The
+CUDA layer is opened on this thread (the inference thread, which owns it) and the plan
+loaded. Whatever stops TensorRT is said in one log line, and the same ONNX model is
+served with ONNX Runtime, unless the model's ``backends`` forbid it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from carpool.common.errors import ConfigError
-from carpool.worker.cuda import open_cuda
 from carpool.worker.cuda.base import CudaError, CudaUnavailable
 from carpool.worker.engines.base import Engine
 from carpool.worker.shapes import ModelShapes
 from carpool.worker.tensorrt.probe import GpuProbe, probe
 
+if TYPE_CHECKING:
+    from carpool.worker.tensorrt.build import Builder, BuildRequest
+
 logger = logging.getLogger(__name__)
 
-
-def unavailable(plan: Path, probe: Callable[[], GpuProbe] = probe) -> str | None:
-    """Why TensorRT cannot serve ``plan`` here, or None when it may try; nothing of
-    TensorRT is imported or made."""
-    if importlib.util.find_spec("tensorrt") is None:
-        return "TensorRT is not installed (docs/gpu.md says how to get it)"
-    found = probe()
-    if not found.ok:
-        return found.reason
-    if not plan.is_file():
-        return f"no TensorRT plan at {plan} (build one: carpool build-engine)"
-    return None
+GET_TENSORRT = "TensorRT is not installed (docs/gpu.md says how to get it)"
 
 
 def load_tensorrt(plan: Path, what: str, shapes: ModelShapes | None = None) -> Engine:
@@ -46,6 +43,7 @@ def load_tensorrt(plan: Path, what: str, shapes: ModelShapes | None = None) -> E
     Raises:
         ConfigError: TensorRT refused the plan; CudaUnavailable: no CUDA binding opens.
     """
+    from carpool.worker.cuda import open_cuda
     from carpool.worker.engines.trt import TensorRTEngine, TrtPlan
 
     cuda = open_cuda(0)
@@ -56,26 +54,96 @@ def load_tensorrt(plan: Path, what: str, shapes: ModelShapes | None = None) -> E
         raise
 
 
+def _installed() -> bool:
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+def _version() -> str:
+    from carpool.worker.engines.trt import tensorrt_version
+
+    return tensorrt_version()
+
+
+def _new_builder() -> Builder:
+    from carpool.worker.engines.trt import TensorRTBuilder
+
+    return TensorRTBuilder()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRT:
+    """What serving with TensorRT asks of the machine (a seam: the tests give fakes)."""
+
+    installed: Callable[[], bool] = _installed
+    probe: Callable[[], GpuProbe] = probe
+    version: Callable[[], str] = _version  # tensorrt.__version__ (imports, makes nothing)
+    new_builder: Callable[[], Builder] = _new_builder
+    load: Callable[[Path, str, ModelShapes | None], Engine] = load_tensorrt
+
+
+class Unavailable(Exception):
+    """TensorRT cannot serve the model here (the message says why)."""
+
+
+def find_plan(
+    request: Callable[[], BuildRequest], may_build: bool, trt: TensorRT, what: str
+) -> Path:
+    """The model's plan from the engine cache, else built (``may_build``); nothing of
+    TensorRT is made before the probe has found a GPU.
+
+    Raises:
+        Unavailable: why there is no plan to load (no tensorrt, no GPU, a profile set or
+            precision the model cannot have, a plan that is not there and may not be
+            built here, a failed build).
+    """
+    from carpool.worker.tensorrt.build import BuildError, ensure, prepare
+    from carpool.worker.tensorrt.progress import PlainListener
+    from carpool.worker.tensorrt.versions import TrtVersion
+
+    if not trt.installed():
+        raise Unavailable(GET_TENSORRT)
+    found = trt.probe()
+    if found.device is None:
+        raise Unavailable(found.reason)
+    try:
+        version = TrtVersion.parse(trt.version())
+        asked = request()
+        prepared = prepare(asked, version, found.device)
+        listener = PlainListener(sys.stderr)  # (a build's phases, on the worker's log)
+        outcome = ensure(asked, prepared, trt.new_builder, listener, may_build=may_build)
+    except ImportError as exc:
+        raise Unavailable(f"tensorrt does not import: {exc}") from None
+    except (ConfigError, BuildError, OSError) as exc:
+        raise Unavailable(str(exc).removeprefix(f"{what}: ")) from None
+    if outcome.built:
+        logger.info("%s: built %s (%s)", what, outcome.plan, "; ".join(outcome.notes))
+    return outcome.plan
+
+
 def tensorrt_or_onnxruntime(
-    plan: Path,
+    request: Callable[[], BuildRequest],
     what: str,
     onnxruntime: Callable[[], Engine],
     *,
+    may_build: bool = False,
     may_fall_back: bool = True,
     shapes: ModelShapes | None = None,
-    probe: Callable[[], GpuProbe] = probe,
+    trt: TensorRT | None = None,
 ) -> Engine:
-    """The TensorRT engine of ``plan``, else (logged, one line) ``onnxruntime()``.
+    """The TensorRT engine of the model ``request()`` describes, else (logged, one line)
+    ``onnxruntime()``.
 
     Raises:
         ConfigError: TensorRT cannot serve it and ``may_fall_back`` is false.
     """
-    reason = unavailable(plan, probe)
-    if reason is None:
-        try:
-            return load_tensorrt(plan, what, shapes)
-        except (ConfigError, CudaUnavailable, CudaError, ImportError, OSError, RuntimeError) as exc:
-            reason = f"the plan did not load: {exc}"
+    trt = TensorRT() if trt is None else trt
+    try:
+        plan = find_plan(request, may_build, trt, what)
+        return trt.load(plan, what, shapes)
+    except Unavailable as exc:
+        reason = str(exc)
+    except (ConfigError, CudaUnavailable, CudaError, ImportError, OSError, RuntimeError) as exc:
+        reason = f"the plan did not load: {exc}"
     if not may_fall_back:
         raise ConfigError(f"{what} cannot be served with TensorRT here: {reason}")
     logger.warning("%s: serving with ONNX Runtime, not TensorRT: %s", what, reason)

@@ -14,16 +14,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from carpool.common.errors import CarpoolError
+from carpool.common.errors import CarpoolError, ConfigError
 from carpool.worker.models import sha256_of
 from carpool.worker.tensorrt import cache
 from carpool.worker.tensorrt.cache import Device, Hit, PlanKey
-from carpool.worker.tensorrt.precision import OnnxPrecision, PrecisionPlan
+from carpool.worker.tensorrt.precision import OnnxPrecision, PrecisionPlan, inspect_onnx
 from carpool.worker.tensorrt.precision import plan as precision_plan
 from carpool.worker.tensorrt.profiles import Limits, Profile, check_limits
 from carpool.worker.tensorrt.versions import TrtVersion
+
+if TYPE_CHECKING:
+    from carpool.worker.config import ModelConfig, TensorRTConfig
 
 __all__ = [
     "BuildError",
@@ -34,6 +37,7 @@ __all__ = [
     "build",
     "ensure",
     "prepare",
+    "request_for",
 ]
 
 Shape = tuple[int, ...]
@@ -104,6 +108,44 @@ class Outcome:
     plan: Path
     built: bool  # False: found in the cache
     notes: tuple[str, ...] = ()  # lines for the user (precision, timing cache, why built)
+
+
+def request_for(
+    config: ModelConfig, folder: Path, repository: Path, settings: TensorRTConfig | None = None
+) -> BuildRequest:
+    """The plan of model ``config`` (in ``folder``, of ``repository``), as ``settings`` (its
+    ``[tensorrt]`` table unless given) asks: its profiles (``settings.profiles``, else
+    derived from its buckets and shape rules over ``settings.batches``), precision and
+    limits. Reads the ONNX file's inputs and precision; the same for build-engine and for
+    a worker, so that both file a plan under one key.
+
+    Raises:
+        ConfigError: the file cannot be read, or the profiles cannot be had from it.
+    """
+    from carpool.worker import modelcheck
+    from carpool.worker.tensorrt import profiles
+
+    settings = config.tensorrt if settings is None else settings
+    io, problems = modelcheck.read(config)
+    if problems or not io.inputs:
+        listed = "; ".join(f"{key}: {rule}" for key, rule in problems) or "no inputs read"
+        raise ConfigError(f"model {config.name!r}: {listed}")
+    if settings.profiles:
+        found = profiles.from_flags(config.name, io.inputs, settings.profiles)
+    else:
+        batches = [profiles.parse_batch(b) for b in settings.batches]
+        found = profiles.from_model(config, io.inputs, batches)
+    return BuildRequest(
+        model=config.name,
+        onnx=Path(io.file),
+        folder=folder,
+        repository=repository,
+        profiles=found,
+        onnx_precision=inspect_onnx(io.file),
+        precision=settings.precision,
+        workspace_bytes=settings.workspace_mib << 20 or None,
+        limits=Limits(settings.max_profiles, settings.max_ratio),
+    )
 
 
 def prepare(request: BuildRequest, version: TrtVersion, device: Device) -> Prepared:

@@ -29,12 +29,14 @@ _GET_TENSORRT = (
 
 
 def _request(args: argparse.Namespace) -> Any:
-    """The BuildRequest the flags describe (raises ConfigError for a refused one)."""
+    """The BuildRequest the flags describe: the model's [tensorrt] table, each flag given
+    over it (raises ConfigError for a refused one)."""
+    import dataclasses
+
     from carpool.common.errors import ConfigError
-    from carpool.worker import modelcheck, repository
+    from carpool.worker import repository
     from carpool.worker.tensorrt import profiles
-    from carpool.worker.tensorrt.build import BuildRequest
-    from carpool.worker.tensorrt.precision import inspect_onnx
+    from carpool.worker.tensorrt.build import request_for
 
     repo = repository.load(args.repository)
     model = repo.models.get(args.model)
@@ -43,28 +45,22 @@ def _request(args: argparse.Namespace) -> Any:
             f"model repository {args.repository} has no model {args.model!r}; it has "
             f"{sorted(repo.models)}"
         )
-    io, problems = modelcheck.read(model.config)
-    if problems or not io.inputs:
-        listed = "; ".join(f"{key}: {rule}" for key, rule in problems) or "no inputs read"
-        raise ConfigError(f"{model.toml}: {listed}")
-    if args.profile:
-        found = profiles.from_flags(args.model, io.inputs, args.profile)
-    else:
-        batches = [profiles.parse_batch(b) for b in args.batch]
-        found = profiles.from_model(model.config, io.inputs, batches)
-    limits = profiles.Limits(args.max_profiles, args.max_ratio)
-    profiles.check_limits(args.model, found, limits)
-    return BuildRequest(
-        model=args.model,
-        onnx=Path(io.file),
-        folder=model.folder,
-        repository=Path(args.repository),
-        profiles=found,
-        onnx_precision=inspect_onnx(io.file),
-        precision=args.precision,
-        workspace_bytes=None if args.workspace_mib is None else args.workspace_mib << 20,
-        limits=limits,
+    given = {
+        "precision": args.precision,
+        "profiles": tuple(args.profile) or None,
+        "batches": tuple(args.batch) or None,
+        "max_profiles": args.max_profiles,
+        "max_ratio": args.max_ratio,
+        "workspace_mib": args.workspace_mib,
+    }
+    settings = dataclasses.replace(
+        model.config.tensorrt, **{k: v for k, v in given.items() if v is not None}
     )
+    if args.profile:  # (flags' profiles replace the table's, batch ranges with them)
+        settings = dataclasses.replace(settings, batches=())
+    request = request_for(model.config, model.folder, Path(args.repository), settings)
+    profiles.check_limits(args.model, request.profiles, request.limits)
+    return request
 
 
 def _unavailable(why: str) -> int:
@@ -75,8 +71,10 @@ def _unavailable(why: str) -> int:
 def _build_engine(args: argparse.Namespace) -> int:
     """build a model's TensorRT plan into its repository's engine cache
 
-    Derives the optimization profiles from the model's buckets and shape rules (one per
-    bucket; the batch 1..max_batch, or --batch ranges), or takes --profile flags, and
+    Each setting defaults to the model's [tensorrt] table in its model.toml (the worker
+    finds the plan by the same settings). Derives the optimization profiles from the
+    model's buckets and shape rules (one per bucket; the batch 1..max_batch, or --batch
+    ranges), or takes --profile flags, and
     refuses more than --max-profiles profiles or a dim wider than --max-ratio. Builds at
     --precision: fp32; fp16 (TensorRT 10: the FP16 flag; 11: only from an FP16 ONNX
     file); int8 (only from an ONNX file with Q/DQ nodes). The plan goes to
@@ -127,7 +125,9 @@ def add_parsers(sub: Any) -> None:
     p = add_command(sub, "build-engine", _build_engine)
     p.add_argument("--repository", required=True, metavar="DIR", help="the model repository")
     p.add_argument("model", help="the model's name (its folder in the repository)")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="(default fp32)")
+    p.add_argument(
+        "--precision", choices=PRECISIONS, help="(default: the model's [tensorrt], else fp32)"
+    )
     p.add_argument(
         "--profile",
         action="append",
@@ -145,7 +145,7 @@ def add_parsers(sub: Any) -> None:
         "default 1:PREFERRED:MAX_BATCH)",
     )
     p.add_argument("--workspace-mib", type=int, help="build scratch memory limit (MiB)")
-    p.add_argument("--max-profiles", type=int, default=8, help="refuse more (default 8)")
-    p.add_argument("--max-ratio", type=float, default=16.0, help="refuse a dim's max/min above")
+    p.add_argument("--max-profiles", type=int, help="refuse more (default 8)")
+    p.add_argument("--max-ratio", type=float, help="refuse a dim's max/min above (default 16)")
     p.add_argument("--force", action="store_true", help="build even when the cache has the plan")
     p.add_argument("--dry-run", action="store_true", help="show the profiles, build nothing")

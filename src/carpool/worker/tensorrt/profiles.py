@@ -229,8 +229,8 @@ def _dim_range(config: ModelConfig, spec: TensorMeta, i: int) -> tuple[int, int,
     if hi == -1:
         raise ConfigError(
             f"model {config.name!r}, input {spec.name!r}, dim {i} is dynamic with no upper "
-            f"bound: give [inputs.{spec.name}] max_shape or buckets in its model.toml, or "
-            "--profile flags"
+            f"bound: give [inputs.{spec.name}] max_shape or buckets, or [tensorrt] profiles, "
+            "in its model.toml, or --profile flags"
         )
     lo = rule.min_shape[i] if rule.min_shape else 1
     lo, hi = -(-lo // step) * step, hi // step * step
