@@ -19,8 +19,8 @@ from carpool.client import InvalidArgument
 from carpool.common.errors import ConfigError
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.ort import OnnxRuntimeEngine
-from carpool.worker.run import warm_up
 from carpool.worker.server import WorkerServer
+from carpool.worker.warmup import warm_up
 
 onnx = pytest.importorskip("onnx")
 helper = onnx.helper
@@ -213,7 +213,7 @@ def test_a_model_whose_runs_differ_is_served_unchecked(
 ) -> None:
     """Random sampling in the graph: every comparison of rows fails, so the model is
     served unchecked, with a warning, rather than refused as 'not per sample'."""
-    with caplog.at_level(logging.WARNING, logger="carpool.worker.run"):
+    with caplog.at_level(logging.WARNING, logger="carpool.worker.warmup"):
         warm_up(noisy(tmp_path), "noisy")
     assert "two runs on the same inputs differ" in caplog.text
 
@@ -224,7 +224,7 @@ def test_a_model_that_fails_on_zeros_is_served_with_a_warning(
     """Zeros are made-up inputs: an index model may refuse them (TABLE[0 - 11]). The
     worker warns and serves it; real requests decide."""
     engine = OnnxRuntimeEngine(lookup(tmp_path, shift=11))
-    with caplog.at_level(logging.WARNING, logger="carpool.worker.run"):
+    with caplog.at_level(logging.WARNING, logger="carpool.worker.warmup"):
         warm_up(engine, "lookup")
     assert "warm-up run on zeros failed" in caplog.text
     out = engine.run({"idx": np.array([12, 20], np.int64)})

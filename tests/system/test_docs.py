@@ -125,7 +125,7 @@ def test_the_readmes_batch_dim_snippet_makes_a_fixed_batch_model_servable(
     import numpy as np
 
     from carpool.common.errors import ConfigError
-    from carpool.worker.run import warm_up
+    from carpool.worker.warmup import warm_up
 
     helper = onnx.helper
     f32 = onnx.TensorProto.FLOAT

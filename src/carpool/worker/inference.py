@@ -23,7 +23,8 @@ from carpool.common.shm import RegionReader
 from carpool.common.wake import WakePipe
 from carpool.worker.core import JobOutcome, RunBatch
 from carpool.worker.engines.base import Engine
-from carpool.worker.run import LazyRing, run_job, warm_up
+from carpool.worker.run import LazyRing, run_job
+from carpool.worker.warmup import warm_up
 
 EngineFactory = Callable[[], Engine]
 

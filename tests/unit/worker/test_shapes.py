@@ -13,7 +13,6 @@ from carpool.common.protocol import ModelSpec, TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.base import Array, EngineInfo
 from carpool.worker.engines.synthetic import SyntheticEngine
-from carpool.worker.run import warm_up
 from carpool.worker.shapes import (
     CropConfig,
     InputConfig,
@@ -22,6 +21,7 @@ from carpool.worker.shapes import (
     declare,
     problems,
 )
+from carpool.worker.warmup import warm_up
 
 #: The PP-OCR detector's tensors: [B, 3, H, W] in, [B, 1, H, W] out.
 DET_IN = (TensorMeta("x", "float32", (-1, 3, -1, -1)),)

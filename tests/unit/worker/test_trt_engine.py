@@ -11,8 +11,8 @@ from carpool.worker.cuda.fake import FakeCuda
 from carpool.worker.engines.base import BadInput
 from carpool.worker.engines.trt import TensorRTEngine
 from carpool.worker.engines.trt_plan import TensorIO
-from carpool.worker.run import warm_up
 from carpool.worker.shapes import InputConfig, ModelShapes
+from carpool.worker.warmup import warm_up
 from tests.unit.worker.trt_fakes import FakePlan, expected
 
 

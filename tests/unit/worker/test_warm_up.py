@@ -9,7 +9,7 @@ import pytest
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.engines.base import Array
 from carpool.worker.engines.synthetic import SyntheticEngine
-from carpool.worker.run import warm_up
+from carpool.worker.warmup import warm_up
 
 
 class Seen(SyntheticEngine):
