@@ -1,7 +1,8 @@
 """inference.py: InferenceThread — the worker's one thread that owns its engines.
 
 It builds the engines (so a GPU context lives on the thread that uses it), warms them
-up, runs the batches handed to it in order, and hands each :class:`JobOutcome` back
+up, runs the batches handed to it in order (on an engine that queues batches, the next
+queued before the one before is collected), and hands each :class:`JobOutcome` back
 through a queue, waking the loop through a pipe (``wake_fd``: registered in the loop's
 poll, or the broker's for an embedded worker). No zmq socket is touched here; the loop
 thread owns the connection to the broker. What the loop runs itself (short batches,
@@ -12,8 +13,10 @@ same engines, which are then thread-free.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 
 from carpool.common.clock import Clock
@@ -22,8 +25,8 @@ from carpool.common.protocol import ModelSpec
 from carpool.common.shm import RegionReader
 from carpool.common.wake import WakePipe
 from carpool.worker.core import JobOutcome, RunBatch
-from carpool.worker.engines.base import Engine
-from carpool.worker.run import LazyRing, run_job
+from carpool.worker.engines.base import Engine, queue_depth
+from carpool.worker.run import LazyRing, StartedJob, finish_job, start_job
 from carpool.worker.warmup import warm_up
 
 EngineFactory = Callable[[], Engine]
@@ -113,6 +116,10 @@ class InferenceThread:
         """Queue a batch; its outcome comes back through :meth:`finished`."""
         self._jobs.put(job)
 
+    def waiting(self) -> int:
+        """Batches handed over and not started yet."""
+        return self._jobs.qsize()
+
     def drop_queued(self) -> int:
         """Take back the batches not started yet; returns how many there were."""
         dropped = 0
@@ -158,6 +165,44 @@ class InferenceThread:
         release()
         return True
 
+    def _serve(self, engines: dict[str, Engine]) -> None:
+        """Run the batches handed over, in order, until :meth:`stop`. On an engine that
+        queues batches (:func:`~carpool.worker.engines.base.queue_depth` above 1), the
+        next batch is queued before the one before is collected, up to that many at once,
+        so that one batch's copies overlap another's compute; outcomes still go back in
+        the order the batches came, each once."""
+        jobs, clock, reader = self._jobs, self._clock, self._reader
+        queued: deque[StartedJob] = deque()  # started, oldest first
+        last_end_s = -math.inf  # when the last collected batch ended
+
+        def finish_oldest() -> None:
+            nonlocal last_end_s
+            outcome = finish_job(
+                queued.popleft(), clock, reader, self._rings, not_before_s=last_end_s
+            )
+            last_end_s = outcome.end_s
+            if not self._stopped:  # (stopped while it ran: nobody reads outcomes)
+                self._outcomes.put(outcome)
+                self._ready.wake()
+
+        while True:
+            if queued:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:  # nothing new to queue: collect the oldest
+                    finish_oldest()
+                    continue
+            else:
+                job = jobs.get()
+            if job is None:
+                break
+            depth = queue_depth(engines.get(job.batch.model))
+            while len(queued) >= depth:  # (depth 1: every batch before it has ended)
+                finish_oldest()
+            queued.append(start_job(engines, job, clock, reader, queue=depth > 1))
+        while queued and not self._stopped:
+            finish_oldest()
+
     def _loop(self, factories: dict[str, EngineFactory], warmup: bool) -> None:
         engines: dict[str, Engine] = {}
         try:
@@ -176,14 +221,8 @@ class InferenceThread:
             self._startup.put(exc)
             return
         self._startup.put(specs)
-        jobs, outcomes, ready = self._jobs, self._outcomes, self._ready
         try:
-            while (job := jobs.get()) is not None:
-                outcome = run_job(engines, job, self._clock, self._reader, self._rings)
-                if self._stopped:
-                    continue  # stopped while it ran: nobody reads outcomes
-                outcomes.put(outcome)
-                ready.wake()
+            self._serve(engines)
         finally:
             for engine in engines.values():
                 engine.close()

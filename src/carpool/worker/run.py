@@ -1,6 +1,10 @@
 """run.py: one batch on an engine — its inputs stacked, the engine run, its replies made
 (an engine's warm-up before READY: :mod:`carpool.worker.warmup`).
 
+:func:`run_job` does it in one go; :func:`start_job` and :func:`finish_job` are its two
+halves, for an engine that queues batches (``enqueue``, TensorRT's): the inference thread
+queues the next batch before it collects the one before.
+
 No sockets: the worker's inference thread (or, for short batches, its loop thread) calls
 :func:`run_job` and hands the :class:`~carpool.worker.core.JobOutcome` it returns to the
 loop. Every failure becomes a typed error in the
@@ -11,8 +15,10 @@ exception would take the inference thread down.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from carpool.common.clock import Clock
@@ -21,7 +27,7 @@ from carpool.common.protocol import BatchMeta, ErrorReply, encode_error
 from carpool.common.shm import RegionReader, ShmRing
 from carpool.worker.buckets import batch_inputs, batch_replies, padding_of
 from carpool.worker.core import JobOutcome, RunBatch
-from carpool.worker.engines.base import BadInput, Engine
+from carpool.worker.engines.base import Array, BadInput, Engine, Pending, queue_depth
 from carpool.worker.tensors import ItemError, unreadable
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,26 @@ class LazyRing:
                 self._ring = None
 
 
+@dataclass(eq=False, slots=True)
+class StartedJob:
+    """A batch whose inputs are stacked and, on an engine that queues batches
+    (:func:`~carpool.worker.engines.base.queue_depth` above 1), queued: what
+    :func:`finish_job` needs to collect it and make its replies. ``outcome`` is set where
+    nothing is left to run (a whole-batch error, or every request answered already)."""
+
+    job: RunBatch
+    start_s: float
+    engine: Engine | None = None
+    batch: BatchMeta | None = None  # less the requests answered on their own
+    frames: Sequence[Any] = ()
+    inputs: Mapping[str, Array] | None = None
+    failed: dict[int, list[bytes]] = field(default_factory=dict)  # position -> its ERROR
+    alive: list[int] = field(default_factory=list)  # positions in the original batch
+    pending: Pending | None = None  # what engine.enqueue returned
+    queue_error: Exception | None = None  # what engine.enqueue raised
+    outcome: JobOutcome | None = None
+
+
 def run_job(
     engines: Mapping[str, Engine],
     job: RunBatch,
@@ -81,9 +107,22 @@ def run_job(
     rings: LazyRing | None = None,
 ) -> JobOutcome:
     """Run one batch; returns its outcome: the reply frames, or the whole batch's error."""
+    return finish_job(start_job(engines, job, clock, reader), clock, reader, rings)
+
+
+def start_job(
+    engines: Mapping[str, Engine],
+    job: RunBatch,
+    clock: Clock,
+    reader: RegionReader | None = None,
+    *,
+    queue: bool = False,
+) -> StartedJob:
+    """The first half of :func:`run_job`: the batch checked and its inputs stacked, and,
+    with ``queue`` on an engine that has ``enqueue``, queued on it (its errors are the
+    batch's, in :func:`finish_job`)."""
     batch = job.batch
-    start = clock.now()
-    samples = 0  # set once the engine has run them: what the inline decision learns from
+    started = StartedJob(job, clock.now())
     engine = engines.get(batch.model)
     try:
         if engine is None:
@@ -113,10 +152,11 @@ def run_job(
                 failed[alive.pop(bad.index)] = encode_error(error, simple=item.simple)
                 batch, frames = _without(batch, frames, bad.index)
             if not batch.items:
-                end = clock.now()
                 counts, out = _merge(failed, alive, [], [])
                 # The engine did not run: nothing to learn.
-                return _outcome(job, start, end, counts, out, timed=False)
+                end = clock.now()
+                started.outcome = _outcome(job, started.start_s, end, counts, out, timed=False)
+                return started
             try:
                 inputs = batch_inputs(engine.info, batch, frames, reader)
                 break
@@ -127,9 +167,48 @@ def run_job(
             except Exception as exc:  # a bug of ours must fail the batch, not the thread
                 logger.exception("stacking batch %d of %s failed", batch.batch_id, batch.model)
                 raise JobError(ErrorCode.INTERNAL, f"stacking inputs failed: {exc}") from None
+    except JobError as exc:
+        started.outcome = _outcome(job, started.start_s, clock.now(), error=(exc.code, exc.message))
+        return started
+    started.engine, started.batch, started.frames = engine, batch, frames
+    started.inputs, started.failed, started.alive = inputs, failed, alive
+    if queue and queue_depth(engine) > 1:
+        try:
+            started.pending = engine.enqueue(inputs)  # type: ignore[attr-defined]
+        except Exception as exc:  # (answered as the engine's run failing, when finished)
+            started.queue_error = exc
+    return started
+
+
+def finish_job(
+    started: StartedJob,
+    clock: Clock,
+    reader: RegionReader | None = None,
+    rings: LazyRing | None = None,
+    *,
+    not_before_s: float = -math.inf,
+) -> JobOutcome:
+    """The second half of :func:`run_job`: the batch run (or its queued run collected) and
+    its replies made. ``not_before_s``: when the batch queued before it ended (a queued
+    batch's time counts from then: the device was busy with that one before)."""
+    if started.outcome is not None:
+        return started.outcome
+    job, engine, batch, frames = started.job, started.engine, started.batch, started.frames
+    assert engine is not None  # (set with the batch and its inputs by start_job)
+    assert batch is not None
+    assert started.inputs is not None
+    start = max(started.start_s, not_before_s)
+    samples = 0  # set once the engine has run them: what the inline decision learns from
+    failed, alive = started.failed, started.alive
+    try:
         names = [t.name for t in engine.info.outputs]
         try:
-            outputs = engine.run(inputs)
+            if started.queue_error is not None:
+                raise started.queue_error
+            if started.pending is not None:
+                outputs = started.pending.result()
+            else:
+                outputs = engine.run(started.inputs)
         except Exception as exc:
             if len(batch.items) == 1 and not failed:
                 logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)

@@ -211,6 +211,10 @@ class WorkerServer:
 
     # ------------------------------------------------------------------ loop
 
+    def batches_waiting(self) -> int:
+        """Batches handed to the inference thread and not started yet (diagnostics)."""
+        return self._inference.waiting()
+
     def step(self, timeout_s: float | None = None) -> int:
         """One loop turn: wait (bounded by ``timeout_s`` and the next heartbeat), handle
         broker messages and finished batches, send heartbeats. Returns messages handled."""

@@ -8,7 +8,8 @@ import pytest
 from carpool.common.errors import ConfigError
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.cuda.fake import FakeCuda
-from carpool.worker.engines.base import BadInput
+from carpool.worker.engines.base import BadInput, queue_depth
+from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.engines.trt import TensorRTEngine
 from carpool.worker.engines.trt_plan import TensorIO
 from carpool.worker.shapes import InputConfig, ModelShapes
@@ -160,6 +161,12 @@ def test_one_batchs_copies_overlap_the_others_compute():
     assert start1 == pytest.approx(0.002)  # after its own copy in
     assert start2 == pytest.approx(end1)  # the second copy in ran under the first kernel
     engine.close()
+
+
+def test_the_worker_may_queue_as_many_batches_as_the_engine_has_contexts():
+    cuda = FakeCuda()
+    assert queue_depth(TensorRTEngine(FakePlan(cuda), cuda, contexts=3)) == 3
+    assert queue_depth(SyntheticEngine()) == 1
 
 
 def test_results_collected_out_of_order_are_each_their_own():

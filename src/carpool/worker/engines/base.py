@@ -75,6 +75,9 @@ class Engine(Protocol):
     An engine may set ``thread_bound = False`` (ONNX Runtime and the synthetic engine do) to
     let the worker run very short batches on its loop thread; engines without it (TensorRT,
     whose CUDA context belongs to the inference thread) always run on the inference thread.
+    An engine may also offer ``enqueue(inputs) -> Pending`` and ``contexts`` (the batches
+    it may have queued at once): the inference thread then queues the next batch before
+    collecting the one before (:func:`queue_depth`).
     """
 
     @property
@@ -85,6 +88,21 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Pending(Protocol):
+    """A batch an engine has queued; :meth:`result` waits for its outputs."""
+
+    def result(self) -> dict[str, Array]: ...
+
+
+def queue_depth(engine: Engine | None) -> int:
+    """How many batches ``engine`` may have queued at once: its ``contexts`` where it has
+    ``enqueue(inputs) -> Pending`` (TensorRT's: one batch's copies overlap another's
+    compute), else 1 (each batch runs to its end before the next)."""
+    if engine is None or not callable(getattr(engine, "enqueue", None)):
+        return 1
+    return max(1, int(getattr(engine, "contexts", 1)))
 
 
 def as_batch_dim(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -177,6 +177,12 @@ class TensorRTEngine:
     def info(self) -> EngineInfo:
         return self._info
 
+    @property
+    def contexts(self) -> int:
+        """Batches that may be queued at once (one per execution context): the worker's
+        inference thread queues up to this many before it collects the oldest."""
+        return len(self._slots)
+
     def busy_s(self) -> float:
         """GPU seconds spent computing batches collected so far (CUDA events)."""
         return self._busy.total_s
