@@ -126,7 +126,8 @@ def test_the_worker_entry_point_falls_back_and_serves(tmp_path: Path, spawn: Spa
 def test_importing_the_engine_modules_imports_no_tensorrt():
     code = (
         "import sys, carpool.worker.engines.trt, carpool.worker.engines.trt_load, "
-        "carpool.worker.cuda; "
+        "carpool.worker.engines.trt_engine, carpool.worker.tensorrt.build, "
+        "carpool.worker.tensorrt.command, carpool.worker.tensorrt.probe, carpool.worker.cuda; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'cuda', 'pycuda')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -27,8 +27,8 @@ ENGINES = ("onnxruntime", "tensorrt", "synthetic")
 @dataclass(frozen=True, slots=True)
 class TensorRTConfig:
     """A model's ``[tensorrt]`` table: its plan's build settings, which are also part of
-    the key a worker finds the plan under in the engine cache (docs/gpu.md). Each is the
-    default of the ``carpool build-engine`` flag of that name."""
+    the key a worker finds the plan under in the engine cache (docs/gpu.md). Each but
+    ``build`` is the default of the ``carpool build-engine`` flag of that name."""
 
     precision: str = "fp32"  # fp32 | fp16 | int8
     # Optimization profiles, each as --profile gives one ("x=1x3x48x160:8x3x48x320:
@@ -42,14 +42,23 @@ class TensorRTConfig:
     # start must finish within 300 s); false: refuse, naming the build-engine command.
     build: bool = False
 
-    def problems(self) -> list[str]:
-        from carpool.worker.tensorrt.profiles import parse_batch, parse_profile
+    def over(self, base: TensorRTConfig) -> TensorRTConfig:
+        """This table laid over ``base``'s key by key (the keys this one sets win)."""
+        default = TensorRTConfig()
+        names = [f.name for f in dataclasses.fields(self)]
+        mine = {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
+        return dataclasses.replace(base, **mine)
 
+    def problems(self) -> list[str]:
         out = []
         if self.precision not in PRECISIONS:
             out.append(f"tensorrt.precision must be one of {', '.join(PRECISIONS)}")
         if self.max_profiles < 1 or self.max_ratio < 1 or self.workspace_mib < 0:
             out.append("tensorrt: max_profiles and max_ratio must be >= 1, workspace_mib >= 0")
+        if not (self.profiles or self.batches):
+            return out
+        from carpool.worker.tensorrt.profiles import parse_batch, parse_profile
+
         texts = [(t, parse_profile) for t in self.profiles] + [
             (t, parse_batch) for t in self.batches
         ]
@@ -167,14 +176,15 @@ class ModelConfig:
 
     def over(self, base: ModelConfig) -> ModelConfig:
         """This model on ``base``'s file (a built-in model of the same name): ``base``'s
-        description, backends, warm-up, folder and [tensorrt] table where this has none,
-        its inputs and outputs where this does not declare them."""
+        description, backends, warm-up and folder where this has none, its inputs and
+        outputs where this does not declare them, its [tensorrt] keys where this does not
+        set them."""
         return dataclasses.replace(
             self,
             path=base.path,
             source=base.source,
             folder=self.folder or base.folder,
-            tensorrt=self.tensorrt if self.tensorrt != TensorRTConfig() else base.tensorrt,
+            tensorrt=self.tensorrt.over(base.tensorrt),
             description=self.description or base.description,
             backends=self.backends or base.backends,
             inputs={**base.inputs, **self.inputs},

@@ -10,8 +10,9 @@ import pytest
 from carpool.cli import build_parser, worker_config
 from carpool.common.config import MAX_BATCH_CEILING
 from carpool.common.errors import ConfigError
-from carpool.worker.config import ModelConfig, model_from_arg
+from carpool.worker.config import ModelConfig, TensorRTConfig, model_from_arg
 from carpool.worker.models import locate
+from carpool.worker.repository import builtin
 
 
 def _worker_args(*argv: str) -> argparse.Namespace:
@@ -223,3 +224,11 @@ def test_a_worker_without_a_name_is_named_by_its_host_and_process() -> None:
         assert named.core.name == "cpu-0"
     finally:
         named.close()
+
+
+def test_a_table_naming_a_built_in_model_sets_its_tensorrt_keys_over_the_built_ins() -> None:
+    base = builtin().models["ppocr-rec"].config
+    mine = ModelConfig(name="ppocr-rec", engine="tensorrt", tensorrt=TensorRTConfig(build=True))
+    model = mine.over(base)
+    assert model.tensorrt == TensorRTConfig(max_profiles=10, build=True)
+    assert model.folder == base.folder
