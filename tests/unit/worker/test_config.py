@@ -230,5 +230,5 @@ def test_a_table_naming_a_built_in_model_sets_its_tensorrt_keys_over_the_built_i
     base = builtin().models["ppocr-rec"].config
     mine = ModelConfig(name="ppocr-rec", engine="tensorrt", tensorrt=TensorRTConfig(build=True))
     model = mine.over(base)
-    assert model.tensorrt == TensorRTConfig(max_profiles=10, build=True)
+    assert model.tensorrt == TensorRTConfig(max_profiles=10, batches=("1:8:8",), build=True)
     assert model.folder == base.folder
