@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,19 +15,9 @@ import pytest
 
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
+from tests.system.test_cli import CARPOOL, _carpool_env
 
-CARPOOL = [sys.executable, "-m", "carpool"]
-
-
-def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CARPOOL, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, **env},
-    )
+_run = _carpool_env  # carpool ARGS with the environment given on top of the test's
 
 
 @pytest.fixture
