@@ -125,3 +125,62 @@ def test_the_fake_runs_a_stream_only_when_waited_for():
 def test_open_cuda_gives_every_bindings_reason_when_none_opens():
     with pytest.raises(CudaUnavailable, match=r"^one: unknown CUDA binding; two: unknown"):
         open_cuda(0, ("one", "two"))
+
+
+class _FakeRuntime:
+    """cuda-python's runtime module as RuntimeCuda calls it: each call records its name
+    and arguments and returns ``(err, value)``; a name in ``failing`` returns error 2."""
+
+    class cudaMemcpyKind:  # noqa: N801 - cuda-python's names
+        cudaMemcpyHostToDevice = "h2d"  # noqa: N815
+        cudaMemcpyDeviceToHost = "d2h"  # noqa: N815
+
+    cudaStreamNonBlocking = 1  # noqa: N815
+
+    def __init__(self, failing: str = "") -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.failing = failing
+
+    def cudaGetErrorName(self, err: int) -> tuple[int, bytes]:  # noqa: N802
+        return 0, b"cudaErrorMemoryAllocation"
+
+    def __getattr__(self, name: str):
+        def call(*args: object) -> tuple[int, int]:
+            self.calls.append((name, *args))
+            return (2 if name == self.failing else 0), 4096
+
+        return call
+
+
+def test_the_cuda_python_binding_checks_every_call_on_the_owning_thread():
+    from carpool.worker.cuda.base import DeviceBuffer, HostBuffer
+    from carpool.worker.cuda.runtime import RuntimeCuda
+
+    rt = _FakeRuntime()
+    layer = RuntimeCuda(rt, 0)
+    stream = layer.stream()
+    layer.to_device(DeviceBuffer(16, 8), HostBuffer(32, 8, np.zeros(8, np.uint8)), 8, stream)
+    layer.destroy(stream)
+    assert rt.calls == [
+        ("cudaSetDevice", 0),
+        ("cudaStreamCreateWithFlags", 1),
+        ("cudaMemcpyAsync", 16, 32, 8, "h2d", 4096),
+        ("cudaStreamDestroy", 4096),
+    ]
+    failing = RuntimeCuda(_FakeRuntime(failing="cudaMalloc"), 0)
+    with pytest.raises(CudaError, match=r"^cudaMalloc failed: cudaErrorMemoryAllocation$"):
+        failing.device_buffer(8)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(errors, lambda: layer.event()))
+    thread.start()
+    thread.join(timeout=10)
+    assert len(errors) == 1
+    assert "belongs to the thread" in str(errors[0])
+    assert rt.calls[-1] == ("cudaStreamDestroy", 4096)  # the other thread's call never ran
+
+
+def _capture(errors: list[BaseException], fn) -> None:
+    try:
+        fn()
+    except CudaError as exc:
+        errors.append(exc)

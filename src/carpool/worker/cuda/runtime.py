@@ -73,70 +73,65 @@ class RuntimeCuda:
             return None
         return values[0] if len(values) == 1 else tuple(values)
 
-    def pinned(self, nbytes: int) -> HostBuffer:
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the owning thread, checked (:meth:`_check`) as ``what``."""
         self._owner.check()
-        ptr = _handle(self._check(self._rt.cudaMallocHost(max(nbytes, 1)), "cudaMallocHost"))
+        return self._check(fn(*args), what)
+
+    def pinned(self, nbytes: int) -> HostBuffer:
+        ptr = _handle(self._call("cudaMallocHost", self._rt.cudaMallocHost, max(nbytes, 1)))
         raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)
         array = np.ctypeslib.as_array(raw)[:nbytes]
         return HostBuffer(ptr, nbytes, array, native=raw)
 
     def device_buffer(self, nbytes: int) -> DeviceBuffer:
-        self._owner.check()
-        ptr = _handle(self._check(self._rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
+        ptr = _handle(self._call("cudaMalloc", self._rt.cudaMalloc, max(nbytes, 1)))
         return DeviceBuffer(ptr, nbytes)
 
     def stream(self) -> Stream:
-        self._owner.check()
         flags = self._rt.cudaStreamNonBlocking
-        native = self._check(self._rt.cudaStreamCreateWithFlags(flags), "cudaStreamCreate")
+        native = self._call("cudaStreamCreate", self._rt.cudaStreamCreateWithFlags, flags)
         return Stream(_handle(native), native)
 
     def event(self) -> Event:
-        self._owner.check()
-        return Event(self._check(self._rt.cudaEventCreate(), "cudaEventCreate"))
+        return Event(self._call("cudaEventCreate", self._rt.cudaEventCreate))
 
     def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
-        self._owner.check()
-        call = self._rt.cudaMemcpyAsync(dst.ptr, src.ptr, nbytes, self._h2d, stream.native)
-        self._check(call, "cudaMemcpyAsync (to device)")
+        self._copy("to device", dst.ptr, src.ptr, nbytes, self._h2d, stream)
 
     def to_host(self, dst: HostBuffer, src: DeviceBuffer, nbytes: int, stream: Stream) -> None:
-        self._owner.check()
-        call = self._rt.cudaMemcpyAsync(dst.ptr, src.ptr, nbytes, self._d2h, stream.native)
-        self._check(call, "cudaMemcpyAsync (to host)")
+        self._copy("to host", dst.ptr, src.ptr, nbytes, self._d2h, stream)
+
+    def _copy(self, way: str, dst: int, src: int, nbytes: int, kind: Any, stream: Stream) -> None:
+        memcpy = self._rt.cudaMemcpyAsync
+        self._call(f"cudaMemcpyAsync ({way})", memcpy, dst, src, nbytes, kind, stream.native)
 
     def record(self, event: Event, stream: Stream) -> None:
-        self._owner.check()
-        self._check(self._rt.cudaEventRecord(event.native, stream.native), "cudaEventRecord")
+        self._call("cudaEventRecord", self._rt.cudaEventRecord, event.native, stream.native)
 
     def wait_event(self, event: Event) -> None:
-        self._owner.check()
-        self._check(self._rt.cudaEventSynchronize(event.native), "cudaEventSynchronize")
+        self._call("cudaEventSynchronize", self._rt.cudaEventSynchronize, event.native)
 
     def synchronize(self, stream: Stream) -> None:
-        self._owner.check()
-        self._check(self._rt.cudaStreamSynchronize(stream.native), "cudaStreamSynchronize")
+        self._call("cudaStreamSynchronize", self._rt.cudaStreamSynchronize, stream.native)
 
     def elapsed_s(self, start: Event, end: Event) -> float:
-        self._owner.check()
-        ms = self._check(
-            self._rt.cudaEventElapsedTime(start.native, end.native), "cudaEventElapsedTime"
+        ms = self._call(
+            "cudaEventElapsedTime", self._rt.cudaEventElapsedTime, start.native, end.native
         )
         return float(ms) / 1000.0
 
     def free(self, buffer: HostBuffer | DeviceBuffer) -> None:
-        self._owner.check()
         if isinstance(buffer, HostBuffer):
-            self._check(self._rt.cudaFreeHost(buffer.ptr), "cudaFreeHost")
+            self._call("cudaFreeHost", self._rt.cudaFreeHost, buffer.ptr)
         else:
-            self._check(self._rt.cudaFree(buffer.ptr), "cudaFree")
+            self._call("cudaFree", self._rt.cudaFree, buffer.ptr)
 
     def destroy(self, handle: Stream | Event) -> None:
-        self._owner.check()
         if isinstance(handle, Stream):
-            self._check(self._rt.cudaStreamDestroy(handle.native), "cudaStreamDestroy")
+            self._call("cudaStreamDestroy", self._rt.cudaStreamDestroy, handle.native)
         else:
-            self._check(self._rt.cudaEventDestroy(handle.native), "cudaEventDestroy")
+            self._call("cudaEventDestroy", self._rt.cudaEventDestroy, handle.native)
 
     def close(self) -> None:
         self._owner.check()  # the primary context stays, for TensorRT and others in-process
