@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,15 +159,11 @@ def start_job(
                 started.outcome = _outcome(job, started.start_s, end, counts, out, timed=False)
                 return started
             try:
-                inputs = batch_inputs(engine.info, batch, frames, reader)
+                with _stage(batch, "stacking", "inputs", ErrorCode.INVALID_ARGUMENT, ItemError):
+                    inputs = batch_inputs(engine.info, batch, frames, reader)
                 break
             except ItemError as bad:
                 skip = [bad]
-            except ProtocolError as exc:
-                raise JobError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-            except Exception as exc:  # a bug of ours must fail the batch, not the thread
-                logger.exception("stacking batch %d of %s failed", batch.batch_id, batch.model)
-                raise JobError(ErrorCode.INTERNAL, f"stacking inputs failed: {exc}") from None
     except JobError as exc:
         started.outcome = _outcome(job, started.start_s, clock.now(), error=(exc.code, exc.message))
         return started
@@ -231,7 +228,7 @@ def finish_job(
         # and that choice a cost per sample many times too high.
         if outputs is not None:
             samples = batch.total_samples
-        try:
+        with _stage(batch, "encoding", "outputs", ErrorCode.INTERNAL):
             ring = None
             if rings is not None and any(i.shm_outputs for i in batch.items):
                 ring = rings.get()
@@ -243,11 +240,6 @@ def finish_job(
                 counts, frames = batch_replies(engine.info, batch, outputs, names, compute_ms, ring)
             if failed:
                 counts, frames = _merge(failed, alive, counts, frames)
-        except ProtocolError as exc:
-            raise JobError(ErrorCode.INTERNAL, str(exc)) from None
-        except Exception as exc:  # a bug of ours must fail the batch, not the thread
-            logger.exception("encoding batch %d of %s failed", batch.batch_id, batch.model)
-            raise JobError(ErrorCode.INTERNAL, f"encoding outputs failed: {exc}") from None
     except JobError as exc:
         return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
     padding = padding_of(batch, engine.info.pads)
@@ -355,6 +347,29 @@ def _merge(
         out_counts.append(len(reply))
         out_frames.extend(reply)
     return out_counts, out_frames
+
+
+@contextmanager
+def _stage(
+    batch: BatchMeta,
+    doing: str,
+    what: str,
+    protocol_code: ErrorCode,
+    passes: type[Exception] | tuple[type[Exception], ...] = (),
+) -> Iterator[None]:
+    """Fails ``batch`` with a :class:`JobError` on an error while ``doing`` its ``what``
+    (stacking its inputs, encoding its outputs): a :class:`ProtocolError` as
+    ``protocol_code``, anything else (``passes`` apart) as INTERNAL, logged: a bug of
+    ours must fail the batch, not the thread."""
+    try:
+        yield
+    except passes:
+        raise
+    except ProtocolError as exc:
+        raise JobError(protocol_code, str(exc)) from None
+    except Exception as exc:
+        logger.exception("%s batch %d of %s failed", doing, batch.batch_id, batch.model)
+        raise JobError(ErrorCode.INTERNAL, f"{doing} {what} failed: {exc}") from None
 
 
 class JobError(Exception):
