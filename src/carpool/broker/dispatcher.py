@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
+from dataclasses import KW_ONLY, dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
@@ -37,35 +38,25 @@ logger = logging.getLogger(__name__)
 _QUEUED, _EXPIRED, _FAILED = RequestState.QUEUED, RequestState.EXPIRED, RequestState.FAILED
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Dispatcher:
     """The pump, shedding and dispatch; see the module docstring."""
 
-    def __init__(
-        self,
-        book: RequestBook,
-        backlog: Backlog,
-        inflight: InflightTable,
-        fleet: FleetModel,
-        replies: Replies,
-        stats: BrokerStats,
-        registry: WorkerRegistry,
-        *,
-        defer_pumps: bool = False,
-    ) -> None:
-        self._book = book
-        self._backlog = backlog
-        self._inflight = inflight
-        self._fleet = fleet
-        self._replies = replies
-        self.stats = stats
-        self.registry = registry
-        self.defer_pumps = defer_pumps
-        # Deferred mode: the queues (and the models) events touched since the last turn.
-        self.dirty: dict[RequestKey, None] = {}
-        self.dirty_models: set[str] = set()
-        # When each queue's policy next wants a look (absent: waits for a worker or arrival).
-        self.wake_s: dict[RequestKey, float] = {}
-        self._inputs: dict[RequestKey, BatchInputs] = {}
+    book: RequestBook
+    backlog: Backlog
+    inflight: InflightTable
+    fleet: FleetModel
+    replies: Replies
+    stats: BrokerStats
+    registry: WorkerRegistry
+    _: KW_ONLY
+    defer_pumps: bool = False
+    # Deferred mode: the queues (and the models) events touched since the last turn.
+    dirty: dict[RequestKey, None] = field(init=False, default_factory=dict)
+    dirty_models: set[str] = field(init=False, default_factory=set)
+    # When each queue's policy next wants a look (absent: waits for a worker or arrival).
+    wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
+    _inputs: dict[RequestKey, BatchInputs] = field(init=False, default_factory=dict)
 
     def forget(self, key: RequestKey) -> None:
         """A queue went idle and was dropped: forget what was cached for it."""
@@ -76,7 +67,7 @@ class Dispatcher:
         """Forget idle queues (and their arrival rate) once nothing arrived for a while,
         and start the fleet's drain-rate cache afresh (it grows with every shape a
         client chooses)."""
-        queues = self._backlog.queues
+        queues = self.backlog.queues
         idle = [
             k
             for k, q in queues.items()
@@ -85,7 +76,7 @@ class Dispatcher:
         for key in idle:
             del queues[key]
             self.forget(key)
-        self._fleet.rates.clear()
+        self.fleet.rates.clear()
 
     def stop(self) -> None:
         """The broker is stopping: nothing waits to be pumped any more."""
@@ -97,14 +88,14 @@ class Dispatcher:
         if self.defer_pumps:
             # Only models with requests waiting: an arrival marks its own queue, and a
             # model marked with nothing queued would cost the loop an empty turn.
-            queued = self._backlog.queued_samples
+            queued = self.backlog.queued_samples
             for model in models:
                 waiting = queued.get(model)
                 if waiting is not None and (waiting[0] or waiting[1]):
                     self.dirty_models.add(model)
             return
         names = set(models)
-        for queue in list(self._backlog.queues.values()):
+        for queue in list(self.backlog.queues.values()):
             if queue.key[0] in names and queue.count:
                 self.pump(now, queue, out)
 
@@ -113,14 +104,14 @@ class Dispatcher:
         turn (arrivals, and every queue of a model whose workers changed)."""
         if self.dirty_models:
             models, self.dirty_models = self.dirty_models, set()
-            for known in self._backlog.queues.values():
+            for known in self.backlog.queues.values():
                 if known.key[0] in models and known.count:
                     self.dirty[known.key] = None
         if not self.dirty:
             return
         dirty, self.dirty = self.dirty, {}
         for key in dirty:
-            queue = self._backlog.queues.get(key)
+            queue = self.backlog.queues.get(key)
             if queue is not None:
                 self.pump(now, queue, out)
 
@@ -135,7 +126,7 @@ class Dispatcher:
         hopeless (None if that cannot be predicted). ``caps`` collects the workers'
         capacities for the rest of the pump."""
         model = queue.key[0]
-        policy = self._fleet.policy(model)
+        policy = self.fleet.policy(model)
         workers = self.registry.admitting(queue.key)
         if not policy.edf or not workers or queue.count == 0:
             return None
@@ -146,22 +137,22 @@ class Dispatcher:
         for w in workers:
             capacity = caps.get(w.wid)
             if capacity is None:
-                capacity = caps[w.wid] = self._fleet.capacity(now, w, key)
+                capacity = caps[w.wid] = self.fleet.capacity(now, w, key)
             lead_s = min(lead_s, policy.shed_before(now, capacity) - now)
         if lead_s <= 0:
             return None
-        for req in queue.shed(now + lead_s, self._book.move):
-            self._backlog.dequeued(req)
+        for req in queue.shed(now + lead_s, self.book.move):
+            self.backlog.dequeued(req)
             self.stats.shed += 1
             msg = "deadline cannot be met: predicted completion lies past it"
-            out.append(self._replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
+            out.append(self.replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
         nxt = queue.earliest_deadline()
         return None if nxt is None else nxt.deadline_s - lead_s
 
     def pump(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> None:
         """Shed what cannot make it, then send every batch the policy lets leave now."""
         model = queue.key[0]
-        policy = self._fleet.policy(model)
+        policy = self.fleet.policy(model)
         self.wake_s.pop(queue.key, None)
         # Events can outrun ticks: never send a request whose deadline has already passed.
         for key in self.expire(now, out):
@@ -187,7 +178,7 @@ class Dispatcher:
                 if shed_at is not None:
                     self.wake_s[queue.key] = shed_at
                 return
-            capacity = caps.get(worker.wid) or self._fleet.capacity(now, worker, queue.key)
+            capacity = caps.get(worker.wid) or self.fleet.capacity(now, worker, queue.key)
             # The request the batch starts with, and the most urgent one it must respect.
             promote_s = 0.0
             if policy.edf:
@@ -213,13 +204,13 @@ class Dispatcher:
                     if shed_at is not None:
                         self.wake_s[queue.key] = shed_at
                     return
-                worker, capacity = bigger, self._fleet.capacity(now, bigger, queue.key)
+                worker, capacity = bigger, self.fleet.capacity(now, bigger, queue.key)
             engine_max = worker.lanes[model].max_batch
             if released > 0:
                 # The policy already let these leave now; this idle worker takes its share.
                 leaving = released
             else:
-                view = self._fleet.view(now, queue, head, urgent)
+                view = self.fleet.view(now, queue, head, urgent)
                 decision = policy.decide(now, view, capacity)
                 if not isinstance(decision, Dispatch):
                     wake = decision.t if shed_at is None else min(decision.t, shed_at)
@@ -233,13 +224,13 @@ class Dispatcher:
                 # Several workers idle: each takes a share of what leaves now (workers run in
                 # parallel, so a batch each ends sooner than all of it on one worker).
                 leaving = min(leaving, queue.samples)
-                idle = self._fleet.idle_workers(queue.key, worker, first.samples, leaving)
+                idle = self.fleet.idle_workers(queue.key, worker, first.samples, leaving)
                 size = min(engine_max, max(first.samples, -(-leaving // idle)))
-            move = self._book.move
+            move = self.book.move
             requests = (
                 queue.take_edf(size, now, promote_s, move) if policy.edf else queue.take(size, move)
             )
-            self._backlog.dequeued_all(requests)
+            self.backlog.dequeued_all(requests)
             released = (
                 max(0, leaving - sum(r.samples for r in requests)) if policy.share_idle else 0
             )
@@ -274,11 +265,11 @@ class Dispatcher:
         """Take a request out of its queue and answer it with an error (an UNAVAILABLE
         once the broker is stopping with ``retry``: the request did not run)."""
         queue.forget(req)
-        backlog = self._backlog
+        backlog = self.backlog
         backlog.dequeued(req)
-        self._book.move(req, _FAILED)
+        self.book.move(req, _FAILED)
         retry = backlog.stopping and code is ErrorCode.UNAVAILABLE
-        out.append(self._replies.request_error(req, code, message, retry=retry))
+        out.append(self.replies.request_error(req, code, message, retry=retry))
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]
@@ -292,9 +283,9 @@ class Dispatcher:
             msg = "deadline cannot be met: predicted completion lies past it"
             for req in requests:
                 if req.deadline_s < done_s:
-                    self._book.move(req, _EXPIRED)
+                    self.book.move(req, _EXPIRED)
                     self.stats.shed += 1
-                    out.append(self._replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
+                    out.append(self.replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
         return keep
 
     def _dispatch(
@@ -305,7 +296,7 @@ class Dispatcher:
         requests: list[PendingRequest],
         capacity: Capacity,
     ) -> ToWorker:
-        batch_id = self._inflight.next_id()
+        batch_id = self.inflight.next_id()
         model = key[0]
         payloads: list[Frame] = []
         samples = 0
@@ -328,7 +319,7 @@ class Dispatcher:
             self._watch_s(now, key, samples, requests, predicted_s),
             sent_s=now,
         )
-        self._inflight.add(now, worker, inflight)
+        self.inflight.add(now, worker, inflight)
         worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s
         worker.lanes[model].on_dispatch(samples)
         self.stats.batch(model, samples)
@@ -355,25 +346,25 @@ class Dispatcher:
                 predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
             if predicted_s <= 0:
                 last_s = max(r.deadline_s for r in requests)
-                return max(self._inflight.watchdog_slack_s, last_s - now)
-        return self._inflight.limit_s(predicted_s)
+                return max(self.inflight.watchdog_slack_s, last_s - now)
+        return self.inflight.limit_s(predicted_s)
 
     def expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
         """Answer every request whose deadline has passed, queued or in flight; returns the
         keys of queues that lost a request (what was behind it may leave now)."""
         touched: set[RequestKey] = set()
-        for req in self._backlog.deadlines.pop_expired(now):
+        for req in self.backlog.deadlines.pop_expired(now):
             queued = req.state is _QUEUED
             if queued:
-                self._backlog.queues[req.key].forget(req)
-                self._backlog.dequeued(req)
+                self.backlog.queues[req.key].forget(req)
+                self.backlog.dequeued(req)
                 touched.add(req.key)
             retry = False
             if self.registry.serving(req.model):
                 code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
             else:
                 code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
-                retry = queued and self._backlog.stopping  # (it did not run)
-            self._book.move(req, _EXPIRED)
-            out.append(self._replies.request_error(req, code, msg, retry=retry))
+                retry = queued and self.backlog.stopping  # (it did not run)
+            self.book.move(req, _EXPIRED)
+            out.append(self.replies.request_error(req, code, msg, retry=retry))
         return touched

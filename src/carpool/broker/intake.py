@@ -69,51 +69,44 @@ _MAX_LAYOUTS = 1024
 Arrival = tuple[float, str, tuple[int, ...], int, int, int]
 
 
+@dataclasses.dataclass(slots=True, eq=False, repr=False)
 class ClientIntake:
     """Client messages: see the module docstring."""
 
-    def __init__(
-        self,
-        config: BrokerConfig,
-        registry: WorkerRegistry,
-        stats: BrokerStats,
-        backlog: Backlog,
-        fleet: FleetModel,
-        dispatcher: Dispatcher,
-        replies: Replies,
-        snapshot: Callable[[float], dict[str, Any]],
-        holding: HeldRequests,
-        resends: Resends,
-    ) -> None:
-        self.config = config
-        self.registry = registry
-        self.stats = stats
-        self._backlog = backlog
-        self._fleet = fleet
-        self._dispatcher = dispatcher
-        self._replies = replies
-        self._snapshot = snapshot
-        self._holding = holding
-        self._resends = resends
-        self._seq = 0
-        # Request layouts validated once per (model, input names, dtypes, shapes); valid
-        # while the model's spec stands (``respec`` drops a replaced model's).
-        self.request_decoder: RequestDecoder[Layout] = RequestDecoder(_MAX_LAYOUTS)
-        # Arrival trace while recording; the shell writes it out (carpool record).
-        self.recording: list[Arrival] | None = None
-        # When the broker began serving (the server sets it): for register_grace_s after
-        # it, a model no worker has registered yet is held (an expected name) or
-        # UNAVAILABLE, not NOT_FOUND.
-        self.started_s = -math.inf
-        # Who may read STATS, by client id (the server sets it under CURVE: operators'
-        # keys only); None: everyone.
-        self.stats_gate: Callable[[bytes], bool] | None = None
-        self._log_version = RateLimitedLog(logger, PEER_LINES_PER_MIN, level=logging.INFO)
+    config: BrokerConfig
+    registry: WorkerRegistry
+    stats: BrokerStats
+    backlog: Backlog
+    fleet: FleetModel
+    dispatcher: Dispatcher
+    replies: Replies
+    snapshot: Callable[[float], dict[str, Any]]
+    holding: HeldRequests
+    resends: Resends
+    _seq: int = dataclasses.field(init=False, default=0)
+    # Request layouts validated once per (model, input names, dtypes, shapes); valid
+    # while the model's spec stands (``respec`` drops a replaced model's).
+    request_decoder: RequestDecoder[Layout] = dataclasses.field(
+        init=False, default_factory=lambda: RequestDecoder(_MAX_LAYOUTS)
+    )
+    # Arrival trace while recording; the shell writes it out (carpool record).
+    recording: list[Arrival] | None = dataclasses.field(init=False, default=None)
+    # When the broker began serving (the server sets it): for register_grace_s after
+    # it, a model no worker has registered yet is held (an expected name) or
+    # UNAVAILABLE, not NOT_FOUND.
+    started_s: float = dataclasses.field(init=False, default=-math.inf)
+    # Who may read STATS, by client id (the server sets it under CURVE: operators'
+    # keys only); None: everyone.
+    stats_gate: Callable[[bytes], bool] | None = dataclasses.field(init=False, default=None)
+    _log_version: RateLimitedLog = dataclasses.field(
+        init=False,
+        default_factory=lambda: RateLimitedLog(logger, PEER_LINES_PER_MIN, level=logging.INFO),
+    )
 
     def release(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
         """A READY registered ``models``: the requests held for them at the door go
         through admission, in arrival order, each with what remains of its budget."""
-        holding = self._holding
+        holding = self.holding
         if not holding.count:
             return
         holding.on_tick(now, out)  # (those due are answered, not admitted late)
@@ -131,13 +124,13 @@ class ClientIntake:
         that no longer fit (the rest ride as they are)."""
         self.request_decoder.forget_model(spec.name)
         answered = 0
-        for key, queue in self._backlog.queues.items():
+        for key, queue in self.backlog.queues.items():
             if key[0] != spec.name:
                 continue
             for req in list(queue):
                 misfit = queued_misfit(spec, req)
                 if misfit is not None:
-                    self._dispatcher.answer_queued(queue, req, misfit[0], misfit[1], out)
+                    self.dispatcher.answer_queued(queue, req, misfit[0], misfit[1], out)
                     answered += 1
         logger.warning(
             "model %s re-registered by worker %s with different inputs or outputs; "
@@ -169,7 +162,7 @@ class ClientIntake:
                 gate = self.stats_gate
                 if gate is not None and not gate(identity):
                     return [
-                        self._replies.error(
+                        self.replies.error(
                             client,
                             delimited,
                             sid,
@@ -177,18 +170,18 @@ class ClientIntake:
                             "STATS is answered to operator keys only",
                         )
                     ]
-                snapshot = self._snapshot(now)
+                snapshot = self.snapshot(now)
                 if len(frames) > 1:  # echo the caller's id, so it can match the reply
                     snapshot["id"] = sid
-                return [self._replies.to_client(client, delimited, encode(Command.STATS, snapshot))]
+                return [self.replies.to_client(client, delimited, encode(Command.STATS, snapshot))]
             if command is Command.METADATA:
-                return [metadata.answer(self.registry, self._replies, client, delimited, frames)]
+                return [metadata.answer(self.registry, self.replies, client, delimited, frames)]
             if command is not Command.REQUEST:
                 if command is Command.CANCEL:
                     if len(frames) != 2:
                         raise ProtocolError("CANCEL is a header and a meta frame")
                     meta = decode_meta(view(frames[1]))
-                    return self._resends.cancel(client, Cancel.from_wire(meta))
+                    return self.resends.cancel(client, Cancel.from_wire(meta))
                 raise ProtocolError(f"command {command.name} is not valid from a client")
             if len(frames) < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
@@ -199,7 +192,7 @@ class ClientIntake:
                 layout = request.layout
                 origin: Origin | None = None
                 if request.client is not None:  # sent with its client's nonce
-                    claim = self._resends.claim(
+                    claim = self.resends.claim(
                         client, delimited, request.client, request.request_id, layout.model
                     )
                     if isinstance(claim, list):  # a copy of a request held
@@ -230,14 +223,12 @@ class ClientIntake:
                 "client=%s sent protocol version %d", identity.hex(), exc.version, now=now
             )
             return [
-                self._replies.error(
-                    client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc)
-                )
+                self.replies.error(client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc))
             ]
         except ProtocolError as exc:
             rid = request_id_of(meta)
             return [
-                self._replies.error(client, delimited, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
+                self.replies.error(client, delimited, rid, ErrorCode.INVALID_ARGUMENT, str(exc))
             ]
         return self._admit(now, Received(client, delimited, submit, frames[2:], False))
 
@@ -253,7 +244,7 @@ class ClientIntake:
                 else ErrorCode.INVALID_ARGUMENT
             )
             rid = request_id_of(exc.meta)
-            return [self._replies.error(client, delimited, rid, code, str(exc), simple=True)]
+            return [self.replies.error(client, delimited, rid, code, str(exc), simple=True)]
         return self._admit(now, Received(client, delimited, submit, payloads, True))
 
     def _admit(self, now: float, received: Received) -> list[Outgoing]:
@@ -268,7 +259,7 @@ class ClientIntake:
         rid = submit.request_id
         origin: Origin | None = None
         if submit.client is not None:  # sent with its client's nonce
-            claim = self._resends.claim(client, delimited, submit.client, rid, submit.model)
+            claim = self.resends.claim(client, delimited, submit.client, rid, submit.model)
             if isinstance(claim, list):  # a copy of a request held
                 return claim
             origin = claim
@@ -278,7 +269,7 @@ class ClientIntake:
                 # Just (re)started: its workers may not have said READY yet, and a client
                 # must not take a restart for a model that does not exist. A model the
                 # broker expects waits for them (holding.py), if its budget allows.
-                if self._holding.hold(now, received, origin):
+                if self.holding.hold(now, received, origin):
                     return []
                 msg = (
                     f"no worker has registered model {submit.model!r} yet; the broker "
@@ -287,7 +278,7 @@ class ClientIntake:
                 return [self._unavailable(received, msg)]
             msg = f"model {submit.model!r} is not served by any worker"
             return [
-                self._replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
+                self.replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
             ]
         if not self.registry.serving(spec.name):  # before the payload checks (§6.1)
             msg = f"no live worker serves model {spec.name!r} right now"
@@ -296,13 +287,13 @@ class ClientIntake:
             layout = layout_of(spec, submit, payloads)
         except ProtocolError as exc:
             code = ErrorCode.INVALID_ARGUMENT
-            return [self._replies.error(client, delimited, rid, code, str(exc), simple=simple)]
+            return [self.replies.error(client, delimited, rid, code, str(exc), simple=simple)]
         max_batch = self.registry.limit(layout.key)
         if max_batch == 0:  # no live worker's limits admit its shapes
             named = ((w.name, w.models[spec.name]) for w in self.registry.serving(spec.name))
             msg = limits.refusal(spec.name, layout.key, named)
             code = ErrorCode.INVALID_ARGUMENT
-            return [self._replies.error(client, delimited, rid, code, msg, simple=simple)]
+            return [self.replies.error(client, delimited, rid, code, msg, simple=simple)]
         if not simple:
             self.request_decoder.remember(submit, layout)
         return self._enqueue(
@@ -323,8 +314,8 @@ class ClientIntake:
 
     def _unavailable(self, r: Received, message: str) -> Outgoing:
         """UNAVAILABLE at the door; once the broker is stopping, with ``retry`` (§6.3)."""
-        code, rid, retry = ErrorCode.UNAVAILABLE, r.submit.request_id, self._backlog.stopping
-        error = self._replies.error
+        code, rid, retry = ErrorCode.UNAVAILABLE, r.submit.request_id, self.backlog.stopping
+        error = self.replies.error
         return error(r.client, r.delimited, rid, code, message, simple=r.simple, retry=retry)
 
     def _enqueue(
@@ -355,10 +346,10 @@ class ClientIntake:
         for frame in payloads:
             nbytes += len(frame)
         backlog, dispatcher, config, fleet = (
-            self._backlog,
-            self._dispatcher,
+            self.backlog,
+            self.dispatcher,
             self.config,
-            self._fleet,
+            self.fleet,
         )
         # Asked as pumpable first: only a full queue reads that, and pump_dirty with
         # nothing marked forms nothing, so the second answer is the one a False would
@@ -387,7 +378,7 @@ class ClientIntake:
             )
         if type(verdict) is Refused:
             self.stats.refused(model, verdict.code.name, verdict.shed)
-            error = self._replies.error(
+            error = self.replies.error(
                 client,
                 delimited,
                 rid,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
@@ -49,37 +50,32 @@ _DISPATCHED, _DONE, _FAILED = RequestState.DISPATCHED, RequestState.DONE, Reques
 _HEALTHY = Health.HEALTHY
 
 
+def _peer_log() -> RateLimitedLog:
+    return RateLimitedLog(logger, PEER_LINES_PER_MIN)
+
+
+@dataclass(slots=True, eq=False, repr=False)
 class WorkerEvents:
     """Worker messages and losses; see the module docstring."""
 
-    def __init__(
-        self,
-        config: BrokerConfig,
-        registry: WorkerRegistry,
-        stats: BrokerStats,
-        book: RequestBook,
-        backlog: Backlog,
-        inflight: InflightTable,
-        fleet: FleetModel,
-        dispatcher: Dispatcher,
-        replies: Replies,
-        intake: ClientIntake,
-    ) -> None:
-        self.config = config
-        self.registry = registry
-        self.stats = stats
-        self._book = book
-        self._backlog = backlog
-        self._inflight = inflight
-        self._fleet = fleet
-        self._dispatcher = dispatcher
-        self._replies = replies
-        self._intake = intake
-        # Lines a peer on the worker socket can cause, each kind rate-limited apart.
-        self._log_protocol = RateLimitedLog(logger, PEER_LINES_PER_MIN)
-        self._log_refused = RateLimitedLog(logger, PEER_LINES_PER_MIN)
-        self._log_failed = RateLimitedLog(logger, PEER_LINES_PER_MIN)
-        self._log_churn = RateLimitedLog(logger, 2 * PEER_LINES_PER_MIN, level=logging.INFO)
+    config: BrokerConfig
+    registry: WorkerRegistry
+    stats: BrokerStats
+    book: RequestBook
+    backlog: Backlog
+    inflight: InflightTable
+    fleet: FleetModel
+    dispatcher: Dispatcher
+    replies: Replies
+    intake: ClientIntake
+    # Lines a peer on the worker socket can cause, each kind rate-limited apart.
+    _log_protocol: RateLimitedLog = field(init=False, default_factory=_peer_log)
+    _log_refused: RateLimitedLog = field(init=False, default_factory=_peer_log)
+    _log_failed: RateLimitedLog = field(init=False, default_factory=_peer_log)
+    _log_churn: RateLimitedLog = field(
+        init=False,
+        default_factory=lambda: RateLimitedLog(logger, 2 * PEER_LINES_PER_MIN, level=logging.INFO),
+    )
 
     def on_heartbeats_due(self, now: float, out: list[Outgoing]) -> None:
         """The registry's next event is due: lose the workers whose heartbeats stopped,
@@ -126,7 +122,7 @@ class WorkerEvents:
                 if msg.telemetry is not None:
                     worker.telemetry = msg.telemetry
                 if msg.rho is not None:
-                    self._fleet.on_load(now, worker, msg.rho)
+                    self.fleet.on_load(now, worker, msg.rho)
                 if msg.busy_ms is not None and worker.health is Health.UNHEALTHY:
                     self._on_busy(now, worker, msg.busy_ms, out)
             elif isinstance(msg, msgs.WorkerFailed):
@@ -181,12 +177,12 @@ class WorkerEvents:
             out.append(disconnect(wid, reason))
             return
         for spec in self.registry.replaced(ready):
-            self._intake.respec(spec, ready.name, out)
+            self.intake.respec(spec, ready.name, out)
         lanes = {
-            m.name: self._fleet.lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models
+            m.name: self.fleet.lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models
         }
         self.registry.add(now, wid, ready, ready.heartbeat_ms / 1000.0, lanes)
-        self._fleet.rates.clear()
+        self.fleet.rates.clear()
         names = [m.name for m in ready.models]
         # B_max and the limit that binds it, per model: broker cap, worker limit, adaptive.
         limits = [f"{n}:{lanes[n].batch_limit}({lanes[n].bound_by})" for n in names[:8]]
@@ -198,8 +194,8 @@ class WorkerEvents:
             now=now,
         )
         # Requests held at the door for these models (just after a start) go in first.
-        self._intake.release(now, names, out)
-        self._dispatcher.pump_models(now, names, out)
+        self.intake.release(now, names, out)
+        self.dispatcher.pump_models(now, names, out)
 
     def _on_result(
         self,
@@ -214,13 +210,13 @@ class WorkerEvents:
             return
         if worker.health is not _HEALTHY:
             self.registry.set_health(now, worker, Health.HEALTHY)
-            self._fleet.rates.clear()  # its share of the fleet's rate changed
+            self.fleet.rates.clear()  # its share of the fleet's rate changed
         self._learn(worker, batch, result.compute_ms)
         compute_s = result.compute_ms / 1000.0
         if batch_log.isEnabledFor(logging.DEBUG):
             batch_record(now, worker, batch, result.compute_ms)
         if 0 <= result.rho <= 1:  # as HEARTBEAT's: a load out of range is ignored
-            self._fleet.on_load(now, worker, result.rho)
+            self.fleet.on_load(now, worker, result.rho)
         if len(result.frames) != len(batch.requests) or sum(result.frames) != len(reply_frames):
             msg = (
                 f"worker {worker.name} returned a malformed result for batch {batch.batch_id}: "
@@ -232,7 +228,7 @@ class WorkerEvents:
         else:
             start = 0
             answered = 0
-            move = self._book.move
+            move = self.book.move
             for req, count in zip(batch.requests, result.frames, strict=True):
                 stop = start + count
                 if req.state is _DISPATCHED:  # else answered already (expired)
@@ -248,7 +244,7 @@ class WorkerEvents:
             self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
             if result.padding is not None:
                 self.stats.padded(batch.key, batch.samples, result.padding)
-        self._dispatcher.pump_models(now, worker.models, out)
+        self.dispatcher.pump_models(now, worker.models, out)
 
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
@@ -258,9 +254,9 @@ class WorkerEvents:
             return
         if worker.health is not _HEALTHY:
             self.registry.set_health(now, worker, Health.HEALTHY)
-            self._fleet.rates.clear()  # its share of the fleet's rate changed
+            self.fleet.rates.clear()  # its share of the fleet's rate changed
         if 0 <= failed.rho <= 1:
-            self._fleet.on_load(now, worker, failed.rho)
+            self.fleet.on_load(now, worker, failed.rho)
         self._log_failed(
             "batch failed worker=%s model=%s code=%s: %s",
             worker.name,
@@ -270,7 +266,7 @@ class WorkerEvents:
             now=now,
         )
         self.fail_batch(batch, failed.code, failed.message, out)
-        self._dispatcher.pump_models(now, worker.models, out)
+        self.dispatcher.pump_models(now, worker.models, out)
 
     def _take_batch(
         self,
@@ -280,12 +276,12 @@ class WorkerEvents:
         out: list[Outgoing],
         compute_ms: float = 0.0,
     ) -> InflightBatch | None:
-        batch = self._inflight.take(now, worker, batch_id)
+        batch = self.inflight.take(now, worker, batch_id)
         if batch is None:
             # A batch this worker no longer owns (it was requeued after a presumed loss, or
             # the watchdog gave up on it): dropped, but the engine did finish something.
             self.stats.late_results += 1
-            hung = self._inflight.take_hung(worker, batch_id)
+            hung = self.inflight.take_hung(worker, batch_id)
             if hung is not None:
                 # The batch that outran the watchdog: its time teaches the lane all the
                 # same, or a model slower than the slack could never be served.
@@ -293,7 +289,7 @@ class WorkerEvents:
             if worker.health is Health.UNHEALTHY:
                 self._recovered(now, worker, "a late answer came", out)
             return None
-        self._fleet.replan(now, worker)
+        self.fleet.replan(now, worker)
         return batch
 
     def _learn(self, worker: WorkerState, batch: InflightBatch, compute_ms: float) -> None:
@@ -301,7 +297,7 @@ class WorkerEvents:
         # A time no batch can take (longer than any deadline) would only break the fit.
         if lane is not None and 0 < compute_ms <= _MAX_COMPUTE_MS:
             lane.observe(batch.key, batch.samples, compute_ms / 1000.0)
-            self._fleet.rates.pop(batch.key, None)
+            self.fleet.rates.pop(batch.key, None)
 
     def _on_busy(self, now: float, worker: WorkerState, busy_ms: int, out: list[Outgoing]) -> None:
         """An UNHEALTHY worker's HEARTBEAT says how long its inference thread has run its
@@ -313,24 +309,24 @@ class WorkerEvents:
     def _recovered(self, now: float, worker: WorkerState, why: str, out: list[Outgoing]) -> None:
         """An UNHEALTHY worker showed progress: one credit, until it answers a batch."""
         self.registry.set_health(now, worker, Health.PROBATION)
-        self._fleet.rates.clear()  # its share of the fleet's rate changed
+        self.fleet.rates.clear()  # its share of the fleet's rate changed
         logger.info("worker on probation name=%s: %s", worker.name, why)
-        self._dispatcher.pump_models(now, worker.models, out)
+        self.dispatcher.pump_models(now, worker.models, out)
 
     def fail_batch(
         self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
     ) -> None:
         for req in batch.requests:
             if req.state is _DISPATCHED:
-                self._book.move(req, _FAILED)
-                out.append(self._replies.request_error(req, code, message))
+                self.book.move(req, _FAILED)
+                out.append(self.replies.request_error(req, code, message))
 
     def lose_worker(
         self, now: float, worker: WorkerState, reason: str, out: list[Outgoing]
     ) -> None:
         """Forget a worker; its in-flight requests go back to their queues when they may."""
         self.registry.remove(worker.wid)
-        self._fleet.rates.clear()
+        self.fleet.rates.clear()
         self._log_churn("worker left name=%s reason=%s", worker.name, reason, now=now)
         msg = f"worker {worker.name} was lost while running the request ({reason})"
         self._requeue(now, worker, msg, out)
@@ -338,7 +334,7 @@ class WorkerEvents:
     def on_watchdog(self, now: float, out: list[Outgoing]) -> None:
         """Batches have outrun the watchdog: their workers turn UNHEALTHY, and everything
         those hold goes back to the queues as a lost worker's does."""
-        for batch in self._inflight.overdue(now):
+        for batch in self.inflight.overdue(now):
             worker = self.registry.get(batch.worker)
             if worker is None or batch.batch_id not in worker.outstanding:
                 continue
@@ -353,18 +349,18 @@ class WorkerEvents:
                 batch.watch_s,
             )
             self.registry.set_health(now, worker, Health.UNHEALTHY)
-            self._fleet.rates.clear()  # its share of the fleet's rate changed
+            self.fleet.rates.clear()  # its share of the fleet's rate changed
             self.stats.unhealthy += 1
-            self._fleet.rates.clear()
+            self.fleet.rates.clear()
             worker.free_at_s = now
             msg = f"worker {worker.name} did not answer the request's batch in time (watchdog)"
             self._requeue(now, worker, msg, out)
-            self._inflight.remember_hung(batch)
+            self.inflight.remember_hung(batch)
 
     def _requeue(self, now: float, worker: WorkerState, message: str, out: list[Outgoing]) -> None:
         """Take every batch ``worker`` holds; each request goes back to its queue while its
         attempts and deadline allow, or is answered UNAVAILABLE."""
-        for batch in self._inflight.take_all(worker):
+        for batch in self.inflight.take_all(worker):
             # Newest batch first and each batch back to front, so push_front keeps FIFO order.
             for req in reversed(batch.requests):
                 if req.state is not _DISPATCHED:
@@ -372,11 +368,11 @@ class WorkerEvents:
                 if (
                     req.attempts < self.config.max_attempts
                     and now < req.deadline_s
-                    and not self._backlog.stopping
+                    and not self.backlog.stopping
                 ):
-                    self._backlog.requeue(req)
+                    self.backlog.requeue(req)
                     self.stats.requeued += 1
                 else:
-                    self._book.move(req, _FAILED)
-                    out.append(self._replies.request_error(req, ErrorCode.UNAVAILABLE, message))
-        self._dispatcher.pump_models(now, worker.models, out)
+                    self.book.move(req, _FAILED)
+                    out.append(self.replies.request_error(req, ErrorCode.UNAVAILABLE, message))
+        self.dispatcher.pump_models(now, worker.models, out)
