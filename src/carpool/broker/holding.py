@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.replies import Outgoing, Replies
-from carpool.broker.requests import ClientId, Origin, Received
+from carpool.broker.requests import ClientId, Origin, Received, count_in, count_out
 from carpool.common.errors import ErrorCode
 
 #: A held request is answered this long before its deadline, so that its client still
@@ -117,11 +117,7 @@ class HeldRequests:
         heapq.heappush(self._expiries, (expires_s, entry.seq, entry))
         self.count += 1
         self.nbytes += nbytes
-        if mine is None:
-            self._per_client[client] = [1, nbytes]
-        else:
-            mine[0] += 1
-            mine[1] += nbytes
+        count_in(self._per_client, client, nbytes)
         return True
 
     def redirect(self, entry: HeldRequest, client: ClientId, delimited: bool) -> None:
@@ -129,13 +125,8 @@ class HeldRequests:
         goes there, and its share of the per-client limits moves there with it."""
         old = entry.received.client
         if old != client:
-            self._count_out(old, entry.nbytes)
-            mine = self._per_client.get(client)
-            if mine is None:
-                self._per_client[client] = [1, entry.nbytes]
-            else:
-                mine[0] += 1
-                mine[1] += entry.nbytes
+            count_out(self._per_client, old, entry.nbytes)
+            count_in(self._per_client, client, entry.nbytes)
         entry.received = replace(entry.received, client=client, delimited=delimited)
 
     def cancel(self, origin: Origin, out: list[Outgoing]) -> bool:
@@ -226,16 +217,9 @@ class HeldRequests:
         entry.gone = True
         self.count -= 1
         self.nbytes -= entry.nbytes
-        self._count_out(entry.received.client, entry.nbytes)
+        count_out(self._per_client, entry.received.client, entry.nbytes)
         if entry.origin is not None:
             del self.by_origin[entry.origin]
-
-    def _count_out(self, client: ClientId, nbytes: int) -> None:
-        mine = self._per_client[client]
-        mine[0] -= 1
-        mine[1] -= nbytes
-        if not mine[0]:
-            del self._per_client[client]
 
     def _settle(self) -> None:
         """Drop the heap's top entries that left already, so its top is a live one."""

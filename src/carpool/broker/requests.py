@@ -151,6 +151,27 @@ class PendingRequest:
 Observer = Callable[[RequestState, RequestState], None]
 
 
+def count_in(tally: dict[ClientId, list[int]], client: ClientId, nbytes: int) -> None:
+    """One more request, of ``nbytes``, in ``client``'s [requests, bytes] of ``tally``."""
+    mine = tally.get(client)
+    if mine is None:
+        tally[client] = [1, nbytes]
+    else:
+        mine[0] += 1
+        mine[1] += nbytes
+
+
+def count_out(tally: dict[ClientId, list[int]], client: ClientId, nbytes: int) -> None:
+    """One request, of ``nbytes``, fewer in ``client``'s [requests, bytes] of ``tally``
+    (its entry goes with its last request)."""
+    mine = tally[client]
+    if mine[0] <= 1:
+        del tally[client]
+    else:
+        mine[0] -= 1
+        mine[1] -= nbytes
+
+
 class RequestBook:
     """The owner of request state: every move of every request goes through :meth:`move`."""
 
@@ -166,7 +187,7 @@ class RequestBook:
 
     def enter(self, req: PendingRequest) -> None:
         """A new request is held for its client until it reaches a final state."""
-        held = self.held.get(req.client)
+        held = self.held.get(req.client)  # (count_in, inlined: once per request)
         if held is None:
             self.held[req.client] = [1, req.nbytes]
         else:
@@ -180,19 +201,10 @@ class RequestBook:
         answer goes there, and its share of the per-client limits moves there with it."""
         old = req.client
         if old != client:
-            held = self.held.get(old)
-            if held is not None:  # (None: a request made without enter, in tests)
-                if held[0] <= 1:
-                    del self.held[old]
-                else:
-                    held[0] -= 1
-                    held[1] -= req.nbytes
-                mine = self.held.get(client)
-                if mine is None:
-                    self.held[client] = [1, req.nbytes]
-                else:
-                    mine[0] += 1
-                    mine[1] += req.nbytes
+            held = self.held
+            if old in held:  # (absent: a request made without enter, in tests)
+                count_out(held, old, req.nbytes)
+                count_in(held, client, req.nbytes)
             req.client = client
         req.delimited = delimited
 
@@ -207,7 +219,7 @@ class RequestBook:
         req.state = to
         if to in FINAL:
             req.payloads = ()
-            held = self.held.get(req.client)
+            held = self.held.get(req.client)  # (count_out, inlined: once per request)
             if held is not None:  # (None: a request made without enter, in tests)
                 if held[0] <= 1:
                     del self.held[req.client]
