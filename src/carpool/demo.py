@@ -30,6 +30,7 @@ from numpy.typing import NDArray
 
 from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.clock import MonotonicClock
+from carpool.common.config import check
 from carpool.common.errors import ConfigError
 
 MODEL = "orientation"
@@ -115,8 +116,7 @@ class DemoSettings:
         ]
         if self.max_wait_ms < 0:
             problems.append(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
-        if problems:
-            raise ConfigError("demo: " + "; ".join(problems))
+        check(problems, "demo")
 
 
 def run_demo(settings: DemoSettings) -> int:
