@@ -30,7 +30,7 @@ from numpy.typing import NDArray
 
 from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.clock import MonotonicClock
-from carpool.common.config import check
+from carpool.common.config import check, signs
 from carpool.common.errors import ConfigError
 
 MODEL = "orientation"
@@ -103,19 +103,8 @@ class DemoSettings:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming each setting out of its range."""
-        problems = [
-            f"{name} must be > 0, got {value}"
-            for name, value in (
-                ("duration_s", self.duration_s),
-                ("cameras", self.cameras),
-                ("fps", self.fps),
-                ("workers", self.workers),
-                ("max_batch", self.max_batch),
-            )
-            if not value > 0
-        ]
-        if self.max_wait_ms < 0:
-            problems.append(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        positive = ("duration_s", "cameras", "fps", "workers", "max_batch")
+        problems = signs(self, positive=positive, non_negative=("max_wait_ms",))
         check(problems, "demo")
 
 

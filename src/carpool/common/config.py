@@ -9,7 +9,7 @@ import dataclasses
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -151,6 +151,23 @@ def out_of_range(obj: object, bounds: Mapping[str, tuple[float, float]]) -> list
         for name, (low, high) in bounds.items()
         if not low <= getattr(obj, name) <= high
     ]
+
+
+def signs(obj: object, positive: Sequence[str] = (), non_negative: Sequence[str] = ()) -> list[str]:
+    """ "NAME must be > 0, got VALUE" for each field of ``obj`` named in ``positive`` that
+    is not (NaN included), then "NAME must be >= 0, got VALUE" for each one named in
+    ``non_negative`` below 0, each in the order given."""
+    problems = [
+        f"{name} must be > 0, got {value}"
+        for name in positive
+        if not (value := getattr(obj, name)) > 0
+    ]
+    problems += [
+        f"{name} must be >= 0, got {value}"
+        for name in non_negative
+        if (value := getattr(obj, name)) < 0
+    ]
+    return problems
 
 
 def check(problems: list[str], where: str) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from carpool.common.config import signs
+
 BROKER = "broker"
 
 
@@ -59,19 +61,8 @@ class RestartPolicy:
     stop_timeout_s: float = 10.0  # from SIGTERM to SIGKILL
 
     def __post_init__(self) -> None:
-        problems = [
-            f"{name} must be > 0, got {value}"
-            for name, value in (
-                ("base_s", self.base_s),
-                ("max_s", self.max_s),
-                ("stop_timeout_s", self.stop_timeout_s),
-            )
-            if not value > 0
-        ]
-        if self.stable_s < 0:
-            problems.append(f"stable_s must be >= 0, got {self.stable_s}")
-        if self.max_restarts < 0:
-            problems.append(f"max_restarts must be >= 0, got {self.max_restarts}")
+        positive = ("base_s", "max_s", "stop_timeout_s")
+        problems = signs(self, positive=positive, non_negative=("stable_s", "max_restarts"))
         if problems:
             raise ValueError("restart policy: " + "; ".join(problems))
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from carpool.broker.config import BatchingConfig, BatchingOverride, BrokerConfig
-from carpool.common.config import check, from_mapping, load_toml, out_of_range
+from carpool.common.config import check, from_mapping, load_toml, out_of_range, signs
 from carpool.common.errors import ConfigError
 from carpool.worker.config import ModelConfig, WorkerConfig
 
@@ -284,3 +284,21 @@ def test_out_of_range_names_each_field_outside_its_bounds_in_order() -> None:
         "a must be in 1..16777216",
     ]
     assert out_of_range(Limits(a=1, c=10), bounds) == []
+
+
+def test_signs_names_each_field_not_positive_then_each_negative_in_the_order_given() -> None:
+    @dataclasses.dataclass
+    class Settings:
+        rate: float = 0.0
+        count: int = 3
+        gap: float = float("nan")
+        wait: float = -1.0
+        floor: int = 0
+
+    problems = signs(Settings(), positive=("rate", "count", "gap"), non_negative=("wait", "floor"))
+    assert problems == [
+        "rate must be > 0, got 0.0",
+        "gap must be > 0, got nan",
+        "wait must be >= 0, got -1.0",
+    ]
+    assert signs(Settings(rate=1.0, gap=2.0, wait=0.0), positive=("rate", "gap")) == []
