@@ -187,12 +187,7 @@ class RequestBook:
 
     def enter(self, req: PendingRequest) -> None:
         """A new request is held for its client until it reaches a final state."""
-        held = self.held.get(req.client)  # (count_in, inlined: once per request)
-        if held is None:
-            self.held[req.client] = [1, req.nbytes]
-        else:
-            held[0] += 1
-            held[1] += req.nbytes
+        count_in(self.held, req.client, req.nbytes)
         if req.origin is not None:
             self.by_origin[req.origin] = req
 
@@ -219,13 +214,8 @@ class RequestBook:
         req.state = to
         if to in FINAL:
             req.payloads = ()
-            held = self.held.get(req.client)  # (count_out, inlined: once per request)
-            if held is not None:  # (None: a request made without enter, in tests)
-                if held[0] <= 1:
-                    del self.held[req.client]
-                else:
-                    held[0] -= 1
-                    held[1] -= req.nbytes
+            if req.client in self.held:  # (absent: a request made without enter, in tests)
+                count_out(self.held, req.client, req.nbytes)
             if req.origin is not None:
                 del self.by_origin[req.origin]
         if self.observers:

@@ -73,28 +73,29 @@ class RuntimeCuda:
             return None
         return values[0] if len(values) == 1 else tuple(values)
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the owning thread, checked (:meth:`_check`) as ``what``."""
+    def _call(self, fn: str, *args: Any, what: str = "") -> Any:
+        """The runtime's ``fn(*args)`` on the owning thread, checked (:meth:`_check`) and
+        named ``what`` (default ``fn``) in its error."""
         self._owner.check()
-        return self._check(fn(*args), what)
+        return self._check(getattr(self._rt, fn)(*args), what or fn)
 
     def pinned(self, nbytes: int) -> HostBuffer:
-        ptr = _handle(self._call("cudaMallocHost", self._rt.cudaMallocHost, max(nbytes, 1)))
+        ptr = _handle(self._call("cudaMallocHost", max(nbytes, 1)))
         raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)
         array = np.ctypeslib.as_array(raw)[:nbytes]
         return HostBuffer(ptr, nbytes, array, native=raw)
 
     def device_buffer(self, nbytes: int) -> DeviceBuffer:
-        ptr = _handle(self._call("cudaMalloc", self._rt.cudaMalloc, max(nbytes, 1)))
+        ptr = _handle(self._call("cudaMalloc", max(nbytes, 1)))
         return DeviceBuffer(ptr, nbytes)
 
     def stream(self) -> Stream:
         flags = self._rt.cudaStreamNonBlocking
-        native = self._call("cudaStreamCreate", self._rt.cudaStreamCreateWithFlags, flags)
+        native = self._call("cudaStreamCreateWithFlags", flags, what="cudaStreamCreate")
         return Stream(_handle(native), native)
 
     def event(self) -> Event:
-        return Event(self._call("cudaEventCreate", self._rt.cudaEventCreate))
+        return Event(self._call("cudaEventCreate"))
 
     def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
         self._copy("to device", dst.ptr, src.ptr, nbytes, self._h2d, stream)
@@ -103,35 +104,33 @@ class RuntimeCuda:
         self._copy("to host", dst.ptr, src.ptr, nbytes, self._d2h, stream)
 
     def _copy(self, way: str, dst: int, src: int, nbytes: int, kind: Any, stream: Stream) -> None:
-        memcpy = self._rt.cudaMemcpyAsync
-        self._call(f"cudaMemcpyAsync ({way})", memcpy, dst, src, nbytes, kind, stream.native)
+        what = f"cudaMemcpyAsync ({way})"
+        self._call("cudaMemcpyAsync", dst, src, nbytes, kind, stream.native, what=what)
 
     def record(self, event: Event, stream: Stream) -> None:
-        self._call("cudaEventRecord", self._rt.cudaEventRecord, event.native, stream.native)
+        self._call("cudaEventRecord", event.native, stream.native)
 
     def wait_event(self, event: Event) -> None:
-        self._call("cudaEventSynchronize", self._rt.cudaEventSynchronize, event.native)
+        self._call("cudaEventSynchronize", event.native)
 
     def synchronize(self, stream: Stream) -> None:
-        self._call("cudaStreamSynchronize", self._rt.cudaStreamSynchronize, stream.native)
+        self._call("cudaStreamSynchronize", stream.native)
 
     def elapsed_s(self, start: Event, end: Event) -> float:
-        ms = self._call(
-            "cudaEventElapsedTime", self._rt.cudaEventElapsedTime, start.native, end.native
-        )
+        ms = self._call("cudaEventElapsedTime", start.native, end.native)
         return float(ms) / 1000.0
 
     def free(self, buffer: HostBuffer | DeviceBuffer) -> None:
         if isinstance(buffer, HostBuffer):
-            self._call("cudaFreeHost", self._rt.cudaFreeHost, buffer.ptr)
+            self._call("cudaFreeHost", buffer.ptr)
         else:
-            self._call("cudaFree", self._rt.cudaFree, buffer.ptr)
+            self._call("cudaFree", buffer.ptr)
 
     def destroy(self, handle: Stream | Event) -> None:
         if isinstance(handle, Stream):
-            self._call("cudaStreamDestroy", self._rt.cudaStreamDestroy, handle.native)
+            self._call("cudaStreamDestroy", handle.native)
         else:
-            self._call("cudaEventDestroy", self._rt.cudaEventDestroy, handle.native)
+            self._call("cudaEventDestroy", handle.native)
 
     def close(self) -> None:
         self._owner.check()  # the primary context stays, for TensorRT and others in-process
