@@ -77,7 +77,9 @@ def child_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         if not args.curve_server_key:
             raise ConfigError("--curve-worker-key needs --curve-server-key (the broker's pair)")
         public = load_keypair(args.curve_server_key, "--curve-server-key").public.decode()
-        worker += ["--curve-broker-key", public]  # (a public key: fine on a command line)
+        # (A public key: fine on a command line. Joined by "=": a Z85 key may begin with
+        # "-", which argparse would take for a flag.)
+        worker.append(f"--curve-broker-key={public}")
     return broker, worker
 
 

@@ -56,8 +56,24 @@ def test_the_curve_keys_go_to_the_broker_and_the_workers(tmp_path: Path) -> None
         "--curve",
     ]
     public = load_keypair(secret).public.decode()
-    assert worker == ["--curve-key", str(worker_secret), "--curve-broker-key", public]
+    assert worker == ["--curve-key", str(worker_secret), f"--curve-broker-key={public}"]
     assert "key_secret" not in " ".join(worker[2:])  # the broker's secret stays in its file
+
+
+def test_a_broker_key_beginning_with_a_dash_reaches_the_worker_whole(tmp_path: Path) -> None:
+    for n in range(5000):  # (about 1 key in 85 begins with "-")
+        _, secret = create_keypair(tmp_path / f"broker-{n}", "broker")
+        public = load_keypair(secret).public.decode()
+        if public.startswith("-"):
+            break
+    else:
+        pytest.fail("no key beginning with '-' in 5,000")
+    _, worker_secret = create_keypair(tmp_path / "workers", "w")
+    _, worker = child_args(
+        _args("--curve-server-key", str(secret), "--curve-worker-key", str(worker_secret))
+    )
+    parsed = build_parser().parse_args(["worker", *worker])
+    assert parsed.curve_broker_key == public
 
 
 @pytest.mark.parametrize("role", ["broker", "worker"])
