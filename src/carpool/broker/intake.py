@@ -54,7 +54,6 @@ from carpool.common.protocol import (
     is_simple_form,
     parse_header,
     request_id_of,
-    shm_wire,
     view,
 )
 from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
@@ -392,13 +391,10 @@ class ClientIntake:
             return out
         key = layout.key
         samples = layout.samples
-        shm = None
         if layout.order is not None:
             payloads = [payloads[i] for i in layout.order]
             if refs is not None:
                 refs = tuple(refs[i] for i in layout.order)
-        if refs is not None:
-            shm = shm_wire(refs)
         self._seq += 1
         req = PendingRequest(  # positional: the fields in declaration order
             self._seq,
@@ -413,9 +409,8 @@ class ClientIntake:
             now,
             now + timeout_s,
             payloads,
-            shm,
-            shm_outputs,
             refs,
+            shm_outputs,
             nbytes,
             layout.shapes,
             origin,

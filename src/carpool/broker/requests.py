@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar, NewType
+from typing import ClassVar, NewType
 
 from carpool.common.protocol import Frame, Priority, ShmRef, Submit
 
@@ -130,11 +130,10 @@ class PendingRequest:
     arrival_s: float
     deadline_s: float
     payloads: Sequence[Frame]  # in spec order; the key holds their names, dtypes, shapes
-    # BATCH ``requests[i].shm`` (spec order) when an input is in shared memory (§5.4).
-    shm: list[dict[str, Any] | None] | None = None
-    shm_outputs: bool = False  # BATCH ``requests[i].shm_outputs`` (§5.5)
-    # The same references, parsed (spec order): what an embedded worker's BatchItem takes.
+    # Per input (spec order), where its bytes are in shared memory (§5.4), or None for
+    # an input in its frame; None when all are in frames: BATCH ``requests[i].shm``.
     refs: tuple[ShmRef | None, ...] | None = None
+    shm_outputs: bool = False  # BATCH ``requests[i].shm_outputs`` (§5.5)
     nbytes: int = 0  # payload bytes held in its frames (what max_queued_mib counts)
     # Its own item shapes per input (spec order) where they differ from its bucket, the
     # key's: BATCH ``requests[i].shapes`` (§8.3); None: the key's shapes are its own.
