@@ -71,7 +71,7 @@ SHM = {"shared_memory": 16 << 20, "shared_memory_outputs": True}
 
 def direct(engine: OnnxRuntimeEngine, x: Any, batch: int, duration_s: float) -> dict[str, float]:
     """Samples per second of back-to-back engine calls at one batch size."""
-    name = engine.info.inputs[0].name
+    name = engine.info.io.inputs[0].name
     xb = {name: np.ascontiguousarray(np.repeat(x, batch, axis=0))}
     engine.run(xb)
     times: list[float] = []
@@ -101,8 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     direct_s = 0.5 if args.quick else 1.0
     x = tensor((1, 3, 224, 224))
     engine = OnnxRuntimeEngine(locate(MODEL), max_batch=8, intra_op_threads=1)
-    expected = engine.run({engine.info.inputs[0].name: x})
-    out_name = engine.info.outputs[0].name
+    expected = engine.run({engine.info.io.inputs[0].name: x})
+    out_name = engine.info.io.outputs[0].name
     fleet_rounds: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in CONFIGS}
     direct_rounds: dict[int, list[dict[str, float]]] = {b: [] for b in DIRECT_BATCHES}
     me = CpuMeter()

@@ -28,18 +28,18 @@ def test_unknown_catalogue_model_is_a_config_error() -> None:
 
 def test_orientation_spec_has_a_dynamic_batch_dim() -> None:
     engine = OnnxRuntimeEngine(locate("orientation"), max_batch=4)
-    assert engine.info.inputs == (TensorMeta("x", "float32", (-1, 3, 224, 224)),)
-    assert engine.info.outputs == (TensorMeta("fetch_name_0", "float32", (-1, 4)),)
-    assert engine.info.max_batch == 4
+    assert engine.info.io.inputs == (TensorMeta("x", "float32", (-1, 3, 224, 224)),)
+    assert engine.info.io.outputs == (TensorMeta("fetch_name_0", "float32", (-1, 4)),)
+    assert engine.info.io.max_batch == 4
     assert engine.metadata["character"].split() == ["0", "90", "180", "270"]
 
 
 @pytest.mark.parametrize(("name", "shape"), [("ppocr-cls", (3, 48, 192)), ("orientation", None)])
 def test_a_batch_equals_its_requests_run_alone(name: str, shape: tuple[int, ...] | None) -> None:
     engine = OnnxRuntimeEngine(locate(name), max_batch=4)
-    item = shape or engine.info.inputs[0].shape[1:]
+    item = shape or engine.info.io.inputs[0].shape[1:]
     x = np.random.default_rng(0).standard_normal((4, *item)).astype(np.float32)
-    out_name = engine.info.outputs[0].name
+    out_name = engine.info.io.outputs[0].name
     batched = engine.run({"x": x})[out_name]
     alone = np.concatenate([engine.run({"x": x[i : i + 1]})[out_name] for i in range(4)])
     np.testing.assert_allclose(batched, alone, rtol=1e-5, atol=1e-6)
@@ -47,7 +47,7 @@ def test_a_batch_equals_its_requests_run_alone(name: str, shape: tuple[int, ...]
 
 def test_dynamic_spatial_dims_are_marked() -> None:
     engine = OnnxRuntimeEngine(locate("ppocr-det"))
-    assert engine.info.inputs[0].shape == (-1, 3, -1, -1)
+    assert engine.info.io.inputs[0].shape == (-1, 3, -1, -1)
 
 
 def test_unreadable_model_is_a_config_error(tmp_path: Path) -> None:

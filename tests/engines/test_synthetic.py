@@ -29,14 +29,14 @@ def test_oversize_batch_is_refused() -> None:
 
 def test_dtype_and_item_shape_are_configurable() -> None:
     engine = SyntheticEngine(item_shape=(-1, 3), dtype="int32")
-    assert engine.info.inputs[0].shape == (-1, -1, 3)
+    assert engine.info.io.inputs[0].shape == (-1, -1, 3)
     x = np.ones((2, 5, 3), np.int32)
     assert engine.run({"x": x})["y"].dtype == np.int32
 
 
 def test_output_items_gives_a_classifier_shaped_output() -> None:
     engine = SyntheticEngine(item_shape=(2, 8), output_items=3)
-    assert engine.info.outputs[0].shape == (-1, 3)
+    assert engine.info.io.outputs[0].shape == (-1, 3)
     x = np.arange(32, dtype=np.float32).reshape(2, 2, 8)
     y = engine.run({"x": x})["y"]
     np.testing.assert_array_equal(y, (2 * x + 1).reshape(2, 16)[:, :3])

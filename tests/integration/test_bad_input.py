@@ -18,7 +18,7 @@ from carpool.client import InvalidArgument, NotFound, UnsupportedVersion
 from carpool.common.errors import ErrorCode, InternalError
 from carpool.common.protocol import TensorMeta
 from carpool.common.testing import ServerThread
-from carpool.worker.engines.base import Array, EngineInfo
+from carpool.worker.engines.base import Array, EngineInfo, engine_io
 from carpool.worker.engines.synthetic import SyntheticEngine
 from tests.conftest import loopback_config
 
@@ -250,7 +250,7 @@ class _RankNine:
 
     def __init__(self) -> None:
         outputs = (TensorMeta("y", "float32", (-1,) * 8),)  # what it says it gives
-        self.info = EngineInfo((TensorMeta("x", "float32", (-1, 4)),), outputs, 4)
+        self.info = EngineInfo(engine_io((TensorMeta("x", "float32", (-1, 4)),), outputs, 4))
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         return {"y": np.zeros((len(inputs["x"]),) + (1,) * 8, np.float32)}

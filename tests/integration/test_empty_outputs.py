@@ -18,7 +18,7 @@ from carpool.broker.server import BrokerServer
 from carpool.client import AsyncClient, Client
 from carpool.common.protocol import TensorMeta
 from carpool.common.testing import ServerThread
-from carpool.worker.engines.base import Array, EngineInfo
+from carpool.worker.engines.base import Array, EngineInfo, engine_io
 from carpool.worker.server import WorkerServer
 from tests.conftest import wait_for_workers
 
@@ -37,7 +37,7 @@ class Detector:
             TensorMeta("boxes", "float32", (-1, -1, 6)),
             TensorMeta("scores", "float32", (-1, -1)),
         )
-        self.info = EngineInfo(inputs, outputs, 8)
+        self.info = EngineInfo(engine_io(inputs, outputs, 8))
 
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         x = inputs["x"]

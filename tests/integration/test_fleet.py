@@ -61,7 +61,7 @@ def test_thousand_pipelined_requests_two_models(fleet_factory: Any, references: 
         for _ in range(6):
             x = rng.standard_normal(shape).astype(np.float32)
             engine = references[model]
-            out_name = engine.info.outputs[0].name
+            out_name = engine.info.io.outputs[0].name
             cases.append((model, x, engine.run({"x": x})[out_name]))
 
     log: list[tuple[str, tuple[int, ...]]] = []

@@ -94,7 +94,7 @@ def test_a_real_model_and_large_tensors_over_the_local_link(
     rng = np.random.default_rng(11)
     inputs = [rng.standard_normal((1, 3, 48, 192)).astype(np.float32) for _ in range(120)]
     futures = [client.submit("ppocr-cls", {"x": x}, timeout_s=60) for x in inputs]
-    name = reference.info.outputs[0].name
+    name = reference.info.io.outputs[0].name
     for x, future in zip(inputs, futures, strict=True):
         np.testing.assert_allclose(
             future.outputs(timeout_s=60)[name], reference.run({"x": x})[name], rtol=1e-5, atol=1e-6

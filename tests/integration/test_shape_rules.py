@@ -31,7 +31,7 @@ def test_the_rule_is_real_the_model_itself_fails_off_the_grid() -> None:
     engine = OnnxRuntimeEngine(locate("ppocr-det"))
     with pytest.raises(Exception, match=r"(?i)broadcast|shape|dimension"):
         engine.run({"x": _image(100, 96)})
-    assert engine.run({"x": _image(96, 64)})[engine.info.outputs[0].name].shape == (1, 1, 96, 64)
+    assert engine.run({"x": _image(96, 64)})[engine.info.io.outputs[0].name].shape == (1, 1, 96, 64)
 
 
 def test_the_broker_refuses_off_grid_frames_and_serves_the_rest(
@@ -47,7 +47,7 @@ def test_the_broker_refuses_off_grid_frames_and_serves_the_rest(
     with pytest.raises(InvalidArgument, match=r"dim 3 is 70, .*\(pad to 96\)"):
         client.infer("ppocr-det", {"x": _image(64, 70)}, timeout_s=30)
     reference = OnnxRuntimeEngine(locate("ppocr-det"))
-    (name,) = (t.name for t in reference.info.outputs)
+    (name,) = (t.name for t in reference.info.io.outputs)
     image = _image(96, 64)
     got = client.infer("ppocr-det", {"x": image}, timeout_s=30)[name]
     np.testing.assert_allclose(got, reference.run({"x": image})[name], rtol=1e-5, atol=1e-6)
@@ -66,7 +66,7 @@ def test_the_catalogue_detector_pads_off_grid_frames_and_crops_the_answer(
     fleet.add_worker({"ppocr-det": ModelConfig(name="ppocr-det").factory()})
     client: Client = fleet.ready()
     reference = OnnxRuntimeEngine(locate("ppocr-det"))
-    (name,) = (t.name for t in reference.info.outputs)
+    (name,) = (t.name for t in reference.info.io.outputs)
     image = _image(100, 70)
     got = client.infer("ppocr-det", {"x": image}, timeout_s=30)[name]
     padded = np.pad(image, ((0, 0), (0, 0), (0, 28), (0, 26)))

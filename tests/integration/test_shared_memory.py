@@ -43,7 +43,7 @@ def test_shared_memory_inputs_give_the_same_answers_as_frames(
     assert os.path.exists(region)
     rng = np.random.default_rng(11)
     xs = [rng.standard_normal((n, 3, 48, 192)).astype(np.float32) for n in (1, 2, 1, 3) * 4]
-    out_name = reference.info.outputs[0].name
+    out_name = reference.info.io.outputs[0].name
     want = [reference.run({"x": x})[out_name] for x in xs]
     # Both clients pipelined, so batches mix requests in shared memory and in frames.
     futures = [

@@ -71,7 +71,7 @@ def test_worker_examples_commented_input_rules_load_and_fit_ppocr_cls() -> None:
     cls = config.models[1]
     rule = ShapeRule((1, 3, 48, 16), (-1, 3, 48, 2048), (1, 1, 1, 8))
     assert {name: declared.rule() for name, declared in cls.inputs.items()} == {"x": rule}
-    assert cls.factory()().info.rules == (rule,)
+    assert cls.factory()().info.io.rules == (rule,)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")

@@ -211,9 +211,9 @@ def batch_inputs(
 ) -> dict[str, Array]:
     """The batch's input arrays for an engine of ``info``: stacked, or padded into the
     bucket where the model has pad rules (:func:`stack_padded`)."""
-    if not info.pads:
+    if not info.io.pads:
         return stack(batch, frames, reader)
-    return stack_padded(batch, frames, info.pads, reader)
+    return stack_padded(batch, frames, info.io.pads, reader)
 
 
 def batch_replies(
@@ -226,6 +226,6 @@ def batch_replies(
 ) -> tuple[list[int], list[Any]]:
     """The batch's replies: :func:`~carpool.worker.tensors.replies`, or, where the model
     has pad rules, :func:`padded_replies`."""
-    if not info.pads:
+    if not info.io.pads:
         return replies(batch, outputs, names, compute_ms, ring)
-    return padded_replies(batch, outputs, names, info.crops, compute_ms, ring)
+    return padded_replies(batch, outputs, names, info.io.crops, compute_ms, ring)

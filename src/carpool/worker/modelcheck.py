@@ -65,7 +65,7 @@ def read(config: ModelConfig) -> tuple[ModelIO, list[tuple[str, str]]]:
         from carpool.worker.engines.synthetic import SyntheticEngine
 
         info = SyntheticEngine(item_shape=config.item_shape, dtype=config.dtype).info
-        return ModelIO("(synthetic)", info.inputs, info.outputs), []
+        return ModelIO("(synthetic)", info.io.inputs, info.io.outputs), []
     source = config.source
     if source is not None:
         key = "source"

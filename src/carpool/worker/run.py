@@ -128,10 +128,10 @@ def start_job(
     try:
         if engine is None:
             raise JobError(ErrorCode.NOT_FOUND, f"this worker does not serve {batch.model!r}")
-        if batch.total_samples > engine.info.max_batch:
+        if batch.total_samples > engine.info.io.max_batch:
             raise JobError(
                 ErrorCode.INVALID_ARGUMENT,
-                f"batch of {batch.total_samples} exceeds max_batch {engine.info.max_batch}",
+                f"batch of {batch.total_samples} exceeds max_batch {engine.info.io.max_batch}",
             )
         frames: Sequence[Any] = job.frames
         alive = list(range(len(batch.items)))  # positions in the original batch
@@ -198,7 +198,7 @@ def finish_job(
     samples = 0  # set once the engine has run them: what the inline decision learns from
     failed, alive = started.failed, started.alive
     try:
-        names = [t.name for t in engine.info.outputs]
+        names = [t.name for t in engine.info.io.outputs]
         try:
             if started.queue_error is not None:
                 raise started.queue_error
@@ -242,7 +242,7 @@ def finish_job(
                 counts, frames = _merge(failed, alive, counts, frames)
     except JobError as exc:
         return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
-    padding = padding_of(batch, engine.info.pads)
+    padding = padding_of(batch, engine.info.io.pads)
     return _outcome(
         job, start, end, counts, frames, samples=samples, timed=outputs is not None, padding=padding
     )
@@ -286,7 +286,7 @@ def _one_by_one(
     run alone, answered with its outputs or its own error. Outputs go in frames, never
     the ring: each run's outputs would be written without regard to the earlier ones of
     the same RESULT, still unsent, and could be written over."""
-    names = [t.name for t in engine.info.outputs]
+    names = [t.name for t in engine.info.io.outputs]
     n = len(batch.inputs)
     counts: list[int] = []
     out: list[Any] = []

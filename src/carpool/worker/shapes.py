@@ -234,25 +234,25 @@ def declare(info: EngineInfo, shapes: ModelShapes, what: str) -> EngineInfo:
     Raises:
         ConfigError: something in ``shapes`` does not fit the engine's inputs or outputs.
     """
-    found = problems(shapes, info.inputs, info.outputs, info.max_batch)
+    found = problems(shapes, info.io.inputs, info.io.outputs, info.io.max_batch)
     if found:
         raise ConfigError(f"{what}: " + "; ".join(f"{key}: {rule}" for key, rule in found))
-    names = [t.name for t in info.inputs]
-    rules = {n: r for n, r in zip(names, info.rules, strict=False) if r is not None}
+    names = [t.name for t in info.io.inputs]
+    rules = {n: r for n, r in zip(names, info.io.rules, strict=False) if r is not None}
     rules.update({n: c.rule() for n, c in shapes.inputs.items() if c.rule()})
     pads = tuple(getattr(shapes.inputs.get(n), "pad", None) for n in names)
     crops = tuple(
         tuple(c.crop_axis() for c in shapes.outputs[t.name].crop)
         if t.name in shapes.outputs
         else ()
-        for t in info.outputs
+        for t in info.io.outputs
     )
     runs = len(next(iter(shapes.warmup.values()), ()))
     warmup = tuple(tuple(shapes.warmup[n][k] for n in names) for k in range(runs))
-    return dataclasses.replace(
-        info,
-        rules=shape_rules.align(names, [len(t.shape) for t in info.inputs], rules, what),
+    io = dataclasses.replace(
+        info.io,
+        rules=shape_rules.align(names, [len(t.shape) for t in info.io.inputs], rules, what),
         pads=pads if any(pads) else (),
         crops=crops if any(crops) else (),
-        warmup=warmup,
     )
+    return EngineInfo(io, warmup)

@@ -38,7 +38,7 @@ def warm_up(engine: Engine, name: str = "model") -> None:
     """
     info = engine.info
     for shapes in info.warmup:
-        zeros = zip(info.inputs, shapes, strict=True)
+        zeros = zip(info.io.inputs, shapes, strict=True)
         runs = {t.name: np.zeros(s, numpy_dtype(t.dtype)) for t, s in zeros}
         _try_run(engine, runs, name, f"its warm-up shapes {[list(s) for s in shapes]}")
     feeds = _sample(engine)
@@ -70,12 +70,12 @@ def _sample(engine: Engine) -> dict[str, Array] | None:
     guess."""
     info = engine.info
     if info.warmup:  # the first declared run, one sample of it
-        first = zip(info.inputs, info.warmup[0], strict=True)
+        first = zip(info.io.inputs, info.warmup[0], strict=True)
         return {t.name: np.zeros((1, *s[1:]), numpy_dtype(t.dtype)) for t, s in first}
     feeds = {}
-    for i, spec in enumerate(info.inputs):
-        rule = info.rules[i] if info.rules else None
-        pad = info.pads[i] if info.pads else None
+    for i, spec in enumerate(info.io.inputs):
+        rule = info.io.rules[i] if info.io.rules else None
+        pad = info.io.pads[i] if info.io.pads else None
         # A padded input's smallest bucket holds its smallest request (§8.1).
         smallest = None if pad is None else pad.bucket([1] * (len(spec.shape) - 1))
         shape = [1]
@@ -119,7 +119,7 @@ def check_per_sample(
                 "rows of every output, so each output needs one row per sample (dim 0 = "
                 "the batch)"
             )
-    if engine.info.max_batch < 2:
+    if engine.info.io.max_batch < 2:
         return
     again = _try_run(engine, zeros, name, "zeros, again")
     if again is None:

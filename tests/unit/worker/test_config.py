@@ -156,16 +156,16 @@ def test_input_rules_come_from_the_toml_and_reach_the_engine(tmp_path: Path) -> 
     det, big, synthetic = worker_config(_worker_args("--config", str(toml))).models
     assert det.inputs == {}
     det_info = det.factory()().info
-    assert det_info.rules == ()
-    assert det_info.pads == (PadRule(multiple_of=(1, 32, 32)),)
-    assert big.factory()().info.rules == (
+    assert det_info.io.rules == ()
+    assert det_info.io.pads == (PadRule(multiple_of=(1, 32, 32)),)
+    assert big.factory()().info.io.rules == (
         ShapeRule(max_shape=(-1, 3, 1536, 1536), multiple_of=(1, 1, 64, 64)),
     )
-    assert synthetic.factory()().info.rules == (ShapeRule(min_shape=(1, 8)),)
+    assert synthetic.factory()().info.io.rules == (ShapeRule(min_shape=(1, 8)),)
     # A model of its own file has no catalogue rule.
     (own,) = worker_config(_worker_args("--model", str(locate("ppocr-det")))).models
-    assert own.factory()().info.rules == ()
-    assert own.factory()().info.pads == ()
+    assert own.factory()().info.io.rules == ()
+    assert own.factory()().info.io.pads == ()
 
 
 @pytest.mark.parametrize(

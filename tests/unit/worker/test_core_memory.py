@@ -52,7 +52,7 @@ class Worker:
             fixed_cost_s=0.001, per_sample_s=0.0001, item_shape=(ITEM,), clock=self.clock
         )
         info = self.engine.info
-        spec = ModelSpec("m", info.inputs, info.outputs, info.max_batch)
+        spec = ModelSpec("m", info.io.inputs, info.io.outputs, info.io.max_batch)
         self.core = WorkerCore("w", [spec], heartbeat_s=1.0, thread_free=["m"])
         self.core.on_connect(self.clock.now())
         self.batches = 0
@@ -63,7 +63,7 @@ class Worker:
                 BatchItem(k * PER_BATCH + i, 1 + i % 2, i == PER_BATCH - 1, 0.25)
                 for i in range(PER_BATCH)
             )
-            meta = BatchMeta(k + 1, "m", info.inputs, items)
+            meta = BatchMeta(k + 1, "m", info.io.inputs, items)
             payloads = [_input(item).tobytes() for item in items]
             self.wire.append((meta, encode(Command.BATCH, meta.to_wire(), payloads)))
         self.last: tuple[BatchMeta, list[Any]] | None = None  # a batch and its RESULT

@@ -297,8 +297,8 @@ def test_a_repository_models_pads_and_crops_reach_the_spec_the_worker_announces(
     )
     (model,) = worker_config(_worker_args("--repository", str(tmp_path))).models
     info = model.factory()().info
-    assert info.pads == (PadRule(buckets=((3, 48, 160), (3, 48, 320))),)
-    assert info.crops == ((CropAxis(1, "x", 3, 1, 8),),)
+    assert info.io.pads == (PadRule(buckets=((3, 48, 160), (3, 48, 320))),)
+    assert info.io.crops == ((CropAxis(1, "x", 3, 1, 8),),)
     assert info.warmup == (((1, 3, 48, 160),),)
     wire = info.spec("rec").to_wire()
     assert wire["inputs"][0]["pad"] == {"buckets": [[3, 48, 160], [3, 48, 320]], "value": 0.0}
@@ -328,8 +328,8 @@ def test_worker_toml_tables_take_the_same_keys(tmp_path: Path) -> None:
     )
     (model,) = worker_config(_worker_args("--config", str(toml))).models
     info = model.factory()().info
-    assert info.pads == (PadRule(multiple_of=(1, 32, 32)),)
-    assert info.crops == ((CropAxis(2, "x", 2), CropAxis(3, "x", 3)),)
+    assert info.io.pads == (PadRule(multiple_of=(1, 32, 32)),)
+    assert info.io.crops == ((CropAxis(2, "x", 2), CropAxis(3, "x", 3)),)
 
 
 def test_an_unknown_repository_model_is_a_config_error(tmp_path: Path) -> None:

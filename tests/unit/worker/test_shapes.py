@@ -4,6 +4,7 @@ outputs (each problem under its key), and into the EngineInfo a worker announces
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,7 @@ from carpool.common.errors import ConfigError
 from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import ModelSpec, TensorMeta
 from carpool.common.shape_rules import ShapeRule
-from carpool.worker.engines.base import Array, EngineInfo
+from carpool.worker.engines.base import Array, EngineInfo, engine_io
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.shapes import (
     CropConfig,
@@ -41,15 +42,15 @@ def test_a_detector_padded_to_multiples_of_32_and_cropped_back_fits() -> None:
         {"x": ((1, 3, 736, 1280), (4, 3, 480, 640))},
     )
     assert problems(shapes, DET_IN, DET_OUT, 8) == []
-    info = declare(EngineInfo(DET_IN, DET_OUT, 8), shapes, "det")
-    assert info.pads == (pad,)
-    assert info.crops == ((CropAxis(2, "x", 2), CropAxis(3, "x", 3)),)
+    info = declare(EngineInfo(engine_io(DET_IN, DET_OUT, 8)), shapes, "det")
+    assert info.io.pads == (pad,)
+    assert info.io.crops == ((CropAxis(2, "x", 2), CropAxis(3, "x", 3)),)
     assert info.warmup == (((1, 3, 736, 1280),), ((4, 3, 480, 640),))
     # READY carries the pad rule and the crops (protocol §8.1); the warm-up stays here.
     spec = info.spec("det")
     assert ModelSpec.from_wire(spec.to_wire()) == spec
-    assert spec.pads == info.pads
-    assert spec.crops == info.crops
+    assert spec.pads == info.io.pads
+    assert spec.crops == info.io.crops
 
 
 @pytest.mark.parametrize(
@@ -181,7 +182,7 @@ def test_declare_refuses_with_every_problem_and_its_key() -> None:
         {"prob": OutputConfig(HW)},
     )
     with pytest.raises(ConfigError) as caught:
-        declare(EngineInfo(DET_IN, DET_OUT, 8), shapes, "model 'det'")
+        declare(EngineInfo(engine_io(DET_IN, DET_OUT, 8)), shapes, "model 'det'")
     assert str(caught.value) == (
         "model 'det': inputs.x.pad.multiple_of: has 2 entries, the input has 3 dims after "
         "the batch dim; outputs.prob: no output 'prob'; the model's outputs are ['map']"
@@ -189,11 +190,12 @@ def test_declare_refuses_with_every_problem_and_its_key() -> None:
 
 
 def test_a_declared_shape_rule_replaces_the_engines_own_for_that_input() -> None:
-    info = EngineInfo(DET_IN, DET_OUT, 8, rules=(ShapeRule(multiple_of=(1, 1, 32, 32)),))
+    io = replace(engine_io(DET_IN, DET_OUT, 8), rules=(ShapeRule(multiple_of=(1, 1, 32, 32)),))
+    info = EngineInfo(io)
     kept = declare(info, ModelShapes({"x": InputConfig(pad=PadRule(multiple_of=(1, 32, 32)))}), "")
-    assert kept.rules == info.rules  # a pad rule alone leaves the shape rule
+    assert kept.io.rules == info.io.rules  # a pad rule alone leaves the shape rule
     replaced = declare(info, ModelShapes({"x": InputConfig(max_shape=(-1, 3, 64, 64))}), "")
-    assert replaced.rules == (ShapeRule(max_shape=(-1, 3, 64, 64)),)
+    assert replaced.io.rules == (ShapeRule(max_shape=(-1, 3, 64, 64)),)
 
 
 class Seen(SyntheticEngine):

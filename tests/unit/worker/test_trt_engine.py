@@ -37,12 +37,12 @@ def test_outputs_come_from_the_device_buffers_the_engine_set():
 def test_info_comes_from_the_profiles():
     engine, _, _ = _engine()
     info = engine.info
-    assert info.max_batch == 16
-    assert info.preferred_batch == (2, 8)  # the opt batch sizes
-    assert info.rules[0].min_shape == (1, 4)
-    assert info.rules[0].max_shape == (16, 8)
+    assert info.io.max_batch == 16
+    assert info.io.preferred_batch == (2, 8)  # the opt batch sizes
+    assert info.io.rules[0].min_shape == (1, 4)
+    assert info.io.rules[0].max_shape == (16, 8)
     assert info.warmup == (((2, 8),), ((8, 8),))  # each profile's opt shape
-    assert [t.shape for t in info.inputs] == [(-1, -1)]
+    assert [t.shape for t in info.io.inputs] == [(-1, -1)]
 
 
 @pytest.mark.parametrize(
@@ -63,9 +63,9 @@ def test_a_declared_shape_rule_only_narrows_the_profiles(declared, rule):
     cuda = FakeCuda()
     shapes = ModelShapes(inputs={"x": declared})
     engine = TensorRTEngine(FakePlan(cuda), cuda, shapes=shapes)
-    assert engine.info.rules == (rule,)
-    assert engine.info.max_batch == 16
-    assert engine.info.preferred_batch == (2, 8)
+    assert engine.info.io.rules == (rule,)
+    assert engine.info.io.max_batch == 16
+    assert engine.info.io.preferred_batch == (2, 8)
 
 
 def test_declared_warm_up_shapes_run_after_every_profiles_opt_shape():

@@ -8,14 +8,13 @@ when the backend needs thread affinity (TensorRT's CUDA context).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from numpy.typing import NDArray
 
 from carpool.common import shape_rules
-from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import ModelSpec, TensorMeta
 from carpool.common.shape_rules import ShapeRule
 
@@ -24,33 +23,30 @@ Array = NDArray[Any]
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """I/O of an engine; dim 0 of every tensor is the batch (``-1``); other ``-1`` dims
-    are dynamic. Every field but ``warmup`` is the :class:`ModelSpec` field of that name
-    (its shape rules: see :func:`with_rules`), which :meth:`spec` announces."""
+    """What an engine runs: ``io``, the :class:`ModelSpec` a worker announces for it
+    (inputs and outputs, dim 0 of each the batch, ``-1``, other ``-1`` dims dynamic;
+    batch limits, shape rules, pad rules and crops; its name is the worker's to give:
+    :meth:`spec`), and the shapes its warm-up runs on, which are not announced."""
 
-    inputs: tuple[TensorMeta, ...]
-    outputs: tuple[TensorMeta, ...]
-    max_batch: int
-    preferred_batch: tuple[int, ...] = ()
-    rules: tuple[ShapeRule | None, ...] = ()
-    pads: tuple[PadRule | None, ...] = ()
-    crops: tuple[tuple[CropAxis, ...], ...] = ()
-    # The shapes the worker's warm-up runs on (a model config's ``warmup``): per run, one
+    io: ModelSpec
+    # Per warm-up run (a model config's ``warmup``, or a TensorRT plan's profiles), one
     # full shape per input in input order; () when none is declared (the warm-up guesses
-    # one). Not announced.
+    # one).
     warmup: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def spec(self, name: str) -> ModelSpec:
-        return ModelSpec(
-            name,
-            self.inputs,
-            self.outputs,
-            self.max_batch,
-            self.preferred_batch,
-            self.rules,
-            self.pads,
-            self.crops,
-        )
+        return dataclasses.replace(self.io, name=name)
+
+
+def engine_io(
+    inputs: Sequence[TensorMeta],
+    outputs: Sequence[TensorMeta],
+    max_batch: int,
+    preferred_batch: Sequence[int] = (),
+) -> ModelSpec:
+    """An engine's :attr:`EngineInfo.io` before a worker names it: these tensors and batch
+    limits, no shape rules, pad rules or crops yet."""
+    return ModelSpec("", tuple(inputs), tuple(outputs), max_batch, tuple(preferred_batch))
 
 
 def with_rules(info: EngineInfo, rules: Mapping[str, ShapeRule], what: str) -> EngineInfo:
@@ -59,9 +55,11 @@ def with_rules(info: EngineInfo, rules: Mapping[str, ShapeRule], what: str) -> E
     Raises:
         ConfigError: a rule names an input the engine lacks or does not fit its rank.
     """
-    names = [t.name for t in info.inputs]
-    ranks = [len(t.shape) for t in info.inputs]
-    return dataclasses.replace(info, rules=shape_rules.align(names, ranks, rules, what))
+    io = info.io
+    names = [t.name for t in io.inputs]
+    ranks = [len(t.shape) for t in io.inputs]
+    aligned = shape_rules.align(names, ranks, rules, what)
+    return dataclasses.replace(info, io=dataclasses.replace(io, rules=aligned))
 
 
 class BadInput(Exception):

@@ -17,7 +17,7 @@ import numpy as np
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
-from carpool.worker.engines.base import Array, BadInput, EngineInfo, with_rules
+from carpool.worker.engines.base import Array, BadInput, EngineInfo, engine_io, with_rules
 from carpool.worker.shapes import ModelShapes, declare
 
 _ORT_TYPES = {
@@ -154,7 +154,7 @@ class OnnxRuntimeEngine:
         self.path = Path(path)
         self._output_names = [t.name for t in outputs]
         self._info = with_rules(
-            EngineInfo(inputs, outputs, max_batch, tuple(sorted(set(preferred_batch)))),
+            EngineInfo(engine_io(inputs, outputs, max_batch, sorted(set(preferred_batch)))),
             shape_rules or {},
             f"ONNX model {path}",
         )

@@ -18,7 +18,7 @@ import numpy as np
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
-from carpool.worker.engines.base import Array, EngineInfo, with_rules
+from carpool.worker.engines.base import Array, EngineInfo, engine_io, with_rules
 from carpool.worker.shapes import ModelShapes, declare
 
 #: How many of its latest batches a SyntheticEngine remembers (``batches``).
@@ -81,10 +81,12 @@ class SyntheticEngine:
         out_shape = (-1, output_items) if output_items else shape
         self._info = with_rules(
             EngineInfo(
-                inputs=(TensorMeta("x", dtype, shape),),
-                outputs=(TensorMeta("y", dtype, out_shape),),
-                max_batch=max_batch,
-                preferred_batch=preferred_batch,
+                engine_io(
+                    (TensorMeta("x", dtype, shape),),
+                    (TensorMeta("y", dtype, out_shape),),
+                    max_batch,
+                    preferred_batch,
+                )
             ),
             shape_rules or {},
             "synthetic model",
@@ -106,8 +108,8 @@ class SyntheticEngine:
     def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
         x = inputs["x"]
         batch = int(x.shape[0])
-        if batch > self._info.max_batch:
-            raise ValueError(f"batch {batch} exceeds max_batch {self._info.max_batch}")
+        if batch > self._info.io.max_batch:
+            raise ValueError(f"batch {batch} exceeds max_batch {self._info.io.max_batch}")
         self.clock.sleep(self.cost_s(batch))
         with self._lock:
             self.batches.append((batch, tuple(x.shape[1:])))

@@ -143,20 +143,22 @@ class TensorRTEngine:
         profile's opt shapes."""
         own = self._info
         declared = declare(own, shapes, what)
+        own_rules = own.io.rules
         rules = tuple(
             narrowed(rule, mine)
             for rule, mine in zip(
-                own.rules, declared.rules or (None,) * len(own.rules), strict=True
+                own_rules, declared.io.rules or (None,) * len(own_rules), strict=True
             )
         )
-        names = [t.name for t in own.inputs]
+        names = [t.name for t in own.io.inputs]
         extra = tuple(
             run
             for run in declared.warmup
             if run not in own.warmup
             and any(p.admits(dict(zip(names, run, strict=True))) for p in self.profiles)
         )
-        return dataclasses.replace(declared, rules=rules, warmup=own.warmup + extra)
+        io = dataclasses.replace(declared.io, rules=rules)
+        return EngineInfo(io, own.warmup + extra)
 
     def _plan_buffers(self, context: ContextAdapter) -> list[BufferPlan]:
         """Each profile's buffers, from the output shapes the context gives its max."""

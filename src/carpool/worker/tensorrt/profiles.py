@@ -29,13 +29,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
-from carpool.worker.engines.base import BadInput, EngineInfo
+from carpool.worker.engines.base import BadInput, EngineInfo, engine_io
 
 if TYPE_CHECKING:  # (the serving side imports this module without the worker's config)
     from carpool.worker.config import ModelConfig
@@ -393,11 +393,8 @@ def engine_info(
                     "symbolic)"
                 )
     rules = shape_rules_from_profiles(profiles)
+    io = engine_io(inputs, outputs, max_batch(profiles), preferred_batch(profiles))
     return EngineInfo(
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-        max_batch=max_batch(profiles),
-        preferred_batch=preferred_batch(profiles),
-        rules=tuple(rules[t.name] for t in inputs),
+        replace(io, rules=tuple(rules[t.name] for t in inputs)),
         warmup=tuple(tuple(p.range_of(t.name).opt for t in inputs) for p in profiles),
     )

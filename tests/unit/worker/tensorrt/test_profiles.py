@@ -242,10 +242,10 @@ def test_what_a_plan_announces_comes_from_its_profiles() -> None:
     inputs = (TensorMeta("x", "float32", (-1, -1)), TensorMeta("m", "int64", (-1,)))
     outputs = (TensorMeta("y", "float32", (-1, 10)),)
     info = profiles.engine_info(inputs, outputs, [SMALL, LARGE, WIDE], "m")
-    assert info.max_batch == 64
-    assert info.preferred_batch == (4, 32)  # the opt batch sizes
-    assert info.rules[0] == ShapeRule((1, 32), (64, 512))
-    assert info.rules[1] == ShapeRule((1,), (64,))
+    assert info.io.max_batch == 64
+    assert info.io.preferred_batch == (4, 32)  # the opt batch sizes
+    assert info.io.rules[0] == ShapeRule((1, 32), (64, 512))
+    assert info.io.rules[1] == ShapeRule((1,), (64,))
     assert info.warmup == (((4, 64), (4,)), ((32, 64), (32,)), ((4, 256), (4,)))
 
 
@@ -260,7 +260,7 @@ def test_a_plan_without_a_dynamic_batch_dim_is_refused(shape, kind) -> None:
     inputs = (TensorMeta("x", "float32", (-1, -1)), TensorMeta("m", "int64", (-1,)))
     outputs = (TensorMeta("y", "float32", shape),)
     if kind is None:
-        assert profiles.engine_info(inputs, outputs, [SMALL], "m").max_batch == 8
+        assert profiles.engine_info(inputs, outputs, [SMALL], "m").io.max_batch == 8
         return
     with pytest.raises(ConfigError, match=f"{kind} has shape .* dynamic batch dim"):
         profiles.engine_info(inputs, outputs, [SMALL], "m")
