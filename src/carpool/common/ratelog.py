@@ -10,6 +10,7 @@ out on the next line it writes.
 from __future__ import annotations
 
 import logging
+from dataclasses import KW_ONLY, dataclass, field
 
 from carpool.common.clock import Clock, MonotonicClock
 
@@ -20,33 +21,27 @@ _WINDOW_S = 60.0
 PEER_LINES_PER_MIN = 30
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class RateLimitedLog:
     """Lines to ``logger`` at ``level``, at most ``per_min`` a minute (``now``: the
     caller's clock reading, for a pure caller; else ``clock``'s)."""
 
-    def __init__(
-        self,
-        logger: logging.Logger,
-        per_min: int,
-        *,
-        level: int = logging.WARNING,
-        clock: Clock | None = None,
-    ) -> None:
-        self.logger = logger
-        self.per_min = per_min
-        self.level = level
-        self._clock: Clock = clock or MonotonicClock()
-        self._window_s = -_WINDOW_S
-        self._written = 0
-        #: Lines left out since the last one written.
-        self.suppressed = 0
-        #: Every line asked for, written or not.
-        self.total = 0
+    logger: logging.Logger
+    per_min: int
+    _: KW_ONLY
+    level: int = logging.WARNING
+    clock: Clock = field(default_factory=MonotonicClock)
+    #: Lines left out since the last one written.
+    suppressed: int = field(init=False, default=0)
+    #: Every line asked for, written or not.
+    total: int = field(init=False, default=0)
+    _window_s: float = field(init=False, default=-_WINDOW_S)
+    _written: int = field(init=False, default=0)
 
     def __call__(self, fmt: str, *args: object, now: float | None = None) -> None:
         self.total += 1
         if now is None:
-            now = self._clock.now()
+            now = self.clock.now()
         if now - self._window_s >= _WINDOW_S:
             self._window_s, self._written = now, 0
         if self._written >= self.per_min:
