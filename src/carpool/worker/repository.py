@@ -48,10 +48,6 @@ class RepoModel:
     def name(self) -> str:
         return self.config.name
 
-    @property
-    def folder(self) -> Path:
-        return self.toml.parent
-
 
 @dataclass(frozen=True, slots=True)
 class Repository:

@@ -58,7 +58,8 @@ def _request(args: argparse.Namespace) -> Any:
     )
     if args.profile:  # (flags' profiles replace the table's, batch ranges with them)
         settings = dataclasses.replace(settings, batches=())
-    request = request_for(model.config, model.folder, Path(args.repository), settings)
+    folder = Path(model.config.folder)  # (a repository's model always has one)
+    request = request_for(model.config, folder, Path(args.repository), settings)
     profiles.check_limits(args.model, request.profiles, request.limits)
     return request
 
