@@ -128,14 +128,18 @@ def _worker(args: argparse.Namespace) -> int:
     --config), else the built-in model orientation. --max-batch and --threads apply to
     every model served, including those of --config.
     """
-    from carpool.worker.notify import worker_watch
+    from carpool.worker.notify import start_extension, worker_watch
 
     check_variables(os.environ, known_variables())
     config = worker_config(args, os.environ)
     tune_allocator()
     with contextlib.closing(SdNotifier()) as notifier:
         notifier.send(STATUS=f"loading {len(config.models)} models")
-        with config.server() as server, _stopped_by_signals(server.stop, server.signal_fd):
+        starting = start_extension(notifier, len(config.models), config.start_timeout_s)
+        with (
+            config.server(starting=starting) as server,
+            _stopped_by_signals(server.stop, server.signal_fd),
+        ):
             server.serve(worker_watch(server, notifier, config.hung_batch_s))
     return 0
 

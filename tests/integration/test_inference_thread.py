@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import select
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
 from carpool.common.clock import MonotonicClock
-from carpool.common.errors import ErrorCode
+from carpool.common.errors import ConfigError, ErrorCode
 from carpool.common.protocol import BatchItem, BatchMeta, TensorMeta
 from carpool.common.shm import RegionReader
+from carpool.worker import inference
+from carpool.worker.config import ModelConfig, WorkerConfig
 from carpool.worker.core import JobOutcome, RunBatch
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.inference import InferenceThread
@@ -31,6 +34,35 @@ def started(**factories: Any) -> InferenceThread:
         clock=MonotonicClock(),
         reader=RegionReader(),
         rings=LazyRing(0, 0o600),
+    )
+
+
+def slow_start(
+    timeout_s: float,
+    tell: Callable[[float], None],
+    built: threading.Event,
+    closed: threading.Event | None = None,
+) -> InferenceThread:
+    """An inference thread whose one engine is built once ``built`` is set."""
+
+    class Slow(SyntheticEngine):
+        def close(self) -> None:
+            if closed is not None:
+                closed.set()
+
+    def build() -> SyntheticEngine:
+        assert built.wait(10)
+        return Slow(item_shape=(4,))
+
+    return InferenceThread(
+        {"m": build},
+        name="test",
+        warmup=False,
+        clock=MonotonicClock(),
+        reader=RegionReader(),
+        rings=LazyRing(0, 0o600),
+        start_timeout_s=timeout_s,
+        starting=tell,
     )
 
 
@@ -104,3 +136,53 @@ def test_release_waits_for_the_batch_that_runs() -> None:
     assert not released.is_set()
     release.set()
     assert released.wait(5)
+
+
+def test_a_slow_start_is_told_how_long_it_has_waited_and_then_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(inference, "STARTING_EVERY_S", 0.05)
+    told: list[float] = []
+    built = threading.Event()
+
+    def tell(waited_s: float) -> None:
+        told.append(waited_s)
+        if len(told) == 3:
+            built.set()
+
+    thread = slow_start(10.0, tell, built)
+    try:
+        assert told[:3] == pytest.approx([0.05, 0.1, 0.15])
+        thread.submit(job(1))
+        (outcome,) = collect(thread, 1)
+        assert outcome.error is None
+    finally:
+        thread.stop(5)
+        assert thread.release_after(lambda: None)
+
+
+def test_a_start_past_its_timeout_fails_naming_it_and_the_engine_is_closed_once_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(inference, "STARTING_EVERY_S", 0.05)
+    told: list[float] = []
+    built, closed = threading.Event(), threading.Event()
+    with pytest.raises(ConfigError, match=r"did not start within start_timeout_s \(0.2 s\)"):
+        slow_start(0.2, told.append, built, closed)
+    assert told == pytest.approx([0.05, 0.1, 0.15])  # not at the limit itself
+    assert not closed.is_set()
+    built.set()  # the build ends: the thread closes what it built and ends
+    assert closed.wait(10)
+
+
+def test_a_workers_start_limit_and_what_it_is_told_come_from_its_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A synthetic model whose warm-up runs (0.4 s each) outlast start_timeout_s = 1."""
+    monkeypatch.setattr(inference, "STARTING_EVERY_S", 0.25)
+    slow = ModelConfig.synthetic("slow", 400, 0, 4)
+    config = WorkerConfig(broker="tcp://127.0.0.1:1", models=(slow,), start_timeout_s=1)
+    told: list[float] = []
+    with pytest.raises(ConfigError, match=r"start_timeout_s \(1 s\)"):
+        config.server(starting=told.append)
+    assert told == pytest.approx([0.25, 0.5, 0.75])

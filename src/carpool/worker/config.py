@@ -38,8 +38,9 @@ class TensorRTConfig:
     max_profiles: int = 8  # refuse a larger profile set
     max_ratio: float = 16.0  # refuse a dim whose max/min exceeds this
     workspace_mib: int = 0  # build scratch memory limit; 0: TensorRT's default
-    # Build a missing or stale plan on this worker, before READY (minutes; the worker's
-    # start must finish within 300 s); false: refuse, naming the build-engine command.
+    # Build a missing or stale plan on this worker, before READY (minutes: the worker's
+    # start_timeout_s must allow for them); false: refuse, naming the build-engine
+    # command.
     build: bool = False
 
     def over(self, base: TensorRTConfig) -> TensorRTConfig:
@@ -326,6 +327,10 @@ class WorkerConfig:
     # pings, and systemd restarts the worker (a hung engine). 0: a batch never counts as
     # hung. Above any batch's honest time, a TensorRT first run included.
     hung_batch_s: float = 120.0
+    # How long building, warming up and checking the engines may take before the worker
+    # gives up with an error; under systemd it extends the unit's start timeout
+    # (TimeoutStartSec=) that long. A TensorRT plan built at start can need more.
+    start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         problems = out_of_range(
@@ -336,7 +341,12 @@ class WorkerConfig:
         if not 1 <= len(self.models) <= MAX_MODELS:
             problems.append(f"1..{MAX_MODELS} [[models]] entries are needed")
         problems += out_of_range(
-            self, {"shm_output_mib": (0, 1 << 20), "hung_batch_s": (0, 86_400)}
+            self,
+            {
+                "shm_output_mib": (0, 1 << 20),
+                "hung_batch_s": (0, 86_400),
+                "start_timeout_s": (1, 86_400),
+            },
         )
         if not 0 <= self.shm_output_mode <= 0o777 or self.shm_output_mode & 0o022:
             problems.append(
@@ -350,9 +360,12 @@ class WorkerConfig:
             problems.append("curve_broker_key and curve_key go together (CURVE needs both)")
         check(problems + listen_problems(self.metrics), "worker")
 
-    def server(self, *, embedded: bool = False) -> WorkerServer:
+    def server(
+        self, *, embedded: bool = False, starting: Callable[[float], None] | None = None
+    ) -> WorkerServer:
         """A WorkerServer with these settings (``embedded``: inside a broker's process,
-        see ``BrokerServer(embedded=)``; ``broker`` is not used then)."""
+        see ``BrokerServer(embedded=)``; ``broker`` is not used then; ``starting``: told
+        the seconds waited while its engines start, see :class:`WorkerServer`)."""
         return WorkerServer(
             self.broker,
             {m.name: m.factory() for m in self.models},
@@ -365,6 +378,8 @@ class WorkerConfig:
             shm_output_group=self.shm_output_group or None,
             embedded=embedded,
             metrics="" if embedded else self.metrics,
+            start_timeout_s=self.start_timeout_s,
+            starting=starting,
             curve=None
             if embedded
             else client_keys(self.curve_broker_key, self.curve_key, "curve_key (--curve-key)"),

@@ -31,7 +31,10 @@ from carpool.worker.warmup import warm_up
 
 EngineFactory = Callable[[], Engine]
 
-_STARTUP_TIMEOUT_S = 300.0
+#: How long a start waits for its engines by default (``start_timeout_s``).
+START_TIMEOUT_S = 300.0
+#: How often a start still under way says so (``starting``).
+STARTING_EVERY_S = 10.0
 
 
 def check_specs(specs: list[ModelSpec]) -> None:
@@ -59,8 +62,14 @@ class InferenceThread:
         name: the worker's name, for the thread's.
         warmup: run each engine once on made-up inputs first (:func:`warm_up`).
         clock, reader, rings: what a batch run needs (:func:`run_job`).
+        start_timeout_s: how long building, warming up and checking the engines may take
+            (a TensorRT plan built at start takes minutes).
+        starting: called with the seconds waited so far every :data:`STARTING_EVERY_S`
+            while they have not finished (the worker's entry point extends systemd's
+            start timeout with it).
 
     Raises:
+        ConfigError: the engines did not start within ``start_timeout_s``.
         Whatever building, warming up or checking an engine raised (every engine built
         so far is closed first).
     """
@@ -74,6 +83,8 @@ class InferenceThread:
         clock: Clock,
         reader: RegionReader,
         rings: LazyRing,
+        start_timeout_s: float = START_TIMEOUT_S,
+        starting: Callable[[float], None] | None = None,
     ) -> None:
         self._clock = clock
         self._reader = reader
@@ -95,13 +106,37 @@ class InferenceThread:
             daemon=True,
         )
         self._thread.start()
-        started = self._startup.get(timeout=_STARTUP_TIMEOUT_S)
+        started = self._started(start_timeout_s, starting)
         if isinstance(started, BaseException):
             self._thread.join()
             self._ready.close()
             raise started
         #: What the engines serve, in the order of ``factories``.
         self.specs = started
+
+    def _started(
+        self, timeout_s: float, starting: Callable[[float], None] | None
+    ) -> list[ModelSpec] | BaseException:
+        """What the thread's start gave, waited for up to ``timeout_s``."""
+        waited_s = 0.0
+        while True:
+            step_s = min(STARTING_EVERY_S, timeout_s - waited_s)
+            try:
+                return self._startup.get(timeout=step_s)
+            except queue.Empty:
+                waited_s += step_s
+            if waited_s >= timeout_s:
+                # The thread is inside a factory or a warm-up run, which cannot be cut
+                # short: once it returns, the thread closes its engines and ends.
+                self._stopped = True
+                self._jobs.put(None)
+                raise ConfigError(
+                    f"the models did not start within start_timeout_s ({timeout_s:g} s): "
+                    "a TensorRT plan built at start can take longer; build it ahead "
+                    "with carpool build-engine, or raise start_timeout_s"
+                ) from None
+            if starting is not None:
+                starting(waited_s)
 
     @property
     def wake_fd(self) -> int:

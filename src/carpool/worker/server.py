@@ -42,7 +42,7 @@ from carpool.worker.core import (
     RunBatch,
     WorkerCore,
 )
-from carpool.worker.inference import EngineFactory, InferenceThread
+from carpool.worker.inference import START_TIMEOUT_S, EngineFactory, InferenceThread
 from carpool.worker.load import engines_busy_s
 from carpool.worker.metrics import WorkerMetrics
 from carpool.worker.run import LazyRing, run_job
@@ -95,6 +95,11 @@ class WorkerServer:
         telemetry: takes a sample of the host and device for HEARTBEAT/RESULT (§8.2);
             None: :meth:`TelemetrySampler.detect` (NVML, a Jetson's sysfs, the host).
         metrics: HOST:PORT of its Prometheus endpoint (docs/operations.md); "": none.
+        start_timeout_s, starting: how long building and warming the engines may take,
+            and what is told while they have not finished (:class:`InferenceThread`).
+
+    Raises:
+        ConfigError: a setting is invalid, or the engines did not start in time.
     """
 
     def __init__(
@@ -116,6 +121,8 @@ class WorkerServer:
         curve: ClientKeys | None = None,
         telemetry: Callable[[], Telemetry] | None = None,
         metrics: str = "",
+        start_timeout_s: float = START_TIMEOUT_S,
+        starting: Callable[[float], None] | None = None,
     ) -> None:
         if not models:
             raise ConfigError("a worker needs at least one model")
@@ -138,6 +145,8 @@ class WorkerServer:
             clock=self.clock,
             reader=self._shm,
             rings=self._ring,
+            start_timeout_s=start_timeout_s,
+            starting=starting,
         )
         self.specs = self._inference.specs
         self._engines = self._inference.engines

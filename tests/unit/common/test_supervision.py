@@ -11,7 +11,7 @@ import pytest
 
 from carpool.common.sdnotify import SdNotifier
 from carpool.common.supervision import LoopWatch
-from carpool.worker.notify import worker_trouble
+from carpool.worker.notify import start_extension, worker_trouble
 
 
 @pytest.fixture
@@ -98,3 +98,18 @@ def test_a_worker_is_unwell_when_its_inference_thread_ends_or_hangs(
     alive: bool, busy_ms: int, hung_s: float, says: str | None
 ) -> None:
     assert worker_trouble(alive, busy_ms, hung_s) == says
+
+
+def test_a_starting_worker_extends_its_start_up_to_its_own_limit(tmp_path: Path, systemd) -> None:
+    with closing(_notifier(tmp_path)) as notifier:
+        starting = start_extension(notifier, 2, 300.0)
+        starting(10.0)
+        starting(290.0)
+        starting(299.0)
+    assert _sent(systemd) == [
+        # until the next message (every 10 s) with room to spare, plus a margin
+        "EXTEND_TIMEOUT_USEC=25000000\nSTATUS=starting 2 models: 10 s of at most 300 s",
+        # never past the worker's own limit (plus the margin): its error ends the start
+        "EXTEND_TIMEOUT_USEC=15000000\nSTATUS=starting 2 models: 290 s of at most 300 s",
+        "EXTEND_TIMEOUT_USEC=6000000\nSTATUS=starting 2 models: 299 s of at most 300 s",
+    ]
