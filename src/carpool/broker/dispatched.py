@@ -30,7 +30,18 @@ from carpool.common.protocol import (
 Item = TypeVar("Item")
 
 #: Builds one BATCH item from a :class:`BatchItem`'s fields, in their order.
-ItemOf = Callable[[int, int, bool, float, "tuple[ShmRef | None, ...] | None", bool, Any], Item]
+ItemOf = Callable[
+    [
+        int,
+        int,
+        bool,
+        float,
+        tuple[ShmRef | None, ...] | None,
+        bool,
+        tuple[tuple[int, ...], ...] | None,
+    ],
+    Item,
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,18 @@ def batch_item_wire(
     return wire
 
 
+def batch_wire(
+    batch_id: int, model: str, inputs: list[dict[str, Any]], requests: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A BATCH meta from its fields in wire form (``requests``: :func:`batch_item_wire`)."""
+    return {"batch": batch_id, "model": model, "inputs": inputs, "requests": requests}
+
+
+def batch_frames(meta: dict[str, Any], payloads: Sequence[object]) -> list[Any]:
+    """Frames of a BATCH whose meta :func:`batch_wire` built; payloads request-major."""
+    return [_BATCH, codec.pack(meta), *payloads]
+
+
 class BatchInputCache:
     """BATCH ``inputs`` lists that passed validation, by signature: a worker sees the
     same few in every batch and validates each once. The same list decodes to the same
@@ -185,18 +197,6 @@ class BatchMeta:
             TensorMeta(t.name, t.dtype, (item.samples, *shape))
             for t, shape in zip(self.inputs, shapes, strict=True)
         )
-
-
-def batch_wire(
-    batch_id: int, model: str, inputs: list[dict[str, Any]], requests: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """A BATCH meta from its fields in wire form (``requests``: :func:`batch_item_wire`)."""
-    return {"batch": batch_id, "model": model, "inputs": inputs, "requests": requests}
-
-
-def batch_frames(meta: dict[str, Any], payloads: Sequence[object]) -> list[Any]:
-    """The frames of a BATCH with this :func:`batch_wire` meta; payloads request-major."""
-    return [_BATCH, codec.pack(meta), *payloads]
 
 
 def own_shapes(raw: Any, inputs: Sequence[TensorMeta]) -> tuple[tuple[int, ...], ...]:
