@@ -62,6 +62,12 @@ def test_a_stopping_broker_answers_everything_it_holds(caplog: pytest.LogCapture
             client.poll(0.01)
             assert clock.now() < until, "the batch never left"
         broker.stop()  # one request running, three queued
+        # (stop() asks the loop; a request that reaches it before its next turn is
+        # admitted as before the stop)
+        until = clock.now() + 10
+        while not broker.core.stopping:
+            client.poll(0.01)
+            assert clock.now() < until, "the broker did not begin to stop"
         with pytest.raises(Unavailable, match="the broker is stopping"):
             # A new one is refused at once. (With a budget too small to be sent again on
             # the next connection, the client fails it with the broker's answer.)

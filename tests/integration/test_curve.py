@@ -227,22 +227,30 @@ def test_a_worker_id_taken_over_by_another_worker_key_is_not_heard(
     with _curve_client(keys, broker, "operator") as operator:
         wait_for_workers(operator, 1)
         _close(first, monitor)
-        # Another worker key under the same routing id, while "first" is registered.
-        second, monitor = _dealer(
-            context, broker.backend_endpoint, keys.pair("other-worker"), b"w-1"
-        )
-        assert _handshake(monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         assert broker.auth is not None
         refused = broker._zmq.keys
         assert refused is not None
         clock = MonotonicClock()
         until = clock.now() + 10
+        second: zmq.Socket[bytes] | None = None
         while refused.refused == 0 and clock.now() < until:
-            second.send_multipart(_ready("second"))
-            operator.poll(0.05)
+            # Another worker key under the same routing id, while "first" is registered.
+            # A connection made before the broker's ROUTER has let go of the first one is
+            # never heard (libzmq ignores a routing id in use); the next one is.
+            if second is not None:
+                _close(second, monitor)
+            second, monitor = _dealer(
+                context, broker.backend_endpoint, keys.pair("other-worker"), b"w-1"
+            )
+            assert _handshake(monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            attempt_until = clock.now() + 1
+            while refused.refused == 0 and clock.now() < attempt_until:
+                second.send_multipart(_ready("second"))
+                operator.poll(0.05)
         assert refused.refused >= 1
         names = [w["name"] for w in operator.stats()["workers"]]
     assert "second" not in names
+    assert second is not None
     _close(second, monitor)
 
 
