@@ -1,61 +1,24 @@
 """dispatched.py: a BATCH as the dispatcher hands it to a worker's transport — pure.
 
 A :class:`DispatchedBatch` holds the batch's requests; its transport asks for one form:
-:meth:`~DispatchedBatch.to_frames` for a socket, or :meth:`~DispatchedBatch.to_message`,
-the typed :class:`BrokerBatch`, for a worker in the broker's process (no msgpack). Both
-take each request's BATCH item fields in one place (:meth:`~DispatchedBatch.items`);
-the socket's form passes them straight to the item's encoder, with no :class:`BatchItem`
-per request on that path.
+:meth:`~DispatchedBatch.to_message`, the typed :class:`BrokerBatch` (for a worker in the
+broker's process, no msgpack), or :meth:`~DispatchedBatch.to_frames`, that message's
+frames through its one encoder (for a socket).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from carpool.broker.requests import PendingRequest, RequestKey
-from carpool.common.protocol import (
-    BatchItem,
-    BatchMeta,
-    BrokerBatch,
-    Frame,
-    ShmRef,
-    TensorMeta,
-    batch_frames,
-    batch_item_wire,
-    batch_wire,
-)
-
-Item = TypeVar("Item")
-
-#: Builds one BATCH item from a :class:`BatchItem`'s fields, in their order.
-ItemOf = Callable[
-    [
-        int,
-        int,
-        bool,
-        float,
-        tuple[ShmRef | None, ...] | None,
-        bool,
-        tuple[tuple[int, ...], ...] | None,
-    ],
-    Item,
-]
+from carpool.common.protocol import BatchItem, BatchMeta, BrokerBatch, Frame, TensorMeta
 
 
-@dataclass(frozen=True, slots=True)
-class BatchInputs:
-    """A queue key's BATCH ``inputs`` (dim 0 = -1), typed and in wire form, built once
-    per key."""
-
-    metas: tuple[TensorMeta, ...]
-    wire: list[dict[str, Any]]
-
-    @classmethod
-    def of(cls, key: RequestKey) -> BatchInputs:
-        metas = tuple(TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in key[1])
-        return cls(metas, [t.to_wire() for t in metas])
+def batch_inputs(key: RequestKey) -> tuple[TensorMeta, ...]:
+    """A queue key's BATCH ``inputs``: its tensors with dim 0 = -1."""
+    return tuple(TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in key[1])
 
 
 @dataclass(slots=True)
@@ -66,16 +29,15 @@ class DispatchedBatch:
 
     batch_id: int
     model: str
-    inputs: BatchInputs
+    inputs: tuple[TensorMeta, ...]
     requests: Sequence[PendingRequest]
     payloads: Sequence[Frame]
     sent_s: float
 
-    def items(self, item_of: ItemOf[Item]) -> list[Item]:
-        """One BATCH item per request, by ``item_of``: :class:`BatchItem` or its encoder."""
+    def to_message(self) -> BrokerBatch:
         sent_s = self.sent_s
-        return [
-            item_of(
+        items = tuple(
+            BatchItem(
                 r.request_id,
                 r.samples,
                 r.simple,
@@ -85,15 +47,8 @@ class DispatchedBatch:
                 r.shapes,
             )
             for r in self.requests
-        ]
+        )
+        return BrokerBatch(BatchMeta(self.batch_id, self.model, self.inputs, items), self.payloads)
 
     def to_frames(self) -> list[Any]:
-        items = self.items(batch_item_wire)
-        return batch_frames(
-            batch_wire(self.batch_id, self.model, self.inputs.wire, items), self.payloads
-        )
-
-    def to_message(self) -> BrokerBatch:
-        items = tuple(self.items(BatchItem))
-        meta = BatchMeta(self.batch_id, self.model, self.inputs.metas, items)
-        return BrokerBatch(meta, self.payloads)
+        return self.to_message().to_frames()

@@ -21,7 +21,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
-from carpool.broker.dispatched import BatchInputs, DispatchedBatch
+from carpool.broker.dispatched import DispatchedBatch, batch_inputs
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.policy import Capacity, Dispatch
@@ -30,7 +30,7 @@ from carpool.broker.replies import Outgoing, Replies, ToWorker
 from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Frame
+from carpool.common.protocol import Frame, TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Dispatcher:
     dirty_models: set[str] = field(init=False, default_factory=set)
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
     wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
-    _inputs: dict[RequestKey, BatchInputs] = field(init=False, default_factory=dict)
+    _inputs: dict[RequestKey, tuple[TensorMeta, ...]] = field(init=False, default_factory=dict)
 
     def forget(self, key: RequestKey) -> None:
         """A queue went idle and was dropped: forget what was cached for it."""
@@ -306,7 +306,7 @@ class Dispatcher:
             payloads.extend(req.payloads)
         inputs = self._inputs.get(key)
         if inputs is None:
-            inputs = self._inputs[key] = BatchInputs.of(key)
+            inputs = self._inputs[key] = batch_inputs(key)
         batch = DispatchedBatch(batch_id, model, inputs, requests, payloads, now)
         predicted_s = capacity.cost.estimate(samples)
         inflight = InflightBatch(

@@ -204,11 +204,11 @@ def test_a_worker_whose_pad_rules_differ_from_the_live_spec_is_refused() -> None
 
 def test_a_batch_for_a_worker_in_the_broker_process_carries_the_own_shapes() -> None:
     """(The embedded transport hands the typed BATCH over; the socket one its frames.)"""
-    from carpool.broker.dispatched import BatchInputs, DispatchedBatch
+    from carpool.broker.dispatched import DispatchedBatch, batch_inputs
     from tests.unit.broker.pending import pending_request
 
     req = pending_request(1)
     req.shapes = ((3,),)
-    batch = DispatchedBatch(7, "m", BatchInputs.of(req.key), [req], req.payloads, 0.0)
+    batch = DispatchedBatch(7, "m", batch_inputs(req.key), [req], req.payloads, 0.0)
     assert batch.to_message().batch.items[0].shapes == ((3,),)
     assert codec.unpack(batch.to_frames()[1])["requests"][0]["shapes"] == [[3]]

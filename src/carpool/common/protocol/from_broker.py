@@ -25,7 +25,7 @@ from carpool.common.protocol.frames import (
     parse_header,
     view,
 )
-from carpool.common.protocol.worker_messages import BatchInputCache, BatchMeta, batch_frames
+from carpool.common.protocol.worker_messages import BatchInputCache, BatchMeta
 
 _HEARTBEAT_FRAMES = (header(Command.HEARTBEAT), encode(Command.HEARTBEAT, {})[1])
 
@@ -39,7 +39,7 @@ class BrokerBatch:
     payloads: Sequence[Frame]
 
     def to_frames(self) -> list[Any]:
-        return batch_frames(self.batch.to_wire(), self.payloads)
+        return self.batch.to_frames(self.payloads)
 
     def to_message(self) -> BrokerBatch:
         return self

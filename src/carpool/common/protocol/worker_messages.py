@@ -51,54 +51,20 @@ class BatchItem:
     shapes: tuple[tuple[int, ...], ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return batch_item_wire(
-            self.request_id,
-            self.samples,
-            self.simple,
-            self.queue_ms,
-            self.shm,
-            self.shm_outputs,
-            self.shapes,
-        )
-
-
-def batch_item_wire(
-    request_id: int,
-    samples: int,
-    simple: bool,
-    queue_ms: float,
-    shm: Sequence[ShmRef | None] | None = None,
-    shm_outputs: bool = False,
-    shapes: Sequence[Sequence[int]] | None = None,
-) -> dict[str, Any]:
-    """BATCH ``requests[i]`` from the fields of a :class:`BatchItem`, in its order: its one
-    encoder, which a broker dispatching a batch calls with its requests' fields (no
-    BatchItem per request on that path)."""
-    wire: dict[str, Any] = {
-        "id": request_id,
-        "n": samples,
-        "simple": simple,
-        "queue_ms": round(queue_ms, 3),
-    }
-    if shm is not None:
-        wire["shm"] = shm_wire(shm)
-    if shm_outputs:
-        wire["shm_outputs"] = True
-    if shapes is not None:
-        wire["shapes"] = shapes
-    return wire
-
-
-def batch_wire(
-    batch_id: int, model: str, inputs: list[dict[str, Any]], requests: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """A BATCH meta from its fields in wire form (``requests``: :func:`batch_item_wire`)."""
-    return {"batch": batch_id, "model": model, "inputs": inputs, "requests": requests}
-
-
-def batch_frames(meta: dict[str, Any], payloads: Sequence[object]) -> list[Any]:
-    """Frames of a BATCH whose meta :func:`batch_wire` built; payloads request-major."""
-    return [_BATCH, codec.pack(meta), *payloads]
+        """BATCH ``requests[i]``."""
+        wire: dict[str, Any] = {
+            "id": self.request_id,
+            "n": self.samples,
+            "simple": self.simple,
+            "queue_ms": round(self.queue_ms, 3),
+        }
+        if self.shm is not None:
+            wire["shm"] = shm_wire(self.shm)
+        if self.shm_outputs:
+            wire["shm_outputs"] = True
+        if self.shapes is not None:
+            wire["shapes"] = self.shapes
+        return wire
 
 
 class BatchInputCache:
@@ -143,8 +109,16 @@ class BatchMeta:
         return total
 
     def to_wire(self) -> dict[str, Any]:
-        inputs = [t.to_wire() for t in self.inputs]
-        return batch_wire(self.batch_id, self.model, inputs, [i.to_wire() for i in self.items])
+        return {
+            "batch": self.batch_id,
+            "model": self.model,
+            "inputs": [t.to_wire() for t in self.inputs],
+            "requests": [i.to_wire() for i in self.items],
+        }
+
+    def to_frames(self, payloads: Sequence[object]) -> list[Any]:
+        """The BATCH's frames; ``payloads`` request-major."""
+        return [_BATCH, codec.pack(self.to_wire()), *payloads]
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any], known: BatchInputCache | None = None) -> BatchMeta:
