@@ -27,6 +27,10 @@ INPUTS = (TensorMeta("x", "float32", (-1, 4)),)
 
 
 def started(**factories: Any) -> InferenceThread:
+    return thread_of(factories)
+
+
+def thread_of(factories: dict[str, Any], **options: Any) -> InferenceThread:
     return InferenceThread(
         factories,
         name="test",
@@ -34,6 +38,7 @@ def started(**factories: Any) -> InferenceThread:
         clock=MonotonicClock(),
         reader=RegionReader(),
         rings=LazyRing(0, 0o600),
+        **options,
     )
 
 
@@ -54,16 +59,7 @@ def slow_start(
         assert built.wait(10)
         return Slow(item_shape=(4,))
 
-    return InferenceThread(
-        {"m": build},
-        name="test",
-        warmup=False,
-        clock=MonotonicClock(),
-        reader=RegionReader(),
-        rings=LazyRing(0, 0o600),
-        start_timeout_s=timeout_s,
-        starting=tell,
-    )
+    return thread_of({"m": build}, start_timeout_s=timeout_s, starting=tell)
 
 
 def job(batch_id: int, model: str = "m") -> RunBatch:

@@ -128,8 +128,7 @@ class InferenceThread:
             if waited_s >= timeout_s:
                 # The thread is inside a factory or a warm-up run, which cannot be cut
                 # short: once it returns, the thread closes its engines and ends.
-                self._stopped = True
-                self._jobs.put(None)
+                self.stop(0.0)
                 raise ConfigError(
                     f"the models did not start within start_timeout_s ({timeout_s:g} s): "
                     "a TensorRT plan built at start can take longer; build it ahead "
