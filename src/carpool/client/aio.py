@@ -2,7 +2,11 @@
 
 Same methods (``submit``, ``infer``, ``stats``, ``cancel``, ``close``) over the same
 ClientCore; one reader task per client completes the futures, and sends what the core
-has for the socket (requests sent again after a lost connection, CANCELs). Use it from
+has for the socket (requests sent again after a lost connection, CANCELs). It reads the
+retiring socket too, the one left when a stopping broker refused a request with
+``retry`` (:mod:`carpool.client.resend`), and opens the new socket in the same step as
+it reads that refusal, with no await between; a send already waiting for room on the old
+socket then (its queue full) still goes there, and that broker answers it. Use it from
 one event loop at a time: a client moves to a new loop once the old one has stopped
 (``asyncio.run`` after ``asyncio.run``), and refuses a second loop while the first runs.
 """
@@ -33,6 +37,7 @@ from carpool.client.shell import (
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import ModelMetadata, Priority
+from carpool.common.sockets import waiting
 
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 
@@ -301,44 +306,95 @@ class AsyncClient:
                 ready = {}  # woken: the core has something for the socket
             finally:
                 self._polling = None
-            if ready.get(self.socket, 0) & _POLLIN:
-                await self._receive()
-            if self._watch_shadow in ready and self._dealer.watch.lost():
+            socket, watch_shadow = self.socket, self._watch_shadow
+            retiring, retiring_shadow = self._dealer.retiring, self._retiring_shadow
+            if ready.get(socket, 0) & _POLLIN:
+                await self._receive(socket)  # (never suspends: NOBLOCK receives)
+                self._follow_core()  # at once: nothing more goes on a socket the core left
+            if watch_shadow in ready and socket is self.socket and self._dealer.watch.lost():
                 await self._connection_lost()
+            if retiring is not None and retiring is self._dealer.retiring:
+                if ready.get(retiring.socket, 0) & _POLLIN:
+                    await self._receive(retiring.socket)
+                if retiring_shadow in ready and retiring.watch.lost():
+                    await self._retiring_lost()
             for rid, error in self.core.expire(self.clock.now()):
                 self._settle(rid, error)
+            self._follow_core()
             if self.core.resend.has_outgoing:
                 self._send_outgoing()
 
-    async def _receive(self) -> None:
+    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
         now = self.clock.now()
         while True:
             try:
-                frames = await self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = await socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._dispatch(frames, now)
 
+    def _follow_core(self) -> None:
+        """Leave the current connection when the core says so (its broker refused a
+        request with ``retry``: protocol §11), and close the retiring socket once the core
+        awaits nothing on it."""
+        dealer = self._dealer
+        changed = False
+        if self.core.leaving:
+            old = dealer.retiring
+            if old is not None:  # (at most one retires: it goes, after a last read)
+                now = self.clock.now()
+                for frames in waiting(old.socket):
+                    self._dispatch(frames, now)
+            dealer.switch()
+            changed = True
+            for rid, error in self.core.switched(self.clock.now()):
+                self._settle(rid, error)
+        if dealer.retiring is not None and not self.core.retiring:
+            dealer.close_retiring()
+            changed = True
+        if changed:
+            self._poller = self._new_poller()
+
     def _new_poller(self) -> zmq.asyncio.Poller:
         """A poller of the socket and of its watch's monitor (through an asyncio shadow of
-        that blocking socket; :meth:`ConnectionWatch.lost` reads it)."""
-        self._watch_shadow = zmq.asyncio.Socket.from_socket(self._dealer.watch.monitor)
+        that blocking socket; :meth:`ConnectionWatch.lost` reads it), and of the retiring
+        socket and its monitor, if one retires."""
+        dealer = self._dealer
+        self._watch_shadow = zmq.asyncio.Socket.from_socket(dealer.watch.monitor)
         poller = zmq.asyncio.Poller()
         poller.register(self.socket, zmq.POLLIN)
         self._poll_events = _POLLIN
         poller.register(self._watch_shadow, zmq.POLLIN)
+        self._retiring_shadow: zmq.asyncio.Socket | None = None
+        if dealer.retiring is not None:
+            self._retiring_shadow = zmq.asyncio.Socket.from_socket(dealer.retiring.watch.monitor)
+            poller.register(dealer.retiring.socket, zmq.POLLIN)
+            poller.register(self._retiring_shadow, zmq.POLLIN)
         return poller
 
     async def _connection_lost(self) -> None:
         """The connection to the broker closed (it stopped, or missed its heartbeats):
         what it sent before is read, the socket is opened afresh (so that nothing still
         queued in the old one reaches the broker connected next and is answered twice),
-        and each request still pending is sent again on it while its budget allows, or
-        fails UNAVAILABLE now (as :class:`carpool.client.Client` does)."""
-        await self._receive()
-        self._dealer.reopen(self)
+        and each request still pending on it is sent again on the new one while its
+        budget allows, or fails UNAVAILABLE now (as :class:`carpool.client.Client` does)."""
+        await self._receive(self.socket)
+        self._dealer.reopen()
         self._poller = self._new_poller()
         for rid, error in self.core.connection_lost(self.clock.now()):
+            self._settle(rid, error)
+
+    async def _retiring_lost(self) -> None:
+        """The retiring connection closed (its broker stopped): what it sent before is
+        read, its socket closed, and each request still waiting on it is sent again on
+        the current socket while its budget allows, or fails UNAVAILABLE now."""
+        retiring = self._dealer.retiring
+        if retiring is None:
+            return
+        await self._receive(retiring.socket)
+        self._dealer.close_retiring()
+        self._poller = self._new_poller()
+        for rid, error in self.core.retiring_lost(self.clock.now()):
             self._settle(rid, error)
 
     def _dispatch(self, frames: list[zmq.Frame], now: float) -> None:

@@ -8,11 +8,15 @@ Local deadline: the broker answers every request by its deadline, so a client th
 nothing for ``timeout + grace`` concludes the broker is unreachable and fails the request
 with :class:`Unavailable` instead of waiting forever.
 
-Sending again and cancelling: what the core keeps of each request until its answer, and
-the rules for sending it again or cancelling it, belong to its
-:class:`~carpool.client.resend.Resender` (``ClientCore.resend``). The core tells it of
-each event (a reply, an UNAVAILABLE with ``retry``, a lost connection, a cancel) and
-hands the twins what it has for the socket (:meth:`ClientCore.outgoing`).
+Sending again, cancelling, connections: what the core keeps of each request until its
+answer, the rules for sending it again or cancelling it, and which connection it went by
+belong to its :class:`~carpool.client.resend.Resender` (``ClientCore.resend``). The core
+tells it of each event (a reply, an UNAVAILABLE with ``retry``, a lost connection, a
+cancel) and hands the twins what it has for the socket (:meth:`ClientCore.outgoing`).
+The twins read from two sockets at most: the current one, and the one *retiring* after a
+stopping broker refused a request with ``retry`` (:attr:`ClientCore.leaving`: open a new
+socket, then :meth:`ClientCore.switched`; :attr:`ClientCore.retiring`: False once nothing
+waits on the old one, which the twin then closes).
 
 Send window: ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
 away or not reading; past it a send waits for room, for at most :meth:`ClientCore.send_window_s`
@@ -113,9 +117,10 @@ class ClientCore:
     shm_outputs: bool = False
     reader: RegionReader | None = None
     _next_sweep_s: float = 0.0
-    #: Connections to the broker that closed (each request then in flight sent again or
-    #: failed: :mod:`carpool.client.resend`), and replies that came for a request no
-    #: longer pending (already failed, timed out or answered): dropped, counted here.
+    #: Connections to the broker that closed (each request then in flight on it sent
+    #: again or failed: :mod:`carpool.client.resend`), the current one or the retiring
+    #: one, and replies that came for a request no longer pending (already failed, timed
+    #: out or answered): dropped, counted here.
     lost_connections: int = 0
     late_replies: int = 0
     # STATS and METADATA requests asked and awaited (ids from the same count as requests').
@@ -142,6 +147,24 @@ class ClientCore:
     def resends(self) -> int:
         """Requests sent again (after a lost connection, or an UNAVAILABLE with retry)."""
         return self.resend.resends
+
+    @property
+    def switches(self) -> int:
+        """Connections left for a new socket after an UNAVAILABLE with retry."""
+        return self.resend.switches
+
+    @property
+    def leaving(self) -> bool:
+        """The broker on the current connection refused a request with ``retry``: open a
+        new socket to the endpoint, keep the old one for reading, and call
+        :meth:`switched`, before sending anything more."""
+        return self.resend.leaving
+
+    @property
+    def retiring(self) -> bool:
+        """Answers are awaited on the connection left last (the twin reads its socket;
+        False: the twin closes it)."""
+        return self.resend.retiring is not None
 
     def send_window_s(self, timeout_s: float | None) -> float:
         """How long a request with this timeout (None: the default) may wait for room to
@@ -234,13 +257,12 @@ class ClientCore:
             )
             if self.queries.refused(err.request_id, exc):
                 return err.request_id, exc  # a STATS or METADATA request refused
-            if (
-                err.retry
-                and err.request_id in self.pending
-                and self.resend.refused(err.request_id, exc, now)
-            ):
-                return None, exc  # sent again on the next connection, or failed later
-            return self._settle(err.request_id), exc
+            if err.retry and err.request_id in self.pending:
+                answer = self.resend.refused(err.request_id, exc, now)
+                if answer is None:
+                    return None, exc  # sent again on the next connection, or failed later
+                return self._settle(err.request_id), answer
+            return self._settle(err.request_id, answered=True), exc
         if command is not _REPLY:
             raise ProtocolError(f"unexpected command {command.name} from the broker")
         payloads = frames[2:]
@@ -250,7 +272,7 @@ class ClientCore:
         reply = ReplyMeta.from_wire(meta)
         check_frame_sizes(reply.outputs, payloads, reply.shm)
         if reply.shm is not None:
-            rid = self._settle(reply.request_id, now)
+            rid = self._settle(reply.request_id, now, answered=True)
             if rid is None:  # late or unknown: nobody waits, nothing to copy out
                 return None, Unavailable("a late reply", request_id=reply.request_id)
             return rid, self._shared_outputs(reply, payloads)
@@ -264,7 +286,7 @@ class ClientCore:
                 (t.name, codec.numpy_dtype(t.dtype), t.shape, t.nbytes) for t in reply.outputs
             )
         result = InferResult(outputs, reply.batch_size, reply.queue_ms, reply.compute_ms)
-        return self._settle(reply.request_id, now), result
+        return self._settle(reply.request_id, now, answered=True), result
 
     def _shared_outputs(
         self, reply: ReplyMeta, payloads: Sequence[Frame]
@@ -326,17 +348,21 @@ class ClientCore:
                 return None
             outputs[name] = np.frombuffer(view(payload), dtype).reshape(shape)
         result = InferResult(outputs, batch_size, queue_ms, compute_ms)
-        return self._settle(rid, now), result
+        return self._settle(rid, now, answered=True), result
 
-    def _settle(self, request_id: int | None, answered_s: float | None = None) -> int | None:
+    def _settle(
+        self, request_id: int | None, answered_s: float | None = None, *, answered: bool = False
+    ) -> int | None:
         """Settle a pending request; ``answered_s``: when its outputs came (a latency
-        sample). Returns its id, or None for one not pending (late, unknown)."""
+        sample); ``answered``: the broker answered it (with outputs, or an error other
+        than a ``retry`` refusal). Returns its id, or None for one not pending (late,
+        unknown)."""
         if request_id is None:
             return None  # anonymous: nobody waits for it
         if self.pending.pop(request_id, None) is None:
             self.late_replies += 1  # late or duplicate: nobody waits for it any more
             return None
-        self.resend.pop(request_id, answered_s)
+        self.resend.pop(request_id, answered_s, answered=answered)
         if self._leases:
             self._release(request_id)
         return request_id
@@ -356,16 +382,36 @@ class ClientCore:
         self._release(request_id)
 
     def connection_lost(self, now: float) -> list[Failed]:
-        """The connection to the broker closed, and the twin opened its socket afresh:
-        each pending request is queued to be sent again (:meth:`outgoing`) while its
-        budget allows; the others are returned with their answers (settled here)."""
+        """The current connection to the broker closed, and the twin opened its socket
+        afresh: each pending request that went by it, or waits to be sent, is queued to
+        be sent again (:meth:`outgoing`) while its budget allows; the others are returned
+        with their answers (settled here)."""
         self.lost_connections += 1
         return self._settled_all(self.resend.lost(now))
 
+    def switched(self, now: float) -> list[Failed]:
+        """The twin left the current connection (:attr:`leaving`): it opened a new socket,
+        and keeps the old one open for reading only (closing the one that retired before,
+        if any). Requests refused with ``retry`` are queued for the new socket, and those
+        still on a retiring socket just closed too; the ones with too little budget left
+        are returned with their answers (settled here)."""
+        return self._settled_all(self.resend.switched(now))
+
+    def retiring_lost(self, now: float) -> list[Failed]:
+        """The retiring connection closed (the stopping broker closed it) before every
+        request sent on it was answered: those are queued for the current socket while
+        their budgets allow; the others are returned with their answers (settled here).
+        (Nothing, and not counted, when nothing waited on it any more.)"""
+        if self.resend.retiring is None:
+            return []
+        self.lost_connections += 1
+        return self._settled_all(self.resend.retiring_lost(now))
+
     def cancel(self, request_id: int) -> RequestError | None:
         """Cancel pending request ``request_id``: its CANCEL is queued (:meth:`outgoing`;
-        its answer comes from the broker), or, when it is not at any broker, its answer
-        is returned now (settled here). None too for a request not pending."""
+        its answer comes from the broker; none is sent on a retiring connection, whose
+        broker answers it anyway), or, when it is not at any broker, its answer is
+        returned now (settled here). None too for a request not pending."""
         if request_id not in self.pending:
             return None
         error = self.resend.cancel(request_id)

@@ -2,9 +2,10 @@
 
 ``Client`` (blocking) and ``AsyncClient`` (asyncio) each build the same
 :class:`~carpool.client.core.ClientCore` from their :class:`ClientOptions` (with its
-shared-memory region, if asked for), open one DEALER socket on their own kind of zmq
-context, and release both the same way. Everything about requests, replies and deadlines
-is the core's; only these resources are here.
+shared-memory region, if asked for), open a DEALER socket on their own kind of zmq
+context (two while one retires: :class:`Dealer`), and release them the same way.
+Everything about requests, replies, deadlines and when to change sockets is the core's;
+only these resources are here.
 """
 
 from __future__ import annotations
@@ -58,12 +59,26 @@ def curve_keys(options: ClientOptions) -> ClientKeys | None:
     return client_keys(options.curve_server_key, options.curve_key, "ClientOptions.curve_key")
 
 
+class Line(Generic[SocketT]):
+    """One socket to the broker and the :class:`ConnectionWatch` of its connection."""
+
+    __slots__ = ("socket", "watch")
+
+    def __init__(self, socket: SocketT, watch: ConnectionWatch) -> None:
+        self.socket, self.watch = socket, watch
+
+    def close(self) -> None:
+        release_socket(self.socket, self.watch)
+
+
 class Dealer(Generic[SocketT]):
-    """A client's DEALER socket to its broker (a CURVE client with ``keys``), the
-    :class:`ConnectionWatch` of its connection, and the finalizer that closes both (and
-    ``context`` too, with ``own_context``) at :meth:`close` or when ``owner`` is
-    collected without one (see :func:`release_socket`). This object alone holds them;
-    the client reads ``socket`` and ``watch`` from it.
+    """A client's DEALER socket to its broker (a CURVE client with ``keys``) and the
+    :class:`ConnectionWatch` of its connection; the socket it left after a stopping
+    broker's refusal, kept for reading until the core awaits nothing on it
+    (:attr:`retiring`); and the finalizer that closes them (and ``context`` too, with
+    ``own_context``) at :meth:`close` or when ``owner`` is collected without one (see
+    :func:`release_sockets`). This object alone holds them; the client reads ``socket``,
+    ``watch`` and ``retiring`` from it.
     """
 
     def __init__(
@@ -76,43 +91,68 @@ class Dealer(Generic[SocketT]):
         keys: ClientKeys | None,
     ) -> None:
         self._context, self._endpoint, self._keys = context, endpoint, keys
-        self._own_context = own_context
-        self.socket, self.watch, self._release = self._open(owner, immediate=False)
+        # The lines open now, for the finalizer (it holds this list, never the owner).
+        self._lines: list[Line[SocketT]] = []
+        self._release = weakref.finalize(owner, release_sockets, self._lines, context, own_context)
+        self.retiring: Line[SocketT] | None = None
+        self._current = self._open(immediate=False)
 
-    def _open(
-        self, owner: object, *, immediate: bool
-    ) -> tuple[SocketT, ConnectionWatch, weakref.finalize[..., object]]:
+    @property
+    def socket(self) -> SocketT:
+        return self._current.socket
+
+    @property
+    def watch(self) -> ConnectionWatch:
+        return self._current.watch
+
+    def _open(self, *, immediate: bool) -> Line[SocketT]:
         """``immediate``: queue messages only on a connection that is up
         (``ZMQ_IMMEDIATE``), so that a send while no broker listens waits for room
         instead (see :meth:`reopen`)."""
-        context = self._context
-        socket = context.socket(zmq.DEALER)
+        socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         if immediate:
             socket.setsockopt(zmq.IMMEDIATE, 1)
         if self._keys is not None:
             connect_keys(socket, self._keys)
-        watch = ConnectionWatch(socket)
+        line = Line(socket, ConnectionWatch(socket))
+        self._lines.append(line)
         socket.connect(self._endpoint)
-        release = weakref.finalize(owner, release_socket, socket, context, self._own_context, watch)
-        return socket, watch, release
+        return line
 
-    def reopen(self, owner: object) -> None:
+    def _shut(self, line: Line[SocketT]) -> None:
+        self._lines.remove(line)
+        line.close()
+
+    def reopen(self) -> None:
         """Close the socket and its watch (not the context) and open a fresh, watched one
         to the same endpoint: nothing still queued in the old one reaches the broker
         connected next. The fresh socket queues only on a connection that is up: a
         request sent while the broker is away (restarting) waits in its send window and
         fails there, never queued for a broker that starts after the client failed the
         request at its timeout (that broker would run it and answer a request nobody
-        waits for). The new finalizer terminates the context if the client made it and
-        the old one had not run yet."""
-        self._own_context = self._release.detach() is not None and self._own_context
-        release_socket(self.socket, self._context, False, self.watch)
-        self.socket, self.watch, self._release = self._open(owner, immediate=True)
+        waits for)."""
+        self._shut(self._current)
+        self._current = self._open(immediate=True)
+
+    def switch(self) -> None:
+        """Leave the socket (its broker is stopping: protocol §11): keep it open for
+        reading only, as :attr:`retiring` (closing the one that retired before, if any),
+        and open a fresh, watched one to the same endpoint, which queues only on a
+        connection that is up, as :meth:`reopen`'s does."""
+        self.close_retiring()
+        self.retiring = self._current
+        self._current = self._open(immediate=True)
+
+    def close_retiring(self) -> None:
+        """Close the retiring socket and its watch, if any."""
+        if self.retiring is not None:
+            self._shut(self.retiring)
+            self.retiring = None
 
     def close(self) -> None:
-        """Close the socket and its watch, and the context if the client made it (once;
-        later calls do nothing)."""
+        """Close the sockets and their watches, and the context if the client made it
+        (once; later calls do nothing)."""
         self._release()
 
 
@@ -160,21 +200,21 @@ class ConnectionWatch:
         self.monitor.close(linger=0)
 
 
-def release_socket(
-    socket: zmq.Socket[Any],
-    context: zmq.Context[Any],
-    own_context: bool,
-    watch: ConnectionWatch | None = None,
-) -> None:
-    """Close a client's socket, and its context if the client made it: at ``close()``, or
+def release_socket(socket: zmq.Socket[Any], watch: ConnectionWatch) -> None:
+    """Close one of a client's sockets and the watch of its connection."""
+    socket.disable_monitor()
+    watch.close()
+    socket.close(linger=0)
+
+
+def release_sockets(lines: list[Line[Any]], context: zmq.Context[Any], own_context: bool) -> None:
+    """Close a client's sockets, and its context if the client made it: at ``close()``, or
     when a client dropped without ``close()`` is collected (a weakref finalizer). Left to
     pyzmq's own finalizers, a client collected in a cycle with its futures (a request
     still pending) would leave its socket open and block the collecting thread for ever in
     ``Context.term()``."""
-    if watch is not None:
-        socket.disable_monitor()
-        watch.close()
-    socket.close(linger=0)
+    while lines:
+        lines.pop().close()
     if own_context:
         context.term()
 

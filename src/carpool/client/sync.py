@@ -13,6 +13,11 @@ submits in a tight loop would otherwise take it back before a waiting thread wok
 keep the others from their replies); ``close`` goes first, and once it has begun the
 others give up. With one thread, owning it costs an uncontended lock's acquire and
 release.
+
+The pumper also reads the *retiring* socket, the one the client left when a stopping
+broker refused a request with ``retry`` (:mod:`carpool.client.resend`): it opens the new
+socket in the same turn as it reads that refusal, so no thread sends on the old one
+after it, and closes the old one once the core awaits nothing on it.
 """
 
 from __future__ import annotations
@@ -110,8 +115,9 @@ class Client:
         The inputs may be reused (refilled) as soon as this returns. If the broker takes
         nothing for the request's whole timeout (it is away and 1,000 messages wait for
         it already), the future fails ``Unavailable`` then. A request whose connection is
-        lost before its answer is sent again on the next while its budget allows
-        (:mod:`carpool.client.resend`); :meth:`ReplyFuture.cancel` cancels it.
+        lost before its answer, or that a stopping broker refuses with ``retry``, is sent
+        again on a new connection while its budget allows (:mod:`carpool.client.resend`);
+        :meth:`ReplyFuture.cancel` cancels it.
 
         Raises (here, before anything is sent; what the broker refuses fails the future):
             TypeError: ``inputs`` is not a mapping of input names to arrays.
@@ -275,14 +281,17 @@ class Client:
                     elif which is self._dealer.watch.monitor:
                         if self._dealer.watch.lost():
                             completed += self._connection_lost()
-                    else:
+                    elif which == self._wake.fd:
                         self._wake.clear()  # a sender's wake-up: it takes the socket next
+                    else:
+                        completed += self._on_retiring(which)
             except zmq.ZMQError:
                 # close() from a signal handler in this thread, while it polled: the
                 # client's own error (close answered every future), not libzmq's.
                 self._check_open()
                 raise
             completed += answer(self._futures, self.core.expire(self.clock.now()))
+            completed += self._follow_core()
             if self._cancels or self._events != _POLLIN or self.core.resend.has_outgoing:
                 completed += self._send_outgoing()
             return completed
@@ -310,20 +319,65 @@ class Client:
         """The connection to the broker closed (the broker stopped, or missed its
         heartbeats): what it sent before is read, and the socket is opened afresh, so
         that nothing still queued in the old one reaches the broker the client connects
-        to next and is answered twice. Each request still pending (its reply can no
+        to next and is answered twice. Each request still pending on it (its reply can no
         longer come: the broker answers by connection) is sent again on the new socket
         while its budget allows, and fails UNAVAILABLE now otherwise (protocol §11)."""
-        completed = 0
-        now = self.clock.now()
-        for frames in waiting(self.socket):
-            completed += self._dispatch(frames, now)
+        completed = self._drain(self.socket)
         self._poller.unregister(self.socket)
         self._poller.unregister(self._dealer.watch.monitor)
-        self._dealer.reopen(self)
+        self._dealer.reopen()
+        self._register_current()
+        return completed + answer(self._futures, self.core.connection_lost(self.clock.now()))
+
+    def _register_current(self) -> None:
         self._poller.register(self.socket, _POLLIN)
         self._events = _POLLIN
         self._poller.register(self._dealer.watch.monitor, zmq.POLLIN)
-        return completed + answer(self._futures, self.core.connection_lost(self.clock.now()))
+
+    def _follow_core(self) -> int:
+        """(Owning the socket.) Leave the current connection when the core says so (its
+        broker refused a request with ``retry``: protocol §11), and close the retiring
+        socket once the core awaits nothing on it. Returns the number of futures completed
+        (requests on a retiring socket dropped, with too little budget left)."""
+        completed = 0
+        dealer = self._dealer
+        if self.core.leaving:
+            old = dealer.retiring
+            if old is not None:  # (at most one retires: it goes, after a last read)
+                completed += self._drain(old.socket)
+                self._poller.unregister(old.socket)
+                self._poller.unregister(old.watch.monitor)
+            if self._events != _POLLIN:
+                self._poller.modify(self.socket, _POLLIN)  # (read only from now on)
+            dealer.switch()
+            self._register_current()
+            completed += answer(self._futures, self.core.switched(self.clock.now()))
+        retiring = dealer.retiring
+        if retiring is not None and not self.core.retiring:
+            self._poller.unregister(retiring.socket)
+            self._poller.unregister(retiring.watch.monitor)
+            dealer.close_retiring()
+        return completed
+
+    def _on_retiring(self, which: object) -> int:
+        """The poll found the retiring socket readable, or its monitor: read its answers,
+        or, when its connection closed, let the core send its requests again."""
+        retiring = self._dealer.retiring
+        if retiring is None:
+            return 0  # (closed earlier in this turn)
+        if which is retiring.socket:
+            return self._drain(retiring.socket)
+        if which is not retiring.watch.monitor or not retiring.watch.lost():
+            return 0
+        completed = self._drain(retiring.socket)
+        self._poller.unregister(retiring.socket)
+        self._poller.unregister(retiring.watch.monitor)
+        self._dealer.close_retiring()
+        return completed + answer(self._futures, self.core.retiring_lost(self.clock.now()))
+
+    def _drain(self, socket: zmq.Socket[bytes]) -> int:
+        now = self.clock.now()
+        return sum(self._dispatch(frames, now) for frames in waiting(socket))
 
     def _dispatch(self, frames: list[zmq.Frame], now: float) -> int:
         try:

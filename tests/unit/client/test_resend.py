@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from carpool.client.core import ClientCore, InferResult
-from carpool.client.resend import NEXT_STAGE, UNKNOWN_LATENCY_S, Event, Kept, Stage
+from carpool.client.resend import (
+    NEXT_STAGE,
+    UNKNOWN_LATENCY_S,
+    Event,
+    Kept,
+    Stage,
+)
 from carpool.common import codec
 from carpool.common.errors import Cancelled, ErrorCode, RequestError, Unavailable
 from carpool.common.protocol import (
@@ -130,22 +136,260 @@ def test_a_request_waiting_for_the_socket_fails_when_its_budget_gets_too_small()
     assert not core.resend.kept
 
 
-def test_unavailable_with_retry_is_sent_again_only_on_the_next_connection() -> None:
+def test_the_first_unavailable_with_retry_leaves_the_connection_for_a_new_one() -> None:
     core = ClientCore()
-    rid, _ = core.request(T0, "m", {"x": X}, 2.0)
+    rid, frames = core.request(T0, "m", {"x": X}, 2.0)
+    other, _ = core.request(T0, "m", {"x": X}, 2.0)
     got, error = core.on_reply(stopping(rid), T0 + 0.1)
     assert got is None
     assert isinstance(error, Unavailable)
     assert rid in core.pending
-    assert core.resend.kept[rid].stage is Stage.PARKED
-    assert core.outgoing(T0 + 0.2) is None  # not on the connection that refused it
-    assert core.connection_lost(T0 + 0.3) == []
+    assert core.resend.kept[rid].stage is Stage.QUEUED
+    assert core.leaving
+    assert core.cancel(other) is None  # asked for while leaving: nothing goes out
+    assert core.outgoing(T0 + 0.1) is None  # not on the connection of the broker that refused it
+    assert core.switched(T0 + 0.2) == []
+    assert (core.leaving, core.retiring, core.switches) == (False, True, 1)
     again = core.outgoing(T0 + 0.4)
     assert again is not None
     assert submit_of(again).request_id == rid
+    assert submit_of(again).client == submit_of(frames).client
     assert submit_of(again).timeout_ms == 1600
+    assert bytes(again[2]) == bytes(frames[2])
     core.took()
+    assert core.outgoing(T0 + 0.4) is None  # (no CANCEL for the one on the old connection)
     assert core.on_reply(reply(rid), T0 + 0.5)[0] == rid
+    assert core.lost_connections == 0
+
+
+def test_answers_on_the_retiring_connection_still_settle_and_end_its_retirement() -> None:
+    core = ClientCore()
+    refused, _ = core.request(T0, "m", {"x": X}, 2.0)
+    running, _ = core.request(T0, "m", {"x": X}, 2.0)
+    queued, _ = core.request(T0, "m", {"x": X}, 2.0)
+    core.on_reply(stopping(refused), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    assert core.resend.retiring == 0
+    assert core.resend.epoch == 1
+    # The new connection takes the refused one, and a new request.
+    assert core.outgoing(T0 + 0.1) is not None
+    core.took()
+    fresh, _ = core.request(T0 + 0.2, "m", {"x": X}, 2.0)
+    # The old connection answers what it ran within its grace...
+    got, result = core.on_reply(reply(running), T0 + 0.3)
+    assert got == running
+    assert isinstance(result, InferResult)
+    assert core.retiring
+    # ...and refuses the rest: sent again on the new one, without leaving it.
+    assert core.on_reply(stopping(queued), T0 + 0.4) == (None, core.resend.kept[queued].refusal)
+    assert not core.leaving
+    assert not core.retiring  # nothing more is awaited there: the twin closes it
+    again = core.outgoing(T0 + 0.4)
+    assert again is not None
+    assert submit_of(again).request_id == queued
+    core.took()
+    assert {rid: k.epoch for rid, k in core.resend.kept.items()} == {
+        refused: 1,
+        queued: 1,
+        fresh: 1,
+    }
+    assert core.resends == 2
+
+
+def test_a_retiring_connection_lost_sends_its_requests_again_on_the_current_one() -> None:
+    core = ClientCore()
+    learnt(core, 0.3)
+    refused, _ = core.request(T0, "m", {"x": X}, 2.0)
+    waiting_long, _ = core.request(T0, "m", {"x": X}, 2.0)
+    waiting_short, _ = core.request(T0, "m", {"x": X}, 0.5)
+    core.on_reply(stopping(refused), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    assert core.outgoing(T0 + 0.1) is not None
+    core.took()
+    failed = core.retiring_lost(T0 + 0.25)
+    assert [rid for rid, _ in failed] == [waiting_short]  # 0.25 s left, 0.3 s needed
+    assert "connection to the broker closed" in str(failed[0][1])
+    assert (core.retiring, core.lost_connections) == (False, 1)
+    again = core.outgoing(T0 + 0.3)
+    assert again is not None
+    assert submit_of(again).request_id == waiting_long
+    assert submit_of(again).timeout_ms == 1700
+    core.took()
+    assert core.outgoing(T0 + 0.3) is None
+    # The current connection is untouched: the refused one, sent on it, still waits there.
+    assert core.resend.kept[refused].stage is Stage.SENT
+    assert core.retiring_lost(T0 + 0.4) == []  # (nothing retires now: not counted)
+    assert core.lost_connections == 1
+
+
+def test_the_current_connection_lost_leaves_the_retiring_ones_requests_where_they_are() -> None:
+    core = ClientCore()
+    refused, _ = core.request(T0, "m", {"x": X}, 2.0)
+    running, _ = core.request(T0, "m", {"x": X}, 2.0)
+    core.on_reply(stopping(refused), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    assert core.outgoing(T0 + 0.1) is not None
+    core.took()
+    assert core.connection_lost(T0 + 0.2) == []
+    assert core.resend.epoch == 2
+    assert not core.resend.on_trial  # (a reopened socket: not on trial)
+    again = core.outgoing(T0 + 0.2)
+    assert again is not None
+    assert submit_of(again).request_id == refused
+    core.took()
+    assert core.outgoing(T0 + 0.2) is None
+    assert core.retiring
+    assert core.on_reply(reply(running), T0 + 0.3)[0] == running
+    assert not core.retiring
+
+
+def test_a_cancel_of_a_request_on_the_retiring_connection_sends_nothing() -> None:
+    core = ClientCore()
+    refused, _ = core.request(T0, "m", {"x": X}, 2.0)
+    ran, _ = core.request(T0, "m", {"x": X}, 2.0)
+    turned_away, _ = core.request(T0, "m", {"x": X}, 2.0)
+    dropped, _ = core.request(T0, "m", {"x": X}, 2.0)
+    assert core.cancel(dropped) is None  # its CANCEL, asked for on the current connection...
+    core.on_reply(stopping(refused), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    for rid in (ran, turned_away):
+        assert core.cancel(rid) is None
+    again = core.outgoing(T0 + 0.1)
+    assert again is not None
+    assert parse_header(again[0]) is Command.REQUEST  # ...not sent on the new one either
+    core.took()
+    assert core.outgoing(T0 + 0.1) is None
+    assert core.resend.cancels == 0
+    # The stopping broker ran one: its result is its answer.
+    got, result = core.on_reply(reply(ran), T0 + 0.2)
+    assert (got, type(result)) == (ran, InferResult)
+    # It refuses another: that one ran nowhere, and is not sent again.
+    got, error = core.on_reply(stopping(turned_away), T0 + 0.3)
+    assert got == turned_away
+    assert isinstance(error, Cancelled)
+    assert not core.leaving
+    # The connection closes before it answers the last.
+    failed = core.retiring_lost(T0 + 0.4)
+    assert [rid for rid, _ in failed] == [dropped]
+    assert isinstance(failed[0][1], Cancelled)
+    assert core.outgoing(T0 + 0.4) is None
+    assert set(core.pending) == {refused}
+
+
+def test_a_cancelled_request_refused_with_retry_is_answered_cancelled() -> None:
+    core = ClientCore()
+    rid, _ = core.request(T0, "m", {"x": X}, 2.0)
+    assert core.cancel(rid) is None
+    assert core.outgoing(T0) is not None  # its CANCEL
+    core.took()
+    got, error = core.on_reply(stopping(rid), T0 + 0.1)  # the broker stopped first
+    assert got == rid
+    assert isinstance(error, Cancelled)  # it ran nowhere, and is not sent again
+    assert core.leaving  # (that broker stops all the same)
+    assert not core.pending
+
+
+def test_a_refusal_on_a_connection_on_trial_parks_the_request_until_that_one_closes() -> None:
+    """A broker that admits new connections while it stops answers the new one as it did
+    the old: the client leaves no connection on trial, so it does not open a socket and
+    send every request again each round trip until that broker closes."""
+    core = ClientCore()
+    first, _ = core.request(T0, "m", {"x": X}, 2.0)
+    core.on_reply(stopping(first), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    assert core.resend.on_trial
+    assert core.outgoing(T0 + 0.1) is not None
+    core.took()
+    second, _ = core.request(T0 + 0.2, "m", {"x": X}, 2.0)
+    for rid in (first, second):
+        assert core.on_reply(stopping(rid), T0 + 0.3)[0] is None
+        assert core.resend.kept[rid].stage is Stage.PARKED
+    assert not core.leaving
+    assert core.outgoing(T0 + 0.3) is None
+    assert core.switches == 1
+    assert core.connection_lost(T0 + 0.5) == []  # that broker closed: on the next one
+    sent = []
+    while (again := core.outgoing(T0 + 0.6)) is not None:
+        sent.append(submit_of(again).request_id)
+        core.took()
+    assert sent == [first, second]
+
+
+def test_an_answer_ends_the_trial_and_a_later_refusal_leaves_that_connection_too() -> None:
+    core = ClientCore()
+    first, _ = core.request(T0, "m", {"x": X}, 5.0)
+    core.on_reply(stopping(first), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    parked, _ = core.request(T0 + 0.1, "m", {"x": X}, 5.0)
+    core.on_reply(stopping(parked), T0 + 0.2)  # on trial: parked
+    answered, _ = core.request(T0 + 0.2, "m", {"x": X}, 5.0)
+    assert core.on_reply(reply(answered), T0 + 0.3)[0] == answered
+    assert not core.resend.on_trial  # a broker that runs requests: not the stopping one
+    assert core.resend.kept[parked].stage is Stage.PARKED
+    assert core.outgoing(T0 + 0.3) is not None  # (the first, sent again)
+    core.took()
+    core.on_reply(stopping(first), T0 + 0.4)  # this broker stops too
+    assert core.leaving
+    assert core.switched(T0 + 0.4) == []
+    sent = []
+    while (again := core.outgoing(T0 + 0.5)) is not None:
+        sent.append(submit_of(again).request_id)
+        core.took()
+    assert sent == [first, parked]  # the parked one goes on the new connection too
+    assert core.switches == 2
+
+
+def test_a_second_switch_drops_the_retiring_connection_and_sends_its_requests_again() -> None:
+    core = ClientCore()
+    first, _ = core.request(T0, "m", {"x": X}, 5.0)
+    on_oldest, _ = core.request(T0, "m", {"x": X}, 5.0)
+    cancelled, _ = core.request(T0, "m", {"x": X}, 5.0)
+    core.on_reply(stopping(first), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    core.cancel(cancelled)  # on the retiring connection: no CANCEL
+    assert core.outgoing(T0 + 0.1) is not None
+    core.took()
+    answered, _ = core.request(T0 + 0.1, "m", {"x": X}, 5.0)
+    core.on_reply(reply(answered), T0 + 0.2)  # the trial ends
+    on_middle, _ = core.request(T0 + 0.2, "m", {"x": X}, 5.0)
+    core.on_reply(stopping(first), T0 + 0.3)  # a second broker stops while one retires
+    assert core.leaving
+    failed = core.switched(T0 + 0.3)
+    assert [(rid, type(error)) for rid, error in failed] == [(cancelled, Cancelled)]
+    assert core.resend.retiring == 1  # the middle one retires now
+    sent = []
+    while (again := core.outgoing(T0 + 0.4)) is not None:
+        sent.append(submit_of(again).request_id)
+        core.took()
+    assert sent == [first, on_oldest]
+    assert core.resend.kept[on_middle].epoch == 1
+    assert core.on_reply(reply(on_middle), T0 + 0.5)[0] == on_middle
+    assert not core.retiring
+    assert core.lost_connections == 0
+
+
+def test_a_request_on_the_retiring_connection_past_its_local_deadline_ends_the_retirement() -> None:
+    core = ClientCore(grace_s=0.5)
+    refused, _ = core.request(T0, "m", {"x": X}, 5.0)
+    slow, _ = core.request(T0, "m", {"x": X}, 1.0)
+    core.on_reply(stopping(refused), T0 + 0.1)
+    core.switched(T0 + 0.1)
+    assert core.retiring
+    failed = core.expire(T0 + 1.5)
+    assert [rid for rid, _ in failed] == [slow]
+    assert "no reply from the broker" in str(failed[0][1])
+    assert not core.retiring
+
+
+def test_a_refusal_with_too_little_budget_still_leaves_the_connection() -> None:
+    core = ClientCore()
+    rid, _ = core.request(T0, "m", {"x": X}, 1.0)
+    got, error = core.on_reply(stopping(rid), T0 + 1.0 - UNKNOWN_LATENCY_S / 2)
+    assert got == rid
+    assert str(error) == "stopping"
+    assert core.leaving  # (that broker is stopping, whatever becomes of this request)
+    assert core.switched(T0 + 1.0) == []
+    assert not core.retiring
 
 
 def test_unavailable_without_retry_or_with_too_little_budget_is_the_answer() -> None:
@@ -270,18 +514,37 @@ def test_every_row_of_the_stage_table_is_used(monkeypatch: pytest.MonkeyPatch) -
         seen.add((self.stage, event))
         move(self, event)
 
+    def send_all(now: float) -> None:
+        while core.outgoing(now) is not None:
+            core.took()  # QUEUED -> SENT
+
     monkeypatch.setattr(Kept, "move", recording)
     core = ClientCore()
     refused, _ = core.request(T0, "m", {"x": X}, 5.0)
     lost, _ = core.request(T0, "m", {"x": X}, 5.0)
-    core.on_reply(stopping(refused), T0)  # SENT -> PARKED
-    core.connection_lost(T0 + 0.1)  # PARKED -> QUEUED, SENT -> QUEUED
-    core.connection_lost(T0 + 0.2)  # QUEUED -> QUEUED
-    while core.outgoing(T0 + 0.3) is not None:
-        core.took()  # QUEUED -> SENT
+    core.on_reply(stopping(refused), T0)  # SENT -> QUEUED
+    core.switched(T0)
+    send_all(T0)
+    core.retiring_lost(T0 + 0.1)  # SENT -> QUEUED (lost)
+    assert core.resend.kept[lost].stage is Stage.QUEUED
+    core.on_reply(stopping(refused), T0 + 0.1)  # on trial: SENT -> PARKED
+    core.connection_lost(T0 + 0.1)  # PARKED -> QUEUED, QUEUED -> QUEUED
+    send_all(T0 + 0.2)
+    core.on_reply(stopping(refused), T0 + 0.2)  # SENT -> QUEUED, leaving
+    core.switched(T0 + 0.2)
+    send_all(T0 + 0.2)
+    core.on_reply(stopping(refused), T0 + 0.3)  # on trial: SENT -> PARKED
+    answered, _ = core.request(T0 + 0.3, "m", {"x": X}, 5.0)
+    core.on_reply(reply(answered), T0 + 0.3)  # the trial ends
+    other, _ = core.request(T0 + 0.3, "m", {"x": X}, 5.0)
+    core.on_reply(stopping(other), T0 + 0.4)  # SENT -> QUEUED, leaving
+    core.switched(T0 + 0.4)  # PARKED -> QUEUED (left)
     assert seen == set(NEXT_STAGE)
-    with pytest.raises(KeyError):
-        core.resend.kept[lost].move(Event.TAKEN)  # not in the table: SENT does not take
+    with pytest.raises(KeyError):  # not in the table: a QUEUED one was sent on no connection
+        core.resend.kept[other].move(Event.REFUSED)
+    send_all(T0 + 0.5)
+    with pytest.raises(KeyError):  # nor is a SENT one taken
+        core.resend.kept[other].move(Event.TAKEN)
 
 
 def test_shared_memory_stays_held_through_a_resend_until_the_answer() -> None:
