@@ -265,6 +265,53 @@ def test_the_async_client_sends_again_after_a_lost_connection_and_cancels(nobody
     asyncio.run(main())
 
 
+def test_the_async_client_hears_each_socket_it_opens_afresh(nobody: str) -> None:
+    """After each lost connection the reader polls a fresh socket and monitor, which may
+    take the descriptor numbers of sockets closed before: it must be woken by them. (A
+    registration of a closed monitor's descriptor, left with the event loop, once kept
+    the reader deaf to a socket that took that number until its 1 s cap, past the budget
+    of the request waiting to be sent again, which then failed "connection closed": on
+    the fourth reopen here.)"""
+
+    async def bound(context: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+        until = asyncio.get_running_loop().time() + SOON_S
+        while True:  # (a ROUTER just closed lets go of the port in libzmq's I/O thread)
+            router = context.socket(zmq.ROUTER)
+            try:
+                router.bind(nobody)
+                return router
+            except zmq.ZMQError:
+                router.close(linger=0)
+                assert asyncio.get_running_loop().time() < until
+                await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        router = await bound(context)
+        loop = asyncio.get_running_loop()
+        try:
+            async with AsyncClient(nobody, grace_s=0.5) as client:
+                for lost in range(1, 7):
+                    future = await client.submit("m", {"x": X}, timeout_s=0.9)
+                    first = await asyncio.wait_for(router.recv_multipart(), SOON_S)
+                    router.close(linger=0)
+                    until = loop.time() + SOON_S
+                    while client.core.lost_connections < lost:
+                        assert loop.time() < until
+                        await asyncio.sleep(0.01)
+                    router = await bound(context)
+                    again = await asyncio.wait_for(router.recv_multipart(), SOON_S)
+                    assert meta_of(again)["id"] == meta_of(first)["id"]
+                    await router.send_multipart(reply_to(again, X))
+                    result = await asyncio.wait_for(future, SOON_S)
+                    np.testing.assert_array_equal(result["y"], X)
+        finally:
+            router.close(linger=0)
+            context.term()
+
+    asyncio.run(main())
+
+
 def test_a_cancel_from_another_thread_reaches_the_broker_while_one_waits(stand: Stand) -> None:
     """The thread waiting in result() owns the socket; cancel() from another thread
     wakes it, and it sends the CANCEL."""

@@ -268,7 +268,7 @@ class AsyncClient:
             if self._reader is not None and not old.is_closed():
                 self._reader.cancel()  # (if that loop ever runs again)
             self._reader = None
-            self._poller = self._new_poller()  # (its shadow of the monitor: that loop's)
+            self._poller = self._new_poller()  # (that loop's)
         self._loop = loop
         return loop
 
@@ -306,17 +306,17 @@ class AsyncClient:
                 ready = {}  # woken: the core has something for the socket
             finally:
                 self._polling = None
-            socket, watch_shadow = self.socket, self._watch_shadow
-            retiring, retiring_shadow = self._dealer.retiring, self._retiring_shadow
+            socket, watch = self.socket, self._dealer.watch
+            retiring = self._dealer.retiring
             if ready.get(socket, 0) & _POLLIN:
                 await self._receive(socket)  # (never suspends: NOBLOCK receives)
                 self._follow_core()  # at once: nothing more goes on a socket the core left
-            if watch_shadow in ready and socket is self.socket and self._dealer.watch.lost():
+            if watch.monitor in ready and socket is self.socket and watch.lost():
                 await self._connection_lost()
             if retiring is not None and retiring is self._dealer.retiring:
                 if ready.get(retiring.socket, 0) & _POLLIN:
                     await self._receive(retiring.socket)
-                if retiring_shadow in ready and retiring.watch.lost():
+                if retiring.watch.monitor in ready and retiring.watch.lost():
                     await self._retiring_lost()
             for rid, error in self.core.expire(self.clock.now()):
                 self._settle(rid, error)
@@ -356,20 +356,17 @@ class AsyncClient:
             self._poller = self._new_poller()
 
     def _new_poller(self) -> zmq.asyncio.Poller:
-        """A poller of the socket and of its watch's monitor (through an asyncio shadow of
-        that blocking socket; :meth:`ConnectionWatch.lost` reads it), and of the retiring
-        socket and its monitor, if one retires."""
+        """A poller of the socket and of its watch's monitor (an asyncio socket:
+        :class:`~carpool.client.shell.ConnectionWatch`), and of the retiring socket and
+        its monitor, if one retires."""
         dealer = self._dealer
-        self._watch_shadow = zmq.asyncio.Socket.from_socket(dealer.watch.monitor)
         poller = zmq.asyncio.Poller()
         poller.register(self.socket, zmq.POLLIN)
         self._poll_events = _POLLIN
-        poller.register(self._watch_shadow, zmq.POLLIN)
-        self._retiring_shadow: zmq.asyncio.Socket | None = None
+        poller.register(dealer.watch.monitor, zmq.POLLIN)
         if dealer.retiring is not None:
-            self._retiring_shadow = zmq.asyncio.Socket.from_socket(dealer.retiring.watch.monitor)
             poller.register(dealer.retiring.socket, zmq.POLLIN)
-            poller.register(self._retiring_shadow, zmq.POLLIN)
+            poller.register(dealer.retiring.watch.monitor, zmq.POLLIN)
         return poller
 
     async def _connection_lost(self) -> None:

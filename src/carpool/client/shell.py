@@ -24,7 +24,7 @@ from carpool.client.options import ClientOptions
 from carpool.common.clock import Clock
 from carpool.common.curve import ClientKeys, client_keys, connect_keys
 from carpool.common.shm import ShmArena
-from carpool.common.sockets import NOBLOCK, send_frames
+from carpool.common.sockets import NOBLOCK, recv_frames, send_frames
 
 SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
 #: How long a blocking send waiting for room sleeps before it looks again at whether the
@@ -168,7 +168,12 @@ _MONITORS = itertools.count()
 class ConnectionWatch:
     """Heartbeats on a client's socket and a monitor of its connections: :meth:`lost`
     says when a connection that had completed its handshake closed (a peer refused at the
-    handshake, by CURVE say, never counts). A blocking monitor socket, for either twin."""
+    handshake, by CURVE say, never counts).
+
+    The monitor socket is of the client socket's own kind: an asyncio one for the
+    asyncio twin, which polls it directly. (An asyncio shadow of a blocking monitor left
+    its descriptor registered with the event loop once the monitor closed; a socket
+    opened next with the same descriptor number was then never woken for.)"""
 
     def __init__(self, socket: zmq.Socket[Any]) -> None:
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -177,7 +182,7 @@ class ConnectionWatch:
         # its monitor's endpoint may still be bound).
         address = f"inproc://carpool-client-monitor-{next(_MONITORS)}"
         socket.monitor(address, _EVENTS)
-        self.monitor: zmq.Socket[bytes] = zmq.Socket(socket.context, zmq.PAIR)
+        self.monitor: zmq.Socket[Any] = socket.context.socket(zmq.PAIR)
         self.monitor.connect(address)
         self._up = False
 
@@ -186,10 +191,10 @@ class ConnectionWatch:
         lost = False
         while True:
             try:
-                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(self.monitor, NOBLOCK)  # (either kind of socket)
             except zmq.Again:
                 return lost
-            event = int.from_bytes(frames[0][:2], "little")
+            event = int.from_bytes(frames[0].bytes[:2], "little")
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._up = True
             elif event == zmq.EVENT_DISCONNECTED and self._up:
