@@ -86,7 +86,7 @@ def _check_writable(path: str, what: str) -> None:
 def _broker(args: argparse.Namespace) -> int:
     """run a broker"""
     from carpool.broker.notify import broker_watch
-    from carpool.broker.server import BrokerServer
+    from carpool.broker.server import BrokerFault, BrokerServer
 
     check_variables(os.environ, known_variables())
     config = broker_config(args, os.environ)
@@ -101,7 +101,10 @@ def _broker(args: argparse.Namespace) -> int:
         # SIGHUP reads the CURVE allow-lists again (revocation without a restart).
         signal.signal(signal.SIGHUP, lambda signum, frame: server.ask_reload())
         with _stopped_by_signals(server.stop, server.signal_fd):
-            server.serve(broker_watch(server, notifier))
+            try:
+                server.serve(broker_watch(server, notifier))
+            except BrokerFault:
+                return 1  # (logged with its traceback): systemd restarts it (on-failure)
     return 0
 
 

@@ -116,18 +116,31 @@ class ZmqWorkers:
         on_worker, send, now = up.on_worker, up.send, up.now
         reserved = self._reserved
         keys = self.keys
+        unreadable = up.unreadable
         n = 0
-        for frames in waiting(router, BURST):
-            n += 1
-            identity = frames[0].bytes
-            if reserved and identity.startswith(reserved):
-                logger.warning("a backend peer used a local worker's id: dropped")
-                continue
-            if keys is not None and not keys.admit(identity, frames[0]):
-                continue
-            out = on_worker(now(), identity, decode_from_worker(frames[1:]))
-            if out:
-                send(out)
+        try:
+            for frames in waiting(router, BURST):
+                n += 1
+                try:
+                    identity = frames[0].bytes
+                    if reserved and identity.startswith(reserved):
+                        logger.warning("a backend peer used a local worker's id: dropped")
+                        continue
+                    if keys is not None and not keys.admit(identity, frames[0]):
+                        continue
+                except Exception as exc:  # the User-Id property, the key table
+                    unreadable("backend", "connection", exc)
+                    continue
+                try:
+                    msg = decode_from_worker(frames[1:])
+                except Exception as exc:  # (it answers WorkerMalformed: a bug if not)
+                    unreadable("backend", "decode", exc)
+                    continue
+                out = on_worker(now(), identity, msg)
+                if out:
+                    send(out)
+        except zmq.ZMQError as exc:
+            unreadable("backend", "receive", exc)
         return n
 
     def send(self, wid: bytes, message: WorkerBound) -> None:
