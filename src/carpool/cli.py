@@ -24,10 +24,9 @@ from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
 from carpool.common.memory import tune_allocator
 from carpool.common.sdnotify import SdNotifier
-from carpool.common.settings import check_variables
 from carpool.curvecmd import add_broker_flags, add_worker_flags
 from carpool.curvecmd import add_parsers as add_keygen_parsers
-from carpool.roles import broker_config, embedded_workers, known_variables, worker_config
+from carpool.roles import broker_config, check_environment, embedded_workers, worker_config
 
 __all__ = ["build_parser", "main", "worker_config"]
 
@@ -80,6 +79,13 @@ def _check_writable(path: str, what: str) -> None:
         raise ConfigError(f"cannot write {what} {path}: {exc.strerror}") from None
 
 
+def _check_environment() -> None:
+    """Stop (ConfigError) at a ``CARPOOL_*`` variable meant as a setting that is none;
+    one WARNING line for each other unknown ``CARPOOL_*`` name (a user's own)."""
+    for name in check_environment(os.environ):
+        logger.warning("%s: not a carpool setting, nor near one: ignored", name)
+
+
 # ---------------------------------------------------------------------- broker
 
 
@@ -88,7 +94,7 @@ def _broker(args: argparse.Namespace) -> int:
     from carpool.broker.notify import broker_watch
     from carpool.broker.server import BrokerServer
 
-    check_variables(os.environ, known_variables())
+    _check_environment()
     config = broker_config(args, os.environ)
     record = getattr(args, "record", None)
     if record:
@@ -130,7 +136,7 @@ def _worker(args: argparse.Namespace) -> int:
     """
     from carpool.worker.notify import start_extension, worker_watch
 
-    check_variables(os.environ, known_variables())
+    _check_environment()
     config = worker_config(args, os.environ)
     tune_allocator()
     with contextlib.closing(SdNotifier()) as notifier:
