@@ -171,6 +171,9 @@ def _demo(args: argparse.Namespace) -> int:
     """run a broker, two CPU workers and a camera client"""
     from carpool.demo import DemoSettings
 
+    # A misspelt setting stops the demo here rather than each child it starts; the
+    # children (same environment) warn of the other names themselves.
+    check_environment(os.environ)
     ocr = args.scenario == "ocr"
     values: dict[str, Any] = dict(_OCR_DEMO_DEFAULTS) if ocr else {}
     values.update({k: getattr(args, k) for k in _DEMO_FLAGS if getattr(args, k) is not None})

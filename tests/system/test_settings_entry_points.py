@@ -148,6 +148,19 @@ def test_a_users_own_carpool_variables_leave_the_broker_running_with_one_warning
         assert f"WARNING carpool: {name}: not a carpool setting" in said, log
 
 
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_a_name_meant_as_a_setting_stops_up_and_demo_before_their_children(
+    command: str, tmp_path: Path
+) -> None:
+    """They start broker and worker processes with their environment: a name those would
+    refuse stops them at once (not a broker exiting 2 at each restart)."""
+    where = ["--frontend", f"ipc://{tmp_path}/f", "--backend", f"ipc://{tmp_path}/b"]
+    result = _run(command, *(where if command == "up" else ()), CARPOOL_LOGLEVEL="DEBUG")
+    assert result.returncode == 2, result.stderr
+    assert "CARPOOL_LOGLEVEL: unknown carpool environment variable" in result.stderr
+    assert "carpool up: broker at" not in result.stdout
+
+
 def test_a_bad_set_flag_stops_the_broker_naming_the_key() -> None:
     result = _run("broker", "--set", "batching.max_wait_s=100")
     assert result.returncode == 2
