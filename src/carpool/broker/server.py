@@ -31,6 +31,7 @@ from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
 from carpool.common.clock import Clock, MonotonicClock, wall_offset_s
 from carpool.common.errors import ConfigError
 from carpool.common.link import LinkListener, link_path
+from carpool.common.peer_names import peer_tag
 from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 from carpool.common.routing_ids import seed_routing_ids
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
@@ -328,13 +329,13 @@ class BrokerServer:
                 send_frames(self.frontend, msg.frames, NOBLOCK, identity)
             except zmq.Again:
                 self._log_unread(
-                    "peer=%s on %s is not reading; dropped", identity.hex(), msg.side.value
+                    "peer=%s on %s is not reading; dropped", peer_tag(msg.identity), msg.side.value
                 )
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EHOSTUNREACH:
                     raise
-                self._log_gone("peer=%s on %s is gone", identity.hex(), msg.side.value)
+                self._log_gone("peer=%s on %s is gone", peer_tag(msg.identity), msg.side.value)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
         if self._later and not self._delivering:
             self._run_later()
