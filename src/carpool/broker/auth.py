@@ -46,6 +46,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from carpool.broker.config import CurveConfig
 from carpool.common.curve import KEY_CHARS, KeyPair, load_allowed, load_keypair
 from carpool.common.errors import ConfigError
+from carpool.common.peer_names import peer_tag
 from carpool.common.ratelog import RateLimitedLog
 
 __all__ = ["CLIENTS", "KEY_CHARS", "WORKERS", "BrokerAuth", "Door", "WorkerKeys"]
@@ -251,7 +252,10 @@ class WorkerKeys:
         if bound is not None and self._knows(wid):
             self.refused += 1
             self._log(
-                "worker %s spoke with key %s; it registered with %s: refused", wid.hex(), key, bound
+                "worker peer=%s spoke with key %s; it registered with %s: refused",
+                peer_tag(wid),
+                key,
+                bound,
             )
             return False
         self._by_worker[wid] = key

@@ -37,6 +37,7 @@ from carpool.broker.requests import ClientId, Origin, PendingRequest, Received
 from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import (
     Cancel,
     Command,
@@ -219,7 +220,7 @@ class ClientIntake:
             submit = request
         except VersionMismatch as exc:
             self._log_version(
-                "client=%s sent protocol version %d", identity.hex(), exc.version, now=now
+                "client peer=%s sent protocol version %d", peer_tag(identity), exc.version, now=now
             )
             return [
                 self.replies.error(client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc))

@@ -20,6 +20,7 @@ from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.errors import ConfigError
 from carpool.common.link import Link, LinkFull, LinkListener, TooLarge, link_path
+from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import decode_from_worker
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class LinkWorkers:
             self._up.routes[wid] = self
             self.window.connected(wid, self._up.now())
             self._poller.register(new.fileno(), zmq.POLLIN)
-            logger.info("a local worker connected (link %d)", self._linked)
+            logger.info("a local worker connected (link %d, peer=%s)", self._linked, peer_tag(wid))
 
     def send(self, wid: bytes, message: WorkerBound) -> None:
         """Send to a local worker. A send that finds it gone closes the link; what the

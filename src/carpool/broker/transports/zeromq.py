@@ -18,6 +18,7 @@ from carpool.broker.auth import WorkerKeys
 from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.errors import ConfigError
+from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import decode_from_worker
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 
@@ -150,12 +151,12 @@ class ZmqWorkers:
         try:
             send_frames(self.router, message.to_frames(), NOBLOCK, wid)
         except zmq.Again:
-            logger.warning("peer=%s on the backend is not reading; dropped", wid.hex())
+            logger.warning("peer=%s on the backend is not reading; dropped", peer_tag(wid))
             self._up.unreachable(wid)
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
-            logger.info("peer=%s on backend is gone", wid.hex())
+            logger.info("peer=%s on backend is gone", peer_tag(wid))
             self._up.unreachable(wid)
 
     def after_turn(self, now: float) -> None:
