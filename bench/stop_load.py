@@ -176,17 +176,28 @@ class Stop:
     lost: dict[str, int]
 
 
-def run_stops(rounds: int = 5, rate_rps: float = 1000.0, warm_s: float = 0.5) -> dict[str, Any]:
-    """Stop and restart a broker ``rounds`` times under load; returns the counts."""
+KINDS = ("follows", "ignores", "sdk")
+
+
+def run_stops(
+    rounds: int = 5,
+    rate_rps: float = 1000.0,
+    warm_s: float = 0.5,
+    kinds: tuple[str, ...] = KINDS,
+) -> dict[str, Any]:
+    """Stop and restart a broker ``rounds`` times under load from clients of ``kinds``
+    (``rate_rps`` in all, split evenly); returns the counts."""
     workdir = Path(tempfile.mkdtemp(prefix="carpool-stops-"))
     endpoint = f"ipc://{workdir}/fe"
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     log = (workdir / "broker.log").open("wb")
     brokers = [start_broker(workdir, log)]
     clients = {
-        "follows": RawClient(context, endpoint, True),
-        "ignores": RawClient(context, endpoint, False),
+        kind: RawClient(context, endpoint, follows=kind == "follows")
+        for kind in kinds
+        if kind != "sdk"
     }
+    share_rps = rate_rps / len(kinds)
     sdk_futures: list[tuple[int, Any]] = []
     generation = [0]
     sending = threading.Event()
@@ -198,7 +209,7 @@ def run_stops(rounds: int = 5, rate_rps: float = 1000.0, warm_s: float = 0.5) ->
             with Client(endpoint, default_timeout_s=TIMEOUT_S, grace_s=1.0) as client:
                 n, start = 0, time.monotonic()
                 while sending.is_set():
-                    due = start + n / (rate_rps / 3)
+                    due = start + n / share_rps
                     now = time.monotonic()
                     if now < due:
                         client.poll(min(due - now, 0.002))
@@ -215,9 +226,9 @@ def run_stops(rounds: int = 5, rate_rps: float = 1000.0, warm_s: float = 0.5) ->
     try:
         _until_serving(context, endpoint)
         sdk = threading.Thread(target=sdk_loop, daemon=True)
-        sdk.start()
+        if "sdk" in kinds:
+            sdk.start()
         poller = zmq.Poller()
-        raw_rate = rate_rps / 3
         n, start = 0, time.monotonic()
         next_stop = start + warm_s
         stopped_at: float | None = None
@@ -237,7 +248,7 @@ def run_stops(rounds: int = 5, rate_rps: float = 1000.0, warm_s: float = 0.5) ->
                 done_at = now + 2.0  # keep sending to the last broker a while
             if done_at is not None and now >= done_at:
                 break
-            due = start + n / raw_rate
+            due = start + n / share_rps
             if now >= due:
                 for client in clients.values():
                     client.send(generation[0])
@@ -247,7 +258,8 @@ def run_stops(rounds: int = 5, rate_rps: float = 1000.0, warm_s: float = 0.5) ->
         until = time.monotonic() + TIMEOUT_S / 1000 + 5
         while any(c.pending for c in clients.values()) and time.monotonic() < until:
             _read(poller, clients, 0.01)
-        sdk.join(TIMEOUT_S + 10)
+        if "sdk" in kinds:
+            sdk.join(TIMEOUT_S + 10)
     finally:
         sending.clear()
         for broker in brokers:
@@ -260,7 +272,7 @@ def run_stops(rounds: int = 5, rate_rps: float = 1000.0, warm_s: float = 0.5) ->
         log.close()
     if sdk_error:
         raise sdk_error[0]
-    lost: dict[str, Counter[int]] = {kind: Counter() for kind in (*clients, "sdk")}
+    lost: dict[str, Counter[int]] = {kind: Counter() for kind in kinds}
     for kind, client in clients.items():
         for sent in client.pending.values():
             lost[kind][sent.generation] += 1
