@@ -8,6 +8,9 @@ steady rate in all (``--rate``, split evenly among them):
   ``retry`` it sends nothing more on that socket, opens a new one and sends there
   again, with the same ``id`` and ``client``, each request refused so; it reads the old
   socket until that connection closes, then sends again what was still unanswered on it;
+  and on ``OVERLOADED`` it sends the request again after ``retry_after_ms`` (§12: the
+  requests it sent while no broker was up reach the next one at once, past its
+  per-client limit);
 - ``ignores``: a raw DEALER that keeps sending on its one socket and never sends again;
 - ``sdk``: the blocking carpool ``Client`` (which follows the rule itself).
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import heapq
 import json
 import os
 import signal
@@ -50,6 +54,7 @@ MODEL = "synthetic"
 X = np.ones((1, 16), np.float32)
 TIMEOUT_MS = 15_000
 _REQUEST, _REPLY, _ERROR = b"CP\x01\x01", b"CP\x01\x02", b"CP\x01\x03"
+_OVERLOADED = 4
 
 
 def start_broker(workdir: Path, log: Any) -> subprocess.Popen[bytes]:
@@ -92,6 +97,7 @@ class RawClient:
     pending: dict[int, _Sent] = field(default_factory=dict)
     answered: Counter[str] = field(default_factory=Counter)
     retired: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = field(default_factory=list)
+    later: list[tuple[float, int]] = field(default_factory=list)  # (when, id): OVERLOADED
 
     def __post_init__(self) -> None:
         self.sock, self.monitor = self._open()
@@ -135,6 +141,11 @@ class RawClient:
             return
         if header == _REPLY:
             self.answered["result"] += 1
+        elif header == _ERROR and self.follows and meta.get("code") == _OVERLOADED:
+            self.answered["overloaded (sent again)"] += 1
+            wait_s = meta.get("retry_after_ms", 50) / 1000
+            heapq.heappush(self.later, (time.monotonic() + wait_s, rid))
+            return
         elif header == _ERROR and meta.get("retry") is True:
             if not self.follows:
                 self.answered["retry (not sent again)"] += 1
@@ -147,6 +158,13 @@ class RawClient:
         else:
             self.answered[f"error {meta.get('code')}"] += 1
         del self.pending[rid]
+
+    def due(self, now: float) -> None:
+        """Send again the requests refused OVERLOADED whose wait is over."""
+        while self.later and self.later[0][0] <= now:
+            rid = heapq.heappop(self.later)[1]
+            if rid in self.pending:
+                self._again(rid)
 
     def on_closed(self) -> None:
         """A retired socket's connection closed: what is still unanswered on it is sent
@@ -253,11 +271,15 @@ def run_stops(
                 for client in clients.values():
                     client.send(generation[0])
                 n += 1
+            for client in clients.values():
+                client.due(now)
             _read(poller, clients, max(0.0, min(due - time.monotonic(), 0.002)))
         sending.clear()
         until = time.monotonic() + TIMEOUT_S / 1000 + 5
         while any(c.pending for c in clients.values()) and time.monotonic() < until:
             _read(poller, clients, 0.01)
+            for client in clients.values():
+                client.due(time.monotonic())
         if "sdk" in kinds:
             sdk.join(TIMEOUT_S + 10)
     finally:
@@ -282,9 +304,12 @@ def run_stops(
             future.result(0)
             sdk_answers["result"] += 1
         except RequestError as exc:
-            sdk_answers[type(exc).__name__] += 1
-            lost["sdk"][gen] += 1  # every request could have had its result
+            given_up = any(text in str(exc) for text in _GIVEN_UP)
+            sdk_answers["given up" if given_up else type(exc).__name__] += 1
+            if given_up:  # the SDK's own answer: no broker's came
+                lost["sdk"][gen] += 1
         except TimeoutError:
+            sdk_answers["unresolved"] += 1
             lost["sdk"][gen] += 1
     return {
         "rounds": rounds,
@@ -303,6 +328,8 @@ def run_stops(
 
 
 TIMEOUT_S = TIMEOUT_MS / 1000
+#: What the SDK says when it fails a request itself, no broker having answered it.
+_GIVEN_UP = ("connection to the broker closed", "no reply from the broker")
 
 
 def _read(poller: zmq.Poller, clients: dict[str, RawClient], wait_s: float) -> None:

@@ -36,4 +36,5 @@ def test_clients_that_follow_the_rule_lose_nothing_to_five_stops(stop_load: Modu
     assert counts["lost_after_last_stop"] == {"follows": 0, "sdk": 0}, counts
     for kind in ("follows", "sdk"):
         assert counts["sent"][kind] > 1000
-        assert counts["answers"][kind] == {"result": counts["sent"][kind]}, counts
+        # (the raw client sends again what the next broker refuses OVERLOADED at first)
+        assert counts["answers"][kind]["result"] == counts["sent"][kind], counts
