@@ -24,10 +24,9 @@ from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
 from carpool.common.memory import tune_allocator
 from carpool.common.sdnotify import SdNotifier
-from carpool.common.settings import check_variables
 from carpool.curvecmd import add_broker_flags, add_worker_flags
 from carpool.curvecmd import add_parsers as add_keygen_parsers
-from carpool.roles import broker_config, embedded_workers, known_variables, worker_config
+from carpool.roles import broker_config, check_environment, embedded_workers, worker_config
 
 __all__ = ["build_parser", "main", "worker_config"]
 
@@ -80,15 +79,22 @@ def _check_writable(path: str, what: str) -> None:
         raise ConfigError(f"cannot write {what} {path}: {exc.strerror}") from None
 
 
+def _check_environment() -> None:
+    """Stop (ConfigError) at a ``CARPOOL_*`` variable meant as a setting that is none;
+    one WARNING line for each other unknown ``CARPOOL_*`` name (a user's own)."""
+    for name in check_environment(os.environ):
+        logger.warning("%s: not a carpool setting, nor near one: ignored", name)
+
+
 # ---------------------------------------------------------------------- broker
 
 
 def _broker(args: argparse.Namespace) -> int:
     """run a broker"""
     from carpool.broker.notify import broker_watch
-    from carpool.broker.server import BrokerServer
+    from carpool.broker.server import BrokerFault, BrokerServer
 
-    check_variables(os.environ, known_variables())
+    _check_environment()
     config = broker_config(args, os.environ)
     record = getattr(args, "record", None)
     if record:
@@ -101,7 +107,10 @@ def _broker(args: argparse.Namespace) -> int:
         # SIGHUP reads the CURVE allow-lists again (revocation without a restart).
         signal.signal(signal.SIGHUP, lambda signum, frame: server.ask_reload())
         with _stopped_by_signals(server.stop, server.signal_fd):
-            server.serve(broker_watch(server, notifier))
+            try:
+                server.serve(broker_watch(server, notifier))
+            except BrokerFault:
+                return 1  # (logged with its traceback): systemd restarts it (on-failure)
     return 0
 
 
@@ -130,7 +139,7 @@ def _worker(args: argparse.Namespace) -> int:
     """
     from carpool.worker.notify import start_extension, worker_watch
 
-    check_variables(os.environ, known_variables())
+    _check_environment()
     config = worker_config(args, os.environ)
     tune_allocator()
     with contextlib.closing(SdNotifier()) as notifier:
@@ -165,6 +174,9 @@ def _demo(args: argparse.Namespace) -> int:
     """run a broker, two CPU workers and a camera client"""
     from carpool.demo import DemoSettings
 
+    # A misspelt setting stops the demo here rather than each child it starts; the
+    # children (same environment) warn of the other names themselves.
+    check_environment(os.environ)
     ocr = args.scenario == "ocr"
     values: dict[str, Any] = dict(_OCR_DEMO_DEFAULTS) if ocr else {}
     values.update({k: getattr(args, k) for k in _DEMO_FLAGS if getattr(args, k) is not None})

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from carpool.common.config import MAX_BATCH_CEILING, from_mapping, load_toml
 from carpool.common.errors import ConfigError
-from carpool.common.settings import Layers, from_environment, from_flags, variables
+from carpool.common.settings import (
+    Layers,
+    check_variables,
+    from_environment,
+    from_flags,
+    variables,
+)
 from carpool.curvecmd import broker_curve, worker_curve
 
 if TYPE_CHECKING:
@@ -37,6 +43,17 @@ def role_classes() -> dict[str, type]:
 def known_variables() -> set[str]:
     """Every role's environment variables (a process may run either)."""
     return {name for role, cls in role_classes().items() for name in variables(role, cls)}
+
+
+def check_environment(environ: Mapping[str, str]) -> list[str]:
+    """Refuse the ``CARPOOL_*`` variables of ``environ`` that look meant as a setting of
+    some role, or of the process, but are none (:func:`~carpool.common.settings.
+    check_variables`); returns the other unknown ``CARPOOL_*`` names, to warn of.
+
+    Raises:
+        ConfigError: naming each refused variable and the setting it was probably meant as.
+    """
+    return check_variables(environ, known_variables(), role_classes())
 
 
 def _overlay(data: dict[str, Any], pairs: Mapping[str, Any]) -> dict[str, Any]:

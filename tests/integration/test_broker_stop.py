@@ -10,11 +10,15 @@ import contextlib
 import logging
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.config import BatchingConfig, BatchingOverride, BrokerConfig
 from carpool.broker.server import BrokerServer
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
@@ -94,11 +98,117 @@ class _Thread:
         self._t = threading.Thread(target=broker.serve, daemon=True)
         self._t.start()
 
-    def join(self) -> None:
-        self._t.join(10)
+    def join(self, timeout_s: float = 10.0) -> None:
+        self._t.join(timeout_s)
         assert not self._t.is_alive(), "the broker did not stop"
 
     def close(self) -> None:
         self.broker.stop()
         self.join()
         self.broker.close()
+
+
+def _raw(context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _raw_watched(
+    context: zmq.Context[zmq.Socket[bytes]],
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A DEALER, not connected yet, and a monitor of its connects and handshakes."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    events = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    return sock, sock.get_monitor_socket(events)
+
+
+def _connected_not_shaken(monitor: zmq.Socket[bytes]) -> bool:
+    """The DEALER's connection is up (CONNECTED within 5 s) and no handshake succeeded."""
+    seen: set[int] = set()
+    while zmq.EVENT_CONNECTED not in seen and monitor.poll(5_000):
+        seen.add(recv_monitor_message(monitor)["event"])
+    while monitor.poll(100):
+        seen.add(recv_monitor_message(monitor)["event"])
+    return zmq.EVENT_CONNECTED in seen and zmq.EVENT_HANDSHAKE_SUCCEEDED not in seen
+
+
+def _request(rid: int) -> list[bytes]:
+    meta = {
+        "id": rid,
+        "model": "m",
+        "timeout_ms": 20_000,
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 2]}],
+    }
+    return [b"CP\x01\x01", msgpack.packb(meta), np.ones((1, 2), np.float32).tobytes()]
+
+
+def test_a_stopping_broker_answers_every_message_and_admits_no_new_connection(
+    tmp_path: Path, context: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """While a broker stops, a client that keeps sending on its open connection has every
+    request answered UNAVAILABLE with ``retry`` and ``retry_after_ms``, after the grace too
+    (the frontend stays open until its connections are quiet, stop_drain_s at most); a
+    DEALER that connects meanwhile is held at the handshake (the door answers "300") and
+    gets nothing from it, and the broker started next on the same endpoint answers it."""
+    config = BrokerConfig(
+        frontend=f"ipc://{tmp_path}/fe",
+        backend=f"ipc://{tmp_path}/be",
+        batching=BatchingConfig(max_batch=4, max_wait_s=0.001),
+        models={"m": BatchingOverride()},  # held at the next broker until its worker is back
+        register_grace_s=10.0,
+        stop_grace_s=0.2,
+        stop_quiet_s=0.2,
+        stop_drain_s=10.0,
+    )
+    engines = {"m": lambda: SyntheticEngine(item_shape=(2,))}
+    worker = WorkerServer(config.backend, engines, heartbeat_s=0.2)
+    with ServerThread(worker):
+        first = BrokerServer(config)
+        thread = _Thread(first)
+        talker = _raw(context, config.frontend)
+        late = _raw_watched(context)
+        try:
+            with Client(config.frontend) as client:
+                wait_for_workers(client, 1)
+            talker.send_multipart(_request(1))
+            assert talker.poll(10_000)
+            assert talker.recv_multipart()[0] == b"CP\x01\x02"  # served
+            first.stop()
+            answers: list[dict[str, object]] = []
+            clock = MonotonicClock()
+            begun = clock.now()
+            rid = 2
+            # Keep talking: past the grace, each request is still read and answered.
+            while clock.now() - begun < 1.0:
+                talker.send_multipart(_request(rid))
+                rid += 1
+                assert talker.poll(5_000), "a request of an open connection went unanswered"
+                header, meta = talker.recv_multipart()
+                assert header == b"CP\x01\x03"
+                answers.append(msgpack.unpackb(meta))
+                if rid == 4:  # the stop has begun: a newcomer now meets the door
+                    late[0].connect(config.frontend)
+                    late[0].send_multipart(_request(100))
+            assert all(a["code"] == 5 and a["retry"] is True for a in answers)
+            hints = [int(a["retry_after_ms"]) for a in answers]  # type: ignore[call-overload]
+            assert 0 < hints[-1] < hints[0] <= 10_200
+            assert _connected_not_shaken(late[1])  # held at the handshake
+            assert not late[0].poll(0)
+            # Quiet now: the broker closes within stop_quiet_s, not stop_drain_s.
+            thread.join(5)
+            assert not late[0].poll(0)  # nothing from the stopping broker
+            second = BrokerServer(config)
+            with contextlib.closing(_Thread(second)):
+                assert late[0].poll(10_000)
+                header, meta = late[0].recv_multipart()[:2]
+                assert header == b"CP\x01\x02"
+                assert msgpack.unpackb(meta)["id"] == 100
+                second.stop()
+        finally:
+            talker.close()
+            late[0].close()
+            late[1].close()
+            thread.close()

@@ -72,12 +72,7 @@ ADMITTED = Admitted()
 #: The queue is full, but batches this loop turn may form first would make room: form
 #: them, then ask again (the deferred mode's door).
 FULL_UNTIL_PUMPED = Refused(ErrorCode.OVERLOADED, "broker queue full")
-_STOPPING = Refused(
-    ErrorCode.UNAVAILABLE,
-    "the broker is stopping; retry with another broker or after its restart",
-    arrival=False,
-    retry=True,
-)
+_STOPPING = "the broker is stopping; retry with another broker or after its restart"
 
 
 def admit(
@@ -99,7 +94,8 @@ def admit(
     worker that admits its shapes takes (> 0); ``pumpable``: batches may form this turn before the
     door closes (then a full queue answers :data:`FULL_UNTIL_PUMPED`)."""
     if backlog.stopping:
-        return _STOPPING
+        hint = backlog.retry_after_ms(now)
+        return Refused(ErrorCode.UNAVAILABLE, _STOPPING, hint, arrival=False, retry=True)
     model = layout.model
     samples = layout.samples
     if samples > max_batch:

@@ -1,8 +1,19 @@
-"""auth.py: BrokerAuth — CURVE on the broker's two ROUTERs, and who may say what.
+"""auth.py: who may connect to the broker's two ROUTERs, and who may say what.
 
-With ``[curve] enabled``, both ROUTERs are CURVE servers with the broker's key pair, and a
-ZAP authenticator (pyzmq's ``ThreadAuthenticator``, on the broker's context, started
-before either socket binds) checks each connecting key against the allow-list of the
+:class:`Door` is the ZAP handler of the broker's context (pyzmq's ``ThreadAuthenticator``,
+started before either socket binds), with or without CURVE: every new connection's
+handshake on either ROUTER asks it (each has a ZAP domain, :data:`CLIENTS` or
+:data:`WORKERS`). With ZAP on, libzmq refuses peers that speak ZMTP 1.0 or 2.0, so the
+bytes of a raw TCP peer (a port scanner, a load balancer's health check, an HTTP request
+sent to the wrong port) are never taken for an old ZeroMQ peer's messages. Once the
+broker is stopping, the door answers every new handshake "300" (try again later: libzmq
+holds the connection without a handshake until the ROUTER closes, then the peer connects
+again), so a client or worker that connects or reconnects meanwhile reaches the broker
+that comes next, while the connections already open stay until the broker closes them.
+(A "400" would be final: libzmq's connecting side gives the endpoint up for good.)
+
+With ``[curve] enabled``, both ROUTERs are CURVE servers with the broker's key pair, and
+:class:`BrokerAuth` has the door check each connecting key against the allow-list of the
 socket's ZAP domain: :data:`CLIENTS` for the frontend (the clients' and the operators'
 keys), :data:`WORKERS` for the backend (the workers'). The lists are separate, so a
 client key never completes a handshake on the worker socket. A peer without CURVE, or
@@ -29,14 +40,16 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.auth.base import VERSION as _ZAP_VERSION
 from zmq.auth.thread import ThreadAuthenticator
 
 from carpool.broker.config import CurveConfig
 from carpool.common.curve import KEY_CHARS, KeyPair, load_allowed, load_keypair
 from carpool.common.errors import ConfigError
+from carpool.common.peer_names import peer_tag
 from carpool.common.ratelog import RateLimitedLog
 
-__all__ = ["CLIENTS", "KEY_CHARS", "WORKERS", "BrokerAuth", "WorkerKeys"]
+__all__ = ["CLIENTS", "KEY_CHARS", "WORKERS", "BrokerAuth", "Door", "WorkerKeys"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +66,46 @@ def _frame_bytes(frame: zmq.Frame) -> bytes:
 def _user_id(frame: zmq.Frame) -> str:
     """The authenticated key of the connection a message came by (its ``User-Id``)."""
     return _frame_get(frame, _USER_ID)  # type: ignore[return-value]  # (a str property)
+
+
+class Door(ThreadAuthenticator):
+    """The ZAP handler of the broker's context: see the module docstring. Started by
+    :meth:`open`, which the server calls before either socket binds; :meth:`guard` puts
+    a socket behind it; :meth:`close_to` refuses new handshakes for good."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        super().__init__(context, log=logging.getLogger(f"{__name__}.zap"))
+        # Swapped whole (the authenticator's thread reads it): the domains refused.
+        self._closed: frozenset[str] = frozenset()
+        #: Handshakes refused because the broker is stopping.
+        self.refused = 0
+
+    def open(self) -> Door:
+        self.start()
+        return self
+
+    @staticmethod
+    def guard(sock: zmq.Socket[Any], domain: str) -> None:
+        """Have ``sock``'s new connections ask the door (before it binds)."""
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+    def close_to(self, *domains: str) -> None:
+        """Refuse every new handshake of ``domains`` from now on, "300"."""
+        self._closed = self._closed | frozenset(domains)
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        closed = self._closed
+        if (
+            closed
+            and len(msg) >= 6
+            and msg[0] == _ZAP_VERSION
+            and msg[2].decode("utf-8", "replace") in closed
+        ):
+            self.refused += 1
+            # (pyzmq's own reply helper: the authenticator answers through it)
+            self._send_zap_reply(msg[1], b"300", b"the broker is stopping")
+            return
+        await super().handle_zap_message(msg)
 
 
 class _AllowList:
@@ -77,12 +130,16 @@ class BrokerAuth:
     Args:
         context: the broker's context (the authenticator must share it).
         config: the ``[curve]`` settings (enabled).
+        door: the context's ZAP handler (the server's); None: one of its own, started
+            here and stopped by :meth:`close`.
 
     Raises:
         ConfigError: a key file or an allow-list cannot be read, or the secret is not private.
     """
 
-    def __init__(self, context: zmq.Context[Any], config: CurveConfig) -> None:
+    def __init__(
+        self, context: zmq.Context[Any], config: CurveConfig, door: Door | None = None
+    ) -> None:
         self.config = config
         self.pair: KeyPair = load_keypair(
             config.server_key, "curve.server_key (--curve-server-key)"
@@ -92,8 +149,8 @@ class BrokerAuth:
         self._workers = _AllowList("worker", self.failures)
         self.operators: frozenset[bytes] = frozenset()
         self._load()  # first: a bad directory is a ConfigError, not a log line
-        self._auth = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.zap"))
-        self._auth.start()
+        self._own_door = door is None
+        self._auth = Door(context).open() if door is None else door
         self._auth.configure_curve_callback(CLIENTS, self._clients)
         self._auth.configure_curve_callback(WORKERS, self._workers)
 
@@ -162,7 +219,8 @@ class BrokerAuth:
         return client[:KEY_CHARS] in self.operators
 
     def close(self) -> None:
-        self._auth.stop()
+        if self._own_door:
+            self._auth.stop()
 
 
 class WorkerKeys:
@@ -194,7 +252,10 @@ class WorkerKeys:
         if bound is not None and self._knows(wid):
             self.refused += 1
             self._log(
-                "worker %s spoke with key %s; it registered with %s: refused", wid.hex(), key, bound
+                "worker peer=%s spoke with key %s; it registered with %s: refused",
+                peer_tag(wid),
+                key,
+                bound,
             )
             return False
         self._by_worker[wid] = key

@@ -7,6 +7,8 @@ requests and payload bytes queued, and samples queued per model and priority.
 
 from __future__ import annotations
 
+import math
+
 from carpool.broker.batcher import DeadlineHeap, RequestQueue
 from carpool.broker.requests import (
     ClientId,
@@ -32,6 +34,17 @@ class Backlog:
         self.queued_samples: dict[str, list[int]] = {}
         # Set by begin_stop: new requests are refused and nothing is requeued.
         self.stopping = False
+        # While stopping: when the broker closes its frontend at the latest (the core's
+        # begin_stop and finish_stop set it from the server's schedule).
+        self.closes_s = math.inf
+
+    def retry_after_ms(self, now: float) -> int | None:
+        """The ``retry_after_ms`` of an answer with ``retry`` at ``now``: the time left
+        before the stopping broker closes (at least 1); None when it is not stopping or
+        sets no time."""
+        if not self.stopping or self.closes_s == math.inf:
+            return None
+        return max(1, math.ceil(1000 * (self.closes_s - now)))
 
     def queue(self, key: RequestKey) -> RequestQueue:
         queue = self.queues.get(key)

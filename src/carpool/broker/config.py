@@ -189,6 +189,13 @@ class BrokerConfig:
     # workers get this long to finish (their results still reach clients), then the rest
     # are answered UNAVAILABLE too and workers are told DISCONNECT.
     stop_grace_s: float = 2.0
+    # Then the frontend stays open, every message read and answered (UNAVAILABLE with
+    # retry), until every client connection has been quiet for stop_quiet_s, or
+    # stop_drain_s after the grace at most; then it closes. stop_grace_s + stop_drain_s
+    # (plus a second for the last answers to leave) must stay within the unit's
+    # TimeoutStopSec (10 s): raise it with them.
+    stop_quiet_s: float = 0.2
+    stop_drain_s: float = 2.0
     # After a (re)start, for this long a model no worker has registered yet is answered
     # UNAVAILABLE (retry) rather than NOT_FOUND: its workers may still be reconnecting
     # (they notice a broker that vanished after `liveness` heartbeats). Requests for a
@@ -226,6 +233,8 @@ class BrokerConfig:
                 "max_attempts": (1, 10),
                 "register_grace_s": (0, 600),
                 "stop_grace_s": (0, 600),
+                "stop_quiet_s": (0, 60),
+                "stop_drain_s": (0, 600),
                 "watchdog_factor": (1, 1000),
                 "watchdog_slack_s": (0.001, 3600),
             },

@@ -171,7 +171,8 @@ class ClientConnections:
         self.table = ConnectionTable()
         self.alive = self.table.alive
         self.monitor: zmq.Socket[bytes] | None = None
-        self._inproc = self.table.token(-1, b"")
+        # Untracked, every client is taken for one connection, open for good.
+        self._inproc = b"" if tracked else self.table.token(-1, b"")
         #: The core's client id for a message (:meth:`key_by_connection`, or the one
         #: connection's when not tracked).
         self.key = self.key_by_connection if tracked else self._key_inproc
@@ -232,6 +233,14 @@ class ClientConnections:
                 return table.closed_token() + identity
             return table.token(fd, identity) + identity
         return self.table.choose(fd, identity, candidates) + identity
+
+    def open_count(self) -> int | None:
+        """How many client connections are open now (the monitor read first); None when
+        not tracked (``inproc://``: no connections to count)."""
+        if not self.tracked:
+            return None
+        self.refresh()
+        return len(self.table)
 
     def reply_to(self, key: bytes) -> bytes | None:
         """The routing id to send a reply for client ``key`` to; None when the connection

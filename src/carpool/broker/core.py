@@ -38,7 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from carpool.broker.backlog import Backlog
@@ -50,11 +50,12 @@ from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import Arrival, ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies, Side, ToClient, ToWorker, disconnect
-from carpool.broker.requests import RequestBook
+from carpool.broker.requests import ClientId, RequestBook
 from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats, model_table, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
+from carpool.common.protocol import Frame
 
 logger = logging.getLogger(__name__)
 
@@ -189,17 +190,25 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ stopping
 
-    def begin_stop(self, now: float, until_s: float | None = None) -> list[Outgoing]:
+    def begin_stop(
+        self, now: float, until_s: float | None = None, closes_s: float | None = None
+    ) -> list[Outgoing]:
         """The broker is stopping: refuse new requests, answer every held request
         UNAVAILABLE, and answer UNAVAILABLE now each queued request that cannot be
         answered by ``until_s`` (the end of ``stop_grace_s``): no live worker serves its
         model, or its predicted completion, behind what is queued ahead of it, lies past
         ``until_s``. The others stay queued and are dispatched as usual; batches already
         at workers may still finish. ``finish_stop`` answers what is left. ``until_s``
-        None: answer every queued one."""
-        self.backlog.stopping = True
+        None: answer every queued one. ``closes_s``: when the server will have closed
+        its frontend at the latest; every answer with ``retry`` from now on carries the
+        time left until then (``retry_after_ms``)."""
+        backlog = self.backlog
+        backlog.stopping = True
+        if closes_s is not None:
+            backlog.closes_s = closes_s
         out: list[Outgoing] = []
-        self.holding.stop(out)  # (each UNAVAILABLE of a request that did not run: retry)
+        # (each UNAVAILABLE of a request that did not run: retry)
+        self.holding.stop(out, backlog.retry_after_ms(now))
         msg = "the broker is stopping before the request was dispatched; retry"
         answer = self.dispatcher.answer_queued
         registry, fleet = self.registry, self.fleet
@@ -216,15 +225,16 @@ class BrokerCore:
                 if keep:
                     ahead[model] = samples
                 else:
-                    answer(queue, req, ErrorCode.UNAVAILABLE, msg, out)
+                    answer(queue, req, ErrorCode.UNAVAILABLE, msg, out, now)
         if until_s is None:
             self.dispatcher.stop()
         return out
 
-    def finish_stop(self, now: float) -> list[Outgoing]:
+    def finish_stop(self, now: float, closes_s: float | None = None) -> list[Outgoing]:
         """The last word: answer what is still at workers UNAVAILABLE and tell every
-        worker over a socket to go (DISCONNECT), so none waits out its heartbeats."""
-        out = self.begin_stop(now)
+        worker over a socket to go (DISCONNECT), so none waits out its heartbeats.
+        ``closes_s``: as :meth:`begin_stop`'s, now that the grace has ended."""
+        out = self.begin_stop(now, None, closes_s)
         msg = "the broker stopped before the request's batch finished; retry"
         for batch in self.inflight:
             self.workers.fail_batch(batch, ErrorCode.UNAVAILABLE, msg, out)
@@ -232,6 +242,34 @@ class BrokerCore:
         for worker in list(self.registry.all()):
             worker.outstanding.clear()
             out.append(disconnect(worker.wid, "broker stopping"))
+        return out
+
+    # ------------------------------------------------------------------ faults
+
+    def changes(self) -> int:
+        """Writes so far to the state a request's one answer depends on: the request
+        book's (requests entered, moved, redirected), the held requests', the worker
+        registry's and the in-flight table's. The server reads it before each message;
+        unchanged after a fault, it shows that the message changed no state."""
+        return (
+            self.book.changes + self.holding.changes + self.registry.changes + self.inflight.changes
+        )
+
+    def on_fault(
+        self, now: float, side: Side, identity: bytes, frames: Sequence[Frame] | None
+    ) -> list[Outgoing]:
+        """The answer to a message (``frames``, a client's) whose handling raised before
+        it changed any state (:meth:`changes`; a bug of ours, which the server logs): a
+        client's is answered INTERNAL; a worker is told DISCONNECT and, if registered,
+        lost (its batches go back to the queues), so that it registers afresh."""
+        if side is Side.FRONTEND:
+            return [self.replies.internal_error(ClientId(identity), frames or ())]
+        out: list[Outgoing] = []
+        reason = "the broker failed to handle its message (a bug, logged)"
+        worker = self.registry.get(WorkerId(identity))
+        if worker is not None:
+            self.workers.lose_worker(now, worker, reason, out)
+        out.append(disconnect(WorkerId(identity), reason))
         return out
 
     def on_unreachable(self, now: float, side: Side, identity: bytes) -> list[Outgoing]:

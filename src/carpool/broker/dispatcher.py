@@ -261,15 +261,20 @@ class Dispatcher:
         code: ErrorCode,
         message: str,
         out: list[Outgoing],
+        now: float | None = None,
     ) -> None:
         """Take a request out of its queue and answer it with an error (an UNAVAILABLE
-        once the broker is stopping with ``retry``: the request did not run)."""
+        once the broker is stopping with ``retry``: the request did not run; and, given
+        ``now``, with the time left before the broker closes)."""
         queue.forget(req)
         backlog = self.backlog
         backlog.dequeued(req)
         self.book.move(req, _FAILED)
-        retry = backlog.stopping and code is ErrorCode.UNAVAILABLE
-        out.append(self.replies.request_error(req, code, message, retry=retry))
+        if backlog.stopping and code is ErrorCode.UNAVAILABLE:
+            hint = None if now is None else backlog.retry_after_ms(now)
+            out.append(self.replies.request_error(req, code, message, retry=True, hint=hint))
+        else:
+            out.append(self.replies.request_error(req, code, message))
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]
@@ -366,5 +371,6 @@ class Dispatcher:
                 code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
                 retry = queued and self.backlog.stopping  # (it did not run)
             self.book.move(req, _EXPIRED)
-            out.append(self.replies.request_error(req, code, msg, retry=retry))
+            hint = self.backlog.retry_after_ms(now) if retry else None
+            out.append(self.replies.request_error(req, code, msg, retry=retry, hint=hint))
         return touched

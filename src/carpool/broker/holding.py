@@ -75,6 +75,8 @@ class HeldRequests:
         self._per_client: dict[ClientId, list[int]] = {}  # client -> [requests, bytes]
         #: The held requests that carry an origin, by it.
         self.by_origin: dict[Origin, HeldRequest] = {}
+        #: Requests held, redirected or gone so far: the core's ``changes`` reads it.
+        self.changes = 0
 
     def expect(self, names: Iterable[str]) -> None:
         """Hold requests for ``names`` too, besides the configuration's models."""
@@ -110,6 +112,7 @@ class HeldRequests:
         if held >= config.max_client_requests or held_bytes + nbytes > config.max_client_mib << 20:
             return False
         self._seq += 1
+        self.changes += 1
         entry = HeldRequest(self._seq, received, nbytes, deadline_s, expires_s, origin)
         self._by_model.setdefault(submit.model, {})[entry.seq] = entry
         if origin is not None:
@@ -123,6 +126,7 @@ class HeldRequests:
     def redirect(self, entry: HeldRequest, client: ClientId, delimited: bool) -> None:
         """A copy of a held request came by another connection (``client``): its answer
         goes there, and its share of the per-client limits moves there with it."""
+        self.changes += 1
         old = entry.received.client
         if old != client:
             count_out(self._per_client, old, entry.nbytes)
@@ -192,9 +196,9 @@ class HeldRequests:
         for model in [m for m, entries in self._by_model.items() if not entries]:
             del self._by_model[model]
 
-    def stop(self, out: list[Outgoing]) -> None:
-        """The broker is stopping: answer every held request UNAVAILABLE, in arrival
-        order."""
+    def stop(self, out: list[Outgoing], retry_after_ms: int | None = None) -> None:
+        """The broker is stopping: answer every held request UNAVAILABLE with ``retry``
+        (and ``retry_after_ms``), in arrival order."""
         held = sorted(
             (e for entries in self._by_model.values() for e in entries.values()),
             key=lambda e: e.seq,
@@ -204,16 +208,26 @@ class HeldRequests:
         msg = "the broker is stopping before a worker registered the model; retry"
         for entry in held:
             self._leave(entry)
-            out.append(self._answer(entry, msg, retry=True))
+            out.append(self._answer(entry, msg, retry=True, hint=retry_after_ms))
 
-    def _answer(self, entry: HeldRequest, message: str, *, retry: bool = False) -> Outgoing:
+    def _answer(
+        self, entry: HeldRequest, message: str, *, retry: bool = False, hint: int | None = None
+    ) -> Outgoing:
         r = entry.received
         code = ErrorCode.UNAVAILABLE
         return self._replies.error(
-            r.client, r.delimited, r.submit.request_id, code, message, simple=r.simple, retry=retry
+            r.client,
+            r.delimited,
+            r.submit.request_id,
+            code,
+            message,
+            simple=r.simple,
+            retry_after_ms=hint,
+            retry=retry,
         )
 
     def _leave(self, entry: HeldRequest) -> None:
+        self.changes += 1
         entry.gone = True
         self.count -= 1
         self.nbytes -= entry.nbytes

@@ -56,6 +56,8 @@ class InflightTable:
         # The batch each unhealthy worker hung on, out of the table: its late RESULT is
         # still dropped, but its time teaches the worker's lane.
         self._hung: dict[WorkerId, InflightBatch] = {}
+        #: Batches added or taken so far: the core's ``changes`` reads it.
+        self.changes = 0
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -73,6 +75,7 @@ class InflightTable:
         return max(self.watchdog_factor * predicted_s, predicted_s + self.watchdog_slack_s)
 
     def add(self, now: float, worker: WorkerState, batch: InflightBatch) -> None:
+        self.changes += 1
         self.batches[batch.batch_id] = batch
         worker.outstanding.add(batch.batch_id)
         order = self._order.get(batch.worker)
@@ -94,6 +97,7 @@ class InflightTable:
         batch = self.batches.get(batch_id)
         if batch is None or batch.worker != worker.wid:
             return None
+        self.changes += 1
         del self.batches[batch_id]
         outstanding = worker.outstanding
         outstanding.discard(batch_id)
@@ -108,6 +112,7 @@ class InflightTable:
 
     def take_all(self, worker: WorkerState) -> list[InflightBatch]:
         """Every batch ``worker`` holds, out of the table, newest first."""
+        self.changes += 1
         taken = []
         for batch_id in sorted(worker.outstanding, reverse=True):
             batch = self.batches.pop(batch_id, None)
@@ -128,6 +133,7 @@ class InflightTable:
         batch = self._hung.get(worker.wid)
         if batch is None or batch.batch_id != batch_id:
             return None
+        self.changes += 1
         del self._hung[worker.wid]
         return batch
 
@@ -157,6 +163,7 @@ class InflightTable:
         return None
 
     def clear(self) -> None:
+        self.changes += 1
         self.batches.clear()
         self._order.clear()
         self._due.clear()

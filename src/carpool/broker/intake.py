@@ -37,6 +37,7 @@ from carpool.broker.requests import ClientId, Origin, PendingRequest, Received
 from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import (
     Cancel,
     Command,
@@ -219,7 +220,7 @@ class ClientIntake:
             submit = request
         except VersionMismatch as exc:
             self._log_version(
-                "client=%s sent protocol version %d", identity.hex(), exc.version, now=now
+                "client peer=%s sent protocol version %d", peer_tag(identity), exc.version, now=now
             )
             return [
                 self.replies.error(client, delimited, None, ErrorCode.UNSUPPORTED_VERSION, str(exc))
@@ -274,14 +275,14 @@ class ClientIntake:
                     f"no worker has registered model {submit.model!r} yet; the broker "
                     f"started {now - self.started_s:.1f} s ago"
                 )
-                return [self._unavailable(received, msg)]
+                return [self._unavailable(now, received, msg)]
             msg = f"model {submit.model!r} is not served by any worker"
             return [
                 self.replies.error(client, delimited, rid, ErrorCode.NOT_FOUND, msg, simple=simple)
             ]
         if not self.registry.serving(spec.name):  # before the payload checks (§6.1)
             msg = f"no live worker serves model {spec.name!r} right now"
-            return [self._unavailable(received, msg)]
+            return [self._unavailable(now, received, msg)]
         try:
             layout = layout_of(spec, submit, payloads)
         except ProtocolError as exc:
@@ -311,11 +312,20 @@ class ClientIntake:
             origin,
         )
 
-    def _unavailable(self, r: Received, message: str) -> Outgoing:
-        """UNAVAILABLE at the door; once the broker is stopping, with ``retry`` (§6.3)."""
-        code, rid, retry = ErrorCode.UNAVAILABLE, r.submit.request_id, self.backlog.stopping
-        error = self.replies.error
-        return error(r.client, r.delimited, rid, code, message, simple=r.simple, retry=retry)
+    def _unavailable(self, now: float, r: Received, message: str) -> Outgoing:
+        """UNAVAILABLE at the door; once the broker is stopping, with ``retry`` and the
+        time left before it closes (§6.3)."""
+        code, rid, backlog = ErrorCode.UNAVAILABLE, r.submit.request_id, self.backlog
+        return self.replies.error(
+            r.client,
+            r.delimited,
+            rid,
+            code,
+            message,
+            simple=r.simple,
+            retry_after_ms=backlog.retry_after_ms(now),
+            retry=backlog.stopping,
+        )
 
     def _enqueue(
         self,

@@ -163,6 +163,7 @@ _COUNTERS = (
     ("unhealthy", "carpool_worker_unhealthy_events", "workers marked unhealthy (watchdog)"),
     ("late_results", "carpool_late_results", "results for batches no longer held"),
     ("cancelled", "carpool_cancelled", "requests dropped by a CANCEL"),
+    ("core_faults", "carpool_broker_core_faults", "messages a fault inside the core answered"),
 )
 
 
@@ -181,6 +182,16 @@ def _counters(s: Snapshot) -> Iterator[Metric]:
     for code in ErrorCode:  # every code, 0 or not: a fixed set of series
         errors.add_metric([code.name.lower()], s["errors"].get(code.name, 0))
     yield errors
+    unreadable = _family(
+        CounterMetricFamily,
+        "carpool_broker_unreadable",
+        "messages dropped because they could not be read",
+        ["endpoint", "kind"],
+    )
+    for endpoint, kinds in s["dropped_unreadable"].items():
+        for kind, count in kinds.items():
+            unreadable.add_metric([endpoint, kind], count)
+    yield unreadable
     yield from gauges(s, _GAUGES)
 
 

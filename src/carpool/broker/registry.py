@@ -159,6 +159,9 @@ class WorkerRegistry:
         # has the time), and those not stamped yet.
         self._unserved_s: dict[str, float] = {}
         self._orphans: set[str] = set()
+        #: Workers registered, removed or their models forgotten so far: the core's
+        #: ``changes`` reads it.
+        self.changes = 0
 
     def __contains__(self, wid: object) -> bool:
         return wid in self._workers
@@ -201,6 +204,7 @@ class WorkerRegistry:
     ) -> WorkerState:
         """Register a worker (replacing an earlier entry under the same id)."""
         self.remove(wid)
+        self.changes += 1
         state = WorkerState(
             wid=wid,
             name=ready.name,
@@ -225,6 +229,7 @@ class WorkerRegistry:
     def remove(self, wid: WorkerId) -> WorkerState | None:
         state = self._workers.pop(wid, None)
         if state is not None:
+            self.changes += 1
             for name in state.models:
                 peers = self._by_model.get(name, [])
                 if state in peers:
@@ -248,6 +253,7 @@ class WorkerRegistry:
         """Drop what is kept of a model no live worker serves (its spec, its limits)."""
         if self._by_model.get(name):
             raise ValueError(f"model {name!r} is served; only an unserved model is forgotten")
+        self.changes += 1
         self.specs.pop(name, None)
         self._max_batch.pop(name, None)
         self._admitting.pop(name, None)

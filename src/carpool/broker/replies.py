@@ -11,6 +11,7 @@ stop: protocol.md §6.3, §11).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -29,8 +30,13 @@ from carpool.common.protocol import (
     MAX_TIMEOUT_MS,
     BrokerDisconnect,
     ErrorReply,
+    Frame,
     FromBroker,
+    decode_meta,
     encode_error,
+    is_simple_form,
+    request_id_of,
+    view,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,10 +127,41 @@ class Replies:
         reply = ErrorReply(request_id, code, message, retry_after_ms, retry)
         return self.to_client(client, delimited, encode_error(reply, simple=simple))
 
+    def internal_error(self, client: ClientId, frames: Sequence[Frame]) -> ToClient:
+        """INTERNAL, in the form of the client message ``frames`` (framed or simple,
+        after an empty delimiter or not), naming its request id when it can be read: the
+        answer to a message whose handling raised inside the core before it changed any
+        state (``BrokerCore.on_fault``)."""
+        delimited = simple = False
+        rid: int | None = None
+        # Each step may fail on the message that made the core fail: what could be read
+        # is answered.
+        with contextlib.suppress(Exception):
+            delimited = len(frames) > 1 and len(frames[0]) == 0
+            if delimited:
+                frames = frames[1:]
+            simple = len(frames) == 1 and is_simple_form(view(frames[0]))
+            if simple:
+                rid = request_id_of(decode_meta(view(frames[0])))
+            elif len(frames) > 1:
+                rid = request_id_of(decode_meta(view(frames[1])))
+        message = (
+            "the broker failed to handle the message (a bug of the broker's, logged); it "
+            "changed nothing there, and may be sent again"
+        )
+        return self.error(client, delimited, rid, ErrorCode.INTERNAL, message, simple=simple)
+
     def request_error(
-        self, req: PendingRequest, code: ErrorCode, message: str, *, retry: bool = False
+        self,
+        req: PendingRequest,
+        code: ErrorCode,
+        message: str,
+        *,
+        retry: bool = False,
+        hint: int | None = None,
     ) -> ToClient:
-        hint = None
+        """The error answer of a request the broker held; ``hint``: its
+        ``retry_after_ms`` (an OVERLOADED gets the queue's drain time)."""
         self.stats.failed(req.model, code.name)
         if code is ErrorCode.OVERLOADED:  # (a worker's FAILED: §12 wants a hint with it)
             ahead = self._backlog.samples_ahead(req.model, int(req.priority)) + req.samples

@@ -183,9 +183,12 @@ class RequestBook:
         self.held: dict[ClientId, list[int]] = {}
         #: The requests entered and not yet final that carry an origin, by it.
         self.by_origin: dict[Origin, PendingRequest] = {}
+        #: Writes so far (enter, redirect, move): the core's :meth:`changes` reads it.
+        self.changes = 0
 
     def enter(self, req: PendingRequest) -> None:
         """A new request is held for its client until it reaches a final state."""
+        self.changes += 1
         count_in(self.held, req.client, req.nbytes)
         if req.origin is not None:
             self.by_origin[req.origin] = req
@@ -193,6 +196,7 @@ class RequestBook:
     def redirect(self, req: PendingRequest, client: ClientId, delimited: bool) -> None:
         """A copy of ``req`` came by another connection (``client``): the request's one
         answer goes there, and its share of the per-client limits moves there with it."""
+        self.changes += 1
         old = req.client
         if old != client:
             held = self.held
@@ -211,6 +215,7 @@ class RequestBook:
         if to not in _TARGETS[frm._value_]:
             raise IllegalTransition(frm, to)
         req.state = to
+        self.changes += 1
         if to in FINAL:
             req.payloads = ()
             if req.client in self.held:  # (absent: a request made without enter, in tests)

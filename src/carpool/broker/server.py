@@ -5,22 +5,26 @@ transports workers connect by (:mod:`carpool.broker.transports`: the backend ROU
 unix socket for workers on this host, workers in this process), the trace writer, and a
 ``zmq.Poller`` whose timeout comes from the core's and the transports' next wake-up (no
 fixed tick, no busy polling). Client sends use ROUTER_MANDATORY and DONTWAIT, so a
-vanished or slow client is reported to the core instead of stalling the loop.
+vanished or slow client is reported to the core instead of stalling the loop. New
+connections on both ROUTERs pass the :class:`~carpool.broker.auth.Door` (ZAP). A message
+that cannot be read, or a fault inside the core, is handled as faults.py says.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
-from carpool.broker.auth import KEY_CHARS, BrokerAuth, WorkerKeys
+from carpool.broker.auth import CLIENTS, WORKERS, BrokerAuth, Door, WorkerKeys
 from carpool.broker.config import BrokerConfig
-from carpool.broker.connections import ClientConnections
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
+from carpool.broker.faults import BrokerFault, Fault, FaultPolicy
+from carpool.broker.frontend import Frontend
 from carpool.broker.metrics import BrokerMetrics
 from carpool.broker.registry import WorkerId
 from carpool.broker.trace import TraceWriter, recorded_models
@@ -28,18 +32,16 @@ from carpool.broker.transports import BURST, Upstream, WorkerTransport
 from carpool.broker.transports.inprocess import EmbeddedWorker, InProcessWorkers
 from carpool.broker.transports.local import LinkWorkers
 from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
-from carpool.common.clock import Clock, MonotonicClock, wall_offset_s
+from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import ConfigError
-from carpool.common.link import LinkListener, link_path
-from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
+from carpool.common.protocol import FromWorker
 from carpool.common.routing_ids import seed_routing_ids
-from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.supervision import LoopWatch
 from carpool.common.wake import WakePipe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BURST", "BrokerServer", "EmbeddedWorker"]
+__all__ = ["BURST", "BrokerFault", "BrokerServer", "EmbeddedWorker"]
 
 #: How long the sockets may hold wind_down's last answers on close.
 _STOP_LINGER_MS = 1000
@@ -72,16 +74,12 @@ class BrokerServer:
         self.core = BrokerCore(self.config, defer_pumps=True)
         self.clock: Clock = clock or MonotonicClock()
         self.core.started_s = self.clock.now()
-        # carpool record: admitted arrivals go to a JSON-lines trace, flushed every turn.
-        # Trace times are Unix seconds (steady within a run): a file that several runs
-        # append to stays in order with the real gaps between them, reboots included.
+        # carpool record: admitted arrivals go to a JSON-lines trace, flushed every turn,
+        # and the models of the last run wait at the door for their workers (holding.py).
         self._trace: TraceWriter | None = None
         if record:
-            # The models of the last run: requests for them wait at the door for their
-            # workers in the grace window (holding.py).
             self.core.expect(recorded_models(record))
-            offset_s = wall_offset_s() if isinstance(self.clock, MonotonicClock) else 0.0
-            self._trace = TraceWriter(record, offset_s)
+            self._trace = TraceWriter.for_clock(record, self.clock)
             self.core.recording = []
         self._own_context = context is None
         self.context = context or zmq.Context()
@@ -92,78 +90,63 @@ class BrokerServer:
         self.metrics: BrokerMetrics | None = None
         self._linger_ms = 0  # wind_down raises it: its answers must leave before close
         self._delivering = False  # running upstream.later
-        self._log_unread = RateLimitedLog(logger, PEER_LINES_PER_MIN)  # (peers cause these)
-        self._log_gone = RateLimitedLog(logger, PEER_LINES_PER_MIN, level=logging.INFO)
+        self._faults = faults = FaultPolicy(self.core)
         self.transports: list[WorkerTransport] = []
         self.local: LinkWorkers | None = None
         config = self.config
         # Before the ROUTERs are made: each draws where its generated routing ids start.
         seed_routing_ids()
-        # Which connection each client message came by (reply routing, connections.py).
-        tracked = not config.frontend.startswith("inproc:")
-        self._clients = clients = ClientConnections(self.context, tracked=tracked)
-        # CURVE (auth.py): the authenticator runs before either socket binds.
+        # The ZAP handler (auth.py) runs before either socket binds, and CURVE's key
+        # checks with it.
         self.auth: BrokerAuth | None = None
+        self._door = door = Door(self.context).open()
         try:
             if config.curve.enabled:
-                self.auth = BrokerAuth(self.context, config.curve)
-        except ConfigError:
-            self._close_early()
-            raise
-        auth = self.auth
-        try:
-            # Clients are the untrusted side: a frame over the limit drops that connection
-            # (libzmq refuses it before buffering). Workers are not limited: an output over
-            # it would look like a lost worker, and its batches would run again.
-            heartbeat_s, timeout_s = config.peer_heartbeat_s, config.peer_timeout_s
-            self.frontend = bind_router(
-                self.context,
-                config.frontend,
-                max_frame_mib=config.max_frame_mib,
-                peer_heartbeat_s=heartbeat_s,
-                peer_timeout_s=timeout_s,
-                secure=None if auth is None else auth.secure_frontend,
-                prepare=clients.watch,
+                self.auth = BrokerAuth(self.context, config.curve, door)
+            auth = self.auth
+            self._frontend = Frontend(
+                self.context, config, auth, faults.unreadable, self.core.stats
             )
-            try:
-                backend = bind_router(
-                    self.context,
-                    config.backend,
-                    peer_heartbeat_s=heartbeat_s,
-                    peer_timeout_s=timeout_s,
-                    secure=None if auth is None else auth.secure_backend,
-                )
-            except ConfigError:
-                self.frontend.close()
-                raise
         except ConfigError:
             self._close_early()
             raise
-        self._frontend_endpoint = str(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.frontend = self._frontend.socket
+        try:  # Workers are not limited by max_frame_mib: an output over it would look
+            # like a lost worker, and its batches would run again.
+            backend = bind_router(
+                self.context,
+                config.backend,
+                peer_heartbeat_s=config.peer_heartbeat_s,
+                peer_timeout_s=config.peer_timeout_s,
+                secure=_guard_workers if auth is None else auth.secure_backend,
+            )
+        except ConfigError:
+            self._frontend.close(0)
+            self._close_early()
+            raise
         # stop() wakes a blocked poll from any thread or a signal handler.
         self._wake = WakePipe()
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
-        if clients.monitor is not None:
-            self.poller.register(clients.monitor, zmq.POLLIN)
+        if self._frontend.monitor is not None:
+            self.poller.register(self._frontend.monitor, zmq.POLLIN)
         self._later: list[Callable[[], None]] = []
         self._routes: dict[bytes, WorkerTransport] = {}
         up = Upstream(
             now=self.clock.now,
-            on_worker=self.core.on_worker,
+            on_worker=self._on_worker,
             send=self._send,
             knows=self._knows,
             unreachable=self._unreachable,
             routes=self._routes,
             later=self._later,
+            unreadable=faults.unreadable,
         )
         # No ZeroMQ peer may take an id the other transports make, whether or not they
         # are in use here.
         reserved = (InProcessWorkers.id_prefix, LinkWorkers.id_prefix)
         keys = None if auth is None else WorkerKeys(self._knows, auth.failures)
         self._zmq = ZmqWorkers(backend, self.poller, up, reserved, keys=keys)
-        # The core's client id: the routing id, or under CURVE the key before it.
-        self._client_key = clients.key if auth is None else auth.client_key(clients.key)
         if auth is not None:
             self.core.stats_gate = auth.is_operator
             # A request's origin (resends, CANCEL) is bound to its key, not its nonce alone.
@@ -177,18 +160,11 @@ class BrokerServer:
             self.transports.append(inprocess)
             inprocess.start()
         if config.local_backend:
-            path = link_path(config.local_backend)
-            assert path is not None  # BrokerConfig checked the scheme
-            group = config.local_backend_group
             try:
-                listener = LinkListener(path, group=group)
-            except KeyError:
+                self.local = LinkWorkers.listen(config, self.poller, up)
+            except ConfigError:
                 self.close()
-                raise ConfigError(f"local_backend_group {group!r}: no such group") from None
-            except OSError as exc:
-                self.close()
-                raise ConfigError(f"local_backend {config.local_backend}: {exc}") from None
-            self.local = LinkWorkers(listener, self.poller, up)
+                raise
             # The links before the embedded workers, as each turn has always handled them.
             self.transports.insert(1, self.local)
         if config.metrics:  # /metrics, /healthz, /readyz (broker/metrics.py)
@@ -209,9 +185,9 @@ class BrokerServer:
 
     def _close_early(self) -> None:
         """What __init__ made before a ConfigError."""
-        self._clients.close()
         if self.auth is not None:
             self.auth.close()
+        self._door.stop()
         if self._own_context:
             self.context.term()
         if self._trace is not None:  # (and its lock: a retry must be able to record)
@@ -227,8 +203,11 @@ class BrokerServer:
         when CURVE is off or a list could not be read (the current ones stay)."""
         return self.auth is not None and self.auth.reload()
 
+    def _route(self, wid: bytes) -> WorkerTransport:
+        return self._routes.get(wid) or self._zmq
+
     def _transport_label(self, wid: bytes) -> str:
-        return (self._routes.get(wid) or self._zmq).label
+        return self._route(wid).label
 
     def _knows(self, wid: bytes) -> bool:
         return self.core.registry.get(WorkerId(wid)) is not None
@@ -238,7 +217,7 @@ class BrokerServer:
 
     @property
     def frontend_endpoint(self) -> str:
-        return self._frontend_endpoint  # (read at bind: wind_down closes the socket)
+        return self._frontend.endpoint
 
     @property
     def backend_endpoint(self) -> str:
@@ -270,13 +249,14 @@ class BrokerServer:
                 wait_ms = 0  # whole messages wait in a buffer: no poll would say so
         events = dict(self.poller.poll(wait_ms))
         handled = 0
-        if self.frontend in events:
+        frontend = self._frontend
+        if frontend.socket in events:
             handled += self._drain_clients()
         # Connections opened and closed: read after the messages that came before (a
         # message read after its connection's close and the reuse of its descriptor
         # could be taken for the newcomer's).
-        if self._clients.monitor in events:
-            self._clients.refresh()
+        if frontend.monitor in events:
+            frontend.refresh()
         if self._wake.fd in events:
             self._wake.clear()
             if self._reload_asked:
@@ -295,46 +275,47 @@ class BrokerServer:
             self.core.recording.clear()
         return handled
 
-    def _drain_clients(self) -> int:
-        """The messages waiting on the frontend, each handed to the core."""
-        on_client = self.core.on_client
+    def _drain_clients(self, limit: int | None = BURST) -> int:
+        """The messages waiting on the frontend (at most ``limit``), each handed to the
+        core (faults.py: a fault inside it is answered, or stops the broker)."""
+        core, faults = self.core, self._faults
+        on_client, changes = core.on_client, core.changes
         now = self.clock.now
-        key = self._client_key  # the key (CURVE), the connection, the routing id
         n = 0
-        for frames in waiting(self.frontend, BURST):
+        for client, frames in self._frontend.messages(limit):
             n += 1
-            out = on_client(now(), key(frames[0]), frames[1:])
+            mark = changes()
+            try:
+                out = on_client(now(), client, frames[1:])
+            except Exception as exc:
+                out = faults.after_fault(now(), exc, mark, Side.FRONTEND, client, frames[1:])
             if out:
                 self._send(out)
+        if n:
+            self._frontend.heard_s = now()
         return n
+
+    def _on_worker(self, now: float, wid: bytes, msg: FromWorker) -> list[Outgoing]:
+        """A worker's message, from any transport, handed to the core (faults.py)."""
+        core = self.core
+        mark = core.changes()
+        try:
+            return core.on_worker(now, wid, msg)
+        except Exception as exc:
+            return self._faults.after_fault(now, exc, mark, _BACKEND, wid, None)
 
     def _send(self, messages: list[Outgoing]) -> None:
         routes, backend = self._routes, self._zmq
-        keyed = self.auth is not None
-        clients = self._clients
+        frontend = self._frontend
         fresh = False  # the monitor read since the last send to a client
         for msg in messages:
             if isinstance(msg, ToWorker):
                 (routes.get(msg.identity) or backend).send(msg.identity, msg.message)
                 continue
             if not fresh:  # a connection closed before this point gets nothing
-                clients.refresh()
+                frontend.refresh()
                 fresh = True
-            identity = clients.reply_to(msg.identity[KEY_CHARS:] if keyed else msg.identity)
-            if identity is None:
-                self.core.stats.departed += 1
-                continue
-            try:
-                send_frames(self.frontend, msg.frames, NOBLOCK, identity)
-            except zmq.Again:
-                self._log_unread(
-                    "peer=%s on %s is not reading; dropped", identity.hex(), msg.side.value
-                )
-                self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                self._log_gone("peer=%s on %s is gone", identity.hex(), msg.side.value)
+            if not frontend.deliver(msg.identity, msg.frames):  # (not reading, or gone)
                 self._send(self.core.on_unreachable(self.clock.now(), msg.side, msg.identity))
         if self._later and not self._delivering:
             self._run_later()
@@ -352,50 +333,74 @@ class BrokerServer:
 
     def serve(self, watch: LoopWatch | None = None) -> None:
         """Loop until :meth:`stop` is called (from any thread or a signal handler); then
-        stop as :meth:`wind_down` says. ``watch`` is told of every turn (systemd)."""
-        while not self._stopping:
-            self.step(None if watch is None else watch.turn(self.clock.now()))
+        stop as :meth:`wind_down` says. ``watch`` is told of every turn (systemd).
+
+        Raises:
+            BrokerFault: a fault inside the core may have changed its state; the broker
+                wound down first (the module docstring).
+        """
+        try:
+            while not self._stopping:
+                self.step(None if watch is None else watch.turn(self.clock.now()))
+        except Fault:
+            self._stopping = True
         if watch is not None:
             watch.stopping()
         self.wind_down()
+        fatal = self._faults.fatal
+        if fatal is not None:
+            raise BrokerFault(f"stopped after a fault inside the core: {fatal!r}") from fatal
 
     def wind_down(self) -> None:
-        """Stop without losing a request (protocol.md §11). New requests are answered
-        UNAVAILABLE "stopping" as they arrive, read as before; queued requests predicted
-        to finish within ``stop_grace_s`` are still dispatched, the others answered
-        UNAVAILABLE at once; batches at workers get the rest of the grace to finish (a
-        second :meth:`stop` cuts it short). Then what is left is answered UNAVAILABLE,
-        every worker is sent DISCONNECT, what arrived meanwhile is read and answered, and
-        the frontend closes (lingering until its answers have left): new connections are
-        refused, and each client's connection closes, so a client learns at once that a
-        request it sent after the last read will not be answered. (Closing, not
-        unbinding: libzmq's unbind closes the connections it accepted at once, dropping
-        the answers still queued for them, so the answers of the grace would be lost.)"""
+        """Stop without losing a request, as protocol.md §11 says: the door shut (new
+        connections wait for the next broker), every client message read and answered
+        (UNAVAILABLE, ``retry``), the grace for what runs (a second :meth:`stop` cuts it
+        short), then DISCONNECT to workers, and the frontend read until its connections
+        are quiet (``stop_quiet_s``; ``stop_drain_s`` at most), read until empty, and
+        closed, lingering until its answers have left. (Closed, not unbound: libzmq's
+        unbind closes the connections it accepted at once, dropping their answers.)"""
         if self.core.stopping:
             return
         self._stopping = True
-        until = self.clock.now() + self.config.stop_grace_s
-        self._send(self.core.begin_stop(self.clock.now(), until))
-        core = self.core
-        while (core.inflight_batches or core.queued) and not self._stops:
-            left = until - self.clock.now()
-            if left <= 0:
-                break
-            self.step(timeout_s=left)
-        final = self.core.finish_stop(self.clock.now())
-        routes, backend = self._routes, self._zmq
+        config, core = self.config, self.core
+        self._door.close_to(CLIENTS, WORKERS)
+        now = self.clock.now()
+        until = now + config.stop_grace_s
+        self._send(core.begin_stop(now, until, until + config.stop_drain_s))
+        self._wait(lambda: until if core.inflight_batches or core.queued else None)
+        now = self.clock.now()
+        closes = now + config.stop_drain_s
+        final = core.finish_stop(now, closes)
         self._send(
-            [
-                m
-                for m in final
-                if type(m) is ToClient or (routes.get(m.identity) or backend).hears_goodbye
-            ]
+            [m for m in final if type(m) is ToClient or self._route(m.identity).hears_goodbye]
         )
+        quiet_s, frontend = config.stop_quiet_s, self._frontend
+
+        def drain_until() -> float | None:  # (none open: nobody left to answer)
+            open_now = frontend.open_count()
+            return None if open_now == 0 else min(closes, frontend.heard_s + quiet_s)
+
+        self._wait(drain_until)
         self._linger_ms = _STOP_LINGER_MS
-        self.frontend.setsockopt(zmq.LINGER, _STOP_LINGER_MS)
-        self._drain_clients()  # answered "stopping" by the intake
+        with contextlib.suppress(Fault):
+            self._drain_clients(None)  # what waits, until none does (answered "stopping")
         self.poller.unregister(self.frontend)
         self.frontend.close(linger=_STOP_LINGER_MS)
+
+    def _wait(self, until: Callable[[], float | None]) -> None:
+        """Run loop turns until the time ``until()`` says (None: not at all; asked again
+        after each turn), a second :meth:`stop`, or a fault that stops the broker."""
+        while not self._stops:
+            end_s = until()
+            if end_s is None:
+                return
+            left = end_s - self.clock.now()
+            if left <= 0:
+                return
+            try:
+                self.step(timeout_s=left)
+            except Fault:
+                return
 
     @property
     def signal_fd(self) -> int:
@@ -423,11 +428,11 @@ class BrokerServer:
             self.metrics.close()
         for transport in reversed(self.transports):
             transport.close(self._linger_ms)
-        self.frontend.close(linger=self._linger_ms)
-        self._clients.close()
+        self._frontend.close(self._linger_ms)
         self._wake.close()
         if self.auth is not None:
             self.auth.close()
+        self._door.stop()
         if self._own_context:
             self.context.term()
 
@@ -436,3 +441,8 @@ class BrokerServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _guard_workers(sock: zmq.Socket[Any]) -> None:
+    """Without CURVE: the backend's new connections ask the door (auth.py)."""
+    Door.guard(sock, WORKERS)

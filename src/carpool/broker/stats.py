@@ -35,6 +35,11 @@ class BrokerStats:
         self.undeliverable = 0
         # replies dropped because the client's connection had closed (connections.py)
         self.departed = 0
+        # Messages dropped because they could not be read, by (endpoint, kind) (the
+        # server counts them: server.py); and messages whose handling raised inside the
+        # core without changing its state, answered (a client's INTERNAL).
+        self.unreadable: Counter[tuple[str, str]] = Counter()
+        self.core_faults = 0
         self.requeued = 0
         # copies of requests the broker held, answered once on the copy's connection
         self.resent = 0
@@ -165,6 +170,8 @@ def snapshot(
         "requeued": stats.requeued,
         "undeliverable": stats.undeliverable,
         "departed": stats.departed,
+        "dropped_unreadable": _unreadable_snapshot(stats.unreadable),
+        "core_faults": stats.core_faults,
         "resent": stats.resent,
         "cancelled": stats.cancelled,
         "late_results": stats.late_results,
@@ -255,3 +262,17 @@ def batch_record(now: float, worker: WorkerState, batch: InflightBatch, compute_
         worker.lanes[batch.key[0]].batch_limit,
         worker.lanes[batch.key[0]].bound_by,
     )
+
+
+#: STATS ``dropped_unreadable``: each endpoint's kinds (every pair, 0 or not). A message
+#: could not be received, or its connection told (the frames' properties, the connection
+#: or key tables), or a worker's decoded (a client's is decoded inside the core, where a
+#: fault is answered or stops the broker: server.py).
+UNREADABLE: dict[str, tuple[str, ...]] = {
+    "frontend": ("receive", "connection"),
+    "backend": ("receive", "connection", "decode"),
+}
+
+
+def _unreadable_snapshot(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    return {e: {k: counts[(e, k)] for k in kinds} for e, kinds in UNREADABLE.items()}

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from carpool.broker.intake import Arrival
+from carpool.common.clock import Clock, MonotonicClock, wall_offset_s
 from carpool.common.errors import ConfigError
 from carpool.common.jsonlines import parses
 
@@ -126,6 +127,13 @@ class TraceWriter:
         offset_s: added to each record's time: the clock's offset to Unix time, so that
             a file several runs append to stays in order with the real gaps between them.
     """
+
+    @classmethod
+    def for_clock(cls, path: str, clock: Clock) -> TraceWriter:
+        """A writer for a broker on ``clock``: trace times are Unix seconds (steady within
+        a run) under the monotonic clock, so a file that several runs append to stays in
+        order with the real gaps between them, reboots included; a test's clock as is."""
+        return cls(path, wall_offset_s() if isinstance(clock, MonotonicClock) else 0.0)
 
     def __init__(self, path: str, offset_s: float = 0.0) -> None:
         self._file = open_trace(path)

@@ -28,6 +28,7 @@ from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, hear
 from carpool.broker.requests import RequestBook, RequestState
 from carpool.broker.stats import BrokerStats, batch_log, batch_record
 from carpool.common.errors import ErrorCode, ProtocolError
+from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import (
     MAX_TIMEOUT_MS,
     Command,
@@ -133,7 +134,7 @@ class WorkerEvents:
                 raise ProtocolError(msg.error)
         except ProtocolError as exc:
             # A worker that breaks the protocol is dropped; it may reconnect and re-register.
-            self._log_protocol("worker=%s protocol error: %s", identity.hex(), exc, now=now)
+            self._log_protocol("worker peer=%s protocol error: %s", peer_tag(wid), exc, now=now)
             worker = self.registry.get(wid)
             if worker is not None:
                 self.lose_worker(now, worker, f"protocol error: {exc}", out)
@@ -154,7 +155,7 @@ class WorkerEvents:
                 f"{limit} per worker (max_models_per_worker)"
             )
             self._log_refused(
-                "worker=%s name=%s refused: %s", wid.hex(), ready.name, reason, now=now
+                "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
             return
@@ -164,7 +165,7 @@ class WorkerEvents:
                 "(max_workers)"
             )
             self._log_refused(
-                "worker=%s name=%s refused: %s", wid.hex(), ready.name, reason, now=now
+                "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
             return
@@ -172,7 +173,7 @@ class WorkerEvents:
         if conflicts:
             reason = f"model spec differs from the registered one for {', '.join(conflicts)}"
             self._log_refused(
-                "worker=%s name=%s refused: %s", wid.hex(), ready.name, reason, now=now
+                "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
             return
@@ -187,8 +188,9 @@ class WorkerEvents:
         # B_max and the limit that binds it, per model: broker cap, worker limit, adaptive.
         limits = [f"{n}:{lanes[n].batch_limit}({lanes[n].bound_by})" for n in names[:8]]
         self._log_churn(
-            "worker joined name=%s slots=%d b_max=%s",
+            "worker joined name=%s peer=%s slots=%d b_max=%s",
             ready.name,
+            peer_tag(wid),
             ready.slots,
             ",".join(limits) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             now=now,
@@ -327,7 +329,13 @@ class WorkerEvents:
         """Forget a worker; its in-flight requests go back to their queues when they may."""
         self.registry.remove(worker.wid)
         self.fleet.rates.clear()
-        self._log_churn("worker left name=%s reason=%s", worker.name, reason, now=now)
+        self._log_churn(
+            "worker left name=%s peer=%s reason=%s",
+            worker.name,
+            peer_tag(worker.wid),
+            reason,
+            now=now,
+        )
         msg = f"worker {worker.name} was lost while running the request ({reason})"
         self._requeue(now, worker, msg, out)
 

@@ -22,5 +22,6 @@ _KEY = os.urandom(32)
 
 
 def peer_tag(identity: bytes) -> str:
-    """The name log lines give the peer whose routing id is ``identity``."""
+    """The name log lines give the peer whose routing id is ``identity`` (for a client,
+    the broker's id for it, which ends in its routing id: one tag for all its lines)."""
     return hmac.digest(_KEY, identity, "sha256")[: TAG_HEX // 2].hex()

@@ -38,7 +38,15 @@ class RateLimitedLog:
     _window_s: float = field(init=False, default=-_WINDOW_S)
     _written: int = field(init=False, default=0)
 
-    def __call__(self, fmt: str, *args: object, now: float | None = None) -> None:
+    def __call__(
+        self,
+        fmt: str,
+        *args: object,
+        now: float | None = None,
+        exc_info: BaseException | None = None,
+    ) -> None:
+        """Log ``fmt % args`` (with ``exc_info``'s traceback, if given) unless this
+        minute's lines are spent."""
         self.total += 1
         if now is None:
             now = self.clock.now()
@@ -52,4 +60,4 @@ class RateLimitedLog:
             fmt += " (%d more like it not logged)"
             args = (*args, self.suppressed)
             self.suppressed = 0
-        self.logger.log(self.level, fmt, *args)
+        self.logger.log(self.level, fmt, *args, exc_info=exc_info)

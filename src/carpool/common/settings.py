@@ -10,9 +10,11 @@ itself for a string setting, else a TOML value (``16``, ``0.005``, ``true``, ``0
 layers are merged into the file's mapping, which ``from_mapping`` then checks as a whole,
 so a bad value from any layer is reported by its key and rule.
 
-A ``CARPOOL_*`` variable that no role and no process setting knows is an error: a
-misspelt name would otherwise be ignored. Pure apart from the mapping of variables it is
-given; only entry points pass ``os.environ``.
+A ``CARPOOL_*`` variable that no role and no process setting knows is an error when it
+looks meant as one (:func:`check_variables`: a role's prefix, a near name, a key without
+its role and section): a misspelt name would otherwise be ignored. Any other
+(``CARPOOL_HOME``, a user's own script's) is the user's, and left alone. Pure apart from
+the mapping of variables it is given; only entry points pass ``os.environ``.
 """
 
 from __future__ import annotations
@@ -78,26 +80,77 @@ def variables(role: str, cls: type) -> dict[str, Path]:
     return names
 
 
-def check_variables(environ: Mapping[str, str], known: Iterable[str]) -> None:
-    """Refuse ``CARPOOL_*`` variables of ``environ`` that are not ``known`` (nor process
-    variables), each named, with the closest known name.
+#: How near (``difflib`` ratio) the part after ``CARPOOL_`` of a name must be to a known
+#: name's to be taken for a misspelling of it: ``LOGLEVEL`` is 0.94 of ``LOG_LEVEL``,
+#: while ``VENV`` is 0.36 of ``BACKEND`` and ``PROTOCOL_DOC`` 0.44 of ``LOCAL_BACKEND``.
+NEAR_RATIO = 0.8
+
+
+def check_variables(
+    environ: Mapping[str, str], known: Iterable[str], roles: Iterable[str]
+) -> list[str]:
+    """Refuse the ``CARPOOL_*`` variables of ``environ`` that look meant as a setting but
+    are not ``known`` (nor process variables), each named with the setting it was
+    probably meant as. A name looks meant as a setting when
+
+    - it begins with a role's prefix (``CARPOOL_BROKER_`` for role ``broker``),
+    - its part after ``CARPOOL_`` is within ``NEAR_RATIO`` of a known name's
+      (``CARPOOL_LOGLEVEL``), or
+    - a known name ends with ``_`` and that part: a key without its role and section
+      (``CARPOOL_MAX_BATCH``).
+
+    Returns:
+        The other unknown ``CARPOOL_*`` names, sorted (for the caller to warn of).
 
     Raises:
-        ConfigError: naming every unknown variable.
+        ConfigError: naming every refused variable.
     """
     names = set(known) | set(PROCESS_VARIABLES)
-    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in names)
-    if not unknown:
-        return
-    lines = []
-    for name in unknown:
-        # A key without its role and section (CARPOOL_MAX_BATCH): the names that end so.
-        tail = "_" + name.removeprefix(PREFIX)
-        close = sorted(n for n in names if n.endswith(tail))[:3]
-        close = close or difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        lines.append(f"{name}: unknown carpool environment variable{hint}")
-    raise ConfigError("\n  ".join(["unknown environment variables:", *lines]))
+    prefixes = [f"{PREFIX}{role.upper()}_" for role in roles]
+    refused, others = [], []
+    for name in sorted(k for k in environ if k.startswith(PREFIX) and k not in names):
+        meant = _meant(name, names, prefixes)
+        if meant is None:
+            others.append(name)
+            continue
+        hint = f" (did you mean {' or '.join(meant)}?)" if meant else ""
+        refused.append(f"{name}: unknown carpool environment variable{hint}")
+    if refused:
+        raise ConfigError("\n  ".join(["unknown environment variables:", *refused]))
+    return others
+
+
+def _meant(name: str, names: set[str], prefixes: Iterable[str]) -> list[str] | None:
+    """The known ``names`` that unknown ``name`` was probably meant as ([] when none is
+    near), or None when it does not look meant as a setting (check_variables' rules)."""
+    tail = name.removeprefix(PREFIX)
+    # A key without its role and section (CARPOOL_MAX_BATCH): the names that end so.
+    ends = sorted(n for n in names if n.endswith("_" + tail))
+    if ends:
+        return ends[:3]
+    by_tail = {n.removeprefix(PREFIX): n for n in names}
+    near = difflib.get_close_matches(tail, sorted(by_tail), n=1, cutoff=NEAR_RATIO)
+    if near:
+        return [by_tail[near[0]]]
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            own = sorted(n for n in names if n.startswith(prefix))
+            return _nearest_key(name.removeprefix(prefix), own, prefix)
+    return None
+
+
+def _nearest_key(key: str, own: Sequence[str], prefix: str) -> list[str]:
+    """The name of ``own`` whose key (after ``prefix``), or the key's end past a ``_``,
+    is nearest ``key``: ``MAX_BACH`` is BATCHING_MAX_BATCH's ``MAX_BATCH``. [] when none
+    is above difflib's default cutoff (0.6)."""
+    best, best_ratio = "", 0.6
+    for name in own:
+        parts = name.removeprefix(prefix).split("_")
+        for i in range(len(parts)):
+            ratio = difflib.SequenceMatcher(None, key, "_".join(parts[i:])).ratio()
+            if ratio > best_ratio:
+                best, best_ratio = name, ratio
+    return [best] if best else []
 
 
 def parse_value(hint: Any, text: str, name: str) -> Any:

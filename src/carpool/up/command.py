@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import os
 import secrets
 import signal
 import threading
@@ -24,6 +25,7 @@ from carpool.commandline import add_batching_flags, add_command
 from carpool.common.curve import check_private, load_keypair
 from carpool.common.errors import ConfigError
 from carpool.curvecmd import add_broker_flags
+from carpool.roles import check_environment
 from carpool.up.feed import FleetFeed, StatsPoller
 from carpool.up.page import PageServer, is_loopback
 from carpool.up.plan import FleetPlan
@@ -227,6 +229,9 @@ def _up(args: argparse.Namespace) -> int:
     HOST:PORT, the live fleet page (docs/fleet-page.md): its URL, with the token that
     changing the fleet needs, is printed at start.
     """
+    # A misspelt setting stops carpool up here, not its children one restart after
+    # another; the children (same environment) warn of the other names themselves.
+    check_environment(os.environ)
     problems = []
     if not 1 <= args.max_workers <= 256:
         problems.append(f"--max-workers must be in 1..256, got {args.max_workers}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -28,6 +29,7 @@ from carpool.common.protocol import (
     BrokerBatch,
     BrokerDisconnect,
     BrokerHeartbeat,
+    BrokerMalformed,
     FailedMeta,
     Frame,
     FromBroker,
@@ -41,6 +43,7 @@ from carpool.common.protocol import (
     WorkerReady,
     WorkerResult,
 )
+from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 from carpool.worker.load import BusyMeter, ReportedBusy
 
 logger = logging.getLogger(__name__)
@@ -189,6 +192,12 @@ class WorkerCore:
         # Smoothed engine time per sample, per model: a batch's time is predicted from its
         # size (a large batch of a fast model is not short).
         self._run_ewma_s: dict[str, float] = {}
+        #: Messages from the broker's side dropped, by kind: "receive" and "decode"
+        #: (a fault while reading one: the shell counts those), "malformed" (one that
+        #: breaks the protocol and names no batch: not a broker's word).
+        self.unreadable: Counter[str] = Counter()
+        # (A peer posing as the broker can send junk at any rate.)
+        self._log_malformed = RateLimitedLog(logger, PEER_LINES_PER_MIN)
 
     # ------------------------------------------------------------------ connection
 
@@ -208,6 +217,8 @@ class WorkerCore:
     def on_broker(self, now: float, msg: FromBroker) -> Action | None:
         """A message from the broker (``decode_from_broker``'s, or the broker's own object
         in its process). Returns what the shell must do, if anything."""
+        if isinstance(msg, BrokerMalformed):
+            return self._on_malformed(now, msg)
         self._last_heard_s = now
         # Any word but DISCONNECT after READY: the broker has registered this worker (it
         # sends heartbeats and batches only to workers it holds).
@@ -216,12 +227,21 @@ class WorkerCore:
             return RunBatch(self.epoch, msg.batch, msg.payloads)
         if isinstance(msg, BrokerHeartbeat):
             return None
-        if isinstance(msg, BrokerDisconnect):
-            return Reconnect(f"broker said DISCONNECT: {msg.reason}")
-        logger.warning("bad message from broker: %s", msg.error)
+        return Reconnect(f"broker said DISCONNECT: {msg.reason}")
+
+    def _on_malformed(self, now: float, msg: BrokerMalformed) -> Answer | None:
+        """A message that breaks the protocol. One that names no batch is not a
+        broker's word (what a peer posing as one sends): dropped, it neither keeps the
+        connection alive nor says that the broker registered this worker. A BATCH it
+        cannot read is answered FAILED, so the broker gets its credit back and replies
+        to clients."""
         if msg.batch_id is None:
+            self.unreadable["malformed"] += 1
+            self._log_malformed("bad message from broker: %s; dropped", msg.error, now=now)
             return None
-        # Answer it, so the broker gets its credit back and replies to clients.
+        self._last_heard_s = now
+        self.registered = True
+        self._log_malformed("bad BATCH from broker: %s", msg.error, now=now)
         failed = FailedMeta(msg.batch_id, ErrorCode.INVALID_ARGUMENT, msg.error, self.rho(now))
         return Answer(WorkerFailed(failed))
 

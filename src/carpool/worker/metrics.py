@@ -88,6 +88,7 @@ class WorkerMetrics:
                 for name, c in self._counts.items()
             },
             "telemetry": _telemetry(core.last_telemetry),
+            "unreadable": {kind: core.unreadable[kind] for kind in UNREADABLE_KINDS},
         }
 
     def close(self) -> None:
@@ -100,6 +101,10 @@ _GAUGES = (
     ("in_thread", "carpool_worker_thread_batches", "batches with the inference thread"),
     ("slots", "carpool_worker_credits", "batches the broker may have outstanding here"),
 )
+
+
+#: The kinds of ``carpool_worker_unreadable_total`` (WorkerCore.unreadable), each 0 or not.
+UNREADABLE_KINDS = ("receive", "decode", "malformed")
 
 
 def _telemetry(sample: Telemetry | None) -> dict[str, float]:
@@ -125,6 +130,14 @@ def worker_families(s: Snapshot) -> Iterator[Metric]:
         sizes.add_metric([model], size_h.cumulative(), size_h.sum)
         compute.add_metric([model], compute_h.cumulative(), compute_h.sum)
     yield from (batches, sizes, compute)
+    unreadable = CounterMetricFamily(
+        "carpool_worker_unreadable",
+        "messages from the broker's side dropped: unreadable, or breaking the protocol",
+        labels=["kind"],
+    )
+    for kind, count in s["unreadable"].items():
+        unreadable.add_metric([kind], count)
+    yield unreadable
     yield from gauges(s, _GAUGES)
     for field, value in sorted(s["telemetry"].items()):
         name, text = _TELEMETRY[field]

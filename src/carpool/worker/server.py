@@ -23,6 +23,7 @@ from carpool.common.curve import ClientKeys
 from carpool.common.errors import ConfigError
 from carpool.common.link import link_path
 from carpool.common.protocol import FromBroker, Telemetry, ToBroker, decode_from_broker
+from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 from carpool.common.shm import RegionReader
 from carpool.common.supervision import LoopWatch
 from carpool.common.wake import WakePipe
@@ -185,6 +186,8 @@ class WorkerServer:
         self._stopping = False
         self._closed = False
         self.metrics: WorkerMetrics | None = None  # /metrics, /healthz, /readyz
+        self._log_unreadable = RateLimitedLog(logger, PEER_LINES_PER_MIN)
+        self._log_fault = RateLimitedLog(logger, PEER_LINES_PER_MIN, level=logging.ERROR)
         try:
             if metrics:
                 names = [spec.name for spec in self.specs]
@@ -248,19 +251,47 @@ class WorkerServer:
         if self._results_fd in events:
             handled += self._drain_results()
         decode, known = decode_from_broker, core.batch_inputs
-        for frames in conn.receive(events):
-            handled += 1
-            if not self._on_broker(decode(frames, known)):
-                break  # started over: the rest belonged to the old connection
-        else:
-            if conn.lost is not None:
-                self._reconnect(conn.lost)
+        try:
+            for frames in conn.receive(events):
+                handled += 1
+                try:
+                    msg = decode(frames, known)
+                except Exception as exc:  # (it answers BrokerMalformed: a bug if not)
+                    self._unreadable("decode", exc)
+                    continue
+                try:
+                    went_on = self._on_broker(msg)
+                except Exception as exc:
+                    # A bug of ours: start over (a new connection, the broker requeues
+                    # what it sent this one), so no half-done state outlives it.
+                    self._log_fault("a fault on the broker's message (a bug)", exc_info=exc)
+                    self._reconnect("a fault on the broker's message (a bug, logged)")
+                    break
+                if not went_on:
+                    break  # started over: the rest belonged to the old connection
+            else:
+                if conn.lost is not None:
+                    self._reconnect(conn.lost)
+        except zmq.ZMQError as exc:
+            self._unreadable("receive", exc)
         if self._wake.fd in events:
             self._wake.clear()
         self._tick()
         if self.metrics is not None:
             self.metrics.on_turn(self.clock.now())
         return handled
+
+    def _unreadable(self, kind: str, exc: BaseException) -> None:
+        """A message from the broker's side that could not be read: dropped, counted and
+        logged (with its traceback the first time of each kind; rate-limited)."""
+        counts = self.core.unreadable
+        counts[kind] += 1
+        self._log_unreadable(
+            "a message from the broker could not be read (%s): %r; dropped",
+            kind,
+            exc,
+            exc_info=exc if counts[kind] == 1 else None,
+        )
 
     def _tick(self) -> None:
         messages, reconnect = self.core.on_tick(self.clock.now())

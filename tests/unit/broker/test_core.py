@@ -1525,6 +1525,11 @@ def test_stats_snapshot_counts() -> None:
         "requeued": 0,
         "undeliverable": 1,
         "departed": 0,
+        "dropped_unreadable": {
+            "frontend": {"receive": 0, "connection": 0},
+            "backend": {"receive": 0, "connection": 0, "decode": 0},
+        },
+        "core_faults": 0,
         "resent": 0,
         "cancelled": 0,
         "late_results": 0,

@@ -1,5 +1,6 @@
 """Every setting of each role from the environment and from --set, over its file, with
-names generated from the config dataclasses; unknown CARPOOL_* variables refused."""
+names generated from the config dataclasses; unknown CARPOOL_* variables that look meant
+as a setting refused, the others left to the user."""
 
 from __future__ import annotations
 
@@ -144,14 +145,58 @@ def test_set_names_an_unknown_key_and_the_closest_one() -> None:
 
 def test_an_unknown_variable_is_an_error_naming_it() -> None:
     known = roles.known_variables()
-    check_variables(
-        {"CARPOOL_LOG_LEVEL": "INFO", "HOME": "/root", **dict.fromkeys(known, "")}, known
+    assert not roles.check_environment(
+        {"CARPOOL_LOG_LEVEL": "INFO", "HOME": "/root", **dict.fromkeys(known, "")}
     )
     with pytest.raises(ConfigError) as caught:
-        check_variables({"CARPOOL_MAX_BATCH": "3", "CARPOOL_BROKER_BATCHING_MAX_BATCH": "3"}, known)
+        roles.check_environment(
+            {"CARPOOL_MAX_BATCH": "3", "CARPOOL_BROKER_BATCHING_MAX_BATCH": "3"}
+        )
     assert "CARPOOL_MAX_BATCH: unknown" in str(caught.value)
     assert "CARPOOL_BROKER_BATCHING_MAX_BATCH" in str(caught.value)  # the hint
     assert str(caught.value).count("unknown carpool") == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("CARPOOL_BROKER_MAX_BACH", "CARPOOL_BROKER_BATCHING_MAX_BATCH"),  # a role's prefix
+        ("CARPOOL_WORKER_SLOT", "CARPOOL_WORKER_SLOTS"),
+        ("CARPOOL_LOGLEVEL", "CARPOOL_LOG_LEVEL"),  # near a process variable
+        ("CARPOOL_FRONTEN", "CARPOOL_FRONTEND"),  # near an older name
+        ("CARPOOL_MAX_BATCH", "CARPOOL_BROKER_BATCHING_MAX_BATCH"),  # the key alone
+    ],
+)
+def test_a_name_meant_as_a_setting_is_refused_naming_the_setting(name: str, meant: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        roles.check_environment({name: "1"})
+    said = str(caught.value)
+    assert f"{name}: unknown carpool environment variable (did you mean {meant}" in said
+
+
+def test_a_role_prefix_refuses_a_name_near_no_setting() -> None:
+    with pytest.raises(ConfigError, match=r"CARPOOL_WORKER_XYZZY: unknown carpool [^(]*$"):
+        roles.check_environment({"CARPOOL_WORKER_XYZZY": "1"})
+
+
+def test_other_carpool_names_are_returned_to_warn_of_not_refused() -> None:
+    """A user's own variables under CARPOOL_ (a venv, a document, a home) are no setting,
+    nor near one: returned, for a warning, with every refused name still refused."""
+    users = {"CARPOOL_VENV": "/x", "CARPOOL_PROTOCOL_DOC": "/y", "CARPOOL_HOME": "/z"}
+    environ = {**users, "CARPOOL_LOG_LEVEL": "INFO", "CARPOOL_FRONTEND": "tcp://127.0.0.1:1"}
+    assert roles.check_environment(environ) == sorted(users)
+    with pytest.raises(ConfigError) as caught:
+        roles.check_environment({**users, "CARPOOL_LOGLEVEL": "DEBUG"})
+    assert "CARPOOL_LOGLEVEL" in str(caught.value)
+    assert "CARPOOL_VENV" not in str(caught.value)
+
+
+def test_every_roles_prefix_is_its_own() -> None:
+    """A name under a role's prefix is refused whatever follows; the same name is a
+    user's own where no role has that prefix."""
+    assert check_variables({"CARPOOL_SITE_ID": "7"}, [], ["broker"]) == ["CARPOOL_SITE_ID"]
+    with pytest.raises(ConfigError, match="CARPOOL_SITE_ID: unknown"):
+        check_variables({"CARPOOL_SITE_ID": "7"}, [], ["broker", "site"])
 
 
 def test_every_variable_carpool_reads_is_known() -> None:

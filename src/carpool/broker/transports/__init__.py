@@ -32,6 +32,10 @@ Events = Mapping[Any, int]
 BURST = 256
 
 
+def _ignore(endpoint: str, kind: str, exc: BaseException) -> None:
+    """(An Upstream without a server: nothing counts unreadable messages.)"""
+
+
 @dataclass(slots=True)
 class Upstream:
     """What a transport reports to: the broker's core and the server's sends.
@@ -49,6 +53,8 @@ class Upstream:
             they go.
         later: deliveries a transport defers until the messages being sent are all
             sent (see :meth:`WorkerTransport.send`); the server runs them.
+        unreadable: a message that could not be read (endpoint, kind, the exception):
+            the transport drops it, and the server counts and logs it.
     """
 
     now: Callable[[], float]
@@ -58,6 +64,7 @@ class Upstream:
     unreachable: Callable[[bytes], None]
     routes: dict[bytes, WorkerTransport]
     later: list[Callable[[], None]]
+    unreadable: Callable[[str, str, BaseException], None] = _ignore
 
 
 class WorkerTransport(Protocol):

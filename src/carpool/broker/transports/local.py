@@ -14,10 +14,13 @@ import logging
 
 import zmq
 
+from carpool.broker.config import BrokerConfig
 from carpool.broker.joining import JoinWindow
 from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import BURST, Events, Upstream
-from carpool.common.link import Link, LinkFull, LinkListener, TooLarge
+from carpool.common.errors import ConfigError
+from carpool.common.link import Link, LinkFull, LinkListener, TooLarge, link_path
+from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import decode_from_worker
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,24 @@ class LinkWorkers:
         self._linked = 0
         self._in_burst: bytes | None = None  # the link whose messages are being handled
         poller.register(listener.fileno(), zmq.POLLIN)
+
+    @classmethod
+    def listen(cls, config: BrokerConfig, poller: zmq.Poller, upstream: Upstream) -> LinkWorkers:
+        """Listen at the configuration's ``local_backend`` (``unix:PATH``).
+
+        Raises:
+            ConfigError: no such ``local_backend_group``, or the path cannot be taken.
+        """
+        path = link_path(config.local_backend)
+        assert path is not None  # BrokerConfig checked the scheme
+        group = config.local_backend_group
+        try:
+            listener = LinkListener(path, group=group)
+        except KeyError:
+            raise ConfigError(f"local_backend_group {group!r}: no such group") from None
+        except OSError as exc:
+            raise ConfigError(f"local_backend {config.local_backend}: {exc}") from None
+        return cls(listener, poller, upstream)
 
     @property
     def peers(self) -> list[bytes]:
@@ -130,7 +151,7 @@ class LinkWorkers:
             self._up.routes[wid] = self
             self.window.connected(wid, self._up.now())
             self._poller.register(new.fileno(), zmq.POLLIN)
-            logger.info("a local worker connected (link %d)", self._linked)
+            logger.info("a local worker connected (link %d, peer=%s)", self._linked, peer_tag(wid))
 
     def send(self, wid: bytes, message: WorkerBound) -> None:
         """Send to a local worker. A send that finds it gone closes the link; what the

@@ -18,6 +18,7 @@ from carpool.broker.auth import WorkerKeys
 from carpool.broker.replies import WorkerBound
 from carpool.broker.transports import BURST, Events, Upstream
 from carpool.common.errors import ConfigError
+from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import decode_from_worker
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 
@@ -116,18 +117,31 @@ class ZmqWorkers:
         on_worker, send, now = up.on_worker, up.send, up.now
         reserved = self._reserved
         keys = self.keys
+        unreadable = up.unreadable
         n = 0
-        for frames in waiting(router, BURST):
-            n += 1
-            identity = frames[0].bytes
-            if reserved and identity.startswith(reserved):
-                logger.warning("a backend peer used a local worker's id: dropped")
-                continue
-            if keys is not None and not keys.admit(identity, frames[0]):
-                continue
-            out = on_worker(now(), identity, decode_from_worker(frames[1:]))
-            if out:
-                send(out)
+        try:
+            for frames in waiting(router, BURST):
+                n += 1
+                try:
+                    identity = frames[0].bytes
+                    if reserved and identity.startswith(reserved):
+                        logger.warning("a backend peer used a local worker's id: dropped")
+                        continue
+                    if keys is not None and not keys.admit(identity, frames[0]):
+                        continue
+                except Exception as exc:  # the User-Id property, the key table
+                    unreadable("backend", "connection", exc)
+                    continue
+                try:
+                    msg = decode_from_worker(frames[1:])
+                except Exception as exc:  # (it answers WorkerMalformed: a bug if not)
+                    unreadable("backend", "decode", exc)
+                    continue
+                out = on_worker(now(), identity, msg)
+                if out:
+                    send(out)
+        except zmq.ZMQError as exc:
+            unreadable("backend", "receive", exc)
         return n
 
     def send(self, wid: bytes, message: WorkerBound) -> None:
@@ -137,12 +151,12 @@ class ZmqWorkers:
         try:
             send_frames(self.router, message.to_frames(), NOBLOCK, wid)
         except zmq.Again:
-            logger.warning("peer=%s on the backend is not reading; dropped", wid.hex())
+            logger.warning("peer=%s on the backend is not reading; dropped", peer_tag(wid))
             self._up.unreachable(wid)
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
-            logger.info("peer=%s on backend is gone", wid.hex())
+            logger.info("peer=%s on backend is gone", peer_tag(wid))
             self._up.unreachable(wid)
 
     def after_turn(self, now: float) -> None:

@@ -1,0 +1,383 @@
+"""stop_load.py: requests lost to broker stops, by kind of client (protocol.md §11).
+
+A broker process (``carpool broker --embed-synthetic``, on ``ipc://`` endpoints) is
+stopped with SIGTERM and started again, ``--rounds`` times, while clients send at a
+steady rate in all (``--rate``, split evenly among them):
+
+- ``follows``: a raw DEALER written from protocol.md §11: on ``UNAVAILABLE`` with
+  ``retry`` it sends nothing more on that socket, opens a new one and sends there
+  again, with the same ``id`` and ``client``, each request refused so; it reads the old
+  socket until that connection closes, then sends again what was still unanswered on it;
+  and on ``OVERLOADED`` it sends the request again after ``retry_after_ms`` (§12: the
+  requests it sent while no broker was up reach the next one at once, past its
+  per-client limit);
+- ``ignores``: a raw DEALER that keeps sending on its one socket and never sends again;
+- ``sdk``: the blocking carpool ``Client`` (which follows the rule itself).
+
+A request is *lost* when it has no answer (a result or an error) by the end: a bounded
+wait after the last stop. The report gives, per stop, the requests each kind lost (by
+the broker generation they were first sent to), those answered ``UNAVAILABLE`` with
+``retry`` (which ``ignores`` does not send again), and how long the stopping broker
+took to exit.
+
+Run: ``.venv/bin/python bench/stop_load.py [--rounds 5] [--rate 1000]``; against
+another revision, put its ``src`` first: ``PYTHONPATH=/path/to/checkout/src``.
+Tests: tests/system/test_stop_raw_clients.py runs :func:`run_stops` and asserts its
+counts (``follows`` and ``sdk`` lose nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from carpool.client import Client, RequestError
+
+MODEL = "synthetic"
+X = np.ones((1, 16), np.float32)
+TIMEOUT_MS = 15_000
+_REQUEST, _REPLY, _ERROR = b"CP\x01\x01", b"CP\x01\x02", b"CP\x01\x03"
+_OVERLOADED = 4
+
+
+def start_broker(workdir: Path, log: Any) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "carpool",
+            "broker",
+            "--frontend",
+            f"ipc://{workdir}/fe",
+            "--backend",
+            f"ipc://{workdir}/be",
+            "--embed-synthetic",
+            "1",
+            "0.05",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@dataclass
+class _Sent:
+    frames: list[bytes]
+    sock: zmq.Socket[bytes]
+    generation: int  # the broker it was first sent to (0, 1, ...)
+
+
+@dataclass
+class RawClient:
+    """A DEALER client of the raw protocol; ``follows``: it keeps protocol.md §11's rule."""
+
+    context: zmq.Context[zmq.Socket[bytes]]
+    endpoint: str
+    follows: bool
+    nonce: bytes = field(default_factory=lambda: os.urandom(16))
+    sent: int = 0
+    pending: dict[int, _Sent] = field(default_factory=dict)
+    answered: Counter[str] = field(default_factory=Counter)
+    retired: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = field(default_factory=list)
+    later: list[tuple[float, int]] = field(default_factory=list)  # (when, id): OVERLOADED
+
+    def __post_init__(self) -> None:
+        self.sock, self.monitor = self._open()
+
+    def _open(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        return sock, monitor
+
+    def send(self, generation: int) -> None:
+        self.sent += 1
+        rid = self.sent
+        meta = {
+            "id": rid,
+            "model": MODEL,
+            "timeout_ms": TIMEOUT_MS,
+            "client": self.nonce,
+            "inputs": [{"name": "x", "dtype": "float32", "shape": list(X.shape)}],
+        }
+        frames = [_REQUEST, msgpack.packb(meta), X.tobytes()]
+        self.pending[rid] = _Sent(frames, self.sock, generation)
+        self.sock.send_multipart(frames, zmq.NOBLOCK)
+
+    def _again(self, rid: int) -> None:
+        """Send a pending request again on the current socket (same id and client)."""
+        sent = self.pending[rid]
+        sent.sock = self.sock
+        self.sock.send_multipart(sent.frames, zmq.NOBLOCK)
+
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        return [self.sock, *(s for s, _ in self.retired)]
+
+    def on_message(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        header, meta = frames[0], msgpack.unpackb(frames[1])
+        rid = meta.get("id")
+        if rid not in self.pending:
+            self.answered["late or unknown"] += 1
+            return
+        if header == _REPLY:
+            self.answered["result"] += 1
+        elif header == _ERROR and self.follows and meta.get("code") == _OVERLOADED:
+            self.answered["overloaded (sent again)"] += 1
+            wait_s = meta.get("retry_after_ms", 50) / 1000
+            heapq.heappush(self.later, (time.monotonic() + wait_s, rid))
+            return
+        elif header == _ERROR and meta.get("retry") is True:
+            if not self.follows:
+                self.answered["retry (not sent again)"] += 1
+            else:
+                if sock is self.sock:  # the first on this socket: it retires
+                    self.retired.append((self.sock, self.monitor))
+                    self.sock, self.monitor = self._open()
+                self._again(rid)
+                return
+        else:
+            self.answered[f"error {meta.get('code')}"] += 1
+        del self.pending[rid]
+
+    def due(self, now: float) -> None:
+        """Send again the requests refused OVERLOADED whose wait is over."""
+        while self.later and self.later[0][0] <= now:
+            rid = heapq.heappop(self.later)[1]
+            if rid in self.pending:
+                self._again(rid)
+
+    def on_closed(self) -> None:
+        """A retired socket's connection closed: what is still unanswered on it is sent
+        again on the current socket, and the old socket closes."""
+        for sock, monitor in list(self.retired):
+            if not monitor.poll(0):
+                continue
+            monitor.recv_multipart()
+            for rid, sent in self.pending.items():
+                if sent.sock is sock:
+                    self._again(rid)
+            self.retired.remove((sock, monitor))
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        for sock, monitor in [(self.sock, self.monitor), *self.retired]:
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+
+@dataclass
+class Stop:
+    """One stop: how long the broker took to exit, and its generation's losses."""
+
+    exit_s: float
+    lost: dict[str, int]
+
+
+KINDS = ("follows", "ignores", "sdk")
+
+
+def run_stops(
+    rounds: int = 5,
+    rate_rps: float = 1000.0,
+    warm_s: float = 0.5,
+    kinds: tuple[str, ...] = KINDS,
+) -> dict[str, Any]:
+    """Stop and restart a broker ``rounds`` times under load from clients of ``kinds``
+    (``rate_rps`` in all, split evenly); returns the counts."""
+    workdir = Path(tempfile.mkdtemp(prefix="carpool-stops-"))
+    endpoint = f"ipc://{workdir}/fe"
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    log = (workdir / "broker.log").open("wb")
+    brokers = [start_broker(workdir, log)]
+    clients = {
+        kind: RawClient(context, endpoint, follows=kind == "follows")
+        for kind in kinds
+        if kind != "sdk"
+    }
+    share_rps = rate_rps / len(kinds)
+    sdk_futures: list[tuple[int, Any]] = []
+    generation = [0]
+    sending = threading.Event()
+    sending.set()
+    sdk_error: list[BaseException] = []
+
+    def sdk_loop() -> None:
+        try:
+            with Client(endpoint, default_timeout_s=TIMEOUT_S, grace_s=1.0) as client:
+                n, start = 0, time.monotonic()
+                while sending.is_set():
+                    due = start + n / share_rps
+                    now = time.monotonic()
+                    if now < due:
+                        client.poll(min(due - now, 0.002))
+                        continue
+                    sdk_futures.append((generation[0], client.submit(MODEL, {"x": X})))
+                    n += 1
+                for _, future in sdk_futures:  # each resolves by its own deadline
+                    with contextlib.suppress(RequestError):
+                        future.result(TIMEOUT_S + 5)
+        except BaseException as exc:  # surfaced after the run
+            sdk_error.append(exc)
+
+    stops: list[float] = []
+    try:
+        _until_serving(context, endpoint)
+        sdk = threading.Thread(target=sdk_loop, daemon=True)
+        if "sdk" in kinds:
+            sdk.start()
+        poller = zmq.Poller()
+        n, start = 0, time.monotonic()
+        next_stop = start + warm_s
+        stopped_at: float | None = None
+        done_at: float | None = None
+        while True:
+            now = time.monotonic()
+            if stopped_at is None and len(stops) < rounds and now >= next_stop:
+                brokers[-1].send_signal(signal.SIGTERM)
+                stopped_at = now
+            if stopped_at is not None and brokers[-1].poll() is not None:
+                stops.append(time.monotonic() - stopped_at)
+                generation[0] += 1
+                brokers.append(start_broker(workdir, log))
+                stopped_at = None
+                next_stop = time.monotonic() + warm_s + 1.0
+            if done_at is None and len(stops) == rounds and stopped_at is None:
+                done_at = now + 2.0  # keep sending to the last broker a while
+            if done_at is not None and now >= done_at:
+                break
+            due = start + n / share_rps
+            if now >= due:
+                for client in clients.values():
+                    client.send(generation[0])
+                n += 1
+            for client in clients.values():
+                client.due(now)
+            _read(poller, clients, max(0.0, min(due - time.monotonic(), 0.002)))
+        sending.clear()
+        until = time.monotonic() + TIMEOUT_S / 1000 + 5
+        while any(c.pending for c in clients.values()) and time.monotonic() < until:
+            _read(poller, clients, 0.01)
+            for client in clients.values():
+                client.due(time.monotonic())
+        if "sdk" in kinds:
+            sdk.join(TIMEOUT_S + 10)
+    finally:
+        sending.clear()
+        for broker in brokers:
+            if broker.poll() is None:
+                broker.send_signal(signal.SIGTERM)
+                broker.wait(15)
+        for client in clients.values():
+            client.close()
+        context.destroy(linger=0)
+        log.close()
+    if sdk_error:
+        raise sdk_error[0]
+    lost: dict[str, Counter[int]] = {kind: Counter() for kind in kinds}
+    for kind, client in clients.items():
+        for sent in client.pending.values():
+            lost[kind][sent.generation] += 1
+    sdk_answers: Counter[str] = Counter()
+    for gen, future in sdk_futures:
+        try:
+            future.result(0)
+            sdk_answers["result"] += 1
+        except RequestError as exc:
+            given_up = any(text in str(exc) for text in _GIVEN_UP)
+            sdk_answers["given up" if given_up else type(exc).__name__] += 1
+            if given_up:  # the SDK's own answer: no broker's came
+                lost["sdk"][gen] += 1
+        except TimeoutError:
+            sdk_answers["unresolved"] += 1
+            lost["sdk"][gen] += 1
+    return {
+        "rounds": rounds,
+        "rate_rps": rate_rps,
+        "stops": [
+            {"exit_s": round(s, 3), "lost": {k: lost[k][i] for k in lost}}
+            for i, s in enumerate(stops)
+        ],
+        "lost_after_last_stop": {k: lost[k][len(stops)] for k in lost},
+        "sent": {**{k: c.sent for k, c in clients.items()}, "sdk": len(sdk_futures)},
+        "answers": {
+            **{k: dict(c.answered) for k, c in clients.items()},
+            "sdk": dict(sdk_answers),
+        },
+    }
+
+
+TIMEOUT_S = TIMEOUT_MS / 1000
+#: What the SDK says when it fails a request itself, no broker having answered it.
+_GIVEN_UP = ("connection to the broker closed", "no reply from the broker")
+
+
+def _read(poller: zmq.Poller, clients: dict[str, RawClient], wait_s: float) -> None:
+    """Take what waits on every client's sockets (polling at most ``wait_s``)."""
+    owners: dict[zmq.Socket[bytes], RawClient] = {}
+    for client in clients.values():
+        for sock in client.sockets():
+            owners[sock] = client
+            poller.register(sock, zmq.POLLIN)
+        for _, monitor in client.retired:
+            owners[monitor] = client
+            poller.register(monitor, zmq.POLLIN)
+    try:
+        events = dict(poller.poll(max(0, int(wait_s * 1000))))
+        for sock in events:
+            client = owners[sock]
+            if sock in client.sockets():
+                while sock.poll(0):
+                    client.on_message(sock, sock.recv_multipart())
+            else:
+                client.on_closed()
+    finally:
+        for sock in owners:
+            poller.unregister(sock)
+
+
+def _until_serving(context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
+    probe = RawClient(context, endpoint, follows=True)
+    try:
+        until = time.monotonic() + 30
+        while time.monotonic() < until:
+            probe.send(0)
+            if probe.sock.poll(500):
+                probe.on_message(probe.sock, probe.sock.recv_multipart())
+                if probe.answered["result"]:
+                    return
+        raise RuntimeError("the broker did not answer within 30 s")
+    finally:
+        probe.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rate", type=float, default=1000.0, help="requests/s, all clients")
+    args = parser.parse_args()
+    print(json.dumps(run_stops(args.rounds, args.rate), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""A broker process stopped and started again under load loses no request of a client
+that follows protocol.md §11 (a raw DEALER written from the document, and the SDK):
+5 stops at 1,000 requests/s, counts only (bench/stop_load.py runs the same, and a client
+that ignores the rule as well)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def stop_load() -> Iterator[ModuleType]:
+    """``bench/stop_load.py``, imported as the scripts import their helpers."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("stop_load")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_clients_that_follow_the_rule_lose_nothing_to_five_stops(stop_load: ModuleType) -> None:
+    counts = stop_load.run_stops(rounds=5, rate_rps=1000.0, kinds=("follows", "sdk"))
+    assert len(counts["stops"]) == 5
+    for stop in counts["stops"]:
+        assert stop["lost"] == {"follows": 0, "sdk": 0}, counts
+    assert counts["lost_after_last_stop"] == {"follows": 0, "sdk": 0}, counts
+    for kind in ("follows", "sdk"):
+        assert counts["sent"][kind] > 1000
+        # (the raw client sends again what the next broker refuses OVERLOADED at first)
+        assert counts["answers"][kind]["result"] == counts["sent"][kind], counts
