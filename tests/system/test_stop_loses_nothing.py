@@ -1,10 +1,13 @@
 """A broker process told to stop (SIGTERM) while a client sends at a steady rate answers
-every request it read, and a request it could not read is the client's to send again on
-its next connection (protocol.md §11), with either client. No broker comes back here, so
-such a request fails "connection closed" as soon as its budget no longer allows sending
-it again; none waits for the SDK's own expiry (timeout plus grace), and nothing is sent
-again. (tests/integration/test_client_resend.py has the rule on a scripted socket: too
-little budget left, failed at once; and the broker coming back.)"""
+every request sent on the client's connection; the client leaves that connection at the
+first UNAVAILABLE with retry, and each request refused so is its to send again on its
+next connection (protocol.md §11), with either client. No broker comes back here, so
+such a request fails with the broker's answer ("stopping") as soon as its budget no
+longer allows sending it again; none waits for the SDK's own expiry (timeout plus
+grace), and nothing is sent again. (tests/integration/test_client_resend.py and
+test_client_leaves_a_stopping_broker.py have the rules on a scripted socket: too little
+budget left, failed at once; the broker coming back; the old connection read to the
+end.)"""
 
 from __future__ import annotations
 
@@ -76,8 +79,8 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
             start = time.monotonic()
             stopped_at = None
             n = 0
-            # Send until the client learns that the connection closed (bounded: 10 s).
-            while client.core.lost_connections == 0 and (now := time.monotonic()) - start < 10:
+            # Send until the client leaves the connection (bounded: 10 s).
+            while client.core.switches == 0 and (now := time.monotonic()) - start < 10:
                 if stopped_at is None and now - start > 0.5:
                     broker.send_signal(signal.SIGTERM)
                     stopped_at = now
@@ -87,7 +90,7 @@ def _run(tmp_path: Path, frontend: str, log: BinaryIO) -> None:
                     continue
                 futures.append(client.submit("synthetic", {"x": x}))
                 n += 1
-            assert client.core.lost_connections == 1, "the client never saw the broker go"
+            assert client.core.switches == 1, "the client never left the stopping broker"
             outcomes: Counter[str] = Counter()
             for future in futures:
                 try:
@@ -107,13 +110,15 @@ def _assert_nothing_lost(outcomes: Counter[str], sent: int, client: Client | Asy
     """Every request sent was answered, refused "stopping", or failed because the
     connection closed (at once, or when its budget to be sent again ran out); none waited
     out its timeout, none was sent again (no broker came back), and no reply came after
-    the SDK gave up."""
+    the SDK gave up. The connection the client left was read until the broker had
+    answered every request sent on it: not lost."""
     assert sum(outcomes.values()) == sent
     assert outcomes["answered"] > 0
     assert outcomes["timed out"] == 0, outcomes
     assert set(outcomes) <= {"answered", "stopping", "connection closed"}, outcomes
     assert client.core.resends == 0
     assert client.core.late_replies == 0
+    assert (client.core.switches, client.core.lost_connections) == (1, 0)
 
 
 def test_a_stopping_broker_leaves_no_async_request_to_its_timeout(tmp_path: Path) -> None:
@@ -138,8 +143,8 @@ async def _run_async(frontend: str, broker: subprocess.Popen[bytes]) -> None:
         start = loop.time()
         stopped = False
         n = 0
-        # Send until the client learns that the connection closed (bounded: 10 s).
-        while client.core.lost_connections == 0 and (now := loop.time()) - start < 10:
+        # Send until the client leaves the connection (bounded: 10 s).
+        while client.core.switches == 0 and (now := loop.time()) - start < 10:
             if not stopped and now - start > 0.5:
                 broker.send_signal(signal.SIGTERM)
                 stopped = True
@@ -149,7 +154,7 @@ async def _run_async(frontend: str, broker: subprocess.Popen[bytes]) -> None:
                 continue
             futures.append(await client.submit("synthetic", {"x": x}))
             n += 1
-        assert client.core.lost_connections == 1, "the client never saw the broker go"
+        assert client.core.switches == 1, "the client never left the stopping broker"
         outcomes: Counter[str] = Counter()
         for future in futures:
             try:
