@@ -77,9 +77,7 @@ def test_a_stop_without_a_grace_refuses_every_queued_request() -> None:
     assert [m.rid for m in to_clients(b.result(T0 + 0.1, running)[0])] == [1]
 
 
-def test_every_answer_with_retry_says_how_long_the_stopping_broker_may_still_be_there() -> (
-    None
-):
+def test_every_answer_with_retry_says_how_long_the_stopping_broker_may_still_be_there() -> None:
     """``retry_after_ms``: the time left until ``closes_s``, the latest the server will
     have closed its frontend (begin_stop's, then finish_stop's once the grace is over),
     on the queued requests answered at the stop, on those arriving during it, and at the
