@@ -357,7 +357,7 @@ class BrokerCore:
         ]
         if dispatcher.wake_s:
             times.append(min(dispatcher.wake_s.values()))
-        if dispatcher.dirty or dispatcher.dirty_models:
+        if dispatcher.dirty or dispatcher.dirty_models or dispatcher.freed_models:
             return now
         if not times:
             return None

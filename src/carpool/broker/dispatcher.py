@@ -10,6 +10,13 @@ Two modes: by default each event pumps the queues it touched at once; with
 :meth:`Dispatcher.pump_dirty`, at the end of each loop turn, forms the batches for
 everything that arrived in it (a burst of arrivals leaves as one batch, and the policy
 runs once per queue per turn instead of once per message).
+
+A change of a model's workers (one joined, left, or changed health) pumps every queue of
+the model (:meth:`Dispatcher.pump_models`). A batch that ends only frees a slot
+(:meth:`Dispatcher.pump_freed`): the model's queues are pumped until no worker of the
+model has a free slot left, since a queue pumped then could only shed, and shedding keeps
+its own time (``wake_s``). Pumping them all made the work per batch grow with the number
+of queues (a model with a dynamic item dim has a queue per shape).
 """
 
 from __future__ import annotations
@@ -51,9 +58,11 @@ class Dispatcher:
     registry: WorkerRegistry
     _: KW_ONLY
     defer_pumps: bool = False
-    # Deferred mode: the queues (and the models) events touched since the last turn.
+    # Deferred mode: the queues events touched since the last turn, the models whose
+    # workers changed (every queue), and those a worker freed a slot of (while one is free).
     dirty: dict[RequestKey, None] = field(init=False, default_factory=dict)
     dirty_models: set[str] = field(init=False, default_factory=set)
+    freed_models: set[str] = field(init=False, default_factory=set)
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
     wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
     _inputs: dict[RequestKey, tuple[TensorMeta, ...]] = field(init=False, default_factory=dict)
@@ -82,38 +91,72 @@ class Dispatcher:
         """The broker is stopping: nothing waits to be pumped any more."""
         self.dirty.clear()
         self.dirty_models.clear()
+        self.freed_models.clear()
         self.wake_s.clear()
 
     def pump_models(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
+        """The workers of ``models`` changed (one joined, left, or changed health): pump
+        every queue of them (a queue whose shapes no live worker takes now is answered)."""
         if self.defer_pumps:
-            # Only models with requests waiting: an arrival marks its own queue, and a
-            # model marked with nothing queued would cost the loop an empty turn.
-            queued = self.backlog.queued_samples
-            for model in models:
-                waiting = queued.get(model)
-                if waiting is not None and (waiting[0] or waiting[1]):
-                    self.dirty_models.add(model)
+            self._mark(models, self.dirty_models)
             return
         names = set(models)
         for queue in list(self.backlog.queues.values()):
             if queue.key[0] in names and queue.count:
                 self.pump(now, queue, out)
 
+    def pump_freed(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
+        """A worker of ``models`` finished a batch (it has a slot free): pump their
+        queues while a worker of the model has a slot free."""
+        if self.defer_pumps:
+            self._mark(models, self.freed_models)
+            return
+        for model in models:
+            self._pump_while_free(now, model, out, {})
+
+    def _mark(self, models: Iterable[str], marked: set[str]) -> None:
+        # Only models with requests waiting: an arrival marks its own queue, and a model
+        # marked with nothing queued would cost the loop an empty turn.
+        queued = self.backlog.queued_samples
+        for model in models:
+            waiting = queued.get(model)
+            if waiting is not None and (waiting[0] or waiting[1]):
+                marked.add(model)
+
+    def _pump_while_free(
+        self, now: float, model: str, out: list[Outgoing], pumped: dict[RequestKey, None]
+    ) -> None:
+        """Pump the queues of ``model`` (but those in ``pumped``) until no worker of it
+        has a slot free: a queue pumped then could send nothing."""
+        workers = self.registry.serving(model)
+        for queue in list(self.backlog.queues.values()):
+            if queue.key[0] != model or not queue.count or queue.key in pumped:
+                continue
+            if not any(w.free_slots > 0 for w in workers):
+                return
+            self.pump(now, queue, out)
+
     def pump_dirty(self, now: float, out: list[Outgoing]) -> None:
         """Deferred mode: pump, once each, the queues that messages touched since the last
-        turn (arrivals, and every queue of a model whose workers changed)."""
+        turn (arrivals, and every queue of a model whose workers changed), then those of
+        the models a worker freed a slot of, while one has a slot free."""
         if self.dirty_models:
             models, self.dirty_models = self.dirty_models, set()
+            self.freed_models -= models  # (every queue of theirs is pumped)
             for known in self.backlog.queues.values():
                 if known.key[0] in models and known.count:
                     self.dirty[known.key] = None
-        if not self.dirty:
-            return
-        dirty, self.dirty = self.dirty, {}
-        for key in dirty:
-            queue = self.backlog.queues.get(key)
-            if queue is not None:
-                self.pump(now, queue, out)
+        dirty: dict[RequestKey, None] = {}
+        if self.dirty:
+            dirty, self.dirty = self.dirty, {}
+            for key in dirty:
+                queue = self.backlog.queues.get(key)
+                if queue is not None:
+                    self.pump(now, queue, out)
+        if self.freed_models:
+            freed, self.freed_models = self.freed_models, set()
+            for model in freed:
+                self._pump_while_free(now, model, out, dirty)
 
     def _shed(
         self,

@@ -246,7 +246,7 @@ class WorkerEvents:
             self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
             if result.padding is not None:
                 self.stats.padded(batch.key, batch.samples, result.padding)
-        self.dispatcher.pump_models(now, worker.models, out)
+        self.dispatcher.pump_freed(now, worker.models, out)
 
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
@@ -268,7 +268,7 @@ class WorkerEvents:
             now=now,
         )
         self.fail_batch(batch, failed.code, failed.message, out)
-        self.dispatcher.pump_models(now, worker.models, out)
+        self.dispatcher.pump_freed(now, worker.models, out)
 
     def _take_batch(
         self,

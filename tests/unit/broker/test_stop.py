@@ -77,9 +77,7 @@ def test_a_stop_without_a_grace_refuses_every_queued_request() -> None:
     assert [m.rid for m in to_clients(b.result(T0 + 0.1, running)[0])] == [1]
 
 
-def test_every_answer_with_retry_says_how_long_the_stopping_broker_may_still_be_there() -> (
-    None
-):
+def test_every_answer_with_retry_says_how_long_the_stopping_broker_may_still_be_there() -> None:
     """``retry_after_ms``: the time left until ``closes_s``, the latest the server will
     have closed its frontend (begin_stop's, then finish_stop's once the grace is over),
     on the queued requests answered at the stop, on those arriving during it, and at the
@@ -87,7 +85,7 @@ def test_every_answer_with_retry_says_how_long_the_stopping_broker_may_still_be_
     b = Broker.make(max_batch=2, max_wait_s=0.0)
     b.ready(T0, W1, slots=1)
     now = taught(b) + 1.0
-    (running,) = batches(b.request(now, 1, C1, timeout_ms=60_000))
+    (_running,) = batches(b.request(now, 1, C1, timeout_ms=60_000))
     for rid in (2, 3, 4, 5):
         b.request(now, rid, C1, timeout_ms=60_000)
     out = to_clients(b._turn(now, b.core.begin_stop(now, now + 1.3, now + 3.3)))
@@ -103,7 +101,7 @@ def test_every_answer_with_retry_says_how_long_the_stopping_broker_may_still_be_
     )
     final = to_clients(b._turn(now + 1.3, b.core.finish_stop(now + 1.3, now + 2.3)))
     by_id = {m.rid: m.meta for m in final}
-    assert sorted(by_id) == [1, 2, 3]  # 2 and 3 still waited for the worker
+    assert set(by_id) == {1, 2, 3}  # 2 and 3 still waited for the worker
     assert by_id[1].get("retry") is None  # at a worker: it may have run
     assert "retry_after_ms" not in by_id[1]
     assert all(by_id[r]["retry_after_ms"] == 1000 for r in by_id if r != 1)
