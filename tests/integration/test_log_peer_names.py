@@ -236,10 +236,13 @@ def _plain_lines(
     # the answer at the request's deadline finds nobody.
     client = ClientCore.from_options(ClientOptions())
     gone = dealer(front)
-    gone.send_multipart(client.request(0.0, "m", {"x": np.zeros((1, 3), np.float32)}, 0.2)[1])
+    # (1 s: the ROUTER must have dropped the closed DEALER's pipe before the answer, or
+    # the answer is queued into it and no "gone" comes; 0.2 s was not always enough on a
+    # loaded machine)
+    gone.send_multipart(client.request(0.0, "m", {"x": np.zeros((1, 3), np.float32)}, 1.0)[1])
     _step_until(broker, _got_message(w1), "the request dispatched to w1")
     gone.close(linger=0)
-    _step_until(broker, _written(caplog, "client gone"), "client gone")
+    _step_until(broker, _written(caplog, "client gone"), "client gone", 10)
     # worker gone, worker left: w3 registers and closes; its next heartbeat finds nobody.
     w3 = dealer(back)
     w3.send_multipart(_ready("w3", "g", 3, heartbeat_ms=50))

@@ -10,9 +10,9 @@ Both speak to a broker's frontend and raise the typed errors of
 """
 
 from carpool.client.aio import AsyncClient
-from carpool.client.core import InferResult
 from carpool.client.futures import ReplyFuture
 from carpool.client.options import ClientOptionArgs, ClientOptions
+from carpool.client.results import InferResult
 from carpool.client.sync import Client
 from carpool.common.errors import (
     Cancelled,

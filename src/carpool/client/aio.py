@@ -3,11 +3,10 @@
 Same methods (``submit``, ``infer``, ``stats``, ``cancel``, ``close``) over the same
 ClientCore; one reader task per client completes the futures, and sends what the core
 has for the socket (requests sent again after a lost connection, CANCELs). It reads the
-retiring socket too, the one left when a stopping broker refused a request with
-``retry`` (:mod:`carpool.client.resend`), and opens the new socket in the same step as
-it reads that refusal, with no await between; a send already waiting for room on the old
-socket then (its queue full) still goes there, and that broker answers it. Use it from
-one event loop at a time: a client moves to a new loop once the old one has stopped
+retiring socket too (left at a stopping broker's ``retry``: :mod:`carpool.client.resend`),
+and opens the new socket in the step that reads that refusal, with no await between (a
+send already waiting for room on the old socket still goes there). Use it from one
+event loop at a time: a client moves to a new loop once the old one has stopped
 (``asyncio.run`` after ``asyncio.run``), and refuses a second loop while the first runs.
 """
 
@@ -23,17 +22,10 @@ import zmq
 import zmq.asyncio
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.core import InferResult
 from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.queries import models_in
-from carpool.client.shell import (
-    ClientState,
-    Dealer,
-    close_core,
-    curve_keys,
-    flush,
-    open_core,
-)
+from carpool.client.results import InferResult
+from carpool.client.shell import ClientState, Dealer, close_core, curve_keys, flush, open_core
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.protocol import ModelMetadata, Priority
@@ -356,9 +348,8 @@ class AsyncClient:
             self._poller = self._new_poller()
 
     def _new_poller(self) -> zmq.asyncio.Poller:
-        """A poller of the socket and of its watch's monitor (an asyncio socket:
-        :class:`~carpool.client.shell.ConnectionWatch`), and of the retiring socket and
-        its monitor, if one retires."""
+        """A poller of the socket and its watch's monitor (an asyncio socket: shell.py),
+        and of the retiring socket and its monitor, if one retires."""
         dealer = self._dealer
         poller = zmq.asyncio.Poller()
         poller.register(self.socket, zmq.POLLIN)
@@ -370,11 +361,10 @@ class AsyncClient:
         return poller
 
     async def _connection_lost(self) -> None:
-        """The connection to the broker closed (it stopped, or missed its heartbeats):
-        what it sent before is read, the socket is opened afresh (so that nothing still
-        queued in the old one reaches the broker connected next and is answered twice),
-        and each request still pending on it is sent again on the new one while its
-        budget allows, or fails UNAVAILABLE now (as :class:`carpool.client.Client` does)."""
+        """The connection closed (the broker stopped, or missed its heartbeats): what it
+        sent before is read, the socket opened afresh (nothing queued in the old one
+        reaches the next broker to be answered twice), and each request still pending on
+        it sent again on the new one while its budget allows, or failed UNAVAILABLE now."""
         await self._receive(self.socket)
         self._dealer.reopen()
         self._poller = self._new_poller()
@@ -382,9 +372,9 @@ class AsyncClient:
             self._settle(rid, error)
 
     async def _retiring_lost(self) -> None:
-        """The retiring connection closed (its broker stopped): what it sent before is
-        read, its socket closed, and each request still waiting on it is sent again on
-        the current socket while its budget allows, or fails UNAVAILABLE now."""
+        """The retiring connection closed: what it sent is read, its socket closed, and
+        each request still awaited there sent again on the current socket (budget
+        allowing) or failed UNAVAILABLE now."""
         retiring = self._dealer.retiring
         if retiring is None:
             return

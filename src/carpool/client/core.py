@@ -10,13 +10,12 @@ with :class:`Unavailable` instead of waiting forever.
 
 Sending again, cancelling, connections: what the core keeps of each request until its
 answer, the rules for sending it again or cancelling it, and which connection it went by
-belong to its :class:`~carpool.client.resend.Resender` (``ClientCore.resend``). The core
-tells it of each event (a reply, an UNAVAILABLE with ``retry``, a lost connection, a
-cancel) and hands the twins what it has for the socket (:meth:`ClientCore.outgoing`).
-The twins read from two sockets at most: the current one, and the one *retiring* after a
-stopping broker refused a request with ``retry`` (:attr:`ClientCore.leaving`: open a new
-socket, then :meth:`ClientCore.switched`; :attr:`ClientCore.retiring`: False once nothing
-waits on the old one, which the twin then closes).
+belong to its :class:`~carpool.client.resend.Resender` (``ClientCore.resend``), told of
+each event (a reply, an UNAVAILABLE with ``retry``, a lost connection, a cancel); the
+twins send what it has for the socket (:meth:`ClientCore.outgoing`), and read two
+sockets at most: the current one and the one *retiring* after a stopping broker's
+``retry`` (:attr:`ClientCore.leaving`: open a new socket, then :meth:`ClientCore.switched`;
+:attr:`ClientCore.retiring`: False once nothing waits on the old one, which then closes).
 
 Send window: ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
 away or not reading; past it a send waits for room, for at most :meth:`ClientCore.send_window_s`
@@ -39,6 +38,7 @@ from numpy.typing import ArrayLike, NDArray
 from carpool.client.inputs import encode_inputs
 from carpool.client.queries import Queries
 from carpool.client.resend import Resender
+from carpool.client.results import InferResult
 from carpool.common import codec
 from carpool.common.errors import (
     InternalError,
@@ -80,19 +80,6 @@ _QUERIES = (Command.STATS, Command.METADATA)
 _MAX_LAYOUTS = 256
 
 
-@dataclass(frozen=True, slots=True)
-class InferResult:
-    """The outputs of one request and where its time went."""
-
-    outputs: dict[str, NDArray[Any]]
-    batch_size: int = 0  # samples in the batch this request rode in
-    queue_ms: float = 0.0  # time queued at the broker
-    compute_ms: float = 0.0  # engine time of the batch
-
-    def __getitem__(self, name: str) -> NDArray[Any]:
-        return self.outputs[name]
-
-
 @dataclass(slots=True)
 class ClientCore:
     """Request ids, local deadlines and the wire format for one client connection."""
@@ -117,10 +104,9 @@ class ClientCore:
     shm_outputs: bool = False
     reader: RegionReader | None = None
     _next_sweep_s: float = 0.0
-    #: Connections to the broker that closed (each request then in flight on it sent
-    #: again or failed: :mod:`carpool.client.resend`), the current one or the retiring
-    #: one, and replies that came for a request no longer pending (already failed, timed
-    #: out or answered): dropped, counted here.
+    #: Connections that closed, current or retiring (what was in flight on each sent
+    #: again or failed: resend.py), and replies for a request no longer pending
+    #: (failed, timed out or answered already): dropped, counted here.
     lost_connections: int = 0
     late_replies: int = 0
     # STATS and METADATA requests asked and awaited (ids from the same count as requests').

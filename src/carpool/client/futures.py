@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 from numpy.typing import NDArray
 
-from carpool.client.core import InferResult
+from carpool.client.results import InferResult
 from carpool.common.clock import Clock
 from carpool.common.errors import CarpoolError, RequestError
 

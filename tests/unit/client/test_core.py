@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from carpool.client.core import ClientCore, InferResult
+from carpool.client.core import ClientCore
 from carpool.client.options import ClientOptions
+from carpool.client.results import InferResult
 from carpool.common import codec
 from carpool.common.errors import (
     DeadlineExceeded,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.client.core import ClientCore, InferResult
+from carpool.client.core import ClientCore
 from carpool.client.resend import (
     NEXT_STAGE,
     UNKNOWN_LATENCY_S,
@@ -16,6 +16,7 @@ from carpool.client.resend import (
     Kept,
     Stage,
 )
+from carpool.client.results import InferResult
 from carpool.common import codec
 from carpool.common.errors import Cancelled, ErrorCode, RequestError, Unavailable
 from carpool.common.protocol import (
