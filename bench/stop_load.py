@@ -1,6 +1,7 @@
 """stop_load.py: requests lost to broker stops, by kind of client (protocol.md §11).
 
-A broker process (``carpool broker --embed-synthetic``, on ``ipc://`` endpoints) is
+A broker process (``carpool broker --embed-synthetic``, on ``ipc://`` endpoints, or
+``tcp://127.0.0.1`` with ``--transport tcp``) is
 stopped with SIGTERM and started again, ``--rounds`` times, while clients send at a
 steady rate in all (``--rate``, split evenly among them):
 
@@ -34,6 +35,7 @@ import heapq
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,7 +59,19 @@ _REQUEST, _REPLY, _ERROR = b"CP\x01\x01", b"CP\x01\x02", b"CP\x01\x03"
 _OVERLOADED = 4
 
 
-def start_broker(workdir: Path, log: Any) -> subprocess.Popen[bytes]:
+def endpoints(workdir: Path, transport: str) -> tuple[str, str]:
+    """The frontend and backend every broker of a run binds (the same each restart)."""
+    if transport == "ipc":
+        return f"ipc://{workdir}/fe", f"ipc://{workdir}/be"
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    return f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
+
+
+def start_broker(ends: tuple[str, str], log: Any) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -65,9 +79,9 @@ def start_broker(workdir: Path, log: Any) -> subprocess.Popen[bytes]:
             "carpool",
             "broker",
             "--frontend",
-            f"ipc://{workdir}/fe",
+            ends[0],
             "--backend",
-            f"ipc://{workdir}/be",
+            ends[1],
             "--embed-synthetic",
             "1",
             "0.05",
@@ -202,14 +216,16 @@ def run_stops(
     rate_rps: float = 1000.0,
     warm_s: float = 0.5,
     kinds: tuple[str, ...] = KINDS,
+    transport: str = "ipc",
 ) -> dict[str, Any]:
     """Stop and restart a broker ``rounds`` times under load from clients of ``kinds``
     (``rate_rps`` in all, split evenly); returns the counts."""
     workdir = Path(tempfile.mkdtemp(prefix="carpool-stops-"))
-    endpoint = f"ipc://{workdir}/fe"
+    ends = endpoints(workdir, transport)
+    endpoint = ends[0]
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     log = (workdir / "broker.log").open("wb")
-    brokers = [start_broker(workdir, log)]
+    brokers = [start_broker(ends, log)]
     clients = {
         kind: RawClient(context, endpoint, follows=kind == "follows")
         for kind in kinds
@@ -259,7 +275,7 @@ def run_stops(
             if stopped_at is not None and brokers[-1].poll() is not None:
                 stops.append(time.monotonic() - stopped_at)
                 generation[0] += 1
-                brokers.append(start_broker(workdir, log))
+                brokers.append(start_broker(ends, log))
                 stopped_at = None
                 next_stop = time.monotonic() + warm_s + 1.0
             if done_at is None and len(stops) == rounds and stopped_at is None:
@@ -314,6 +330,7 @@ def run_stops(
     return {
         "rounds": rounds,
         "rate_rps": rate_rps,
+        "transport": transport,
         "stops": [
             {"exit_s": round(s, 3), "lost": {k: lost[k][i] for k in lost}}
             for i, s in enumerate(stops)
@@ -375,8 +392,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rate", type=float, default=1000.0, help="requests/s, all clients")
+    parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     args = parser.parse_args()
-    print(json.dumps(run_stops(args.rounds, args.rate), indent=1))
+    print(json.dumps(run_stops(args.rounds, args.rate, transport=args.transport), indent=1))
 
 
 if __name__ == "__main__":
