@@ -381,3 +381,28 @@ def test_a_worker_survives_a_peer_posing_as_its_broker(kind: str) -> None:
         assert running is worker
     if kind in HEARD_AS_MESSAGES:
         assert worker.core.unreadable["malformed"] > 0  # heard as messages, and dropped
+
+
+def test_a_fault_on_the_brokers_message_makes_the_worker_start_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fault inside the worker on a message from its broker (a bug of ours) is logged
+    with its traceback, and the worker starts over on a new connection (the broker
+    requeues what it held), so no half-done state outlives it; it serves on."""
+    caplog.set_level("ERROR", logger="carpool.worker.server")
+    engines = {"syn": lambda: SyntheticEngine(item_shape=(4,), max_batch=4)}
+    with ServerThread(BrokerServer(loopback_config(max_batch=4, max_wait_s=0.001))) as broker:
+        worker = WorkerServer(broker.backend_endpoint, engines, heartbeat_s=0.1)
+        with ServerThread(worker), Client(broker.frontend_endpoint) as client:
+            wait_for_workers(client, 1)
+            epoch = worker.core.epoch
+            worker.core.on_broker = _fails_first(1, worker.core.on_broker)  # type: ignore[method-assign]
+            clock = MonotonicClock()
+            until = clock.now() + 10
+            while worker.core.epoch == epoch:  # the broker's next heartbeat meets the fault
+                assert clock.now() < until, "the worker did not start over"
+                client.poll(0.02)
+            y = client.infer("syn", {"x": X}, timeout_s=10)["y"]
+            np.testing.assert_array_equal(y, synthetic_output(X))
+    (line,) = [r for r in caplog.records if "a fault on the broker's message" in r.getMessage()]
+    assert line.exc_info is not None

@@ -307,6 +307,26 @@ def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
         assert clock.now() - started < 8.0, _logs(tmp_path)  # < TimeoutStopSec=10s
 
 
+def test_a_broker_stopped_by_a_fault_inside_its_core_exits_1() -> None:
+    """serve() raises BrokerFault after a fault that may have changed the core's state
+    (tests/integration/test_raw_peers.py makes one); ``carpool broker`` then exits 1, not
+    0, so that systemd's Restart=on-failure restarts it."""
+    script = (
+        "import sys\n"
+        "from carpool.broker.server import BrokerFault, BrokerServer\n"
+        "def serve(self, watch=None):\n"
+        "    raise BrokerFault('a fault injected in place of the loop')\n"
+        "BrokerServer.serve = serve\n"
+        "from carpool.cli import main\n"
+        "sys.exit(main(['broker', '--frontend', 'tcp://127.0.0.1:0',"
+        " '--backend', 'tcp://127.0.0.1:0']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+
+
 # ---------------------------------------------------------------------- one-line errors
 
 
