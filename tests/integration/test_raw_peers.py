@@ -344,6 +344,35 @@ def test_a_fault_inside_the_core_after_a_state_change_winds_the_broker_down(
     assert isinstance(faults[0], BrokerFault)
 
 
+def test_a_fault_in_a_tick_winds_the_broker_down(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A fault out of a loop turn that is no message's (the core's tick) stops the
+    broker the same way: wound down, and serve() raises BrokerFault."""
+    broker = BrokerServer(loopback_config(max_batch=4, max_wait_s=0.001))
+    broker.core.on_tick = _fails_first(1, broker.core.on_tick)  # type: ignore[method-assign]
+    faults: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            broker.serve()
+        except BaseException as exc:
+            faults.append(exc)
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+    try:
+        with contextlib.closing(_raw_dealer(context, broker.frontend_endpoint)):
+            serving.join(10)  # (a connection wakes the loop: that turn's tick fails)
+        assert not serving.is_alive()  # it stopped by itself
+    finally:
+        broker.stop()
+        serving.join(10)
+        broker.close()
+    assert broker.core.stopping
+    assert len(faults) == 1
+    assert isinstance(faults[0], BrokerFault)
+    assert "injected fault" in str(faults[0])
+
+
 # ---------------------------------------------------------------- a peer posing as the broker
 
 

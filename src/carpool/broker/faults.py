@@ -12,7 +12,8 @@
   DISCONNECT with its batches requeued), logged with its traceback, and the loop goes on
   (:meth:`FaultPolicy.after_fault`). Otherwise it raises :class:`Fault`: the server logs
   it and stops through its wind-down, answering what it holds, and ``serve`` raises
-  :class:`BrokerFault` (the process exits 1, so systemd restarts it). A fault half-way
+  :class:`BrokerFault` (the process exits 1, so systemd restarts it). Any other
+  exception out of a loop turn (a tick's, the server's own) stops it the same way. A fault half-way
   through a state change is never swallowed: that could leak a request or answer it
   twice.
 """
@@ -56,6 +57,18 @@ class FaultPolicy:
         #: The fault that stops the broker (None: none yet).
         self.fatal: BaseException | None = None
 
+    def stop_for(self, exc: BaseException) -> None:
+        """A fault that may have left the broker's state half-changed (inside the core,
+        or anywhere else in a loop turn): logged with its traceback; the server stops,
+        answering what it holds, and ``serve`` raises :class:`BrokerFault`."""
+        if self.fatal is None:
+            self.fatal = exc
+        logger.critical(
+            "a fault in the broker's loop may have left its state half-changed (a bug); "
+            "stopping, answering what it holds, so that it is restarted",
+            exc_info=exc,
+        )
+
     def unreadable(self, endpoint: str, kind: str, exc: BaseException) -> None:
         """A message on ``endpoint`` that could not be read (``kind``): dropped, counted,
         logged (with its traceback the first time of each kind; rate-limited)."""
@@ -86,12 +99,7 @@ class FaultPolicy:
         nothing); else raise :class:`Fault`."""
         core = self._core
         if core.changes() != mark:
-            self.fatal = exc
-            logger.critical(
-                "a fault inside the broker's core may have left its state half-changed "
-                "(a bug); stopping, answering what it holds, so that it is restarted",
-                exc_info=exc,
-            )
+            self.stop_for(exc)
             raise Fault from exc
         core.stats.core_faults += 1
         self._log_fault(

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
 
 import zmq
 
@@ -118,7 +118,7 @@ class BrokerServer:
                 config.backend,
                 peer_heartbeat_s=config.peer_heartbeat_s,
                 peer_timeout_s=config.peer_timeout_s,
-                secure=_guard_workers if auth is None else auth.secure_backend,
+                secure=partial(Door.guard, domain=WORKERS) if auth is None else auth.secure_backend,
             )
         except ConfigError:
             self._frontend.close(0)
@@ -337,12 +337,14 @@ class BrokerServer:
 
         Raises:
             BrokerFault: a fault inside the core may have changed its state; the broker
-                wound down first (the module docstring).
+                wound down first (faults.py).
         """
         try:
             while not self._stopping:
                 self.step(None if watch is None else watch.turn(self.clock.now()))
-        except Fault:
+        except Exception as exc:  # (a Fault is logged already: faults.py)
+            if not isinstance(exc, Fault):
+                self._faults.stop_for(exc)
             self._stopping = True
         if watch is not None:
             watch.stopping()
@@ -399,7 +401,9 @@ class BrokerServer:
                 return
             try:
                 self.step(timeout_s=left)
-            except Fault:
+            except Exception as exc:
+                if not isinstance(exc, Fault):
+                    self._faults.stop_for(exc)
                 return
 
     @property
@@ -441,8 +445,3 @@ class BrokerServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _guard_workers(sock: zmq.Socket[Any]) -> None:
-    """Without CURVE: the backend's new connections ask the door (auth.py)."""
-    Door.guard(sock, WORKERS)
