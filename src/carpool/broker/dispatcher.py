@@ -165,9 +165,9 @@ class Dispatcher:
         out: list[Outgoing],
         caps: dict[WorkerId, Capacity],
     ) -> float | None:
-        """Answer the queue's hopeless requests now; return when the next one turns
-        hopeless (None if that cannot be predicted). ``caps`` collects the workers'
-        capacities for the rest of the pump."""
+        """Answer the queue's hopeless requests now; return when to look again, at or
+        before the moment the next one turns hopeless (None if that cannot be
+        predicted). ``caps`` collects the workers' capacities for the rest of the pump."""
         model = queue.key[0]
         policy = self.fleet.policy(model)
         workers = self.registry.admitting(queue.key)
@@ -176,12 +176,13 @@ class Dispatcher:
         # Hopeless against the best worker: its earliest start plus the smallest batch the
         # policy would run there.
         key = queue.key
-        lead_s = math.inf
+        lead_s = ready_s = math.inf
         for w in workers:
             capacity = caps.get(w.wid)
             if capacity is None:
                 capacity = caps[w.wid] = self.fleet.capacity(now, w, key)
             lead_s = min(lead_s, policy.shed_before(now, capacity) - now)
+            ready_s = min(ready_s, capacity.ready_in_s)
         if lead_s <= 0:
             return None
         for req in queue.shed(now + lead_s, self.book.move):
@@ -190,7 +191,15 @@ class Dispatcher:
             msg = "deadline cannot be met: predicted completion lies past it"
             out.append(self.replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
         nxt = queue.earliest_deadline()
-        return None if nxt is None else nxt.deadline_s - lead_s
+        if nxt is None:
+            return None
+        # While a worker is busy its predicted start does not move with the clock, so the
+        # verdict cannot change before the soonest predicted free time (or a RESULT, which
+        # pumps): "deadline - lead" alone, re-read at each wake-up, would stay the same
+        # slack ahead of the clock and wake the queue again and again. Never later than
+        # the moment the request turns hopeless (deadline - a batch of one's cost, at the
+        # worker that makes it last): that moment is at or after both.
+        return max(nxt.deadline_s - lead_s, now + ready_s)
 
     def pump(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> None:
         """Shed what cannot make it, then send every batch the policy lets leave now."""
