@@ -136,9 +136,10 @@ def admit(
         # The SLA countdown at the door: the predicted completion (the soonest a worker
         # is free, the work queued ahead, then this request's batch) held against the
         # deadline less the model's headroom, as the policy holds its batches: say now
-        # what would only be shed later.
-        ahead = backlog.samples_ahead(model, priority)
-        completion = fleet.completion(now, model, layout.key, ahead + samples)
+        # what would only be shed later. The work ahead: its own queue's samples, and
+        # the batches the model's other queues (other shapes or buckets) will form.
+        own, batches = backlog.ahead(layout.key, priority)
+        completion = fleet.completion(now, model, layout.key, own + samples, batches)
         budget_s = (1.0 - fleet.batching_for(model).admit_headroom) * timeout_s
         if completion is not None and policy.refuses(*completion, budget_s):
             finish_s = completion[0]

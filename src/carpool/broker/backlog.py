@@ -1,15 +1,23 @@
 """backlog.py: Backlog — every request the broker holds that has not left for a worker.
 
-Pure: no sockets, threads or clocks. The queues by request key, the deadline heap of every
+Pure: no sockets, threads or clocks. The queues by request key, each model's queues in
+urgency order (:class:`~carpool.broker.urgency.QueueOrder`), the deadline heap of every
 live request (queued or in flight), and the counts the door and the STATS reply read:
-requests and payload bytes queued, and samples queued per model and priority.
+requests and payload bytes queued, samples queued per model and priority, and the
+batches each model's queues will form (:meth:`Backlog.ahead`).
+
+Batches are counted per request key, in units of the batch its queue forms under a
+backlog (``batch_unit``: its model's B_max cap within the largest batch a live worker
+of it takes), and kept per model incrementally as requests come and go: O(1) a request.
+``recount`` recounts a model's keys when its workers change (their limits may).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
-from carpool.broker.batcher import DeadlineHeap, RequestQueue
+from carpool.broker.batcher import BatchTally, DeadlineHeap, RequestQueue
 from carpool.broker.requests import (
     ClientId,
     PendingRequest,
@@ -17,21 +25,33 @@ from carpool.broker.requests import (
     RequestKey,
     RequestState,
 )
+from carpool.broker.urgency import QueueOrder
 
 _QUEUED = RequestState.QUEUED
+
+
+def _one_sample(key: RequestKey) -> int:
+    return 1
 
 
 class Backlog:
     """The queued requests and their counts; see the module docstring."""
 
-    def __init__(self, book: RequestBook) -> None:
+    def __init__(
+        self, book: RequestBook, batch_unit: Callable[[RequestKey], int] = _one_sample
+    ) -> None:
         self._book = book
+        #: The samples of a batch of ``key`` under a backlog (the core's FleetModel says).
+        self.batch_unit = batch_unit
         self.queues: dict[RequestKey, RequestQueue] = {}
+        self.order = QueueOrder()
         self.deadlines = DeadlineHeap()
         self.queued = 0
         self.queued_bytes = 0  # payload bytes of the queued requests
         # Queued samples per model, by priority (interactive, bulk): admission estimates.
         self.queued_samples: dict[str, list[int]] = {}
+        # Per model, the batches its queues will form: of interactive samples, of all.
+        self.queued_batches: dict[str, list[int]] = {}
         # Set by begin_stop: new requests are refused and nothing is requeued.
         self.stopping = False
         # While stopping: when the broker closes its frontend at the latest (the core's
@@ -59,34 +79,118 @@ class Backlog:
         if queue is None:
             queue = self.queues[req.key] = RequestQueue(req.key)
         queue.arrive(req)
+        priority, samples = req.priority, req.samples
+        rank = queue.ranks[priority]
+        if rank is None or req.deadline_s <= rank[0]:  # (QueueOrder.arrived, its test first)
+            self.order.arrived(queue, req)
         self._book.enter(req)
         self.queued += 1
         self.queued_bytes += req.nbytes
-        per_model = self.queued_samples.setdefault(req.model, [0, 0])
-        per_model[req.priority] += req.samples
+        per_model = self.queued_samples.get(req.model)
+        if per_model is None:
+            per_model = self.queued_samples[req.model] = [0, 0]
+        per_model[priority] += samples
+        tally = queue.tally or self._tally(queue)
+        if priority:
+            tally.add(0, samples)
+        else:
+            tally.add(samples, 0)
         self.deadlines.push(req)
         return queue
 
     def enqueued(self, req: PendingRequest) -> None:
         self.queued += 1
         self.queued_bytes += req.nbytes
-        per_model = self.queued_samples.setdefault(req.model, [0, 0])
+        per_model = self.queued_samples.get(req.model)
+        if per_model is None:
+            per_model = self.queued_samples[req.model] = [0, 0]
         per_model[req.priority] += req.samples
+        queue = self.queues[req.key]
+        tally = queue.tally or self._tally(queue)
+        if req.priority:
+            tally.add(0, req.samples)
+        else:
+            tally.add(req.samples, 0)
 
     def dequeued(self, req: PendingRequest) -> None:
         self.queued -= 1
         self.queued_bytes -= req.nbytes
         self.queued_samples[req.model][req.priority] -= req.samples
+        tally = self.queues[req.key].tally
+        assert tally is not None  # (counted when it joined)
+        if req.priority:
+            tally.add(0, -req.samples)
+        else:
+            tally.add(-req.samples, 0)
+
+    def _tally(self, queue: RequestQueue) -> BatchTally:
+        model = queue.key[0]
+        totals = self.queued_batches.get(model)
+        if totals is None:
+            totals = self.queued_batches[model] = [0, 0]
+        tally = queue.tally = BatchTally(self.batch_unit(queue.key), totals)
+        return tally
+
+    def recount(self, models: Iterable[str]) -> None:
+        """The workers of ``models`` changed: count their keys' batches in their units now."""
+        names = set(models)
+        for key, queue in self.queues.items():
+            if key[0] in names and queue.tally is not None:
+                queue.tally.unit = self.batch_unit(key)
+                queue.tally.recount()
+
+    def alone(self, queue: RequestQueue) -> bool:
+        """Whether no queue of its model but ``queue`` holds a request."""
+        tally = queue.tally
+        if tally is None:
+            totals = self.queued_batches.get(queue.key[0])
+            return totals is None or totals[1] == 0
+        return tally.totals[1] == tally.every
+
+    def ahead(self, key: RequestKey, priority: int) -> tuple[int, int]:
+        """What a new request of ``key`` and ``priority`` waits behind (at most): the
+        queued samples of its own key, and the batches the model's other keys will form
+        (their samples of its priority or higher, in batches of each key's unit)."""
+        queue = self.queues.get(key)
+        tally = None if queue is None else queue.tally
+        if tally is None:
+            totals = self.queued_batches.get(key[0])
+            return 0, 0 if totals is None else totals[1 if priority else 0]
+        if priority:
+            return tally.interactive + tally.bulk, tally.totals[1] - tally.every
+        return tally.interactive, tally.totals[0] - tally.first
 
     def dequeued_all(self, requests: list[PendingRequest]) -> None:
         """:meth:`dequeued` for each of ``requests`` (a batch taken from one queue)."""
-        nbytes = 0
-        per_model = self.queued_samples
+        if not requests:
+            return
+        nbytes = interactive = bulk = 0
         for req in requests:
             nbytes += req.nbytes
-            per_model[req.model][req.priority] -= req.samples
+            if req.priority:
+                bulk += req.samples
+            else:
+                interactive += req.samples
         self.queued -= len(requests)
         self.queued_bytes -= nbytes
+        first = requests[0]
+        per_model = self.queued_samples[first.model]
+        per_model[0] -= interactive
+        per_model[1] -= bulk
+        tally = self.queues[first.key].tally
+        assert tally is not None  # (counted when they joined)
+        tally.add(-interactive, -bulk)
+
+    def drop(self, key: RequestKey) -> None:
+        """Forget an idle queue (it holds no request)."""
+        queue = self.queues.pop(key)
+        # Out of the urgency index: its stale views may hold a request that a new queue of
+        # its key takes back later (a lost worker's).
+        queue.ranks[0] = queue.ranks[1] = None
+        tally = queue.tally
+        if tally is not None:  # (it counts nothing, unless a count went wrong: undo that)
+            tally.interactive = tally.bulk = 0
+            tally.recount()
 
     def forget_model(self, model: str) -> list[RequestKey]:
         """Drop a model's queues and counts, none of which holds a request (the model is
@@ -95,8 +199,10 @@ class Backlog:
         for key in keys:
             if self.queues[key].count:
                 raise ValueError(f"queue {key} still holds requests")
-            del self.queues[key]
+            self.drop(key)
         self.queued_samples.pop(model, None)
+        self.queued_batches.pop(model, None)
+        self.order.forget(model)
         return keys
 
     def held(self, client: ClientId) -> tuple[int, int]:
@@ -113,5 +219,7 @@ class Backlog:
     def requeue(self, req: PendingRequest) -> None:
         """Put a dispatched request back at the front of its queue (its worker was lost)."""
         self._book.move(req, _QUEUED)
-        self.queue(req.key).push_front(req)
+        queue = self.queue(req.key)
+        queue.push_front(req)
+        self.order.arrived(queue, req)
         self.enqueued(req)

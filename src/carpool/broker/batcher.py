@@ -29,10 +29,12 @@ from carpool.broker.requests import (
 from carpool.common.protocol import Priority, TensorMeta
 
 __all__ = [
+    "BatchTally",
     "ClientId",
     "DeadlineHeap",
     "Mover",
     "PendingRequest",
+    "Rank",
     "RequestKey",
     "RequestQueue",
     "RequestState",
@@ -59,12 +61,45 @@ def request_key(model: str, inputs: Sequence[TensorMeta]) -> RequestKey:
 
 
 _Entry = tuple[float, int, PendingRequest]  # (deadline, seq, request)
+#: A queue's entry in its model's urgency index (:mod:`carpool.broker.urgency`), per
+#: priority: the (deadline, seq) of the head it was indexed with, a tie-break, the queue.
+Rank = tuple[float, int, int, "RequestQueue"]
 
 
 def _live_head(heap: list[_Entry]) -> PendingRequest | None:
     while heap and heap[0][2].state is not _QUEUED:
         heapq.heappop(heap)
     return heap[0][2] if heap else None
+
+
+class BatchTally:
+    """A queue's samples by priority and the batches counted for them in units of ``unit``
+    samples (of its interactive samples, of all), summed in its model's ``totals``: the
+    backlog's count (:meth:`carpool.broker.backlog.Backlog.ahead`), kept on the queue so
+    that a request costs no lookup."""
+
+    __slots__ = ("bulk", "every", "first", "interactive", "totals", "unit")
+
+    def __init__(self, unit: int, totals: list[int]) -> None:
+        self.unit = unit
+        self.totals = totals
+        self.interactive = self.bulk = self.first = self.every = 0
+
+    def add(self, interactive: int, bulk: int) -> None:
+        """Samples joined (or, negative, left) the key's queue: recount its batches."""
+        self.interactive = mine = self.interactive + interactive
+        self.bulk += bulk
+        unit, totals = self.unit, self.totals
+        first = -(-mine // unit)
+        every = -(-(mine + self.bulk) // unit)
+        totals[0] += first - self.first
+        totals[1] += every - self.every
+        self.first = first
+        self.every = every
+
+    def recount(self) -> None:
+        """Count again (its ``unit`` changed)."""
+        self.add(0, 0)
 
 
 @dataclass(slots=True)
@@ -81,6 +116,10 @@ class RequestQueue:
     _short: deque[tuple[float, int]] = field(default_factory=deque)
     _long_samples: int = 0
     _short_samples: int = 0
+    # Its current entries in the urgency index, interactive and bulk (that index's own).
+    ranks: list[Rank | None] = field(default_factory=lambda: [None, None])
+    # What the backlog counts of it (None until a request joins).
+    tally: BatchTally | None = None
 
     #: Windows of the arrival rate: the long one is steady, the short one sees a burst.
     LONG_WINDOW_S = 1.0
@@ -139,6 +178,11 @@ class RequestQueue:
         while items and items[0].state is not _QUEUED:
             items.popleft()
         return items[0] if items else None
+
+    def head_of(self, priority: int) -> PendingRequest | None:
+        """The queued request of ``priority`` (0 interactive, 1 bulk) with the earliest
+        deadline."""
+        return _live_head(self._heaps[priority])
 
     def earliest_deadline(self) -> PendingRequest | None:
         """The queued request with the earliest deadline, any priority."""

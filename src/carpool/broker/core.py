@@ -11,7 +11,9 @@ The parts, one concern each (composed here, none inherits from another):
 - :class:`~carpool.broker.backlog.Backlog`: the queues, the deadline heap, queued counts;
 - :class:`~carpool.broker.inflight.InflightTable`: the batches at workers;
 - :class:`~carpool.broker.fleet.FleetModel`: per-model policies, workers' lanes, capacities;
-- :class:`~carpool.broker.dispatcher.Dispatcher`: the pump, shedding and dispatch;
+- :class:`~carpool.broker.dispatcher.Dispatcher`: a queue's pump, shedding and dispatch;
+- :class:`~carpool.broker.pumps.Pumps`: which queues are pumped when, and in which order
+  (a free slot goes to the most urgent queue of its model first);
 - :class:`~carpool.broker.intake.ClientIntake`: client messages, validated, then let in or
   refused by the pure :func:`~carpool.broker.admission.admit`;
 - :class:`~carpool.broker.holding.HeldRequests`: just after a start, requests for an
@@ -48,6 +50,7 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import Arrival, ClientIntake
+from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies, Side, ToClient, ToWorker, disconnect
 from carpool.broker.requests import ClientId, RequestBook
@@ -88,10 +91,12 @@ class BrokerCore:
             watchdog_factor=config.watchdog_factor, watchdog_slack_s=config.watchdog_slack_s
         )
         self.fleet = fleet = FleetModel(config, registry, inflight)
+        backlog.batch_unit = fleet.batch_unit
         self.replies = replies = Replies(stats, backlog, fleet)
         self.dispatcher = dispatcher = Dispatcher(
-            book, backlog, inflight, fleet, replies, stats, registry, defer_pumps=defer_pumps
+            book, backlog, inflight, fleet, replies, stats, registry
         )
+        self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet, defer_pumps=defer_pumps)
         self.holding = holding = HeldRequests(config, backlog, replies)
         self.resends = resends = Resends(book, holding, backlog, dispatcher, replies, stats)
         self.intake = intake = ClientIntake(
@@ -101,13 +106,14 @@ class BrokerCore:
             backlog,
             fleet,
             dispatcher,
+            pumps,
             replies,
             self.snapshot,
             holding,
             resends,
         )
         self.workers = workers = WorkerEvents(
-            config, registry, stats, book, backlog, inflight, fleet, dispatcher, replies, intake
+            config, registry, stats, book, backlog, inflight, fleet, pumps, replies, intake
         )
         #: The REQUEST decoder with the layouts its fast path knows (the intake's).
         self.request_decoder = intake.request_decoder
@@ -122,7 +128,7 @@ class BrokerCore:
 
     @property
     def defer_pumps(self) -> bool:
-        return self.dispatcher.defer_pumps
+        return self.pumps.defer_pumps
 
     @property
     def recording(self) -> list[Arrival] | None:
@@ -227,7 +233,7 @@ class BrokerCore:
                 else:
                     answer(queue, req, ErrorCode.UNAVAILABLE, msg, out, now)
         if until_s is None:
-            self.dispatcher.stop()
+            self.pumps.stop()
         return out
 
     def finish_stop(self, now: float, closes_s: float | None = None) -> list[Outgoing]:
@@ -297,14 +303,13 @@ class BrokerCore:
         due_s = self.inflight.next_due_s()
         if due_s is not None and due_s <= now:
             self.workers.on_watchdog(now, out)
-        queues = self.backlog.queues
-        for key in touched:  # what waited behind an expired request, now the fleet is known
-            dispatcher.pump(now, queues[key], out)
-        dispatcher.pump_dirty(now, out)
+        # What waited behind an expired request (now the fleet is known), and the queues
+        # whose wake-up has come, pumped with the turn's other work, most urgent first.
         wake_s = dispatcher.wake_s
-        if wake_s:
-            for key in [k for k, t in wake_s.items() if t <= now]:
-                dispatcher.pump(now, queues[key], out)
+        due = [k for k, t in wake_s.items() if t <= now] if wake_s else []
+        if touched:
+            due.extend(touched)
+        self.pumps.pump_dirty(now, out, due)
         if self.holding.count:
             self.holding.on_tick(now, out)
         if now >= self._sweep_s:
@@ -357,7 +362,8 @@ class BrokerCore:
         ]
         if dispatcher.wake_s:
             times.append(min(dispatcher.wake_s.values()))
-        if dispatcher.dirty or dispatcher.dirty_models or dispatcher.freed_models:
+        pumps = self.pumps
+        if pumps.dirty or pumps.dirty_models or pumps.freed_models:
             return now
         if not times:
             return None

@@ -1,37 +1,24 @@
-"""dispatcher.py: Dispatcher — how and where batches leave the queues.
+"""dispatcher.py: Dispatcher — how and where batches leave a queue.
 
-Pure: ``now`` comes in; no sockets or clocks. The pump asks each queue's policy
+Pure: ``now`` comes in; no sockets or clocks. A pump of one queue asks its policy
 (:mod:`carpool.broker.policy`) whether a batch leaves now, sheds the requests that cannot
 make their deadline, picks the worker (credits, predicted backlog, batch limit) and
-builds its BATCH. Deadlines that pass are answered here too, queued or in flight.
-
-Two modes: by default each event pumps the queues it touched at once; with
-``defer_pumps=True`` (the server's mode) events only mark what changed and
-:meth:`Dispatcher.pump_dirty`, at the end of each loop turn, forms the batches for
-everything that arrived in it (a burst of arrivals leaves as one batch, and the policy
-runs once per queue per turn instead of once per message).
-
-A change of a model's workers (one joined, left, or changed health) pumps every queue of
-the model (:meth:`Dispatcher.pump_models`). A batch that ends only frees a slot
-(:meth:`Dispatcher.pump_freed`): the model's queues are pumped until no worker of the
-model has a free slot left, since a queue pumped then could only shed, and shedding keeps
-its own time (``wake_s``). Pumping them all made the work per batch grow with the number
-of queues (a model with a dynamic item dim has a queue per shape).
+builds its BATCH. Deadlines that pass are answered here too, queued or in flight. Which
+queues are pumped when, and in which order, is :mod:`carpool.broker.pumps`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
 from carpool.broker.dispatched import DispatchedBatch, batch_inputs
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.policy import Capacity, Dispatch
+from carpool.broker.policy import Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, Replies, ToWorker
 from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
@@ -56,13 +43,6 @@ class Dispatcher:
     replies: Replies
     stats: BrokerStats
     registry: WorkerRegistry
-    _: KW_ONLY
-    defer_pumps: bool = False
-    # Deferred mode: the queues events touched since the last turn, the models whose
-    # workers changed (every queue), and those a worker freed a slot of (while one is free).
-    dirty: dict[RequestKey, None] = field(init=False, default_factory=dict)
-    dirty_models: set[str] = field(init=False, default_factory=set)
-    freed_models: set[str] = field(init=False, default_factory=set)
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
     wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
     _inputs: dict[RequestKey, tuple[TensorMeta, ...]] = field(init=False, default_factory=dict)
@@ -83,80 +63,13 @@ class Dispatcher:
             if q.count == 0 and q.head() is None and q.arrival_sps(now) == 0
         ]
         for key in idle:
-            del queues[key]
+            self.backlog.drop(key)
             self.forget(key)
         self.fleet.rates.clear()
 
     def stop(self) -> None:
-        """The broker is stopping: nothing waits to be pumped any more."""
-        self.dirty.clear()
-        self.dirty_models.clear()
-        self.freed_models.clear()
+        """The broker is stopping: no queue waits for a wake-up any more."""
         self.wake_s.clear()
-
-    def pump_models(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
-        """The workers of ``models`` changed (one joined, left, or changed health): pump
-        every queue of them (a queue whose shapes no live worker takes now is answered)."""
-        if self.defer_pumps:
-            self._mark(models, self.dirty_models)
-            return
-        names = set(models)
-        for queue in list(self.backlog.queues.values()):
-            if queue.key[0] in names and queue.count:
-                self.pump(now, queue, out)
-
-    def pump_freed(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
-        """A worker of ``models`` finished a batch (it has a slot free): pump their
-        queues while a worker of the model has a slot free."""
-        if self.defer_pumps:
-            self._mark(models, self.freed_models)
-            return
-        for model in models:
-            self._pump_while_free(now, model, out, {})
-
-    def _mark(self, models: Iterable[str], marked: set[str]) -> None:
-        # Only models with requests waiting: an arrival marks its own queue, and a model
-        # marked with nothing queued would cost the loop an empty turn.
-        queued = self.backlog.queued_samples
-        for model in models:
-            waiting = queued.get(model)
-            if waiting is not None and (waiting[0] or waiting[1]):
-                marked.add(model)
-
-    def _pump_while_free(
-        self, now: float, model: str, out: list[Outgoing], pumped: dict[RequestKey, None]
-    ) -> None:
-        """Pump the queues of ``model`` (but those in ``pumped``) until no worker of it
-        has a slot free: a queue pumped then could send nothing."""
-        workers = self.registry.serving(model)
-        for queue in list(self.backlog.queues.values()):
-            if queue.key[0] != model or not queue.count or queue.key in pumped:
-                continue
-            if not any(w.free_slots > 0 for w in workers):
-                return
-            self.pump(now, queue, out)
-
-    def pump_dirty(self, now: float, out: list[Outgoing]) -> None:
-        """Deferred mode: pump, once each, the queues that messages touched since the last
-        turn (arrivals, and every queue of a model whose workers changed), then those of
-        the models a worker freed a slot of, while one has a slot free."""
-        if self.dirty_models:
-            models, self.dirty_models = self.dirty_models, set()
-            self.freed_models -= models  # (every queue of theirs is pumped)
-            for known in self.backlog.queues.values():
-                if known.key[0] in models and known.count:
-                    self.dirty[known.key] = None
-        dirty: dict[RequestKey, None] = {}
-        if self.dirty:
-            dirty, self.dirty = self.dirty, {}
-            for key in dirty:
-                queue = self.backlog.queues.get(key)
-                if queue is not None:
-                    self.pump(now, queue, out)
-        if self.freed_models:
-            freed, self.freed_models = self.freed_models, set()
-            for model in freed:
-                self._pump_while_free(now, model, out, dirty)
 
     def _shed(
         self,
@@ -165,9 +78,9 @@ class Dispatcher:
         out: list[Outgoing],
         caps: dict[WorkerId, Capacity],
     ) -> float | None:
-        """Answer the queue's hopeless requests now; return when the next one turns
-        hopeless (None if that cannot be predicted). ``caps`` collects the workers'
-        capacities for the rest of the pump."""
+        """Answer the queue's hopeless requests now; return when to look again, at or
+        before the moment the next one turns hopeless (None if that cannot be
+        predicted). ``caps`` collects the workers' capacities for the rest of the pump."""
         model = queue.key[0]
         policy = self.fleet.policy(model)
         workers = self.registry.admitting(queue.key)
@@ -176,12 +89,14 @@ class Dispatcher:
         # Hopeless against the best worker: its earliest start plus the smallest batch the
         # policy would run there.
         key = queue.key
-        lead_s = math.inf
+        lead_s = ready_s = math.inf
         for w in workers:
             capacity = caps.get(w.wid)
             if capacity is None:
                 capacity = caps[w.wid] = self.fleet.capacity(now, w, key)
             lead_s = min(lead_s, policy.shed_before(now, capacity) - now)
+            if capacity.ready_in_s < ready_s:
+                ready_s = capacity.ready_in_s
         if lead_s <= 0:
             return None
         for req in queue.shed(now + lead_s, self.book.move):
@@ -190,10 +105,19 @@ class Dispatcher:
             msg = "deadline cannot be met: predicted completion lies past it"
             out.append(self.replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
         nxt = queue.earliest_deadline()
-        return None if nxt is None else nxt.deadline_s - lead_s
+        if nxt is None:
+            return None
+        # While a worker is busy its predicted start does not move with the clock, so the
+        # verdict cannot change before the soonest predicted free time (or a RESULT, which
+        # pumps): "deadline - lead" alone, re-read at each wake-up, would stay the same
+        # slack ahead of the clock and wake the queue again and again. Never later than
+        # the moment the request turns hopeless (deadline - a batch of one's cost, at the
+        # worker that makes it last): that moment is at or after both.
+        return max(nxt.deadline_s - lead_s, now + ready_s)
 
-    def pump(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> None:
-        """Shed what cannot make it, then send every batch the policy lets leave now."""
+    def pump(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> int:
+        """Shed what cannot make it, then send every batch the policy lets leave now;
+        returns how many left."""
         model = queue.key[0]
         policy = self.fleet.policy(model)
         self.wake_s.pop(queue.key, None)
@@ -205,10 +129,11 @@ class Dispatcher:
         caps: dict[WorkerId, Capacity] = {}
         shed_at = self._shed(now, queue, out, caps)
         released = 0  # samples the policy let leave now, still to share among idle workers
+        sent = 0
         while True:
             head = queue.head()
             if head is None:
-                return
+                return sent
             worker = self.registry.best_free(queue.key, 1)
             if worker is None:
                 if not self.registry.limit(queue.key) and self.registry.serving(model):
@@ -216,18 +141,16 @@ class Dispatcher:
                     # not let it wait for its deadlines.
                     for req in list(queue):
                         self._unservable(queue, req, out)
-                    return
+                    return sent
                 # A RESULT, READY or worker loss will pump again; meanwhile shed on time.
                 if shed_at is not None:
                     self.wake_s[queue.key] = shed_at
-                return
+                return sent
             capacity = caps.get(worker.wid) or self.fleet.capacity(now, worker, queue.key)
             # The request the batch starts with, and the most urgent one it must respect.
             promote_s = 0.0
             if policy.edf:
-                promote_s = (
-                    2 * (capacity.cost.estimate(capacity.max_batch) + capacity.ready_in_s) + 0.01
-                )
+                promote_s = promotion_s(capacity)
                 first = queue.next_edf(now, promote_s)
                 urgent = queue.earliest_deadline()
             else:
@@ -246,7 +169,7 @@ class Dispatcher:
                     # keeps its own time.
                     if shed_at is not None:
                         self.wake_s[queue.key] = shed_at
-                    return
+                    return sent
                 worker, capacity = bigger, self.fleet.capacity(now, bigger, queue.key)
             engine_max = worker.lanes[model].max_batch
             if released > 0:
@@ -258,7 +181,7 @@ class Dispatcher:
                 if not isinstance(decision, Dispatch):
                     wake = decision.t if shed_at is None else min(decision.t, shed_at)
                     self.wake_s[queue.key] = wake
-                    return
+                    return sent
                 # A request larger than the policy's size still travels alone rather than
                 # starve; `first` is taken first either way, so a batch is never empty.
                 leaving = min(engine_max, max(decision.max_samples, first.samples))
@@ -282,6 +205,7 @@ class Dispatcher:
                 if not requests:
                     continue
             out.append(self._dispatch(now, worker, queue.key, requests, capacity))
+            sent += 1
             caps.pop(worker.wid, None)  # its backlog and credits changed
 
     def _unservable(self, queue: RequestQueue, req: PendingRequest, out: list[Outgoing]) -> None:

@@ -130,13 +130,17 @@ class FleetModel:
         rate_sps = self._rate(model, key).samples_per_s
         return samples / rate_sps if rate_sps > 0 else 0.0
 
-    def completion(self, now: float, model: str, key: RequestKey, samples: int) -> Completion:
-        """Predicted time from ``now`` until the last of ``samples`` more of ``model`` is
+    def completion(
+        self, now: float, model: str, key: RequestKey, samples: int, batches: int = 0
+    ) -> Completion:
+        """Predicted time from ``now`` until the last of ``samples`` more of ``key`` is
         answered, queued behind what waits: the soonest a worker is free of what it
-        holds, the samples before the last batch at the fleet's full-batch rate, then
-        that last batch at its own cost (the slowest worker's: however few it carries, it
-        pays the whole fixed cost); with that cost, for its spread. None while any cost
-        is still unknown."""
+        holds, ``batches`` of other keys of the model (each charged as a full batch of
+        this key: keys do not share batches, and their costs are this key's best guess
+        of theirs), the samples before the last batch at the fleet's full-batch rate,
+        then that last batch at its own cost (the slowest worker's: however few it
+        carries, it pays the whole fixed cost); with that cost, for its spread. None
+        while any cost is still unknown."""
         rate = self._rate(model, key)
         if rate.samples_per_s <= 0:
             return None
@@ -153,7 +157,16 @@ class FleetModel:
         free_s = 0.0 if free_s == math.inf else max(0.0, free_s)
         last = min(samples, rate.full_batch)
         cost = rate.last_batch
-        return free_s + (samples - last) / rate.samples_per_s + cost.estimate(last), cost
+        ahead = batches * rate.full_batch + samples - last
+        return free_s + ahead / rate.samples_per_s + cost.estimate(last), cost
+
+    def batch_unit(self, key: RequestKey) -> int:
+        """The samples of a batch of ``key`` under a backlog (the policy then takes all the
+        engine allows, up to the model's B_max cap): the cap within the largest batch a
+        live worker that admits the key takes; the cap alone while none does."""
+        cap = self.batching_for(key[0]).max_batch
+        limit = self.registry.limit(key)
+        return max(1, min(cap, limit) if limit else cap)
 
     def _rate(self, model: str, key: RequestKey) -> FleetRate:
         rate = self.rates.get(key)

@@ -31,6 +31,7 @@ from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
+from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Outgoing, Replies
 from carpool.broker.requests import ClientId, Origin, PendingRequest, Received
@@ -79,6 +80,7 @@ class ClientIntake:
     backlog: Backlog
     fleet: FleetModel
     dispatcher: Dispatcher
+    pumps: Pumps
     replies: Replies
     snapshot: Callable[[float], dict[str, Any]]
     holding: HeldRequests
@@ -354,12 +356,7 @@ class ClientIntake:
         nbytes = 0
         for frame in payloads:
             nbytes += len(frame)
-        backlog, dispatcher, config, fleet = (
-            self.backlog,
-            self.dispatcher,
-            self.config,
-            self.fleet,
-        )
+        backlog, pumps, config, fleet = self.backlog, self.pumps, self.config, self.fleet
         # Asked as pumpable first: only a full queue reads that, and pump_dirty with
         # nothing marked forms nothing, so the second answer is the one a False would
         # have had. In deferred mode what can leave this turn leaves before the door
@@ -380,7 +377,7 @@ class ClientIntake:
             )
             if verdict is not FULL_UNTIL_PUMPED:
                 break
-            dispatcher.pump_dirty(now, out)
+            pumps.pump_dirty(now, out)
         if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(
                 (now, model, layout.shape, round(1000 * timeout_s), int(priority), max_batch)
@@ -426,8 +423,8 @@ class ClientIntake:
             origin,
         )
         queue = backlog.add(req)
-        if dispatcher.defer_pumps:  # the batch forms at the end of the turn
-            dispatcher.dirty[key] = None
+        if pumps.defer_pumps:  # the batch forms at the end of the turn
+            pumps.dirty[key] = None
         else:
-            dispatcher.pump(now, queue, out)
+            pumps.pump_queue(now, queue, out)
         return out

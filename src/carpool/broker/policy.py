@@ -247,3 +247,10 @@ class DeadlinePolicy:
             return now
         # Even a batch of one, started as soon as the worker is free, would end too late.
         return now + capacity.ready_in_s + capacity.cost.estimate(1)
+
+
+def promotion_s(capacity: Capacity) -> float:
+    """How long before its deadline a bulk request goes ahead of interactive ones (EDF
+    with priorities), with the worker ``capacity`` describes: twice its backlog and a
+    full batch, plus 10 ms."""
+    return 2 * (capacity.cost.estimate(capacity.max_batch) + capacity.ready_in_s) + 0.01

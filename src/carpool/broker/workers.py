@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
-from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import ClientIntake
+from carpool.broker.pumps import Pumps
 from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, heartbeat
 from carpool.broker.requests import RequestBook, RequestState
@@ -66,7 +66,7 @@ class WorkerEvents:
     backlog: Backlog
     inflight: InflightTable
     fleet: FleetModel
-    dispatcher: Dispatcher
+    pumps: Pumps
     replies: Replies
     intake: ClientIntake
     # Lines a peer on the worker socket can cause, each kind rate-limited apart.
@@ -197,7 +197,7 @@ class WorkerEvents:
         )
         # Requests held at the door for these models (just after a start) go in first.
         self.intake.release(now, names, out)
-        self.dispatcher.pump_models(now, names, out)
+        self.pumps.pump_models(now, names, out)
 
     def _on_result(
         self,
@@ -246,7 +246,7 @@ class WorkerEvents:
             self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
             if result.padding is not None:
                 self.stats.padded(batch.key, batch.samples, result.padding)
-        self.dispatcher.pump_freed(now, worker.models, out)
+        self.pumps.pump_freed(now, worker.models, out)
 
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
@@ -268,7 +268,7 @@ class WorkerEvents:
             now=now,
         )
         self.fail_batch(batch, failed.code, failed.message, out)
-        self.dispatcher.pump_freed(now, worker.models, out)
+        self.pumps.pump_freed(now, worker.models, out)
 
     def _take_batch(
         self,
@@ -313,7 +313,7 @@ class WorkerEvents:
         self.registry.set_health(now, worker, Health.PROBATION)
         self.fleet.rates.clear()  # its share of the fleet's rate changed
         logger.info("worker on probation name=%s: %s", worker.name, why)
-        self.dispatcher.pump_models(now, worker.models, out)
+        self.pumps.pump_models(now, worker.models, out)
 
     def fail_batch(
         self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
@@ -383,4 +383,4 @@ class WorkerEvents:
                 else:
                     self.book.move(req, _FAILED)
                     out.append(self.replies.request_error(req, ErrorCode.UNAVAILABLE, message))
-        self.dispatcher.pump_models(now, worker.models, out)
+        self.pumps.pump_models(now, worker.models, out)

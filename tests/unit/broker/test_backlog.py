@@ -1,16 +1,20 @@
-"""backlog.py: a request joining and leaving the backlog keeps its queue, its counts and
-its deadline heap in step, whether one request moves or a whole batch."""
+"""backlog.py: a request joining and leaving the backlog keeps its queue, its counts (the
+batches of each key included) and its deadline heap in step, whether one request moves
+or a whole batch."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import (
     PendingRequest,
     RequestQueue,
     RequestState,
+    request_key,
 )
 from carpool.broker.requests import RequestBook
-from carpool.common.protocol import Priority
+from carpool.common.protocol import Priority, TensorMeta
 from tests.unit.broker.pending import pending_request
 
 
@@ -64,3 +68,47 @@ def test_a_requeued_request_is_counted_again() -> None:
         {"m": [2, 0]},
         RequestState.QUEUED,
     )
+
+
+def _of_width(r: PendingRequest, width: int) -> PendingRequest:
+    """``r`` as a request of item shape [width] (a queue of its own)."""
+    return dataclasses.replace(r, key=request_key("m", (TensorMeta("x", "float32", (1, width)),)))
+
+
+def test_queued_samples_count_as_batches_of_their_own_key() -> None:
+    """Each key's samples in batches of its unit (here 4): 5 interactive samples of one
+    key are 2 batches, 1 of another 1, and a bulk sample of a third 1 more for the bulk
+    view. A request sees its own key's samples and the other keys' batches."""
+    units = {3: 4, 5: 4, 7: 4}
+    book = RequestBook()
+    backlog = Backlog(book, lambda key: units[key[1][0][2][0]])
+    three = [_of_width(req(i, samples=1), 3) for i in range(1, 6)]
+    five = _of_width(req(6), 5)
+    seven = _of_width(req(7, priority=Priority.BULK), 7)
+    for r in [*three, five, seven]:
+        backlog.add(r)
+    assert backlog.queued_batches == {"m": [3, 4]}
+    assert backlog.ahead(three[0].key, Priority.INTERACTIVE) == (5, 1)
+    assert backlog.ahead(three[0].key, Priority.BULK) == (5, 2)
+    assert backlog.ahead(five.key, Priority.INTERACTIVE) == (1, 2)
+    assert backlog.ahead(_of_width(req(8), 9).key, Priority.BULK) == (0, 4)
+    assert not backlog.alone(backlog.queues[five.key])
+    # A batch of 4 leaves the first key: 1 sample, 1 batch left.
+    queue = backlog.queues[three[0].key]
+    backlog.dequeued_all(queue.take(4, book.move))
+    assert backlog.queued_batches == {"m": [2, 3]}
+    # The unit changes (the workers changed): recounted, in batches of 1.
+    units[3] = units[5] = units[7] = 1
+    backlog.recount(["m"])
+    assert backlog.queued_batches == {"m": [2, 3]}
+    backlog.add(_of_width(req(9), 3))
+    assert backlog.queued_batches == {"m": [3, 4]}
+    # One by one, the rest leaves: nothing is counted; an idle queue goes with its count.
+    for key, q in list(backlog.queues.items()):
+        for r in list(q):
+            book.move(r, RequestState.EXPIRED)
+            q.forget(r)
+            backlog.dequeued(r)
+        backlog.drop(key)
+    assert backlog.queued_batches == {"m": [0, 0]}
+    assert backlog.alone(RequestQueue(five.key))

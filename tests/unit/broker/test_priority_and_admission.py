@@ -435,6 +435,46 @@ def test_tick_at_the_announced_time_makes_progress() -> None:
     assert h.errors_for(11)[0][0] < deadline
 
 
+def test_a_queue_behind_a_busy_worker_wakes_when_its_verdict_can_change() -> None:
+    """While the worker is busy, whether a queued request is hopeless does not change
+    with time (its predicted start is the worker's predicted free time), so its queue
+    wakes at that time at the earliest, not again and again before it.
+
+    Request 15 is left behind by a full batch of 11..14 (EDF: their deadlines come first)
+    with 0.1 ms of slack: a batch of one started when the worker is predicted free
+    (70 ms on) would end 0.1 ms before its deadline. Waking at "deadline less (backlog
+    plus a batch of one)", re-read at each wake-up, kept that 0.1 ms ahead of the clock:
+    ~700 wake-ups before the worker's RESULT.
+    """
+    h = Harness.make(max_batch=4)
+    h.calibrate()
+    before = len(h.dispatched)
+    h.submit(10)
+    assert h.run_until_batch(before) == [10]
+    free_s = h.now + FIXED_S + PER_SAMPLE_S  # the worker's predicted free time
+    h.at(h.now + 0.0001)
+    for rid in (11, 12, 13, 14):
+        assert h.submit(rid, 170) == []
+    assert h.submit(15, 180) == []
+    before = len(h.dispatched)
+    h.at(free_s).result(h.last_batch_id(), compute_ms=1000 * (FIXED_S + PER_SAMPLE_S))
+    assert h.dispatched[before:] == [[11, 12, 13, 14]]
+    busy_until_s = free_s + FIXED_S + 4 * PER_SAMPLE_S
+    wakes = 0
+    while (wake := h.core.next_wakeup(h.now)) is not None and wake < busy_until_s:
+        wakes += 1
+        if wakes > 20:
+            break
+        h.at(wake).tick()
+    assert wakes <= 1
+    assert h.errors_for(15) == []
+    # The worker answers on time; request 15 still makes it.
+    before = len(h.dispatched)
+    h.at(busy_until_s).result(h.last_batch_id(), compute_ms=1000 * (FIXED_S + 4 * PER_SAMPLE_S))
+    assert h.run_until_batch(before) == [15]
+    assert h.errors_for(15) == []
+
+
 # --------------------------------------------------------------------------- overload
 
 
