@@ -177,8 +177,14 @@ def test_a_stopping_broker_answers_every_message_and_admits_no_new_connection(
             assert talker.poll(10_000)
             assert talker.recv_multipart()[0] == b"CP\x01\x02"  # served
             first.stop()
-            answers: list[dict[str, object]] = []
+            # (stop() asks the loop: a request that reaches it before its next turn is
+            # still admitted and answered as before the stop)
             clock = MonotonicClock()
+            until = clock.now() + 10
+            while not first.core.stopping:
+                assert clock.now() < until, "the broker did not begin to stop"
+                threading.Event().wait(0.005)
+            answers: list[dict[str, object]] = []
             begun = clock.now()
             rid = 2
             # Keep talking: past the grace, each request is still read and answered.
