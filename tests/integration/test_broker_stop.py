@@ -206,6 +206,7 @@ def test_a_stopping_broker_answers_every_message_and_admits_no_new_connection(
             # Quiet now: the broker closes within stop_quiet_s, not stop_drain_s.
             thread.join(5)
             assert not late[0].poll(0)  # nothing from the stopping broker
+            first.close()  # (as its process would exit: the door goes with it)
             second = BrokerServer(config)
             with contextlib.closing(_Thread(second)):
                 assert late[0].poll(10_000)

@@ -1,9 +1,9 @@
 """auth.py: who may connect to the broker's two ROUTERs, and who may say what.
 
-:class:`Door` is the ZAP handler of the broker's context (pyzmq's ``ThreadAuthenticator``,
-started before either socket binds), with or without CURVE: every new connection's
-handshake on either ROUTER asks it (each has a ZAP domain, :data:`CLIENTS` or
-:data:`WORKERS`). With ZAP on, libzmq refuses peers that speak ZMTP 1.0 or 2.0, so the
+:class:`Door` is the ZAP handler of the broker's context, made before either socket
+binds and answered in the broker's own loop, with or without CURVE: every new
+connection's handshake on either ROUTER asks it (each has a ZAP domain, :data:`CLIENTS`
+or :data:`WORKERS`). With ZAP on, libzmq refuses peers that speak ZMTP 1.0 or 2.0, so the
 bytes of a raw TCP peer (a port scanner, a load balancer's health check, an HTTP request
 sent to the wrong port) are never taken for an old ZeroMQ peer's messages. Once the
 broker is stopping, the door answers every new handshake "300" (try again later: libzmq
@@ -11,6 +11,12 @@ holds the connection without a handshake until the ROUTER closes, then the peer 
 again), so a client or worker that connects or reconnects meanwhile reaches the broker
 that comes next, while the connections already open stay until the broker closes them.
 (A "400" would be final: libzmq's connecting side gives the endpoint up for good.)
+
+In the loop rather than on a thread (pyzmq's ``ThreadAuthenticator``, an asyncio loop of
+its own): one thread owns the broker's state, and a handshake does not wait for the GIL
+behind the broker's work; bench/handshake.py measured a connect and its first answer
+0.3 ms sooner so, idle or busy (docs/security.md, "The door"). Until the server is
+closed after its loop ends, nobody answers: the handshakes held then end with it.
 
 With ``[curve] enabled``, both ROUTERs are CURVE servers with the broker's key pair, and
 :class:`BrokerAuth` has the door check each connecting key against the allow-list of the
@@ -40,8 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from zmq.auth.base import VERSION as _ZAP_VERSION
-from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from carpool.broker.config import CurveConfig
 from carpool.common.curve import KEY_CHARS, KeyPair, load_allowed, load_keypair
@@ -55,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 #: ZAP domains of the frontend and the backend.
 CLIENTS, WORKERS = "carpool-clients", "carpool-workers"
+_ZAP_ENDPOINT, _ZAP_VERSION = "inproc://zeromq.zap.01", b"1.0"  # RFC 27
 _USER_ID = "User-Id"
 _frame_get = zmq.Frame.get
 
@@ -68,99 +74,118 @@ def _user_id(frame: zmq.Frame) -> str:
     return _frame_get(frame, _USER_ID)  # type: ignore[return-value]  # (a str property)
 
 
-class Door(ThreadAuthenticator):
-    """The ZAP handler of the broker's context: see the module docstring. Started by
-    :meth:`open`, which the server calls before either socket binds; :meth:`guard` puts
-    a socket behind it; :meth:`close_to` refuses new handshakes for good."""
+class Door:
+    """The ZAP handler (RFC 27) of the broker's context, answered in the broker's own loop:
+    see the module docstring. Made before either socket binds (it binds the context's ZAP
+    endpoint); :meth:`guard` puts a socket behind it; the server polls :attr:`socket` and
+    calls :meth:`on_poll`; :meth:`close_to` refuses new handshakes for good.
+
+    Raises:
+        ConfigError: another ZAP handler already serves this context.
+    """
 
     def __init__(self, context: zmq.Context[Any]) -> None:
-        super().__init__(context, log=logging.getLogger(f"{__name__}.zap"))
-        # Swapped whole (the authenticator's thread reads it): the domains refused.
+        # libzmq's sessions ask as REQ peers: a REP answers each in turn.
+        self.socket: zmq.Socket[bytes] = context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self.socket.bind(_ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self.socket.close()
+            raise ConfigError(f"another ZAP handler serves this zmq context: {exc}") from None
         self._closed: frozenset[str] = frozenset()
+        self._keys: dict[str, frozenset[bytes]] = {}  # CURVE allow-lists (Z85) by domain
+        #: Told of each CURVE key refused (its domain and Z85 key).
+        self.on_refused: Callable[[str, bytes], None] = _ignore_refusal
         #: Handshakes refused because the broker is stopping.
         self.refused = 0
-
-    def open(self) -> Door:
-        self.start()
-        return self
 
     @staticmethod
     def guard(sock: zmq.Socket[Any], domain: str) -> None:
         """Have ``sock``'s new connections ask the door (before it binds)."""
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
 
+    def allow(self, domain: str, keys: frozenset[bytes]) -> None:
+        """The CURVE keys (Z85) admitted on ``domain`` from now on."""
+        self._keys[domain] = keys
+
     def close_to(self, *domains: str) -> None:
         """Refuse every new handshake of ``domains`` from now on, "300"."""
         self._closed = self._closed | frozenset(domains)
 
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        closed = self._closed
-        if (
-            closed
-            and len(msg) >= 6
-            and msg[0] == _ZAP_VERSION
-            and msg[2].decode("utf-8", "replace") in closed
-        ):
+    def on_poll(self) -> int:
+        """Answer every ZAP request waiting; returns how many."""
+        sock, n = self.socket, 0
+        while True:
+            try:
+                request = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            sock.send_multipart(self._answer(request))
+            n += 1
+
+    def _answer(self, msg: list[bytes]) -> list[bytes]:
+        """A ZAP reply: version, request id, status, text, user id, metadata."""
+        rid = msg[1] if len(msg) > 1 else b""
+        if len(msg) < 6 or msg[0] != _ZAP_VERSION:
+            return [_ZAP_VERSION, rid, b"400", b"malformed ZAP request", b"", b""]
+        domain, mechanism = msg[2].decode("utf-8", "replace"), msg[5]
+        if domain in self._closed:
             self.refused += 1
-            # (pyzmq's own reply helper: the authenticator answers through it)
-            self._send_zap_reply(msg[1], b"300", b"the broker is stopping")
-            return
-        await super().handle_zap_message(msg)
+            return [_ZAP_VERSION, rid, b"300", b"the broker is stopping", b"", b""]
+        if mechanism == b"NULL":
+            return [_ZAP_VERSION, rid, b"200", b"OK", b"", b""]
+        if mechanism == b"CURVE" and len(msg) == 7 and len(msg[6]) == 32:
+            key = z85.encode(msg[6])
+            if key in self._keys.get(domain, frozenset()):
+                return [_ZAP_VERSION, rid, b"200", b"OK", key, b""]
+            self.on_refused(domain, key)
+            return [_ZAP_VERSION, rid, b"400", b"key not allowed", b"", b""]
+        return [_ZAP_VERSION, rid, b"400", b"mechanism not allowed", b"", b""]
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
 
 
-class _AllowList:
-    """A ZAP domain's credentials provider (``configure_curve_callback``): the keys it
-    accepts are swapped whole on reload, so the authenticator's thread reads either."""
-
-    def __init__(self, side: str, log: RateLimitedLog) -> None:
-        self.side = side
-        self.keys: frozenset[bytes] = frozenset()
-        self._log = log
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key in self.keys:
-            return True
-        self._log("CURVE key %s refused on the %s socket", key.decode(), self.side)
-        return False
+def _ignore_refusal(domain: str, key: bytes) -> None:
+    """(A door without CURVE's log.)"""
 
 
 class BrokerAuth:
-    """The broker's key pair, its allow-lists and the ZAP authenticator serving them.
+    """The broker's key pair, and its allow-lists in the door.
 
     Args:
-        context: the broker's context (the authenticator must share it).
+        door: the broker's ZAP handler, which admits the keys.
         config: the ``[curve]`` settings (enabled).
-        door: the context's ZAP handler (the server's); None: one of its own, started
-            here and stopped by :meth:`close`.
 
     Raises:
         ConfigError: a key file or an allow-list cannot be read, or the secret is not private.
     """
 
-    def __init__(
-        self, context: zmq.Context[Any], config: CurveConfig, door: Door | None = None
-    ) -> None:
+    def __init__(self, door: Door, config: CurveConfig) -> None:
         self.config = config
         self.pair: KeyPair = load_keypair(
             config.server_key, "curve.server_key (--curve-server-key)"
         )
         self.failures = RateLimitedLog(logger, config.failure_logs_per_min)
-        self._clients = _AllowList("client", self.failures)
-        self._workers = _AllowList("worker", self.failures)
         self.operators: frozenset[bytes] = frozenset()
+        self._door = door
+        self._counts = (0, 0)  # client and worker keys
         self._load()  # first: a bad directory is a ConfigError, not a log line
-        self._own_door = door is None
-        self._auth = Door(context).open() if door is None else door
-        self._auth.configure_curve_callback(CLIENTS, self._clients)
-        self._auth.configure_curve_callback(WORKERS, self._workers)
+        door.on_refused = self._refused
+
+    def _refused(self, domain: str, key: bytes) -> None:
+        side = "client" if domain == CLIENTS else "worker"
+        self.failures("CURVE key %s refused on the %s socket", key.decode(), side)
 
     def _load(self) -> None:
         config = self.config
         clients = load_allowed(config.clients)
         workers = load_allowed(config.workers)
         operators = load_allowed(config.operators) if config.operators else frozenset()
-        self._clients.keys = clients | operators
-        self._workers.keys = workers
+        self._door.allow(CLIENTS, clients | operators)
+        self._door.allow(WORKERS, workers)
+        self._counts = (len(clients - operators), len(workers))
         self.operators = operators
 
     def reload(self) -> bool:
@@ -172,8 +197,7 @@ class BrokerAuth:
             return False
         logger.info(
             "CURVE allow-lists reloaded: %d client, %d worker, %d operator keys",
-            len(self._clients.keys - self.operators),
-            len(self._workers.keys),
+            *self._counts,
             len(self.operators),
         )
         return True
@@ -217,10 +241,6 @@ class BrokerAuth:
     def is_operator(self, client: bytes) -> bool:
         """Whether the core's client id ``client`` is an operator's (STATS)."""
         return client[:KEY_CHARS] in self.operators
-
-    def close(self) -> None:
-        if self._own_door:
-            self._auth.stop()
 
 
 class WorkerKeys:

@@ -99,16 +99,20 @@ class BrokerServer:
         # The ZAP handler (auth.py) runs before either socket binds, and CURVE's key
         # checks with it.
         self.auth: BrokerAuth | None = None
-        self._door = door = Door(self.context).open()
+        try:
+            self._door = door = Door(self.context)
+        except ConfigError:
+            self._close_early(None)
+            raise
         try:
             if config.curve.enabled:
-                self.auth = BrokerAuth(self.context, config.curve, door)
+                self.auth = BrokerAuth(door, config.curve)
             auth = self.auth
             self._frontend = Frontend(
                 self.context, config, auth, faults.unreadable, self.core.stats
             )
         except ConfigError:
-            self._close_early()
+            self._close_early(door)
             raise
         self.frontend = self._frontend.socket
         try:  # Workers are not limited by max_frame_mib: an output over it would look
@@ -122,7 +126,7 @@ class BrokerServer:
             )
         except ConfigError:
             self._frontend.close(0)
-            self._close_early()
+            self._close_early(door)
             raise
         # stop() wakes a blocked poll from any thread or a signal handler.
         self._wake = WakePipe()
@@ -152,8 +156,9 @@ class BrokerServer:
             # A request's origin (resends, CANCEL) is bound to its key, not its nonce alone.
             self.core.authenticated_key = auth.key_of
         self.backend = backend
-        self.core.worker_transport = self._transport_label
+        self.core.worker_transport = lambda wid: self._route(wid).label
         self.poller.register(self._wake.fd, zmq.POLLIN)
+        self.poller.register(door.socket, zmq.POLLIN)
         self.transports.append(self._zmq)
         if embedded:
             inprocess = InProcessWorkers(embedded, self.poller, up)
@@ -168,7 +173,12 @@ class BrokerServer:
             # The links before the embedded workers, as each turn has always handled them.
             self.transports.insert(1, self.local)
         if config.metrics:  # /metrics, /healthz, /readyz (broker/metrics.py)
-            self.metrics = self._serve_metrics(config.metrics)
+            try:
+                ready = lambda: not self._stopping  # noqa: E731 (one line's closure)
+                self.metrics = BrokerMetrics(config.metrics, self.core, self._wake.wake, ready)
+            except ConfigError:
+                self.close()
+                raise
         logger.info(
             "broker listening frontend=%s backend=%s%s",
             self.frontend_endpoint,
@@ -176,18 +186,10 @@ class BrokerServer:
             f" local={config.local_backend}" if self.local else "",
         )
 
-    def _serve_metrics(self, address: str) -> BrokerMetrics:
-        try:
-            return BrokerMetrics(address, self.core, self._wake.wake, lambda: not self._stopping)
-        except ConfigError:
-            self.close()
-            raise
-
-    def _close_early(self) -> None:
+    def _close_early(self, door: Door | None) -> None:
         """What __init__ made before a ConfigError."""
-        if self.auth is not None:
-            self.auth.close()
-        self._door.stop()
+        if door is not None:
+            door.close()
         if self._own_context:
             self.context.term()
         if self._trace is not None:  # (and its lock: a retry must be able to record)
@@ -205,9 +207,6 @@ class BrokerServer:
 
     def _route(self, wid: bytes) -> WorkerTransport:
         return self._routes.get(wid) or self._zmq
-
-    def _transport_label(self, wid: bytes) -> str:
-        return self._route(wid).label
 
     def _knows(self, wid: bytes) -> bool:
         return self.core.registry.get(WorkerId(wid)) is not None
@@ -249,6 +248,9 @@ class BrokerServer:
                 wait_ms = 0  # whole messages wait in a buffer: no poll would say so
         events = dict(self.poller.poll(wait_ms))
         handled = 0
+        door = self._door
+        if door.socket in events:  # (handshakes: answered first)
+            door.on_poll()
         frontend = self._frontend
         if frontend.socket in events:
             handled += self._drain_clients()
@@ -333,7 +335,9 @@ class BrokerServer:
 
     def serve(self, watch: LoopWatch | None = None) -> None:
         """Loop until :meth:`stop` is called (from any thread or a signal handler); then
-        stop as :meth:`wind_down` says. ``watch`` is told of every turn (systemd).
+        stop as :meth:`wind_down` says. ``watch`` is told of every turn (systemd). Close
+        the server when it returns (as its process exits): the door answers no more, and
+        the connections it holds at the handshake close only with it.
 
         Raises:
             BrokerFault: a fault inside the core may have changed its state; the broker
@@ -434,9 +438,7 @@ class BrokerServer:
             transport.close(self._linger_ms)
         self._frontend.close(self._linger_ms)
         self._wake.close()
-        if self.auth is not None:
-            self.auth.close()
-        self._door.stop()
+        self._door.close()
         if self._own_context:
             self.context.term()
 
