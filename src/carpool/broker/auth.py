@@ -85,7 +85,7 @@ class Door:
     """
 
     def __init__(self, context: zmq.Context[Any]) -> None:
-        # libzmq's sessions ask as REQ peers: a REP answers each in turn.
+        # libzmq asks as a REQ peer, one per connection: a REP answers each in turn.
         self.socket: zmq.Socket[bytes] = context.socket(zmq.REP)
         self.socket.setsockopt(zmq.LINGER, 0)
         try:
