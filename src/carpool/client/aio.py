@@ -260,7 +260,11 @@ class AsyncClient:
             if self._reader is not None and not old.is_closed():
                 self._reader.cancel()  # (if that loop ever runs again)
             self._reader = None
-            self._poller = self._new_poller()  # (that loop's)
+            # Fresh sockets: an asyncio socket keeps the futures its last poll left
+            # there, bound to the old loop, and an event would wake them there.
+            self._dealer.close_retiring()
+            self._dealer.reopen()
+            self._poller = self._new_poller()
         self._loop = loop
         return loop
 
