@@ -329,17 +329,21 @@ def test_a_fault_inside_the_core_after_a_state_change_winds_the_broker_down(
                 sock.send_multipart([b"CP\x01\x01", msgpack.packb(meta), X.tobytes()])
                 assert sock.poll(10_000)
                 header, error = sock.recv_multipart()
+                serving.join(10)
+                assert not serving.is_alive()  # it stopped by itself
+                assert not sock.poll(100)  # and answered the request once
             finally:
                 sock.close()
-            serving.join(10)
-            assert not serving.is_alive()  # it stopped by itself
     finally:
         broker.stop()
         serving.join(10)
         broker.close()
     answer = msgpack.unpackb(error)
-    assert header == b"CP\x01\x03"
-    assert (answer["id"], answer["code"], answer["retry"]) == (7, 5, True)  # UNAVAILABLE
+    assert answer["id"] == 7
+    if header == b"CP\x01\x03":  # (or its batch ran in the grace, and it is answered)
+        assert (answer["code"], answer["retry"]) == (5, True)  # UNAVAILABLE, retry
+    else:
+        assert header == b"CP\x01\x02"
     assert len(faults) == 1
     assert isinstance(faults[0], BrokerFault)
 

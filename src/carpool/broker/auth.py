@@ -41,7 +41,9 @@ a minute, then one line with the count of those not logged.
 
 from __future__ import annotations
 
+import errno
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +63,7 @@ logger = logging.getLogger(__name__)
 #: ZAP domains of the frontend and the backend.
 CLIENTS, WORKERS = "carpool-clients", "carpool-workers"
 _ZAP_ENDPOINT, _ZAP_VERSION = "inproc://zeromq.zap.01", b"1.0"  # RFC 27
+_BURST = 256  # ZAP requests answered a loop turn at most
 _USER_ID = "User-Id"
 _frame_get = zmq.Frame.get
 
@@ -88,11 +91,18 @@ class Door:
         # libzmq asks as a REQ peer, one per connection: a REP answers each in turn.
         self.socket: zmq.Socket[bytes] = context.socket(zmq.REP)
         self.socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self.socket.bind(_ZAP_ENDPOINT)
-        except zmq.ZMQError as exc:
-            self.socket.close()
-            raise ConfigError(f"another ZAP handler serves this zmq context: {exc}") from None
+        for wait_s in (0.001, 0.01, 0.1, None):
+            try:
+                self.socket.bind(_ZAP_ENDPOINT)
+                break
+            except zmq.ZMQError as exc:
+                # A door closed on this context a moment ago frees the endpoint on
+                # libzmq's reaper thread: a few tries, then it is another's.
+                if wait_s is None or exc.errno != errno.EADDRINUSE:
+                    self.socket.close()
+                    msg = f"another ZAP handler serves this zmq context: {exc}"
+                    raise ConfigError(msg) from None
+                threading.Event().wait(wait_s)
         self._closed: frozenset[str] = frozenset()
         self._keys: dict[str, frozenset[bytes]] = {}  # CURVE allow-lists (Z85) by domain
         #: Told of each CURVE key refused (its domain and Z85 key).
@@ -113,16 +123,18 @@ class Door:
         """Refuse every new handshake of ``domains`` from now on, "300"."""
         self._closed = self._closed | frozenset(domains)
 
-    def on_poll(self) -> int:
-        """Answer every ZAP request waiting; returns how many."""
+    def on_poll(self, limit: int = _BURST) -> int:
+        """Answer the ZAP requests waiting, ``limit`` at most (a flood of connections
+        takes its turn beside the messages); returns how many."""
         sock, n = self.socket, 0
-        while True:
+        while n < limit:
             try:
                 request = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return n
+                break
             sock.send_multipart(self._answer(request))
             n += 1
+        return n
 
     def _answer(self, msg: list[bytes]) -> list[bytes]:
         """A ZAP reply: version, request id, status, text, user id, metadata."""

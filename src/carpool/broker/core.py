@@ -253,12 +253,18 @@ class BrokerCore:
     # ------------------------------------------------------------------ faults
 
     def changes(self) -> int:
-        """Writes so far to the state a request's one answer depends on: the request
-        book's (requests entered, moved, redirected), the held requests', the worker
-        registry's and the in-flight table's. The server reads it before each message;
-        unchanged after a fault, it shows that the message changed no state."""
+        """Writes so far to the state a request's one answer depends on: the client
+        messages that went past their checks (the intake counts each before its first
+        write: a queue, a copy's claim, a hold, a cancel), and the writes of the request
+        book, the held requests, the worker registry and the in-flight table. The server
+        reads it before each message; unchanged after a fault, it shows that the message
+        changed no state."""
         return (
-            self.book.changes + self.holding.changes + self.registry.changes + self.inflight.changes
+            self.intake.writes
+            + self.book.changes
+            + self.holding.changes
+            + self.registry.changes
+            + self.inflight.changes
         )
 
     def on_fault(
@@ -266,10 +272,12 @@ class BrokerCore:
     ) -> list[Outgoing]:
         """The answer to a message (``frames``, a client's) whose handling raised before
         it changed any state (:meth:`changes`; a bug of ours, which the server logs): a
-        client's is answered INTERNAL; a worker is told DISCONNECT and, if registered,
-        lost (its batches go back to the queues), so that it registers afresh."""
+        client's is answered INTERNAL (a CANCEL not at all); a worker is told DISCONNECT
+        and, if registered, lost (its batches go back to the queues), so that it
+        registers afresh."""
         if side is Side.FRONTEND:
-            return [self.replies.internal_error(ClientId(identity), frames or ())]
+            answer = self.replies.internal_error(ClientId(identity), frames or ())
+            return [] if answer is None else [answer]
         out: list[Outgoing] = []
         reason = "the broker failed to handle its message (a bug, logged)"
         worker = self.registry.get(WorkerId(identity))

@@ -100,6 +100,10 @@ class ClientIntake:
     # Who may read STATS, by client id (the server sets it under CURVE: operators'
     # keys only); None: everyone.
     stats_gate: Callable[[bytes], bool] | None = dataclasses.field(init=False, default=None)
+    # Messages that went past their checks into changing state (queueing, a copy's
+    # claim, holding, a cancel): counted before the first write, for the core's
+    # ``changes``: a fault before it is in a message that changed nothing.
+    writes: int = dataclasses.field(init=False, default=0)
     _log_version: RateLimitedLog = dataclasses.field(
         init=False,
         default_factory=lambda: RateLimitedLog(logger, PEER_LINES_PER_MIN, level=logging.INFO),
@@ -183,7 +187,9 @@ class ClientIntake:
                     if len(frames) != 2:
                         raise ProtocolError("CANCEL is a header and a meta frame")
                     meta = decode_meta(view(frames[1]))
-                    return self.resends.cancel(client, Cancel.from_wire(meta))
+                    cancel = Cancel.from_wire(meta)
+                    self.writes += 1  # (from here on the message changes state)
+                    return self.resends.cancel(client, cancel)
                 raise ProtocolError(f"command {command.name} is not valid from a client")
             if len(frames) < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
@@ -194,6 +200,7 @@ class ClientIntake:
                 layout = request.layout
                 origin: Origin | None = None
                 if request.client is not None:  # sent with its client's nonce
+                    self.writes += 1  # (from here on the message changes state)
                     claim = self.resends.claim(
                         client, delimited, request.client, request.request_id, layout.model
                     )
@@ -261,6 +268,7 @@ class ClientIntake:
         rid = submit.request_id
         origin: Origin | None = None
         if submit.client is not None:  # sent with its client's nonce
+            self.writes += 1  # (from here on the message changes state)
             claim = self.resends.claim(client, delimited, submit.client, rid, submit.model)
             if isinstance(claim, list):  # a copy of a request held
                 return claim
@@ -271,6 +279,7 @@ class ClientIntake:
                 # Just (re)started: its workers may not have said READY yet, and a client
                 # must not take a restart for a model that does not exist. A model the
                 # broker expects waits for them (holding.py), if its budget allows.
+                self.writes += 1  # (from here on the message may change state)
                 if self.holding.hold(now, received, origin):
                     return []
                 msg = (
@@ -350,6 +359,7 @@ class ClientIntake:
         shared-memory references, in the request's order (§5.4); ``max_batch``: the
         largest batch a live worker that admits its shapes takes (> 0: both callers checked);
         ``origin``: the request's, when it carries its client's nonce."""
+        self.writes += 1  # (from here on the message changes state: admission may pump)
         model = layout.model
         timeout_s = timeout_ms / 1000.0 if timeout_ms is not None else self.config.default_timeout_s
         out: list[Outgoing] = []

@@ -29,12 +29,14 @@ from carpool.common.protocol import (
     HEARTBEAT_TO_WORKER,
     MAX_TIMEOUT_MS,
     BrokerDisconnect,
+    Command,
     ErrorReply,
     Frame,
     FromBroker,
     decode_meta,
     encode_error,
     is_simple_form,
+    parse_header,
     request_id_of,
     view,
 )
@@ -127,11 +129,12 @@ class Replies:
         reply = ErrorReply(request_id, code, message, retry_after_ms, retry)
         return self.to_client(client, delimited, encode_error(reply, simple=simple))
 
-    def internal_error(self, client: ClientId, frames: Sequence[Frame]) -> ToClient:
+    def internal_error(self, client: ClientId, frames: Sequence[Frame]) -> ToClient | None:
         """INTERNAL, in the form of the client message ``frames`` (framed or simple,
-        after an empty delimiter or not), naming its request id when it can be read: the
-        answer to a message whose handling raised inside the core before it changed any
-        state (``BrokerCore.on_fault``)."""
+        after an empty delimiter or not), naming its id when it can be read: the answer
+        to a message whose handling raised inside the core before it changed any state
+        (``BrokerCore.on_fault``). None for a CANCEL, which is never answered (its id is
+        the cancelled request's, whose own answer is still to come)."""
         delimited = simple = False
         rid: int | None = None
         # Each step may fail on the message that made the core fail: what could be read
@@ -144,6 +147,8 @@ class Replies:
             if simple:
                 rid = request_id_of(decode_meta(view(frames[0])))
             elif len(frames) > 1:
+                if parse_header(view(frames[0])) is Command.CANCEL:
+                    return None
                 rid = request_id_of(decode_meta(view(frames[1])))
         message = (
             "the broker failed to handle the message (a bug of the broker's, logged); it "

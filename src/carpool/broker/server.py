@@ -12,7 +12,6 @@ that cannot be read, or a fault inside the core, is handled as faults.py says.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -96,8 +95,7 @@ class BrokerServer:
         config = self.config
         # Before the ROUTERs are made: each draws where its generated routing ids start.
         seed_routing_ids()
-        # The ZAP handler (auth.py) runs before either socket binds, and CURVE's key
-        # checks with it.
+        # The door (auth.py) is bound before either socket; CURVE's keys are checked there.
         self.auth: BrokerAuth | None = None
         try:
             self._door = door = Door(self.context)
@@ -361,35 +359,40 @@ class BrokerServer:
         """Stop without losing a request, as protocol.md §11 says: the door shut (new
         connections wait for the next broker), every client message read and answered
         (UNAVAILABLE, ``retry``), the grace for what runs (a second :meth:`stop` cuts it
-        short), then DISCONNECT to workers, and the frontend read until its connections
-        are quiet (``stop_quiet_s``; ``stop_drain_s`` at most), read until empty, and
-        closed, lingering until its answers have left. (Closed, not unbound: libzmq's
-        unbind closes the connections it accepted at once, dropping their answers.)"""
+        and the drain short), then DISCONNECT to workers, and the frontend read until its
+        connections are quiet (``stop_quiet_s``; ``stop_drain_s`` at most), a last read
+        (until empty, ``stop_quiet_s`` at most), and closed, lingering until its answers
+        have left (closed, not unbound: libzmq's unbind drops them). A fault on the way
+        stops the broker all the same (faults.py)."""
         if self.core.stopping:
             return
         self._stopping = True
-        config, core = self.config, self.core
+        config, core, frontend = self.config, self.core, self._frontend
         self._door.close_to(CLIENTS, WORKERS)
-        now = self.clock.now()
-        until = now + config.stop_grace_s
-        self._send(core.begin_stop(now, until, until + config.stop_drain_s))
-        self._wait(lambda: until if core.inflight_batches or core.queued else None)
-        now = self.clock.now()
-        closes = now + config.stop_drain_s
-        final = core.finish_stop(now, closes)
-        self._send(
-            [m for m in final if type(m) is ToClient or self._route(m.identity).hears_goodbye]
-        )
-        quiet_s, frontend = config.stop_quiet_s, self._frontend
+        try:
+            now = self.clock.now()
+            until = now + config.stop_grace_s
+            self._send(core.begin_stop(now, until, until + config.stop_drain_s))
+            self._wait(lambda: until if core.inflight_batches or core.queued else None)
+            now = self.clock.now()
+            closes = now + config.stop_drain_s
+            final = core.finish_stop(now, closes)
+            route = self._route
+            self._send([m for m in final if type(m) is ToClient or route(m.identity).hears_goodbye])
+            quiet_s = config.stop_quiet_s
 
-        def drain_until() -> float | None:  # (none open: nobody left to answer)
-            open_now = frontend.open_count()
-            return None if open_now == 0 else min(closes, frontend.heard_s + quiet_s)
+            def drain_until() -> float | None:  # (none open: nobody left to answer)
+                open_now = frontend.open_count()
+                return None if open_now == 0 else min(closes, frontend.heard_s + quiet_s)
 
-        self._wait(drain_until)
+            self._wait(drain_until)
+            last_s = self.clock.now() + quiet_s
+            while self._drain_clients() == BURST and self.clock.now() < last_s:
+                pass  # (answered "stopping")
+        except Exception as exc:
+            if not isinstance(exc, Fault):
+                self._faults.stop_for(exc)
         self._linger_ms = _STOP_LINGER_MS
-        with contextlib.suppress(Fault):
-            self._drain_clients(None)  # what waits, until none does (answered "stopping")
         self.poller.unregister(self.frontend)
         self.frontend.close(linger=_STOP_LINGER_MS)
 
@@ -398,9 +401,7 @@ class BrokerServer:
         after each turn), a second :meth:`stop`, or a fault that stops the broker."""
         while not self._stops:
             end_s = until()
-            if end_s is None:
-                return
-            left = end_s - self.clock.now()
+            left = 0.0 if end_s is None else end_s - self.clock.now()
             if left <= 0:
                 return
             try:

@@ -126,7 +126,12 @@ class LinkWorkers:
                 try:
                     for frames in link.receive(BURST):
                         n += 1
-                        out = on_worker(now(), wid, decode_from_worker(frames))
+                        try:
+                            msg = decode_from_worker(frames)
+                        except Exception as exc:  # (it answers WorkerMalformed: a bug if not)
+                            up.unreadable("backend", "decode", exc)
+                            continue
+                        out = on_worker(now(), wid, msg)
                         if out:
                             send(out)
                             if wid not in self._links:

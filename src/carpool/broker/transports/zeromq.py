@@ -119,30 +119,34 @@ class ZmqWorkers:
         keys = self.keys
         unreadable = up.unreadable
         n = 0
-        try:
-            for frames in waiting(router, BURST):
-                n += 1
-                try:
-                    identity = frames[0].bytes
-                    if reserved and identity.startswith(reserved):
-                        logger.warning("a backend peer used a local worker's id: dropped")
-                        continue
-                    if keys is not None and not keys.admit(identity, frames[0]):
-                        continue
-                except Exception as exc:  # the User-Id property, the key table
-                    unreadable("backend", "connection", exc)
+        messages = waiting(router, BURST)
+        while True:
+            try:
+                frames = next(messages, None)
+            except zmq.ZMQError as exc:  # (receiving: a send below raises on its own)
+                unreadable("backend", "receive", exc)
+                return n
+            if frames is None:
+                return n
+            n += 1
+            try:
+                identity = frames[0].bytes
+                if reserved and identity.startswith(reserved):
+                    logger.warning("a backend peer used a local worker's id: dropped")
                     continue
-                try:
-                    msg = decode_from_worker(frames[1:])
-                except Exception as exc:  # (it answers WorkerMalformed: a bug if not)
-                    unreadable("backend", "decode", exc)
+                if keys is not None and not keys.admit(identity, frames[0]):
                     continue
-                out = on_worker(now(), identity, msg)
-                if out:
-                    send(out)
-        except zmq.ZMQError as exc:
-            unreadable("backend", "receive", exc)
-        return n
+            except Exception as exc:  # the User-Id property, the key table
+                unreadable("backend", "connection", exc)
+                continue
+            try:
+                msg = decode_from_worker(frames[1:])
+            except Exception as exc:  # (it answers WorkerMalformed: a bug if not)
+                unreadable("backend", "decode", exc)
+                continue
+            out = on_worker(now(), identity, msg)
+            if out:
+                send(out)
 
     def send(self, wid: bytes, message: WorkerBound) -> None:
         reserved = self._reserved
