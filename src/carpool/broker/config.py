@@ -191,9 +191,10 @@ class BrokerConfig:
     stop_grace_s: float = 2.0
     # Then the frontend stays open, every message read and answered (UNAVAILABLE with
     # retry), until every client connection has been quiet for stop_quiet_s, or
-    # stop_drain_s after the grace at most; then it closes. stop_grace_s + stop_drain_s
-    # (plus a second for the last answers to leave) must stay within the unit's
-    # TimeoutStopSec (10 s): raise it with them.
+    # stop_drain_s after the grace at most; a last read (stop_quiet_s at most), and it
+    # closes. stop_grace_s + stop_drain_s + stop_quiet_s (plus a second for the last
+    # answers to leave) must stay within the unit's TimeoutStopSec (10 s): raise it
+    # with them.
     stop_quiet_s: float = 0.2
     stop_drain_s: float = 2.0
     # After a (re)start, for this long a model no worker has registered yet is answered

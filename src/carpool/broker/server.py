@@ -419,7 +419,7 @@ class BrokerServer:
 
     def stop(self) -> None:
         """Ask :meth:`serve` to wind down and return (after the current turn; a second
-        call ends the wait for running batches)."""
+        call cuts the waits short: for running batches, and for quiet clients)."""
         if self._stopping:
             self._stops += 1
         self._stopping = True

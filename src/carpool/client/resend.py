@@ -24,10 +24,10 @@ the retiring one, as if lost.
 
 A connection opened by leaving one is *on trial* until it answers a request other than
 with a ``retry`` refusal. A refusal on it does not make the client leave it (the request
-waits, PARKED, for its close): a broker that admits new connections while it stops (as
-brokers did before they held them at the handshake) would answer the new one as it did
-the old, and leaving on each refusal would open a socket and send every request again
-each round trip until it closed.
+waits, PARKED, for its close): a broker that admits new connections while it stops (one
+that does not hold them at the handshake) would answer the new one as it did the old,
+and leaving on each refusal would open a socket and send every request again each round
+trip until it closed.
 
 =============================  ================================================
 connection event               what changes
