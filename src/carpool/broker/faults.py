@@ -13,9 +13,11 @@
   (:meth:`FaultPolicy.after_fault`). Otherwise it raises :class:`Fault`: the server logs
   it and stops through its wind-down, answering what it holds, and ``serve`` raises
   :class:`BrokerFault` (the process exits 1, so systemd restarts it). Any other
-  exception out of a loop turn (a tick's, the server's own) stops it the same way. A fault half-way
-  through a state change is never swallowed: that could leak a request or answer it
-  twice.
+  exception out of a loop turn (a tick's, the server's own, the wind-down's) stops it
+  the same way. A fault half-way through a state change is never swallowed: that could
+  leak a request or answer it twice. What such a fault leaves: the replies the core had
+  built for that message so far are lost with it (the handler never returned them), so
+  a request that reached its final state there is answered by its client's deadline.
 """
 
 from __future__ import annotations
