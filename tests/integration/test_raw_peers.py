@@ -287,6 +287,28 @@ def test_a_fault_inside_the_core_that_changed_nothing_is_answered_internal(
     assert line.exc_info is not None
 
 
+@contextlib.contextmanager
+def _serving(broker: BrokerServer) -> Iterator[tuple[threading.Thread, list[BaseException]]]:
+    """``broker.serve()`` on a thread, what it raises collected; stopped, joined and
+    closed after."""
+    faults: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            broker.serve()
+        except BaseException as exc:
+            faults.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield thread, faults
+    finally:
+        broker.stop()
+        thread.join(10)
+        broker.close()
+
+
 def test_a_fault_inside_the_core_after_a_state_change_winds_the_broker_down(
     context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
@@ -302,42 +324,30 @@ def test_a_fault_inside_the_core_after_a_state_change_winds_the_broker_down(
         "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4]}],
     }
     engines = {"syn": lambda: SyntheticEngine(item_shape=(4,), max_batch=4)}
-    faults: list[BaseException] = []
+    with (
+        _serving(broker) as (serving, faults),
+        ServerThread(WorkerServer(broker.backend_endpoint, engines)),
+    ):
+        with Client(broker.frontend_endpoint) as client:
+            wait_for_workers(client, 1)
+        backlog = broker.core.backlog
+        real_add = backlog.add
 
-    def serve() -> None:
+        def add_then_fail(req: Any) -> Any:
+            real_add(req)
+            raise RuntimeError("injected fault after the request was queued")
+
+        backlog.add = add_then_fail  # type: ignore[method-assign]
+        sock = _raw_dealer(context, broker.frontend_endpoint)
         try:
-            broker.serve()
-        except BaseException as exc:
-            faults.append(exc)
-
-    serving = threading.Thread(target=serve, daemon=True)
-    serving.start()
-    try:
-        with ServerThread(WorkerServer(broker.backend_endpoint, engines)):
-            with Client(broker.frontend_endpoint) as client:
-                wait_for_workers(client, 1)
-            backlog = broker.core.backlog
-            real_add = backlog.add
-
-            def add_then_fail(req: Any) -> Any:
-                real_add(req)
-                raise RuntimeError("injected fault after the request was queued")
-
-            backlog.add = add_then_fail  # type: ignore[method-assign]
-            sock = _raw_dealer(context, broker.frontend_endpoint)
-            try:
-                sock.send_multipart([b"CP\x01\x01", msgpack.packb(meta), X.tobytes()])
-                assert sock.poll(10_000)
-                header, error = sock.recv_multipart()
-                serving.join(10)
-                assert not serving.is_alive()  # it stopped by itself
-                assert not sock.poll(100)  # and answered the request once
-            finally:
-                sock.close()
-    finally:
-        broker.stop()
-        serving.join(10)
-        broker.close()
+            sock.send_multipart([b"CP\x01\x01", msgpack.packb(meta), X.tobytes()])
+            assert sock.poll(10_000)
+            header, error = sock.recv_multipart()
+            serving.join(10)
+            assert not serving.is_alive()  # it stopped by itself
+            assert not sock.poll(100)  # and answered the request once
+        finally:
+            sock.close()
     answer = msgpack.unpackb(error)
     assert answer["id"] == 7
     if header == b"CP\x01\x03":  # (or its batch ran in the grace, and it is answered)
@@ -353,24 +363,10 @@ def test_a_fault_in_a_tick_winds_the_broker_down(context: zmq.Context[zmq.Socket
     broker the same way: wound down, and serve() raises BrokerFault."""
     broker = BrokerServer(loopback_config(max_batch=4, max_wait_s=0.001))
     broker.core.on_tick = _fails_first(1, broker.core.on_tick)  # type: ignore[method-assign]
-    faults: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            broker.serve()
-        except BaseException as exc:
-            faults.append(exc)
-
-    serving = threading.Thread(target=serve, daemon=True)
-    serving.start()
-    try:
+    with _serving(broker) as (serving, faults):
         with contextlib.closing(_raw_dealer(context, broker.frontend_endpoint)):
             serving.join(10)  # (a connection wakes the loop: that turn's tick fails)
         assert not serving.is_alive()  # it stopped by itself
-    finally:
-        broker.stop()
-        serving.join(10)
-        broker.close()
     assert broker.core.stopping
     assert len(faults) == 1
     assert isinstance(faults[0], BrokerFault)
