@@ -84,7 +84,7 @@ def cuda_layer(binding: str) -> Step:
         cuda.record(b, stream)
         cuda.to_host(dst, dev, nbytes, stream)
         cuda.record(c, stream)
-        cuda.wait_event(c)
+        cuda.synchronize(stream)
         same = bool(np.array_equal(src.array, dst.array))
         h2d_s, d2h_s = cuda.elapsed_s(a, b), cuda.elapsed_s(b, c)
         for buffer in (src, dst, dev):

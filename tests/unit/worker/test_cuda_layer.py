@@ -66,14 +66,16 @@ def test_an_event_marks_the_work_before_it_and_times_it(cuda):
     data = np.arange(1 << 16, dtype=np.int32)
     src, dst, dev = _roundtrip(cuda, data)
     stream, start, end = cuda.stream(), cuda.event(), cuda.event()
+    done = cuda.event(timing=False)
     cuda.record(start, stream)
     cuda.to_device(dev, src, data.nbytes, stream)
     cuda.to_host(dst, dev, data.nbytes, stream)
     cuda.record(end, stream)
-    cuda.wait_event(end)
+    cuda.record(done, stream)
+    cuda.wait(done, stream)
     np.testing.assert_array_equal(dst.view(data.dtype, data.shape), data)
     assert cuda.elapsed_s(start, end) >= 0.0
-    for h in (start, end, stream):
+    for h in (start, end, done, stream):
         cuda.destroy(h)
 
 
@@ -111,15 +113,30 @@ def test_the_fake_runs_a_stream_only_when_waited_for():
     cuda = FakeCuda()
     data = np.arange(8, dtype=np.uint8)
     src, dst, dev = _roundtrip(cuda, data)
-    stream, end = cuda.stream(), cuda.event()
+    stream, end, done = cuda.stream(), cuda.event(), cuda.event(timing=False)
     cuda.to_device(dev, src, 8, stream)
     cuda.to_host(dst, dev, 8, stream)
     cuda.record(end, stream)
+    cuda.record(done, stream)
     assert dst.array.tolist() == [0] * 8  # queued, not done
     with pytest.raises(CudaError, match="NotReady"):
         cuda.elapsed_s(end, end)
-    cuda.wait_event(end)
+    cuda.wait(done, stream)
     assert dst.array.tolist() == list(range(8))
+
+
+def test_the_fake_holds_callers_to_the_wait_contract():
+    cuda = FakeCuda()
+    stream, timing, done = cuda.stream(), cuda.event(), cuda.event(timing=False)
+    cuda.record(timing, stream)
+    with pytest.raises(CudaError, match="completion event"):
+        cuda.wait(timing, stream)
+    cuda.record(done, stream)
+    cuda.record(timing, stream)
+    with pytest.raises(CudaError, match="after its completion event"):
+        cuda.wait(done, stream)
+    with pytest.raises(CudaError, match="InvalidResourceHandle"):
+        cuda.elapsed_s(done, timing)
 
 
 def test_open_cuda_gives_every_bindings_reason_when_none_opens():
@@ -136,6 +153,9 @@ class _FakeRuntime:
         cudaMemcpyDeviceToHost = "d2h"  # noqa: N815
 
     cudaStreamNonBlocking = 1  # noqa: N815
+    cudaDeviceScheduleBlockingSync = 4  # noqa: N815
+    cudaEventBlockingSync = 1  # noqa: N815
+    cudaEventDisableTiming = 2  # noqa: N815
 
     def __init__(self, failing: str = "") -> None:
         self.calls: list[tuple[object, ...]] = []
@@ -163,6 +183,7 @@ def test_the_cuda_python_binding_checks_every_call_on_the_owning_thread():
     layer.destroy(stream)
     assert rt.calls == [
         ("cudaSetDevice", 0),
+        ("cudaSetDeviceFlags", 4),
         ("cudaStreamCreateWithFlags", 1),
         ("cudaMemcpyAsync", 16, 32, 8, "h2d", 4096),
         ("cudaStreamDestroy", 4096),

@@ -139,7 +139,7 @@ def test_contexts_take_batches_in_turn_each_on_its_own_stream():
     second = engine.enqueue({"x": _x(3)})
     third_x = _x(4)
     # the second batch's copy in was queued before anything waited for the first
-    waits = [i for i, c in enumerate(cuda.calls) if c[0] == "wait_event"]
+    waits = [i for i, c in enumerate(cuda.calls) if c[0] == "wait"]
     copies = [c for c in cuda.calls if c[0] == "to_device"]
     assert waits == []
     assert copies[0][4] != copies[1][4]  # two streams

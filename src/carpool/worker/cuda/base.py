@@ -64,9 +64,12 @@ class Stream:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Event:
-    """A timing event (recorded on a stream, then waited for or timed)."""
+    """An event recorded on a stream: a timing event (``timing``: :meth:`Cuda.elapsed_s`
+    times two of them), or a completion event (blocking sync, no timing) that
+    :meth:`Cuda.wait` waits for."""
 
     native: Any = field(repr=False)
+    timing: bool = True
 
 
 class Cuda(Protocol):
@@ -89,8 +92,9 @@ class Cuda(Protocol):
         """Create a non-blocking stream."""
         ...
 
-    def event(self) -> Event:
-        """Create a timing event."""
+    def event(self, *, timing: bool = True) -> Event:
+        """Create a timing event, or with ``timing=False`` a completion event: one made
+        for :meth:`wait` (blocking sync, no timing, so cheaper to record)."""
         ...
 
     def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
@@ -105,12 +109,17 @@ class Cuda(Protocol):
         """Record ``event`` on ``stream``: it completes when the work queued before it does."""
         ...
 
-    def wait_event(self, event: Event) -> None:
-        """Block the calling thread until ``event`` has completed."""
+    def wait(self, done: Event, stream: Stream) -> None:
+        """Block the calling thread until ``done``, a completion event recorded as the
+        last work queued on ``stream``, has completed: with the GIL released and no core
+        spinning, so the worker's other threads run while a batch computes. Each binding
+        picks the call that does both (cuda-python before 12.9.1 holds the GIL in
+        ``cudaEventSynchronize``; a default event may spin)."""
         ...
 
     def synchronize(self, stream: Stream) -> None:
-        """Block the calling thread until the work queued on ``stream`` has completed."""
+        """Block the calling thread until the work queued on ``stream`` has completed
+        (the GIL released; setup paths and rare waits, not each batch's)."""
         ...
 
     def elapsed_s(self, start: Event, end: Event) -> float:

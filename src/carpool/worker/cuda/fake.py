@@ -105,11 +105,11 @@ class FakeCuda:
         self._streams[handle] = _StreamState()
         return Stream(handle)
 
-    def event(self) -> Event:
+    def event(self, *, timing: bool = True) -> Event:
         self._owner.check()
         handle = next(self._ids)
-        self.calls.append(("event", handle))
-        return Event(handle)
+        self.calls.append(("event", handle) if timing else ("event", handle, "completion"))
+        return Event(handle, timing)
 
     def _copy(self, what: str, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         self._owner.check()
@@ -143,13 +143,18 @@ class FakeCuda:
 
         state.ops.append(_Op(reach, event.native))
 
-    def wait_event(self, event: Event) -> None:
+    def wait(self, done: Event, stream: Stream) -> None:
+        """As the interface says; raises :class:`CudaError` where the caller breaks its
+        contract (a timing event, or work queued on ``stream`` after ``done``)."""
         self._owner.check()
-        self.calls.append(("wait_event", event.native))
-        for state in self._streams.values():
-            marks = [i for i, op in enumerate(state.ops) if op.event == event.native]
-            if marks:
-                self._drain(state, marks[-1] + 1)
+        self.calls.append(("wait", done.native, stream.handle))
+        if done.timing:
+            raise CudaError("wait takes a completion event (event(timing=False))")
+        state = self._streams[stream.handle]
+        marks = [i for i, op in enumerate(state.ops) if op.event == done.native]
+        if marks and marks[-1] != len(state.ops) - 1:
+            raise CudaError("wait: work was queued on the stream after its completion event")
+        self._drain(state, len(state.ops))
 
     def synchronize(self, stream: Stream) -> None:
         self._owner.check()
@@ -166,6 +171,8 @@ class FakeCuda:
     def elapsed_s(self, start: Event, end: Event) -> float:
         self._owner.check()
         self.calls.append(("elapsed_s", start.native, end.native))
+        if not (start.timing and end.timing):
+            raise CudaError("cudaEventElapsedTime failed: cudaErrorInvalidResourceHandle")
         a = self._event_times.get(start.native)
         b = self._event_times.get(end.native)
         if a is None or b is None:

@@ -59,8 +59,11 @@ class PyCudaCuda:
         native = self._call("Stream", self._drv.Stream, _NON_BLOCKING)
         return Stream(int(native.handle), native)
 
-    def event(self) -> Event:
-        return Event(self._call("Event", self._drv.Event))
+    def event(self, *, timing: bool = True) -> Event:
+        if timing:
+            return Event(self._call("Event", self._drv.Event))
+        flags = self._drv.event_flags.BLOCKING_SYNC | self._drv.event_flags.DISABLE_TIMING
+        return Event(self._call("Event", self._drv.Event, flags), timing=False)
 
     def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
         self._call(
@@ -83,8 +86,10 @@ class PyCudaCuda:
     def record(self, event: Event, stream: Stream) -> None:
         self._call("Event.record", event.native.record, stream.native)
 
-    def wait_event(self, event: Event) -> None:
-        self._call("Event.synchronize", event.native.synchronize)
+    def wait(self, done: Event, stream: Stream) -> None:
+        # pycuda releases the GIL in Event.synchronize; a blocking-sync event does not
+        # spin (pycuda cannot set the primary context's schedule flags).
+        self._call("Event.synchronize", done.native.synchronize)
 
     def synchronize(self, stream: Stream) -> None:
         self._call("Stream.synchronize", stream.native.synchronize)

@@ -61,6 +61,11 @@ class RuntimeCuda:
         self.device = device
         self._owner = Owner(f"CUDA device {device} (cuda-python)")
         self._check(rt.cudaSetDevice(device), "cudaSetDevice")
+        # Waits block on a synchronization primitive instead of spinning a core (the
+        # default, cudaDeviceScheduleAuto, spins on a dGPU with fewer contexts than CPUs).
+        # The flags are the primary context's: TensorRT's own waits block the same way.
+        flags = rt.cudaDeviceScheduleBlockingSync
+        self._check(rt.cudaSetDeviceFlags(flags), "cudaSetDeviceFlags")
         self._h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         self._d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
 
@@ -94,8 +99,11 @@ class RuntimeCuda:
         native = self._call("cudaStreamCreateWithFlags", flags, what="cudaStreamCreate")
         return Stream(_handle(native), native)
 
-    def event(self) -> Event:
-        return Event(self._call("cudaEventCreate"))
+    def event(self, *, timing: bool = True) -> Event:
+        if timing:
+            return Event(self._call("cudaEventCreate"))
+        flags = self._rt.cudaEventBlockingSync | self._rt.cudaEventDisableTiming
+        return Event(self._call("cudaEventCreateWithFlags", flags), timing=False)
 
     def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
         self._copy("to device", dst.ptr, src.ptr, nbytes, self._h2d, stream)
@@ -110,8 +118,12 @@ class RuntimeCuda:
     def record(self, event: Event, stream: Stream) -> None:
         self._call("cudaEventRecord", event.native, stream.native)
 
-    def wait_event(self, event: Event) -> None:
-        self._call("cudaEventSynchronize", event.native)
+    def wait(self, done: Event, stream: Stream) -> None:
+        # cudaStreamSynchronize releases the GIL in every cuda-python release;
+        # cudaEventSynchronize holds it up to 12.9.0 (docs/gpu.md). ``done`` is the last
+        # work on ``stream``, so waiting for the stream is waiting for it; with the
+        # blocking-sync schedule set at open, the wait does not spin.
+        self._call("cudaStreamSynchronize", stream.native)
 
     def synchronize(self, stream: Stream) -> None:
         self._call("cudaStreamSynchronize", stream.native)

@@ -264,7 +264,7 @@ class TensorRTEngine:
         """Wait for the oldest queued batch, time it, and copy its outputs out."""
         pending = self._in_flight.popleft()
         slot, cuda = pending.slot, self._cuda
-        cuda.wait_event(slot.done)
+        cuda.wait(slot.done, slot.stream)
         compute_s = cuda.elapsed_s(slot.start, pending.end)
         gap_s = None if self._last_end is None else cuda.elapsed_s(self._last_end, slot.start)
         self._busy.add(compute_s, gap_s)

@@ -102,7 +102,7 @@ class Slot:
     context: ContextAdapter
     stream: Stream
     start: Event  # recorded just before its batch's execute_async_v3
-    done: Event  # recorded after its batch's copies back to the host
+    done: Event  # completion event, recorded after its batch's copies back to the host
     # profile index -> tensor name -> (pinned host, device) buffers; a data-dependent
     # output's device side is in ``store`` (None here)
     buffers: dict[int, dict[str, tuple[HostBuffer, DeviceBuffer | None]]] = field(
@@ -117,7 +117,7 @@ class Slot:
     ) -> Slot:
         """A slot with every buffer of every plan allocated (the only allocations it makes,
         beside an output store growing past TensorRT's bound)."""
-        slot = cls(context, cuda.stream(), cuda.event(), cuda.event())
+        slot = cls(context, cuda.stream(), cuda.event(), cuda.event(timing=False))
         bounds: dict[str, int] = {}
         for plan in plans:
             for name in plan.data_dependent:
