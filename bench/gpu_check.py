@@ -77,7 +77,7 @@ def cuda_layer(binding: str) -> Step:
     try:
         nbytes = 64 << 20
         src, dst, dev = cuda.pinned(nbytes), cuda.pinned(nbytes), cuda.device_buffer(nbytes)
-        src.array[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+        src.array[:] = np.arange(nbytes, dtype=np.uint8)  # (it wraps at 256)
         stream, a, b, c = cuda.stream(), cuda.event(), cuda.event(), cuda.event()
         cuda.record(a, stream)
         cuda.to_device(dev, src, nbytes, stream)
@@ -140,7 +140,43 @@ def pipeline(batches: int = 40) -> Step:
 def tensorrt_engine() -> Step:
     if not _has("tensorrt"):
         return skipped("tensorrt does not import: TensorRT is not installed on this machine")
-    return skipped("a plan needs `carpool build-engine` (not run by this check yet)")
+    return skipped(
+        "tensorrt imports, but this check never builds or runs a real plan: run "
+        "`carpool build-engine` and a worker on it (docs/gpu.md, 'Serving a plan')"
+    )
+
+
+def gil(old_binding: Path | None) -> Step:
+    """bench/gpu_gil.py in a child: the instrument on host waits, then the batch wait
+    before and after on the machine's binding, and on ``old_binding`` (a folder holding
+    cuda-bindings 12.9.0, whose cudaEventSynchronize holds the GIL) where given."""
+    out: Step = {"status": "ok"}
+    runs: list[tuple[str, list[str], str]] = [("calibration", ["--calibrate"], "")]
+    runs.append(("machine_binding", [], ""))
+    if old_binding is None or not old_binding.is_dir():
+        out["cuda-bindings 12.9.0"] = skipped(f"no carried binding at {old_binding}")
+    else:
+        runs.append(("cuda-bindings 12.9.0", [], str(old_binding)))
+    for name, args, first in runs:
+        path = os.pathsep.join(p for p in (first, os.environ.get("PYTHONPATH", "")) if p)
+        try:
+            done = subprocess.run(
+                [sys.executable, str(ROOT / "bench" / "gpu_gil.py"), *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+                env={**os.environ, "PYTHONPATH": path},
+            )
+            lines = done.stdout.strip().splitlines()
+            out[name] = json.loads(lines[-1]) if lines else {"status": "failed"}
+            if done.returncode or not lines:
+                out[name]["stderr"] = done.stderr[-2000:]
+        except (subprocess.TimeoutExpired, ValueError) as exc:
+            out[name] = {"status": "failed", "reason": repr(exc)}
+        if out[name].get("status") == "failed":
+            out["status"] = "failed"
+    return out
 
 
 def nvml(during: Callable[[], Step] | None = None) -> tuple[Step, Step | None]:
@@ -208,33 +244,49 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "gpu_check.json")
     p.add_argument("--no-bench", action="store_true", help="skip the two CPU benchmarks")
+    p.add_argument(
+        "--old-binding",
+        type=Path,
+        default=Path("/tmp/carpool-cb129"),
+        help="a folder with cuda-bindings 12.9.0 installed (bench/gpu_check.sh makes it)",
+    )
     args = p.parse_args(argv)
     start = time.perf_counter()
-    report: dict[str, Step] = {"environment": environment()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Step] = {}
+
+    def record(name: str, step: Step) -> None:
+        """Keep ``step`` and write the report so far (a run cut short still leaves one)."""
+        report[name] = step
+        report["elapsed_s"] = {"status": "ok", "value": round(time.perf_counter() - start, 1)}
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"{name:20} {step['status']:8} {step.get('reason', '')}", flush=True)
+
+    record("environment", environment())
     found = probe()
-    report["probe"] = {
-        "status": "ok" if found.ok else "skipped",
-        "gpu": None if found.device is None else found.device.name,
-        "compute_capability": None if found.device is None else found.device.compute_capability,
-        "via": found.via,
-        "reason": found.reason,
-    }
+    record(
+        "probe",
+        {
+            "status": "ok" if found.ok else "skipped",
+            "gpu": None if found.device is None else found.device.name,
+            "compute_capability": None if found.device is None else found.device.compute_capability,
+            "via": found.via,
+            "reason": found.reason,
+        },
+    )
     if found.ok:
         for binding in ("cuda-python", "pycuda"):
-            report[f"cuda[{binding}]"] = cuda_layer(binding)
-        report["nvml"], piped = nvml(pipeline)
-        report["pipeline"] = piped or skipped("not run")
-        report["tensorrt"] = tensorrt_engine()
+            record(f"cuda[{binding}]", cuda_layer(binding))
+        record("gil", gil(args.old_binding))
+        step, piped = nvml(pipeline)
+        record("nvml", step)
+        record("pipeline", piped or skipped("not run"))
+        record("tensorrt", tensorrt_engine())
     else:
         why = f"no GPU: {found.reason}"
-        for name in ("cuda[cuda-python]", "cuda[pycuda]", "pipeline", "tensorrt", "nvml"):
-            report[name] = skipped(why)
-    report["benchmarks"] = benchmarks(not args.no_bench)
-    report["elapsed_s"] = {"status": "ok", "value": round(time.perf_counter() - start, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    for name, step in report.items():
-        print(f"{name:20} {step['status']:8} {step.get('reason', '')}")
+        for name in ("cuda[cuda-python]", "cuda[pycuda]", "gil", "pipeline", "tensorrt", "nvml"):
+            record(name, skipped(why))
+    record("benchmarks", benchmarks(not args.no_bench))
     print(f"report: {args.out}")
     failed = [n for n, s in report.items() if s["status"] == "failed"]
     return 1 if failed else 0

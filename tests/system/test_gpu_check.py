@@ -30,7 +30,7 @@ def test_without_a_gpu_the_check_reports_what_it_skipped(tmp_path: Path) -> None
     report = json.loads(report_path.read_text())
     assert report["environment"]["status"] == "ok"
     assert report["probe"]["status"] == "skipped"
-    for step in ("cuda[cuda-python]", "cuda[pycuda]", "pipeline", "tensorrt", "nvml"):
+    for step in ("cuda[cuda-python]", "cuda[pycuda]", "gil", "pipeline", "tensorrt", "nvml"):
         assert report[step]["status"] == "skipped"
         assert report[step]["reason"].startswith("no GPU: ")
     assert report["benchmarks"] == {"status": "skipped", "reason": "--no-bench"}
