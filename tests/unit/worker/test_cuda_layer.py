@@ -1,5 +1,6 @@
-"""The CUDA layer's contract, run against the recording fake here and against each real
-binding where a GPU answers (marked ``gpu``: skipped with the reason elsewhere)."""
+"""The CUDA layer's contract, run against the recording fake, against the pycuda binding
+on a fake ``pycuda.driver`` (:mod:`.pycuda_fake`), and against each real binding where a
+GPU answers (marked ``gpu``: skipped with the reason elsewhere)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import pytest
 from carpool.worker.cuda import open_cuda
 from carpool.worker.cuda.base import Cuda, CudaError, CudaUnavailable
 from carpool.worker.cuda.fake import FakeCuda
+from tests.unit.worker.pycuda_fake import FakeDriver, installed
 
 
 @pytest.fixture(
     params=[
         "fake",
+        "pycuda on a fake driver",
         pytest.param("cuda-python", marks=pytest.mark.gpu),
         pytest.param("pycuda", marks=pytest.mark.gpu),
     ]
@@ -23,6 +26,9 @@ from carpool.worker.cuda.fake import FakeCuda
 def cuda(request):
     if request.param == "fake":
         layer: Cuda = FakeCuda()
+    elif request.param == "pycuda on a fake driver":
+        with installed(FakeDriver()):
+            layer = open_cuda(0, ("pycuda",))
     else:
         try:
             layer = open_cuda(0, (request.param,))

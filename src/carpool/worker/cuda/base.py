@@ -150,3 +150,14 @@ class Owner:
             raise CudaError(
                 f"{self._what} belongs to the thread that opened it; use it from that thread"
             )
+
+
+def check_copy(
+    what: str, dst: HostBuffer | DeviceBuffer, src: HostBuffer | DeviceBuffer, nbytes: int
+) -> None:
+    """Raise :class:`CudaError` where a copy of ``nbytes`` would overrun ``dst`` or ``src``
+    (CUDA would write past the allocation, or read past it, and say nothing)."""
+    if not 0 <= nbytes <= min(dst.nbytes, src.nbytes):
+        raise CudaError(
+            f"{what}: {nbytes} bytes overrun a buffer (to {dst.nbytes}, from {src.nbytes})"
+        )
