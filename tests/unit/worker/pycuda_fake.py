@@ -136,12 +136,22 @@ class FakeDriver(types.ModuleType):
         self._ptrs = itertools.count(0x7F0000000000, 0x100000)
         self._ids = itertools.count(1)
         self._stacks = threading.local()
-        driver = self
+        this = self
+
         # pycuda's classes, bound to this fake (what the binding calls them through)
-        self.Device = type("Device", (_Device,), {"driver": driver})
-        self.Context = type("Context", (_Context,), {"driver": driver})
-        self.Stream = type("Stream", (_Stream,), {"driver": driver})
-        self.Event = type("Event", (_Event,), {"driver": driver})
+        class Device(_Device):
+            driver = this
+
+        class Context(_Context):
+            driver = this
+
+        class Stream(_Stream):
+            driver = this
+
+        class Event(_Event):
+            driver = this
+
+        self.Device, self.Context, self.Stream, self.Event = Device, Context, Stream, Event
 
     # -- what the fake keeps -------------------------------------------------------------
     def note(self, *call: Any) -> None:

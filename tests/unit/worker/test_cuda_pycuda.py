@@ -279,3 +279,29 @@ def test_open_cuda_falls_back_to_pycuda_where_cuda_python_is_missing(drv, monkey
     cuda = open_cuda(0)
     assert cuda.name == "pycuda"
     cuda.close()
+
+
+def test_the_fake_refuses_what_pycuda_refuses():
+    drv = FakeDriver()
+    with pytest.raises(drv.LogicError, match="initialization error"):
+        drv.Device(0)
+    drv.init()
+    with pytest.raises(drv.LogicError, match="invalid device context"):
+        drv.mem_alloc(8)  # no context current on this thread
+    context = drv.Device(0).retain_primary_context()
+    context.push()
+    with pytest.raises(drv.LogicError, match="invalid argument"):
+        drv.pagelocked_empty(0, np.uint8)
+    allocation = drv.mem_alloc(8)
+    allocation.free()
+    with pytest.raises(drv.LogicError, match="invalid resource handle"):
+        allocation.free()
+    timing, done = drv.Event(), drv.Event(drv.event_flags.DISABLE_TIMING)
+    with pytest.raises(drv.LogicError, match="invalid resource handle"):
+        done.time_since(timing)
+    drv.Context.pop()
+    with pytest.raises(drv.LogicError, match="cannot pop non-current context"):
+        drv.Context.pop()
+    context.detach()
+    with pytest.raises(drv.LogicError, match="cannot detach from invalid context"):
+        context.detach()
