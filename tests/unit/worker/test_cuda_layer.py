@@ -1,4 +1,5 @@
-"""The CUDA layer's contract, run against the recording fake here and against each real
+"""The CUDA layer's contract, run against the recording fake, against each binding on a
+fake of its module (:mod:`.cuda_python_fake`, :mod:`.pycuda_fake`), and against each real
 binding where a GPU answers (marked ``gpu``: skipped with the reason elsewhere)."""
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import pytest
 from carpool.worker.cuda import open_cuda
 from carpool.worker.cuda.base import Cuda, CudaError, CudaUnavailable
 from carpool.worker.cuda.fake import FakeCuda
+from tests.unit.worker import cuda_python_fake, pycuda_fake
 
 
 @pytest.fixture(
     params=[
         "fake",
+        "cuda-python on a fake runtime",
+        "pycuda on a fake driver",
         pytest.param("cuda-python", marks=pytest.mark.gpu),
         pytest.param("pycuda", marks=pytest.mark.gpu),
     ]
@@ -23,6 +27,12 @@ from carpool.worker.cuda.fake import FakeCuda
 def cuda(request):
     if request.param == "fake":
         layer: Cuda = FakeCuda()
+    elif request.param == "cuda-python on a fake runtime":
+        with cuda_python_fake.installed(cuda_python_fake.FakeRuntime()):
+            layer = open_cuda(0, ("cuda-python",))
+    elif request.param == "pycuda on a fake driver":
+        with pycuda_fake.installed(pycuda_fake.FakeDriver()):
+            layer = open_cuda(0, ("pycuda",))
     else:
         try:
             layer = open_cuda(0, (request.param,))
@@ -142,66 +152,3 @@ def test_the_fake_holds_callers_to_the_wait_contract():
 def test_open_cuda_gives_every_bindings_reason_when_none_opens():
     with pytest.raises(CudaUnavailable, match=r"^one: unknown CUDA binding; two: unknown"):
         open_cuda(0, ("one", "two"))
-
-
-class _FakeRuntime:
-    """cuda-python's runtime module as RuntimeCuda calls it: each call records its name
-    and arguments and returns ``(err, value)``; a name in ``failing`` returns error 2."""
-
-    class cudaMemcpyKind:  # noqa: N801 - cuda-python's names
-        cudaMemcpyHostToDevice = "h2d"  # noqa: N815
-        cudaMemcpyDeviceToHost = "d2h"  # noqa: N815
-
-    cudaStreamNonBlocking = 1  # noqa: N815
-    cudaDeviceScheduleBlockingSync = 4  # noqa: N815
-    cudaEventBlockingSync = 1  # noqa: N815
-    cudaEventDisableTiming = 2  # noqa: N815
-
-    def __init__(self, failing: str = "") -> None:
-        self.calls: list[tuple[object, ...]] = []
-        self.failing = failing
-
-    def cudaGetErrorName(self, err: int) -> tuple[int, bytes]:  # noqa: N802
-        return 0, b"cudaErrorMemoryAllocation"
-
-    def __getattr__(self, name: str):
-        def call(*args: object) -> tuple[int, int]:
-            self.calls.append((name, *args))
-            return (2 if name == self.failing else 0), 4096
-
-        return call
-
-
-def test_the_cuda_python_binding_checks_every_call_on_the_owning_thread():
-    from carpool.worker.cuda.base import DeviceBuffer, HostBuffer
-    from carpool.worker.cuda.runtime import RuntimeCuda
-
-    rt = _FakeRuntime()
-    layer = RuntimeCuda(rt, 0)
-    stream = layer.stream()
-    layer.to_device(DeviceBuffer(16, 8), HostBuffer(32, 8, np.zeros(8, np.uint8)), 8, stream)
-    layer.destroy(stream)
-    assert rt.calls == [
-        ("cudaSetDevice", 0),
-        ("cudaSetDeviceFlags", 4),
-        ("cudaStreamCreateWithFlags", 1),
-        ("cudaMemcpyAsync", 16, 32, 8, "h2d", 4096),
-        ("cudaStreamDestroy", 4096),
-    ]
-    failing = RuntimeCuda(_FakeRuntime(failing="cudaMalloc"), 0)
-    with pytest.raises(CudaError, match=r"^cudaMalloc failed: cudaErrorMemoryAllocation$"):
-        failing.device_buffer(8)
-    errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _capture(errors, lambda: layer.event()))
-    thread.start()
-    thread.join(timeout=10)
-    assert len(errors) == 1
-    assert "belongs to the thread" in str(errors[0])
-    assert rt.calls[-1] == ("cudaStreamDestroy", 4096)  # the other thread's call never ran
-
-
-def _capture(errors: list[BaseException], fn) -> None:
-    try:
-        fn()
-    except CudaError as exc:
-        errors.append(exc)

@@ -98,11 +98,21 @@ class Cuda(Protocol):
         ...
 
     def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
-        """Queue a copy of ``src``'s first ``nbytes`` to ``dst`` on ``stream``."""
+        """Queue a copy of ``src``'s first ``nbytes`` to ``dst`` on ``stream``.
+
+        Raises:
+            CudaError: the call failed, or ``nbytes`` is more than either buffer holds
+                (:func:`check_copy`).
+        """
         ...
 
     def to_host(self, dst: HostBuffer, src: DeviceBuffer, nbytes: int, stream: Stream) -> None:
-        """Queue a copy of ``src``'s first ``nbytes`` to ``dst`` on ``stream``."""
+        """Queue a copy of ``src``'s first ``nbytes`` to ``dst`` on ``stream``.
+
+        Raises:
+            CudaError: the call failed, or ``nbytes`` is more than either buffer holds
+                (:func:`check_copy`).
+        """
         ...
 
     def record(self, event: Event, stream: Stream) -> None:
@@ -113,8 +123,10 @@ class Cuda(Protocol):
         """Block the calling thread until ``done``, a completion event recorded as the
         last work queued on ``stream``, has completed: with the GIL released and no core
         spinning, so the worker's other threads run while a batch computes. Each binding
-        picks the call that does both (cuda-python before 12.9.1 holds the GIL in
-        ``cudaEventSynchronize``; a default event may spin)."""
+        picks the call that does both: cuda-python synchronizes ``stream`` under the
+        blocking-sync schedule it sets at open (``cudaEventSynchronize`` holds the GIL
+        before 12.9.1); pycuda synchronizes ``done``, made with ``BLOCKING_SYNC`` (a
+        default event may spin)."""
         ...
 
     def synchronize(self, stream: Stream) -> None:
@@ -150,3 +162,14 @@ class Owner:
             raise CudaError(
                 f"{self._what} belongs to the thread that opened it; use it from that thread"
             )
+
+
+def check_copy(
+    what: str, dst: HostBuffer | DeviceBuffer, src: HostBuffer | DeviceBuffer, nbytes: int
+) -> None:
+    """Raise :class:`CudaError` where a copy of ``nbytes`` would overrun ``dst`` or ``src``
+    (CUDA would write past the allocation, or read past it, and say nothing)."""
+    if not 0 <= nbytes <= min(dst.nbytes, src.nbytes):
+        raise CudaError(
+            f"{what}: {nbytes} bytes overrun a buffer (to {dst.nbytes}, from {src.nbytes})"
+        )

@@ -4,8 +4,8 @@ For Jetson setups that have pycuda (built from source against JetPack's CUDA too
 ``pycuda.autoinit`` is never used: it makes a new, non-primary context current in the
 importing thread only, while TensorRT works in the primary context. :func:`open_pycuda`
 retains the device's primary context and pushes it on the calling thread, which owns this
-object; :meth:`PyCudaCuda.close` pops it there (a context left on the stack at exit makes
-pycuda complain).
+object; :meth:`PyCudaCuda.close` pops it there and releases it, once, even where the pop
+fails (a context left on a thread's stack when the thread ends makes pycuda abort).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from carpool.worker.cuda.base import (
     HostBuffer,
     Owner,
     Stream,
+    check_copy,
 )
 
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
@@ -36,8 +37,12 @@ class PyCudaCuda:
         self._drv = drv
         self.device = device
         self._owner = Owner(f"CUDA device {device} (pycuda)")
-        self._context = drv.Device(device).retain_primary_context()
-        self._context.push()
+        self._context = self._call("retain_primary_context", _retain, drv, device)
+        try:
+            self._call("Context.push", self._context.push)
+        except CudaError:
+            self._call("Context.detach", self._context.detach)
+            raise
         self._closed = False
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
@@ -48,8 +53,9 @@ class PyCudaCuda:
             raise CudaError(f"{what} failed: {exc}") from None
 
     def pinned(self, nbytes: int) -> HostBuffer:
-        array = self._call("pagelocked_empty", self._drv.pagelocked_empty, nbytes, np.uint8)
-        return HostBuffer(int(array.ctypes.data), nbytes, array, native=array.base)
+        # at least one byte, as CUDA may refuse an empty allocation; the view keeps nbytes
+        whole = self._call("pagelocked_empty", self._drv.pagelocked_empty, max(nbytes, 1), np.uint8)
+        return HostBuffer(int(whole.ctypes.data), nbytes, whole[:nbytes], native=whole.base)
 
     def device_buffer(self, nbytes: int) -> DeviceBuffer:
         native = self._call("mem_alloc", self._drv.mem_alloc, max(nbytes, 1))
@@ -66,6 +72,8 @@ class PyCudaCuda:
         return Event(self._call("Event", self._drv.Event, flags), timing=False)
 
     def to_device(self, dst: DeviceBuffer, src: HostBuffer, nbytes: int, stream: Stream) -> None:
+        self._owner.check()
+        check_copy("memcpy_htod_async", dst, src, nbytes)  # pycuda would copy fewer bytes
         self._call(
             "memcpy_htod_async",
             self._drv.memcpy_htod_async,
@@ -75,6 +83,8 @@ class PyCudaCuda:
         )
 
     def to_host(self, dst: HostBuffer, src: DeviceBuffer, nbytes: int, stream: Stream) -> None:
+        self._owner.check()
+        check_copy("memcpy_dtoh_async", dst, src, nbytes)
         self._call(
             "memcpy_dtoh_async",
             self._drv.memcpy_dtoh_async,
@@ -108,10 +118,17 @@ class PyCudaCuda:
 
     def close(self) -> None:
         self._owner.check()
-        if not self._closed:
-            self._closed = True
-            self._context.pop()
-            self._context.detach()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call("Context.pop", self._context.pop)
+        finally:
+            self._call("Context.detach", self._context.detach)
+
+
+def _retain(drv: Any, device: int) -> Any:
+    return drv.Device(device).retain_primary_context()
 
 
 def open_pycuda(device: int = 0) -> PyCudaCuda:
