@@ -59,14 +59,18 @@ def c_text(raw: Any) -> str:
     return str(raw)
 
 
-def _version(module: Any, *distributions: str) -> str:
-    found = getattr(module, "__version__", None)
-    if isinstance(found, str):
-        return found
+def _named(module: Any, *distributions: str) -> str:
+    """The binding as "DISTRIBUTION VERSION": the first of ``distributions`` installed (the
+    first named where none is, as for a package found on PYTHONPATH alone), and the
+    module's ``__version__``, else that distribution's version."""
     for name in distributions:
         with contextlib.suppress(metadata.PackageNotFoundError):
-            return metadata.version(name)
-    return "?"
+            installed = metadata.version(name)
+            break
+    else:
+        name, installed = distributions[0], "?"
+    found = getattr(module, "__version__", None)
+    return f"{name} {found if isinstance(found, str) else installed}"
 
 
 def _not_visible() -> NoDevice:
@@ -91,7 +95,8 @@ def import_runtime() -> tuple[Any, str]:
     else:
         import cuda.bindings
 
-        return runtime, f"cuda-bindings {_version(cuda.bindings, 'cuda-bindings', 'cuda-python')}"
+        # cuda-python 12.6.1 to 12.6.2.post1 ship cuda.bindings in the cuda-python wheel.
+        return runtime, _named(cuda.bindings, "cuda-bindings", "cuda-python")
     try:
         import cuda.cudart as cudart  # cuda-python 12.x before cuda.bindings (12.6.1)
     except ModuleNotFoundError as exc:
@@ -100,7 +105,7 @@ def import_runtime() -> tuple[Any, str]:
         raise
     import cuda
 
-    return cudart, f"cuda-python {_version(cuda, 'cuda-python')}"
+    return cudart, _named(cuda, "cuda-python")
 
 
 def ask_runtime(rt: Any, binding: str, answer: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +167,11 @@ def ask_pycuda(answer: dict[str, Any]) -> dict[str, Any]:
         if exc.name in ("pycuda", "pycuda.driver"):
             raise NotInstalled from None
         raise
-    answer["binding"] = f"pycuda {getattr(pycuda, 'VERSION_TEXT', None) or _version(pycuda)}"
+    answer["binding"] = (
+        f"pycuda {pycuda.VERSION_TEXT}"
+        if hasattr(pycuda, "VERSION_TEXT")
+        else _named(pycuda, "pycuda")
+    )
     answer["runtime"] = ".".join(str(part) for part in drv.get_version()[:2])
     try:
         drv.init()
