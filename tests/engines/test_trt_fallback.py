@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
     reason="TensorRT is installed here: the fallback for its absence is not reachable",
 )
 
-GPU = GpuProbe(Device("NVIDIA H200", (9, 0)), via="nvml")
+GPU = GpuProbe(Device("NVIDIA H200", (9, 0)), binding="cuda-bindings 12.9.1")
 NO_GPU = GpuProbe(None, "no GPU found (nvml: NVMLError_LibraryNotFound)")
 
 

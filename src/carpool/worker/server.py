@@ -94,7 +94,8 @@ class WorkerServer:
         curve: CURVE keys for a ZeroMQ broker endpoint (the broker's public key, this
             worker's pair; :func:`carpool.common.curve.client_keys`); None: no CURVE.
         telemetry: takes a sample of the host and device for HEARTBEAT/RESULT (§8.2);
-            None: :meth:`TelemetrySampler.detect` (NVML, a Jetson's sysfs, the host).
+            None: :meth:`TelemetrySampler.detect` (NVML for the GPU CUDA names, a
+            Jetson's sysfs, the host; the CUDA versions the GPU probe found).
         metrics: HOST:PORT of its Prometheus endpoint (docs/operations.md); "": none.
         start_timeout_s, starting: how long building and warming the engines may take,
             and what is told while they have not finished (:class:`InferenceThread`).

@@ -1,6 +1,7 @@
 """Worker telemetry (worker/telemetry, worker/load.py, protocol §8.2): the NVML and
-Jetson parsers on recorded answers, the sampler behind its reader seams, the wire form,
-the core's sampling cadence, and ρ from an engine's own busy seconds."""
+Jetson parsers on recorded answers, the sampler behind its reader seams, the sources it
+picks (NVML opened by the device CUDA names, a trial sample, the Jetson fallback), the
+wire form, the core's sampling cadence, and ρ from an engine's own busy seconds."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from carpool.common.protocol import (
 from carpool.worker.core import JobOutcome, WorkerCore
 from carpool.worker.load import ReportedBusy, engines_busy_s
 from carpool.worker.telemetry import TelemetrySampler, jetson, nvml
+from carpool.worker.tensorrt.cache import Device
+from carpool.worker.tensorrt.probe import GpuProbe, run_probe
+from tests.unit.worker.fake_gpu import H100, L4, Gpu, install
+from tests.unit.worker.fake_gpu import FakeNvml as NvmlModule
 
 DATA = Path(__file__).parents[2] / "data" / "telemetry"
 NVML = {k: v for k, v in json.loads((DATA / "nvml.json").read_text()).items() if k[0] != "_"}
@@ -101,13 +106,113 @@ def test_a_device_that_stops_answering_leaves_the_host_fields() -> None:
     assert sample.host_mem_total_mib
 
 
-def test_without_nvml_the_real_reader_answers_none() -> None:
-    """nvidia-ml-py is installed here but no NVML library or GPU is: no reader."""
-    assert nvml.PynvmlReader.open() is None
+def test_without_nvml_the_real_module_sees_no_device() -> None:
+    """nvidia-ml-py is installed here but no NVML library or GPU is."""
+    module = nvml.import_pynvml()
+    assert module is not None
+    assert nvml.device_count(module) == 0
+
+
+def _detect(fake: NvmlModule | None, found: GpuProbe | None, sys_root: Path) -> TelemetrySampler:
+    return TelemetrySampler.detect(
+        import_nvml=lambda: fake,
+        find_gpu=lambda: found if found is not None else pytest.fail("the probe was asked"),
+        sys_root=sys_root,
+        binding_installed=lambda: False,
+    )
+
+
+def _found(gpu: Gpu, *, uuid: bool = True) -> GpuProbe:
+    return GpuProbe(
+        Device(gpu.name, gpu.cc),
+        binding="cuda-bindings 12.9.1" if uuid else "pycuda 2025.1",
+        runtime="12.9",
+        driver="12.6",
+        pci_bus_id=gpu.pci,
+        uuid=gpu.nvml_uuid if uuid else "",
+    )
+
+
+def test_nvml_reports_the_gpu_cuda_visible_devices_names(tmp_path: Path) -> None:
+    """Two GPUs and CUDA_VISIBLE_DEVICES=1: NVML's device 0 is not the worker's."""
+    fake = NvmlModule([H100, L4])
+    env = install(tmp_path / "fakes", visible="1")
+    sampler = TelemetrySampler.detect(
+        import_nvml=lambda: fake,
+        find_gpu=lambda: run_probe(env=env),
+        sys_root=tmp_path,
+        binding_installed=lambda: False,
+    )
+    sample = sampler()
+    assert (sample.device, sample.gpu_util_pct) == ("nvml", float(L4.util_pct))
+    assert (sample.gpu_mem_used_mib, sample.gpu_mem_total_mib) == (L4.used_mib, L4.total_mib)
+    assert (sample.cuda_binding, sample.cuda_runtime, sample.cuda_driver) == (
+        "cuda-bindings 12.9.1",
+        "12.9",
+        "12.6",
+    )
+    assert ("nvmlDeviceGetHandleByUUID", L4.nvml_uuid) in fake.calls
+    assert not [call for call in fake.calls if call[0] == "nvmlDeviceGetHandleByIndex"]
+
+
+def test_without_a_uuid_nvml_is_opened_by_the_pci_bus_id(tmp_path: Path) -> None:
+    """pycuda names no UUID."""
+    fake = NvmlModule([H100, L4])
+    sample = _detect(fake, _found(L4, uuid=False), tmp_path)()
+    assert (sample.gpu_util_pct, sample.cuda_binding) == (float(L4.util_pct), "pycuda 2025.1")
+    assert ("nvmlDeviceGetHandleByPciBusId", L4.pci) in fake.calls
+
+
+def test_no_cuda_device_is_no_device_telemetry_but_the_versions(tmp_path: Path) -> None:
+    """NVML sees two GPUs, CUDA none (a runtime newer than the driver): neither GPU is the
+    worker's, and what CUDA said is reported."""
+    why = "no GPU found (cuda-bindings 13.0.0 has CUDA runtime 13.0, which needs ...)"
+    found = GpuProbe(None, why, "cuda-bindings 13.0.0", "13.0", "12.6")
+    sampler = _detect(NvmlModule([H100, L4]), found, tmp_path)
+    assert (sampler.nvml_reader, sampler.jetson_load) == (None, None)
+    sample = sampler()
+    assert sample.device is None
+    assert (sample.cuda_binding, sample.cuda_runtime, sample.cuda_driver) == (
+        "cuda-bindings 13.0.0",
+        "13.0",
+        "12.6",
+    )
+
+
+def test_nvml_that_cannot_sample_falls_back_to_the_jetson_load(tmp_path: Path) -> None:
+    """Under MIG, or on Jetson Thor, NVML answers but not with the utilization."""
+    fake = NvmlModule([H100], utilization=False)
+    assert _detect(fake, _found(H100), tmp_path).nvml_reader is None  # the host alone
+    load = tmp_path / "class/devfreq/17000000.gpu/device/load"
+    load.parent.mkdir(parents=True)
+    load.write_text("537\n")
+    sampler = _detect(fake, _found(H100), tmp_path)
+    assert (sampler.nvml_reader, sampler.jetson_load) == (None, load)
+    assert (sampler().device, sampler().gpu_util_pct) == ("jetson", 53.7)
+
+
+@pytest.mark.parametrize("where", ["nvml", "jetson", "binding", "nothing"])
+def test_the_probe_runs_only_where_there_may_be_a_gpu(tmp_path: Path, where: str) -> None:
+    asked: list[int] = []
+
+    def find_gpu() -> GpuProbe:
+        asked.append(1)
+        return GpuProbe(None, "no GPU found (cuda-python is not installed)")
+
+    if where == "jetson":
+        (tmp_path / "devices/gpu.0").mkdir(parents=True)
+        (tmp_path / "devices/gpu.0/load").write_text("0\n")
+    TelemetrySampler.detect(
+        import_nvml=lambda: NvmlModule([H100] if where == "nvml" else []),
+        find_gpu=find_gpu,
+        sys_root=tmp_path,
+        binding_installed=lambda: where == "binding",
+    )
+    assert asked == ([] if where == "nothing" else [1])
 
 
 def test_telemetry_round_trips_in_heartbeat_and_result() -> None:
-    t = Telemetry(12.5, 2048, 8192, "nvml", 87.0, 32768, 81920)
+    t = Telemetry(12.5, 2048, 8192, "nvml", 87.0, 32768, 81920, "cuda-bindings 12.9.1", "12.9")
     beat = decode_from_worker(WorkerHeartbeat(0.5, 0, t).to_frames())
     assert beat == WorkerHeartbeat(0.5, 0, t)
     meta = ResultMeta(7, 0.25, 3.0, (3,), None, t)
@@ -118,6 +223,9 @@ def test_telemetry_round_trips_in_heartbeat_and_result() -> None:
     assert Telemetry.from_wire(raw) == Telemetry(gpu_util_pct=3.0)
     assert Telemetry.from_wire("hot") is None
     assert Telemetry.from_wire({"host_cpu_pct": True}) is None
+    raw = {"cuda_binding": "x" * 65, "cuda_runtime": "12.9\n", "cuda_driver": 12.6}
+    assert Telemetry.from_wire({**raw, "gpu_util_pct": 3}) == Telemetry(gpu_util_pct=3.0)
+    assert Telemetry.from_wire({"cuda_driver": "12.6"}) == Telemetry(cuda_driver="12.6")
 
 
 SPEC = ModelSpec(

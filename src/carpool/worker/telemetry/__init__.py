@@ -2,26 +2,56 @@
 
 :class:`TelemetrySampler` takes one :class:`~carpool.common.protocol.Telemetry` sample:
 the host's CPU and memory from psutil, always; the GPU from NVML (nvml.py) on a dGPU, or
-from the Jetson's devfreq load (jetson.py) with the unified memory from psutil. The
-worker core asks for a sample at heartbeat cadence, never per batch: each costs a few
-tens of microseconds (``psutil.cpu_percent(interval=None)`` compares with the last call
-and does not wait).
+from the Jetson's devfreq load (jetson.py) with the unified memory from psutil; and the
+CUDA binding, runtime and driver versions the GPU probe found. The worker core asks for a
+sample at heartbeat cadence, never per batch: each costs a few tens of microseconds
+(``psutil.cpu_percent(interval=None)`` compares with the last call and does not wait).
+
+:meth:`TelemetrySampler.detect` picks the sources once, at start. The worker's GPU is the
+one CUDA names (the probe, :mod:`carpool.worker.tensorrt.probe`, which honours
+``CUDA_VISIBLE_DEVICES``); NVML is opened by its UUID or PCI bus id. The probe's child
+runs only where there may be a GPU (NVML sees one, a Jetson load file exists, or a CUDA
+binding is installed), so a worker on a plain host starts no process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from carpool.common.protocol import Telemetry
 from carpool.worker.telemetry import jetson, nvml
 
+if TYPE_CHECKING:
+    from carpool.worker.tensorrt.probe import GpuProbe
+
+logger = logging.getLogger(__name__)
+
 __all__ = ["TelemetrySampler"]
 
 _MIB = 1 << 20
+#: The CUDA bindings' top-level packages: cuda-python's and pycuda's (carpool.worker.cuda).
+_BINDING_PACKAGES = ("cuda", "pycuda")
+
+
+def cuda_binding_installed() -> bool:
+    """Whether a CUDA binding's package is there (found, not imported)."""
+    return any(importlib.util.find_spec(name) is not None for name in _BINDING_PACKAGES)
+
+
+def shared_probe() -> GpuProbe:
+    """This process's GPU probe answer (:func:`carpool.worker.tensorrt.probe.probe`)."""
+    # (imported here: the probe's module reaches worker/config.py, which imports the
+    # worker's server, which imports this module)
+    from carpool.worker.tensorrt.probe import probe
+
+    return probe()
 
 
 class TelemetrySampler:
@@ -30,21 +60,54 @@ class TelemetrySampler:
     Args:
         nvml_reader: NVML's answers for the worker's GPU (:class:`nvml.NvmlReader`).
         jetson_load: a Jetson's GPU ``load`` file (used without an NVML reader).
+        gpu: the GPU probe's answer, whose CUDA versions every sample carries.
     """
 
     def __init__(
-        self, nvml_reader: nvml.NvmlReader | None = None, jetson_load: Path | None = None
+        self,
+        nvml_reader: nvml.NvmlReader | None = None,
+        jetson_load: Path | None = None,
+        gpu: GpuProbe | None = None,
     ) -> None:
         self.nvml_reader = nvml_reader
         self.jetson_load = jetson_load
+        self._cuda: dict[str, str] = {}
+        if gpu is not None:
+            told = (gpu.binding, gpu.runtime, gpu.driver)
+            keys = ("cuda_binding", "cuda_runtime", "cuda_driver")
+            self._cuda = {key: value for key, value in zip(keys, told, strict=True) if value}
         psutil.cpu_percent(interval=None)  # the first call only starts the count
 
     @classmethod
-    def detect(cls, gpu: int = 0) -> TelemetrySampler:
-        """The sampler for this machine: NVML where it answers, else a Jetson's load
-        file where there is one, else the host alone."""
-        reader = nvml.PynvmlReader.open(gpu)
-        return cls(reader, None if reader is not None else jetson.find_load())
+    def detect(
+        cls,
+        *,
+        import_nvml: Callable[[], Any] = nvml.import_pynvml,
+        find_gpu: Callable[[], GpuProbe] = shared_probe,
+        sys_root: Path = Path("/sys"),
+        binding_installed: Callable[[], bool] = cuda_binding_installed,
+    ) -> TelemetrySampler:
+        """The sampler for this machine: NVML for the GPU CUDA names where NVML knows and
+        samples it, else a Jetson's load file where there is one, else the host alone.
+
+        Args:
+            import_nvml: nvidia-ml-py's module, or None (its import).
+            find_gpu: the GPU probe.
+            sys_root: where sysfs is (a Jetson's load file).
+            binding_installed: whether a CUDA binding's package is there.
+        """
+        module = import_nvml()
+        nvml_gpus = nvml.device_count(module) if module is not None else 0
+        load = jetson.find_load(sys_root)
+        found = None
+        if nvml_gpus > 0 or load is not None or binding_installed():
+            found = find_gpu()
+        reader = None
+        if module is not None and nvml_gpus > 0 and found is not None and found.ok:
+            reader = nvml.PynvmlReader.open(module, found.uuid, found.pci_bus_id)
+        if reader is None and load is not None:
+            logger.debug("GPU telemetry from %s", load)
+        return cls(reader, None if reader is not None else load, found)
 
     def __call__(self) -> Telemetry:
         memory = psutil.virtual_memory()
@@ -68,4 +131,5 @@ class TelemetrySampler:
                     gpu_mem_used_mib=used_mib,
                     gpu_mem_total_mib=total_mib,
                 )
+        fields.update(self._cuda)
         return Telemetry(**fields)

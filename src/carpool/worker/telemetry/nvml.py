@@ -2,9 +2,10 @@
 
 :func:`parse` turns NVML's answers (``nvmlDeviceGetMemoryInfo``: ``total``, ``used``
 bytes; ``nvmlDeviceGetUtilizationRates``: ``gpu`` percent) into telemetry fields — pure.
-:class:`NvmlReader` is the seam: :meth:`PynvmlReader.open` imports ``pynvml`` lazily and
-initialises NVML; without the package, its library or a device it answers None, and the
-worker leaves the device fields off.
+:class:`NvmlReader` is the seam. :meth:`PynvmlReader.open` finds the worker's GPU by the
+identity CUDA gave it (UUID, else PCI bus id: NVML ignores ``CUDA_VISIBLE_DEVICES`` and
+numbers devices in PCI order, so its index 0 may be another GPU) and takes a trial sample;
+where NVML does not know or cannot sample the device it answers None.
 """
 
 from __future__ import annotations
@@ -39,28 +40,68 @@ def parse(memory: Any, utilization: Any) -> dict[str, Any]:
     }
 
 
+def import_pynvml() -> Any | None:
+    """nvidia-ml-py's module, or None where it is not installed (most workers)."""
+    try:
+        import pynvml  # (the gpu extra)
+    except ImportError:
+        return None
+    return pynvml
+
+
+def device_count(pynvml: Any) -> int:
+    """The GPUs NVML sees (all of the machine's, whatever ``CUDA_VISIBLE_DEVICES`` says);
+    0 where NVML does not initialise (no library or driver)."""
+    try:
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError as exc:
+        logger.debug("no NVML: %s", exc)
+        return 0
+
+
+def _handle(pynvml: Any, uuid: str, pci_bus_id: str) -> Any:
+    """NVML's handle of the device with ``uuid``, else at ``pci_bus_id``; None: neither."""
+    if uuid:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        except pynvml.NVMLError as exc:
+            logger.debug("NVML does not find %s: %s", uuid, exc)
+    if pci_bus_id:
+        try:
+            # (nvidia-ml-py calls nvmlDeviceGetHandleByPciBusId_v2)
+            return pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
+        except pynvml.NVMLError as exc:
+            logger.debug("NVML does not find %s: %s", pci_bus_id, exc)
+    return None
+
+
 class PynvmlReader:
-    """NVML through nvidia-ml-py, for device ``index``."""
+    """NVML through nvidia-ml-py, for one device's handle."""
 
     def __init__(self, nvml: Any, handle: Any) -> None:
         self._nvml = nvml
         self._handle = handle
 
     @classmethod
-    def open(cls, index: int = 0) -> PynvmlReader | None:
-        """NVML's reader for GPU ``index``, or None (and why, at debug level) when the
-        package, NVML's library or the device is missing."""
-        try:
-            import pynvml  # (the gpu extra; most workers lack it)
-        except ImportError:
-            logger.debug("no NVML telemetry: nvidia-ml-py is not installed")
+    def open(cls, pynvml: Any, uuid: str, pci_bus_id: str) -> PynvmlReader | None:
+        """NVML's reader for the device CUDA named, found by its UUID, else its PCI bus id
+        (NVML's own numbering is not CUDA's), once a trial sample has answered; None (and
+        why, in the log) where NVML does not know the device or cannot sample it (MIG,
+        Jetson Thor). NVML must be initialised (:func:`device_count`)."""
+        handle = _handle(pynvml, uuid, pci_bus_id)
+        if handle is None:
+            logger.info(
+                "no NVML telemetry: NVML does not know CUDA's device (%s)", uuid or pci_bus_id
+            )
             return None
+        reader = cls(pynvml, handle)
         try:
-            pynvml.nvmlInit()
-            return cls(pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
+            parse(reader.memory(), reader.utilization())
         except pynvml.NVMLError as exc:
-            logger.debug("no NVML telemetry: %s", exc)
+            logger.info("no NVML telemetry: NVML does not sample %s (%s)", uuid or pci_bus_id, exc)
             return None
+        return reader
 
     def memory(self) -> Any:
         return self._nvml.nvmlDeviceGetMemoryInfo(self._handle)

@@ -5,6 +5,7 @@ TensorRT. :mod:`.versions` reads what a TensorRT release can do from its version
 :mod:`.precision` turns a requested precision into network and builder flags,
 :mod:`.profiles` derives optimization profiles from a model's buckets and shape rules
 (and picks one for a batch), :mod:`.cache` keys and finds plans, :mod:`.probe` looks for
-a GPU before any TensorRT object exists, :mod:`.build` runs a build through the adapter
-and :mod:`.command` is ``carpool build-engine``. Nothing here imports tensorrt.
+a GPU before any TensorRT object exists (its child, :mod:`.probe_child`, asks CUDA),
+:mod:`.build` runs a build through the adapter and :mod:`.command` is ``carpool
+build-engine``. Nothing here imports tensorrt.
 """

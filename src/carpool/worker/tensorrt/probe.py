@@ -2,92 +2,66 @@
 
 A TensorRT Runtime or Builder made without a usable GPU can return a null-backed object
 that crashes the interpreter on first use, so a worker or ``carpool build-engine`` asks
-first, in a child process (a crash there is an answer, not the end of this process):
-NVML (nvidia-ml-py) where it answers, as on GPU servers; else the CUDA driver through
-cuda-python (``cuDeviceGetCount``), as on a Jetson, whose iGPU has no NVML; else pycuda,
-which some Jetson setups have instead. The child prints one JSON line; :func:`parse`
-(pure) reads it. The worker's fallback, ``carpool build-engine`` and bench/gpu_check.py
-all ask through :func:`probe`.
+first, in a child process (a crash there is an answer, not the end of this process). The
+child (:mod:`.probe_child`) asks CUDA, through the worker's own CUDA bindings in their
+order, for the first device ``CUDA_VISIBLE_DEVICES`` leaves visible: its name, compute
+capability, PCI bus id and UUID, and the binding's, CUDA runtime's and driver's versions.
+:func:`parse` (pure) reads its one JSON line.
+
+:func:`probe` is this process's answer: the child runs once, the first caller's answer is
+logged once and kept, and every later caller (each TensorRT model's plan lookup, the
+worker's telemetry, ``carpool build-engine``, bench/gpu_check.py) shares it.
+:func:`run_probe` asks again, in the environment it is given.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from carpool.worker.tensorrt.cache import Device, read_l4t
 
-__all__ = ["GpuProbe", "parse", "probe"]
+__all__ = ["GpuProbe", "ProbeCache", "parse", "probe", "run_probe"]
 
-# Runs in the child: the first GPU's name and compute capability, or why there is none.
-_CHILD = r"""
-import json
+logger = logging.getLogger(__name__)
 
-def nvml():
-    import pynvml
-    pynvml.nvmlInit()
-    if pynvml.nvmlDeviceGetCount() < 1:
-        raise RuntimeError("NVML sees no GPU")
-    h = pynvml.nvmlDeviceGetHandleByIndex(0)
-    name = pynvml.nvmlDeviceGetName(h)
-    name = name.decode() if isinstance(name, bytes) else name
-    return name, list(pynvml.nvmlDeviceGetCudaComputeCapability(h))
-
-def cuda():
-    from cuda.bindings import driver as cu
-    def ok(result):
-        err, *rest = result
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(err.name)
-        return rest[0] if len(rest) == 1 else rest
-    ok(cu.cuInit(0))
-    if ok(cu.cuDeviceGetCount()) < 1:
-        raise RuntimeError("the CUDA driver sees no GPU")
-    dev = ok(cu.cuDeviceGet(0))
-    name = ok(cu.cuDeviceGetName(64, dev)).split(b"\0", 1)[0].decode()
-    attr = cu.CUdevice_attribute
-    major = attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-    minor = attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
-    return name, [ok(cu.cuDeviceGetAttribute(major, dev)), ok(cu.cuDeviceGetAttribute(minor, dev))]
-
-def pycuda():
-    import pycuda.driver as drv
-    drv.init()
-    if drv.Device.count() < 1:
-        raise RuntimeError("pycuda sees no GPU")
-    dev = drv.Device(0)
-    return dev.name(), list(dev.compute_capability())
-
-why = []
-ways = [("nvml", nvml, "nvidia-ml-py"), ("cuda", cuda, "cuda-python")]
-for via, ask, package in ways + [("pycuda", pycuda, "pycuda")]:
-    try:
-        name, cc = ask()
-    except ImportError:
-        why.append(f"{package} is not installed")
-    except Exception as exc:
-        why.append(f"{via}: {type(exc).__name__}: {exc}")
-    else:
-        print(json.dumps({"name": name, "cc": cc, "via": via}))
-        break
-else:
-    print(json.dumps({"error": "; ".join(why)}))
-"""
+#: The child's source, run with ``python -c`` (nothing of carpool is imported there).
+CHILD = Path(__file__).with_name("probe_child.py")
+#: How long the child may take (the first CUDA call on a big machine takes seconds).
+PROBE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
 class GpuProbe:
-    """What the probe found: a device, or why there is none."""
+    """What the probe found: a device, or why there is none; the versions either way."""
 
     device: Device | None
     reason: str = ""  # why there is no GPU (empty when there is one)
-    via: str = ""  # nvml | cuda | pycuda
+    binding: str = ""  # "cuda-bindings 12.9.1", "cuda-python 12.6.0", "pycuda 2025.1"
+    runtime: str = ""  # the binding's CUDA runtime, "12.9"
+    driver: str = ""  # the CUDA version the driver supports, "12.6"; "" without a driver
+    pci_bus_id: str = ""  # CUDA's name of the device's slot, "0000:65:00.0"
+    uuid: str = ""  # as NVML writes it, "GPU-…"; "" where the binding gives none (pycuda)
 
     @property
     def ok(self) -> bool:
         return self.device is not None
+
+    @property
+    def via(self) -> str:
+        """The binding's package: cuda-bindings, cuda-python or pycuda ("" for none)."""
+        return self.binding.split(" ", 1)[0]
+
+
+def _text(data: Mapping[str, object], key: str) -> str:
+    value = data.get(key)
+    return value if isinstance(value, str) else ""
 
 
 def parse(returncode: int, stdout: str, l4t: str | None = None) -> GpuProbe:
@@ -99,27 +73,72 @@ def parse(returncode: int, stdout: str, l4t: str | None = None) -> GpuProbe:
         data = None
     if returncode != 0 or not isinstance(data, dict):
         return GpuProbe(None, f"the GPU probe exited with status {returncode} and no answer")
+    told = {key: _text(data, key) for key in ("binding", "runtime", "driver")}
     if "error" in data:
-        return GpuProbe(None, f"no GPU found ({data['error']})")
+        return GpuProbe(None, f"no GPU found ({data['error']})", **told)
     cc = data.get("cc")
     name = data.get("name")
     if not (isinstance(name, str) and isinstance(cc, list) and len(cc) == 2):
-        return GpuProbe(None, f"the GPU probe answered {last!r}")
-    return GpuProbe(Device(name, (int(cc[0]), int(cc[1])), l4t), via=str(data.get("via", "")))
+        return GpuProbe(None, f"the GPU probe answered {last!r}", **told)
+    device = Device(name, (int(cc[0]), int(cc[1])), l4t)
+    return GpuProbe(device, **told, pci_bus_id=_text(data, "pci_bus_id"), uuid=_text(data, "uuid"))
 
 
-def probe(timeout_s: float = 30.0) -> GpuProbe:
-    """Ask a child process for the first GPU (with this machine's L4T release)."""
+def run_probe(timeout_s: float = PROBE_TIMEOUT_S, env: Mapping[str, str] | None = None) -> GpuProbe:
+    """Ask a child process for the first visible GPU (with this machine's L4T release).
+
+    Args:
+        timeout_s: how long the child may take.
+        env: the child's environment (None: this process's).
+    """
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD],
+            [sys.executable, "-c", CHILD.read_text(encoding="utf-8")],
             capture_output=True,
             text=True,
             timeout=timeout_s,
             check=False,
+            env=None if env is None else dict(env),
         )
     except subprocess.TimeoutExpired:
         return GpuProbe(None, f"the GPU probe did not answer within {timeout_s:g} s")
     except OSError as exc:
         return GpuProbe(None, f"the GPU probe could not start: {exc}")
     return parse(done.returncode, done.stdout, read_l4t())
+
+
+def describe(found: GpuProbe) -> str:
+    """One line for the log: the GPU and the CUDA it is reached through, or why none."""
+    cuda = f"CUDA runtime {found.runtime or '?'}, driver {found.driver or 'none'}"
+    if found.device is None:
+        return f"{found.reason}; {cuda}" if found.binding else found.reason
+    major, minor = found.device.compute_capability
+    slot = f", PCI {found.pci_bus_id}" if found.pci_bus_id else ""
+    return f"GPU: {found.device.name} (sm_{major}{minor}{slot}) through {found.binding}: {cuda}"
+
+
+class ProbeCache:
+    """The probe's answer, asked once: the first caller runs ``run``, logs the answer
+    (INFO for a GPU; WARNING where a binding imports but no device answers) and keeps it;
+    callers meanwhile wait for it."""
+
+    def __init__(self, run: Callable[[], GpuProbe] = run_probe) -> None:
+        self._run = run
+        self._lock = threading.Lock()
+        self._found: GpuProbe | None = None  # guarded by _lock
+
+    def get(self) -> GpuProbe:
+        with self._lock:
+            if self._found is None:
+                self._found = found = self._run()
+                quiet = found.ok or not found.binding
+                logger.log(logging.INFO if quiet else logging.WARNING, "%s", describe(found))
+            return self._found
+
+
+_SHARED = ProbeCache()
+
+
+def probe() -> GpuProbe:
+    """This process's answer: the child runs at the first call only."""
+    return _SHARED.get()
