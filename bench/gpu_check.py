@@ -2,22 +2,28 @@
 
     python bench/gpu_check.py [--out bench/out/gpu_check.json] [--no-bench]
 
-In order, each step recorded as ok, skipped (with the reason) or failed:
+In order, each step recorded as ok, skipped (with the reason) or failed, the report
+written after each:
 
 1. environment: which of the packages involved import, and the cores;
-2. probe: the worker's GPU probe (a child process asks NVML, else the CUDA driver);
+2. probe: the worker's GPU probe (a child process asks the CUDA binding: the device's
+   name, compute capability, PCI bus id and UUID; the binding, CUDA runtime and driver);
 3. cuda: each CUDA binding of the worker's CUDA layer that opens: pinned buffers, async
    copies both ways (bandwidth from CUDA events), events;
-4. pipeline: the TensorRT engine's CUDA pipeline with a CuPy kernel standing in for
+4. gil: the batch wait before (cudaEventSynchronize on a default event) and after
+   (carpool's Cuda.wait), on the machine's binding and on cuda-bindings 12.9.0 where
+   carried (bench/gpu_gil.py, in a child);
+5. nvml: NVML opened by the probe's UUID (else PCI bus id), as the worker opens it: its
+   name and UUID against CUDA's, memory and utilization idle and after the pipeline; and
+   the probe with ``CUDA_VISIBLE_DEVICES`` empty, which must find no GPU;
+6. pipeline: the TensorRT engine's CUDA pipeline with a CuPy kernel standing in for
    TensorRT (bench/gpu_standin.py): outputs checked, batches on one context and on two
    (copy/compute overlap), GPU busy time from events against the wall clock (ρ);
-5. tensorrt: where tensorrt imports, a plan built from an ONNX model, run by the engine
-   and compared with ONNX Runtime;
-6. nvml: the device's name, memory and utilization, idle and during the pipeline;
-7. benchmarks: bench/broker_ceiling.py and bench/added_latency.py in their quick modes
+7. tensorrt: whether tensorrt imports; no real plan is built or run by this check;
+8. benchmarks: bench/broker_ceiling.py and bench/added_latency.py in their quick modes
    (with a core per process: skipped on fewer than 8 cores).
 
-Without a GPU, steps 3-6 are skipped, saying so, and it still exits 0 with its report.
+Without a GPU, steps 3-7 are skipped, saying so, and it still exits 0 with its report.
 It fits in 4 minutes. bench/gpu_check.sh installs the carried wheels first.
 """
 
@@ -42,7 +48,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from carpool.worker.cuda import open_cuda  # noqa: E402
 from carpool.worker.cuda.base import CudaUnavailable  # noqa: E402
-from carpool.worker.tensorrt.probe import probe  # noqa: E402
+from carpool.worker.telemetry.nvml import PynvmlReader  # noqa: E402
+from carpool.worker.telemetry.nvml import parse as nvml_fields  # noqa: E402
+from carpool.worker.tensorrt.probe import GpuProbe, probe, run_probe  # noqa: E402
 
 Step = dict[str, Any]
 PACKAGES = ("cuda.bindings", "pycuda", "cupy", "tensorrt", "pynvml", "onnxruntime", "zmq")
@@ -179,35 +187,60 @@ def gil(old_binding: Path | None) -> Step:
     return out
 
 
-def nvml(during: Callable[[], Step] | None = None) -> tuple[Step, Step | None]:
+def nvml(found: GpuProbe, during: Callable[[], Step] | None = None) -> tuple[Step, Step | None]:
+    """NVML opened as the worker opens it (by CUDA's UUID, else PCI bus id), against what
+    CUDA named, idle and after ``during``; and the probe with no visible device."""
+    hidden = run_probe(env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    no_device = {"found_gpu": hidden.ok, "reason": hidden.reason}
     if not _has("pynvml"):
-        return skipped("nvidia-ml-py does not import"), during() if during else None
+        skip = skipped("nvidia-ml-py does not import")
+        return {**skip, "no_visible_device": no_device}, during() if during else None
     import pynvml
 
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        return skipped(f"NVML: {exc}"), during() if during else None
+        skip = skipped(f"NVML: {exc}")
+        return {**skip, "no_visible_device": no_device}, during() if during else None
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-
-        def read() -> dict[str, Any]:
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            use = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            return {"gpu_pct": use.gpu, "used_MiB": memory.used >> 20}
-
-        name = pynvml.nvmlDeviceGetName(handle)
+        reader = PynvmlReader.open(pynvml, found.uuid, found.pci_bus_id)
+        first = pynvml.nvmlDeviceGetHandleByIndex(0)
         step: Step = {
             "status": "ok",
-            "name": name.decode() if isinstance(name, bytes) else name,
-            "total_MiB": pynvml.nvmlDeviceGetMemoryInfo(handle).total >> 20,
-            "idle": read(),
+            "cuda": {"uuid": found.uuid, "pci_bus_id": found.pci_bus_id},
+            "nvml_devices": pynvml.nvmlDeviceGetCount(),
+            "nvml_index_0_uuid": _text(pynvml.nvmlDeviceGetUUID(first)),
+            "no_visible_device": no_device,
         }
+        if hidden.ok:
+            step["status"] = "failed"  # the probe found a GPU that CUDA was told to hide
+        if reader is None:
+            step["status"] = "failed"
+            step["reason"] = "NVML did not open CUDA's device (the worker's log says why)"
+            return step, during() if during else None
+        handle = reader.handle
+
+        def read() -> dict[str, Any]:
+            return {**nvml_fields(reader.memory(), reader.utilization())}
+
+        step.update(
+            name=_text(pynvml.nvmlDeviceGetName(handle)),
+            cuda_name=None if found.device is None else found.device.name,
+            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            idle=read(),
+        )
+        step["same_device"] = step["uuid"] == found.uuid or not found.uuid
+        if not step["same_device"]:
+            step["status"] = "failed"
         result = during() if during else None
         step["after_pipeline"] = read()
         return step, result
     finally:
         pynvml.nvmlShutdown()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def benchmarks(enabled: bool) -> Step:
@@ -270,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             "status": "ok" if found.ok else "skipped",
             "gpu": None if found.device is None else found.device.name,
             "compute_capability": None if found.device is None else found.device.compute_capability,
-            "via": found.via,
+            "pci_bus_id": found.pci_bus_id,
+            "uuid": found.uuid,
+            "binding": found.binding,
+            "cuda_runtime": found.runtime,
+            "cuda_driver": found.driver,
             "reason": found.reason,
         },
     )
@@ -278,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         for binding in ("cuda-python", "pycuda"):
             record(f"cuda[{binding}]", cuda_layer(binding))
         record("gil", gil(args.old_binding))
-        step, piped = nvml(pipeline)
+        step, piped = nvml(found, pipeline)
         record("nvml", step)
         record("pipeline", piped or skipped("not run"))
         record("tensorrt", tensorrt_engine())

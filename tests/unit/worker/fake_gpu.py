@@ -292,6 +292,15 @@ class FakeNvml:
                 return gpu
         raise NVMLError("Not Found")
 
+    def nvmlShutdown(self) -> None:
+        self._record("nvmlShutdown")
+
+    def nvmlDeviceGetName(self, gpu: Gpu) -> str:
+        return gpu.name
+
+    def nvmlDeviceGetUUID(self, gpu: Gpu) -> str:
+        return gpu.nvml_uuid
+
     def nvmlDeviceGetMemoryInfo(self, gpu: Gpu) -> Any:
         return SimpleNamespace(used=gpu.used_mib * MIB, total=gpu.total_mib * MIB)
 

@@ -103,6 +103,11 @@ class PynvmlReader:
             return None
         return reader
 
+    @property
+    def handle(self) -> Any:
+        """NVML's handle of the device (for callers that ask NVML more)."""
+        return self._handle
+
     def memory(self) -> Any:
         return self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
 

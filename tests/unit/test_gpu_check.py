@@ -1,0 +1,73 @@
+"""bench/gpu_check.py's NVML step on fakes: it opens NVML as the worker does, by the
+device CUDA named, and fails where NVML's device is not CUDA's or where the probe finds a
+GPU that ``CUDA_VISIBLE_DEVICES`` hides (the step runs for real only on a GPU machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from carpool.worker.tensorrt.cache import Device
+from carpool.worker.tensorrt.probe import GpuProbe
+from tests.unit.worker.fake_gpu import H100, L4, FakeNvml
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", PATH)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load()
+
+
+def _found(gpu) -> GpuProbe:
+    return GpuProbe(
+        Device(gpu.name, gpu.cc, None), binding="cuda-bindings 13.0.0", uuid=gpu.nvml_uuid
+    )
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    fake = FakeNvml([H100, L4])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(gc, "_has", lambda name: True)
+    monkeypatch.setattr(gc, "run_probe", lambda env: GpuProbe(None, "no GPU found"))
+    return fake
+
+
+def test_nvml_is_opened_by_the_device_cuda_named_not_by_index(nvml):
+    step, during = gc.nvml(_found(L4), lambda: {"status": "ok"})
+    assert step["status"] == "ok", step
+    assert step["name"] == L4.name
+    assert step["same_device"] is True
+    assert step["nvml_index_0_uuid"] == H100.nvml_uuid
+    assert step["idle"]["gpu_util_pct"] == L4.util_pct
+    assert step["no_visible_device"] == {"found_gpu": False, "reason": "no GPU found"}
+    assert during == {"status": "ok"}
+    assert ("nvmlDeviceGetHandleByUUID", L4.nvml_uuid) in nvml.calls
+    assert nvml.calls[-1] == ("nvmlShutdown", None)
+
+
+def test_a_gpu_found_with_none_visible_fails_the_step(nvml, monkeypatch):
+    monkeypatch.setattr(gc, "run_probe", lambda env: _found(H100))
+    step, _ = gc.nvml(_found(H100))
+    assert step["status"] == "failed"
+    assert step["no_visible_device"]["found_gpu"] is True
+
+
+def test_a_device_nvml_does_not_know_fails_the_step(nvml):
+    stranger = GpuProbe(Device("X", (9, 0), None), uuid="GPU-00000000-0000-0000-0000-000000000000")
+    step, _ = gc.nvml(stranger)
+    assert step["status"] == "failed"
+    assert "did not open" in step["reason"]
