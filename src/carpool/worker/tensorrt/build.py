@@ -70,7 +70,10 @@ class Builder(Protocol):
 
     def set_precision_flag(self, name: str) -> None: ...
 
-    def add_profile(self, shapes: Sequence[tuple[str, Shape, Shape, Shape]]) -> int: ...
+    def add_profile(self, shapes: Sequence[tuple[str, Shape, Shape, Shape]]) -> int:
+        """Add one optimization profile; its index (raises RuntimeError where TensorRT
+        refuses the shapes, as ``IOptimizationProfile.set_shape`` does)."""
+        ...
 
     def set_timing_cache(self, data: bytes) -> bool: ...
 
@@ -181,6 +184,7 @@ def ensure(
     Raises:
         BuildError: no plan in the cache and ``may_build`` is False (the message says
             why the cached ones do not fit and how to build one), or the build failed.
+        ConfigError: TensorRT refused an optimization profile.
     """
     found = cache.lookup(request.folder, prepared.key)
     if isinstance(found, Hit) and not force:
@@ -202,7 +206,13 @@ def build(
     listener: BuildListener,
     notes: Sequence[str] = (),
 ) -> Outcome:
-    """One build through ``builder``; the plan stored in the cache."""
+    """One build through ``builder``; the plan stored in the cache.
+
+    Raises:
+        BuildError: TensorRT could not parse the file, took no timing cache or built no
+            plan.
+        ConfigError: TensorRT refused an optimization profile (its shapes).
+    """
     said = [*notes, prepared.precision.note]
     what = f"model {request.model!r}"
     builder.create_network(prepared.precision.strongly_typed)
@@ -213,11 +223,13 @@ def build(
     for flag in prepared.precision.builder_flags:
         builder.set_precision_flag(flag)
     for k, profile in enumerate(request.profiles):
-        index = builder.add_profile([(r.name, r.min, r.opt, r.max) for r in profile.inputs])
+        refused = f"{what}: TensorRT refused optimization profile {k} ({profile.text()})"
+        try:
+            index = builder.add_profile([(r.name, r.min, r.opt, r.max) for r in profile.inputs])
+        except RuntimeError as exc:  # (set_shape's: the shapes are inconsistent)
+            raise ConfigError(f"{refused}: {' '.join(str(exc).split())}") from None
         if index != k:
-            raise BuildError(
-                f"{what}: TensorRT refused optimization profile {k} ({profile.text()})"
-            )
+            raise BuildError(refused)
     timing = cache.timing_cache_path(request.repository, prepared.version.text, prepared.key.device)
     data = timing.read_bytes() if timing.is_file() else b""
     if not builder.set_timing_cache(data):

@@ -39,6 +39,7 @@ class RecordingBuilder:
         parse_errors: Sequence[str] = (),
         accepts: Callable[[bytes], bool] = lambda data: True,
         profile_index: Callable[[int], int] = lambda k: k,
+        profile_error: str | None = None,
     ) -> None:
         self.version = version
         self.calls: list[tuple[object, ...]] = []
@@ -46,6 +47,7 @@ class RecordingBuilder:
         self._parse_errors = list(parse_errors)
         self._accepts = accepts
         self._profile_index = profile_index
+        self._profile_error = profile_error  # what set_shape raises (RuntimeError)
         self._profiles = 0
         self._cache = b""
 
@@ -64,6 +66,8 @@ class RecordingBuilder:
 
     def add_profile(self, shapes) -> int:
         self.calls.append(("add_profile", tuple(shapes)))
+        if self._profile_error is not None:
+            raise RuntimeError(self._profile_error)
         self._profiles += 1
         return self._profile_index(self._profiles - 1)
 
@@ -250,3 +254,19 @@ def test_a_stored_plan_hits_under_the_prepared_key(request_for) -> None:
     outcome, _ = _ensure(request, RecordingBuilder())
     key = prepare(request, TrtVersion.parse("10.3.0"), H200).key
     assert cache.lookup(request.folder, key) == Hit(outcome.plan)
+
+
+def test_a_profile_tensorrt_finds_inconsistent_is_a_refused_request(request_for) -> None:
+    """IOptimizationProfile.set_shape raises RuntimeError: a ConfigError in one line."""
+    request = request_for()
+    builder = RecordingBuilder(
+        profile_error="Shape provided for min is inconsistent with other shapes.\n  x: [1]"
+    )
+    with pytest.raises(ConfigError) as refused:
+        _ensure(request, builder)
+    assert str(refused.value) == (
+        "model 'm': TensorRT refused optimization profile 0 (x [1..8, 3, 32, 32]): Shape "
+        "provided for min is inconsistent with other shapes. x: [1]"
+    )
+    assert "build" not in builder.names()
+    assert not (request.folder / "plans").exists()
