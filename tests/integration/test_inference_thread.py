@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import select
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from carpool.common.shm import RegionReader
 from carpool.worker import inference
 from carpool.worker.config import ModelConfig, WorkerConfig
 from carpool.worker.core import JobOutcome, RunBatch
+from carpool.worker.cuda.base import CudaError
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.inference import InferenceThread
 from carpool.worker.run import LazyRing
@@ -111,6 +113,28 @@ def test_a_failing_engine_factory_fails_the_start_and_closes_the_others() -> Non
     with pytest.raises(RuntimeError, match="no device"):
         started(a=lambda: Closing(item_shape=(4,)), b=broken)
     assert closed == ["a"]
+
+
+def test_an_engine_that_fails_to_close_does_not_keep_the_others_open(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    closed: list[str] = []
+
+    class Faulted(SyntheticEngine):
+        def close(self) -> None:
+            raise CudaError("cudaErrorIllegalAddress: an illegal memory access")
+
+    class Closing(SyntheticEngine):
+        def close(self) -> None:
+            closed.append("b")
+
+    thread = started(a=lambda: Faulted(item_shape=(4,)), b=lambda: Closing(item_shape=(4,)))
+    with caplog.at_level(logging.ERROR, logger="carpool.worker.inference"):
+        thread.stop(5)
+        assert not thread.alive
+    assert closed == ["b"]
+    assert [r.getMessage() for r in caplog.records] == ["model 'a': its engine failed to close"]
+    assert thread.release_after(lambda: None)
 
 
 def test_release_waits_for_the_batch_that_runs() -> None:

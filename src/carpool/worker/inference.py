@@ -13,6 +13,7 @@ same engines, which are then thread-free.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import queue
 import threading
@@ -28,6 +29,8 @@ from carpool.worker.core import JobOutcome, RunBatch
 from carpool.worker.engines.base import Engine, queue_depth
 from carpool.worker.run import LazyRing, StartedJob, finish_job, start_job
 from carpool.worker.warmup import warm_up
+
+logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Engine]
 
@@ -52,6 +55,20 @@ def check_specs(specs: list[ModelSpec]) -> None:
             ModelSpec.from_wire(spec.to_wire())
     except ProtocolError as exc:
         raise ConfigError(f"model {name!r} cannot be served: {exc}") from None
+
+
+def close_all(engines: Mapping[str, Engine]) -> None:
+    """Close every engine, each even where closing one before it failed (logged: the
+    worker is stopping, and each engine's GPU context must still be released)."""
+    for name, engine in engines.items():
+        _close(name, engine)
+
+
+def _close(name: str, engine: Engine) -> None:
+    try:
+        engine.close()
+    except Exception:
+        logger.exception("model %r: its engine failed to close", name)
 
 
 class InferenceThread:
@@ -248,8 +265,7 @@ class InferenceThread:
             check_specs(specs)
             self.engines = engines
         except BaseException as exc:
-            for engine in engines.values():
-                engine.close()
+            close_all(engines)
             with self._lock:
                 self._done = True
             self._startup.put(exc)
@@ -258,8 +274,7 @@ class InferenceThread:
         try:
             self._serve(engines)
         finally:
-            for engine in engines.values():
-                engine.close()
+            close_all(engines)
             with self._lock:
                 self._done = True
                 then = self._then
