@@ -18,10 +18,13 @@ from carpool.common.shm import RegionReader
 from carpool.worker import inference
 from carpool.worker.config import ModelConfig, WorkerConfig
 from carpool.worker.core import JobOutcome, RunBatch
-from carpool.worker.cuda.base import CudaError
+from carpool.worker.cuda.base import CudaError, Event, Stream
+from carpool.worker.cuda.fake import FakeCuda
 from carpool.worker.engines.synthetic import SyntheticEngine
+from carpool.worker.engines.trt import TensorRTEngine
 from carpool.worker.inference import InferenceThread
 from carpool.worker.run import LazyRing
+from tests.unit.worker.trt_fakes import FakePlan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -135,6 +138,31 @@ def test_an_engine_that_fails_to_close_does_not_keep_the_others_open(
     assert closed == ["b"]
     assert [r.getMessage() for r in caplog.records] == ["model 'a': its engine failed to close"]
     assert thread.release_after(lambda: None)
+
+
+def test_a_tensorrt_batch_is_waited_for_on_the_inference_thread() -> None:
+    """The thread that owns the engine (and its CUDA context) collects each batch, with a
+    wait on its completion event."""
+    waits: list[tuple[str, bool]] = []
+
+    class Recording(FakeCuda):
+        def wait(self, done: Event, stream: Stream) -> None:
+            waits.append((threading.current_thread().name, done.timing))
+            super().wait(done, stream)
+
+    def build() -> TensorRTEngine:
+        cuda = Recording()  # opened here: on the inference thread, as open_cuda is
+        return TensorRTEngine(FakePlan(cuda), cuda)
+
+    thread = started(m=build)
+    try:
+        thread.submit(job(1))
+        thread.submit(job(2))
+        assert [o.error for o in collect(thread, 2)] == [None, None]
+    finally:
+        thread.stop(5)
+        assert thread.release_after(lambda: None)
+    assert waits == [("carpool-inference-test", False)] * 2
 
 
 def test_release_waits_for_the_batch_that_runs() -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from carpool.common.errors import ConfigError
 from carpool.common.shape_rules import ShapeRule
+from carpool.worker.cuda.base import CudaError
 from carpool.worker.cuda.fake import FakeCuda
 from carpool.worker.engines.base import BadInput, queue_depth
 from carpool.worker.engines.synthetic import SyntheticEngine
@@ -128,9 +129,10 @@ def test_buffers_are_sized_for_each_profiles_max():
         {"x": 16 * 8 * 4, "y": 16 * 8 * 4, "pos": 16 * 8 * 4},
     ]
     assert all(p.data_dependent == {"pos"} for p in engine.plans)
-    pinned = sorted(c[1] for c in cuda.calls if c[0] == "pinned")
-    # two contexts × two profiles × three tensors, pinned at the profile's max
-    assert pinned == sorted([128] * 6 + [512] * 6)
+    # one buffer set per context (a context runs one profile at a time): two contexts ×
+    # three tensors, each at the largest profile's max
+    for kind in ("pinned", "device_buffer"):
+        assert [c[1] for c in cuda.calls if c[0] == kind] == [512] * 6
 
 
 def test_contexts_take_batches_in_turn_each_on_its_own_stream():
@@ -243,3 +245,156 @@ def test_a_plan_with_a_fixed_batch_dim_is_refused():
     plan.tensors = lambda: fixed  # type: ignore[method-assign]
     with pytest.raises(ConfigError, match="dynamic batch dim"):
         TensorRTEngine(plan, cuda)
+
+
+def _handles(cuda: FakeCuda) -> tuple[list[int], list[int]]:
+    """The streams and events ``cuda`` made, and those it destroyed (sorted)."""
+    made = sorted(c[1] for c in cuda.calls if c[0] in ("stream", "event"))
+    destroyed = sorted(c[1] for c in cuda.calls if c[0] == "destroy")
+    return made, destroyed
+
+
+def test_a_batch_is_collected_by_waiting_for_its_completion_event_on_its_stream():
+    engine, _, cuda = _engine()
+    completion = {c[1] for c in cuda.calls if c[0] == "event" and c[2:] == ("completion",)}
+    x = _x(2)
+    pending = engine.enqueue({"x": x})
+    before = len(cuda.calls)
+    np.testing.assert_allclose(pending.result()["y"], expected(x)["y"])
+    waits = [c for c in cuda.calls[before:] if c[0] in ("wait", "synchronize")]
+    # one wait, on the batch's own stream; never a wait on a timing event (the fake
+    # raises on one), nor a stream synchronised instead
+    assert waits == [("wait", pending.slot.done.native, pending.slot.stream.handle)]
+    assert pending.slot.done.native in completion
+    assert not pending.slot.done.timing
+
+
+def test_an_output_allocator_asked_for_more_than_its_bound_grows_host_and_device():
+    engine, plan, cuda = _engine(positions=True, bound_bytes=16)
+    x = np.abs(_x(4, 8)) + 1  # every value positive: pos fills its whole 128 bytes
+    out = engine.run({"x": x})  # (a copy past a buffer raises in the fake)
+    np.testing.assert_array_equal(out["pos"], expected(x)["pos"])
+    np.testing.assert_allclose(out["y"], expected(x)["y"])
+    store = plan.contexts[0].stores["pos"]
+    host, device = store.buffers["pos"]
+    assert (store.grown, host.nbytes, device.nbytes) == (1, 128, 128)
+    engine.close()
+    assert cuda.memory == {}
+
+
+def test_a_shape_tensor_plan_is_refused_before_anything_is_made():
+    cuda = FakeCuda()
+    plan = FakePlan(cuda, shape_tensor=True)
+    with pytest.raises(ConfigError) as refused:
+        TensorRTEngine(plan, cuda, what="model 'm'")
+    assert str(refused.value).startswith(
+        "model 'm': the plan has shape tensors ['size'] (TensorRT reads their values on the "
+        "host), which carpool cannot feed; "
+    )
+    assert "ONNX Runtime" in str(refused.value)
+    assert (cuda.allocations, plan.contexts, plan.closed) == (0, [], True)
+
+
+class StickyError(FakeCuda):
+    """A device whose every call fails once ``broken`` (a kernel fault's sticky error):
+    each call is still made (and recorded) first."""
+
+    broken = False
+
+    def _fail(self) -> None:
+        if self.broken:
+            raise CudaError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    def wait(self, done, stream):
+        self._fail()
+        super().wait(done, stream)
+
+    def free(self, buffer):
+        super().free(buffer)
+        self._fail()
+
+    def destroy(self, handle):
+        super().destroy(handle)
+        self._fail()
+
+
+def test_close_after_a_cuda_error_releasing_the_context():
+    cuda = StickyError()
+    plan = FakePlan(cuda, positions=True)
+    engine = TensorRTEngine(plan, cuda)
+    engine.enqueue({"x": _x(2)})
+    cuda.broken = True
+    with pytest.raises(CudaError, match="cudaErrorIllegalAddress"):
+        engine.close()
+    assert cuda.closed
+    assert cuda.calls[-1] == ("close",)  # last, after every other release was tried
+    assert plan.closed
+    assert cuda.memory == {}
+    made, destroyed = _handles(cuda)
+    assert destroyed == made
+
+
+def test_close_destroys_every_stream_and_event_before_releasing_the_context():
+    engine, _, cuda = _engine(positions=True)
+    engine.run({"x": _x(2)})
+    pending = engine.enqueue({"x": _x(3)})  # still queued at close: collected first
+    engine.close()
+    assert pending.outputs is not None
+    close = cuda.calls.index(("close",))
+    made, destroyed = _handles(cuda)
+    assert destroyed == made  # each once
+    assert not any(c[0] == "destroy" for c in cuda.calls[close:])
+    # and the engine keeps none of them (a binding that frees an event when its last
+    # reference goes would free it on a released context)
+    assert (engine._ends, list(engine._in_flight), engine._last_end) == ([], [], None)
+
+
+class OutOfMemory(FakeCuda):
+    """A device whose allocation number ``fail_at`` (from 0) fails."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def _allocate(self) -> None:
+        if self.allocations == self.fail_at:
+            raise CudaError("cudaMalloc failed: cudaErrorMemoryAllocation")
+
+    def pinned(self, nbytes):
+        self._allocate()
+        return super().pinned(nbytes)
+
+    def device_buffer(self, nbytes):
+        self._allocate()
+        return super().device_buffer(nbytes)
+
+    def stream(self):
+        self._allocate()
+        return super().stream()
+
+    def event(self, *, timing=True):
+        self._allocate()
+        return super().event(timing=timing)
+
+
+def test_an_allocation_failing_midway_through_the_engine_frees_everything_made():
+    whole = FakeCuda()
+    TensorRTEngine(FakePlan(whole, positions=True), whole)
+    assert whole.allocations == 1 + 2 * (3 + 3 * 2) + 3  # planning stream, slots, ends
+    for fail_at in range(whole.allocations):
+        cuda = OutOfMemory(fail_at)
+        plan = FakePlan(cuda, positions=True)
+        with pytest.raises(CudaError, match="cudaErrorMemoryAllocation"):
+            TensorRTEngine(plan, cuda)
+        made, destroyed = _handles(cuda)
+        assert (cuda.memory, destroyed, plan.closed) == ({}, made, True), fail_at
+        assert not cuda.closed  # (the caller's to close: load_tensorrt does)
+
+
+def test_an_output_store_that_cannot_grow_keeps_its_buffers_and_frees_them_at_close():
+    cuda = OutOfMemory(fail_at=1 + 2 * (3 + 3 * 2) + 3)  # the first after the engine's
+    engine = TensorRTEngine(FakePlan(cuda, positions=True, bound_bytes=16), cuda)
+    with pytest.raises(CudaError, match="cudaErrorMemoryAllocation"):
+        engine.run({"x": np.abs(_x(4, 8)) + 1})
+    engine.close()
+    assert cuda.memory == {}

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from carpool.common.errors import ConfigError
-from carpool.worker.engines.trt_plan import BusyClock, TensorIO, numpy_dtype, plan_buffers
+from carpool.worker.engines.trt_plan import (
+    BufferPlan,
+    BusyClock,
+    TensorIO,
+    largest,
+    numpy_dtype,
+    plan_buffers,
+)
 from carpool.worker.tensorrt.profiles import InputRange, Profile
 
 LARGE = Profile(
@@ -21,10 +28,17 @@ def test_buffer_plan_sizes_every_tensor_at_the_profiles_max():
         TensorIO("y", False, "float32", (-1, 10)),
         TensorIO("boxes", False, "float32", (-1, -1, 4)),
     ]
-    plan = plan_buffers(io, 1, LARGE, {"y": (64, 10), "boxes": (64, -1, 4)}, {"boxes": 4096})
+    plan = plan_buffers(io, LARGE, {"y": (64, 10), "boxes": (64, -1, 4)}, {"boxes": 4096})
     assert plan.nbytes == {"x": 64 * 128 * 2, "m": 64 * 8, "y": 64 * 10 * 4, "boxes": 4096}
     assert plan.data_dependent == {"boxes"}
-    assert plan.profile == 1
+
+
+def test_one_buffer_set_serves_every_profile_at_the_most_each_tensor_needs():
+    wide = BufferPlan({"x": 4096, "y": 40, "boxes": 100}, frozenset({"boxes"}))
+    tall = BufferPlan({"x": 1024, "y": 400, "boxes": 800}, frozenset({"boxes"}))
+    assert largest([wide, tall]) == BufferPlan(
+        {"x": 4096, "y": 400, "boxes": 800}, frozenset({"boxes"})
+    )
 
 
 def test_numpy_dtype_names_what_carpool_cannot_carry():

@@ -6,7 +6,9 @@ an int32 ``pos`` ``[B, W]`` whose shape the plan leaves open (a TensorRT output 
 data-dependent shape, which the engine learns through its output allocator once the kernel
 ran): each sample's indices of its positive values, -1 past them. Kernels read and write
 the fake device memory at the addresses the engine set, so a wrong address or a missing
-copy shows in the outputs.
+copy shows in the outputs. ``bound_bytes`` sets what TensorRT gives as the bound of
+``pos`` (a run may then ask its allocator for more); ``shape_tensor`` adds an input that
+TensorRT reads on the host (a shape tensor).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class FakeContext:
     def get_max_output_size(self, name: str) -> int:
         assert name == "pos"
         batch, width = self.shapes["x"]
-        return batch * width * 4
+        bound = self.plan.bound_bytes
+        return batch * width * 4 if bound is None else bound
 
     def set_tensor_address(self, name: str, ptr: int) -> None:
         self.calls.append(("address", name, ptr))
@@ -105,10 +108,14 @@ class FakePlan:
         *,
         positions: bool = False,
         cost_s: float = 0.010,
+        bound_bytes: int | None = None,
+        shape_tensor: bool = False,
     ) -> None:
         self.cuda = cuda
         self.profiles = PROFILES if profiles is None else profiles
         self.positions = positions
+        self.bound_bytes = bound_bytes
+        self.shape_tensor = shape_tensor
         self.cost_s = cost_s
         self.fail = False
         self.contexts: list[FakeContext] = []
@@ -118,6 +125,8 @@ class FakePlan:
         io = [TensorIO("x", True, "float32", (-1, -1)), TensorIO("y", False, "float32", (-1, -1))]
         if self.positions:
             io.append(TensorIO("pos", False, "int32", (-1, -1)))
+        if self.shape_tensor:
+            io.append(TensorIO("size", True, "int32", (2,), on_host=True))
         return io
 
     def num_optimization_profiles(self) -> int:

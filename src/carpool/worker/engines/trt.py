@@ -24,6 +24,7 @@ made without one can crash the interpreter.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,8 @@ __all__ = [
     "TrtPlan",
     "tensorrt_version",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 # -- running a plan -------------------------------------------------------------------
@@ -83,7 +86,11 @@ class TrtPlan:
             name = engine.get_tensor_name(i)
             dtype = numpy_dtype(engine.get_tensor_dtype(name).name, name)
             is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
-            out.append(TensorIO(name, is_input, dtype, tuple(engine.get_tensor_shape(name))))
+            on_host = bool(engine.is_shape_inference_io(name)) or (
+                engine.get_tensor_location(name) == trt.TensorLocation.HOST
+            )
+            shape = tuple(engine.get_tensor_shape(name))
+            out.append(TensorIO(name, is_input, dtype, shape, on_host))
         return out
 
     def num_optimization_profiles(self) -> int:
@@ -151,12 +158,21 @@ def _allocator_class(trt: Any) -> Any:
         def reallocate_output_async(
             self, tensor_name: str, memory: int, size: int, alignment: int, stream: int
         ) -> int:
-            return self._store.reallocate(tensor_name, size)
+            return self._reallocate(tensor_name, size)
 
         def reallocate_output(
             self, tensor_name: str, memory: int, size: int, alignment: int
         ) -> int:
-            return self._store.reallocate(tensor_name, size)
+            return self._reallocate(tensor_name, size)
+
+        def _reallocate(self, name: str, size: int) -> int:
+            # An exception must not unwind through TensorRT: 0 (nullptr) tells it the
+            # allocation failed, and its run then fails.
+            try:
+                return self._store.reallocate(name, size)
+            except Exception:
+                logger.exception("output %r: %d bytes could not be allocated", name, size)
+                return 0
 
         def notify_shape(self, tensor_name: str, shape: Any) -> None:
             self._store.notify_shape(tensor_name, tuple(shape))

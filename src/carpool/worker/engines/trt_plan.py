@@ -2,10 +2,11 @@
 
 A plan's I/O tensors (:class:`TensorIO`, their TensorRT types as numpy's:
 :func:`numpy_dtype`), the bytes of every buffer one optimization profile needs at its max
-(:func:`plan_buffers`) and the GPU busy time of batches timed with CUDA events
-(:class:`BusyClock`). The profiles themselves, the choice of one per batch and what the
-worker announces are :mod:`carpool.worker.tensorrt.profiles`'. No tensorrt, no CUDA: the
-engine (:mod:`carpool.worker.engines.trt_engine`) feeds these from its adapter.
+(:func:`plan_buffers`), the one buffer set that serves every profile (:func:`largest`)
+and the GPU busy time of batches timed with CUDA events (:class:`BusyClock`). The
+profiles themselves, the choice of one per batch and what the worker announces are
+:mod:`carpool.worker.tensorrt.profiles`'. No tensorrt, no CUDA: the engine
+(:mod:`carpool.worker.engines.trt_engine`) feeds these from its adapter.
 """
 
 from __future__ import annotations
@@ -56,26 +57,28 @@ class TensorIO:
     is_input: bool
     dtype: str  # numpy dtype name
     shape: Shape
+    # A shape tensor: TensorRT reads or writes its values in host memory (shape-inference
+    # I/O, or a tensor it places on the host), where carpool hands it device memory.
+    on_host: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class BufferPlan:
-    """The bytes of every tensor's buffers in one profile, at its max shapes. Outputs in
-    ``data_dependent`` have shapes only a run knows (their size is TensorRT's bound)."""
+    """The bytes of every tensor's buffers in one profile, at its max shapes (or in every
+    profile: :func:`largest`). Outputs in ``data_dependent`` have shapes only a run knows
+    (their size is TensorRT's bound)."""
 
-    profile: int
     nbytes: Mapping[str, int]
     data_dependent: frozenset[str] = frozenset()
 
 
 def plan_buffers(
     io: Sequence[TensorIO],
-    index: int,
     profile: Profile,
     output_shapes: Mapping[str, Shape],
     output_bounds: Mapping[str, int],
 ) -> BufferPlan:
-    """The buffers ``profile`` (number ``index``) needs: each input at its max shape, each
+    """The buffers ``profile`` needs: each input at its max shape, each
     output at the shape the engine gives it for those inputs (``output_shapes``), or,
     where that shape still has a ``-1`` (it depends on the data), the byte bound in
     ``output_bounds``."""
@@ -89,7 +92,18 @@ def plan_buffers(
             nbytes[t.name] = output_bounds[t.name]
         else:
             nbytes[t.name] = math.prod(shape) * itemsize
-    return BufferPlan(index, nbytes, frozenset(dynamic))
+    return BufferPlan(nbytes, frozenset(dynamic))
+
+
+def largest(plans: Sequence[BufferPlan]) -> BufferPlan:
+    """One buffer set that serves every profile of ``plans``: each tensor at the most any
+    profile needs (an execution context runs one profile at a time, so it needs one set);
+    an output whose shape depends on the data in any profile is data dependent."""
+    nbytes: dict[str, int] = {}
+    for plan in plans:
+        for name, size in plan.nbytes.items():
+            nbytes[name] = max(nbytes.get(name, 0), size)
+    return BufferPlan(nbytes, frozenset().union(*(p.data_dependent for p in plans)))
 
 
 @dataclass(slots=True)

@@ -1,18 +1,20 @@
 """trt_slots.py: what one TensorRT execution context of the engine owns — its stream,
 events and buffers — and the seam it talks to TensorRT through.
 
-A :class:`Slot` is one execution context with its own non-default stream, a pinned host
-buffer and a device buffer for every tensor of every profile (sized once, at the
-profile's max, from its :class:`~carpool.worker.engines.trt_plan.BufferPlan`), and the
-events that time its batches. :class:`OutputStore` is where TensorRT's output allocator
-puts outputs whose shape depends on the data: sized to TensorRT's bound up front, grown
-only if a run ever asks for more. The TensorRT side is the :class:`PlanAdapter` /
-:class:`ContextAdapter` protocols: :mod:`~carpool.worker.engines.trt` implements them on
-tensorrt, tests on a recording fake.
+A :class:`Slot` is one execution context with its own non-default stream, one pinned host
+buffer and one device buffer per tensor, sized once to the largest any profile needs (the
+context runs one profile at a time; :func:`~carpool.worker.engines.trt_plan.largest`),
+and the events that time its batches. :class:`OutputStore` holds, for outputs whose shape
+depends on the data, the pinned and device buffers TensorRT's output allocator hands out:
+sized to TensorRT's bound up front, both grown together if a run ever asks for more. What
+is made is freed again where making the rest fails (out of memory). The TensorRT side is
+the :class:`PlanAdapter` / :class:`ContextAdapter` protocols:
+:mod:`~carpool.worker.engines.trt` implements them on tensorrt, tests on a recording fake.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,31 +25,62 @@ from carpool.worker.engines.trt_plan import BufferPlan, Shape, TensorIO
 
 logger = logging.getLogger(__name__)
 
+#: A tensor's pinned host buffer and its device buffer.
+Buffers = tuple[HostBuffer, DeviceBuffer]
+
+
+def _pair(cuda: Cuda, nbytes: int) -> Buffers:
+    """A pinned and a device buffer of ``nbytes`` each (neither left made if one fails)."""
+    host = cuda.pinned(nbytes)
+    try:
+        return host, cuda.device_buffer(nbytes)
+    except BaseException:
+        cuda.free(host)
+        raise
+
+
+def _free(cuda: Cuda, buffers: Buffers) -> None:
+    host, device = buffers
+    try:
+        cuda.free(device)
+    finally:
+        cuda.free(host)
+
 
 class OutputStore:
-    """Device memory for the data-dependent outputs of one context (TensorRT's
-    ``IOutputAllocator`` calls :meth:`reallocate` and :meth:`notify_shape`)."""
+    """The buffers of the data-dependent outputs of one context: TensorRT's
+    ``IOutputAllocator`` calls :meth:`reallocate` and :meth:`notify_shape`; the engine
+    copies an output back from its device buffer into its pinned one, which is always at
+    least as large."""
 
     def __init__(self, cuda: Cuda, bounds: Mapping[str, int]) -> None:
         self._cuda = cuda
-        self.buffers = {name: cuda.device_buffer(b) for name, b in bounds.items()}
+        self.buffers: dict[str, Buffers] = {}
+        try:
+            for name, nbytes in bounds.items():
+                self.buffers[name] = _pair(cuda, nbytes)
+        except BaseException:
+            self.close()
+            raise
         self.shapes: dict[str, Shape | None] = dict.fromkeys(bounds)
         self.grown = 0  # allocations a run asked for beyond the bound
 
     def reallocate(self, name: str, nbytes: int) -> int:
-        """The address of at least ``nbytes`` for output ``name`` (its buffer, reused)."""
-        buffer = self.buffers[name]
-        if nbytes > buffer.nbytes:
+        """The device address of at least ``nbytes`` for output ``name`` (its buffer,
+        reused; beyond its size, a larger device buffer and a pinned one as large)."""
+        old = self.buffers[name]
+        if nbytes > old[1].nbytes:
             logger.warning(
                 "output %r needs %d bytes, beyond TensorRT's bound of %d: reallocated",
                 name,
                 nbytes,
-                buffer.nbytes,
+                old[1].nbytes,
             )
-            self._cuda.free(buffer)
-            buffer = self.buffers[name] = self._cuda.device_buffer(nbytes)
+            # (the new pair first: where it cannot be had, the old one stays whole)
+            self.buffers[name] = _pair(self._cuda, nbytes)
             self.grown += 1
-        return buffer.ptr
+            _free(self._cuda, old)
+        return self.buffers[name][1].ptr
 
     def notify_shape(self, name: str, shape: Shape) -> None:
         self.shapes[name] = shape
@@ -58,9 +91,10 @@ class OutputStore:
             self.shapes[name] = None
 
     def close(self) -> None:
-        for buffer in self.buffers.values():
-            self._cuda.free(buffer)
-        self.buffers.clear()
+        with contextlib.ExitStack() as frees:  # (each freed even where one fails)
+            for buffers in self.buffers.values():
+                frees.callback(_free, self._cuda, buffers)
+            self.buffers.clear()
 
 
 class ContextAdapter(Protocol):
@@ -103,49 +137,48 @@ class Slot:
     stream: Stream
     start: Event  # recorded just before its batch's execute_async_v3
     done: Event  # completion event, recorded after its batch's copies back to the host
-    # profile index -> tensor name -> (pinned host, device) buffers; a data-dependent
-    # output's device side is in ``store`` (None here)
-    buffers: dict[int, dict[str, tuple[HostBuffer, DeviceBuffer | None]]] = field(
-        default_factory=dict
-    )
+    # tensor name -> (pinned host, device) buffers, for every tensor but the
+    # data-dependent outputs (``store``'s)
+    buffers: dict[str, Buffers] = field(default_factory=dict)
     store: OutputStore | None = None
     profile: int | None = None  # the profile selected on the context
 
     @classmethod
     def make(
-        cls, cuda: Cuda, context: ContextAdapter, plans: list[BufferPlan], io: list[TensorIO]
+        cls, cuda: Cuda, context: ContextAdapter, plan: BufferPlan, io: list[TensorIO]
     ) -> Slot:
-        """A slot with every buffer of every plan allocated (the only allocations it makes,
-        beside an output store growing past TensorRT's bound)."""
-        slot = cls(context, cuda.stream(), cuda.event(), cuda.event(timing=False))
-        bounds: dict[str, int] = {}
-        for plan in plans:
-            for name in plan.data_dependent:
-                bounds[name] = max(bounds.get(name, 0), plan.nbytes[name])
-        if bounds:
-            slot.store = OutputStore(cuda, bounds)
-            for name in bounds:
-                context.set_output_allocator(name, slot.store)
-        for plan in plans:
-            slot.buffers[plan.profile] = {
-                t.name: (
-                    cuda.pinned(plan.nbytes[t.name]),
-                    None
-                    if t.name in plan.data_dependent
-                    else cuda.device_buffer(plan.nbytes[t.name]),
-                )
-                for t in io
-            }
+        """A slot with a buffer pair per tensor of ``plan`` allocated (the only allocations
+        it makes, beside an output store growing past TensorRT's bound); where one fails,
+        what it made is freed before the error goes on."""
+        with contextlib.ExitStack() as made:
+            stream = cuda.stream()
+            made.callback(cuda.destroy, stream)
+            start = cuda.event()
+            made.callback(cuda.destroy, start)
+            done = cuda.event(timing=False)
+            made.callback(cuda.destroy, done)
+            slot = cls(context, stream, start, done)
+            bounds = {n: plan.nbytes[n] for n in sorted(plan.data_dependent)}
+            if bounds:
+                slot.store = OutputStore(cuda, bounds)
+                made.callback(slot.store.close)
+                for name in bounds:
+                    context.set_output_allocator(name, slot.store)
+            for t in io:
+                if t.name not in plan.data_dependent:
+                    slot.buffers[t.name] = _pair(cuda, plan.nbytes[t.name])
+                    made.callback(_free, cuda, slot.buffers[t.name])
+            made.pop_all()
         return slot
 
     def close(self, cuda: Cuda) -> None:
-        for buffers in self.buffers.values():
-            for host, device in buffers.values():
-                cuda.free(host)
-                if device is not None:
-                    cuda.free(device)
-        self.buffers.clear()
-        if self.store is not None:
-            self.store.close()
-        for handle in (self.start, self.done, self.stream):
-            cuda.destroy(handle)
+        """Free the buffers, stream and events (each, even where freeing one fails)."""
+        with contextlib.ExitStack() as frees:
+            for handle in (self.stream, self.start, self.done):
+                frees.callback(cuda.destroy, handle)
+            if self.store is not None:
+                frees.callback(self.store.close)
+            for buffers in self.buffers.values():
+                frees.callback(_free, cuda, buffers)
+            self.buffers.clear()
+            self.store = None
