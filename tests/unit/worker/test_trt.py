@@ -1,7 +1,8 @@
 """worker/engines/trt.py, the tensorrt adapter, on a recording stand-in for the tensorrt
-module (put in ``sys.modules``): shape tensors marked as such; an output allocator that
-cannot allocate answers nullptr (0) instead of raising into TensorRT. The names it uses
-are checked against the real releases by tensorrt/test_api_surface.py."""
+module (put in ``sys.modules``): one logger for every Runtime, Builder and parser; shape
+tensors marked as such; an output allocator that cannot allocate answers nullptr (0)
+instead of raising into TensorRT. The names it uses are checked against the real releases
+by tensorrt/test_api_surface.py."""
 
 from __future__ import annotations
 
@@ -96,8 +97,20 @@ def tensorrt(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")  # type: ignore[attr-defined]
     module.TensorLocation = types.SimpleNamespace(DEVICE="DEVICE", HOST="HOST")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr(adapter, "_trt_logger", None, raising=False)  # (none made yet)
     monkeypatch.setattr(Logger, "made", [])
     return module
+
+
+def test_every_runtime_builder_and_parser_shares_one_logger(tensorrt) -> None:
+    plans = [adapter.TrtPlan(b"plan", "model 'a'"), adapter.TrtPlan(b"plan", "model 'b'")]
+    builder = adapter.TensorRTBuilder()
+    builder.create_network(strongly_typed=False)
+    assert builder.parse_onnx("model.onnx") == []
+    (logger,) = Logger.made
+    assert logger.level == Logger.WARNING
+    assert [p._runtime.logger for p in plans] == [logger, logger]
+    assert (builder._builder.logger, builder._parser.logger) == (logger, logger)
 
 
 def test_shape_tensors_are_marked_on_the_host(tensorrt) -> None:

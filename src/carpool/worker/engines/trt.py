@@ -17,7 +17,9 @@ Everything else is logic tested against recording fakes of these classes. Only n
 present in both TensorRT 10.3 (JetPack 6) and 11.x are used, except behind a ``hasattr``
 guard; tests/unit/worker/tensorrt/test_api_surface.py checks that against the real
 binding modules' member lists (tests/data/tensorrt/). tensorrt is imported inside the
-methods, never at module load. Make no object here before the GPU probe
+methods, never at module load. One TensorRT logger serves every Runtime and Builder of the
+process (TensorRT keeps a single logger pointer, which must outlive every object made
+with it): :func:`shared_logger`, made on first use. Make no object here before the GPU probe
 (:func:`carpool.worker.tensorrt.probe.probe`) has found a device: a Runtime or Builder
 made without one can crash the interpreter.
 """
@@ -25,6 +27,7 @@ made without one can crash the interpreter.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +47,27 @@ __all__ = [
     "TensorRTEngine",
     "TrtContext",
     "TrtPlan",
+    "shared_logger",
     "tensorrt_version",
 ]
 
 logger = logging.getLogger(__name__)
+
+# The process's one TensorRT logger (tensorrt is imported on first use, not at load).
+_trt_logger: Any = None
+_trt_logger_lock = threading.Lock()
+
+
+def shared_logger() -> Any:
+    """The ``trt.Logger`` of every Runtime and Builder made here: made once, at WARNING,
+    and kept for the life of the process (it must outlive every object made with it)."""
+    global _trt_logger
+    with _trt_logger_lock:
+        if _trt_logger is None:
+            import tensorrt as trt
+
+            _trt_logger = trt.Logger(trt.Logger.WARNING)
+        return _trt_logger
 
 
 # -- running a plan -------------------------------------------------------------------
@@ -68,8 +88,7 @@ class TrtPlan:
         import tensorrt as trt
 
         self._trt = trt
-        self._logger = trt.Logger(trt.Logger.WARNING)  # outlives every object using it
-        self._runtime = trt.Runtime(self._logger)
+        self._runtime = trt.Runtime(shared_logger())
         self._engine = self._runtime.deserialize_cuda_engine(plan)
         if self._engine is None:
             raise ConfigError(
@@ -205,9 +224,7 @@ class TensorRTBuilder:
         import tensorrt as trt
 
         self.version: str = str(trt.__version__)
-        # The logger must outlive every object made with it: it is kept here.
-        self._logger = trt.Logger(trt.Logger.WARNING)
-        self._builder = trt.Builder(self._logger)
+        self._builder = trt.Builder(shared_logger())
         self._network: Any = None
         self._parser: Any = None
         self._config: Any = None
@@ -226,7 +243,7 @@ class TensorRTBuilder:
         """Parse the ONNX file at ``path`` into the network; the parser's errors."""
         import tensorrt as trt
 
-        self._parser = trt.OnnxParser(self._network, self._logger)
+        self._parser = trt.OnnxParser(self._network, shared_logger())
         if self._parser.parse_from_file(path):
             return []
         return [str(self._parser.get_error(i)) for i in range(self._parser.num_errors)]
