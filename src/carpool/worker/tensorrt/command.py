@@ -85,7 +85,7 @@ def _build_engine(args: argparse.Namespace) -> int:
     3 no tensorrt or no GPU here.
     """
     from carpool.worker.tensorrt.build import BuildError, ensure, prepare
-    from carpool.worker.tensorrt.probe import probe
+    from carpool.worker.tensorrt.probe import describe, run_probe
     from carpool.worker.tensorrt.progress import listener_for
     from carpool.worker.tensorrt.versions import TrtVersion
 
@@ -97,9 +97,9 @@ def _build_engine(args: argparse.Namespace) -> int:
         return 0
     if importlib.util.find_spec("tensorrt") is None:
         return _unavailable(f"tensorrt is not installed ({_GET_TENSORRT})")
-    found = probe()
+    found = run_probe()  # (this command says what it found, in one line: not logged)
     if found.device is None:
-        return _unavailable(found.reason)
+        return _unavailable(describe(found))
     from carpool.worker.engines.trt import TensorRTBuilder, tensorrt_version
 
     try:
@@ -107,7 +107,7 @@ def _build_engine(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _unavailable(f"tensorrt does not import: {exc}")
     prepared = prepare(request, version, found.device)
-    print(f"TensorRT {version} on {found.device.name} (sm {found.device.compute_capability})")
+    print(f"TensorRT {version}; {describe(found)}")
     try:
         with listener_for(sys.stdout) as listener:
             outcome = ensure(request, prepared, TensorRTBuilder, listener, force=args.force)

@@ -117,10 +117,17 @@ def describe(found: GpuProbe) -> str:
     return f"GPU: {found.device.name} (sm_{major}{minor}{slot}) through {found.binding}: {cuda}"
 
 
+def _level(found: GpuProbe) -> int:
+    """INFO for a GPU; WARNING where a binding imports but no device answers; DEBUG where
+    no binding is installed (a host without a GPU: nothing to act on)."""
+    if found.ok:
+        return logging.INFO
+    return logging.WARNING if found.binding else logging.DEBUG
+
+
 class ProbeCache:
-    """The probe's answer, asked once: the first caller runs ``run``, logs the answer
-    (INFO for a GPU; WARNING where a binding imports but no device answers) and keeps it;
-    callers meanwhile wait for it."""
+    """The probe's answer, asked once: the first caller runs ``run``, logs the answer (at
+    :func:`_level`) and keeps it; callers meanwhile wait for it."""
 
     def __init__(self, run: Callable[[], GpuProbe] = run_probe) -> None:
         self._run = run
@@ -131,8 +138,7 @@ class ProbeCache:
         with self._lock:
             if self._found is None:
                 self._found = found = self._run()
-                quiet = found.ok or not found.binding
-                logger.log(logging.INFO if quiet else logging.WARNING, "%s", describe(found))
+                logger.log(_level(found), "%s", describe(found))
             return self._found
 
 

@@ -53,7 +53,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> list[RecordingBuilder]:
         return made[-1]
 
     monkeypatch.setattr(importlib.util, "find_spec", found)
-    monkeypatch.setattr(probe, "probe", lambda: probe.GpuProbe(Device("NVIDIA H200", (9, 0)), ""))
+    monkeypatch.setattr(probe, "run_probe", lambda: probe.GpuProbe(Device("NVIDIA H200", (9, 0))))
     monkeypatch.setattr(trt, "tensorrt_version", lambda: "10.3.0")
     monkeypatch.setattr(trt, "TensorRTBuilder", builder)
     return made

@@ -205,15 +205,15 @@ def test_the_answer_is_asked_once_and_logged_once(caplog) -> None:
     ]
 
 
-def test_a_binding_without_a_device_is_a_warning(caplog) -> None:
+def test_a_binding_without_a_device_is_a_warning_and_no_binding_a_debug_line(caplog) -> None:
     reason = "no GPU found (cuda-bindings 13.0.0 has CUDA runtime 13.0, which needs ...)"
     found = GpuProbe(None, reason, "cuda-bindings 13.0.0", "13.0", "12.6")
-    with caplog.at_level(logging.INFO, logger="carpool.worker.tensorrt.probe"):
+    with caplog.at_level(logging.DEBUG, logger="carpool.worker.tensorrt.probe"):
         ProbeCache(lambda: found).get()
         ProbeCache(lambda: GpuProbe(None, "no GPU found (cuda-python is not installed)")).get()
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, f"{reason}; CUDA runtime 13.0, driver 12.6"),
-        (logging.INFO, "no GPU found (cuda-python is not installed)"),
+        (logging.DEBUG, "no GPU found (cuda-python is not installed)"),
     ]
 
 
