@@ -184,6 +184,34 @@ def gil(old_binding: Path | None) -> Step:
             out[name] = {"status": "failed", "reason": repr(exc)}
         if out[name].get("status") == "failed":
             out["status"] = "failed"
+    out["verdicts"] = verdicts(out)
+    if not all(out["verdicts"].values()):
+        out["status"] = "failed"
+    return out
+
+
+def verdicts(runs: Step) -> dict[str, bool]:
+    """What the gil step's figures must show (each False fails the step): the instrument
+    tells a GIL-holding, spinning wait from a sleeping one; the carried binding is the one
+    that ran, and its event wait held the GIL; carpool's wait let the thread run and did
+    not spin, on every binding."""
+    out: dict[str, bool] = {}
+    cal = runs.get("calibration", {})
+    if cal.get("status") == "ok":
+        held, slept = cal["holds_gil_and_spins (sum)"], cal["releases_gil_and_blocks (sleep)"]
+        out["instrument"] = held["ticks_ratio"] < 0.2 < 0.5 < slept["ticks_ratio"] and (
+            held["cpu_ratio"] > 0.7 > 0.2 > slept["cpu_ratio"]
+        )
+    old = runs.get("cuda-bindings 12.9.0", {})
+    if old.get("status") == "ok":
+        out["12.9.0 ran"] = old.get("binding") == "cuda-bindings 12.9.0"
+        out["12.9.0 event wait held the GIL"] = old["before"]["ticks_ratio"] < 0.2
+    for name in ("machine_binding", "cuda-bindings 12.9.0"):
+        run = runs.get(name, {})
+        if run.get("status") == "ok":
+            after = run["after"]
+            out[f"{name}: Cuda.wait let Python run"] = after["ticks_ratio"] > 0.5
+            out[f"{name}: Cuda.wait did not spin"] = after["cpu_ratio"] < 0.3
     return out
 
 
@@ -192,51 +220,71 @@ def nvml(found: GpuProbe, during: Callable[[], Step] | None = None) -> tuple[Ste
     CUDA named, idle and after ``during``; and the probe with no visible device."""
     hidden = run_probe(env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     no_device = {"found_gpu": hidden.ok, "reason": hidden.reason}
+
+    def without_nvml(why: str) -> tuple[Step, Step | None]:
+        step = skipped(why)
+        if hidden.ok:  # (the probe's half of the step stands without NVML)
+            step = {"status": "failed", "reason": "a GPU found with none visible; " + why}
+        return {**step, "no_visible_device": no_device}, during() if during else None
+
     if not _has("pynvml"):
-        skip = skipped("nvidia-ml-py does not import")
-        return {**skip, "no_visible_device": no_device}, during() if during else None
+        return without_nvml("nvidia-ml-py does not import")
     import pynvml
 
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        skip = skipped(f"NVML: {exc}")
-        return {**skip, "no_visible_device": no_device}, during() if during else None
+        return without_nvml(f"NVML: {exc}")
+    ran: list[Step] = []  # the pipeline's step, once it ran
+
+    def run_during() -> Step | None:
+        if during is not None and not ran:
+            ran.append(during())
+        return ran[0] if ran else None
+
     try:
-        reader = PynvmlReader.open(pynvml, found.uuid, found.pci_bus_id)
-        first = pynvml.nvmlDeviceGetHandleByIndex(0)
-        step: Step = {
-            "status": "ok",
-            "cuda": {"uuid": found.uuid, "pci_bus_id": found.pci_bus_id},
-            "nvml_devices": pynvml.nvmlDeviceGetCount(),
-            "nvml_index_0_uuid": _text(pynvml.nvmlDeviceGetUUID(first)),
-            "no_visible_device": no_device,
-        }
-        if hidden.ok:
-            step["status"] = "failed"  # the probe found a GPU that CUDA was told to hide
-        if reader is None:
-            step["status"] = "failed"
-            step["reason"] = "NVML did not open CUDA's device (the worker's log says why)"
-            return step, during() if during else None
-        handle = reader.handle
-
-        def read() -> dict[str, Any]:
-            return {**nvml_fields(reader.memory(), reader.utilization())}
-
-        step.update(
-            name=_text(pynvml.nvmlDeviceGetName(handle)),
-            cuda_name=None if found.device is None else found.device.name,
-            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-            idle=read(),
-        )
-        step["same_device"] = step["uuid"] == found.uuid or not found.uuid
-        if not step["same_device"]:
-            step["status"] = "failed"
-        result = during() if during else None
-        step["after_pipeline"] = read()
-        return step, result
+        step = _nvml_step(pynvml, found, hidden.ok, run_during)
+    except pynvml.NVMLError as exc:
+        step = {"status": "failed", "reason": f"NVML: {exc!r}"}
     finally:
         pynvml.nvmlShutdown()
+    return {**step, "no_visible_device": no_device}, run_during()
+
+
+def _nvml_step(
+    pynvml: Any, found: GpuProbe, hidden_found: bool, run_during: Callable[[], Step | None]
+) -> Step:
+    reader = PynvmlReader.open(pynvml, found.uuid, found.pci_bus_id)
+    first = pynvml.nvmlDeviceGetHandleByIndex(0)
+    step: Step = {
+        "status": "ok",
+        "cuda": {"uuid": found.uuid, "pci_bus_id": found.pci_bus_id},
+        "nvml_devices": pynvml.nvmlDeviceGetCount(),
+        "nvml_index_0_uuid": _text(pynvml.nvmlDeviceGetUUID(first)),
+    }
+    if hidden_found:
+        step["status"] = "failed"  # the probe found a GPU that CUDA was told to hide
+    if reader is None:
+        step["status"] = "failed"
+        step["reason"] = "NVML did not open CUDA's device (the worker's log says why)"
+        return step
+
+    def read() -> dict[str, Any]:
+        return nvml_fields(reader.memory(), reader.utilization())
+
+    handle = reader.handle
+    step.update(
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        cuda_name=None if found.device is None else found.device.name,
+        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+        idle=read(),
+    )
+    step["same_device"] = step["uuid"] == found.uuid or not found.uuid
+    if not step["same_device"]:
+        step["status"] = "failed"
+    run_during()
+    step["after_pipeline"] = read()
+    return step
 
 
 def _text(value: Any) -> str:

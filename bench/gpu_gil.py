@@ -1,4 +1,4 @@
-"""gpu_gil.py: does waiting for a batch hold the GIL, or spin a core? Before and after.
+"""gpu_gil.py: does waiting for a batch hold the GIL, or spin a core? Two waits compared.
 
     python bench/gpu_gil.py [--calibrate]
 
@@ -9,9 +9,9 @@ machine's CUDA binding, and on cuda-bindings 12.9.0 (carried in .whl/cb129, put 
 Both halves wait for the same device work: copies of a pinned buffer to the device queued
 on one stream, about 0.3 s of it.
 
-- before: the worker's old wait, kept here: ``cudaEventSynchronize`` on an event made with
-  ``cudaEventCreate`` (default flags), under the device's default schedule
-  (``cudaDeviceScheduleAuto``);
+- before (the event wait, kept here as the reference): ``cudaEventSynchronize`` on an
+  event made with ``cudaEventCreate`` (default flags), under the device's default
+  schedule (``cudaDeviceScheduleAuto``);
 - after: carpool's :meth:`Cuda.wait <carpool.worker.cuda.base.Cuda.wait>` on a completion
   event (:class:`~carpool.worker.cuda.runtime.RuntimeCuda`).
 
@@ -115,7 +115,7 @@ def _ok(result: Any) -> Any:
 
 
 def before(rt: Any) -> dict[str, float]:
-    """The old wait, on the raw runtime under the default schedule."""
+    """The event wait, on the raw runtime under the default schedule."""
     _ok(rt.cudaSetDevice(0))
     host = _ok(rt.cudaMallocHost(CHUNK))
     device = _ok(rt.cudaMalloc(CHUNK))
@@ -131,7 +131,7 @@ def before(rt: Any) -> dict[str, float]:
     _ok(rt.cudaEventRecord(end, stream))
     _ok(rt.cudaStreamSynchronize(stream))
     copies = max(1, min(2000, round(WORK_S * 1000 / _ok(rt.cudaEventElapsedTime(start, end)))))
-    event = _ok(rt.cudaEventCreate())  # the old wait's event: default flags
+    event = _ok(rt.cudaEventCreate())  # the event wait's event: default flags
 
     def wait() -> None:
         for _ in range(copies):

@@ -71,3 +71,51 @@ def test_a_device_nvml_does_not_know_fails_the_step(nvml):
     step, _ = gc.nvml(stranger)
     assert step["status"] == "failed"
     assert "did not open" in step["reason"]
+
+
+def test_an_nvml_error_fails_the_step_and_the_pipeline_still_runs_once(nvml, monkeypatch):
+    def broken(gpu):
+        raise nvml.NVMLError("GPU is lost")
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetUUID", broken)
+    runs = []
+    step, during = gc.nvml(_found(L4), lambda: runs.append(1) or {"status": "ok"})
+    assert step["status"] == "failed"
+    assert "GPU is lost" in step["reason"]
+    assert runs == [1]
+    assert during == {"status": "ok"}
+    assert nvml.calls[-1] == ("nvmlShutdown", None)
+
+
+def _gil_runs(before_ticks=0.01, after_ticks=0.9, after_cpu=0.02, binding="cuda-bindings 12.9.0"):
+    def run(name):
+        return {
+            "status": "ok",
+            "binding": name,
+            "before": {"ticks_ratio": before_ticks, "cpu_ratio": 0.98},
+            "after": {"ticks_ratio": after_ticks, "cpu_ratio": after_cpu},
+        }
+
+    return {
+        "calibration": {
+            "status": "ok",
+            "holds_gil_and_spins (sum)": {"ticks_ratio": 0.02, "cpu_ratio": 0.97},
+            "releases_gil_and_blocks (sleep)": {"ticks_ratio": 1.3, "cpu_ratio": 0.0},
+        },
+        "machine_binding": run("cuda-bindings 13.0.0"),
+        "cuda-bindings 12.9.0": run(binding),
+    }
+
+
+def test_the_gil_step_judges_its_figures():
+    assert all(gc.verdicts(_gil_runs()).values())
+    assert len(gc.verdicts(_gil_runs())) == 7
+    failing = {
+        "12.9.0 ran": _gil_runs(binding="cuda-bindings 13.0.0"),
+        "12.9.0 event wait held the GIL": _gil_runs(before_ticks=0.9),
+        "machine_binding: Cuda.wait let Python run": _gil_runs(after_ticks=0.05),
+        "machine_binding: Cuda.wait did not spin": _gil_runs(after_cpu=0.95),
+    }
+    for name, runs in failing.items():
+        verdict = gc.verdicts(runs)
+        assert verdict[name] is False, name
