@@ -79,7 +79,12 @@ def test_an_nvml_error_fails_the_step_and_the_pipeline_still_runs_once(nvml, mon
 
     monkeypatch.setattr(nvml, "nvmlDeviceGetUUID", broken)
     runs = []
-    step, during = gc.nvml(_found(L4), lambda: runs.append(1) or {"status": "ok"})
+
+    def pipeline():
+        runs.append(1)
+        return {"status": "ok"}
+
+    step, during = gc.nvml(_found(L4), pipeline)
     assert step["status"] == "failed"
     assert "GPU is lost" in step["reason"]
     assert runs == [1]
