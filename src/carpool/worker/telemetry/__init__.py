@@ -21,15 +21,13 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
 from carpool.common.protocol import Telemetry
 from carpool.worker.telemetry import jetson, nvml
-
-if TYPE_CHECKING:
-    from carpool.worker.tensorrt.probe import GpuProbe
+from carpool.worker.tensorrt.probe import GpuProbe, probe
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +41,6 @@ _BINDING_PACKAGES = ("cuda", "pycuda")
 def cuda_binding_installed() -> bool:
     """Whether a CUDA binding's package is there (found, not imported)."""
     return any(importlib.util.find_spec(name) is not None for name in _BINDING_PACKAGES)
-
-
-def shared_probe() -> GpuProbe:
-    """This process's GPU probe answer (:func:`carpool.worker.tensorrt.probe.probe`)."""
-    # (imported here: the probe's module reaches worker/config.py, which imports the
-    # worker's server, which imports this module)
-    from carpool.worker.tensorrt.probe import probe
-
-    return probe()
 
 
 class TelemetrySampler:
@@ -83,7 +72,7 @@ class TelemetrySampler:
         cls,
         *,
         import_nvml: Callable[[], Any] = nvml.import_pynvml,
-        find_gpu: Callable[[], GpuProbe] = shared_probe,
+        find_gpu: Callable[[], GpuProbe] = probe,
         sys_root: Path = Path("/sys"),
         binding_installed: Callable[[], bool] = cuda_binding_installed,
     ) -> TelemetrySampler:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from carpool.worker.tensorrt.profiles import InputRange, Profile
 from tests.unit.worker.fake_gpu import H100, L4, Cuda, install, runtime_module
 from tests.unit.worker.tensorrt.test_build import RecordingBuilder
 
+SRC = Path(__file__).resolve().parents[4] / "src"
 H200 = Device("NVIDIA H200", (9, 0))
 CUDA_12_9 = {"binding": "cuda-bindings 12.9.1", "runtime": "12.9", "driver": "12.6"}
 
@@ -220,3 +224,31 @@ def test_a_binding_without_a_device_is_a_warning(caplog) -> None:
 def test_the_probe_runs_in_a_child_and_answers_either_way() -> None:
     found = run_probe(timeout_s=60)
     assert (found.device is None) == bool(found.reason)
+
+
+# What the probe's module imports.
+
+LOADED = """
+import sys
+import {module}
+print(" ".join(sorted(m for m in sys.modules if m.startswith("carpool.worker."))))
+"""
+
+
+@pytest.mark.parametrize("module", ["carpool.worker.tensorrt.probe", "carpool.worker.telemetry"])
+def test_the_probe_imports_none_of_the_worker_it_serves(module: str) -> None:
+    """The probe's module, and the telemetry that imports it, load in a fresh interpreter
+    without the worker's config, server or repository (which import the telemetry)."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED.format(module=module)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=env,
+    )
+    loaded = set(done.stdout.split())
+    assert "carpool.worker.tensorrt.probe" in loaded
+    worker = {"carpool.worker.config", "carpool.worker.server", "carpool.worker.repository"}
+    assert not loaded & worker, sorted(loaded)
