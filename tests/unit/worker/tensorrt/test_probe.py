@@ -151,6 +151,43 @@ def test_pycuda_answers_where_cuda_python_is_missing(tmp_path: Path) -> None:
     assert (found.pci_bus_id, found.uuid) == (L4.pci, "")  # NVML is opened by the slot
 
 
+def _machine_bindings(root: Path) -> Path:
+    """This machine's own cuda-python (a regular ``cuda`` package, as cuda-python 12.6.x
+    installs) and pycuda, each failing as it imports its device API."""
+    files = {
+        "cuda/__init__.py": "",
+        "cuda_python-12.6.2.post1.dist-info/METADATA": "Name: cuda-python\nVersion: 12.6.2.post1\n",
+        "cuda/bindings/__init__.py": "__version__ = '12.6.2.post1'\n",
+        "cuda/bindings/runtime.py": "raise ImportError('the machine cuda-python')\n",
+        "cuda/cudart.py": "raise ImportError('the machine cuda-python')\n",
+        "pycuda/__init__.py": "VERSION_TEXT = '2024.1'\n",
+        "pycuda/driver.py": "raise ImportError('the machine pycuda')\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("layout", "pycuda", "answer"),
+    [
+        ("bindings", False, "cuda-bindings 12.9.1"),
+        (None, True, "pycuda 2025.1"),
+        (None, False, "cuda-python is not installed; pycuda is not installed"),
+    ],
+)
+def test_the_fakes_hide_the_machines_own_bindings(tmp_path, layout, pycuda, answer) -> None:
+    """Bindings installed later on the path (site-packages) are never the child's."""
+    env = install(tmp_path / "fakes", layout=layout, pycuda=pycuda, visible="1")
+    env["PYTHONPATH"] += os.pathsep + str(_machine_bindings(tmp_path / "machine"))
+    found = run_probe(env=env)
+    if found.ok:
+        assert (found.device, found.binding) == (Device(L4.name, L4.cc), answer)
+    else:
+        assert (found.reason, found.binding) == (f"no GPU found ({answer})", "")
+
+
 def test_no_visible_device_and_no_builder_created(tmp_path: Path) -> None:
     """NVML still sees both GPUs; CUDA, with CUDA_VISIBLE_DEVICES="", none."""
     env = install(tmp_path / "fakes", visible="", pynvml=True)
