@@ -94,12 +94,12 @@ def cudaDriverGetVersion():
     _driver()
     return OK, _C["driver"]
 
-def cudaGetDeviceCount():
+def cudaGetDeviceCount():  # the count is None on an error (cuda-bindings 12.9, 13)
     _driver()
     if _C["runtime"] // 1000 > _C["driver"] // 1000:
-        return cudaError_t.cudaErrorInsufficientDriver, 0
+        return cudaError_t.cudaErrorInsufficientDriver, None
     n = len(_visible())
-    return (OK, n) if n else (cudaError_t.cudaErrorNoDevice, 0)
+    return (OK, n) if n else (cudaError_t.cudaErrorNoDevice, None)
 
 def cudaGetDeviceProperties(device):
     d = _visible()[device]

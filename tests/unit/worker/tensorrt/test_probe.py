@@ -105,6 +105,13 @@ def test_the_runtime_says_why_no_device_answers(cuda, visible, says, monkeypatch
     assert says in str(caught.value)
 
 
+def test_the_fake_runtime_gives_no_count_with_an_error(monkeypatch) -> None:
+    """As cuda-bindings 12.9.0 and 13.0.0 answer: ``(cudaErrorInsufficientDriver, None)``."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert runtime_module(Cuda(runtime=13000)).cudaGetDeviceCount() == (35, None)
+    assert runtime_module(Cuda()).cudaGetDeviceCount() == (100, None)  # cudaErrorNoDevice
+
+
 def test_the_uuid_and_versions_are_written_as_nvml_and_cuda_write_them() -> None:
     raw = bytes.fromhex("2b2e8e6d0d3c3a8f9e1b7c6d5e4f3a2b")
     assert probe_child.uuid_text(raw) == "GPU-2b2e8e6d-0d3c-3a8f-9e1b-7c6d5e4f3a2b"
