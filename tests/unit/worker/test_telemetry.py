@@ -5,9 +5,12 @@ wire form, the core's sampling cadence, and ρ from an engine's own busy seconds
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,7 +26,7 @@ from carpool.common.protocol import (
 )
 from carpool.worker.core import JobOutcome, WorkerCore
 from carpool.worker.load import ReportedBusy, engines_busy_s
-from carpool.worker.telemetry import TelemetrySampler, jetson, nvml
+from carpool.worker.telemetry import TelemetrySampler, cuda_binding_installed, jetson, nvml
 from carpool.worker.tensorrt.cache import Device
 from carpool.worker.tensorrt.probe import GpuProbe, run_probe
 from tests.unit.worker.fake_gpu import H100, L4, Gpu, install
@@ -209,6 +212,48 @@ def test_the_probe_runs_only_where_there_may_be_a_gpu(tmp_path: Path, where: str
         binding_installed=lambda: where == "binding",
     )
     assert asked == ([] if where == "nothing" else [1])
+
+
+@pytest.fixture
+def bare_path(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """``sys.path`` is ``tmp_path`` alone and no ``cuda`` or ``pycuda`` module is imported,
+    both as they were afterwards."""
+
+    def bindings() -> list[str]:
+        return [name for name in sys.modules if name.split(".")[0] in ("cuda", "pycuda")]
+
+    for name in bindings():
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    importlib.invalidate_caches()
+    yield tmp_path
+    for name in bindings():
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("files", "installed"),
+    [
+        ({}, False),
+        ({"cuda/pathfinder/__init__.py": ""}, False),  # cuda-pathfinder: a namespace
+        ({"cuda/__init__.py": "raise ImportError('broken')"}, False),
+        ({"cuda/bindings/__init__.py": "", "cuda/bindings/runtime.py": ""}, True),
+        ({"cuda/__init__.py": "", "cuda/cudart.py": ""}, True),  # cuda-python before 12.6.1
+        ({"pycuda/__init__.py": ""}, True),
+    ],
+    ids=["none", "cuda-pathfinder", "a cuda that fails", "cuda-bindings", "cudart", "pycuda"],
+)
+def test_a_binding_is_its_module_not_any_cuda_package(bare_path, files, installed) -> None:
+    for name, text in files.items():
+        (bare_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (bare_path / name).write_text(text)
+    assert cuda_binding_installed() is installed
+
+
+def test_a_cuda_module_without_a_spec_is_no_binding(bare_path, monkeypatch) -> None:
+    """(``importlib.util.find_spec("cuda")`` raises ValueError for it.)"""
+    monkeypatch.setitem(sys.modules, "cuda", ModuleType("cuda"))
+    assert cuda_binding_installed() is False
 
 
 def test_telemetry_round_trips_in_heartbeat_and_result() -> None:

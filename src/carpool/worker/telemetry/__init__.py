@@ -34,13 +34,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["TelemetrySampler"]
 
 _MIB = 1 << 20
-#: The CUDA bindings' top-level packages: cuda-python's and pycuda's (carpool.worker.cuda).
-_BINDING_PACKAGES = ("cuda", "pycuda")
+#: The CUDA bindings' modules: cuda-python's (either layout) and pycuda's (carpool.worker.cuda).
+#: Not ``cuda`` alone: other packages (cuda-pathfinder, which CuPy installs) share that name.
+_BINDING_MODULES = ("cuda.bindings", "cuda.cudart", "pycuda")
+
+
+def _found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent that fails to import, or has no spec
+        return False
 
 
 def cuda_binding_installed() -> bool:
-    """Whether a CUDA binding's package is there (found, not imported)."""
-    return any(importlib.util.find_spec(name) is not None for name in _BINDING_PACKAGES)
+    """Whether a CUDA binding's module is there (found; only a parent package imported)."""
+    return any(_found(name) for name in _BINDING_MODULES)
 
 
 class TelemetrySampler:
