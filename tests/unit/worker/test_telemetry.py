@@ -116,12 +116,18 @@ def test_without_nvml_the_real_module_sees_no_device() -> None:
     assert nvml.device_count(module) == 0
 
 
-def _detect(fake: NvmlModule | None, found: GpuProbe | None, sys_root: Path) -> TelemetrySampler:
+def _detect(
+    fake: NvmlModule | None,
+    found: GpuProbe | None,
+    sys_root: Path,
+    environ: dict[str, str] | None = None,
+) -> TelemetrySampler:
     return TelemetrySampler.detect(
         import_nvml=lambda: fake,
         find_gpu=lambda: found if found is not None else pytest.fail("the probe was asked"),
         sys_root=sys_root,
         binding_installed=lambda: False,
+        environ=environ or {},
     )
 
 
@@ -180,6 +186,44 @@ def test_no_cuda_device_is_no_device_telemetry_but_the_versions(tmp_path: Path) 
         "13.0",
         "12.6",
     )
+
+
+NO_BINDING = GpuProbe(None, "no GPU found (cuda-python is not installed; pycuda is not installed)")
+TOO_NEW = GpuProbe(None, "no GPU found (... needs a newer driver ...)", "cuda-bindings 13.0.0")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "environ", "found", "reported"),
+    [
+        ([L4], {}, NO_BINDING, True),
+        ([H100, L4], {}, NO_BINDING, False),  # which one is the worker's?
+        ([L4], {"CUDA_VISIBLE_DEVICES": "0"}, NO_BINDING, False),
+        ([L4], {"CUDA_VISIBLE_DEVICES": ""}, NO_BINDING, False),  # (none visible)
+        ([L4], {}, TOO_NEW, False),  # CUDA answered: no device for this worker
+    ],
+    ids=["one gpu", "two gpus", "visible devices named", "none visible", "a binding"],
+)
+def test_without_a_cuda_binding_nvmls_only_gpu_is_the_workers(
+    tmp_path: Path, gpus: list[Gpu], environ: dict[str, str], found: GpuProbe, reported: bool
+) -> None:
+    """A worker with no CUDA binding (onnxruntime-gpu alone) has NVML's device 0 reported
+    where nothing else can be its GPU; NVML's numbering is not CUDA's anywhere else."""
+    fake = NvmlModule(gpus)
+    sample = _detect(fake, found, tmp_path, environ)()
+    opened = [call for call in fake.calls if call[0].startswith("nvmlDeviceGetHandle")]
+    if reported:
+        assert opened == [("nvmlDeviceGetHandleByIndex", 0)]
+        assert (sample.device, sample.gpu_util_pct) == ("nvml", float(L4.util_pct))
+        assert (sample.gpu_mem_used_mib, sample.gpu_mem_total_mib) == (L4.used_mib, L4.total_mib)
+    else:
+        assert (opened, sample.device) == ([], None)
+
+
+def test_nvmls_only_gpu_is_reported_once_it_samples(tmp_path: Path) -> None:
+    """The trial sample, as for the device CUDA names (under MIG NVML gives no utilization)."""
+    fake = NvmlModule([H100], utilization=False)
+    assert _detect(fake, NO_BINDING, tmp_path).nvml_reader is None
+    assert ("nvmlDeviceGetHandleByIndex", 0) in fake.calls
 
 
 def test_nvml_that_cannot_sample_falls_back_to_the_jetson_load(tmp_path: Path) -> None:
