@@ -157,7 +157,7 @@ class Device:
         return self._d["pci"]
 """
 
-# NVML as the probe once asked it: every physical device, whatever CUDA_VISIBLE_DEVICES says.
+# pynvml in a child: every physical device, in its order, whatever CUDA_VISIBLE_DEVICES says.
 _PYNVML = r"""
 import json, os
 
