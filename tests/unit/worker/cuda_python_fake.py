@@ -5,9 +5,10 @@
 cuda-python's names, constants and return shapes (checked against cuda-bindings 13.0.0
 and 12.9.0 and cuda-python 12.6.0):
 
-- every call returns a tuple, the error first: ``(err,)`` or ``(err, value)``; errors are
-  ints here (``cudaError_t`` members are ints), named by ``cudaGetErrorName(err)`` →
-  ``(0, b"cudaErrorXxx")``.
+- every call returns a tuple, the error first: ``(err,)`` or ``(err, value)``, the value
+  None on an error; errors are ``cudaError_t`` members (an ``IntEnum``), named by
+  ``cudaGetErrorName(err)`` → ``(cudaSuccess, b"cudaErrorXxx")``, which refuses a plain
+  int (AttributeError: it reads ``err.value``).
 - pointers are plain ints; streams and events are handle objects (``cudaStream_t``,
   ``cudaEvent_t``) whose ``int()`` still works but is deprecated from 12.9.1 / 13.0.0 for
   ``cuda.bindings.utils.get_cuda_native_handle``, which refuses a plain int (TypeError);
@@ -34,16 +35,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-SUCCESS, INVALID_VALUE, MEMORY_ALLOCATION = 0, 1, 2
-NOT_READY, INSUFFICIENT_DRIVER, INVALID_HANDLE = 600, 35, 400
-NAMES = {
-    SUCCESS: "cudaSuccess",
-    INVALID_VALUE: "cudaErrorInvalidValue",
-    MEMORY_ALLOCATION: "cudaErrorMemoryAllocation",
-    NOT_READY: "cudaErrorNotReady",
-    INSUFFICIENT_DRIVER: "cudaErrorInsufficientDriver",
-    INVALID_HANDLE: "cudaErrorInvalidResourceHandle",
-}
+
+class cudaError_t(enum.IntEnum):
+    cudaSuccess = 0
+    cudaErrorInvalidValue = 1
+    cudaErrorMemoryAllocation = 2
+    cudaErrorInsufficientDriver = 35
+    cudaErrorInvalidResourceHandle = 400
+    cudaErrorNotReady = 600
+
+
+SUCCESS, INVALID_VALUE = cudaError_t.cudaSuccess, cudaError_t.cudaErrorInvalidValue
+MEMORY_ALLOCATION, NOT_READY = cudaError_t.cudaErrorMemoryAllocation, cudaError_t.cudaErrorNotReady
+INSUFFICIENT_DRIVER = cudaError_t.cudaErrorInsufficientDriver
+INVALID_HANDLE = cudaError_t.cudaErrorInvalidResourceHandle
 
 
 class cudaMemcpyKind(enum.IntEnum):
@@ -102,11 +107,12 @@ class FakeRuntime(types.ModuleType):
 
     def __init__(self, devices: int = 1, *, count_error: int = SUCCESS) -> None:
         super().__init__("cuda.bindings.runtime")
+        self.cudaError_t = cudaError_t
         self.devices = devices
-        self.count_error = count_error
+        self.count_error = cudaError_t(count_error)
         #: raised by cudaGetDeviceCount, as cuda-python 12.6.0 does with no libcuda.so.1
         self.count_raises: BaseException | None = None
-        #: call name → the error that call returns
+        #: call name → the error that call returns (a cudaError_t value)
         self.failing: dict[str, int] = {}
         self.calls: list[tuple[Any, ...]] = []
         self.ints: list[int] = []
@@ -116,14 +122,15 @@ class FakeRuntime(types.ModuleType):
         self._ptrs = itertools.count(0x7F0000000000, 0x100000)
         self._handles = itertools.count(0x5000, 0x10)
 
-    def _note(self, *call: Any) -> int:
+    def _note(self, *call: Any) -> cudaError_t:
         self.calls.append(call)
-        return self.failing.get(call[0], SUCCESS)
+        return cudaError_t(self.failing.get(call[0], SUCCESS))
 
-    def cudaGetErrorName(self, err: int) -> tuple[int, bytes]:
-        return SUCCESS, NAMES.get(int(err), f"cudaError{int(err)}").encode()
+    def cudaGetErrorName(self, err: cudaError_t) -> tuple[cudaError_t, bytes]:
+        value = err.value  # a plain int has none: AttributeError, as cuda-python raises
+        return SUCCESS, cudaError_t(value).name.encode()
 
-    def cudaGetDeviceCount(self) -> tuple[int, int | None]:
+    def cudaGetDeviceCount(self) -> tuple[cudaError_t, int | None]:
         self.calls.append(("cudaGetDeviceCount",))
         if self.count_raises is not None:
             raise self.count_raises
@@ -131,13 +138,13 @@ class FakeRuntime(types.ModuleType):
             return self.count_error, None
         return SUCCESS, self.devices
 
-    def cudaSetDevice(self, device: int) -> tuple[int]:
+    def cudaSetDevice(self, device: int) -> tuple[cudaError_t]:
         return (self._note("cudaSetDevice", device),)
 
-    def cudaSetDeviceFlags(self, flags: int) -> tuple[int]:
+    def cudaSetDeviceFlags(self, flags: int) -> tuple[cudaError_t]:
         return (self._note("cudaSetDeviceFlags", flags),)
 
-    def cudaMallocHost(self, size: int) -> tuple[int, int | None]:
+    def cudaMallocHost(self, size: int) -> tuple[cudaError_t, int | None]:
         err = self._note("cudaMallocHost", size) or (INVALID_VALUE if size == 0 else SUCCESS)
         if err:
             return err, None
@@ -145,7 +152,7 @@ class FakeRuntime(types.ModuleType):
         self.host[ctypes.addressof(raw)] = raw
         return SUCCESS, ctypes.addressof(raw)
 
-    def cudaMalloc(self, size: int) -> tuple[int, int | None]:
+    def cudaMalloc(self, size: int) -> tuple[cudaError_t, int | None]:
         err = self._note("cudaMalloc", size) or (INVALID_VALUE if size == 0 else SUCCESS)
         if err:
             return err, None
@@ -153,40 +160,40 @@ class FakeRuntime(types.ModuleType):
         self.device_memory[ptr] = bytearray(size)
         return SUCCESS, ptr
 
-    def cudaFreeHost(self, ptr: int) -> tuple[int]:
+    def cudaFreeHost(self, ptr: int) -> tuple[cudaError_t]:
         err = self._note("cudaFreeHost", ptr)
         return (err or (SUCCESS if self.host.pop(ptr, None) is not None else INVALID_VALUE),)
 
-    def cudaFree(self, ptr: int) -> tuple[int]:
+    def cudaFree(self, ptr: int) -> tuple[cudaError_t]:
         err = self._note("cudaFree", ptr)
         found = self.device_memory.pop(ptr, None) is not None
         return (err or (SUCCESS if found else INVALID_VALUE),)
 
-    def cudaStreamCreateWithFlags(self, flags: int) -> tuple[int, cudaStream_t | None]:
+    def cudaStreamCreateWithFlags(self, flags: int) -> tuple[cudaError_t, cudaStream_t | None]:
         err = self._note("cudaStreamCreateWithFlags", flags)
         return (err, None) if err else (SUCCESS, cudaStream_t(self, next(self._handles)))
 
-    def cudaStreamDestroy(self, stream: cudaStream_t) -> tuple[int]:
+    def cudaStreamDestroy(self, stream: cudaStream_t) -> tuple[cudaError_t]:
         return (self._note("cudaStreamDestroy", stream.address),)
 
-    def cudaStreamSynchronize(self, stream: cudaStream_t) -> tuple[int]:
+    def cudaStreamSynchronize(self, stream: cudaStream_t) -> tuple[cudaError_t]:
         err = self._note("cudaStreamSynchronize", stream.address)
         if not err:
             stream.run()
         return (err,)
 
-    def cudaEventCreate(self) -> tuple[int, cudaEvent_t | None]:
+    def cudaEventCreate(self) -> tuple[cudaError_t, cudaEvent_t | None]:
         err = self._note("cudaEventCreate")
         return (err, None) if err else (SUCCESS, cudaEvent_t(self, next(self._handles), 0))
 
-    def cudaEventCreateWithFlags(self, flags: int) -> tuple[int, cudaEvent_t | None]:
+    def cudaEventCreateWithFlags(self, flags: int) -> tuple[cudaError_t, cudaEvent_t | None]:
         err = self._note("cudaEventCreateWithFlags", flags)
         return (err, None) if err else (SUCCESS, cudaEvent_t(self, next(self._handles), flags))
 
-    def cudaEventDestroy(self, event: cudaEvent_t) -> tuple[int]:
+    def cudaEventDestroy(self, event: cudaEvent_t) -> tuple[cudaError_t]:
         return (self._note("cudaEventDestroy", event.address),)
 
-    def cudaEventRecord(self, event: cudaEvent_t, stream: cudaStream_t) -> tuple[int]:
+    def cudaEventRecord(self, event: cudaEvent_t, stream: cudaStream_t) -> tuple[cudaError_t]:
         err = self._note("cudaEventRecord", event.address, stream.address)
         if err:
             return (err,)
@@ -199,7 +206,7 @@ class FakeRuntime(types.ModuleType):
         event.stream, event.mark = stream, reach
         return (SUCCESS,)
 
-    def cudaEventSynchronize(self, event: cudaEvent_t) -> tuple[int]:
+    def cudaEventSynchronize(self, event: cudaEvent_t) -> tuple[cudaError_t]:
         err = self._note("cudaEventSynchronize", event.address)
         stream = event.stream
         if not err and stream is not None and event.mark in stream.ops:
@@ -208,7 +215,7 @@ class FakeRuntime(types.ModuleType):
 
     def cudaEventElapsedTime(
         self, start: cudaEvent_t, end: cudaEvent_t
-    ) -> tuple[int, float | None]:
+    ) -> tuple[cudaError_t, float | None]:
         err = self._note("cudaEventElapsedTime", start.address, end.address)
         if not err and (start.flags | end.flags) & self.cudaEventDisableTiming:
             err = INVALID_HANDLE
@@ -220,7 +227,7 @@ class FakeRuntime(types.ModuleType):
 
     def cudaMemcpyAsync(
         self, dst: int, src: int, count: int, kind: int, stream: cudaStream_t
-    ) -> tuple[int]:
+    ) -> tuple[cudaError_t]:
         err = self._note("cudaMemcpyAsync", dst, src, count, kind, stream.address)
         if err:
             return (err,)

@@ -3,10 +3,12 @@
 
 :func:`install` writes fake ``cuda`` (cuda-python, either import layout), ``pycuda`` and
 ``pynvml`` packages into a folder and gives the environment that puts it first on a child
-process's path. The fake CUDA knows a list of physical devices (:class:`Gpu`) and, like
-the driver, shows only those ``CUDA_VISIBLE_DEVICES`` names, renumbered from 0; its
-runtime fails with cudaErrorInsufficientDriver (35) where the runtime is a newer CUDA
-major than the driver. The fake ``pynvml``, like NVML, ignores ``CUDA_VISIBLE_DEVICES``.
+process's path; a binding left out is written as a package that fails to import, so the
+child sees none of this machine's own. The fake CUDA knows a list of physical devices
+(:class:`Gpu`) and, like the driver, shows only those ``CUDA_VISIBLE_DEVICES`` names,
+renumbered from 0; its runtime fails with cudaErrorInsufficientDriver (35) where the
+runtime is a newer CUDA major than the driver. The fake ``pynvml``, like NVML, ignores
+``CUDA_VISIBLE_DEVICES``.
 :class:`FakeNvml` is NVML for this process: a module-like object that records its calls.
 """
 
@@ -92,12 +94,12 @@ def cudaDriverGetVersion():
     _driver()
     return OK, _C["driver"]
 
-def cudaGetDeviceCount():
+def cudaGetDeviceCount():  # the count is None on an error (cuda-bindings 12.9, 13)
     _driver()
     if _C["runtime"] // 1000 > _C["driver"] // 1000:
-        return cudaError_t.cudaErrorInsufficientDriver, 0
+        return cudaError_t.cudaErrorInsufficientDriver, None
     n = len(_visible())
-    return (OK, n) if n else (cudaError_t.cudaErrorNoDevice, 0)
+    return (OK, n) if n else (cudaError_t.cudaErrorNoDevice, None)
 
 def cudaGetDeviceProperties(device):
     d = _visible()[device]
@@ -155,7 +157,7 @@ class Device:
         return self._d["pci"]
 """
 
-# NVML as the probe once asked it: every physical device, whatever CUDA_VISIBLE_DEVICES says.
+# pynvml in a child: every physical device, in its order, whatever CUDA_VISIBLE_DEVICES says.
 _PYNVML = r"""
 import json, os
 
@@ -181,6 +183,17 @@ def nvmlDeviceGetCudaComputeCapability(handle):
 """
 
 
+def _absent(package: str) -> str:
+    """A package's ``__init__.py`` whose import fails as an absent package's does."""
+    return f"raise ModuleNotFoundError(\"No module named '{package}'\", name={package!r})\n"
+
+
+def _distribution(name: str, version: str) -> dict[str, str]:
+    """The metadata ``importlib.metadata.version(name)`` reads."""
+    folder = f"{name.replace('-', '_')}-{version}.dist-info"
+    return {f"{folder}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"}
+
+
 def _config(cuda: Cuda) -> str:
     return json.dumps({**asdict(cuda), "devices": [asdict(d) for d in cuda.devices]})
 
@@ -200,23 +213,37 @@ def install(
         cuda: the devices and versions (the default: an H100 and an L4, CUDA 12.9 on a
             12.6 driver).
         layout: "bindings" (``cuda.bindings.runtime``, cuda-python ≥ 12.6.1), "cudart"
-            (``cuda.cudart``, before), or None (no cuda-python).
-        pycuda, pynvml: write those too.
+            (``cuda.cudart``, before), or None (no cuda-python: a ``cuda`` package whose
+            import fails as a missing one's, hiding any of this machine's).
+        pycuda: write pycuda too (else a ``pycuda`` that fails to import, as ``cuda``).
+        pynvml: write pynvml too.
         visible: ``CUDA_VISIBLE_DEVICES`` (None: unset).
     """
     cuda = cuda or Cuda()
     files: dict[str, str] = {}
+    # ``cuda`` and ``pycuda`` are always regular packages, so that they are the only ones
+    # the child imports: a namespace package gives way to a regular one later on the path
+    # (cuda-python 12.6.x ships cuda/__init__.py), and without either package the
+    # machine's own binding would be found.
+    # Each with its distribution's metadata, found before any of this machine's.
     if layout == "bindings":
+        files["cuda/__init__.py"] = ""
         files["cuda/bindings/__init__.py"] = f"__version__ = {cuda.version!r}\n"
         files["cuda/bindings/runtime.py"] = _RUNTIME
         files["cuda/bindings/driver.py"] = ""
+        files.update(_distribution("cuda-bindings", cuda.version))
     elif layout == "cudart":
         files["cuda/__init__.py"] = f"__version__ = {cuda.version!r}\n"
         files["cuda/cudart.py"] = _RUNTIME
         files["cuda/cuda.py"] = ""
+        files.update(_distribution("cuda-python", cuda.version))
+    else:  # no cuda-python: its import fails as where it is not installed
+        files["cuda/__init__.py"] = _absent("cuda")
     if pycuda:
         files["pycuda/__init__.py"] = "VERSION_TEXT = '2025.1'\n"
         files["pycuda/driver.py"] = _PYCUDA_DRIVER
+    else:
+        files["pycuda/__init__.py"] = _absent("pycuda")
     if pynvml:
         files["pynvml.py"] = _PYNVML
     for name, text in files.items():
@@ -224,7 +251,7 @@ def install(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    # Only the fakes and the standard library: no real binding of this machine is seen.
+    # The fakes first on the path; no user site.
     env["PYTHONPATH"] = str(root)
     env["PYTHONNOUSERSITE"] = "1"
     env["FAKE_CUDA"] = _config(cuda)

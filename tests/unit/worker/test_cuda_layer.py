@@ -149,6 +149,23 @@ def test_the_fake_holds_callers_to_the_wait_contract():
         cuda.elapsed_s(done, timing)
 
 
+def test_the_fake_refuses_a_wait_for_an_event_not_last_recorded_on_the_stream():
+    cuda = FakeCuda()
+    stream, other, done = cuda.stream(), cuda.stream(), cuda.event(timing=False)
+    with pytest.raises(CudaError, match="not last recorded on this stream"):
+        cuda.wait(done, stream)  # never recorded
+    cuda.record(done, stream)
+    cuda.record(done, other)
+    with pytest.raises(CudaError, match="not last recorded on this stream"):
+        cuda.wait(done, stream)  # its last record is on another stream
+    cuda.wait(done, other)
+    cuda.record(done, stream)
+    cuda.synchronize(stream)
+    cuda.record(cuda.event(), stream)
+    with pytest.raises(CudaError, match="after its completion event"):
+        cuda.wait(done, stream)  # reached already, and work queued since
+
+
 def test_open_cuda_gives_every_bindings_reason_when_none_opens():
     with pytest.raises(CudaUnavailable, match=r"^one: unknown CUDA binding; two: unknown"):
         open_cuda(0, ("one", "two"))

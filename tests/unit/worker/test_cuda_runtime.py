@@ -52,6 +52,18 @@ def test_open_binds_the_device_and_makes_its_waits_block(rt):
     ]
 
 
+def test_errors_are_named_from_the_enum_cuda_python_returns(rt):
+    """cuda-python's ``cudaGetErrorName`` reads ``err.value``: a plain int raises
+    AttributeError (cuda-bindings 13.0.0, 12.9.0, cuda-python 12.6.0); the binding passes
+    on the ``cudaError_t`` each call returned."""
+    with pytest.raises(AttributeError):
+        rt.cudaGetErrorName(int(MEMORY_ALLOCATION))
+    assert rt.cudaGetErrorName(MEMORY_ALLOCATION) == (0, b"cudaErrorMemoryAllocation")
+    rt.failing["cudaStreamCreateWithFlags"] = MEMORY_ALLOCATION
+    with pytest.raises(CudaError, match=r"^cudaStreamCreate failed: cudaErrorMemoryAllocation$"):
+        open_runtime(0).stream()
+
+
 def test_a_device_whose_schedule_cannot_be_set_still_opens_and_says_so(rt, caplog):
     rt.failing["cudaSetDeviceFlags"] = 1
     with caplog.at_level(logging.WARNING, logger="carpool.worker.cuda.runtime"):

@@ -5,9 +5,12 @@ wire form, the core's sampling cadence, and ρ from an engine's own busy seconds
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,7 +26,7 @@ from carpool.common.protocol import (
 )
 from carpool.worker.core import JobOutcome, WorkerCore
 from carpool.worker.load import ReportedBusy, engines_busy_s
-from carpool.worker.telemetry import TelemetrySampler, jetson, nvml
+from carpool.worker.telemetry import TelemetrySampler, cuda_binding_installed, jetson, nvml
 from carpool.worker.tensorrt.cache import Device
 from carpool.worker.tensorrt.probe import GpuProbe, run_probe
 from tests.unit.worker.fake_gpu import H100, L4, Gpu, install
@@ -113,12 +116,18 @@ def test_without_nvml_the_real_module_sees_no_device() -> None:
     assert nvml.device_count(module) == 0
 
 
-def _detect(fake: NvmlModule | None, found: GpuProbe | None, sys_root: Path) -> TelemetrySampler:
+def _detect(
+    fake: NvmlModule | None,
+    found: GpuProbe | None,
+    sys_root: Path,
+    environ: dict[str, str] | None = None,
+) -> TelemetrySampler:
     return TelemetrySampler.detect(
         import_nvml=lambda: fake,
         find_gpu=lambda: found if found is not None else pytest.fail("the probe was asked"),
         sys_root=sys_root,
         binding_installed=lambda: False,
+        environ=environ or {},
     )
 
 
@@ -179,6 +188,44 @@ def test_no_cuda_device_is_no_device_telemetry_but_the_versions(tmp_path: Path) 
     )
 
 
+NO_BINDING = GpuProbe(None, "no GPU found (cuda-python is not installed; pycuda is not installed)")
+TOO_NEW = GpuProbe(None, "no GPU found (... needs a newer driver ...)", "cuda-bindings 13.0.0")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "environ", "found", "reported"),
+    [
+        ([L4], {}, NO_BINDING, True),
+        ([H100, L4], {}, NO_BINDING, False),  # which one is the worker's?
+        ([L4], {"CUDA_VISIBLE_DEVICES": "0"}, NO_BINDING, False),
+        ([L4], {"CUDA_VISIBLE_DEVICES": ""}, NO_BINDING, False),  # (none visible)
+        ([L4], {}, TOO_NEW, False),  # CUDA answered: no device for this worker
+    ],
+    ids=["one gpu", "two gpus", "visible devices named", "none visible", "a binding"],
+)
+def test_without_a_cuda_binding_nvmls_only_gpu_is_the_workers(
+    tmp_path: Path, gpus: list[Gpu], environ: dict[str, str], found: GpuProbe, reported: bool
+) -> None:
+    """A worker with no CUDA binding (onnxruntime-gpu alone) has NVML's device 0 reported
+    where nothing else can be its GPU; NVML's numbering is not CUDA's anywhere else."""
+    fake = NvmlModule(gpus)
+    sample = _detect(fake, found, tmp_path, environ)()
+    opened = [call for call in fake.calls if call[0].startswith("nvmlDeviceGetHandle")]
+    if reported:
+        assert opened == [("nvmlDeviceGetHandleByIndex", 0)]
+        assert (sample.device, sample.gpu_util_pct) == ("nvml", float(L4.util_pct))
+        assert (sample.gpu_mem_used_mib, sample.gpu_mem_total_mib) == (L4.used_mib, L4.total_mib)
+    else:
+        assert (opened, sample.device) == ([], None)
+
+
+def test_nvmls_only_gpu_is_reported_once_it_samples(tmp_path: Path) -> None:
+    """The trial sample, as for the device CUDA names (under MIG NVML gives no utilization)."""
+    fake = NvmlModule([H100], utilization=False)
+    assert _detect(fake, NO_BINDING, tmp_path).nvml_reader is None
+    assert ("nvmlDeviceGetHandleByIndex", 0) in fake.calls
+
+
 def test_nvml_that_cannot_sample_falls_back_to_the_jetson_load(tmp_path: Path) -> None:
     """Under MIG, or on Jetson Thor, NVML answers but not with the utilization."""
     fake = NvmlModule([H100], utilization=False)
@@ -209,6 +256,48 @@ def test_the_probe_runs_only_where_there_may_be_a_gpu(tmp_path: Path, where: str
         binding_installed=lambda: where == "binding",
     )
     assert asked == ([] if where == "nothing" else [1])
+
+
+@pytest.fixture
+def bare_path(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """``sys.path`` is ``tmp_path`` alone and no ``cuda`` or ``pycuda`` module is imported,
+    both as they were afterwards."""
+
+    def bindings() -> list[str]:
+        return [name for name in sys.modules if name.split(".")[0] in ("cuda", "pycuda")]
+
+    for name in bindings():
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    importlib.invalidate_caches()
+    yield tmp_path
+    for name in bindings():
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("files", "installed"),
+    [
+        ({}, False),
+        ({"cuda/pathfinder/__init__.py": ""}, False),  # cuda-pathfinder: a namespace
+        ({"cuda/__init__.py": "raise ImportError('broken')"}, False),
+        ({"cuda/bindings/__init__.py": "", "cuda/bindings/runtime.py": ""}, True),
+        ({"cuda/__init__.py": "", "cuda/cudart.py": ""}, True),  # cuda-python before 12.6.1
+        ({"pycuda/__init__.py": ""}, True),
+    ],
+    ids=["none", "cuda-pathfinder", "a cuda that fails", "cuda-bindings", "cudart", "pycuda"],
+)
+def test_a_binding_is_its_module_not_any_cuda_package(bare_path, files, installed) -> None:
+    for name, text in files.items():
+        (bare_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (bare_path / name).write_text(text)
+    assert cuda_binding_installed() is installed
+
+
+def test_a_cuda_module_without_a_spec_is_no_binding(bare_path, monkeypatch) -> None:
+    """(``importlib.util.find_spec("cuda")`` raises ValueError for it.)"""
+    monkeypatch.setitem(sys.modules, "cuda", ModuleType("cuda"))
+    assert cuda_binding_installed() is False
 
 
 def test_telemetry_round_trips_in_heartbeat_and_result() -> None:

@@ -52,6 +52,7 @@ class FakeCuda:
         self._ids = itertools.count(1)
         self._streams: dict[int, _StreamState] = {}
         self._event_times: dict[int, float | None] = {}  # None: recorded, not yet reached
+        self._recorded_on: dict[int, int] = {}  # event → the stream of its last record
         self._compute_free_s = 0.0
 
     # -- what tests read ---------------------------------------------------------------
@@ -137,6 +138,7 @@ class FakeCuda:
         state.free_at_s = max(state.free_at_s, self.host_s)
         at_s = state.free_at_s
         self._event_times[event.native] = None
+        self._recorded_on[event.native] = stream.handle
 
         def reach() -> None:
             self._event_times[event.native] = at_s
@@ -145,14 +147,16 @@ class FakeCuda:
 
     def wait(self, done: Event, stream: Stream) -> None:
         """As the interface says; raises :class:`CudaError` where the caller breaks its
-        contract (a timing event, or work queued on ``stream`` after ``done``)."""
+        contract: a timing event, one last recorded on another stream or never, or work
+        queued on ``stream`` after ``done``."""
         self._owner.check()
         self.calls.append(("wait", done.native, stream.handle))
         if done.timing:
             raise CudaError("wait takes a completion event (event(timing=False))")
+        if self._recorded_on.get(done.native) != stream.handle:
+            raise CudaError("wait: the completion event was not last recorded on this stream")
         state = self._streams[stream.handle]
-        marks = [i for i, op in enumerate(state.ops) if op.event == done.native]
-        if marks and marks[-1] != len(state.ops) - 1:
+        if state.ops and state.ops[-1].event != done.native:
             raise CudaError("wait: work was queued on the stream after its completion event")
         self._drain(state, len(state.ops))
 

@@ -9,9 +9,12 @@ sample at heartbeat cadence, never per batch: each costs a few tens of microseco
 
 :meth:`TelemetrySampler.detect` picks the sources once, at start. The worker's GPU is the
 one CUDA names (the probe, :mod:`carpool.worker.tensorrt.probe`, which honours
-``CUDA_VISIBLE_DEVICES``); NVML is opened by its UUID or PCI bus id. The probe's child
-runs only where there may be a GPU (NVML sees one, a Jetson load file exists, or a CUDA
-binding is installed), so a worker on a plain host starts no process.
+``CUDA_VISIBLE_DEVICES``); NVML is opened by its UUID or PCI bus id. Where there is no
+CUDA binding to ask (a worker on onnxruntime-gpu alone), NVML's device 0 is the worker's
+when it is the only GPU NVML sees and ``CUDA_VISIBLE_DEVICES`` is unset; otherwise NVML's
+numbering, which is not CUDA's, cannot tell which GPU is, and none is reported. The
+probe's child runs only where there may be a GPU (NVML sees one, a Jetson load file
+exists, or a CUDA binding is installed), so a worker on a plain host starts no process.
 """
 
 from __future__ import annotations
@@ -19,39 +22,50 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
 from carpool.common.protocol import Telemetry
 from carpool.worker.telemetry import jetson, nvml
-
-if TYPE_CHECKING:
-    from carpool.worker.tensorrt.probe import GpuProbe
+from carpool.worker.tensorrt.probe import GpuProbe, probe
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TelemetrySampler"]
 
 _MIB = 1 << 20
-#: The CUDA bindings' top-level packages: cuda-python's and pycuda's (carpool.worker.cuda).
-_BINDING_PACKAGES = ("cuda", "pycuda")
+#: The CUDA bindings' modules: cuda-python's (either layout) and pycuda's (carpool.worker.cuda).
+#: Not ``cuda`` alone: other packages (cuda-pathfinder, which CuPy installs) share that name.
+_BINDING_MODULES = ("cuda.bindings", "cuda.cudart", "pycuda")
+
+
+def _found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent that fails to import, or has no spec
+        return False
 
 
 def cuda_binding_installed() -> bool:
-    """Whether a CUDA binding's package is there (found, not imported)."""
-    return any(importlib.util.find_spec(name) is not None for name in _BINDING_PACKAGES)
+    """Whether a CUDA binding's module is there (found; only a parent package imported)."""
+    return any(_found(name) for name in _BINDING_MODULES)
 
 
-def shared_probe() -> GpuProbe:
-    """This process's GPU probe answer (:func:`carpool.worker.tensorrt.probe.probe`)."""
-    # (imported here: the probe's module reaches worker/config.py, which imports the
-    # worker's server, which imports this module)
-    from carpool.worker.tensorrt.probe import probe
-
-    return probe()
+def _open_nvml(
+    module: Any, nvml_gpus: int, found: GpuProbe, environ: Mapping[str, str]
+) -> nvml.PynvmlReader | None:
+    """NVML's reader for the worker's GPU: the one CUDA named; where no CUDA binding is
+    there to name one, NVML's device 0 if it is NVML's only one and
+    ``CUDA_VISIBLE_DEVICES`` is unset; else None."""
+    if found.ok:
+        return nvml.PynvmlReader.open(module, found.uuid, found.pci_bus_id)
+    if not found.binding and nvml_gpus == 1 and "CUDA_VISIBLE_DEVICES" not in environ:
+        return nvml.PynvmlReader.open(module, index=0)
+    return None
 
 
 class TelemetrySampler:
@@ -83,9 +97,10 @@ class TelemetrySampler:
         cls,
         *,
         import_nvml: Callable[[], Any] = nvml.import_pynvml,
-        find_gpu: Callable[[], GpuProbe] = shared_probe,
+        find_gpu: Callable[[], GpuProbe] = probe,
         sys_root: Path = Path("/sys"),
         binding_installed: Callable[[], bool] = cuda_binding_installed,
+        environ: Mapping[str, str] = os.environ,
     ) -> TelemetrySampler:
         """The sampler for this machine: NVML for the GPU CUDA names where NVML knows and
         samples it, else a Jetson's load file where there is one, else the host alone.
@@ -95,6 +110,7 @@ class TelemetrySampler:
             find_gpu: the GPU probe.
             sys_root: where sysfs is (a Jetson's load file).
             binding_installed: whether a CUDA binding's package is there.
+            environ: this process's environment (``CUDA_VISIBLE_DEVICES``).
         """
         module = import_nvml()
         nvml_gpus = nvml.device_count(module) if module is not None else 0
@@ -103,8 +119,8 @@ class TelemetrySampler:
         if nvml_gpus > 0 or load is not None or binding_installed():
             found = find_gpu()
         reader = None
-        if module is not None and nvml_gpus > 0 and found is not None and found.ok:
-            reader = nvml.PynvmlReader.open(module, found.uuid, found.pci_bus_id)
+        if module is not None and nvml_gpus > 0 and found is not None:
+            reader = _open_nvml(module, nvml_gpus, found, environ)
         if reader is None and load is not None:
             logger.debug("GPU telemetry from %s", load)
         return cls(reader, None if reader is not None else load, found)

@@ -4,8 +4,9 @@
 bytes; ``nvmlDeviceGetUtilizationRates``: ``gpu`` percent) into telemetry fields — pure.
 :class:`NvmlReader` is the seam. :meth:`PynvmlReader.open` finds the worker's GPU by the
 identity CUDA gave it (UUID, else PCI bus id: NVML ignores ``CUDA_VISIBLE_DEVICES`` and
-numbers devices in PCI order, so its index 0 may be another GPU) and takes a trial sample;
-where NVML does not know or cannot sample the device it answers None.
+numbers devices in PCI order, so its index 0 may be another GPU), or by NVML's own number
+where no CUDA binding names one, and takes a trial sample; where NVML does not know or
+cannot sample the device it answers None.
 """
 
 from __future__ import annotations
@@ -60,8 +61,14 @@ def device_count(pynvml: Any) -> int:
         return 0
 
 
-def _handle(pynvml: Any, uuid: str, pci_bus_id: str) -> Any:
-    """NVML's handle of the device with ``uuid``, else at ``pci_bus_id``; None: neither."""
+def _handle(pynvml: Any, uuid: str, pci_bus_id: str, index: int | None) -> Any:
+    """NVML's handle of the device with ``uuid``, else at ``pci_bus_id``, else of NVML's
+    number ``index``; None: none of them."""
+    if index is not None:
+        try:
+            return pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as exc:
+            logger.debug("NVML has no device %d: %s", index, exc)
     if uuid:
         try:
             return pynvml.nvmlDeviceGetHandleByUUID(uuid)
@@ -84,22 +91,24 @@ class PynvmlReader:
         self._handle = handle
 
     @classmethod
-    def open(cls, pynvml: Any, uuid: str, pci_bus_id: str) -> PynvmlReader | None:
+    def open(
+        cls, pynvml: Any, uuid: str = "", pci_bus_id: str = "", *, index: int | None = None
+    ) -> PynvmlReader | None:
         """NVML's reader for the device CUDA named, found by its UUID, else its PCI bus id
-        (NVML's own numbering is not CUDA's), once a trial sample has answered; None (and
-        why, in the log) where NVML does not know the device or cannot sample it (MIG,
-        Jetson Thor). NVML must be initialised (:func:`device_count`)."""
-        handle = _handle(pynvml, uuid, pci_bus_id)
+        (NVML's own numbering is not CUDA's), or for NVML's device ``index`` where CUDA
+        named none; once a trial sample has answered. None (and why, in the log) where
+        NVML does not know the device or cannot sample it (MIG, Jetson Thor). NVML must be
+        initialised (:func:`device_count`)."""
+        device = f"NVML's device {index}" if index is not None else uuid or pci_bus_id
+        handle = _handle(pynvml, uuid, pci_bus_id, index)
         if handle is None:
-            logger.info(
-                "no NVML telemetry: NVML does not know CUDA's device (%s)", uuid or pci_bus_id
-            )
+            logger.info("no NVML telemetry: NVML does not know %s", device)
             return None
         reader = cls(pynvml, handle)
         try:
             parse(reader.memory(), reader.utilization())
         except pynvml.NVMLError as exc:
-            logger.info("no NVML telemetry: NVML does not sample %s (%s)", uuid or pci_bus_id, exc)
+            logger.info("no NVML telemetry: NVML does not sample %s (%s)", device, exc)
             return None
         return reader
 

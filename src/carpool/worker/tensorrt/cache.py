@@ -13,7 +13,8 @@ profiles, the precision, and on a Jetson its L4T (JetPack) release::
 :func:`lookup` is pure apart from reading those files: a plan whose sidecar is missing,
 unreadable, or names other fields, or whose bytes do not hash to the sidecar's sha256, is
 a miss with the reason, never a plan handed to TensorRT. :func:`store` writes a plan and
-its sidecar atomically. :func:`parse_l4t` reads ``/etc/nv_tegra_release``.
+its sidecar atomically. The device and its L4T release (:class:`Device`,
+:func:`read_l4t`) are :mod:`.device`'s, named here too.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from carpool.worker.repository import PLANS_DIR
+from carpool.worker.tensorrt.device import L4T_RELEASE_FILE, Device, parse_l4t, read_l4t
 
 __all__ = [
     "L4T_RELEASE_FILE",
@@ -44,44 +45,8 @@ __all__ = [
 ]
 
 TIMING_DIR = ".timing"  # (a repository's scan skips folders starting with a dot)
-L4T_RELEASE_FILE = Path("/etc/nv_tegra_release")
 #: Bumped when the sidecar's layout changes: an older sidecar is then a miss.
 SIDECAR_FORMAT = 1
-
-_L4T = re.compile(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*(\d+)(?:\.(\d+))?")
-
-
-def parse_l4t(text: str) -> str | None:
-    """The L4T release in ``/etc/nv_tegra_release``'s text, as ``R36.4.3`` (JetPack 6.2),
-    or None when it names none."""
-    match = _L4T.search(text)
-    if match is None:
-        return None
-    major, minor, patch = match.groups()
-    return f"R{major}.{minor}" + (f".{patch}" if patch is not None else "")
-
-
-def read_l4t(path: Path = L4T_RELEASE_FILE) -> str | None:
-    """This machine's L4T release, or None off a Jetson."""
-    try:
-        return parse_l4t(path.read_text(errors="replace"))
-    except OSError:
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class Device:
-    """The GPU a plan is built for."""
-
-    name: str  # e.g. "NVIDIA H200", "Orin (nvgpu)"
-    compute_capability: tuple[int, int]
-    l4t: str | None = None  # the L4T release on a Jetson, else None
-
-    def key(self) -> str:
-        """A file-name-safe id of this device and ``l4t`` (timing caches are filed by it)."""
-        cc = f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
-        name = re.sub(r"[^A-Za-z0-9]+", "-", self.name).strip("-").lower() or "gpu"
-        return f"{name}-{cc}" + (f"-{self.l4t.lower()}" if self.l4t else "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from carpool.worker.tensorrt.cache import Device, read_l4t
+from carpool.worker.tensorrt.device import Device, read_l4t
 
 __all__ = ["GpuProbe", "ProbeCache", "parse", "probe", "run_probe"]
 

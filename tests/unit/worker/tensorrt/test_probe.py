@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from carpool.worker.tensorrt.profiles import InputRange, Profile
 from tests.unit.worker.fake_gpu import H100, L4, Cuda, install, runtime_module
 from tests.unit.worker.tensorrt.test_build import RecordingBuilder
 
+SRC = Path(__file__).resolve().parents[4] / "src"
 H200 = Device("NVIDIA H200", (9, 0))
 CUDA_12_9 = {"binding": "cuda-bindings 12.9.1", "runtime": "12.9", "driver": "12.6"}
 
@@ -101,6 +105,13 @@ def test_the_runtime_says_why_no_device_answers(cuda, visible, says, monkeypatch
     assert says in str(caught.value)
 
 
+def test_the_fake_runtime_gives_no_count_with_an_error(monkeypatch) -> None:
+    """As cuda-bindings 12.9.0 and 13.0.0 answer: ``(cudaErrorInsufficientDriver, None)``."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert runtime_module(Cuda(runtime=13000)).cudaGetDeviceCount() == (35, None)
+    assert runtime_module(Cuda()).cudaGetDeviceCount() == (100, None)  # cudaErrorNoDevice
+
+
 def test_the_uuid_and_versions_are_written_as_nvml_and_cuda_write_them() -> None:
     raw = bytes.fromhex("2b2e8e6d0d3c3a8f9e1b7c6d5e4f3a2b")
     assert probe_child.uuid_text(raw) == "GPU-2b2e8e6d-0d3c-3a8f-9e1b-7c6d5e4f3a2b"
@@ -145,6 +156,43 @@ def test_pycuda_answers_where_cuda_python_is_missing(tmp_path: Path) -> None:
     assert found.device == Device(L4.name, L4.cc)
     assert (found.binding, found.runtime, found.driver) == ("pycuda 2025.1", "12.9", "12.6")
     assert (found.pci_bus_id, found.uuid) == (L4.pci, "")  # NVML is opened by the slot
+
+
+def _machine_bindings(root: Path) -> Path:
+    """This machine's own cuda-python (a regular ``cuda`` package, as cuda-python 12.6.x
+    installs) and pycuda, each failing as it imports its device API."""
+    files = {
+        "cuda/__init__.py": "",
+        "cuda_python-12.6.2.post1.dist-info/METADATA": "Name: cuda-python\nVersion: 12.6.2.post1\n",
+        "cuda/bindings/__init__.py": "__version__ = '12.6.2.post1'\n",
+        "cuda/bindings/runtime.py": "raise ImportError('the machine cuda-python')\n",
+        "cuda/cudart.py": "raise ImportError('the machine cuda-python')\n",
+        "pycuda/__init__.py": "VERSION_TEXT = '2024.1'\n",
+        "pycuda/driver.py": "raise ImportError('the machine pycuda')\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("layout", "pycuda", "answer"),
+    [
+        ("bindings", False, "cuda-bindings 12.9.1"),
+        (None, True, "pycuda 2025.1"),
+        (None, False, "cuda-python is not installed; pycuda is not installed"),
+    ],
+)
+def test_the_fakes_hide_the_machines_own_bindings(tmp_path, layout, pycuda, answer) -> None:
+    """Bindings installed later on the path (site-packages) are never the child's."""
+    env = install(tmp_path / "fakes", layout=layout, pycuda=pycuda, visible="1")
+    env["PYTHONPATH"] += os.pathsep + str(_machine_bindings(tmp_path / "machine"))
+    found = run_probe(env=env)
+    if found.ok:
+        assert (found.device, found.binding) == (Device(L4.name, L4.cc), answer)
+    else:
+        assert (found.reason, found.binding) == (f"no GPU found ({answer})", "")
 
 
 def test_no_visible_device_and_no_builder_created(tmp_path: Path) -> None:
@@ -220,3 +268,31 @@ def test_a_binding_without_a_device_is_a_warning_and_no_binding_a_debug_line(cap
 def test_the_probe_runs_in_a_child_and_answers_either_way() -> None:
     found = run_probe(timeout_s=60)
     assert (found.device is None) == bool(found.reason)
+
+
+# What the probe's module imports.
+
+LOADED = """
+import sys
+import {module}
+print(" ".join(sorted(m for m in sys.modules if m.startswith("carpool.worker."))))
+"""
+
+
+@pytest.mark.parametrize("module", ["carpool.worker.tensorrt.probe", "carpool.worker.telemetry"])
+def test_the_probe_imports_none_of_the_worker_it_serves(module: str) -> None:
+    """The probe's module, and the telemetry that imports it, load in a fresh interpreter
+    without the worker's config, server or repository (which import the telemetry)."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED.format(module=module)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=env,
+    )
+    loaded = set(done.stdout.split())
+    assert "carpool.worker.tensorrt.probe" in loaded
+    worker = {"carpool.worker.config", "carpool.worker.server", "carpool.worker.repository"}
+    assert not loaded & worker, sorted(loaded)
