@@ -275,7 +275,7 @@ def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
 ) -> None:
     """The broker gives the batch stop_grace_s (2 s) to finish, then the embedded
     worker's close waits 2 s: about 4 s in all, well inside the broker unit's
-    TimeoutStopSec=10s, not the 30 s a batch whose result nobody can receive could take."""
+    TimeoutStopSec=10s, not the 30 s the batch, whose result nobody can receive, runs."""
     frontend = f"ipc://{tmp_path}/frontend"
     broker = spawn(
         "broker",
@@ -284,9 +284,10 @@ def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
         "--backend",
         f"ipc://{tmp_path}/backend",
         "--embed-synthetic",
-        "8000",
         "0",
-    )  # fmt: skip (a batch takes 8 s; the warm-up runs one)
+        "100",
+    )  # fmt: skip (0.1 s a sample: the warm-up's runs, 5 samples in all, take 0.5 s)
+    x = np.ones((300, 16), np.float32)  # a batch of 30 s
     with Client(frontend, default_timeout_s=30.0) as client:
         clock = MonotonicClock()
         until = clock.now() + 60.0
@@ -299,7 +300,7 @@ def test_sigterm_stops_a_broker_promptly_while_an_embedded_batch_runs(
             except TimeoutError:
                 continue
             if workers and not any(w["outstanding"] for w in workers):
-                client.submit("synthetic", {"x": np.ones((1, 16), np.float32)}, timeout_s=30.0)
+                client.submit("synthetic", {"x": x}, timeout_s=60.0)
             running = any(w["outstanding"] for w in workers)
         started = clock.now()
         broker.terminate()
