@@ -181,10 +181,10 @@ def test_a_killed_local_worker_is_dropped_at_once_not_after_its_heartbeats(
         )
         return procs[-1]
 
-    def worker(name: str, cost_ms: str) -> subprocess.Popen[bytes]:
+    def worker(name: str, sample_ms: str) -> subprocess.Popen[bytes]:
         config = str(tmp_path / "worker.toml")
         return spawn(
-            "worker", "--broker", local, "--config", config, "--synthetic", cost_ms, "0",
+            "worker", "--broker", local, "--config", config, "--synthetic", "0", sample_ms,
             "--name", name,
         )  # fmt: skip
 
@@ -200,10 +200,12 @@ def test_a_killed_local_worker_is_dropped_at_once_not_after_its_heartbeats(
         spawn(
             "broker", "--frontend", frontend, "--backend", f"ipc://{tmp_path}/b", "--local", local
         )
-        doomed = worker("doomed", "5000")  # a 5 s batch: still running when killed
+        # 0.1 s a sample: its warm-up (5 samples) takes 0.5 s, the request's batch 30 s,
+        # still running when the worker is killed.
+        doomed = worker("doomed", "100")
         with Client(frontend) as client:
             wait_for_workers(client, 1, timeout_s=60)
-            x = np.arange(16, dtype=np.float32).reshape(1, 16)
+            x = np.arange(300 * 16, dtype=np.float32).reshape(300, 16)
             future = client.submit("synthetic", {"x": x}, timeout_s=90)
             wait("dispatch", lambda: client.stats()["workers"][0]["outstanding"] > 0, client)
             os.kill(doomed.pid, signal.SIGKILL)
