@@ -19,7 +19,12 @@ from types import FrameType
 from typing import Any
 
 from carpool import __version__
-from carpool.commandline import add_batching_flags, add_command, add_metrics_flag
+from carpool.commandline import (
+    METRICS_COMMANDS,
+    add_batching_flags,
+    add_command,
+    add_metrics_flag,
+)
 from carpool.common.errors import ConfigError
 from carpool.common.logs import configure
 from carpool.common.memory import tune_allocator
@@ -203,7 +208,6 @@ def _broker_args(b: argparse.ArgumentParser) -> None:
         help="also take workers on this host on a unix socket (cheaper hops than ZeroMQ)",
     )
     add_batching_flags(b)
-    add_metrics_flag(b)
     add_broker_flags(b)
     _set_arg(b, "broker.toml", "batching.max_wait_s=0.004")
 
@@ -279,7 +283,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_worker_flags(w)
-    add_metrics_flag(w)
     _set_arg(w, "worker.toml", "hung_batch_s=300")
     add_keygen_parsers(sub)
 
@@ -316,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_build_engine_parsers(sub)
     add_ops_parsers(sub)
     add_up_parsers(sub)
+    for name in METRICS_COMMANDS:  # (the one table carpool up reads too)
+        add_metrics_flag(sub.choices[name])
     # --log-level after the command too (carpool tune --log-level DEBUG); SUPPRESS keeps a
     # command that was not given it from overwriting the value before it (or the env's).
     for command in sub.choices.values():

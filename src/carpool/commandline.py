@@ -5,7 +5,9 @@ paragraph of its docstring is the command's line in ``carpool --help``, the rest
 description in ``carpool COMMAND --help`` (argparse re-wraps both), as click takes a
 command's help from its function. Flags that mean the same in several commands are
 defined once: the batching caps (``broker``, ``record``, ``replay``) and the bursts of a
-load schedule (``bench``, ``simulate``).
+load schedule (``bench``, ``simulate``). Which commands take ``--metrics`` is one table,
+:data:`METRICS_COMMANDS`: ``carpool``'s parser adds the flag to exactly those, and ``carpool
+up`` passes it to the broker and workers it starts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from typing import Any
 from carpool.broker.config import POLICIES, BatchingConfig
 
 Command = Callable[[argparse.Namespace], int]
+
+#: The commands that serve Prometheus metrics: each takes ``--metrics HOST:PORT``
+#: (:func:`add_metrics_flag`), ``broker`` and ``worker`` also under ``carpool up --metrics-base``.
+METRICS_COMMANDS = frozenset({"broker", "record", "worker"})
 
 
 def add_command(sub: Any, name: str, func: Command, **kwargs: Any) -> argparse.ArgumentParser:
@@ -60,7 +66,7 @@ def add_batching_flags(group: Any, defaults: BatchingConfig | None = None) -> No
 
 
 def add_metrics_flag(parser: Any) -> None:
-    """``--metrics HOST:PORT``: the Prometheus endpoint of ``carpool broker`` and ``worker``."""
+    """``--metrics HOST:PORT``: the Prometheus endpoint of a command of :data:`METRICS_COMMANDS`."""
     parser.add_argument(
         "--metrics",
         metavar="HOST:PORT",

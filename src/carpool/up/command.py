@@ -21,7 +21,7 @@ from types import FrameType
 from typing import Any
 
 from carpool.client import Client
-from carpool.commandline import add_batching_flags, add_command
+from carpool.commandline import METRICS_COMMANDS, add_batching_flags, add_command
 from carpool.common.curve import check_private, load_keypair
 from carpool.common.errors import ConfigError
 from carpool.curvecmd import add_broker_flags
@@ -83,19 +83,6 @@ def child_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         # "-", which argparse would take for a flag.)
         worker.append(f"--curve-broker-key={public}")
     return broker, worker
-
-
-def _metrics_roles() -> frozenset[str]:
-    """The commands among ``broker`` and ``worker`` that take ``--metrics HOST:PORT``."""
-    from carpool.cli import build_parser
-
-    parser = build_parser()
-    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return frozenset(
-        role
-        for role in ("broker", "worker")
-        if "--metrics" in commands.choices[role]._option_string_actions
-    )
 
 
 def _page_address(text: str) -> tuple[str, int]:
@@ -244,19 +231,12 @@ def _up(args: argparse.Namespace) -> int:
         tuple(broker_args),
         tuple(worker_args),
         metrics_base=args.metrics_base,
-        metrics_flag=_metrics_roles() if args.metrics_base is not None else frozenset(),
+        metrics_flag=METRICS_COMMANDS,
         log_level=args.log_level,
     )
     problems += plan.check(args.max_workers)
     if problems:
         raise ConfigError("up: " + "; ".join(problems))
-    if args.metrics_base is not None and plan.metrics_flag != {"broker", "worker"}:
-        print(
-            "carpool up: --metrics-base: only "
-            + (", ".join(sorted(plan.metrics_flag)) or "no command")
-            + " of broker and worker takes --metrics here; the others run without",
-            flush=True,
-        )
     try:
         policy = RestartPolicy(stop_timeout_s=args.stop_timeout_s)
     except ValueError as exc:

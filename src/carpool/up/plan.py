@@ -37,7 +37,8 @@ class FleetPlan:
         broker_args: further ``carpool broker`` flags (batching caps, CURVE, config).
         worker_args: further ``carpool worker`` flags (models, limits, CURVE, config).
         metrics_base: ``--metrics-base``, or None (no metrics listeners).
-        metrics_flag: which of ``broker`` / ``worker`` take ``--metrics HOST:PORT``.
+        metrics_flag: the commands that take ``--metrics HOST:PORT`` (``carpool up`` gives
+            :data:`~carpool.commandline.METRICS_COMMANDS`).
         log_level: the children's ``--log-level``.
     """
 

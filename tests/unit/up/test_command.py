@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from carpool.cli import build_parser
+from carpool.commandline import METRICS_COMMANDS
 from carpool.common.curve import create_keypair, load_keypair
-from carpool.up.command import _metrics_roles, child_args
+from carpool.up.command import child_args
+from carpool.up.plan import FleetPlan
 
 
 def _args(*argv: str):
@@ -76,14 +78,33 @@ def test_a_broker_key_beginning_with_a_dash_reaches_the_worker_whole(tmp_path: P
     assert parsed.curve_broker_key == public
 
 
-@pytest.mark.parametrize("role", ["broker", "worker"])
-def test_the_metrics_flag_is_passed_exactly_where_the_command_takes_it(role: str) -> None:
-    takes = re.search(r"--metrics\b(?!-)", _help(role)) is not None
-    assert (role in _metrics_roles()) is takes
+def _commands() -> list[str]:
+    """Every command of ``carpool``, as its usage line lists them: ``{broker,record,...}``."""
+    return re.findall(r"\{([a-z][\w,-]*)\}", build_parser().format_usage())[-1].split(",")
 
 
-def _help(role: str) -> str:
+@pytest.mark.parametrize("command", _commands())
+def test_metrics_commands_lists_exactly_the_commands_that_take_metrics(command: str) -> None:
+    takes = re.search(r"--metrics\b(?!-)", _help(command)) is not None
+    assert (command in METRICS_COMMANDS) is takes
+
+
+def test_the_commands_of_the_table_exist_and_take_the_broker_and_the_workers() -> None:
+    assert set(_commands()) >= METRICS_COMMANDS
+    assert {"broker", "worker"} <= METRICS_COMMANDS  # what carpool up --metrics-base starts
+
+
+@pytest.mark.parametrize("child", ["broker", "worker-0"])
+def test_metrics_base_gives_each_child_a_metrics_flag_its_command_parses(child: str) -> None:
+    plan = FleetPlan("tcp://f", "tcp://b", metrics_base=9100, metrics_flag=METRICS_COMMANDS)
+    argv = plan.argv(child)
+    assert argv[1:3] == ["-m", "carpool"]
+    port = 9100 if child == "broker" else 9101
+    assert build_parser().parse_args(argv[3:]).metrics == f"127.0.0.1:{port}"
+
+
+def _help(command: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        build_parser().parse_args([role, "--help"])
+        build_parser().parse_args([command, "--help"])
     return out.getvalue()
