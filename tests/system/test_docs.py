@@ -5,12 +5,15 @@ it measured."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,13 +35,14 @@ def test_docs_point_at_nothing_outside_the_repository() -> None:
         assert "../" not in doc.read_text(encoding="utf-8"), doc.name
 
 
-def test_the_fixed_batch_dim_error_points_to_a_readme_section() -> None:
-    """The fixed-dim-0 refusal says "see docs: <heading>", and README.md has that heading."""
+def test_the_fixed_batch_dim_error_points_to_a_doc_section() -> None:
+    """The fixed-dim-0 refusal says "see docs/<doc>.md: <heading>", and that doc has that
+    heading."""
     source = Path(ort.__file__).read_text(encoding="utf-8")
-    (pointer,) = re.findall(r"see docs: ([^)\"]+)", source)
+    ((doc, pointer),) = re.findall(r"see (docs/\w+\.md): ([^)\"]+)", source)
     headings = [
         line.lstrip("#").strip().lower()
-        for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+        for line in (ROOT / doc).read_text(encoding="utf-8").splitlines()
         if line.startswith("#")
     ]
     assert pointer.strip().lower() in headings
@@ -53,12 +57,13 @@ def test_the_batching_configuration_shown_is_the_default() -> None:
     assert shown == defaults
 
 
-def test_the_readmes_input_limits_example_is_a_worker_config_that_says_what_it_shows() -> None:
+def test_the_input_limits_example_is_a_worker_config_that_says_what_it_shows() -> None:
+    """docs/models.md's "Limits on dynamic dims" example."""
     from carpool.common.config import from_mapping
     from carpool.common.shape_rules import ShapeRule
     from carpool.worker.config import WorkerConfig
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     (block,) = re.findall(r"```toml\n(\[\[models\]\].*?)```", text, re.S)
     (model,) = from_mapping(WorkerConfig, tomllib.loads(block)).models
     rule = model.inputs["x"].rule()
@@ -67,37 +72,62 @@ def test_the_readmes_input_limits_example_is_a_worker_config_that_says_what_it_s
     assert rule.violation((1, 3, 720, 1280)) == " ".join(claim.split())
 
 
-def test_the_readmes_client_examples_run_against_a_fleet() -> None:
-    """The README's sync and async snippets, run as written on a synthetic model."""
-    import asyncio
-    import contextlib
-
-    import numpy as np
-
+@contextlib.contextmanager
+def _orientation_fleet(item_shape: tuple[int, ...]) -> Iterator[str]:
+    """A broker and one worker whose synthetic engine serves "orientation" (y = 2x + 1);
+    yields the broker's frontend endpoint once the worker has joined."""
     from carpool.broker.config import BrokerConfig
     from carpool.broker.server import BrokerServer
+    from carpool.client import Client
     from carpool.common.testing import ServerThread
     from carpool.worker.engines.synthetic import SyntheticEngine
     from carpool.worker.server import WorkerServer
     from tests.conftest import loopback_config, wait_for_workers
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index("## Client SDK")
-    blocks = re.findall(r"```python\n(.*?)```", text[start:], re.S)[:2]
-    assert "with Client(" in blocks[0]
-    assert "async with AsyncClient(" in blocks[1]
     config: BrokerConfig = loopback_config()
     with contextlib.ExitStack() as stack:
         broker = stack.enter_context(ServerThread(BrokerServer(config)))
-        engine = lambda: SyntheticEngine(item_shape=(3,))  # noqa: E731
+        engine = lambda: SyntheticEngine(item_shape=item_shape)  # noqa: E731
         stack.enter_context(
             ServerThread(WorkerServer(broker.backend_endpoint, {"orientation": engine}))
         )
-        from carpool.client import Client
-
         with Client(broker.frontend_endpoint) as probe:
             wait_for_workers(probe, 1)
-        endpoint = broker.frontend_endpoint
+        yield broker.frontend_endpoint
+
+
+def test_the_readmes_sdk_example_runs_against_a_fleet() -> None:
+    """The README's ten-line SDK example, run as written on a synthetic model of the
+    orientation model's input shape."""
+    import numpy as np
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("## The SDK in ten lines")
+    (snippet,) = re.findall(r"```python\n(.*?)```", text[start:], re.S)[:1]
+    assert "with Client(" in snippet
+    assert len(snippet.strip().splitlines()) <= 10
+    with _orientation_fleet((3, 224, 224)) as endpoint:
+        scope: dict[str, Any] = {}
+        exec(snippet.replace('"tcp://127.0.0.1:5555"', repr(endpoint)), scope)
+    images, outputs, results = scope["images"], scope["outputs"], scope["results"]
+    np.testing.assert_allclose(outputs["y"], 2 * images[0] + 1, rtol=1e-6)
+    assert len(results) == len(images) == 8
+    for image, result in zip(images, results, strict=True):
+        np.testing.assert_allclose(result.outputs["y"], 2 * image + 1, rtol=1e-6)
+        assert result.batch_size >= 1
+
+
+def test_the_client_docs_examples_run_against_a_fleet() -> None:
+    """docs/client.md's sync and async snippets, run as written on a synthetic model."""
+    import asyncio
+
+    import numpy as np
+
+    text = (ROOT / "docs" / "client.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)[:2]
+    assert "with Client(" in blocks[0]
+    assert "async with AsyncClient(" in blocks[1]
+    with _orientation_fleet((3,)) as endpoint:
         image = np.ones((1, 3), np.float32)
         images = [np.full((1, 3), i, np.float32) for i in range(4)]
         sync = blocks[0].replace('"tcp://127.0.0.1:5555"', repr(endpoint))
@@ -114,7 +144,7 @@ def test_the_readmes_client_examples_run_against_a_fleet() -> None:
         assert [r.outputs["y"][0, 0] for r in results] == [1, 3, 5, 7]
 
 
-def test_the_readmes_batch_dim_snippet_makes_a_fixed_batch_model_servable(
+def test_the_batch_dim_snippet_makes_a_fixed_batch_model_servable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A file that records intermediate shapes with batch 1 (torch.onnx.export, onnx's shape
@@ -141,10 +171,10 @@ def test_the_readmes_batch_dim_snippet_makes_a_fixed_batch_model_servable(
     onnx.save(model, str(tmp_path / "my.onnx"))
     with pytest.raises(ConfigError, match="fixed dim 0"):
         ort.OnnxRuntimeEngine(tmp_path / "my.onnx")
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     (snippet,) = re.findall(r"```python\n(import onnx\n.*?)```", text, re.S)
     monkeypatch.chdir(tmp_path)
-    exec(compile(snippet, "README.md", "exec"), {})
+    exec(compile(snippet, "docs/models.md", "exec"), {})
     engine = ort.OnnxRuntimeEngine(tmp_path / "my-dynamic.onnx")
     warm_up(engine, "my")
     x = np.array([[1, -2, 3], [-4, 5, -6]], np.float32)

@@ -149,7 +149,7 @@ class OnnxRuntimeEngine:
                     f"{path}: {what} {t.name!r} has a fixed dim 0 ({t.shape[0]}); carpool "
                     "needs a symbolic batch dim, one row per sample, and cannot serve an "
                     "output that is not per sample "
-                    "(see docs: make the batch dim dynamic)"
+                    "(see docs/models.md: make the batch dim dynamic)"
                 )
         self.path = Path(path)
         self._output_names = [t.name for t in outputs]
