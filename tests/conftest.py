@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.requests import RequestBook, RequestState
+from carpool.broker.requests import IllegalTransition, PendingRequest, RequestBook, RequestState
 from carpool.broker.server import BrokerServer
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
@@ -25,32 +25,62 @@ from carpool.worker.server import EngineFactory, WorkerServer
 # --------------------------------------------------------------------------- transitions
 
 _RECORD = pytest.StashKey["TransitionRecord"]()
+_MOVE = pytest.StashKey[Callable[[RequestBook, PendingRequest, RequestState], None]]()
 _deselected = [0]  # tests deselected in this run (-k, -m, --deselect, --lf, ...)
 
 
 @dataclass
 class TransitionRecord:
-    """Every (from, to) request state move the tests' brokers made, counted."""
+    """Every (from, to) request state move the tests' brokers asked their book for,
+    counted: the moves it made (``seen``, as an observer of every RequestBook) and the
+    moves it refused (``refused``, raising IllegalTransition, which the caller may have
+    caught). It listens while it is among ``RequestBook.observers``."""
 
     seen: Counter[tuple[RequestState, RequestState]] = field(default_factory=Counter)
+    refused: Counter[tuple[RequestState, RequestState]] = field(default_factory=Counter)
 
     def __call__(self, frm: RequestState, to: RequestState) -> None:
         self.seen[(frm, to)] += 1
+
+    def listening(self) -> bool:
+        return self in RequestBook.observers
+
+
+def _recording_refusals(
+    move: Callable[[RequestBook, PendingRequest, RequestState], None], record: TransitionRecord
+) -> Callable[[RequestBook, PendingRequest, RequestState], None]:
+    """``RequestBook.move`` that also counts in ``record`` each move the book refuses."""
+
+    def recorded(book: RequestBook, req: PendingRequest, to: RequestState) -> None:
+        frm = req.state
+        try:
+            move(book, req, to)
+        except IllegalTransition:
+            if record.listening():
+                record.refused[(frm, to)] += 1
+            raise
+
+    return recorded
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "suite_last: runs after every other collected test (suite-wide checks)"
     )
-    # Every request state move any RequestBook makes while the tests run.
+    # Every request state move any RequestBook makes or refuses while the tests run.
     record = config.stash[_RECORD] = TransitionRecord()
     RequestBook.observers.append(record)
+    config.stash[_MOVE] = RequestBook.move
+    RequestBook.move = _recording_refusals(RequestBook.move, record)  # type: ignore[method-assign,assignment]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     record = config.stash.get(_RECORD, None)
     if record is not None and record in RequestBook.observers:
         RequestBook.observers.remove(record)
+    move = config.stash.get(_MOVE, None)
+    if move is not None:
+        RequestBook.move = move  # type: ignore[method-assign,assignment]
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:

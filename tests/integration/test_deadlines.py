@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -9,12 +11,26 @@ import pytest
 
 from carpool.client import DeadlineExceeded
 from carpool.common.clock import MonotonicClock
+from carpool.worker.engines.base import Array
 from carpool.worker.engines.synthetic import SyntheticEngine
+
+
+class Gated(SyntheticEngine):
+    """Finishes a batch only once the test opens the gate."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__(item_shape=(2,), max_batch=1)
+        self.gate = gate
+
+    def run(self, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        assert self.gate.wait(30)
+        return super().run(inputs)
 
 
 @pytest.mark.timeout(30)
 def test_requests_queued_behind_a_slow_worker_expire_on_time(fleet_factory: Any) -> None:
-    engine = SyntheticEngine(fixed_cost_s=0.3, item_shape=(2,), max_batch=1)
+    gate = threading.Event()
+    engine = Gated(gate)
     fleet = fleet_factory(max_batch=1, max_wait_s=0.0)
     fleet.add_worker({"slow": lambda: engine}, slots=1, warmup=False)
     client = fleet.ready()
@@ -23,21 +39,22 @@ def test_requests_queued_behind_a_slow_worker_expire_on_time(fleet_factory: Any)
     blocker = client.submit("slow", {"x": np.zeros((1, 2), np.float32)}, timeout_s=5)
     # The blocker must hold the worker first; sent in the same loop turn as the others, EDF
     # would rightly start with an urgent one instead.
-    until = clock.now() + 5
+    until = clock.now() + 10
     while client.stats()["inflight_batches"] != 1:
         assert clock.now() < until, "the blocker never reached the worker"
-    sent_s = clock.now()
     doomed = [
         client.submit("slow", {"x": np.full((1, 2), i, np.float32)}, timeout_s=0.1)
         for i in range(5)
     ]
     for future in doomed:
         with pytest.raises(DeadlineExceeded):
-            future.result(timeout_s=5)
-    answered_s = clock.now() - sent_s
-    # Answered at the deadline, not after the slow batch: 0.1 s plus a generous margin.
-    assert answered_s < 0.3, f"deadline errors came {answered_s:.3f} s after sending"
-    np.testing.assert_array_equal(blocker.outputs(timeout_s=5)["y"], np.ones((1, 2)))
+            future.result(timeout_s=10)
+    # Answered at their deadline, not after the slow batch: that batch is still running
+    # (the gate holds it), and the broker has answered all five.
+    assert len(engine.batches) == 0
+    assert client.stats()["errors"] == {"DEADLINE_EXCEEDED": 5}
+    gate.set()
+    np.testing.assert_array_equal(blocker.outputs(timeout_s=10)["y"], np.ones((1, 2)))
     # No expired request reached the engine: only the warm-free blocker ran.
     assert [b[0] for b in engine.batches] == [1]
     assert client.stats()["errors"] == {"DEADLINE_EXCEEDED": 5}
@@ -72,7 +89,6 @@ def test_hopeless_requests_are_shed_at_once_once_the_cost_is_known(fleet_factory
     fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
     fleet.add_worker({"slow": lambda: engine}, slots=1, warmup=False)
     client = fleet.ready()
-    clock = MonotonicClock()
 
     # Calibrate: batches of one and of two samples (a request may carry two).
     client.infer("slow", {"x": np.zeros((1, 2), np.float32)}, timeout_s=5)
@@ -82,10 +98,10 @@ def test_hopeless_requests_are_shed_at_once_once_the_cost_is_known(fleet_factory
     assert lane["fixed_cost_ms"] > 30
 
     runs_before = len(engine.batches)
-    sent_s = clock.now()
-    with pytest.raises(DeadlineExceeded, match="cannot"):
+    # Answered before the deadline, not at it: refused at the door, in the turn the
+    # request came in (admission's verdict, not the queue's expiry).
+    with pytest.raises(DeadlineExceeded, match="cannot meet the 30 ms deadline: predicted"):
         client.infer("slow", {"x": np.full((1, 2), 7, np.float32)}, timeout_s=0.03)
-    assert clock.now() - sent_s < 0.03  # answered before the deadline, not at it
     assert len(engine.batches) == runs_before
     # A request with enough time still goes through.
     out = client.infer("slow", {"x": np.ones((1, 2), np.float32)}, timeout_s=2)

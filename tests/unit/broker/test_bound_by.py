@@ -9,7 +9,7 @@ import pytest
 
 from carpool.broker.adaptive import BatchSizeController
 from carpool.broker.registry import Lane
-from tests.unit.broker.test_core import T0, W1, Broker, batches
+from tests.unit.broker.harness import T0, W1, Broker, batches
 
 
 @pytest.mark.parametrize(

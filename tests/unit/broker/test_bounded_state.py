@@ -1,7 +1,7 @@
 """Bounded broker state: the models one READY may announce, what one client may hold at
 the broker, and the models no live worker serves, forgotten after ``forget_unserved_s``.
 
-BrokerCore driven with wire frames and an injected clock, with test_core.py's harness
+BrokerCore driven with wire frames and an injected clock, with harness.py
 (each test runs in both pump modes).
 """
 
@@ -16,7 +16,7 @@ from carpool.broker.requests import ClientId
 from carpool.common.errors import ConfigError, ErrorCode
 from carpool.common.protocol import Command
 from carpool.common.ratelog import PEER_LINES_PER_MIN
-from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse fixture)
+from tests.unit.broker.harness import (
     C1,
     C2,
     SPEC,
@@ -27,9 +27,11 @@ from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse f
     batches,
     model_spec,
     only,
-    pump_mode,
     to_clients,
 )
+
+#: Every test here runs in both pump modes (conftest.py).
+pytestmark = pytest.mark.usefixtures("pump_mode")
 
 CID1, CID2 = ClientId(C1), ClientId(C2)
 

@@ -15,7 +15,7 @@ from carpool.broker.core import BrokerCore
 from carpool.broker.policy import FixedPolicy
 from carpool.common.config import from_mapping, load_toml
 from carpool.common.errors import ConfigError
-from tests.unit.broker.test_core import C1, T0, W1, Broker, batches, model_spec
+from tests.unit.broker.harness import C1, T0, W1, Broker, batches, model_spec
 
 # A model table that sets only max_batch.
 PARTIAL_MODEL_TOML = """

@@ -32,8 +32,7 @@ from carpool.common.protocol import (
     parse_header,
 )
 from carpool.worker.core import JobOutcome, RunBatch, WorkerCore
-from tests.unit.broker.test_core import SPEC2, T0, W1, raw_request, ready_frames
-from tests.unit.broker.test_core_shm import shm_request
+from tests.unit.broker.harness import SPEC2, T0, W1, raw_request, ready_frames, shm_request
 
 
 def core() -> BrokerCore:

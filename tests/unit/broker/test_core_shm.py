@@ -1,17 +1,19 @@
 """core.py with shared-memory inputs (protocol §5.4): the broker checks a reference and
-carries it into BATCH; it never opens a region. Uses test_core's harness (both pump modes)."""
+carries it into BATCH; it never opens a region. Uses harness.py (both pump modes)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Command
-from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, both modes)
+from tests.unit.broker.harness import (
+    A_PAYLOAD,
+    B_PAYLOAD,
     C1,
+    SHM_KEY,
     SPEC2,
     T0,
     W1,
@@ -19,28 +21,14 @@ from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, bo
     answer,
     batches,
     ids,
-    pump_mode,
     raw_request,
+    shm_request,
 )
 
-B = b"\x01\x02"
-KEY = "5e" * 16
-A = np.arange(3, dtype=np.float32).tobytes()
+#: Every test here runs in both pump modes (conftest.py).
+pytestmark = pytest.mark.usefixtures("pump_mode")
 
-
-def shm_request(rid: int, offset: int = 64, **changes: Any) -> list[Any]:
-    """Request order (b, a), with `a` (spec input 0) in shared memory."""
-    inputs = [
-        {"name": "b", "dtype": "uint8", "shape": [1, 2]},
-        {
-            "name": "a",
-            "dtype": "float32",
-            "shape": [1, 3],
-            "shm": changes.pop("ref", {"region": "carpool-7-c1", "offset": offset, "key": KEY}),
-        },
-    ]
-    changes.setdefault("payloads", [B, b""])
-    return raw_request(rid, inputs=inputs, **changes)
+B, A, KEY = B_PAYLOAD, A_PAYLOAD, SHM_KEY
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])

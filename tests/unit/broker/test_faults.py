@@ -1,7 +1,7 @@
 """What the core's count of writes shows after a fault inside it (faults.py): a client
 message that went past its checks counts before its first write, so a fault anywhere
 after that point stops the broker instead of being answered as harmless; and the
-answer to a harmless one (a CANCEL gets none). Uses test_core's harness."""
+answer to a harmless one (a CANCEL gets none). Uses harness.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from carpool.broker.batcher import RequestQueue
 from carpool.broker.replies import Side
 from carpool.common.errors import ErrorCode
-from tests.unit.broker.test_core import C1, T0, W1, Broker, parse
+from tests.unit.broker.harness import C1, T0, W1, Broker, parse
 
 
 def _fail(*args: Any) -> None:

@@ -3,7 +3,7 @@ has registered yet wait at the door until a READY registers it (then they are ad
 usual, in arrival order), their deadline nears, the window ends or the broker stops; each
 gets exactly one reply. Names the broker does not expect are answered as before.
 
-BrokerCore driven with wire frames and an injected clock, with test_core.py's harness
+BrokerCore driven with wire frames and an injected clock, with harness.py
 (each test runs in both pump modes); the trace reading on files in ``tmp_path``.
 """
 
@@ -20,7 +20,7 @@ from carpool.broker.holding import HOLD_LEAD_S
 from carpool.broker.trace import MAX_RECORDED_MODELS, recorded_models
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Command
-from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse fixture)
+from tests.unit.broker.harness import (
     C1,
     C2,
     SPEC,
@@ -33,10 +33,12 @@ from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse f
     model_spec,
     only,
     parse,
-    pump_mode,
     ready_frames,
     to_clients,
 )
+
+#: Every test here runs in both pump modes (conftest.py).
+pytestmark = pytest.mark.usefixtures("pump_mode")
 
 GRACE_S = 5.0
 

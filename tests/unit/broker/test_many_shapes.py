@@ -1,6 +1,6 @@
 """core.py with many queue keys: requests of a model with a dynamic item dim, each of its
 own shape (OCR lines, crops, cameras of several resolutions), so each is a queue of its
-own, and the queues share the model's worker slots. Uses test_core's harness (both pump
+own, and the queues share the model's worker slots. Uses harness.py (both pump
 modes) on the injected clock."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from carpool.broker.config import BatchingConfig
 from carpool.broker.dispatcher import Dispatcher
 from carpool.common.protocol import Command
-from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, both modes)
+from tests.unit.broker.harness import (
     C1,
     SPEC_DYN,
     T0,
@@ -22,9 +22,11 @@ from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, bo
     batches,
     ids,
     parse,
-    pump_mode,
     to_clients,
 )
+
+#: Every test here runs in both pump modes (conftest.py).
+pytestmark = pytest.mark.usefixtures("pump_mode")
 
 #: Each its own shape [1, k], k = 1..SHAPES: as many queues as requests.
 SHAPES = 300

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Command,
@@ -10,17 +12,10 @@ from carpool.common.protocol import (
     ModelSpec,
     parse_metadata_reply,
 )
-from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse fixture)
-    C1,
-    SPEC,
-    SPEC2,
-    T0,
-    W1,
-    W2,
-    Broker,
-    model_spec,
-    pump_mode,
-)
+from tests.unit.broker.harness import C1, SPEC, SPEC2, T0, W1, W2, Broker, model_spec
+
+#: Every test here runs in both pump modes (conftest.py).
+pytestmark = pytest.mark.usefixtures("pump_mode")
 
 
 def _ask(

@@ -5,7 +5,7 @@ does nothing else; under CURVE a request's origin is bound to its key. Every UNA
 for a request that did not run, once the broker is told to stop, carries ``retry``
 (§11).
 
-BrokerCore driven with wire frames and an injected clock, with test_core.py's harness
+BrokerCore driven with wire frames and an injected clock, with harness.py
 (each test runs in both pump modes).
 """
 
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from carpool.broker.config import BatchingOverride
 from carpool.broker.requests import ClientId
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Cancel, Command, header
-from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse fixture)
+from tests.unit.broker.harness import (
     C1,
     C2,
     C3,
@@ -29,9 +31,11 @@ from tests.unit.broker.test_core import (  # noqa: F401 (pump_mode: an autouse f
     batches,
     ids,
     parse,
-    pump_mode,
     to_clients,
 )
+
+#: Every test here runs in both pump modes (conftest.py).
+pytestmark = pytest.mark.usefixtures("pump_mode")
 
 NONCE = bytes(range(16))
 OTHER = bytes(range(1, 17))

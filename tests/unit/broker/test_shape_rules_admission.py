@@ -1,25 +1,18 @@
 """The broker holds requests to the shape rules a worker announced (protocol §8.1): a
-shape outside them is INVALID_ARGUMENT at the door, never a batch. Uses test_core's
-harness (both pump modes)."""
+shape outside them is INVALID_ARGUMENT at the door, never a batch. Uses
+harness.py (both pump modes)."""
 
 from __future__ import annotations
+
+import pytest
 
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Command, ModelSpec, TensorMeta
 from carpool.common.shape_rules import ShapeRule
-from tests.unit.broker.test_core import (  # noqa: F401  (pump_mode: autouse, both modes)
-    C1,
-    F32,
-    T0,
-    W1,
-    W2,
-    Broker,
-    batches,
-    ids,
-    only,
-    pump_mode,
-    to_clients,
-)
+from tests.unit.broker.harness import F32, T0, W1, W2, Broker, batches, ids, only, to_clients
+
+#: Every test here runs in both pump modes (conftest.py).
+pytestmark = pytest.mark.usefixtures("pump_mode")
 
 RULE = ShapeRule(min_shape=(1, 32, 1), max_shape=(-1, 256, -1), multiple_of=(1, 32, 1))
 
