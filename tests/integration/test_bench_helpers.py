@@ -8,18 +8,15 @@ every script still imports.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from carpool.common import codec
 from carpool.common.protocol import Command, header
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench_scripts import BENCH, load_script
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +29,6 @@ def bench() -> Iterator[ModuleType]:
         yield common
     finally:
         sys.path.remove(str(BENCH))
-
-
-def load_script(script: str) -> ModuleType:
-    name = f"bench_{script[:-3]}"
-    spec = importlib.util.spec_from_file_location(name, BENCH / script)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (dataclasses look their module up while it executes)
-    try:
-        spec.loader.exec_module(module)  # scripts only run under `if __name__ == "__main__"`
-    finally:
-        del sys.modules[name]
-    return module
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))

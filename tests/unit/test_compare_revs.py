@@ -5,29 +5,14 @@ The script itself runs benchmarks in git worktrees; only its pure parts are test
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "compare_revs.py"
+from tests.bench_scripts import load_script
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compare_revs", PATH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up by name)
-    spec.loader.exec_module(module)
-    return module
-
-
-cr = _load()
+cr = load_script("compare_revs.py")
 
 CORE_TEXT = """BrokerCore alone, deferred mode: us per request (mean batch size)
 carpool  burst 1:   31.2 us (1.0)   burst 4:   18.5 us (3.9)   burst 8:   14.0 us (7.2)

@@ -10,32 +10,19 @@ bench/extras_resolve.py, which resolves the same extras against the package inde
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from packaging.requirements import Requirement
+
+from tests.bench_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = ("cuda-python", "cuda-bindings")
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "extras_resolve", ROOT / "bench" / "extras_resolve.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up by name)
-    spec.loader.exec_module(module)
-    return module
-
-
-er = _load()
+er = load_script("extras_resolve.py")
 EXTRAS = er.extras()
 TARGETS = {t.name: t for t in er.TARGETS}
 

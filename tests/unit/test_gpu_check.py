@@ -4,31 +4,16 @@ GPU that ``CUDA_VISIBLE_DEVICES`` hides (the step runs for real only on a GPU ma
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from carpool.worker.tensorrt.cache import Device
 from carpool.worker.tensorrt.probe import GpuProbe
+from tests.bench_scripts import load_script
 from tests.unit.worker.fake_gpu import H100, L4, FakeNvml
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", PATH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = load_script("gpu_check.py")
 
 
 def _found(gpu) -> GpuProbe:

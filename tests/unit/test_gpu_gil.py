@@ -4,29 +4,14 @@ only from a GPU: bench/gpu_check.py runs it there); and its instrument on host w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType
 
+from tests.bench_scripts import BENCH, load_script
 from tests.unit.worker.cuda_python_fake import FakeRuntime, installed
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "gpu_gil.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_gil", PATH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gil = _load()
+gil = load_script("gpu_gil.py")
 
 
 def test_the_event_wait_then_carpools_wait_on_a_fake_runtime(monkeypatch):
@@ -52,7 +37,7 @@ def test_the_event_wait_then_carpools_wait_on_a_fake_runtime(monkeypatch):
 
 def test_the_instrument_runs_without_a_gpu():
     done = subprocess.run(
-        [sys.executable, str(PATH), "--calibrate"],
+        [sys.executable, str(BENCH / "gpu_gil.py"), "--calibrate"],
         capture_output=True,
         text=True,
         timeout=60,
