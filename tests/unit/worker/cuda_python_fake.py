@@ -29,11 +29,12 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
-import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from tests.unit.worker.fake_modules import modules_replaced
 
 
 class cudaError_t(enum.IntEnum):
@@ -261,7 +262,6 @@ def installed(runtime: FakeRuntime | None, *, layout: str = "bindings+utils") ->
     (``"bindings"``, 12.6.1 to 12.9.0), or as ``cuda.cudart`` (``"cudart"``, before
     12.6.1); ``None``: no cuda-python. ``sys.modules`` is as it was afterwards."""
     names = ("cuda", "cuda.bindings", "cuda.bindings.runtime", "cuda.bindings.utils", "cuda.cudart")
-    saved = {name: sys.modules.get(name) for name in names}
     modules: dict[str, Any] = dict.fromkeys(names)
     if runtime is not None:
         cuda = modules["cuda"] = types.ModuleType("cuda")
@@ -277,12 +277,5 @@ def installed(runtime: FakeRuntime | None, *, layout: str = "bindings+utils") ->
                 utils = modules["cuda.bindings.utils"] = types.ModuleType("cuda.bindings.utils")
                 utils.get_cuda_native_handle = get_cuda_native_handle  # type: ignore[attr-defined]
                 bindings.utils = utils  # type: ignore[attr-defined]
-    sys.modules.update(modules)
-    try:
+    with modules_replaced(modules):
         yield
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module

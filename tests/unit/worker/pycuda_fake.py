@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -40,6 +39,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+
+from tests.unit.worker.fake_modules import modules_replaced
 
 
 class Error(Exception):
@@ -370,19 +371,9 @@ class _Event:
 def installed(driver: FakeDriver | None) -> Iterator[None]:
     """``import pycuda.driver`` gives ``driver`` inside (``None``: the import fails, as
     where pycuda is not installed); ``sys.modules`` is as it was afterwards."""
-    names = ("pycuda", "pycuda.driver")
-    saved = {name: sys.modules.get(name) for name in names}
     package = types.ModuleType("pycuda")
     package.__path__ = []
     if driver is not None:
         package.driver = driver  # type: ignore[attr-defined]
-    sys.modules["pycuda"] = package
-    sys.modules["pycuda.driver"] = driver  # type: ignore[assignment]
-    try:
+    with modules_replaced({"pycuda": package, "pycuda.driver": driver}):
         yield
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
