@@ -114,9 +114,7 @@ def core_run(
 ) -> tuple[float, float]:
     """us per request (by ``timer``: wall time, or with ``time.process_time`` this
     process's CPU time) and mean batch size for bursts of ``k`` requests."""
-    core = BrokerCore(
-        BrokerConfig(batching=BatchingConfig(policy=policy, max_batch=32)), defer_pumps=True
-    )
+    core = BrokerCore(BrokerConfig(batching=BatchingConfig(policy=policy, max_batch=32)))
     x = TensorMeta("x", "float32", (-1, 16))
     spec = ModelSpec("m", (x,), (TensorMeta("y", "float32", (-1, 16)),), 32)
     ready = encode(Command.READY, Ready("w", 2, (spec,)).to_wire())

@@ -70,7 +70,7 @@ class Refused:
 
 ADMITTED = Admitted()
 #: The queue is full, but batches this loop turn may form first would make room: form
-#: them, then ask again (the deferred mode's door).
+#: them, then ask again (the door of a full queue).
 FULL_UNTIL_PUMPED = Refused(ErrorCode.OVERLOADED, "broker queue full")
 _STOPPING = "the broker is stopping; retry with another broker or after its restart"
 

@@ -24,9 +24,8 @@ The parts, one concern each (composed here, none inherits from another):
 - :class:`~carpool.broker.replies.Replies` and :mod:`carpool.broker.stats`: error replies,
   counters and the STATS snapshot.
 
-Two modes: by default each message forms the batches it allows at once; with
-``defer_pumps=True`` (the server's mode) messages only queue work and the tick that ends
-each loop turn forms batches for everything that arrived in it. A framed request whose
+Messages only queue work; the tick that ends each loop turn (the server's and the
+simulator's alike) forms batches for everything that arrived in it. A framed request whose
 layout (model, input names, dtypes, shapes) passed validation before takes a fast path
 with the same checks and answers.
 
@@ -81,7 +80,7 @@ class BrokerCore:
     ``on_worker`` are the intake's and the worker events' own methods (bound here, so a
     message costs no extra call)."""
 
-    def __init__(self, config: BrokerConfig | None = None, *, defer_pumps: bool = False) -> None:
+    def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config = config or BrokerConfig()
         self.registry = registry = WorkerRegistry(liveness=config.liveness)
         self.stats = stats = BrokerStats()
@@ -96,7 +95,7 @@ class BrokerCore:
         self.dispatcher = dispatcher = Dispatcher(
             book, backlog, inflight, fleet, replies, stats, registry
         )
-        self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet, defer_pumps=defer_pumps)
+        self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, replies)
         self.resends = resends = Resends(book, holding, backlog, dispatcher, replies, stats)
         self.intake = intake = ClientIntake(
@@ -125,10 +124,6 @@ class BrokerCore:
         self.worker_transport: Callable[[bytes], str] = _zeromq
 
     # ------------------------------------------------------------------ the server's knobs
-
-    @property
-    def defer_pumps(self) -> bool:
-        return self.pumps.defer_pumps
 
     @property
     def recording(self) -> list[Arrival] | None:
@@ -300,8 +295,9 @@ class BrokerCore:
     # ------------------------------------------------------------------ time
 
     def on_tick(self, now: float) -> list[Outgoing]:
-        """Expire deadlines and workers, send due heartbeats, give up on batches past the
-        watchdog, and leave due batches."""
+        """End a loop turn (the server calls it after each turn's messages): expire
+        deadlines and workers, send due heartbeats, give up on batches past the watchdog,
+        and form the batches that the turn's messages and the due wake-ups allow."""
         out: list[Outgoing] = []
         dispatcher = self.dispatcher
         touched = dispatcher.expire(now, out)

@@ -354,8 +354,8 @@ class ClientIntake:
         shm_outputs: bool = False,
         origin: Origin | None = None,
     ) -> list[Outgoing]:
-        """Queue a valid request if :func:`admit` lets it in, else answer its refusal; in
-        deferred mode the batch forms at the end of the turn. ``refs``: the inputs'
+        """Queue a valid request if :func:`admit` lets it in, else answer its refusal; the
+        batch forms at the end of the turn. ``refs``: the inputs'
         shared-memory references, in the request's order (§5.4); ``max_batch``: the
         largest batch a live worker that admits its shapes takes (> 0: both callers checked);
         ``origin``: the request's, when it carries its client's nonce."""
@@ -369,8 +369,8 @@ class ClientIntake:
         backlog, pumps, config, fleet = self.backlog, self.pumps, self.config, self.fleet
         # Asked as pumpable first: only a full queue reads that, and pump_dirty with
         # nothing marked forms nothing, so the second answer is the one a False would
-        # have had. In deferred mode what can leave this turn leaves before the door
-        # closes; asked again, not pumpable, the answer is final.
+        # have had. What can leave this turn leaves before the door closes; asked
+        # again, not pumpable, the answer is final.
         for pumpable in (True, False):
             verdict = admit(
                 layout,
@@ -432,9 +432,6 @@ class ClientIntake:
             layout.shapes,
             origin,
         )
-        queue = backlog.add(req)
-        if pumps.defer_pumps:  # the batch forms at the end of the turn
-            pumps.dirty[key] = None
-        else:
-            pumps.pump_queue(now, queue, out)
+        backlog.add(req)
+        pumps.dirty[key] = None  # the batch forms at the end of the turn
         return out

@@ -4,20 +4,18 @@ Pure: ``now`` comes in; no sockets or clocks. What one pump of a queue does (she
 decide, dispatch) is :class:`~carpool.broker.dispatcher.Dispatcher`'s; this decides
 which queues it runs for after each event.
 
-Two modes: by default each event pumps the queues it touched at once; with
-``defer_pumps=True`` (the server's mode) events only mark what changed and
-:meth:`Pumps.pump_dirty`, at the end of each loop turn, forms the batches for everything
-that arrived in it (a burst of arrivals leaves as one batch, and the policy runs once
-per queue per turn instead of once per message). The tick ends the same way, with the
-queues whose wake-up has come.
+Events only mark what changed; :meth:`Pumps.pump_dirty`, in the tick that ends each
+loop turn, forms the batches for everything that arrived in it (a burst of arrivals
+leaves as one batch, and the policy runs once per queue per turn instead of once per
+message), with the queues whose wake-up has come.
 
 The queues of a model (one per item shape or bucket) share its workers' slots, and a
 slot goes to the most urgent queue first (:class:`~carpool.broker.urgency.QueueOrder`:
 priority, then the deadline at its head, as EDF reads it within a queue):
 
 - a change of a model's workers (one joined, left, or changed health) pumps every queue
-  of the model, most urgent first (:meth:`Pumps.pump_models`);
-- a batch that ends frees a slot (:meth:`Pumps.pump_freed`): it is offered to the
+  of the model, most urgent first (:meth:`Pumps.mark_models`);
+- a batch that ends frees a slot (:meth:`Pumps.mark_freed`): it is offered to the
   model's queues most urgent first, until no worker of the model has a slot free (a
   queue pumped then could only shed, and shedding keeps its own time, ``wake_s``);
 - a queue pumped for its own reason (an arrival, its wake-up, an expiry ahead of it)
@@ -35,7 +33,7 @@ them all again happens at most once per slot taken or freed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
@@ -56,10 +54,8 @@ class Pumps:
     backlog: Backlog
     registry: WorkerRegistry
     fleet: FleetModel
-    _: KW_ONLY
-    defer_pumps: bool = False
-    # Deferred mode: the queues events touched since the last turn, the models whose
-    # workers changed (every queue), and those a worker freed a slot of (while one is free).
+    # The queues events touched since the last turn, the models whose workers changed
+    # (every queue), and those a worker freed a slot of (while one is free).
     dirty: dict[RequestKey, None] = field(init=False, default_factory=dict)
     dirty_models: set[str] = field(init=False, default_factory=set)
     freed_models: set[str] = field(init=False, default_factory=set)
@@ -76,31 +72,23 @@ class Pumps:
         self.settled.clear()
         self.dispatcher.stop()
 
-    def pump_models(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
+    def mark_models(self, models: Iterable[str]) -> None:
         """The workers of ``models`` changed (one joined, left, or changed health): recount
-        their queued batches (limits may have changed) and pump every queue of them, most
-        urgent first (a queue whose shapes no live worker takes now is answered)."""
+        their queued batches (limits may have changed); the turn's end pumps every queue
+        of them, most urgent first (a queue whose shapes no live worker takes now is
+        answered)."""
         names = set(models)
         self.backlog.recount(names)
         self.settled -= names
-        if self.defer_pumps:
-            self._mark(names, self.dirty_models)
-            return
-        pumped: set[RequestKey] = set()
-        for model in names:
-            self._offer(now, model, out, pumped, every=True)
+        self._mark(names, self.dirty_models)
 
-    def pump_freed(self, now: float, models: Iterable[str], out: list[Outgoing]) -> None:
-        """A worker of ``models`` finished a batch (it has a slot free): offer the slot to
-        their queues, most urgent first, while a worker of the model has one free."""
+    def mark_freed(self, models: Iterable[str]) -> None:
+        """A worker of ``models`` finished a batch (it has a slot free): the turn's end
+        offers the slot to their queues, most urgent first, while a worker of the model
+        has one free."""
         if self.settled:
             self.settled.difference_update(models)
-        if self.defer_pumps:
-            self._mark(models, self.freed_models)
-            return
-        pumped: set[RequestKey] = set()
-        for model in models:
-            self._offer(now, model, out, pumped)
+        self._mark(models, self.freed_models)
 
     def _mark(self, models: Iterable[str], marked: set[str]) -> None:
         # Only models with requests waiting: an arrival marks its own queue, and a model
@@ -141,7 +129,7 @@ class Pumps:
             self.settled.discard(model)
 
     def pump_dirty(self, now: float, out: list[Outgoing], due: Iterable[RequestKey] = ()) -> None:
-        """Once a turn (deferred mode) and at every tick: pump every queue of the models
+        """At the tick that ends each turn: pump every queue of the models
         whose workers changed, offer the slots freed since to the queues of their models,
         then :meth:`pump_queue` the queues messages touched and those ``due`` (a wake-up
         came, or a request ahead expired), most urgent first; each queue once."""

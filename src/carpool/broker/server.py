@@ -70,7 +70,7 @@ class BrokerServer:
         embedded: Sequence[EmbeddedWorker] = (),
     ) -> None:
         self.config = config or BrokerConfig()
-        self.core = BrokerCore(self.config, defer_pumps=True)
+        self.core = BrokerCore(self.config)
         self.clock: Clock = clock or MonotonicClock()
         self.core.started_s = self.clock.now()
         # carpool record: admitted arrivals go to a JSON-lines trace, flushed every turn,

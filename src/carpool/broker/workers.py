@@ -197,7 +197,7 @@ class WorkerEvents:
         )
         # Requests held at the door for these models (just after a start) go in first.
         self.intake.release(now, names, out)
-        self.pumps.pump_models(now, names, out)
+        self.pumps.mark_models(names)
 
     def _on_result(
         self,
@@ -246,7 +246,7 @@ class WorkerEvents:
             self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
             if result.padding is not None:
                 self.stats.padded(batch.key, batch.samples, result.padding)
-        self.pumps.pump_freed(now, worker.models, out)
+        self.pumps.mark_freed(worker.models)
 
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
@@ -268,7 +268,7 @@ class WorkerEvents:
             now=now,
         )
         self.fail_batch(batch, failed.code, failed.message, out)
-        self.pumps.pump_freed(now, worker.models, out)
+        self.pumps.mark_freed(worker.models)
 
     def _take_batch(
         self,
@@ -313,7 +313,7 @@ class WorkerEvents:
         self.registry.set_health(now, worker, Health.PROBATION)
         self.fleet.rates.clear()  # its share of the fleet's rate changed
         logger.info("worker on probation name=%s: %s", worker.name, why)
-        self.pumps.pump_models(now, worker.models, out)
+        self.pumps.mark_models(worker.models)
 
     def fail_batch(
         self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
@@ -383,4 +383,4 @@ class WorkerEvents:
                 else:
                     self.book.move(req, _FAILED)
                     out.append(self.replies.request_error(req, ErrorCode.UNAVAILABLE, message))
-        self.pumps.pump_models(now, worker.models, out)
+        self.pumps.mark_models(worker.models)

@@ -2,10 +2,12 @@
 
 The broker is not modelled: the simulator feeds the same :class:`BrokerCore` (and so the
 same batching policy, queues, shedding and ρ controller) that ``carpool broker`` runs,
-with real protocol messages, on a simulated clock. Workers are modelled: each runs one
-batch at a time, ``slots`` deep, for ``fixed_cost_s + per_sample_s·n`` (times a seeded
-jitter), reports its busy fraction ρ like the real worker (same BusyMeter), and
-heartbeats. Clients are open loop: requests are sent at their arrival times.
+with real protocol messages, on a simulated clock, and drives it as the server's loop
+does: each event is one loop turn, ended with ``on_tick`` (which forms the batches the
+turn allows). Workers are modelled: each runs one batch at a time, ``slots`` deep, for
+``fixed_cost_s + per_sample_s·n`` (times a seeded jitter), reports its busy fraction ρ
+like the real worker (same BusyMeter), and heartbeats. Clients are open loop: requests
+are sent at their arrival times.
 
 Not modelled: network and broker CPU time (the live fleet benchmark shows those).
 """
@@ -262,6 +264,7 @@ def simulate(
             0.0,
         )
         push(heartbeat_s, _HEARTBEAT, worker)
+    route(core.on_tick(0.0), 0.0)  # (the registrations' turn ends as every turn does)
 
     ticks: set[float] = set()
     arrival_index = 0

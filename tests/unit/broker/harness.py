@@ -1,8 +1,8 @@
 """The broker's unit-test harness: a BrokerCore driven with wire frames and an injected
 clock, builders for the frames its peers send, and a decoder for what it sends back.
 
-Its fixtures (``pump_mode``, ``broker``) live in conftest.py beside it. A module whose
-tests should run in both pump modes says ``pytestmark = pytest.mark.usefixtures("pump_mode")``.
+Its fixture ``broker`` lives in conftest.py beside it. Each message is one loop turn,
+ended with ``on_tick`` as the server ends each turn (the batches form there).
 """
 
 from __future__ import annotations
@@ -147,10 +147,6 @@ def ids(msg: Msg) -> list[int]:
 
 # --------------------------------------------------------------------------- the harness
 
-#: Whether ``Broker.make`` builds cores that defer batch forming to the end of a turn
-#: (the server's mode). The ``pump_mode`` fixture (conftest.py) sets it for one test.
-DEFER_PUMPS = [False]
-
 
 @dataclass
 class Broker:
@@ -164,11 +160,10 @@ class Broker:
         cls, max_batch: int = 4, max_wait_s: float = 0.01, policy: str = "fixed", **config: Any
     ) -> Broker:
         config.setdefault("batching", fixed(max_batch, max_wait_s, policy))
-        return cls(BrokerCore(BrokerConfig(**config), defer_pumps=DEFER_PUMPS[0]))
+        return cls(BrokerCore(BrokerConfig(**config)))
 
     def _turn(self, now: float, out: list[Outgoing]) -> list[Msg]:
-        if self.core.defer_pumps:  # the server ends every loop turn with a tick
-            out = out + self.core.on_tick(now)
+        out = out + self.core.on_tick(now)  # the server ends every loop turn with a tick
         return [parse(o) for o in out]
 
     def worker(self, now: float, wid: bytes, frames: list[Any]) -> list[Msg]:

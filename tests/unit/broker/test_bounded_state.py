@@ -1,8 +1,7 @@
 """Bounded broker state: the models one READY may announce, what one client may hold at
 the broker, and the models no live worker serves, forgotten after ``forget_unserved_s``.
 
-BrokerCore driven with wire frames and an injected clock, with harness.py
-(each test runs in both pump modes).
+BrokerCore driven with wire frames and an injected clock, with harness.py.
 """
 
 from __future__ import annotations
@@ -29,9 +28,6 @@ from tests.unit.broker.harness import (
     only,
     to_clients,
 )
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 CID1, CID2 = ClientId(C1), ClientId(C2)
 

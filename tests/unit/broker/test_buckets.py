@@ -2,15 +2,13 @@
 requests queue by bucket, requests of different shapes in one bucket share a batch whose
 ``inputs`` carry the bucket's shape and whose items say their own, payloads go as they
 came, a shape outside every bucket is refused at the door with the allowed range, and
-STATS counts batches and the padded share per bucket. Uses harness.py (both
-pump modes)."""
+STATS counts batches and the padded share per bucket. Uses harness.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-import pytest
 
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
@@ -26,9 +24,6 @@ from carpool.common.protocol import (
 )
 from carpool.common.shape_rules import ShapeRule
 from tests.unit.broker.harness import C1, F32, T0, W1, W2, Broker, Msg, batches, ids, to_clients
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 #: Item shapes [H, W]: H rounded up to 32s, then the smallest of two buckets.
 BUCKETS = PadRule(multiple_of=(32, 1), buckets=((64, 8), (128, 16)), value=-1.0)

@@ -69,7 +69,7 @@ def test_command_line_flags_reach_models_with_a_table(
 
 
 def test_the_broker_core_batches_the_model_with_the_inherited_settings(tmp_path: Path) -> None:
-    core = BrokerCore(load(tmp_path, PARTIAL_MODEL_TOML), defer_pumps=True)
+    core = BrokerCore(load(tmp_path, PARTIAL_MODEL_TOML))
     policy = core.fleet.policy("synthetic")
     assert isinstance(policy, FixedPolicy)
     assert (policy.max_batch, policy.max_wait_s) == (4, 0.05)

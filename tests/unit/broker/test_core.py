@@ -58,9 +58,6 @@ from tests.unit.broker.harness import (
     to_clients,
 )
 
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
-
 # --------------------------------------------------------------------------- batch formation
 
 
@@ -1659,11 +1656,9 @@ def test_no_live_worker_is_answered_before_the_payload_checks(payloads: Any) -> 
 
 
 def test_a_burst_is_shared_among_idle_workers_where_batching_buys_nothing() -> None:
-    """Deferred mode: four requests read in one turn, two idle workers, costs unknown (as
+    """Four requests read in one turn, two idle workers, costs unknown (as
     on a CPU, batching buys nothing): one batch each, not all four on one worker."""
-    core = BrokerCore(
-        BrokerConfig(batching=BatchingConfig(max_batch=8, policy="carpool")), defer_pumps=True
-    )
+    core = BrokerCore(BrokerConfig(batching=BatchingConfig(max_batch=8, policy="carpool")))
     b = Broker(core)
     b.ready(T0, W1, slots=2)
     b.ready(T0, W2, slots=2)
@@ -1678,8 +1673,7 @@ def test_a_burst_is_shared_among_idle_workers_where_batching_pays() -> None:
     """What the policy lets leave at once is split among the idle workers in the same
     turn; the remainder does not wait for T_max on the second worker."""
     core = BrokerCore(
-        BrokerConfig(batching=BatchingConfig(max_batch=8, max_wait_s=0.05, policy="carpool")),
-        defer_pumps=True,
+        BrokerConfig(batching=BatchingConfig(max_batch=8, max_wait_s=0.05, policy="carpool"))
     )
     b = Broker(core)
     b.ready(T0, W1, slots=2)
@@ -1701,7 +1695,7 @@ def test_a_burst_is_shared_among_idle_workers_where_batching_pays() -> None:
 def test_the_fixed_policy_gives_a_formed_batch_to_one_worker() -> None:
     """The Triton-like baseline keeps Triton's behaviour: a full batch goes to one free
     instance, even with another idle."""
-    core = BrokerCore(BrokerConfig(batching=fixed(8, 0.05)), defer_pumps=True)
+    core = BrokerCore(BrokerConfig(batching=fixed(8, 0.05)))
     b = Broker(core)
     b.ready(T0, W1, slots=2)
     b.ready(T0, W2, slots=2)

@@ -37,7 +37,7 @@ from tests.unit.broker.harness import SPEC2, T0, W1, raw_request, ready_frames, 
 
 def core() -> BrokerCore:
     batching = BatchingConfig(max_batch=4, max_wait_s=0.0005, policy="fixed")
-    return BrokerCore(BrokerConfig(batching=batching), defer_pumps=True)
+    return BrokerCore(BrokerConfig(batching=batching))
 
 
 def batch_out(c: BrokerCore, wid: bytes, *requests: list[Any]) -> ToWorker:

@@ -69,7 +69,7 @@ class Broker:
 
     def __init__(self) -> None:
         batching = BatchingConfig(max_batch=8, max_wait_s=0.002)
-        self.core = BrokerCore(BrokerConfig(batching=batching), defer_pumps=True)
+        self.core = BrokerCore(BrokerConfig(batching=batching))
         self.now = 100.0
         self.requests = [_request(rid) for rid in range(64)]
         self.sent = 0

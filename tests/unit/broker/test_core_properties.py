@@ -62,7 +62,8 @@ ops = st.lists(
     st.one_of(arrive, arrive, arrive, advance, advance, finish, finish, fail, lose),
     max_size=80,
 )
-# Deferred mode (the server's): messages pile up until a loop turn ends with a tick.
+# Several messages a turn (as the server reads them): they pile up until a loop turn
+# ends with a tick.
 turn = st.tuples(st.just("turn"))
 turn_ops = st.lists(
     st.one_of(arrive, arrive, arrive, advance, finish, finish, fail, lose, turn, turn),
@@ -86,8 +87,9 @@ class World:
     requests: dict[int, tuple[int, float]] = field(default_factory=dict)  # rid -> (shape, dl)
     answers: Counter[int] = field(default_factory=Counter)
     next_rid: int = 1
-    # Deferred mode: a tick only ends a turn ("turn" op) or comes before time passes, as
-    # in the server, where every loop turn ends with one.
+    # Every op is a turn of its own, ended with a tick; with ``turns``, a tick only ends a
+    # turn ("turn" op) or comes before time passes, as in the server, where every loop
+    # turn (of up to 256 messages a socket) ends with one.
     turns: bool = False
 
     def route(self, outgoing: list[Outgoing]) -> None:
@@ -222,16 +224,16 @@ def test_every_request_ends_exactly_once_within_the_rules(policy: str, script: l
 @pytest.mark.parametrize("max_queued", [3, 50])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(script=turn_ops)
-def test_deferred_mode_ends_every_request_exactly_once(
+def test_several_messages_a_turn_end_every_request_exactly_once(
     policy: str, max_queued: int, script: list[Any]
 ) -> None:
-    """The server's mode: several messages per loop turn, batches formed at its end, a
-    full queue that pumps before it refuses."""
+    """Several messages per loop turn, batches formed at its end, a full queue that
+    pumps before it refuses."""
     config = BrokerConfig(
         batching=BatchingConfig(max_batch=B_MAX, max_wait_s=0.005, policy=policy),
         max_queued=max_queued,
     )
-    world = World(policy, BrokerCore(config, defer_pumps=True), turns=True)
+    world = World(policy, BrokerCore(config), turns=True)
     world.join(0)
     world.join(1)
     for op in script:

@@ -1,5 +1,5 @@
 """core.py with shared-memory inputs (protocol §5.4): the broker checks a reference and
-carries it into BATCH; it never opens a region. Uses harness.py (both pump modes)."""
+carries it into BATCH; it never opens a region. Uses harness.py."""
 
 from __future__ import annotations
 
@@ -24,9 +24,6 @@ from tests.unit.broker.harness import (
     raw_request,
     shm_request,
 )
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 B, A, KEY = B_PAYLOAD, A_PAYLOAD, SHM_KEY
 

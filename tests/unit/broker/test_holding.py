@@ -3,8 +3,8 @@ has registered yet wait at the door until a READY registers it (then they are ad
 usual, in arrival order), their deadline nears, the window ends or the broker stops; each
 gets exactly one reply. Names the broker does not expect are answered as before.
 
-BrokerCore driven with wire frames and an injected clock, with harness.py
-(each test runs in both pump modes); the trace reading on files in ``tmp_path``.
+BrokerCore driven with wire frames and an injected clock, with harness.py;
+the trace reading on files in ``tmp_path``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from tests.unit.broker.harness import (
     ready_frames,
     to_clients,
 )
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 GRACE_S = 5.0
 

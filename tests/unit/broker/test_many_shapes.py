@@ -25,9 +25,6 @@ from tests.unit.broker.harness import (
     to_clients,
 )
 
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
-
 #: Each its own shape [1, k], k = 1..SHAPES: as many queues as requests.
 SHAPES = 300
 
@@ -113,10 +110,9 @@ def test_a_freed_slot_goes_to_the_most_urgent_queue_not_the_oldest() -> None:
 
 def test_an_arrival_in_the_turn_a_slot_frees_does_not_take_it_first() -> None:
     """A request of shape [1, 5] (due in 800 ms) and the RESULT that frees the slot come
-    in one loop turn (deferred mode: the tick that ends the turn forms the batches): the
-    slot goes to the most urgent queue, request 3's, not to the queue the turn's arrival
-    touched (pumped first, it took the slot). Immediate mode: the arrival finds no slot
-    free, the RESULT then frees it."""
+    in one loop turn (the tick that ends the turn forms the batches): the slot goes to
+    the most urgent queue, request 3's, not to the queue the turn's arrival touched
+    (pumped first, it took the slot)."""
     b = Broker.make(batching=BatchingConfig(max_batch=8, policy="carpool"))
     batch = _busy_worker_with_three_shapes_queued(b)
     now = T0 + 0.010

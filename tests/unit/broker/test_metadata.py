@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Command,
@@ -13,9 +11,6 @@ from carpool.common.protocol import (
     parse_metadata_reply,
 )
 from tests.unit.broker.harness import C1, SPEC, SPEC2, T0, W1, W2, Broker, model_spec
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 
 def _ask(

@@ -1,6 +1,7 @@
 """core.py with the deadline-aware policy: priorities, shedding and admission control.
 
-BrokerCore is driven directly with wire frames and injected ``now`` floats: one worker with
+BrokerCore is driven directly with wire frames and injected ``now`` floats, each message
+a loop turn ended with a tick (as the server ends each turn): one worker with
 ``slots=1`` (so a busy worker holds the queue), answers built by hand. Cost calibration
 feeds RESULTs with ``compute_ms`` for batch sizes 1 and 2, so the broker's LatencyModel
 fits 50 ms + 5 ms·n exactly.
@@ -113,6 +114,10 @@ class Harness:
                 self.client_msgs.append((self.now, m))
         return msgs
 
+    def _turn(self, outs: list[Outgoing]) -> list[Msg]:
+        """A message's loop turn ends with a tick, as the server ends each turn."""
+        return self._route(outs + self.core.on_tick(self.now))
+
     def at(self, now: float) -> Harness:
         assert now >= self.now
         self.now = now
@@ -123,7 +128,7 @@ class Harness:
     ) -> list[Msg]:
         submit = Submit(rid, "m", timeout_ms, (TensorMeta("x", F32, (1, 4)),), priority)
         frames = encode_request(submit, [bytes(16)])
-        return self._route(self.core.on_client(self.now, CLIENT, frames))
+        return self._turn(self.core.on_client(self.now, CLIENT, frames))
 
     def result(self, batch_id: int, compute_ms: float = 0.0, rho: float = 0.5) -> list[Msg]:
         rids = self.inflight.pop(batch_id)
@@ -131,7 +136,7 @@ class Harness:
         for rid in rids:
             frames += [header(Command.REPLY), codec.pack({"id": rid})]
         meta = ResultMeta(batch_id, rho, compute_ms, (2,) * len(rids))
-        return self._route(
+        return self._turn(
             self.core.on_worker(
                 self.now, WORKER, decode_from_worker(encode(Command.RESULT, meta.to_wire(), frames))
             )

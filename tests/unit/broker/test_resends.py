@@ -5,15 +5,12 @@ does nothing else; under CURVE a request's origin is bound to its key. Every UNA
 for a request that did not run, once the broker is told to stop, carries ``retry``
 (§11).
 
-BrokerCore driven with wire frames and an injected clock, with harness.py
-(each test runs in both pump modes).
+BrokerCore driven with wire frames and an injected clock, with harness.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import pytest
 
 from carpool.broker.config import BatchingOverride
 from carpool.broker.requests import ClientId
@@ -33,9 +30,6 @@ from tests.unit.broker.harness import (
     parse,
     to_clients,
 )
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 NONCE = bytes(range(16))
 OTHER = bytes(range(1, 17))

@@ -1,18 +1,13 @@
 """The broker holds requests to the shape rules a worker announced (protocol §8.1): a
 shape outside them is INVALID_ARGUMENT at the door, never a batch. Uses
-harness.py (both pump modes)."""
+harness.py."""
 
 from __future__ import annotations
-
-import pytest
 
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Command, ModelSpec, TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from tests.unit.broker.harness import F32, T0, W1, W2, Broker, batches, ids, only, to_clients
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 RULE = ShapeRule(min_shape=(1, 32, 1), max_shape=(-1, 256, -1), multiple_of=(1, 32, 1))
 

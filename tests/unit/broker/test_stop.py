@@ -1,17 +1,12 @@
 """begin_stop (protocol.md §11) on BrokerCore with an injected clock: of the queued
 requests whose cost is known, those predicted to be answered within the stop grace stay
 queued and are dispatched as usual; the others are answered UNAVAILABLE at once. Uses
-harness.py (both pump modes)."""
+harness.py."""
 
 from __future__ import annotations
 
-import pytest
-
 from carpool.common.errors import ErrorCode
 from tests.unit.broker.harness import C1, T0, W1, Broker, batches, ids, to_clients
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 
 def taught(b: Broker) -> float:

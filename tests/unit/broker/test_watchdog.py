@@ -2,7 +2,7 @@
 past max(factor × predicted, predicted + slack) makes its worker UNHEALTHY, its requests
 go to other workers while their attempts and deadlines allow, its late RESULT is dropped
 and counted, and the worker gets batches again only after it shows progress. Uses
-harness.py (both pump modes)."""
+harness.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ from carpool.broker.registry import Health, WorkerId
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Command, encode
 from tests.unit.broker.harness import C1, C2, T0, W1, W2, Broker, Msg, batches, ids, to_clients
-
-#: Every test here runs in both pump modes (conftest.py).
-pytestmark = pytest.mark.usefixtures("pump_mode")
 
 
 def health(b: Broker, wid: bytes) -> Health:
