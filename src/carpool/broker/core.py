@@ -5,29 +5,19 @@ tick, a peer that could not be sent to. Each returns the list of :data:`Outgoing
 to send (:class:`ToClient` frames, or :class:`ToWorker` typed messages). No sockets,
 threads or clocks here; ``server.py`` owns those.
 
-The parts, one concern each (composed here, none inherits from another):
-
-- :class:`~carpool.broker.requests.RequestBook`: request state, through its transition table;
-- :class:`~carpool.broker.backlog.Backlog`: the queues, the deadline heap, queued counts;
-- :class:`~carpool.broker.inflight.InflightTable`: the batches at workers;
-- :class:`~carpool.broker.fleet.FleetModel`: per-model policies, workers' lanes, capacities;
-- :class:`~carpool.broker.dispatcher.Dispatcher`: a queue's pump, shedding and dispatch;
-- :class:`~carpool.broker.pumps.Pumps`: which queues are pumped when, and in which order
-  (a free slot goes to the most urgent queue of its model first);
-- :class:`~carpool.broker.intake.ClientIntake`: client messages, validated, then let in or
-  refused by the pure :func:`~carpool.broker.admission.admit`;
-- :class:`~carpool.broker.holding.HeldRequests`: just after a start, requests for an
-  expected model no worker has registered yet, held at the door until one does;
-- :class:`~carpool.broker.resends.Resends`: a request sent again with its client's nonce
-  (answered once, on the copy's connection), and CANCEL;
-- :class:`~carpool.broker.workers.WorkerEvents`: worker messages and losses;
-- :class:`~carpool.broker.replies.Replies` and :mod:`carpool.broker.stats`: error replies,
-  counters and the STATS snapshot.
+The parts, one concern each, composed here (docs/architecture.md has the owner table):
+the request book, the backlog (queues, deadlines), the in-flight table, the fleet model,
+the dispatcher and its pumps, the client intake and the pure
+:func:`~carpool.broker.admission.admit`, the requests held at the door, resends and
+CANCEL, the worker events, replies and stats.
 
 Messages only queue work; the tick that ends each loop turn (the server's and the
-simulator's alike) forms batches for everything that arrived in it. A framed request whose
-layout (model, input names, dtypes, shapes) passed validation before takes a fast path
-with the same checks and answers.
+simulator's alike) forms batches for everything that arrived in it. A client's message is
+decoded once, by :func:`~carpool.common.protocol.decode_from_client` with the request
+layouts the door checked before (:attr:`BrokerCore.layouts`), and routed by its type; a
+worker's comes decoded by its transport. The core is the one place where the parts meet:
+what one part's event asks of another (a READY's released and misfit requests, a
+CANCEL's queued request) the core routes.
 
 Invariants:
 - every client request gets exactly one reply: its result or a typed error;
@@ -42,6 +32,8 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from carpool.broker import metadata
+from carpool.broker.admission import misfits
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
@@ -57,7 +49,19 @@ from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats, model_table, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Frame
+from carpool.common.protocol import (
+    Cancel,
+    ClientMalformed,
+    Command,
+    Frame,
+    FromWorker,
+    MetadataRequest,
+    Ready,
+    Request,
+    WorkerReady,
+    decode_from_client,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +80,7 @@ _SWEEP_S = 0.5
 
 
 class BrokerCore:
-    """The broker's state machine; see the module docstring. ``on_client`` and
-    ``on_worker`` are the intake's and the worker events' own methods (bound here, so a
-    message costs no extra call)."""
+    """The broker's state machine; see the module docstring."""
 
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config = config or BrokerConfig()
@@ -97,27 +99,18 @@ class BrokerCore:
         )
         self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, replies)
-        self.resends = resends = Resends(book, holding, backlog, dispatcher, replies, stats)
+        self.resends = resends = Resends(book, holding, replies, stats)
         self.intake = intake = ClientIntake(
-            config,
-            registry,
-            stats,
-            backlog,
-            fleet,
-            dispatcher,
-            pumps,
-            replies,
-            self.snapshot,
-            holding,
-            resends,
+            config, registry, stats, backlog, fleet, pumps, replies, holding, resends
         )
-        self.workers = workers = WorkerEvents(
-            config, registry, stats, book, backlog, inflight, fleet, pumps, replies, intake
+        self.workers = WorkerEvents(
+            config, registry, stats, book, backlog, inflight, fleet, pumps, replies
         )
-        #: The REQUEST decoder with the layouts its fast path knows (the intake's).
-        self.request_decoder = intake.request_decoder
-        self.on_client = intake.on_client
-        self.on_worker = workers.on_worker
+        #: The request layouts the door checked before: each client message is decoded
+        #: with them (a request of one comes with its queue key and sample count).
+        self.layouts = intake.layouts
+        # Who may read STATS, by client id (None: everyone); the server sets it.
+        self.stats_gate: Callable[[bytes], bool] | None = None
         self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
         #: How each worker is connected, by its id, as STATS names it ("zeromq", "local",
         #: "embedded"): the server's transports say; the core only passes it on.
@@ -134,15 +127,6 @@ class BrokerCore:
     @recording.setter
     def recording(self, records: list[Arrival] | None) -> None:
         self.intake.recording = records
-
-    @property
-    def stats_gate(self) -> Callable[[bytes], bool] | None:
-        """Who may read STATS, by client id (None: everyone); the server sets it."""
-        return self.intake.stats_gate
-
-    @stats_gate.setter
-    def stats_gate(self, gate: Callable[[bytes], bool] | None) -> None:
-        self.intake.stats_gate = gate
 
     @property
     def authenticated_key(self) -> Callable[[bytes], bytes] | None:
@@ -188,6 +172,67 @@ class BrokerCore:
     @property
     def inflight_batches(self) -> int:
         return len(self.inflight)
+
+    # ------------------------------------------------------------------ messages
+
+    def on_client(self, now: float, identity: bytes, frames: Sequence[Frame]) -> list[Outgoing]:
+        """A client's message (its frames after the routing id): decoded once, with the
+        layouts the door remembers, and handled by its type."""
+        msg = decode_from_client(frames, self.layouts)
+        client = ClientId(identity)
+        self.stats.requests += 1
+        if isinstance(msg, Request):
+            return self.intake.on_request(now, client, msg)
+        if isinstance(msg, ClientMalformed):
+            return [self.intake.malformed(now, client, msg)]
+        if isinstance(msg, Cancel):
+            return self._on_cancel(client, msg)
+        if isinstance(msg, MetadataRequest):
+            return [metadata.answer(self.registry, self.replies, client, msg)]
+        gate, rid = self.stats_gate, msg.request_id  # STATS: echoes the query's id
+        if gate is not None and not gate(identity):
+            code, denied = ErrorCode.PERMISSION_DENIED, "STATS is answered to operator keys only"
+            return [self.replies.error(client, msg.delimited, rid, code, denied)]
+        answer = self.snapshot(now) if rid is None else {**self.snapshot(now), "id": rid}
+        return [self.replies.to_client(client, msg.delimited, encode(Command.STATS, answer))]
+
+    def _on_cancel(self, client: ClientId, cancel: Cancel) -> list[Outgoing]:
+        """A CANCEL: a request held at the door is answered by the holding area; a queued
+        one leaves its queue, answered CANCELLED."""
+        out: list[Outgoing] = []
+        req = self.resends.cancel(client, cancel, out)
+        if req is not None:
+            msg = "cancelled by its client before it reached a worker"
+            queue = self.backlog.queues[req.key]
+            self.dispatcher.answer_queued(queue, req, ErrorCode.CANCELLED, msg, out)
+        return out
+
+    def on_worker(self, now: float, identity: bytes, msg: FromWorker) -> list[Outgoing]:
+        """A worker's message, as its transport decoded it (``decode_from_worker``)."""
+        if type(msg) is WorkerReady:
+            return self._on_ready(now, WorkerId(identity), msg.ready)
+        return self.workers.on_worker(now, identity, msg)
+
+    def _on_ready(self, now: float, wid: WorkerId, ready: Ready) -> list[Outgoing]:
+        """A READY: registered (or refused) by the worker events. A model no live worker
+        served, back with another spec, forgets the layouts checked against the old one
+        and answers the queued requests that no longer fit (the rest ride as they are);
+        the requests held at the door for its models go in; their queues are pumped."""
+        out: list[Outgoing] = []
+        replaced = self.workers.on_ready(now, wid, ready, out)
+        if replaced is None:  # refused
+            return out
+        for spec in replaced:
+            self.layouts.forget_model(spec.name)
+            answered = misfits(spec, self.backlog.queues)
+            for queue, req, code, message in answered:
+                self.dispatcher.answer_queued(queue, req, code, message, out)
+            warning = "model %s re-registered by %s with other inputs or outputs: %d answered"
+            logger.warning(warning, spec.name, ready.name, len(answered))
+        names = [m.name for m in ready.models]
+        self.intake.release(now, names, out)
+        self.pumps.mark_models(names)
+        return out
 
     # ------------------------------------------------------------------ stopping
 
@@ -256,6 +301,7 @@ class BrokerCore:
         changed no state."""
         return (
             self.intake.writes
+            + self.resends.changes
             + self.book.changes
             + self.holding.changes
             + self.registry.changes
@@ -339,7 +385,7 @@ class BrokerCore:
             for key in backlog.forget_model(name):
                 self.dispatcher.forget(key)
             self.stats.forget(name)
-            self.request_decoder.forget_model(name)
+            self.layouts.forget_model(name)
             forgotten.append(name)
         if forgotten:
             logger.info(

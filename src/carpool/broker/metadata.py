@@ -11,7 +11,6 @@ one by name is answered NOT_FOUND, as one for a name the broker never heard of.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 from carpool.broker.limits import hull
 from carpool.broker.registry import WorkerRegistry
@@ -19,13 +18,10 @@ from carpool.broker.replies import Replies, ToClient
 from carpool.broker.requests import ClientId
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
-    Frame,
     MetadataRequest,
     ModelMetadata,
     WorkerLimits,
-    decode_meta,
     metadata_reply_frames,
-    view,
 )
 
 __all__ = ["answer", "describe"]
@@ -64,21 +60,11 @@ def describe(registry: WorkerRegistry, request: MetadataRequest) -> list[ModelMe
 
 
 def answer(
-    registry: WorkerRegistry,
-    replies: Replies,
-    client: ClientId,
-    delimited: bool,
-    frames: Sequence[Frame],
+    registry: WorkerRegistry, replies: Replies, client: ClientId, request: MetadataRequest
 ) -> ToClient:
-    """The one answer to a METADATA message (its header already read): the models, or
-    NOT_FOUND for a model no live worker serves.
-
-    Raises:
-        ProtocolError: the meta frame is unreadable (the caller answers INVALID_ARGUMENT).
-    """
-    request = MetadataRequest()
-    if len(frames) > 1:
-        request = MetadataRequest.from_wire(decode_meta(view(frames[1])))
+    """The one answer to a METADATA request: the models, or NOT_FOUND for a model no
+    live worker serves."""
+    delimited = request.delimited
     models = describe(registry, request)
     if models is None:
         msg = f"model {request.model!r} is not served by any worker"

@@ -21,7 +21,6 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.intake import ClientIntake
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, heartbeat
@@ -34,6 +33,7 @@ from carpool.common.protocol import (
     Command,
     FailedMeta,
     Frame,
+    ModelSpec,
     Ready,
     ResultMeta,
 )
@@ -68,7 +68,6 @@ class WorkerEvents:
     fleet: FleetModel
     pumps: Pumps
     replies: Replies
-    intake: ClientIntake
     # Lines a peer on the worker socket can cause, each kind rate-limited apart.
     _log_protocol: RateLimitedLog = field(init=False, default_factory=_peer_log)
     _log_refused: RateLimitedLog = field(init=False, default_factory=_peer_log)
@@ -101,8 +100,7 @@ class WorkerEvents:
         out: list[Outgoing] = []
         try:
             if isinstance(msg, msgs.WorkerReady):
-                self._on_ready(now, wid, msg.ready, out)
-                return out
+                raise ProtocolError("READY goes to on_ready")  # (the core routes it there)
             if isinstance(msg, msgs.WorkerMalformed) and msg.command is None:
                 raise ProtocolError(msg.error)  # whoever sent it
             worker = self.registry.touch(now, wid)
@@ -141,7 +139,14 @@ class WorkerEvents:
             out.append(disconnect(wid, f"protocol error: {exc}"))
         return out
 
-    def _on_ready(self, now: float, wid: WorkerId, ready: Ready, out: list[Outgoing]) -> None:
+    def on_ready(
+        self, now: float, wid: WorkerId, ready: Ready, out: list[Outgoing]
+    ) -> list[ModelSpec] | None:
+        """A worker's READY: register it (a second READY ends the first registration),
+        or refuse it with DISCONNECT (then None). Returns the registered specs its
+        models replaced (a model no live worker served, back with another spec): the
+        caller answers the queued requests they no longer fit, and lets in the requests
+        held for its models."""
         old = self.registry.get(wid)
         if old is not None:
             # A second READY on one connection: the old registration ends either way.
@@ -158,7 +163,7 @@ class WorkerEvents:
                 "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
-            return
+            return None
         if len(self.registry) >= self.config.max_workers:
             reason = (
                 f"this broker has its limit of {self.config.max_workers} workers registered "
@@ -168,7 +173,7 @@ class WorkerEvents:
                 "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
-            return
+            return None
         conflicts = self.registry.conflicts(ready)
         if conflicts:
             reason = f"model spec differs from the registered one for {', '.join(conflicts)}"
@@ -176,9 +181,8 @@ class WorkerEvents:
                 "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
-            return
-        for spec in self.registry.replaced(ready):
-            self.intake.respec(spec, ready.name, out)
+            return None
+        replaced = list(self.registry.replaced(ready))
         lanes = {
             m.name: self.fleet.lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models
         }
@@ -195,9 +199,7 @@ class WorkerEvents:
             ",".join(limits) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             now=now,
         )
-        # Requests held at the door for these models (just after a start) go in first.
-        self.intake.release(now, names, out)
-        self.pumps.mark_models(names)
+        return replaced
 
     def _on_result(
         self,

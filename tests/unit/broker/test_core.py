@@ -1618,7 +1618,7 @@ def test_a_known_layout_answers_bad_requests_like_a_fresh_broker(changes: dict[s
         b.ready(T0, W1, SPEC2, slots=2)
     (first,) = batches(warm.client(T0, C2, raw_request(1)))  # caches the layout
     assert ids(first) == [1]
-    assert warm.core.request_decoder.layouts  # the fast path is armed
+    assert warm.core.layouts.layouts  # the layout is remembered
     frames = raw_request(**changes)
     assert answer(warm, frames) == answer(cold, frames)
 
@@ -1628,11 +1628,12 @@ def test_the_fast_path_reorders_inputs_into_spec_order(monkeypatch: pytest.Monke
     b.ready(T0, W1, SPEC2, slots=2)
     b.client(T0, C1, raw_request(1))  # the full path; the next two take the fast one
 
-    def no_full_decode(meta: Any) -> None:
+    def no_full_check(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a known layout took the full path")
 
-    monkeypatch.setattr("carpool.broker.intake.decode_submit", no_full_decode)
-    monkeypatch.setattr("carpool.common.protocol.request_decoder.decode_submit", no_full_decode)
+    # A known layout's descriptors and its checks against the model are not made again.
+    monkeypatch.setattr("carpool.common.protocol.from_client.tensor_list", no_full_check)
+    monkeypatch.setattr("carpool.broker.intake.layout_of", no_full_check)
     b.client(T0, C1, raw_request(2))
     a3 = np.full(3, 7, np.float32).tobytes()
     (msg,) = batches(b.client(T0, C1, raw_request(3, payloads=[b"\x05\x06", a3])))
