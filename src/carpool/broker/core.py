@@ -32,7 +32,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from carpool.broker import metadata
+from carpool.broker import metadata, replies
 from carpool.broker.admission import misfits
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
@@ -43,7 +43,7 @@ from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.intake import Arrival, ClientIntake
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerId, WorkerRegistry
-from carpool.broker.replies import Outgoing, Replies, Side, ToClient, ToWorker, disconnect
+from carpool.broker.replies import Outgoing, Side, ToClient, ToWorker, disconnect
 from carpool.broker.requests import ClientId, RequestBook
 from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats, model_table, snapshot
@@ -93,19 +93,14 @@ class BrokerCore:
         )
         self.fleet = fleet = FleetModel(config, registry, inflight)
         backlog.batch_unit = fleet.batch_unit
-        self.replies = replies = Replies(stats, backlog, fleet)
-        self.dispatcher = dispatcher = Dispatcher(
-            book, backlog, inflight, fleet, replies, stats, registry
-        )
+        self.dispatcher = dispatcher = Dispatcher(book, backlog, inflight, fleet, stats, registry)
         self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet)
-        self.holding = holding = HeldRequests(config, backlog, replies)
-        self.resends = resends = Resends(book, holding, replies, stats)
+        self.holding = holding = HeldRequests(config, backlog, stats)
+        self.resends = resends = Resends(book, holding, stats)
         self.intake = intake = ClientIntake(
-            config, registry, stats, backlog, fleet, pumps, replies, holding, resends
+            config, registry, stats, backlog, fleet, pumps, holding, resends
         )
-        self.workers = WorkerEvents(
-            config, registry, stats, book, backlog, inflight, fleet, pumps, replies
-        )
+        self.workers = WorkerEvents(config, registry, stats, book, backlog, inflight, fleet, pumps)
         #: The request layouts the door checked before: each client message is decoded
         #: with them (a request of one comes with its queue key and sample count).
         self.layouts = intake.layouts
@@ -188,13 +183,13 @@ class BrokerCore:
         if isinstance(msg, Cancel):
             return self._on_cancel(client, msg)
         if isinstance(msg, MetadataRequest):
-            return [metadata.answer(self.registry, self.replies, client, msg)]
+            return [metadata.answer(self.registry, self.stats, client, msg)]
         gate, rid = self.stats_gate, msg.request_id  # STATS: echoes the query's id
         if gate is not None and not gate(identity):
             code, denied = ErrorCode.PERMISSION_DENIED, "STATS is answered to operator keys only"
-            return [self.replies.error(client, msg.delimited, rid, code, denied)]
+            return [replies.error(self.stats, client, msg.delimited, rid, code, denied)]
         answer = self.snapshot(now) if rid is None else {**self.snapshot(now), "id": rid}
-        return [self.replies.to_client(client, msg.delimited, encode(Command.STATS, answer))]
+        return [replies.to_client(client, msg.delimited, encode(Command.STATS, answer))]
 
     def _on_cancel(self, client: ClientId, cancel: Cancel) -> list[Outgoing]:
         """A CANCEL: a request held at the door is answered by the holding area; a queued
@@ -317,7 +312,7 @@ class BrokerCore:
         and, if registered, lost (its batches go back to the queues), so that it
         registers afresh."""
         if side is Side.FRONTEND:
-            answer = self.replies.internal_error(ClientId(identity), frames or ())
+            answer = replies.internal_error(self.stats, ClientId(identity), frames or ())
             return [] if answer is None else [answer]
         out: list[Outgoing] = []
         reason = "the broker failed to handle its message (a bug, logged)"

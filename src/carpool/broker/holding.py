@@ -34,8 +34,9 @@ from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
-from carpool.broker.replies import Outgoing, Replies
+from carpool.broker.replies import Outgoing, error
 from carpool.broker.requests import ClientId, Origin, count_in, count_out
+from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Request
 
@@ -62,10 +63,10 @@ class HeldRequest:
 class HeldRequests:
     """The requests held at the door; see the module docstring."""
 
-    def __init__(self, config: BrokerConfig, backlog: Backlog, replies: Replies) -> None:
+    def __init__(self, config: BrokerConfig, backlog: Backlog, stats: BrokerStats) -> None:
         self._config = config
         self._backlog = backlog
-        self._replies = replies
+        self._stats = stats
         #: The model names whose requests may be held.
         self.names: frozenset[str] = frozenset(config.models)
         #: The end of the grace window (the core sets it from when the broker started).
@@ -154,7 +155,8 @@ class HeldRequests:
         r = entry.request
         message = "cancelled by its client before a worker registered the model"
         out.append(
-            self._replies.error(
+            error(
+                self._stats,
                 entry.client,
                 r.delimited,
                 r.request_id,
@@ -221,7 +223,8 @@ class HeldRequests:
     ) -> Outgoing:
         r = entry.request
         code = ErrorCode.UNAVAILABLE
-        return self._replies.error(
+        return error(
+            self._stats,
             entry.client,
             r.delimited,
             r.request_id,

@@ -24,7 +24,7 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerRegistry
-from carpool.broker.replies import Outgoing, Replies
+from carpool.broker.replies import Outgoing, error
 from carpool.broker.requests import ClientId, Origin
 from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats
@@ -53,7 +53,6 @@ class ClientIntake:
     backlog: Backlog
     fleet: FleetModel
     pumps: Pumps
-    replies: Replies
     holding: HeldRequests
     resends: Resends
     _seq: int = dataclasses.field(init=False, default=0)
@@ -105,8 +104,14 @@ class ClientIntake:
             self._log_version(
                 "client peer=%s sent protocol version %d", peer_tag(client), msg.version, now=now
             )
-        return self.replies.error(
-            client, msg.delimited, msg.request_id, msg.code, msg.message, simple=msg.simple
+        return error(
+            self.stats,
+            client,
+            msg.delimited,
+            msg.request_id,
+            msg.code,
+            msg.message,
+            simple=msg.simple,
         )
 
     def release(self, now: float, models: list[str], out: list[Outgoing]) -> None:
@@ -166,7 +171,7 @@ class ClientIntake:
         self, client: ClientId, request: Request[Layout], code: ErrorCode, message: str
     ) -> list[Outgoing]:
         rid, delimited, simple = request.request_id, request.delimited, request.simple
-        return [self.replies.error(client, delimited, rid, code, message, simple=simple)]
+        return [error(self.stats, client, delimited, rid, code, message, simple=simple)]
 
     def _unavailable(
         self, now: float, client: ClientId, request: Request[Layout], message: str
@@ -174,7 +179,8 @@ class ClientIntake:
         """UNAVAILABLE at the door; once the broker is stopping, with ``retry`` and the
         time left before it closes (§6.3)."""
         backlog = self.backlog
-        return self.replies.error(
+        return error(
+            self.stats,
             client,
             request.delimited,
             request.request_id,
@@ -228,7 +234,8 @@ class ClientIntake:
             )
         if type(verdict) is Refused:
             self.stats.refused(layout.model, verdict.code.name, verdict.shed)
-            error = self.replies.error(
+            answer = error(
+                self.stats,
                 client,
                 request.delimited,
                 request.request_id,
@@ -238,7 +245,7 @@ class ClientIntake:
                 retry_after_ms=verdict.retry_after_ms,
                 retry=verdict.retry,
             )
-            out.append(error)
+            out.append(answer)
             return out
         self._seq += 1
         req = pending(self._seq, client, request, layout, now, timeout_s, nbytes, origin)

@@ -14,8 +14,9 @@ import dataclasses
 
 from carpool.broker.limits import hull
 from carpool.broker.registry import WorkerRegistry
-from carpool.broker.replies import Replies, ToClient
+from carpool.broker.replies import ToClient, error, to_client
 from carpool.broker.requests import ClientId
+from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     MetadataRequest,
@@ -60,7 +61,7 @@ def describe(registry: WorkerRegistry, request: MetadataRequest) -> list[ModelMe
 
 
 def answer(
-    registry: WorkerRegistry, replies: Replies, client: ClientId, request: MetadataRequest
+    registry: WorkerRegistry, stats: BrokerStats, client: ClientId, request: MetadataRequest
 ) -> ToClient:
     """The one answer to a METADATA request: the models, or NOT_FOUND for a model no
     live worker serves."""
@@ -68,5 +69,5 @@ def answer(
     models = describe(registry, request)
     if models is None:
         msg = f"model {request.model!r} is not served by any worker"
-        return replies.error(client, delimited, request.request_id, ErrorCode.NOT_FOUND, msg)
-    return replies.to_client(client, delimited, metadata_reply_frames(request.request_id, models))
+        return error(stats, client, delimited, request.request_id, ErrorCode.NOT_FOUND, msg)
+    return to_client(client, delimited, metadata_reply_frames(request.request_id, models))

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from carpool.broker.holding import HeldRequests
-from carpool.broker.replies import Outgoing, Replies
+from carpool.broker.replies import Outgoing, error
 from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook, RequestState
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
@@ -41,13 +41,10 @@ _QUEUED = RequestState.QUEUED
 class Resends:
     """Copies of requests and CANCELs; see the module docstring."""
 
-    def __init__(
-        self, book: RequestBook, holding: HeldRequests, replies: Replies, stats: BrokerStats
-    ) -> None:
+    def __init__(self, book: RequestBook, holding: HeldRequests, stats: BrokerStats) -> None:
         self._by_origin = book.by_origin
         self._book = book
         self._holding = holding
-        self._replies = replies
         self._stats = stats
         #: CANCELs that went past their checks (the core's ``changes`` reads it).
         self.changes = 0
@@ -87,7 +84,7 @@ class Resends:
                 f"{held_model!r}; a request sent again must name the same model"
             )
             code = ErrorCode.INVALID_ARGUMENT
-            return [self._replies.error(client, delimited, origin[1], code, msg)]
+            return [error(self._stats, client, delimited, origin[1], code, msg)]
         if req is not None:
             self._book.redirect(req, client, delimited)
         else:

@@ -23,7 +23,14 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
-from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, heartbeat
+from carpool.broker.replies import (
+    Outgoing,
+    ToClient,
+    disconnect,
+    heartbeat,
+    request_error,
+    retry_after_ms,
+)
 from carpool.broker.requests import RequestBook, RequestState
 from carpool.broker.stats import BrokerStats, batch_log, batch_record
 from carpool.common.errors import ErrorCode, ProtocolError
@@ -67,7 +74,6 @@ class WorkerEvents:
     inflight: InflightTable
     fleet: FleetModel
     pumps: Pumps
-    replies: Replies
     # Lines a peer on the worker socket can cause, each kind rate-limited apart.
     _log_protocol: RateLimitedLog = field(init=False, default_factory=_peer_log)
     _log_refused: RateLimitedLog = field(init=False, default_factory=_peer_log)
@@ -323,7 +329,13 @@ class WorkerEvents:
         for req in batch.requests:
             if req.state is _DISPATCHED:
                 self.book.move(req, _FAILED)
-                out.append(self.replies.request_error(req, code, message))
+                hint = None
+                if code is ErrorCode.OVERLOADED:  # (§12 wants a hint with it)
+                    # The drain time of what waits ahead of it, and of itself.
+                    ahead = self.backlog.samples_ahead(req.model, int(req.priority)) + req.samples
+                    drain_s = self.fleet.drain_time_s(req.model, req.key, ahead)
+                    hint = retry_after_ms(drain_s or 0.05)
+                out.append(request_error(self.stats, req, code, message, hint=hint))
 
     def lose_worker(
         self, now: float, worker: WorkerState, reason: str, out: list[Outgoing]
@@ -384,5 +396,5 @@ class WorkerEvents:
                     self.stats.requeued += 1
                 else:
                     self.book.move(req, _FAILED)
-                    out.append(self.replies.request_error(req, ErrorCode.UNAVAILABLE, message))
+                    out.append(request_error(self.stats, req, ErrorCode.UNAVAILABLE, message))
         self.pumps.mark_models(worker.models)
