@@ -24,7 +24,8 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue, request_key
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
-from carpool.broker.replies import retry_after_ms
+from carpool.broker.registry import WorkerRegistry
+from carpool.broker.replies import Refused, retry_after_ms
 from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestKey
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
@@ -54,20 +55,6 @@ class Layout:
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """The request may queue (:data:`ADMITTED`, the one instance)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """The request is answered with an error now."""
-
-    code: ErrorCode
-    message: str
-    retry_after_ms: int | None = None
-    # It counts as an arrival of the model's traffic (it was refused for the queue or
-    # its deadline, not for the broker stopping or a batch it can never fit).
-    arrival: bool = True
-    shed: bool = False  # refused as hopeless (counted with the requests shed)
-    retry: bool = False  # the broker is stopping: the request may be sent again (§6.3)
 
 
 ADMITTED = Admitted()
@@ -331,6 +318,34 @@ def queued_misfit(spec: ModelSpec, req: PendingRequest) -> tuple[ErrorCode, str]
         msg = f"model {spec.name!r} was re-registered with its {what}"
         return ErrorCode.UNAVAILABLE, f"{msg} while the request was queued; resend it"
     return None
+
+
+def unfinishable(
+    now: float,
+    until_s: float | None,
+    queues: dict[RequestKey, RequestQueue],
+    registry: WorkerRegistry,
+    fleet: FleetModel,
+) -> list[tuple[RequestQueue, PendingRequest]]:
+    """The queued requests that cannot be answered by ``until_s`` (None: all of them): no
+    live worker serves its model, or its predicted completion, behind what is queued
+    ahead of it, lies past ``until_s`` (a stopping broker answers them at once)."""
+    out = []
+    ahead: dict[str, int] = {}  # samples kept so far, by model
+    stop_by_s = until_s if until_s is not None else float("-inf")
+    for queue in queues.values():
+        for req in queue:
+            model = req.model
+            keep = until_s is not None and any(registry.serving(model))
+            if keep:
+                samples = ahead.get(model, 0) + req.samples
+                completion = fleet.completion(now, model, queue.key, samples)
+                keep = completion is None or now + completion[0] <= stop_by_s
+            if keep:
+                ahead[model] = samples
+            else:
+                out.append((queue, req))
+    return out
 
 
 def misfits(

@@ -29,11 +29,12 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from carpool.broker import metadata, replies
-from carpool.broker.admission import misfits
+from carpool.broker.admission import Layout, full, misfits, unfinishable
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
@@ -44,7 +45,7 @@ from carpool.broker.intake import Arrival, ClientIntake
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Side, ToClient, ToWorker, disconnect
-from carpool.broker.requests import ClientId, RequestBook
+from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook
 from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats, model_table, snapshot
 from carpool.broker.workers import WorkerEvents
@@ -96,10 +97,8 @@ class BrokerCore:
         self.dispatcher = dispatcher = Dispatcher(book, backlog, inflight, fleet, stats, registry)
         self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, stats)
-        self.resends = resends = Resends(book, holding, stats)
-        self.intake = intake = ClientIntake(
-            config, registry, stats, backlog, fleet, pumps, holding, resends
-        )
+        self.resends = Resends(book, holding, stats)
+        self.intake = intake = ClientIntake(config, registry, backlog, fleet)
         self.workers = WorkerEvents(config, registry, stats, book, backlog, inflight, fleet, pumps)
         #: The request layouts the door checked before: each client message is decoded
         #: with them (a request of one comes with its queue key and sample count).
@@ -108,8 +107,8 @@ class BrokerCore:
         self.stats_gate: Callable[[bytes], bool] | None = None
         self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
         #: How each worker is connected, by its id, as STATS names it ("zeromq", "local",
-        #: "embedded"): the server's transports say; the core only passes it on.
-        self.worker_transport: Callable[[bytes], str] = _zeromq
+        #: "embedded"): the server's transports say (a core without one: all "zeromq").
+        self.worker_transport: Callable[[bytes], str] = lambda wid: "zeromq"
 
     # ------------------------------------------------------------------ the server's knobs
 
@@ -177,9 +176,14 @@ class BrokerCore:
         client = ClientId(identity)
         self.stats.requests += 1
         if isinstance(msg, Request):
-            return self.intake.on_request(now, client, msg)
+            return self._on_request(now, client, msg)
         if isinstance(msg, ClientMalformed):
-            return [self.intake.malformed(now, client, msg)]
+            self.intake.malformed(now, client, msg)
+            rid, code, text = msg.request_id, msg.code, msg.message
+            error = replies.error(
+                self.stats, client, msg.delimited, rid, code, text, simple=msg.simple
+            )
+            return [error]
         if isinstance(msg, Cancel):
             return self._on_cancel(client, msg)
         if isinstance(msg, MetadataRequest):
@@ -190,6 +194,39 @@ class BrokerCore:
             return [replies.error(self.stats, client, msg.delimited, rid, code, denied)]
         answer = self.snapshot(now) if rid is None else {**self.snapshot(now), "id": rid}
         return [replies.to_client(client, msg.delimited, encode(Command.STATS, answer))]
+
+    def _on_request(self, now: float, client: ClientId, request: Request[Layout]) -> list[Outgoing]:
+        """A REQUEST: a copy of one held is claimed; else the door lets it in (its queue is
+        pumped at the end of the turn), holds it (its model is expected back), or refuses it."""
+        origin: Origin | None = None
+        if request.nonce is not None:  # sent with its client's nonce: a copy sent again?
+            claim = self.resends.claim(client, request)
+            if isinstance(claim, list):
+                return claim
+            origin = claim
+        out: list[Outgoing] = []
+        if full(self.config, self.backlog, request.nbytes):
+            self.pumps.pump_dirty(now, out)  # the turn's batches, formed first, make room
+        verdict = self.intake.admit(now, client, request, origin)
+        if isinstance(verdict, PendingRequest):
+            self.pumps.dirty[verdict.key] = None  # its batch forms at the end of the turn
+            return out
+        if verdict.hold and self.holding.hold(now, client, request, origin):
+            return out
+        out.append(replies.refusal(self.stats, client, request, verdict))
+        return out
+
+    def _release(self, now: float, models: list[str], out: list[Outgoing]) -> None:
+        """The requests held at the door for ``models`` (a READY registered them) go to
+        the door, in arrival order, each with what remains of its budget."""
+        holding = self.holding
+        if not holding.count:
+            return
+        holding.on_tick(now, out)  # (those due are answered, not admitted late)
+        for model in models:
+            for held in holding.release(model):  # (more than HOLD_LEAD_S is left)
+                held.request.timeout_ms = max(1, math.floor(1000 * (held.deadline_s - now)))
+                out.extend(self._on_request(now, held.client, held.request))
 
     def _on_cancel(self, client: ClientId, cancel: Cancel) -> list[Outgoing]:
         """A CANCEL: a request held at the door is answered by the holding area; a queued
@@ -225,7 +262,7 @@ class BrokerCore:
             warning = "model %s re-registered by %s with other inputs or outputs: %d answered"
             logger.warning(warning, spec.name, ready.name, len(answered))
         names = [m.name for m in ready.models]
-        self.intake.release(now, names, out)
+        self._release(now, names, out)
         self.pumps.mark_models(names)
         return out
 
@@ -251,22 +288,9 @@ class BrokerCore:
         # (each UNAVAILABLE of a request that did not run: retry)
         self.holding.stop(out, backlog.retry_after_ms(now))
         msg = "the broker is stopping before the request was dispatched; retry"
-        answer = self.dispatcher.answer_queued
-        registry, fleet = self.registry, self.fleet
-        ahead: dict[str, int] = {}  # samples kept so far, by model
-        stop_by_s = until_s if until_s is not None else float("-inf")
-        for queue in list(self.backlog.queues.values()):
-            for req in list(queue):
-                model = req.model
-                keep = until_s is not None and any(registry.serving(model))
-                if keep:
-                    samples = ahead.get(model, 0) + req.samples
-                    completion = fleet.completion(now, model, queue.key, samples)
-                    keep = completion is None or now + completion[0] <= stop_by_s
-                if keep:
-                    ahead[model] = samples
-                else:
-                    answer(queue, req, ErrorCode.UNAVAILABLE, msg, out, now)
+        code, answer = ErrorCode.UNAVAILABLE, self.dispatcher.answer_queued
+        for queue, req in unfinishable(now, until_s, backlog.queues, self.registry, self.fleet):
+            answer(queue, req, code, msg, out, now)
         if until_s is None:
             self.pumps.stop()
         return out
@@ -288,12 +312,10 @@ class BrokerCore:
     # ------------------------------------------------------------------ faults
 
     def changes(self) -> int:
-        """Writes so far to the state a request's one answer depends on: the client
-        messages that went past their checks (the intake counts each before its first
-        write: a queue, a copy's claim, a hold, a cancel), and the writes of the request
-        book, the held requests, the worker registry and the in-flight table. The server
-        reads it before each message; unchanged after a fault, it shows that the message
-        changed no state."""
+        """Writes so far to the state a request's one answer depends on (the door's, a
+        claim's or CANCEL's, the book's, the held requests', the registry's, the
+        in-flight table's). Unchanged after a fault, it shows that the message changed no
+        state (the server reads it before each message)."""
         return (
             self.intake.writes
             + self.resends.changes
@@ -383,12 +405,9 @@ class BrokerCore:
             self.layouts.forget_model(name)
             forgotten.append(name)
         if forgotten:
-            logger.info(
-                "forgot %d models no worker served for %.0f s: %s",
-                len(forgotten),
-                config.forget_unserved_s,
-                ",".join(forgotten[:8]) + (",..." if len(forgotten) > 8 else ""),
-            )
+            names = ",".join(forgotten[:8]) + (",..." if len(forgotten) > 8 else "")
+            line = "forgot %d models no worker served for %.0f s: %s"
+            logger.info(line, len(forgotten), config.forget_unserved_s, names)
         return forgotten
 
     def next_wakeup(self, now: float) -> float | None:
@@ -423,17 +442,5 @@ class BrokerCore:
         names = {*registry.specs, *self.config.models}
         batching = self.fleet.batching_for
         models = model_table(stats, registry, names, backlog.queued_samples, batching, now)
-        return snapshot(
-            stats,
-            registry,
-            backlog.queued,
-            backlog.queued_bytes,
-            len(self.inflight),
-            self.worker_transport,
-            models,
-        )
-
-
-def _zeromq(wid: bytes) -> str:
-    """A core without a server: every worker is taken for a ZeroMQ peer."""
-    return "zeromq"
+        counts = (backlog.queued, backlog.queued_bytes, len(self.inflight))
+        return snapshot(stats, registry, *counts, self.worker_transport, models)

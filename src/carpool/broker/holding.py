@@ -101,9 +101,7 @@ class HeldRequests:
         expires_s = min(deadline_s - HOLD_LEAD_S, self.until_s)
         if expires_s <= now:
             return False
-        nbytes = 0
-        for frame in request.payloads:
-            nbytes += len(frame)
+        nbytes = request.nbytes
         backlog = self._backlog
         if (
             self.count + backlog.queued >= config.max_queued

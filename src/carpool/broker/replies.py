@@ -31,6 +31,7 @@ from carpool.common.protocol import (
     ErrorReply,
     Frame,
     FromBroker,
+    Request,
     decode_from_client,
     encode_error,
 )
@@ -75,6 +76,26 @@ class ToWorker:
 
 
 Outgoing = ToClient | ToWorker
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request not let in: answered with an error now (:func:`refusal`)."""
+
+    code: ErrorCode
+    message: str
+    retry_after_ms: int | None = None
+    # It counts as an arrival of the model's traffic (it was refused for the queue or
+    # its deadline, not for the broker stopping or a batch it can never fit).
+    arrival: bool = True
+    shed: bool = False  # refused as hopeless (counted with the requests shed)
+    retry: bool = False  # the broker is stopping: the request may be sent again (§6.3)
+    # Counted among its model's refusals (STATS): the door's verdicts, not the checks
+    # against a model (whose name may be any a client chose).
+    counted: bool = True
+    # Its model is expected back (just after a start): the request waits at the door if
+    # the holding area takes it, else this is its answer.
+    hold: bool = False
 
 
 def retry_after_ms(drain_s: float) -> int:
@@ -141,6 +162,25 @@ def internal_error(
         "changed nothing there, and may be sent again"
     )
     return error(stats, client, delimited, rid, ErrorCode.INTERNAL, message, simple=simple)
+
+
+def refusal(
+    stats: BrokerStats, client: ClientId, request: Request[Any], refused: Refused
+) -> ToClient:
+    """The error answer of a request the door refused, counted in ``stats``."""
+    if refused.counted:
+        stats.refused(request.model, refused.code.name, refused.shed)
+    return error(
+        stats,
+        client,
+        request.delimited,
+        request.request_id,
+        refused.code,
+        refused.message,
+        simple=request.simple,
+        retry_after_ms=refused.retry_after_ms,
+        retry=refused.retry,
+    )
 
 
 def request_error(

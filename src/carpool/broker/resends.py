@@ -46,7 +46,7 @@ class Resends:
         self._book = book
         self._holding = holding
         self._stats = stats
-        #: CANCELs that went past their checks (the core's ``changes`` reads it).
+        #: Claims and CANCELs that went past their checks (the core's ``changes``).
         self.changes = 0
         #: The authenticated key a client id starts with (the server sets it under
         #: CURVE); None: no keys, a request's origin is its nonce alone.
@@ -63,6 +63,7 @@ class Resends:
         else what to send: nothing (the held request answers on ``client``'s connection)
         or, for a copy that names another model, its INVALID_ARGUMENT. (One call: it runs
         for every request sent with a nonce.)"""
+        self.changes += 1  # (from here on the message may change state)
         key_of, nonce, delimited = self.key_of, request.nonce, request.delimited
         assert nonce is not None
         origin = (nonce if key_of is None else key_of(client) + nonce, request.request_id)

@@ -9,7 +9,6 @@ from carpool.broker.admission import (
     ADMITTED,
     Admitted,
     Layout,
-    Refused,
     admit,
     full,
 )
@@ -19,6 +18,7 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightTable
 from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.replies import Refused
 from carpool.broker.requests import ClientId, RequestBook, RequestKey
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import ModelSpec, Priority, Ready, TensorMeta

@@ -79,6 +79,7 @@ class Request(Generic[L]):
     shm_outputs: bool  # the client reads outputs from a worker's ring (§5.5)
     nonce: bytes | None  # the client's nonce (REQUEST ``client``, §6.1)
     payloads: Sequence[Frame]  # one per input, in the request's order
+    nbytes: int  # the payload frames' bytes (an input in shared memory: none)
     delimited: bool = False  # it came after an empty delimiter frame (a REQ socket)
     simple: bool = False  # it came in the simple form (answered in it)
     # A layout remembered in :class:`KnownLayouts` (its value), which this request has,
@@ -195,6 +196,9 @@ def decode_request(
     layout = None
     if entry is not None and _same_frames(entry[1], payloads, refs):
         layout = entry[2]
+    nbytes = 0
+    for frame in payloads:
+        nbytes += len(frame)
     return Request(
         rid,
         model,
@@ -205,6 +209,7 @@ def decode_request(
         shm_outputs,
         nonce,
         payloads,
+        nbytes,
         delimited,
         False,
         layout,
@@ -260,6 +265,7 @@ def decode_simple(frame: Frame, *, delimited: bool = False) -> Request[Any]:
         exc.meta = obj
         raise
     request.payloads = payloads
+    request.nbytes = sum(len(data) for data in payloads)
     request.simple = True
     return request
 
