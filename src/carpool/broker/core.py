@@ -175,7 +175,7 @@ class BrokerCore:
         msg = decode_from_client(frames, self.layouts)
         client = ClientId(identity)
         self.stats.requests += 1
-        if isinstance(msg, Request):
+        if type(msg) is Request:
             return self._on_request(now, client, msg)
         if isinstance(msg, ClientMalformed):
             self.intake.malformed(now, client, msg)
@@ -205,11 +205,14 @@ class BrokerCore:
                 return claim
             origin = claim
         out: list[Outgoing] = []
-        if full(self.config, self.backlog, request.nbytes):
-            self.pumps.pump_dirty(now, out)  # the turn's batches, formed first, make room
+        pumps = self.pumps
+        if (pumps.dirty or pumps.freed_models or pumps.dirty_models) and full(
+            self.config, self.backlog, request.nbytes
+        ):
+            pumps.pump_dirty(now, out)  # the turn's batches, formed first, make room
         verdict = self.intake.admit(now, client, request, origin)
         if isinstance(verdict, PendingRequest):
-            self.pumps.dirty[verdict.key] = None  # its batch forms at the end of the turn
+            pumps.dirty[verdict.key] = None  # its batch forms at the end of the turn
             return out
         if verdict.hold and self.holding.hold(now, client, request, origin):
             return out

@@ -34,6 +34,7 @@ from carpool.common.protocol.client_messages import (
     request_id_of,
 )
 from carpool.common.protocol.frames import (
+    MAX_NAME_CHARS,
     MAX_TIMEOUT_MS,
     PRIORITIES,
     PROTOCOL_VERSION,
@@ -169,17 +170,21 @@ def decode_request(
     Raises:
         ProtocolError: the meta breaks a rule (its message names which).
     """
+    # Per request: each rule's usual case is checked inline, and its own function runs
+    # (and raises, with its message) only where that fails.
     rid = request_id_of(meta)
     if rid is None:
         raise ProtocolError("request: field 'id' missing or not an unsigned 64-bit int")
-    model = require_name(meta.get("model"), "request model")
+    model = meta.get("model")
+    if type(model) is not str or not model or len(model) > MAX_NAME_CHARS:
+        model = require_name(model, "request model")
     timeout = meta.get("timeout_ms")
     if timeout is not None and (type(timeout) is not int or not 0 < timeout <= MAX_TIMEOUT_MS):
         raise ProtocolError(f"request: timeout_ms must be an int in 1..{MAX_TIMEOUT_MS}")
     prio = meta.get("priority", 0)
     if type(prio) is not int or prio not in (0, 1):
         raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
-    raw = meta.get("inputs")
+    raw: Any = meta.get("inputs")
     entry = None
     if known is not None and known.layouts:
         signature = tensor_signature(raw)
@@ -187,18 +192,23 @@ def decode_request(
             entry = known.layouts.get((model, signature))
     # A remembered layout's descriptors passed tensor_list when it was remembered.
     inputs = tensor_list(raw, "request inputs") if entry is None else entry[0]
-    assert isinstance(raw, list)  # tensor_list or the cache checked it
     shm_outputs = meta.get("shm_outputs", False)
     if type(shm_outputs) is not bool:
         raise ProtocolError("request: shm_outputs must be true or false")
-    nonce = client_nonce_of(meta, "request")
-    refs = shm_refs(raw)
+    nonce = meta.get("client")
+    if nonce is not None:
+        nonce = client_nonce_of(meta, "request")
+    refs = None
+    for t in raw:  # (maps: tensor_list or the cache checked them)
+        if "shm" in t:
+            refs = shm_refs(raw)
+            break
+    lengths = tuple(map(len, payloads))
     layout = None
-    if entry is not None and _same_frames(entry[1], payloads, refs):
-        layout = entry[2]
-    nbytes = 0
-    for frame in payloads:
-        nbytes += len(frame)
+    if entry is not None and (
+        entry[1] == lengths if refs is None else _fit(entry[1], lengths, refs)
+    ):
+        layout = entry[2]  # (its frames are as long as the layout's)
     return Request(
         rid,
         model,
@@ -209,27 +219,21 @@ def decode_request(
         shm_outputs,
         nonce,
         payloads,
-        nbytes,
+        sum(lengths),
         delimited,
         False,
         layout,
     )
 
 
-def _same_frames(
-    sizes: tuple[int, ...], payloads: Sequence[Frame], refs: tuple[ShmRef | None, ...] | None
-) -> bool:
-    """Whether ``payloads`` are as long as a remembered layout's (an input in shared
-    memory: an empty frame, of a size the frame checks allow)."""
-    if len(payloads) != len(sizes):
+def _fit(sizes: tuple[int, ...], lengths: tuple[int, ...], refs: tuple[ShmRef | None, ...]) -> bool:
+    """Whether frames of ``lengths`` fit a remembered layout's ``sizes`` where some inputs
+    are in shared memory (``refs``): each of those has an empty frame, of a size the
+    frame checks allow."""
+    if len(lengths) != len(sizes):
         return False
-    if refs is None:
-        for frame, size in zip(payloads, sizes, strict=True):  # noqa: SIM110 (per request)
-            if len(frame) != size:
-                return False
-        return True
-    for frame, size, ref in zip(payloads, sizes, refs, strict=True):
-        if len(frame) != (size if ref is None else 0) or size > MAX_REF_BYTES:
+    for length, size, ref in zip(lengths, sizes, refs, strict=True):
+        if length != (size if ref is None else 0) or size > MAX_REF_BYTES:
             return False
     return True
 
