@@ -13,11 +13,9 @@ CANCEL, the worker events, replies and stats.
 
 Messages only queue work; the tick that ends each loop turn (the server's and the
 simulator's alike) forms batches for everything that arrived in it. A client's message is
-decoded once, by :func:`~carpool.common.protocol.decode_from_client` with the request
-layouts the door checked before (:attr:`BrokerCore.layouts`), and routed by its type; a
-worker's comes decoded by its transport. The core is the one place where the parts meet:
-what one part's event asks of another (a READY's released and misfit requests, a
-CANCEL's queued request) the core routes.
+decoded once (:func:`~carpool.common.protocol.decode_from_client`, with the layouts the
+door checked before), a worker's by its transport; each is routed by its type. The core
+is the one place where the parts meet: they return outputs and follow-ups, it routes.
 
 Invariants:
 - every client request gets exactly one reply: its result or a typed error;
@@ -41,7 +39,7 @@ from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.intake import Arrival, ClientIntake
+from carpool.broker.intake import ClientIntake
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Side, ToClient, ToWorker, disconnect
@@ -95,11 +93,11 @@ class BrokerCore:
         self.fleet = fleet = FleetModel(config, registry, inflight)
         backlog.batch_unit = fleet.batch_unit
         self.dispatcher = dispatcher = Dispatcher(book, backlog, inflight, fleet, stats, registry)
-        self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet)
+        self.pumps = Pumps(dispatcher, backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, stats)
         self.resends = Resends(book, holding, stats)
         self.intake = intake = ClientIntake(config, registry, backlog, fleet)
-        self.workers = WorkerEvents(config, registry, stats, book, backlog, inflight, fleet, pumps)
+        self.workers = WorkerEvents(config, registry, stats, book, backlog, inflight, fleet)
         #: The request layouts the door checked before: each client message is decoded
         #: with them (a request of one comes with its queue key and sample count).
         self.layouts = intake.layouts
@@ -111,27 +109,6 @@ class BrokerCore:
         self.worker_transport: Callable[[bytes], str] = lambda wid: "zeromq"
 
     # ------------------------------------------------------------------ the server's knobs
-
-    @property
-    def recording(self) -> list[Arrival] | None:
-        """The arrival trace while recording (None: not recording); the shell writes it
-        out (carpool record)."""
-        return self.intake.recording
-
-    @recording.setter
-    def recording(self, records: list[Arrival] | None) -> None:
-        self.intake.recording = records
-
-    @property
-    def authenticated_key(self) -> Callable[[bytes], bytes] | None:
-        """The authenticated key a client id starts with, part of a request's origin
-        (the server sets it under CURVE); None: no keys, a request's origin is its
-        client's nonce alone."""
-        return self.resends.key_of
-
-    @authenticated_key.setter
-    def authenticated_key(self, key_of: Callable[[bytes], bytes] | None) -> None:
-        self.resends.key_of = key_of
 
     @property
     def started_s(self) -> float:
@@ -246,7 +223,25 @@ class BrokerCore:
         """A worker's message, as its transport decoded it (``decode_from_worker``)."""
         if type(msg) is WorkerReady:
             return self._on_ready(now, WorkerId(identity), msg.ready)
-        return self.workers.on_worker(now, identity, msg)
+        workers = self.workers
+        out = workers.on_worker(now, identity, msg)
+        freed = workers.freed_models
+        if freed:  # (a RESULT or FAILED took a batch)
+            self.pumps.mark_freed(freed)
+            freed.clear()
+        if workers.changed_models:
+            self._mark_changed()
+        return out
+
+    def _mark_changed(self) -> None:
+        """The worker events' follow-ups, marked for the pumps at the end of the turn."""
+        workers, pumps = self.workers, self.pumps
+        if workers.changed_models:
+            pumps.mark_models(workers.changed_models)
+            workers.changed_models.clear()
+        if workers.freed_models:
+            pumps.mark_freed(workers.freed_models)
+            workers.freed_models.clear()
 
     def _on_ready(self, now: float, wid: WorkerId, ready: Ready) -> list[Outgoing]:
         """A READY: registered (or refused) by the worker events. A model no live worker
@@ -255,6 +250,7 @@ class BrokerCore:
         the requests held at the door for its models go in; their queues are pumped."""
         out: list[Outgoing] = []
         replaced = self.workers.on_ready(now, wid, ready, out)
+        self._mark_changed()  # (the worker that READY replaced)
         if replaced is None:  # refused
             return out
         for spec in replaced:
@@ -344,6 +340,7 @@ class BrokerCore:
         worker = self.registry.get(WorkerId(identity))
         if worker is not None:
             self.workers.lose_worker(now, worker, reason, out)
+            self._mark_changed()
         out.append(disconnect(WorkerId(identity), reason))
         return out
 
@@ -356,6 +353,7 @@ class BrokerCore:
         worker = self.registry.get(WorkerId(identity))
         if worker is not None:
             self.workers.lose_worker(now, worker, "unreachable", out)
+            self._mark_changed()
         return out
 
     # ------------------------------------------------------------------ time
@@ -370,9 +368,11 @@ class BrokerCore:
         event_s = self.registry.next_event_s()
         if event_s is not None and event_s <= now:
             self.workers.on_heartbeats_due(now, out)
+            self._mark_changed()
         due_s = self.inflight.next_due_s()
         if due_s is not None and due_s <= now:
             self.workers.on_watchdog(now, out)
+            self._mark_changed()
         # What waited behind an expired request (now the fleet is known), and the queues
         # whose wake-up has come, pumped with the turn's other work, most urgent first.
         wake_s = dispatcher.wake_s

@@ -21,7 +21,6 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.pumps import Pumps
 from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import (
     Outgoing,
@@ -73,7 +72,11 @@ class WorkerEvents:
     backlog: Backlog
     inflight: InflightTable
     fleet: FleetModel
-    pumps: Pumps
+    # Follow-ups for the core, which takes them after each call (they are marked for
+    # the pumps at the end of the turn): the models a worker of which freed a slot, and
+    # those whose workers changed (one joined, left, or changed health).
+    freed_models: set[str] = field(init=False, default_factory=set)
+    changed_models: set[str] = field(init=False, default_factory=set)
     # Lines a peer on the worker socket can cause, each kind rate-limited apart.
     _log_protocol: RateLimitedLog = field(init=False, default_factory=_peer_log)
     _log_refused: RateLimitedLog = field(init=False, default_factory=_peer_log)
@@ -254,7 +257,7 @@ class WorkerEvents:
             self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
             if result.padding is not None:
                 self.stats.padded(batch.key, batch.samples, result.padding)
-        self.pumps.mark_freed(worker.models)
+        self.freed_models.update(worker.models)
 
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
@@ -276,7 +279,7 @@ class WorkerEvents:
             now=now,
         )
         self.fail_batch(batch, failed.code, failed.message, out)
-        self.pumps.mark_freed(worker.models)
+        self.freed_models.update(worker.models)
 
     def _take_batch(
         self,
@@ -321,7 +324,7 @@ class WorkerEvents:
         self.registry.set_health(now, worker, Health.PROBATION)
         self.fleet.rates.clear()  # its share of the fleet's rate changed
         logger.info("worker on probation name=%s: %s", worker.name, why)
-        self.pumps.mark_models(worker.models)
+        self.changed_models.update(worker.models)
 
     def fail_batch(
         self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
@@ -397,4 +400,4 @@ class WorkerEvents:
                 else:
                     self.book.move(req, _FAILED)
                     out.append(request_error(self.stats, req, ErrorCode.UNAVAILABLE, message))
-        self.pumps.mark_models(worker.models)
+        self.changed_models.update(worker.models)

@@ -204,7 +204,7 @@ def test_an_invalid_cancel_is_answered_invalid_argument() -> None:
 def test_under_curve_the_origin_is_bound_to_the_key() -> None:
     """The server sets the seam under CURVE: a client id starts with its key."""
     b = served()
-    b.core.authenticated_key = lambda client: client[:1]
+    b.core.resends.key_of = lambda client: client[:1]
     alice, alice_again, mallory = b"a-conn-1", b"a-conn-2", b"m-conn-1"
     (batch,) = batches(b.request(T0, 7, alice, nonce=NONCE))
     assert b.request(T0, 8, alice, nonce=NONCE) == []
