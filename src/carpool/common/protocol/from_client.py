@@ -21,9 +21,9 @@ arrived.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
@@ -61,6 +61,10 @@ from carpool.common.protocol.tensors import (
 )
 
 L = TypeVar("L")
+
+#: :func:`~carpool.common.protocol.frames.view` as the type itself: two a request, so no
+#: Python frame of its own.
+_view = cast(Callable[[Frame], memoryview], memoryview)
 
 
 @dataclass(slots=True, eq=False)
@@ -172,9 +176,11 @@ def decode_request(
     """
     # Per request: each rule's usual case is checked inline, and its own function runs
     # (and raises, with its message) only where that fails.
-    rid = request_id_of(meta)
-    if rid is None:
-        raise ProtocolError("request: field 'id' missing or not an unsigned 64-bit int")
+    rid = meta.get("id")
+    if type(rid) is not int or not 0 <= rid < 1 << 64:
+        rid = request_id_of(meta)  # (an int of another type, a bool: None)
+        if rid is None:
+            raise ProtocolError("request: field 'id' missing or not an unsigned 64-bit int")
     model = meta.get("model")
     if type(model) is not str or not model or len(model) > MAX_NAME_CHARS:
         model = require_name(model, "request model")
@@ -318,11 +324,11 @@ def decode_from_client(
     try:
         if not frames:
             raise ProtocolError("empty message")
-        command = parse_header(view(frames[0]))
+        command = parse_header(_view(frames[0]))
         if command is Command.REQUEST:
             if len(frames) < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
-            meta = decode_meta(view(frames[1]))
+            meta = decode_meta(_view(frames[1]))
             return decode_request(meta, frames[2:], known, delimited=delimited)
         if command is Command.CANCEL:
             if len(frames) != 2:
