@@ -48,11 +48,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "carpool"
 BROKER_PACKAGE = "carpool.broker"
 
-TARGETS = {
-    "request_files": "< 40",
-    "broker_import_path": "<= 8",
-    "part_references": "0",
-    "client_handler_lines": "<= 30",
+#: Each figure's target: the comparison and the bound.
+TARGETS: dict[str, tuple[str, int]] = {
+    "request_files": ("<", 40),
+    "broker_import_path": ("<=", 8),
+    "part_references": ("==", 0),
+    "client_handler_lines": ("<=", 30),
+}
+_MEETS: dict[str, Callable[[int, int], bool]] = {
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    "==": lambda a, b: a == b,
 }
 
 
@@ -431,7 +437,9 @@ def measure(*, request: bool = True, trials: int = 3) -> dict[str, Any]:
             "files": files,
         }
     for name, figure in figures.items():
-        figure["target"] = TARGETS[name]
+        op, bound = TARGETS[name]
+        figure["target"] = f"{op} {bound}"
+        figure["meets"] = _MEETS[op](figure["value"], bound)
     return figures
 
 
@@ -446,7 +454,8 @@ def _print(figures: Mapping[str, Any], verbose: bool) -> None:
         if name not in figures:
             continue
         figure = figures[name]
-        print(f"{titles[name]}: {figure['value']}  (target {figure['target']})")
+        verdict = "meets" if figure["meets"] else "misses"
+        print(f"{titles[name]}: {figure['value']}  ({verdict} the target {figure['target']})")
         if name == "request_files":
             print(f"  recorded requests: {figure['trials']} files (the smallest is reported)")
             if verbose:

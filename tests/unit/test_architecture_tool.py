@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,3 +241,15 @@ def test_one_request_touches_files_of_the_client_broker_and_worker() -> None:
     src = ROOT / "src" / "carpool"
     assert all((src / name).is_file() for name in files)
     assert {name.split("/")[0] for name in files} >= {"client", "broker", "worker", "common"}
+
+
+def test_the_script_prints_its_figures_as_json_and_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It measures and never enforces: 0 whether the targets are met or not."""
+    assert arch.main(["--json", "--skip-request"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert set(figures) == {"broker_import_path", "part_references", "client_handler_lines"}
+    for figure in figures.values():
+        assert isinstance(figure["value"], int)
+        assert isinstance(figure["meets"], bool)
