@@ -2,6 +2,9 @@
 
     PYTHONPATH=src python tools/architecture.py [--json] [--verbose] [--skip-request]
 
+It measures the ``carpool`` package the interpreter imports: ``PYTHONPATH`` pointed at
+another checkout's ``src`` measures that checkout with this script.
+
 1. **Files one request touches**: the distinct ``src/carpool`` files whose Python
    functions run (``sys.setprofile``, and ``threading.setprofile`` for every thread)
    during one blocking ``Client.infer`` round trip, after a few to warm up, through a
@@ -44,8 +47,15 @@ from pathlib import Path
 from types import CellType, FrameType, FunctionType, MethodType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-SRC = ROOT / "src" / "carpool"
+
+def package_dir() -> Path:
+    """The ``carpool`` package this interpreter imports (``PYTHONPATH=src``: this
+    checkout's; another checkout's ``src`` measures that one)."""
+    import carpool
+
+    return Path(carpool.__file__).resolve().parent
+
+
 BROKER_PACKAGE = "carpool.broker"
 
 #: Each figure's target: the comparison and the bound.
@@ -303,7 +313,8 @@ def client_handler(core: Any) -> Callable[..., Any]:
 def handler_lines(func: Callable[..., Any]) -> tuple[int, str]:
     lines, first = inspect.getsourcelines(func)
     path = Path(inspect.getsourcefile(func) or "?")
-    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    root = package_dir().parent.parent  # (src/carpool's checkout)
+    where = path.relative_to(root) if path.is_relative_to(root) else path
     return len(lines), f"{where}:{first}-{first + len(lines) - 1} ({func.__qualname__})"
 
 
@@ -373,7 +384,7 @@ def request_files(trials: int = 3, warmup: int = 5) -> list[list[str]]:
     from carpool.worker.server import WorkerServer
 
     runs = []
-    with tempfile.TemporaryDirectory() as tmp, Recorder(SRC) as recorder:
+    with tempfile.TemporaryDirectory() as tmp, Recorder(package_dir()) as recorder:
         path = _model(Path(tmp))
         config = BrokerConfig(
             frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", register_grace_s=0.0
@@ -397,6 +408,8 @@ def request_files(trials: int = 3, warmup: int = 5) -> list[list[str]]:
                     recorder.on = True
                     client.infer("mm", {"x": x}, timeout_s=30)
                     recorder.on = False
+                    if not recorder.files:
+                        raise RuntimeError(f"no call recorded under {package_dir()}")
                     runs.append(sorted(recorder.files))
                     for _ in range(2):
                         client.infer("mm", {"x": x}, timeout_s=30)
@@ -409,7 +422,7 @@ def request_files(trials: int = 3, warmup: int = 5) -> list[list[str]]:
 def measure(*, request: bool = True, trials: int = 3) -> dict[str, Any]:
     from carpool.broker.core import BrokerCore
 
-    graph = import_graph(SRC / "broker", BROKER_PACKAGE)
+    graph = import_graph(package_dir() / "broker", BROKER_PACKAGE)
     path = longest_path(graph)
     core = BrokerCore()
     refs = part_references(core)

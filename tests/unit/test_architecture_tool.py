@@ -98,7 +98,7 @@ def test_a_cycle_is_found_and_counts_all_its_modules_in_the_path(tmp_path: Path)
 
 
 def test_the_broker_import_path_is_a_chain_of_real_imports() -> None:
-    graph = arch.import_graph(ROOT / "src" / "carpool" / "broker", "carpool.broker")
+    graph = arch.import_graph(arch.package_dir() / "broker", "carpool.broker")
     assert "carpool.broker.core" in graph
     path = arch.longest_path(graph)
     assert arch.path_length(path) >= 2
@@ -238,7 +238,7 @@ def test_one_request_touches_files_of_the_client_broker_and_worker() -> None:
     before = sys.getprofile()
     (files,) = arch.request_files(trials=1, warmup=2)
     assert sys.getprofile() is before
-    src = ROOT / "src" / "carpool"
+    src = arch.package_dir()
     assert all((src / name).is_file() for name in files)
     assert {name.split("/")[0] for name in files} >= {"client", "broker", "worker", "common"}
 
