@@ -22,7 +22,8 @@ another checkout's ``src`` measures that checkout with this script.
    ``carpool.broker`` (frozen dataclasses, enums and exceptions are values, not parts).
    Counted: each attribute of a part (its ``__dict__`` or slots) whose value is another
    part, a method bound to one, the core or a method bound to it; a dataclass, container
-   or closure held there is looked into one level. Target: 0 outside the core.
+   or closure held there is looked into one level. Target: 0 outside the core. Also
+   given: how many of them name a part that holds no other (a state object).
 4. **Lines in the client-message handler**: the source lines of the function
    ``BrokerCore.on_client`` runs (a method of the core, or the part's method it is bound
    to), from its ``def`` to its last line. Target: at most 30.
@@ -294,6 +295,14 @@ def part_references(core: object, package: str = BROKER_PACKAGE) -> list[tuple[s
     return found
 
 
+def to_leaves(refs: list[tuple[str, str]], parts: Iterable[str]) -> int:
+    """How many of ``refs`` name a part that itself holds no other part (a state object,
+    such as a request book, rather than a part that acts on others)."""
+    holders = {where.split(".")[0] for where, _ in refs}
+    leaves = set(parts) - holders
+    return sum(1 for _, held in refs if held.split(" ")[0] in leaves)
+
+
 # --------------------------------------------------------------------------- 4. handler
 
 
@@ -438,6 +447,7 @@ def measure(*, request: bool = True, trials: int = 3) -> dict[str, Any]:
             "value": len(refs),
             "parts": sorted(parts_of(core)),
             "references": [f"{where} -> {held}" for where, held in refs],
+            "to_leaves": to_leaves(refs, parts_of(core)),
         },
         "client_handler_lines": {"value": lines, "function": where},
     }
@@ -478,6 +488,7 @@ def _print(figures: Mapping[str, Any], verbose: bool) -> None:
             print(f"  cycles: {figure['cycles'] or 'none'}")
         elif name == "part_references":
             print(f"  parts: {', '.join(figure['parts'])}")
+            print(f"  of them to parts that hold none (state objects): {figure['to_leaves']}")
             print("".join(f"    {ref}\n" for ref in figure["references"]), end="")
         else:
             print(f"  {figure['function']}")

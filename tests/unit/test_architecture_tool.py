@@ -192,6 +192,9 @@ def test_every_way_a_part_holds_another_is_counted() -> None:
         ("slotted.notify<book>", "book (Book)"),
         ("tally.book", "book (Book)"),
     ]
+    # book holds nothing; intake, slotted and tally hold it, the core's method aside
+    refs = arch.part_references(core, __name__)
+    assert arch.to_leaves(refs, arch.parts_of(core, __name__)) == 4
 
 
 def test_parts_that_hold_only_values_and_their_own_objects_count_nothing() -> None:
