@@ -25,8 +25,8 @@ demo: install
 	$(BIN)/carpool demo
 
 lint: install
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench tools
+	$(BIN)/ruff format --check src tests bench tools
 
 # One run over src, tests and bench (pyproject.toml: src and bench strict, tests with
 # unannotated signatures allowed, the SDK usage snippets in tests/typing strict, and

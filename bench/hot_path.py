@@ -109,6 +109,27 @@ def _worker_message() -> Callable[[list[Any]], Any]:
     return decode_from_worker
 
 
+def _engine_factory(model: Any) -> Any:
+    """A ModelConfig's engine factory: :func:`carpool.worker.factory.engine_factory`, or
+    at revisions without that module the config's own ``factory()`` (so that
+    bench/compare_revs.py --harness this can measure those)."""
+    try:
+        from carpool.worker.factory import engine_factory
+    except ImportError:
+        return model.factory()
+    return engine_factory(model)
+
+
+def _worker_server(config: Any, **kwargs: Any) -> Any:
+    """A WorkerConfig's server: :func:`carpool.worker.factory.worker_server`, or at
+    revisions without that module the config's own ``server()`` (as above)."""
+    try:
+        from carpool.worker.factory import worker_server
+    except ImportError:
+        return config.server(**kwargs)
+    return worker_server(config, **kwargs)
+
+
 def core_run(
     k: int, policy: str, n: int = 20_000, timer: Callable[[], float] = time.perf_counter
 ) -> tuple[float, float]:
@@ -202,7 +223,7 @@ def embedded_run(n: int, use_client: bool, chunk: int = 500, burst: int = 1) -> 
     from carpool.worker.config import ModelConfig, WorkerConfig
 
     model = ModelConfig.synthetic("synthetic", 0, 0, 32)
-    worker = WorkerConfig(name="embedded", models=(model,)).server(embedded=True)
+    worker = _worker_server(WorkerConfig(name="embedded", models=(model,)), embedded=True)
     config = BrokerConfig(frontend="inproc://hot-front", backend="inproc://hot-back")
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     chunks: list[float] = []
@@ -287,7 +308,9 @@ def worker_run(n: int, chunk: int = 500, burst: int = 1) -> list[float]:
     endpoint = f"inproc://hot-worker-{next(_RUNS)}"  # an inproc name is freed late
     router.bind(endpoint)
     model = ModelConfig.synthetic("synthetic", 0, 0, 32)
-    worker = WorkerServer(endpoint, {model.name: model.factory()}, name="hot", context=context)
+    worker = WorkerServer(
+        endpoint, {model.name: _engine_factory(model)}, name="hot", context=context
+    )
     chunks: list[float] = []
     payload = tensor((1, 16)).tobytes()
     items = [{"id": i + 1, "n": 1, "simple": False, "queue_ms": 0.123} for i in range(burst)]

@@ -142,6 +142,7 @@ def _worker(args: argparse.Namespace) -> int:
     --config), else the built-in model orientation. --max-batch and --threads apply to
     every model served, including those of --config.
     """
+    from carpool.worker.factory import worker_server
     from carpool.worker.notify import start_extension, worker_watch
 
     _check_environment()
@@ -151,7 +152,7 @@ def _worker(args: argparse.Namespace) -> int:
         notifier.send(STATUS=f"loading {len(config.models)} models")
         starting = start_extension(notifier, len(config.models), config.start_timeout_s)
         with (
-            config.server(starting=starting) as server,
+            worker_server(config, starting=starting) as server,
             _stopped_by_signals(server.stop, server.signal_fd),
         ):
             server.serve(worker_watch(server, notifier, config.hung_batch_s))

@@ -96,6 +96,7 @@ def broker_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Broke
 def embedded_workers(args: argparse.Namespace) -> list[WorkerServer]:
     """The worker to run inside the broker's process (``--embed-*``), if any."""
     from carpool.worker.config import ModelConfig, WorkerConfig
+    from carpool.worker.factory import worker_server
 
     config = WorkerConfig(name="embedded")
     models: list[ModelConfig] = []
@@ -114,7 +115,7 @@ def embedded_workers(args: argparse.Namespace) -> list[WorkerServer]:
     if not models:
         return []
     config = dataclasses.replace(config, models=tuple(models))  # checks unique names
-    return [config.server(embedded=True)]
+    return [worker_server(config, embedded=True)]
 
 
 def worker_config(

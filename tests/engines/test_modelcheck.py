@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.worker.modelcheck import check, describe
+from carpool.worker.modelcheck import check, describe, model_problems
 from carpool.worker.repository import BUILTIN_ROOT, load
 from tests.unit.worker.test_repository import add_model
 
@@ -173,3 +173,19 @@ def test_the_docs_name_every_key_of_the_schema() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     for field in dataclasses.fields(ModelConfig):
         assert f"`{field.name}`" in text or f"[{field.name}" in text, field.name
+
+
+def test_without_onnxruntime_check_reads_the_files_with_onnx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host with onnx but no onnxruntime (a TensorRT host) still checks its files:
+    ``import onnxruntime`` fails inside read_io, and check falls back to onnx."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import raises ImportError
+    repository, problems = check(BUILTIN_ROOT)
+    assert problems == []
+    for model in repository.models.values():
+        io, _ = model_problems(model)
+        assert io.inputs, model.config.name
+        assert io.outputs, model.config.name

@@ -68,6 +68,7 @@ def test_a_worker_finds_the_plan_in_the_cache_and_matches_onnx_runtime(
 ) -> None:
     from carpool.worker.engines.ort import OnnxRuntimeEngine
     from carpool.worker.engines.trt import TensorRTEngine
+    from carpool.worker.factory import engine_factory
     from carpool.worker.repository import load
 
     folder = tmp_path / "img"
@@ -75,7 +76,7 @@ def test_a_worker_finds_the_plan_in_the_cache_and_matches_onnx_runtime(
     (folder / "model.toml").write_text('engine = "tensorrt"\n' + TOML)
     image_model(folder / "model.onnx")
     assert _build(tmp_path).returncode == 0
-    engine = load(tmp_path).models["img"].config.factory()()
+    engine = engine_factory(load(tmp_path).models["img"].config)()
     try:
         assert isinstance(engine, TensorRTEngine)
         x = np.random.default_rng(0).random((3, 3, 32, 48), dtype=np.float32)

@@ -19,6 +19,7 @@ from carpool.worker.config import ModelConfig, TensorRTConfig
 from carpool.worker.engines import trt_load
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.trt_load import TensorRT
+from carpool.worker.factory import engine_factory
 from carpool.worker.load import engines_busy_s
 from carpool.worker.models import locate
 from carpool.worker.tensorrt import cache
@@ -54,7 +55,7 @@ def _configured(onnx: Path) -> ModelConfig:
 def test_without_tensorrt_the_onnx_model_is_served_by_onnx_runtime(tmp_path, caplog):
     config = ModelConfig(name="cls", engine="tensorrt", path=str(_cls(tmp_path)))
     with caplog.at_level(logging.WARNING, logger="carpool.worker.engines.trt_load"):
-        engine = config.factory()()
+        engine = engine_factory(config)()
     assert isinstance(engine, OnnxRuntimeEngine)
     assert engines_busy_s({"m": engine}) is None  # measured on the wall clock by the worker
     lines = [r.getMessage() for r in caplog.records]
@@ -100,7 +101,7 @@ def test_backends_without_onnxruntime_refuse_instead(tmp_path):
         name="cls", engine="tensorrt", path=str(_cls(tmp_path)), backends=("tensorrt",)
     )
     with pytest.raises(ConfigError, match="cannot be served with TensorRT here: TensorRT is not"):
-        config.factory()()
+        engine_factory(config)()
 
 
 def test_the_worker_entry_point_falls_back_and_serves(tmp_path: Path, spawn: Spawn) -> None:  # noqa: F811

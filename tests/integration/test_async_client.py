@@ -121,7 +121,11 @@ def test_close_ends_a_submit_waiting_for_room_with_its_answer_not_a_cancel(nobod
         for _ in range(1000):  # ZeroMQ's high-water mark: the next send waits
             await client.submit("m", X, timeout_s=30)
         waiting = asyncio.create_task(client.submit("m", X, timeout_s=30))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0)  # one turn of the loop: the task runs up to its send
+        assert len(client.core.pending) == 1001  # its request made, and its send waits
+        events = client.socket.get(zmq.EVENTS)
+        assert isinstance(events, int)
+        assert not events & zmq.POLLOUT  # for room: the socket has none
         assert not waiting.done()
         await client.close()
         future = await asyncio.wait_for(waiting, 10)  # not CancelledError
@@ -135,16 +139,25 @@ def test_close_ends_a_submit_waiting_for_room_with_its_answer_not_a_cancel(nobod
 
 
 @pytest.mark.timeout(60)
-def test_close_answers_a_pending_stats_at_once(nobody: str) -> None:
-    """close() answers a stats() that waits for the broker at once, not at its timeout."""
+def test_close_answers_a_pending_stats_at_once() -> None:
+    """close() answers a stats() that waits for the broker at once, not at its timeout:
+    the broker (a bare ROUTER) has the STATS and never answers."""
 
     async def main() -> None:
-        client = AsyncClient(nobody)
-        pending = asyncio.create_task(client.stats(30))
-        await asyncio.sleep(0.2)
-        await client.close()
-        with pytest.raises(CarpoolError, match="closed"):
-            await asyncio.wait_for(pending, 10)
+        context = zmq.asyncio.Context()
+        broker = context.socket(zmq.ROUTER)
+        try:
+            port = broker.bind_to_random_port("tcp://127.0.0.1")
+            client = AsyncClient(f"tcp://127.0.0.1:{port}")
+            pending = asyncio.create_task(client.stats(30))
+            await asyncio.wait_for(broker.recv_multipart(), 10)  # sent: it awaits its answer
+            assert not pending.done()
+            await client.close()
+            with pytest.raises(CarpoolError, match="closed"):
+                await asyncio.wait_for(pending, 10)
+        finally:
+            broker.close(linger=0)
+            context.term()
 
     asyncio.run(main())
 

@@ -123,9 +123,10 @@ def test_the_ppocr_recognizer_pads_widths_to_a_bucket_and_crops_its_sequence(
     import onnxruntime as ort
 
     from carpool.worker.config import ModelConfig
+    from carpool.worker.factory import engine_factory
 
     fleet: Fleet = fleet_factory(max_batch=2, max_wait_s=30.0, policy="fixed")
-    fleet.add_worker({"ppocr-rec": ModelConfig(name="ppocr-rec", max_batch=2).factory()})
+    fleet.add_worker({"ppocr-rec": engine_factory(ModelConfig(name="ppocr-rec", max_batch=2))})
     client: Client = fleet.ready()
     rng = np.random.default_rng(8)
     lines = [rng.random((1, 3, 48, w), dtype=np.float32) for w in (100, 160)]

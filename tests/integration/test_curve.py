@@ -43,6 +43,7 @@ from carpool.common.sockets import recv_frames
 from carpool.common.testing import ServerThread
 from carpool.worker.config import WorkerConfig
 from carpool.worker.engines.synthetic import SyntheticEngine
+from carpool.worker.factory import worker_server
 from carpool.worker.server import WorkerServer
 from tests.conftest import loopback_config, wait_for_workers
 
@@ -385,7 +386,7 @@ def test_a_secret_key_given_as_text_is_refused_by_broker_worker_and_client(keys:
     assert text not in str(raised.value)
     worker = WorkerConfig(curve_broker_key=keys.broker_public.decode(), curve_key=text)
     with pytest.raises(ConfigError, match=r"curve_key \(--curve-key\) must be the path"):
-        worker.server()
+        worker_server(worker)
     with pytest.raises(ConfigError, match=r"ClientOptions\.curve_key must be the path"):
         Client("tcp://127.0.0.1:1", curve_server_key=keys.broker_public.decode(), curve_key=text)
 

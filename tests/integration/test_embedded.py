@@ -213,7 +213,7 @@ def test_embed_config_without_models_serves_only_the_flag_models(
 ) -> None:
     """`--embed-config w.toml` (slots only) with `--embed-synthetic`: WorkerConfig's default
     model (the catalogue 'orientation') is not added too."""
-    import carpool.worker.config as wc
+    import carpool.worker.factory as wf
     from carpool import cli, roles
 
     made: list[list[str]] = []
@@ -222,7 +222,7 @@ def test_embed_config_without_models_serves_only_the_flag_models(
         def __init__(self, broker: str, models: dict[str, Any], **kw: Any) -> None:
             made.append(list(models))
 
-    monkeypatch.setattr(wc, "WorkerServer", Fake)
+    monkeypatch.setattr(wf, "WorkerServer", Fake)
     toml = tmp_path / "w.toml"
     toml.write_text("slots = 4\n")
     args = cli.build_parser().parse_args(

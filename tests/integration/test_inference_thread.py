@@ -22,6 +22,7 @@ from carpool.worker.cuda.base import CudaError, Event, Stream
 from carpool.worker.cuda.fake import FakeCuda
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.engines.trt import TensorRTEngine
+from carpool.worker.factory import worker_server
 from carpool.worker.inference import InferenceThread
 from carpool.worker.run import LazyRing
 from tests.unit.worker.trt_fakes import FakePlan
@@ -232,5 +233,5 @@ def test_a_workers_start_limit_and_what_it_is_told_come_from_its_settings(
     config = WorkerConfig(broker="tcp://127.0.0.1:1", models=(slow,), start_timeout_s=1)
     told: list[float] = []
     with pytest.raises(ConfigError, match=r"start_timeout_s \(1 s\)"):
-        config.server(starting=told.append)
+        worker_server(config, starting=told.append)
     assert told == pytest.approx([0.25, 0.5, 0.75])

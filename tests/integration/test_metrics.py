@@ -27,6 +27,7 @@ from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ConfigError, NotFound
 from carpool.common.testing import ServerThread
 from carpool.worker.config import ModelConfig
+from carpool.worker.factory import engine_factory
 from carpool.worker.server import WorkerServer
 from tests.conftest import loopback_config, wait_for_workers
 
@@ -80,7 +81,10 @@ def fleet() -> Iterator[tuple[BrokerServer, WorkerServer, Client]]:
     with ServerThread(BrokerServer(config)) as broker:
         model = ModelConfig.synthetic(MODEL, 1.0, 0.1, 8)
         worker = WorkerServer(
-            broker.backend_endpoint, {MODEL: model.factory()}, name="w1", metrics="127.0.0.1:0"
+            broker.backend_endpoint,
+            {MODEL: engine_factory(model)},
+            name="w1",
+            metrics="127.0.0.1:0",
         )
         with ServerThread(worker), Client(broker.frontend_endpoint) as client:
             wait_for_workers(client, 1)

@@ -30,6 +30,7 @@ from carpool.ocr.pipeline import (
 from carpool.ocr.render import Frame, render_frame
 from carpool.worker.config import ModelConfig
 from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.factory import engine_factory
 from carpool.worker.models import locate
 from tests.conftest import Fleet, loopback_config
 
@@ -76,8 +77,8 @@ def _read_three_sizes(stack: contextlib.ExitStack) -> None:
     fleet = Fleet(stack, config)
     fleet.add_worker(
         {
-            "ppocr-det": ModelConfig(name="ppocr-det", max_batch=4).factory(),
-            "ppocr-rec": ModelConfig(name="ppocr-rec", max_batch=4).factory(),
+            "ppocr-det": engine_factory(ModelConfig(name="ppocr-det", max_batch=4)),
+            "ppocr-rec": engine_factory(ModelConfig(name="ppocr-rec", max_batch=4)),
         }
     )
     client = fleet.ready()

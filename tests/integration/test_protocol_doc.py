@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(30)
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 #: Upper bound on any single wait; a healthy exchange takes milliseconds.
-GUARD_S = 5.0
+GUARD_S = 10.0
 
 # --------------------------------------------------------------------- §3 header, commands
 
@@ -161,7 +161,7 @@ class Net:
             done.set()
 
         threading.Thread(target=term, daemon=True).start()
-        assert done.wait(5), "zmq context term() hung: a socket was left open"
+        assert done.wait(10), "zmq context term() hung: a socket was left open"
 
 
 def recv(sock: zmq.Socket[bytes], timeout_s: float = GUARD_S) -> list[bytes]:
@@ -1005,24 +1005,34 @@ def test_result_whose_frame_counts_do_not_add_up_is_internal(
 def test_deadlines_are_relative_and_a_late_result_is_dropped(
     net: Net, start_broker: Callable[..., BrokerServer]
 ) -> None:
+    """Each ``timeout_ms`` counts from its own request's arrival: request 1 (100 ms)
+    reaches the worker, then 1 and 2 (150 ms) end DEADLINE_EXCEEDED, in that order, while
+    3 (30 s), sent with them, still waits (the exact instant a deadline passes is the
+    core's arithmetic, tests/unit/broker/test_core.py::test_deadline_while_queued). The
+    worker's late result for 1 is dropped: the credit comes back, takes 3, and 3's reply
+    is the next message the client gets."""
     broker = start_broker(max_batch=1, max_wait_s=0.0)
     worker = RawWorker(net, broker.backend_endpoint, slots=1)
     client = RawClient(net, broker.frontend_endpoint)
     client.wait_stats(registered("raw-worker"))
-    sent = time.monotonic()
     client.request(1, "affine", {"x": x_of(1)}, timeout_ms=100)  # in flight at the worker
     client.request(2, "affine", {"x": x_of(1)}, timeout_ms=150)  # queued: no credit
+    client.request(3, "affine", {"x": x_of(1)}, timeout_ms=30_000)  # queued behind it
     held = worker.next_batch()
     assert [r["id"] for r in held.requests] == [1]
     first = client.expect_error(DEADLINE_EXCEEDED, 1)
-    assert time.monotonic() - sent >= 0.09
     assert first.meta["message"]
     client.expect_error(DEADLINE_EXCEEDED, 2)
+    assert client.stats()["queued"] == 1  # 3: its deadline is its own
     # The worker finishes after all: no second answer for request 1, and the credit returns.
     worker.answer(held)
+    batch = worker.next_batch()
+    assert [r["id"] for r in batch.requests] == [3]
+    worker.answer(batch)
+    assert client.recv().meta["id"] == 3
     stats = client.wait_stats(lambda s: s["inflight_batches"] == 0)
-    assert stats["replies"] == 0
-    serve_one(client, worker, 3)
+    assert stats["replies"] == 1
+    serve_one(client, worker, 4)
 
 
 def test_a_request_without_timeout_uses_the_broker_default(
@@ -1045,24 +1055,26 @@ def test_heartbeats_flow_both_ways_and_silence_loses_the_worker(
     client = RawClient(net, broker.frontend_endpoint)
     client.wait_stats(registered("raw-worker"), [worker])
 
-    # The broker heartbeats at the worker's interval: [header, empty map].
+    # The broker heartbeats at the worker's interval: [header, empty map]. Four of them
+    # span more than the 3 intervals of silence that lose a worker: heartbeating, it stays.
     until = time.monotonic() + GUARD_S
-    while worker.heartbeats_heard == 0:
-        assert time.monotonic() < until, "no HEARTBEAT from the broker"
+    while worker.heartbeats_heard < 4:
+        assert time.monotonic() < until, "fewer than 4 HEARTBEATs from the broker"
         worker.tick()
         if worker.sock.poll(10):
             frames = worker.sock.recv_multipart()
             assert frames == [header(HEARTBEAT), b"\x80"], frames
             worker.heartbeats_heard += 1
+    assert registered("raw-worker")(client.stats())
 
     worker.rho = 0.75
     worker.heartbeat()
     client.wait_stats(lambda s: [w["rho"] for w in s["workers"]] == [0.75], [worker])
 
-    # Silence for 3 intervals: the broker forgets the worker.
+    # Silence for 3 intervals: the broker forgets the worker (the instant is the core's
+    # arithmetic: tests/unit/broker/test_core.py, liveness silent intervals).
     worker.silent = True
     client.wait_stats(registered())
-    assert time.monotonic() - worker.last_sent >= 0.14
 
     # Anything but READY from a forgotten worker is answered with DISCONNECT.
     worker.heartbeat()

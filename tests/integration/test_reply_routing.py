@@ -4,6 +4,9 @@ connection that took the routing id of one that has closed."""
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -115,7 +118,7 @@ def _newcomer_under(
 ) -> zmq.Socket[bytes]:
     """A connection that the broker has answered under routing id ``rid``."""
     clock = MonotonicClock()
-    end = clock.now() + 5
+    end = clock.now() + 10
     while True:
         assert clock.now() < end, "no newcomer got the routing id"
         sock = _dealer(context, broker.frontend_endpoint, rid)
@@ -127,6 +130,30 @@ def _newcomer_under(
             sock.recv_multipart()
             return sock
         sock.close(linger=0)
+
+
+def _accepted(port: int) -> set[int]:
+    """The connections accepted on loopback ``port`` that a descriptor still holds: the
+    kernel's TCP table (/proc/net/tcp) by inode, not listening, inode 0 being one that
+    no descriptor holds any more."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text(encoding="ascii").splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], int(fields[9])
+        if int(local.rsplit(":", 1)[1], 16) == port and state != _LISTEN and inode:
+            found.add(inode)
+    return found
+
+
+_LISTEN = "0A"  # a socket's state in /proc/net/tcp
+
+
+def _until(what: str, done: Callable[[], object], limit_s: float = 10.0) -> None:
+    clock, pause = MonotonicClock(), threading.Event()
+    end = clock.now() + limit_s
+    while not done():
+        assert clock.now() < end, f"{what}: not within {limit_s} s"
+        pause.wait(0.002)
 
 
 @pytest.mark.timeout(60)
@@ -141,16 +168,19 @@ def test_a_request_read_after_its_connection_closed_is_answered_to_nobody(
     others: list[zmq.Socket[bytes]] = []
     held: list[int] = []
     try:
+        # The broker does not step: all of it waits (each connection's handshake for the
+        # broker's door, which answers in its loop), once libzmq has accepted it.
+        port = int(broker.frontend_endpoint.rsplit(":", 1)[1])
         victim = _dealer(context, broker.frontend_endpoint, b"victim")
         victim.send_multipart(_request(7))
         victim.close(linger=2000)
-        MonotonicClock().sleep(0.3)  # the broker does not step: all of it waits
+        _until("the victim's connection is accepted", lambda: len(_accepted(port)) == 1)
         if descriptor == "reused":  # another connection takes the descriptor meanwhile
             other = context.socket(zmq.DEALER)
             other.setsockopt(zmq.LINGER, 0)
             other.connect(broker.frontend_endpoint)
             others.append(other)
-            MonotonicClock().sleep(0.3)
+            _until("another connection is accepted", lambda: len(_accepted(port)) == 2)
         broker.step(0)
         # Something else in the broker's process takes the freed descriptor, so that no
         # later connection reuses it.
@@ -158,7 +188,7 @@ def test_a_request_read_after_its_connection_closed_is_answered_to_nobody(
         newcomer = _newcomer_under(broker, context, b"victim")
         others.append(newcomer)
         clock = MonotonicClock()
-        end = clock.now() + 3
+        end = clock.now() + 10
         got: list[list[bytes]] = []
         while clock.now() < end and broker.core.stats.departed == 0:
             broker.step(0.01)

@@ -8,27 +8,27 @@ start when the socket is made, so only a fresh process shows what a peer could p
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import struct
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import zmq
 
 from carpool.client import Client
-from carpool.common.clock import MonotonicClock
 from carpool.common.testing import ServerThread
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.server import WorkerServer
+from tests.bench_scripts import load_script
 from tests.conftest import wait_for_workers
 
-CARPOOL = [sys.executable, "-m", "carpool"]
+flood = load_script("flood.py")
+
 STATS = b"CP\x01\x04"
 HEARTBEAT = b"CP\x01\x11"  # from a peer the broker does not know: it answers DISCONNECT
 
@@ -59,26 +59,6 @@ def _unseeded_first_ids() -> tuple[int, int]:
     return struct.unpack(">I", front[1:])[0], struct.unpack(">I", back[1:])[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class BrokerProcess:
-    proc: subprocess.Popen[bytes]
-    frontend: str
-    backend: str
-    log: Path
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
 @pytest.fixture
 def stack() -> Iterator[contextlib.ExitStack]:
     with contextlib.ExitStack() as stack:
@@ -86,40 +66,10 @@ def stack() -> Iterator[contextlib.ExitStack]:
 
 
 @pytest.fixture
-def broker_process(tmp_path: Path) -> Iterator[BrokerProcess]:
+def broker_process(tmp_path: Path) -> Iterator[Any]:
     """A fresh ``carpool broker`` on loopback, answering STATS; stopped at teardown."""
-    frontend = f"tcp://127.0.0.1:{_free_port()}"
-    backend = f"tcp://127.0.0.1:{_free_port()}"
-    log = tmp_path / "broker.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*CARPOOL, "broker", "--frontend", frontend, "--backend", backend,
-             "--log-level", "WARNING"],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-        )  # fmt: skip
-    broker = BrokerProcess(proc, frontend, backend, log)
-    try:
-        # Raw sockets, not a Client: an ordinary client would take a generated id.
-        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as probe:
-            probe.setsockopt(zmq.LINGER, 0)
-            probe.setsockopt(zmq.ROUTING_ID, b"probe")
-            probe.connect(frontend)
-            clock = MonotonicClock()
-            until = clock.now() + 30
-            probe.send(STATS)
-            while not probe.poll(200):
-                assert broker.alive(), broker.logs()
-                assert clock.now() < until, "the broker never answered\n" + broker.logs()
-                probe.send(STATS)
+    with flood.broker_process(tmp_path) as broker:
         yield broker
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _squat(
@@ -147,7 +97,7 @@ def _predicted(first: int, count: int) -> list[bytes]:
 
 @pytest.mark.timeout(60)
 def test_peers_holding_the_ids_the_frontend_would_generate_do_not_abort_the_broker(
-    broker_process: BrokerProcess,
+    broker_process: Any,
 ) -> None:
     """50 DEALERs take the ids an unseeded frontend generates next; ordinary clients (whose
     ids the frontend generates) still get answers, and the broker lives."""
@@ -166,7 +116,7 @@ def test_peers_holding_the_ids_the_frontend_would_generate_do_not_abort_the_brok
 
 @pytest.mark.timeout(60)
 def test_peers_holding_the_ids_the_backend_would_generate_do_not_abort_the_broker(
-    broker_process: BrokerProcess, stack: contextlib.ExitStack
+    broker_process: Any, stack: contextlib.ExitStack
 ) -> None:
     """The same on the worker socket: a worker that connects after 50 squatters registers
     and serves."""
@@ -187,83 +137,8 @@ def test_peers_holding_the_ids_the_backend_would_generate_do_not_abort_the_broke
                 sock.close(linger=0)
 
 
-# A ZMTP 3.0 peer in a few bytes (rfc.zeromq.org/spec/23) on a plain TCP socket, which
-# costs the flood a fraction of what a zmq socket does: the greeting (NULL mechanism) and
-# a READY command with the routing id; then, once the broker's greeting and READY have
-# come, one message (libzmq ends a handshake in which a message comes before its READY).
-_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32)
-_MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04  # a frame's flags
-# Connections opened before their handshakes are finished: fewer than libzmq's listen
-# backlog (ZMQ_BACKLOG, 100), past which the kernel drops a connection's SYN and the
-# connect waits 1 s or more to try again.
-_WAVE = 50
-
-
-def _zmtp_property(name: bytes, value: bytes) -> bytes:
-    return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
-
-
-def _zmtp_dealer_hello(routing_id: bytes) -> bytes:
-    ready = b"\x05READY" + _zmtp_property(b"Socket-Type", b"DEALER")
-    ready += _zmtp_property(b"Identity", routing_id)
-    return _GREETING + bytes([_COMMAND, len(ready)]) + ready
-
-
-def _recv_exactly(conn: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise EOFError(f"the broker closed a connection ({bytes(data)!r} of {size} bytes)")
-        data += chunk
-    return bytes(data)
-
-
-def _zmtp_frame(conn: socket.socket) -> tuple[int, bytes]:
-    flags = _recv_exactly(conn, 1)[0]
-    size = _recv_exactly(conn, 8 if flags & _LONG else 1)
-    return flags, _recv_exactly(conn, int.from_bytes(size, "big"))
-
-
-def _zmtp_send_after_handshake(conn: socket.socket, body: bytes) -> None:
-    """Read the broker's greeting and READY (the handshake is over), then send ``body``
-    as a one-frame message."""
-    greeting = _recv_exactly(conn, len(_GREETING))
-    assert greeting[:1] + greeting[9:11] == b"\xff\x7f\x03", greeting
-    flags, command = _zmtp_frame(conn)
-    assert flags & _COMMAND, (flags, command)
-    assert command.startswith(b"\x05READY"), command
-    conn.sendall(bytes([0, len(body)]) + body)
-
-
-def _zmtp_message(conn: socket.socket) -> list[bytes]:
-    """The next message's frames (commands, such as a heartbeat's PING, skipped)."""
-    frames = []
-    while True:
-        flags, body = _zmtp_frame(conn)
-        if flags & _COMMAND:
-            continue
-        frames.append(body)
-        if not flags & _MORE:
-            return frames
-
-
-def _flood(host: str, port: int, count: int, conns: list[socket.socket]) -> None:
-    """``count`` connections under random ids, each sending STATS, added to ``conns``
-    and left open: ``_WAVE`` opened at a time, then their handshakes finished."""
-    for first in range(0, count, _WAVE):
-        wave = []
-        for rid in _random_ids(min(_WAVE, count - first)):
-            conn = socket.create_connection((host, port), timeout=10)
-            conns.append(conn)
-            wave.append(conn)
-            conn.sendall(_zmtp_dealer_hello(rid))
-        for conn in wave:
-            _zmtp_send_after_handshake(conn, STATS)
-
-
 @contextlib.contextmanager
-def _failing_with_logs(broker: BrokerProcess) -> Iterator[None]:
+def _failing_with_logs(broker: Any) -> Iterator[None]:
     """A connection that failed (closed, timed out) fails the test with the broker's
     state and log."""
     try:
@@ -275,37 +150,29 @@ def _failing_with_logs(broker: BrokerProcess) -> Iterator[None]:
         pytest.fail(f"{exc!r}; the broker is {state}\n{broker.logs()}")
 
 
-@pytest.mark.timeout(120)
-def test_a_flood_of_random_routing_ids_leaves_the_broker_serving(
-    broker_process: BrokerProcess,
-) -> None:
-    """10,000 connections, each under a random id in the generated ids' space (a zero byte
-    and 4 random bytes) and sending STATS, 1,000 open at a time: the broker reads every
-    one and answers it on its own connection, and keeps serving: while each 1,000 hold
-    their ids, a client that connects (its id generated) is answered, and the broker's
-    request count says it read those 1,000 and that STATS, no more, no fewer."""
+@pytest.mark.timeout(60)
+def test_a_flood_of_random_routing_ids_leaves_the_broker_serving(broker_process: Any) -> None:
+    """1,000 connections, each under a random id in the generated ids' space (a zero byte
+    and 4 random bytes) and sending STATS, all open at once: the broker reads every one
+    and answers it on its own connection, and keeps serving: while the 1,000 hold their
+    ids, a client that connects (its id generated) is answered, and the broker's request
+    count says it read those 1,000 and that STATS, no more, no fewer. (bench/flood.py
+    runs 10,000, 1,000 at a time, with the same peers.)"""
     host, port = broker_process.frontend.removeprefix("tcp://").rsplit(":", 1)
     with Client(broker_process.frontend, default_timeout_s=10.0) as client:
         seen = client.stats()["requests"]
-        for _ in range(10):
-            conns: list[socket.socket] = []
-            try:
-                with _failing_with_logs(broker_process):
-                    _flood(host, int(port), 1000, conns)
-                    for conn in conns:
-                        assert _zmtp_message(conn)[0] == STATS, "not the answer to STATS"
-                with Client(broker_process.frontend, default_timeout_s=10.0) as newcomer:
-                    n = newcomer.stats()["requests"]
-                assert n == seen + 1000 + 1, f"the broker read {n - seen - 1} of 1000 messages"
-                seen = n
-            finally:
+        conns: list[socket.socket] = []
+        try:
+            with _failing_with_logs(broker_process):
+                flood.open_peers(host, int(port), 1000, conns)
                 for conn in conns:
-                    conn.close()
-            assert broker_process.alive(), broker_process.logs()
-        assert client.stats()["requests"] == seen + 1
+                    assert flood.zmtp_message(conn)[0] == STATS, "not the answer to STATS"
+            with Client(broker_process.frontend, default_timeout_s=10.0) as newcomer:
+                n = newcomer.stats()["requests"]
+            assert n == seen + 1000 + 1, f"the broker read {n - seen - 1} of 1000 messages"
+        finally:
+            for conn in conns:
+                conn.close()
+        assert broker_process.alive(), broker_process.logs()
+        assert client.stats()["requests"] == n + 1
     assert broker_process.alive(), broker_process.logs()
-
-
-def _random_ids(count: int) -> list[bytes]:
-    raw = os.urandom(4 * count)
-    return [b"\x00" + raw[4 * k : 4 * k + 4] for k in range(count)]

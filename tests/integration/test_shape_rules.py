@@ -15,6 +15,7 @@ from carpool.client import Client
 from carpool.common.errors import InvalidArgument
 from carpool.worker.config import ModelConfig
 from carpool.worker.engines.ort import OnnxRuntimeEngine
+from carpool.worker.factory import engine_factory
 from carpool.worker.models import locate
 from carpool.worker.shapes import InputConfig
 from tests.conftest import Fleet
@@ -40,7 +41,7 @@ def test_the_broker_refuses_off_grid_frames_and_serves_the_rest(
     fleet: Fleet = fleet_factory(max_batch=4, max_wait_s=0.01)
     rule = InputConfig(multiple_of=(1, 1, 32, 32))
     config = ModelConfig(name="ppocr-det", path=str(locate("ppocr-det")), inputs={"x": rule})
-    fleet.add_worker({"ppocr-det": config.factory()})
+    fleet.add_worker({"ppocr-det": engine_factory(config)})
     client: Client = fleet.ready()
     with pytest.raises(InvalidArgument, match=r"dim 2 is 100, the model takes multiples of 32 "):
         client.infer("ppocr-det", {"x": _image(100, 96)}, timeout_s=30)
@@ -63,7 +64,7 @@ def test_the_catalogue_detector_pads_off_grid_frames_and_crops_the_answer(
     """A 100 x 70 frame runs padded to 128 x 96 (with zeros, bottom and right) and is
     answered at 100 x 70: the direct run on that padded frame, cropped back."""
     fleet: Fleet = fleet_factory(max_batch=4, max_wait_s=0.01)
-    fleet.add_worker({"ppocr-det": ModelConfig(name="ppocr-det").factory()})
+    fleet.add_worker({"ppocr-det": engine_factory(ModelConfig(name="ppocr-det"))})
     client: Client = fleet.ready()
     reference = OnnxRuntimeEngine(locate("ppocr-det"))
     (name,) = (t.name for t in reference.info.io.outputs)

@@ -18,6 +18,7 @@ from carpool.ops.fleet import HEALTHY, NO_WORKER
 from carpool.ops.status import run_status
 from carpool.ops.top import run_top
 from carpool.worker.config import ModelConfig
+from carpool.worker.factory import engine_factory
 from carpool.worker.server import WorkerServer
 from tests.conftest import loopback_config, wait_for_workers
 
@@ -30,7 +31,7 @@ def recording() -> Console:
 def test_top_refreshes_per_model_and_per_worker(fleet_factory: Any) -> None:
     fleet = fleet_factory(max_batch=8)
     fleet.add_worker(
-        {"synthetic": ModelConfig.synthetic("synthetic", 1, 0.1, 8).factory()}, name="w0"
+        {"synthetic": engine_factory(ModelConfig.synthetic("synthetic", 1, 0.1, 8))}, name="w0"
     )
     client = fleet.ready()
     for _ in range(5):
@@ -50,7 +51,7 @@ def test_status_of_a_configured_model_without_a_worker_is_1(
 ) -> None:
     config = dataclasses.replace(loopback_config(), models={"ghost": BatchingOverride(max_batch=4)})
     with ServerThread(BrokerServer(config)) as broker, Client(broker.frontend_endpoint) as client:
-        worker = ModelConfig.synthetic("synthetic", 1, 0.1, 8).factory()
+        worker = engine_factory(ModelConfig.synthetic("synthetic", 1, 0.1, 8))
         with ServerThread(WorkerServer(broker.backend_endpoint, {"synthetic": worker})):
             wait_for_workers(client, 1)
             stats = client.stats()

@@ -12,6 +12,7 @@ import pytest
 from carpool.broker.config import BrokerConfig, CurveConfig
 from carpool.common.config import from_mapping, load_toml
 from carpool.worker.config import WorkerConfig
+from carpool.worker.factory import engine_factory
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,7 +72,7 @@ def test_worker_examples_commented_input_rules_load_and_fit_ppocr_cls() -> None:
     cls = config.models[1]
     rule = ShapeRule((1, 3, 48, 16), (-1, 3, 48, 2048), (1, 1, 1, 8))
     assert {name: declared.rule() for name, declared in cls.inputs.items()} == {"x": rule}
-    assert cls.factory()().info.io.rules == (rule,)
+    assert engine_factory(cls)().info.io.rules == (rule,)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")

@@ -1,9 +1,12 @@
-"""config.py: WorkerConfig and the engine factories it describes. Defaults live here."""
+"""config.py: the worker's settings as data — WorkerConfig, ModelConfig and their tables
+— parsed and checked, with their defaults. It builds nothing: the engines and the server
+they describe are built by :mod:`carpool.worker.factory`."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -11,17 +14,39 @@ from pathlib import Path
 
 from carpool.common.codec import DTYPES
 from carpool.common.config import MAX_BATCH_CEILING, check, out_of_range
-from carpool.common.curve import client_keys
 from carpool.common.errors import ConfigError
 from carpool.common.listen import listen_problems
 from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
-from carpool.worker.engines.base import Engine
-from carpool.worker.models import SourceConfig
-from carpool.worker.server import EngineFactory, WorkerServer
 from carpool.worker.shapes import InputConfig, ModelShapes, OutputConfig
 from carpool.worker.tensorrt.precision import PRECISIONS
+from carpool.worker.tensorrt.profile_text import parse_batch, parse_profile
 
 ENGINES = ("onnxruntime", "tensorrt", "synthetic")
+
+
+@dataclass(frozen=True, slots=True)
+class SourceConfig:
+    """``[source]``: a model's ONNX file inside an installed wheel (found by
+    :func:`carpool.worker.models.locate_source`)."""
+
+    distribution: str  # the PyPI distribution that ships the file
+    version: str  # the version pinned (installed with pip install --no-deps D==V)
+    file: str  # the file's name inside the wheel
+    sha256: str = ""  # of the file; "" leaves it unchecked
+
+    def problems(self) -> list[str]:
+        """What is wrong with this table by itself, each as ``key rule``."""
+        out = [
+            f"{k} must not be empty"
+            for k in ("distribution", "version", "file")
+            if not getattr(self, k)
+        ]
+        if self.sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            out.append("sha256 must be 64 lowercase hex digits")
+        return out
+
+    def hint(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +83,6 @@ class TensorRTConfig:
             out.append("tensorrt: max_profiles and max_ratio must be >= 1, workspace_mib >= 0")
         if not (self.profiles or self.batches):
             return out
-        from carpool.worker.tensorrt.profiles import parse_batch, parse_profile
-
         texts = [(t, parse_profile) for t in self.profiles] + [
             (t, parse_batch) for t in self.batches
         ]
@@ -193,80 +216,6 @@ class ModelConfig:
             warmup=self.warmup or base.warmup,
         )
 
-    def factory(self) -> EngineFactory:
-        """A function that builds this model's engine (called on the inference thread).
-
-        Raises:
-            ConfigError: ``backends`` does not name the engine it would be served with.
-        """
-        if self.backends and self.engine not in self.backends:
-            raise ConfigError(
-                f"model {self.name!r} may be served with {', '.join(self.backends)} only "
-                f"(its backends), not {self.engine}"
-            )
-        if self.engine == "synthetic":
-            return self._synthetic
-        if self.engine == "tensorrt":
-            return self._tensorrt
-        return self._onnxruntime
-
-    def _synthetic(self) -> Engine:
-        from carpool.worker.engines.synthetic import SyntheticEngine
-
-        return SyntheticEngine(
-            fixed_cost_s=self.fixed_cost_s,
-            per_sample_s=self.per_sample_s,
-            item_shape=self.item_shape,
-            dtype=self.dtype,
-            max_batch=self.max_batch,
-            preferred_batch=self.preferred_batch,
-            shapes=self.shapes(),
-        )
-
-    def _tensorrt(self) -> Engine:
-        from carpool.worker.engines.trt_load import tensorrt_or_onnxruntime
-        from carpool.worker.tensorrt.build import request_for
-
-        model, onnx = self._onnx()
-        folder = Path(model.folder) if model.folder else Path(onnx).parent
-        return tensorrt_or_onnxruntime(
-            lambda: request_for(model, folder, folder.parent),
-            f"model {self.name!r}",
-            self._onnxruntime,
-            may_build=model.tensorrt.build,
-            may_fall_back=not self.backends or "onnxruntime" in self.backends,
-            shapes=model.shapes(),
-        )
-
-    def _onnxruntime(self) -> Engine:
-        from carpool.worker.engines.ort import OnnxRuntimeEngine
-
-        model, path = self._onnx()
-        return OnnxRuntimeEngine(
-            path,
-            max_batch=self.max_batch,
-            intra_op_threads=self.intra_op_threads,
-            preferred_batch=self.preferred_batch,
-            providers=self.providers,
-            shapes=model.shapes(),
-        )
-
-    def _onnx(self) -> tuple[ModelConfig, str]:
-        """This model over its built-in base (if any), and the path of its ONNX file."""
-        from carpool.worker.models import locate, locate_source
-        from carpool.worker.repository import builtin
-
-        model = self
-        if not self.path and self.source is None:
-            base = builtin().models.get(self.name)
-            if base is None:
-                locate(self.name)  # raises: unknown model, and what to do instead
-            else:
-                model = self.over(base.config)
-        if model.source is not None:
-            return model, str(locate_source(model.source, f"model {self.name!r}"))
-        return model, model.path
-
 
 def model_from_arg(text: str, repository: Mapping[str, ModelConfig] | None = None) -> ModelConfig:
     """The model of one ``carpool worker --model`` value.
@@ -359,28 +308,3 @@ class WorkerConfig:
         if bool(self.curve_broker_key) != bool(self.curve_key):
             problems.append("curve_broker_key and curve_key go together (CURVE needs both)")
         check(problems + listen_problems(self.metrics), "worker")
-
-    def server(
-        self, *, embedded: bool = False, starting: Callable[[float], None] | None = None
-    ) -> WorkerServer:
-        """A WorkerServer with these settings (``embedded``: inside a broker's process,
-        see ``BrokerServer(embedded=)``; ``broker`` is not used then; ``starting``: told
-        the seconds waited while its engines start, see :class:`WorkerServer`)."""
-        return WorkerServer(
-            self.broker,
-            {m.name: m.factory() for m in self.models},
-            name=self.name or default_name(),
-            slots=self.slots,
-            heartbeat_s=self.heartbeat_s,
-            liveness=self.liveness,
-            shm_output_bytes=self.shm_output_mib << 20,
-            shm_output_mode=self.shm_output_mode,
-            shm_output_group=self.shm_output_group or None,
-            embedded=embedded,
-            metrics="" if embedded else self.metrics,
-            start_timeout_s=self.start_timeout_s,
-            starting=starting,
-            curve=None
-            if embedded
-            else client_keys(self.curve_broker_key, self.curve_key, "curve_key (--curve-key)"),
-        )

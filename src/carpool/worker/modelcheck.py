@@ -21,6 +21,7 @@ from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.config import ModelConfig
+from carpool.worker.engines.ort import read_io
 from carpool.worker.models import locate_source, sha256_of
 from carpool.worker.repository import RepoModel, Repository, scan
 from carpool.worker.shapes import problems as shape_problems
@@ -91,11 +92,9 @@ def read(config: ModelConfig) -> tuple[ModelIO, list[tuple[str, str]]]:
             return ModelIO(str(path)), [(key, f"no ONNX file {path}")]
     try:
         try:
-            from carpool.worker.engines.ort import read_io
+            inputs, outputs = read_io(path)
         except ImportError:  # (a TensorRT host without onnxruntime)
             inputs, outputs = read_with_onnx(path)
-        else:
-            inputs, outputs = read_io(path)
     except ImportError:
         problem = "inputs and outputs not read: neither onnxruntime nor onnx is installed"
         return ModelIO(str(path)), [(key, problem)]

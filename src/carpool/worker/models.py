@@ -1,48 +1,25 @@
 """models.py: model files inside installed PyPI wheels, and the built-in models.
 
-A model's ``[source]`` table (docs/models.md) names a file inside a wheel: its
-distribution, the version pinned, the file's name and its sha256. The built-in models
-(``orientation``, ``ppocr-cls``, ``ppocr-det``, ``ppocr-rec``) are a model repository
-shipped inside carpool (``carpool/models/<name>/model.toml``, :mod:`carpool.worker.repository`)
-whose models name such files. The wheels are installed with ``--no-deps`` (see the
-Makefile): we never import them, we only locate their files through ``importlib.metadata``.
+A model's ``[source]`` table (docs/models.md, :class:`~carpool.worker.config.SourceConfig`)
+names a file inside a wheel: its distribution, the version pinned, the file's name and its
+sha256. The built-in models (``orientation``, ``ppocr-cls``, ``ppocr-det``, ``ppocr-rec``)
+are a model repository shipped inside carpool (``carpool/models/<name>/model.toml``,
+:mod:`carpool.worker.repository`) whose models name such files. The wheels are installed
+with ``--no-deps`` (see the Makefile): we never import them, we only locate their files
+through ``importlib.metadata``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.common.errors import ConfigError
+from carpool.worker.config import SourceConfig
+from carpool.worker.repository import builtin
 
 DEFAULT_MODEL = "orientation"
-
-
-@dataclass(frozen=True, slots=True)
-class SourceConfig:
-    """``[source]``: a model's ONNX file inside an installed wheel."""
-
-    distribution: str  # the PyPI distribution that ships the file
-    version: str  # the version pinned (installed with pip install --no-deps D==V)
-    file: str  # the file's name inside the wheel
-    sha256: str = ""  # of the file; "" leaves it unchecked
-
-    def problems(self) -> list[str]:
-        """What is wrong with this table by itself, each as ``key rule``."""
-        out = [
-            f"{k} must not be empty"
-            for k in ("distribution", "version", "file")
-            if not getattr(self, k)
-        ]
-        if self.sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
-            out.append("sha256 must be 64 lowercase hex digits")
-        return out
-
-    def hint(self) -> str:
-        return f"pip install --no-deps {self.distribution}=={self.version}"
 
 
 def locate_source(source: SourceConfig, what: str, *, verify: bool = False) -> Path:
@@ -75,8 +52,6 @@ def locate(name: str, *, verify: bool = False) -> Path:
     Raises:
         ConfigError: unknown name, wheel not installed, or (with ``verify``) wrong checksum.
     """
-    from carpool.worker.repository import builtin
-
     models = builtin().models
     model = models.get(name)
     source = None if model is None else model.config.source

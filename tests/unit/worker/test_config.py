@@ -11,6 +11,7 @@ from carpool.cli import build_parser, worker_config
 from carpool.common.config import MAX_BATCH_CEILING
 from carpool.common.errors import ConfigError
 from carpool.worker.config import ModelConfig, TensorRTConfig, model_from_arg
+from carpool.worker.factory import engine_factory, worker_server
 from carpool.worker.models import locate
 from carpool.worker.repository import builtin
 
@@ -155,17 +156,17 @@ def test_input_rules_come_from_the_toml_and_reach_the_engine(tmp_path: Path) -> 
     )
     det, big, synthetic = worker_config(_worker_args("--config", str(toml))).models
     assert det.inputs == {}
-    det_info = det.factory()().info
+    det_info = engine_factory(det)().info
     assert det_info.io.rules == ()
     assert det_info.io.pads == (PadRule(multiple_of=(1, 32, 32)),)
-    assert big.factory()().info.io.rules == (
+    assert engine_factory(big)().info.io.rules == (
         ShapeRule(max_shape=(-1, 3, 1536, 1536), multiple_of=(1, 1, 64, 64)),
     )
-    assert synthetic.factory()().info.io.rules == (ShapeRule(min_shape=(1, 8)),)
+    assert engine_factory(synthetic)().info.io.rules == (ShapeRule(min_shape=(1, 8)),)
     # A model of its own file has no catalogue rule.
     (own,) = worker_config(_worker_args("--model", str(locate("ppocr-det")))).models
-    assert own.factory()().info.io.rules == ()
-    assert own.factory()().info.io.pads == ()
+    assert engine_factory(own)().info.io.rules == ()
+    assert engine_factory(own)().info.io.pads == ()
 
 
 @pytest.mark.parametrize(
@@ -183,7 +184,7 @@ def test_input_rules_that_do_not_fit_the_model_are_config_errors(
     toml.write_text('[[models]]\nname = "ppocr-det"\n' + table)
     (model,) = worker_config(_worker_args("--config", str(toml))).models
     with pytest.raises(ConfigError, match=match):
-        model.factory()()
+        engine_factory(model)()
 
 
 def test_input_rules_of_the_wrong_type_are_config_errors(tmp_path: Path) -> None:
@@ -214,12 +215,12 @@ def test_a_worker_without_a_name_is_named_by_its_host_and_process() -> None:
 
     assert worker_config(_worker_args()).name == ""
     model = ModelConfig.synthetic("s", 0, 0, 4)
-    server = WorkerConfig(models=(model,)).server()
+    server = worker_server(WorkerConfig(models=(model,)))
     try:
         assert server.core.name == f"{socket.gethostname()}-{os.getpid()}"
     finally:
         server.close()
-    named = WorkerConfig(name="cpu-0", models=(model,)).server()
+    named = worker_server(WorkerConfig(name="cpu-0", models=(model,)))
     try:
         assert named.core.name == "cpu-0"
     finally:

@@ -14,8 +14,9 @@ import pytest
 from carpool.cli import build_parser, worker_config
 from carpool.common.errors import ConfigError
 from carpool.common.padding import CropAxis, PadRule
-from carpool.worker.config import TensorRTConfig
-from carpool.worker.models import SourceConfig, locate
+from carpool.worker.config import SourceConfig, TensorRTConfig
+from carpool.worker.factory import engine_factory
+from carpool.worker.models import locate
 from carpool.worker.repository import BUILTIN_ROOT, builtin, load, merged, scan
 from carpool.worker.shapes import CropConfig, InputConfig, OutputConfig
 
@@ -280,7 +281,7 @@ def test_a_repository_model_served_with_a_backend_it_does_not_name_is_refused(
     add_model(tmp_path, "cls", 'backends = ["tensorrt"]\n')
     (model,) = worker_config(_worker_args("--repository", str(tmp_path))).models
     with pytest.raises(ConfigError, match=r"'cls' may be served with tensorrt only .* not onnx"):
-        model.factory()
+        engine_factory(model)
 
 
 def test_a_repository_models_pads_and_crops_reach_the_spec_the_worker_announces(
@@ -296,7 +297,7 @@ def test_a_repository_models_pads_and_crops_reach_the_spec_the_worker_announces(
         onnx="ppocr-rec",
     )
     (model,) = worker_config(_worker_args("--repository", str(tmp_path))).models
-    info = model.factory()().info
+    info = engine_factory(model)().info
     assert info.io.pads == (PadRule(buckets=((3, 48, 160), (3, 48, 320))),)
     assert info.io.crops == ((CropAxis(1, "x", 3, 1, 8),),)
     assert info.warmup == (((1, 3, 48, 160),),)
@@ -311,7 +312,7 @@ def test_a_pad_rule_that_does_not_fit_the_file_stops_the_worker(tmp_path: Path) 
     add_model(tmp_path, "cls", "[inputs.x.pad]\nmultiple_of = [32, 32]\n")
     (model,) = worker_config(_worker_args("--repository", str(tmp_path))).models
     with pytest.raises(ConfigError, match=r"inputs\.x\.pad\.multiple_of: has 2 entries"):
-        model.factory()()
+        engine_factory(model)()
 
 
 def test_worker_toml_tables_take_the_same_keys(tmp_path: Path) -> None:
@@ -327,7 +328,7 @@ def test_worker_toml_tables_take_the_same_keys(tmp_path: Path) -> None:
         "[models.warmup]\nx = [[1, 3, 32, 32]]\n"
     )
     (model,) = worker_config(_worker_args("--config", str(toml))).models
-    info = model.factory()().info
+    info = engine_factory(model)().info
     assert info.io.pads == (PadRule(multiple_of=(1, 32, 32)),)
     assert info.io.crops == ((CropAxis(2, "x", 2), CropAxis(3, "x", 3)),)
 

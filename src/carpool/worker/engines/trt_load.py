@@ -21,16 +21,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from carpool.common.errors import ConfigError
+from carpool.worker.cuda import open_cuda
 from carpool.worker.cuda.base import CudaError, CudaUnavailable
 from carpool.worker.engines.base import Engine
+from carpool.worker.engines.trt import TensorRTBuilder, TensorRTEngine, TrtPlan, tensorrt_version
 from carpool.worker.shapes import ModelShapes
+from carpool.worker.tensorrt.build import Builder, BuildError, BuildRequest, ensure, prepare
 from carpool.worker.tensorrt.probe import GpuProbe, probe
-
-if TYPE_CHECKING:
-    from carpool.worker.tensorrt.build import Builder, BuildRequest
+from carpool.worker.tensorrt.progress import PlainListener
+from carpool.worker.tensorrt.versions import TrtVersion
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,6 @@ def load_tensorrt(plan: Path, what: str, shapes: ModelShapes | None = None) -> E
     Raises:
         ConfigError: TensorRT refused the plan; CudaUnavailable: no CUDA binding opens.
     """
-    from carpool.worker.cuda import open_cuda
-    from carpool.worker.engines.trt import TensorRTEngine, TrtPlan
-
     cuda = open_cuda(0)
     try:
         return TensorRTEngine(TrtPlan(plan.read_bytes(), what), cuda, what=what, shapes=shapes)
@@ -58,26 +56,14 @@ def _installed() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 
 
-def _version() -> str:
-    from carpool.worker.engines.trt import tensorrt_version
-
-    return tensorrt_version()
-
-
-def _new_builder() -> Builder:
-    from carpool.worker.engines.trt import TensorRTBuilder
-
-    return TensorRTBuilder()
-
-
 @dataclass(frozen=True, slots=True)
 class TensorRT:
     """What serving with TensorRT asks of the machine (a seam: the tests give fakes)."""
 
     installed: Callable[[], bool] = _installed
     probe: Callable[[], GpuProbe] = probe
-    version: Callable[[], str] = _version  # tensorrt.__version__ (imports, makes nothing)
-    new_builder: Callable[[], Builder] = _new_builder
+    version: Callable[[], str] = tensorrt_version  # tensorrt.__version__ (imports, makes nothing)
+    new_builder: Callable[[], Builder] = TensorRTBuilder
     load: Callable[[Path, str, ModelShapes | None], Engine] = load_tensorrt
 
 
@@ -96,10 +82,6 @@ def find_plan(
             precision the model cannot have, a plan that is not there and may not be
             built here, a failed build).
     """
-    from carpool.worker.tensorrt.build import BuildError, ensure, prepare
-    from carpool.worker.tensorrt.progress import PlainListener
-    from carpool.worker.tensorrt.versions import TrtVersion
-
     if not trt.installed():
         raise Unavailable(GET_TENSORRT)
     found = trt.probe()

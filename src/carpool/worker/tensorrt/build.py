@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from carpool.common.errors import CarpoolError, ConfigError
+from carpool.worker import modelcheck
 from carpool.worker.models import sha256_of
 from carpool.worker.tensorrt import cache
 from carpool.worker.tensorrt.cache import Device, Hit, PlanKey
 from carpool.worker.tensorrt.precision import OnnxPrecision, PrecisionPlan, inspect_onnx
 from carpool.worker.tensorrt.precision import plan as precision_plan
-from carpool.worker.tensorrt.profiles import Limits, Profile, check_limits
+from carpool.worker.tensorrt.profile_text import parse_batch
+from carpool.worker.tensorrt.profiles import Limits, Profile, check_limits, from_flags, from_model
 from carpool.worker.tensorrt.versions import TrtVersion
 
 if TYPE_CHECKING:
@@ -125,19 +127,16 @@ def request_for(
     Raises:
         ConfigError: the file cannot be read, or the profiles cannot be had from it.
     """
-    from carpool.worker import modelcheck
-    from carpool.worker.tensorrt import profiles
-
     settings = config.tensorrt if settings is None else settings
     io, problems = modelcheck.read(config)
     if problems or not io.inputs:
         listed = "; ".join(f"{key}: {rule}" for key, rule in problems) or "no inputs read"
         raise ConfigError(f"model {config.name!r}: {listed}")
     if settings.profiles:
-        found = profiles.from_flags(config.name, io.inputs, settings.profiles)
+        found = from_flags(config.name, io.inputs, settings.profiles)
     else:
-        batches = [profiles.parse_batch(b) for b in settings.batches]
-        found = profiles.from_model(config, io.inputs, batches)
+        batches = [parse_batch(b) for b in settings.batches]
+        found = from_model(config, io.inputs, batches)
     return BuildRequest(
         model=config.name,
         onnx=Path(io.file),

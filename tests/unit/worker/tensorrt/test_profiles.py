@@ -17,6 +17,7 @@ from carpool.worker.config import ModelConfig
 from carpool.worker.engines.base import BadInput
 from carpool.worker.shapes import InputConfig
 from carpool.worker.tensorrt import profiles
+from carpool.worker.tensorrt.profile_text import parse_batch
 from carpool.worker.tensorrt.profiles import InputRange, Limits, Profile
 
 IMAGE = (TensorMeta("x", "float32", (-1, 3, -1, -1)),)
@@ -165,9 +166,9 @@ def test_a_profile_flag_missing_an_input_is_refused() -> None:
 def test_batch_flags(text, ok) -> None:
     if ok is None:
         with pytest.raises(ConfigError, match="--batch"):
-            profiles.parse_batch(text)
+            parse_batch(text)
     else:
-        assert profiles.parse_batch(text) == ok
+        assert parse_batch(text) == ok
 
 
 BUCKETED = tuple(
