@@ -70,14 +70,15 @@ def admit(
     config: BrokerConfig,
     backlog: Backlog,
     fleet: FleetModel,
-    *,
     client: ClientId,
     now: float,
+    is_full: bool | None = None,
 ) -> Admitted | Refused:
     """May a valid request of ``layout`` (``nbytes`` of payload, due in ``timeout_s``,
     of ``priority``, from ``client``) queue ``now``? ``max_batch``: the largest batch a live
     worker that admits its shapes takes (> 0). A full queue refuses it: the caller forms
-    this turn's batches first where they would make room (:func:`full`)."""
+    this turn's batches first where they would make room, and may pass what :func:`full`
+    says then (``is_full``; None: asked here)."""
     if backlog.stopping:
         hint = backlog.retry_after_ms(now)
         return Refused(ErrorCode.UNAVAILABLE, _STOPPING, hint, arrival=False, retry=True)
@@ -97,7 +98,7 @@ def admit(
         )
         msg = f"request of {nbytes} payload bytes exceeds {what} ({key} {mib})"
         return Refused(ErrorCode.INVALID_ARGUMENT, msg)
-    if full(config, backlog, nbytes):
+    if full(config, backlog, nbytes) if is_full is None else is_full:
         queued = backlog.queued
         # Until costs are fitted the drain time is unknown: suggest a modest pause.
         drain_s = fleet.drain_time_s(model, layout.key, queued) or 0.05

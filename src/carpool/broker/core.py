@@ -182,12 +182,12 @@ class BrokerCore:
                 return claim
             origin = claim
         out: list[Outgoing] = []
-        pumps = self.pumps
-        if (pumps.dirty or pumps.freed_models or pumps.dirty_models) and full(
-            self.config, self.backlog, request.nbytes
-        ):
-            pumps.pump_dirty(now, out)  # the turn's batches, formed first, make room
-        verdict = self.intake.admit(now, client, request, origin)
+        pumps, config, backlog = self.pumps, self.config, self.backlog
+        is_full = full(config, backlog, request.nbytes)
+        if is_full and (pumps.dirty or pumps.freed_models or pumps.dirty_models):
+            pumps.pump_dirty(now, out)  # the turn's batches, formed first, may make room
+            is_full = full(config, backlog, request.nbytes)
+        verdict = self.intake.admit(now, client, request, origin, is_full)
         if isinstance(verdict, PendingRequest):
             pumps.dirty[verdict.key] = None  # its batch forms at the end of the turn
             return out

@@ -71,10 +71,17 @@ class ClientIntake:
     )
 
     def admit(
-        self, now: float, client: ClientId, request: Request[Layout], origin: Origin | None
+        self,
+        now: float,
+        client: ClientId,
+        request: Request[Layout],
+        origin: Origin | None,
+        is_full: bool | None = None,
     ) -> PendingRequest | Refused:
         """A valid REQUEST from ``client`` (``origin``: its own, when it carries its
-        client's nonce): its entry, queued, or why it is refused (or held)."""
+        client's nonce): its entry, queued, or why it is refused (or held). ``is_full``:
+        whether the queue has no room for it (:func:`~carpool.broker.admission.full`;
+        None: asked here)."""
         layout = request.layout
         max_batch = 0
         # (an input in shared memory that needs padding: the model's checks refuse it)
@@ -97,8 +104,9 @@ class ClientIntake:
             self.config,
             self.backlog,
             self.fleet,
-            client=client,
-            now=now,
+            client,
+            now,
+            is_full,
         )
         if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(
