@@ -252,7 +252,7 @@ def _fit(sizes: tuple[int, ...], lengths: tuple[int, ...], refs: tuple[ShmRef | 
 
 
 def decode_simple(frame: Frame, *, delimited: bool = False) -> Request[Any]:
-    """A single-frame simple-form request, checked (§5.3). Its inline ``data`` fields are
+    """A single-frame simple-form request, checked (§7). Its inline ``data`` fields are
     copied out of msgpack: the form is meant for small tensors from small devices.
 
     Raises:
