@@ -620,6 +620,19 @@ def test_queue_admits_again_once_drained() -> None:
     assert b.core.queued == 1
 
 
+def test_a_full_queue_forms_the_turns_batches_before_the_door_answers() -> None:
+    """Two requests in one loop turn, room for one queued: the first's batch, which the
+    turn would form anyway, leaves before the door answers the second, which queues."""
+    b = Broker.make(max_batch=1, max_wait_s=0.0, max_queued=1)
+    b.ready(T0, W1, slots=1)
+    assert b.core.on_client(T0, C1, b.request_frames(1)) == []  # marked for the turn's end
+    out = [parse(o) for o in b.core.on_client(T0, C1, b.request_frames(2))]
+    assert [ids(m) for m in batches(out)] == [[1]]
+    assert to_clients(out) == []
+    assert b.core.queued == 1
+    assert b.request(T0, 3)[0].code is ErrorCode.OVERLOADED  # no batch this turn makes room
+
+
 # --------------------------------------------------------------------------- deadlines
 
 
