@@ -8,6 +8,7 @@ interrupted, waits on another. A :class:`Cancel` is not waited for.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,7 +18,7 @@ from numpy.typing import ArrayLike
 from carpool.client.futures import Owner, ReplyFuture
 from carpool.common.protocol import Priority
 
-__all__ = ["Call", "Cancel", "Close", "Query", "Submit"]
+__all__ = ["Call", "Cancel", "Close", "Completions", "Query", "Submit"]
 
 
 class Call:
@@ -96,3 +97,55 @@ class Cancel:
 
     def __init__(self, future: ReplyFuture) -> None:
         self.future = future
+
+
+class Completions:
+    """The futures a client's I/O thread completed, for ``Client.poll``: the thread adds
+    to the count (:meth:`add`); callers wait for it to grow (:meth:`wait`) and take what
+    it grew by (:meth:`look`). Each waiting call parks on a lock of its own, which the
+    thread releases: the thread takes no lock a caller could hold (one interrupted by a
+    signal handler's exception might keep it)."""
+
+    __slots__ = ("_looked", "_total", "_waiters")
+
+    def __init__(self) -> None:
+        self._total = self._looked = 0  # completed in all (the thread's), and looked at
+        self._waiters: list[threading.Lock] = []
+
+    def add(self, completed: int) -> None:
+        """(The I/O thread.) ``completed`` more futures: wake the waiting calls."""
+        self._total += completed
+        self.wake()
+
+    def wake(self) -> None:
+        """(The I/O thread.) Wake the waiting calls (the client closes, say)."""
+        waiters = self._waiters
+        while waiters:
+            waiters.pop().release()
+
+    def wait(self, timeout_s: float | None, closing: threading.Event) -> None:
+        """Wait at most ``timeout_s`` (None: without end) for the count to grow, unless
+        it grew since the last look already, or ``closing`` is set."""
+        if self._total != self._looked or closing.is_set() or timeout_s == 0:
+            return
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        try:
+            # (Grown between the look and the append: add() woke the waiters it saw,
+            # after it counted, so one of the two looks sees it.)
+            if self._total != self._looked or closing.is_set():
+                return
+            if timeout_s is None or timeout_s >= threading.TIMEOUT_MAX:
+                waiter.acquire()
+            elif timeout_s > 0:
+                waiter.acquire(True, timeout_s)
+        finally:
+            with contextlib.suppress(ValueError):  # (the thread took it out)
+                self._waiters.remove(waiter)
+
+    def look(self) -> int:
+        """How much the count grew since the last look."""
+        grown = self._total - self._looked
+        self._looked += grown
+        return grown

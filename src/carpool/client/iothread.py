@@ -1,31 +1,26 @@
 """iothread.py: IOThread — the one thread that owns a blocking Client's sockets and core.
 
 Each :class:`~carpool.client.Client` starts one in its constructor: a daemon thread named
-``carpool-client-io-N``, joined by ``close()``. It alone touches the client's zmq
-sockets (libzmq lets one thread at a time use a socket) and its
+``carpool-client-io-N``, joined by ``close()``. It alone uses the client's zmq sockets
+(libzmq lets one thread at a time use a socket) and its
 :class:`~carpool.client.core.ClientCore`, the one place of protocol state. Callers, in
-any thread, a signal handler included, hand it a :class:`Call` through a deque and wake
-it through a :class:`~carpool.common.wake.WakePipe` that its poll watches beside the
-sockets; it answers each call once, and completes the futures, from its loop. A caller
-waits on a lock of its call's own, never on the sockets, so a call from a signal handler
-goes on while the frame it interrupted waits.
+any thread or a signal handler, hand it a :class:`~carpool.client.calls.Call` through a
+deque and wake it through a :class:`~carpool.common.wake.WakePipe` that its poll watches
+beside the sockets; it answers each call once, and completes the futures.
 
-Its sockets are held per broker, in a :class:`Link` each, which the loop iterates: one
-link today (the client's broker: its DEALER, and the one *retiring* after a stopping
-broker's ``retry``, :mod:`carpool.client.resend`). In one turn the loop reads every
-socket, fails what expired, follows the core to a new socket (in the turn that read the
-refusal, so nothing is sent on the old one after it), takes the calls handed to it, and
-sends: the core's own messages first (requests sent again, CANCELs), then the requests
-and queries in the order their calls came. A message the socket does not take waits
-(the socket polled for POLLOUT) until its send window passes (:meth:`ClientCore.send_window_s`),
-and the caller with it: a submit returns once its request is sent or has failed.
+Its sockets are held per broker, a :class:`Link` each, which the loop iterates: one link
+today (the broker's DEALER, and the one *retiring* after a stopping broker's ``retry``:
+:mod:`carpool.client.resend`). Each turn reads every socket, fails what expired, follows
+the core to a new socket (in the turn that read the refusal: nothing is sent on the old
+one after it), takes the calls handed, and sends: the core's messages first (requests
+sent again, CANCELs), then the calls' in the order they came. One the socket does not
+take waits (POLLOUT) until its send window passes, and its caller with it.
 
 A thread does not cross ``fork()``: in a child, a Client of the parent's refuses calls.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -37,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from carpool.client.calls import Call, Cancel, Close, Query, Submit
+from carpool.client.calls import Call, Cancel, Close, Completions, Query, Submit
 from carpool.client.core import ClientCore
 from carpool.client.futures import ReplyFuture, answer
 from carpool.client.shell import Dealer, close_core
@@ -109,18 +104,12 @@ class IOThread:
         self._queries: dict[int, Query] = {}  # by query id: sent, not answered
         self._closers: list[Close] = []
         self._closing = threading.Event()  # set once, by the thread, as it begins to close
-        # poll()'s: futures completed in all (the thread's count) and when it last looked,
-        # and a lock per waiting poll(), which the thread releases (it takes no lock a
-        # caller could hold: one interrupted by a signal handler's exception might keep it).
-        self._completed = self._looked = 0
-        self._pollers: list[threading.Lock] = []
+        self.completions = Completions()  # for poll()
         self._forks = _forks
         self.thread = threading.Thread(
             target=self._run, name=f"carpool-client-io-{next(_NAMES)}", daemon=True
         )
         self.thread.start()
-
-    # ------------------------------------------------------------------ callers
 
     @property
     def closed(self) -> bool:
@@ -165,21 +154,8 @@ class IOThread:
         Raises:
             CarpoolError: the client is closed.
         """
-        if self._completed == self._looked and not self.closed and timeout_s != 0:
-            waiter = threading.Lock()
-            waiter.acquire()
-            self._pollers.append(waiter)
-            try:
-                if self._completed == self._looked and not self.closed:
-                    if timeout_s is None or timeout_s >= threading.TIMEOUT_MAX:
-                        waiter.acquire()
-                    elif timeout_s > 0:
-                        waiter.acquire(True, timeout_s)
-            finally:
-                with contextlib.suppress(ValueError):  # (the thread took it out)
-                    self._pollers.remove(waiter)
-        completed = self._completed - self._looked
-        self._looked += completed
+        self.completions.wait(timeout_s, self._closing)
+        completed = self.completions.look()
         if not completed and self.closed:
             raise CarpoolError(_CLOSED)
         return completed
@@ -189,8 +165,6 @@ class IOThread:
         there)."""
         if threading.current_thread() is not self.thread:
             self.thread.join()
-
-    # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
         try:
@@ -222,14 +196,8 @@ class IOThread:
         if self._queries:
             self._answer_queries(now)
         if completed:
-            self._completed += completed
-            self._wake_pollers()
+            self.completions.add(completed)
         return bool(self._closers)
-
-    def _wake_pollers(self) -> None:
-        pollers = self._pollers
-        while pollers:
-            pollers.pop().release()
 
     def _wait_ms(self) -> int | None:
         """How long the poll may wait: until the next deadline (None: until woken)."""
@@ -356,8 +324,6 @@ class IOThread:
             else:
                 query.answer(got)
 
-    # ------------------------------------------------------------------ sockets
-
     def _watch(self, link: Link) -> None:
         """Poll the link's current socket (for reading) and its monitor."""
         self._poller.register(link.dealer.socket, _POLLIN)
@@ -388,13 +354,10 @@ class IOThread:
         return completed
 
     def _connection_lost(self, link: Link) -> int:
-        """The connection to the broker closed (the broker stopped, or missed its
-        heartbeats): what it sent before is read, and the socket is opened afresh, so
-        that nothing still queued in the old one reaches the broker the client connects
-        to next and is answered twice. Each request still pending on it (its reply can no
-        longer come: the broker answers by connection), those waiting for the socket to
-        take them included, is sent again on the new socket while its budget allows, and
-        fails UNAVAILABLE now otherwise (protocol §11)."""
+        """The connection closed (the broker stopped, or missed its heartbeats): read what
+        came, and open the socket afresh (nothing queued in the old one reaches the next
+        broker, to be answered twice). Each request pending on it, or waiting for it to
+        take it, is sent again while its budget allows, else fails now (protocol §11)."""
         completed = self._drain(link.dealer.socket)
         self._unwatch(link.dealer.socket, link.dealer.watch.monitor)
         link.dealer.reopen()
@@ -450,8 +413,6 @@ class IOThread:
                 completed += 1
         return completed
 
-    # ------------------------------------------------------------------ closing
-
     def _shut(self) -> None:
         """Close: every future answered ``Unavailable``, every call still waiting
         answered (a submit with its future, a query or a call not taken with 'closed'),
@@ -483,6 +444,6 @@ class IOThread:
                 link.dealer.close()
             close_core(self.core)
         finally:
-            self._wake_pollers()
+            self.completions.wake()
             for closer in self._closers:
                 closer.answer()
