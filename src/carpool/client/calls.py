@@ -20,6 +20,9 @@ from carpool.common.protocol import Priority
 
 __all__ = ["Call", "Cancel", "Close", "Completions", "Query", "Submit"]
 
+#: How long ``poll(0)`` waits when nothing completed: it gives up the GIL that long.
+_YIELD_S = 1e-6
+
 
 class Call:
     """What a caller hands the I/O thread and waits for: answered once, from the I/O
@@ -126,8 +129,10 @@ class Completions:
     def wait(self, timeout_s: float | None, closing: threading.Event) -> None:
         """Wait at most ``timeout_s`` (None: without end) for the count to grow, unless
         it grew since the last look already, or ``closing`` is set."""
-        if self._total != self._looked or closing.is_set() or timeout_s == 0:
+        if self._total != self._looked or closing.is_set():
             return
+        if timeout_s == 0:  # (a wait this short still lets the I/O thread take the GIL,
+            timeout_s = _YIELD_S  # which a loop of poll(0) would hold for 5 ms at a time)
         waiter = threading.Lock()
         waiter.acquire()
         self._waiters.append(waiter)

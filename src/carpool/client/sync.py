@@ -172,9 +172,10 @@ class Client:
         return answer
 
     def poll(self, timeout_s: float | None = 0.0) -> int:
-        """Wait at most ``timeout_s`` (None: without end; 0: not at all) for a future to
-        complete; returns the number completed since the last ``poll`` (in any thread).
-        The I/O thread completes futures whether or not anyone polls: this only waits.
+        """Wait at most ``timeout_s`` (None: without end; 0: a microsecond, which lets the
+        I/O thread take the GIL) for a future to complete; returns the number completed
+        since the last ``poll`` (in any thread). The I/O thread completes futures whether
+        or not anyone polls: this only waits.
 
         Raises:
             CarpoolError: the client is closed (and nothing completed since the last look).
