@@ -227,29 +227,36 @@ print("ok")
 
 
 def test_a_submit_keeps_its_timeout_while_another_threads_send_waits(nobody: str) -> None:
-    """No broker, its queue full: another thread's request waits up to 30 s for room;
-    a submit with 0.2 s fails Unavailable while that one still waits, and close() makes
-    the waiting submit return (its future answered 'closed') rather than wait its 30 s."""
+    """No broker, its queue full: the next submit returns at once, its request waiting in
+    the I/O thread for room (up to 30 s); a submit then waits, for its own request to be
+    taken (up to 30 s too); a submit with 0.2 s meanwhile fails Unavailable on its own
+    time, and close() makes the waiting submit return (its future answered 'closed')."""
     client = Client(nobody, grace_s=0.2)
     for _ in range(1000):  # fills ZeroMQ's high-water mark: the broker is away
         client.submit("m", X, 30)
+    first = client.submit("m", X, 30)
+    assert not first.done()
+    _until(
+        "the I/O thread holds a request the socket has no room for", lambda: _unsent(client) == 1
+    )
     returned: list[ReplyFuture] = []
     blocked = threading.Thread(target=lambda: returned.append(client.submit("m", X, 30)))
     blocked.start()
-    _until("the other thread's request waits for room", lambda: _unsent(client) == 1)
+    _until("the other thread's request waits for room", lambda: _unsent(client) == 2)
     future = client.submit("m", X, 0.2)
     with pytest.raises(Unavailable, match="not taking"):
         future.result(0)
     assert blocked.is_alive()  # its request still waits: the submit did not wait for it
-    assert _unsent(client) == 1
+    assert _unsent(client) == 2
     closer = threading.Thread(target=client.close)  # the waiting submit returns
     closer.start()
     closer.join(10)
     blocked.join(10)
     assert not closer.is_alive()
     assert not blocked.is_alive()
-    with pytest.raises(Unavailable, match="closed"):
-        returned[0].result(0)
+    for answered in (first, returned[0]):
+        with pytest.raises(Unavailable, match="closed"):
+            answered.result(0)
 
 
 def _hammer(
@@ -283,9 +290,10 @@ def test_close_is_not_starved_by_a_thread_that_submits_in_a_loop(nobody: str) ->
     closer = threading.Thread(target=client.close, daemon=True)
     closer.start()
     closer.join(20)
+    thread.join(10)  # (it ends by itself: its next submit raises)
     stop.set()
-    thread.join(10)
     assert not closer.is_alive()
+    assert not thread.is_alive()
     assert len(ended) == 1
     assert isinstance(ended[0], CarpoolError)
     assert "closed" in str(ended[0])  # its next submit: the client is closed
@@ -455,13 +463,14 @@ def test_interrupts_anywhere_in_close_leave_the_client_open_or_wholly_closed(
     nobody: str,
 ) -> None:
     """A Ctrl-C (any exception from a signal handler) that strikes somewhere in close()
-    leaves the client either open and working (struck before close() asked the I/O
-    thread) or closing: its calls refused 'closed'. Either way a second close() returns
-    once it is closed, its thread ended, and every future has its answer ('closed')."""
+    leaves the client open (struck before close() asked the I/O thread: it takes calls)
+    or closing (calls refused, or taken and answered 'closed'), never half-closed: a
+    second close() returns once it is closed and its thread ended, every future has its
+    answer ('closed'), and later calls are refused."""
     out = _run(
         f"""
 import signal, numpy as np
-from carpool.client import Client, ReplyFuture, Unavailable
+from carpool.client import Client, Unavailable
 from carpool.common.errors import CarpoolError
 X = {{"x": np.ones((1, 4), np.float32)}}
 armed = False
@@ -471,11 +480,11 @@ def boom(*a):
         armed = False
         raise KeyboardInterrupt
 signal.signal(signal.SIGALRM, boom)
-signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
 seen = set()
 for _ in range(60):
     c = Client({nobody!r}, grace_s=0.2)
     f = c.submit("m", X, 30)
+    signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)  # (around close() only)
     try:
         armed = True
         c.close()
@@ -483,20 +492,27 @@ for _ in range(60):
     except KeyboardInterrupt:
         pass
     armed = False
-    try:  # struck before close() asked the I/O thread: open and working
-        g = c.submit("m", X, 30)
-        assert not f.done() and not g.done(), "open but not working"
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    futures = [f]
+    try:  # struck before close() asked the I/O thread: open, and takes calls
+        futures.append(c.submit("m", X, 30))
         seen.add("open")
     except CarpoolError as exc:  # after: closing, or closed
         assert "closed" in str(exc)
         seen.add("closed")
     c.close()
-    try:
-        f.result(10)
-    except Unavailable as exc:
-        assert "closed" in str(exc), exc
+    for future in futures:  # each answered: by the close
+        try:
+            future.result(10)
+            raise AssertionError("answered, with no broker")
+        except Unavailable as exc:
+            assert "closed" in str(exc), exc
     assert not c._io.thread.is_alive()
-signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        c.submit("m", X, 30)
+        raise AssertionError("closed, but a submit was taken")
+    except CarpoolError as exc:
+        assert "closed" in str(exc)
 print("ok")
 """
     )
@@ -562,7 +578,7 @@ def test_stats_calls_from_two_threads_each_get_their_own_reply(
     context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
     """Two threads' stats() at once, answered in the reverse order: each call returns the
-    reply that echoes its own id, whichever thread receives it."""
+    reply that echoes its own id (the I/O thread matches answers to the calls)."""
     from carpool.common.protocol import Command, decode_meta, encode
 
     broker = context.socket(zmq.ROUTER)

@@ -16,6 +16,7 @@ from typing import Any
 from numpy.typing import ArrayLike
 
 from carpool.client.futures import Owner, ReplyFuture
+from carpool.client.inputs import Encoded
 from carpool.common.protocol import Priority
 
 __all__ = ["Call", "Cancel", "Close", "Completions", "Query", "Submit"]
@@ -53,9 +54,20 @@ class Call:
 class Submit(Call):
     """Send a request; answered with its :class:`ReplyFuture` once the socket took it
     (or it failed), or with what encoding it raised. The future belongs to ``owner``
-    (the client, which it keeps open while the request is pending)."""
+    (the client, which it keeps open while the request is pending). A request the
+    caller ``encoded`` comes with its future, and nobody waits for the answer."""
 
-    __slots__ = ("frames", "future", "inputs", "model", "owner", "priority", "timeout_s", "until")
+    __slots__ = (
+        "encoded",
+        "frames",
+        "future",
+        "inputs",
+        "model",
+        "owner",
+        "priority",
+        "timeout_s",
+        "until",
+    )
 
     def __init__(
         self,
@@ -64,9 +76,10 @@ class Submit(Call):
         inputs: Mapping[str, ArrayLike],
         timeout_s: float | None,
         priority: Priority,
+        encoded: Encoded | None = None,
     ) -> None:
         super().__init__()
-        self.owner = owner
+        self.owner, self.encoded = owner, encoded
         self.model, self.inputs, self.timeout_s, self.priority = model, inputs, timeout_s, priority
         self.frames: list[Any] = []
         self.future: ReplyFuture | None = None

@@ -2,8 +2,9 @@
 
 Each :class:`~carpool.client.Client` starts one in its constructor: a daemon thread named
 ``carpool-client-io-N``, joined by ``close()``. It alone uses the client's zmq sockets
-(libzmq lets one thread at a time use a socket) and its
-:class:`~carpool.client.core.ClientCore`, the one place of protocol state. Callers, in
+(libzmq lets one thread at a time use a socket) and changes its
+:class:`~carpool.client.core.ClientCore`, the one place of protocol state (callers only
+encode with it: :meth:`ClientCore.encode` reads settings and draws an id). Callers, in
 any thread or a signal handler, hand it a :class:`~carpool.client.calls.Call` through a
 deque and wake it through a :class:`~carpool.common.wake.WakePipe` that its poll watches
 beside the sockets; it answers each call once, and completes the futures.
@@ -11,10 +12,9 @@ beside the sockets; it answers each call once, and completes the futures.
 Its sockets are held per broker, a :class:`Link` each, which the loop iterates: one link
 today (the broker's DEALER, and the one *retiring* after a stopping broker's ``retry``:
 :mod:`carpool.client.resend`). Each turn reads every socket, fails what expired, follows
-the core to a new socket (in the turn that read the refusal: nothing is sent on the old
-one after it), takes the calls handed, and sends: the core's messages first (requests
-sent again, CANCELs), then the calls' in the order they came. One the socket does not
-take waits (POLLOUT) until its send window passes, and its caller with it.
+the core to a new socket (in the turn that read the refusal), takes the calls, and sends:
+the core's messages first (requests sent again, CANCELs), then the calls' in the order
+they came. One the socket does not take waits (POLLOUT) until its send window passes.
 
 A thread does not cross ``fork()``: in a child, a Client of the parent's refuses calls.
 """
@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import os
+import signal
 import threading
 import weakref
 from collections import deque
@@ -62,24 +63,21 @@ os.register_at_fork(after_in_child=_forked)
 
 
 class Link:
-    """One broker's sockets as the I/O thread polls them: its :class:`Dealer` (the current
-    socket and the retiring one, if any), the events the current socket is polled for,
-    and the requests and queries waiting for it to take them, in order."""
+    """One broker's sockets as the I/O thread polls them: its :class:`Dealer` (current and
+    retiring socket), the current one's poll events, and the messages waiting for it."""
 
-    __slots__ = ("dealer", "events", "unsent")
+    __slots__ = ("dealer", "events", "full", "unsent")
 
     def __init__(self, dealer: Dealer[zmq.Socket[bytes]]) -> None:
         self.dealer = dealer
         self.events = _POLLIN
         self.unsent: deque[Submit | Query] = deque()
+        self.full = False  # its last send found no room, none taken since
 
 
 class IOThread:
     """The thread that owns a blocking client's core and sockets (module docstring).
-
-    Callers use :meth:`hand`, :meth:`cancel`, :meth:`wait_completed` and :meth:`join`;
-    everything else runs in the thread.
-    """
+    Callers use the methods up to :meth:`join`; the rest runs in the thread."""
 
     def __init__(
         self,
@@ -117,24 +115,24 @@ class IOThread:
         return self._closing.is_set()
 
     def hand(self, call: Call | Cancel) -> None:
-        """Give the thread ``call`` (from any thread, a signal handler's included).
-
-        Raises:
-            CarpoolError: the client is closed (the call was not taken), or belongs to
-                the parent of this forked process.
-        """
+        """Give the thread ``call`` (from any thread, a signal handler's too). Raises
+        CarpoolError if the client is closed (the call not taken), or in a forked child."""
         if self._forks != _forks:
             raise CarpoolError("a Client does not cross fork(): open another in the child")
         if self.closed:
             raise CarpoolError(_CLOSED)
         self._calls.append(call)
-        if self._closing.is_set():  # it began closing meanwhile: it took the call, or never will
+        if self._closing.is_set():  # closing meanwhile: it took the call, or never will
             try:
                 self._calls.remove(call)
             except ValueError:
                 return  # taken: it answers it
             raise CarpoolError(_CLOSED)
         self._wake.wake()
+
+    def backlogged(self) -> bool:
+        """A socket has no room (its last send found none), or messages wait for it."""
+        return any(link.full or link.unsent for link in self.links)
 
     def cancel(self, future: ReplyFuture) -> bool:
         """Cancel ``future``'s request without waiting (:meth:`ReplyFuture.cancel`).
@@ -149,11 +147,7 @@ class IOThread:
 
     def wait_completed(self, timeout_s: float | None) -> int:
         """The futures completed since the last look (any thread's), waiting up to
-        ``timeout_s`` (None: without end) for one when there is none.
-
-        Raises:
-            CarpoolError: the client is closed.
-        """
+        ``timeout_s`` (None: without end) for one; CarpoolError once the client closed."""
         self.completions.wait(timeout_s, self._closing)
         completed = self.completions.look()
         if not completed and self.closed:
@@ -161,12 +155,13 @@ class IOThread:
         return completed
 
     def join(self) -> None:
-        """Wait for the thread to end (not from the thread itself: a finalizer may run
-        there)."""
+        """Wait for the thread to end (not from itself: a finalizer may run there)."""
         if threading.current_thread() is not self.thread:
             self.thread.join()
 
     def _run(self) -> None:
+        # Signals go to other threads (handlers run in the main one), never into libzmq's calls.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         try:
             while not self._turn():
                 pass
@@ -230,16 +225,21 @@ class IOThread:
         return completed
 
     def _submit(self, call: Submit, now: float) -> None:
-        try:
-            rid, frames = self.core.request(
-                now, call.model, call.inputs, call.timeout_s, call.priority
-            )
-        except Exception as exc:  # TypeError, ValueError, ProtocolError: the caller's
-            call.answer(error=exc)
-            return
-        call.inputs = {}  # (encoded: the caller may refill them once answered)
-        call.future = self.futures[rid] = ReplyFuture(call.owner, rid)
-        call.frames, call.until = frames, now + self.core.send_window_s(call.timeout_s)
+        encoded = call.encoded
+        if encoded is not None:  # (encoded by the caller, its future given already)
+            call.frames, now = self.core.keep(encoded), encoded.now
+        else:
+            try:
+                encoded = self.core.encode(
+                    now, call.model, call.inputs, call.timeout_s, call.priority
+                )
+            except Exception as exc:  # TypeError, ValueError, ProtocolError: the caller's
+                call.answer(error=exc)
+                return
+            call.inputs = {}  # (encoded: the caller may refill them once answered)
+            call.frames = self.core.keep(encoded)
+            call.future = self.futures[encoded.rid] = ReplyFuture(call.owner, encoded.rid)
+        call.until = now + self.core.send_window_s(call.timeout_s)
         self.links[0].unsent.append(call)
 
     def _query(self, call: Query, now: float) -> None:
@@ -264,7 +264,7 @@ class IOThread:
         order; fail what waited past its send window. Returns futures completed."""
         socket = link.dealer.socket
         core, unsent = self.core, link.unsent
-        full = False
+        full = sent = False
         while (frames := core.outgoing(now)) is not None:
             try:
                 send_frames(socket, frames, NOBLOCK)
@@ -272,6 +272,7 @@ class IOThread:
                 full = True
                 break
             core.took()
+            sent = True
         while unsent and not full and not core.leaving:
             try:
                 send_frames(socket, unsent[0].frames, NOBLOCK)
@@ -279,6 +280,8 @@ class IOThread:
                 full = True
                 break
             self._sent(unsent.popleft())
+            sent = True
+        link.full = full or (link.full and not sent)
         completed = self._expire_unsent(link, now) if unsent else 0
         events = _POLLIN | _POLLOUT if full else _POLLIN
         if events != link.events:
@@ -367,17 +370,14 @@ class IOThread:
         return completed
 
     def _release_unsent(self, link: Link) -> None:
-        """The core sends again (or fails) the requests that waited for the socket it
-        left: their callers have their futures now. Queries wait for the new socket."""
+        """The core sends again (or fails) the requests that waited for the socket left."""
         for op in [op for op in link.unsent if isinstance(op, Submit)]:
             link.unsent.remove(op)
             self._sent(op)
 
     def _follow_core(self, link: Link) -> int:
-        """Leave the current connection when the core says so (its broker refused a
-        request with ``retry``: protocol §11), and close the retiring socket once the core
-        awaits nothing on it. Returns futures completed (requests on a retiring socket
-        dropped, with too little budget left)."""
+        """Leave the current connection when the core says so (a ``retry`` refusal: §11),
+        and close the retiring socket once the core awaits nothing on it."""
         completed = 0
         dealer = link.dealer
         if self.core.leaving:
@@ -414,15 +414,22 @@ class IOThread:
         return completed
 
     def _shut(self) -> None:
-        """Close: every future answered ``Unavailable``, every call still waiting
-        answered (a submit with its future, a query or a call not taken with 'closed'),
-        then the sockets, the core's shared memory, and the thread ends."""
+        """Close: every future answered ``Unavailable``, every call waiting answered (a
+        submit with its future, others 'closed'), sockets and shared memory let go."""
         self._closing.set()  # (callers stop handing calls; hand() takes back a late one)
         closed = CarpoolError(_CLOSED)
-        for rid, future in self.futures.items():
+        while self._calls:  # (first: a submit's future is among the futures already)
+            call = self._calls.popleft()
+            if isinstance(call, Close):
+                self._closers.append(call)
+            elif isinstance(call, Call) and not (
+                isinstance(call, Submit) and call.encoded is not None
+            ):
+                call.answer(error=closed)
+        while self.futures:  # (popitem: a caller may add one meanwhile, hand() refusing it)
+            rid, future = self.futures.popitem()
             self.core.forget(rid)
             future._set(Unavailable("the client was closed", request_id=rid))
-        self.futures.clear()
         for link in self.links:
             while link.unsent:
                 op = link.unsent.popleft()
@@ -433,12 +440,6 @@ class IOThread:
         for query in self._queries.values():
             query.answer(error=closed)
         self._queries.clear()
-        while self._calls:
-            call = self._calls.popleft()
-            if isinstance(call, Close):
-                self._closers.append(call)
-            elif isinstance(call, Call):
-                call.answer(error=closed)
         try:
             for link in self.links:
                 link.dealer.close()

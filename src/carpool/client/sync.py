@@ -111,10 +111,23 @@ class Client:
             ProtocolError: an input's dtype has no wire name (complex, strings, objects).
             CarpoolError: the client is closed.
         """
+        io = self._io
+        if self.core.arena is None and not io.backlogged():
+            # Room, and no shared memory: encoded here (what it raises, raised here), kept
+            # and sent by the I/O thread without this call waiting for it.
+            encoded = self.core.encode(self.clock.now(), model, inputs, timeout_s, priority)
+            call = Submit(self, model, {}, timeout_s, priority, encoded)
+            try:
+                future = call.future = io.futures[encoded.rid] = ReplyFuture(self, encoded.rid)
+                io.hand(call)
+            except BaseException:  # closed, or interrupted: nobody has the future
+                io.futures.pop(encoded.rid, None)
+                raise
+            return future
         call = Submit(self, model, inputs, timeout_s, priority)
-        self._io.hand(call)
-        future: ReplyFuture = call.wait()
-        return future
+        io.hand(call)  # (encoded by the I/O thread, sent or failed, then answered)
+        waited: ReplyFuture = call.wait()
+        return waited
 
     def cancel(self, future: ReplyFuture) -> bool:
         """Cancel ``future``'s request without waiting (:meth:`ReplyFuture.cancel`): any
