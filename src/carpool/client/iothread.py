@@ -9,14 +9,11 @@ any thread or a signal handler, hand it a :class:`~carpool.client.calls.Call` th
 deque and wake it through a :class:`~carpool.common.wake.WakePipe` that its poll watches
 beside the sockets; it answers each call once, and completes the futures.
 
-Its sockets are held per broker, a :class:`Link` each, which the loop iterates: one link
-today (the broker's DEALER, and the one *retiring* after a stopping broker's ``retry``:
-:mod:`carpool.client.resend`). Each turn reads every socket, fails what expired, follows
-the core to a new socket (in the turn that read the refusal), takes the calls, and sends:
-the core's messages first (requests sent again, CANCELs), then the calls' in the order
-they came. One the socket does not take waits (POLLOUT) until its send window passes.
-
-A thread does not cross ``fork()``: in a child, a Client of the parent's refuses calls.
+Sockets are held per broker, a :class:`Link` each, which the loop iterates (one today:
+the DEALER, and the one retiring after a stopping broker's ``retry``). Each turn reads,
+fails what expired, follows the core to a new socket, takes the calls, and sends: the
+core's messages, then the calls' in order; one the socket has no room for waits (POLLOUT)
+until its send window passes. In a ``fork()`` child a parent's Client refuses calls.
 """
 
 from __future__ import annotations
@@ -104,6 +101,7 @@ class IOThread:
         self._closing = threading.Event()  # set once, by the thread, as it begins to close
         self.completions = Completions()  # for poll()
         self._forks = _forks
+        self._polling = False  # the thread is in (or about to enter) its poll
         self.thread = threading.Thread(
             target=self._run, name=f"carpool-client-io-{next(_NAMES)}", daemon=True
         )
@@ -128,7 +126,8 @@ class IOThread:
             except ValueError:
                 return  # taken: it answers it
             raise CarpoolError(_CLOSED)
-        self._wake.wake()
+        if self._polling:  # (else it looks at the calls before it polls next)
+            self._wake.wake()
 
     def backlogged(self) -> bool:
         """A socket has no room (its last send found none), or messages wait for it."""
@@ -172,7 +171,9 @@ class IOThread:
 
     def _turn(self) -> bool:
         """One turn of the loop (module docstring); True: a Close was taken."""
+        self._polling = True  # (before _wait_ms looks for calls: hand() wakes it now)
         ready = dict(self._poller.poll(self._wait_ms()))
+        self._polling = False
         if self._wake.fd in ready:
             self._wake.clear()
         completed = 0
@@ -370,7 +371,6 @@ class IOThread:
         return completed
 
     def _release_unsent(self, link: Link) -> None:
-        """The core sends again (or fails) the requests that waited for the socket left."""
         for op in [op for op in link.unsent if isinstance(op, Submit)]:
             link.unsent.remove(op)
             self._sent(op)
