@@ -2,16 +2,17 @@
 
 The constructor opens the client's DEALER socket and starts its I/O thread
 (:class:`~carpool.client.iothread.IOThread`, a daemon thread named
-``carpool-client-io-N``), which alone uses the socket and the client's
+``carpool-client-io-N``), which alone uses the socket and changes the client's
 :class:`~carpool.client.core.ClientCore` from then on; ``close()`` joins it. Every method
-hands that thread a call and waits for its answer, so any thread may use the client (a
-camera loop per thread, say), and so may a signal handler: a call waits on a lock of its
-own, never on another thread's. The thread completes every future, in whichever thread
-it is waited for (:meth:`ReplyFuture.result`).
+hands that thread a call, so any thread may use the client (a camera loop per thread,
+say), and so may a signal handler: a call that waits waits on a lock of its own, never
+on another thread's. The thread completes every future, in whichever thread it is
+waited for (:meth:`ReplyFuture.result`).
 
-``submit`` returns once the socket took the request (or the request failed); ``stats``
-and ``model`` once their answer came; ``poll`` waits for futures to complete. A client
-dropped without ``close()`` is closed when it is collected.
+``submit`` encodes the request here and returns at once while the socket has room (the
+I/O thread sends it); ``stats`` and ``model`` return once their answer came; ``poll``
+waits for futures to complete. A client dropped without ``close()`` is closed when it is
+collected.
 """
 
 from __future__ import annotations
@@ -95,15 +96,16 @@ class Client:
         *,
         priority: Priority = Priority.INTERACTIVE,
     ) -> ReplyFuture:
-        """Send a request; returns a future for its reply once the socket took it.
+        """Send a request; returns a future for its reply.
 
-        The inputs may be reused (refilled) as soon as this returns. If the broker takes
-        nothing for the request's send window (its timeout, or ``send_timeout_s`` if
-        shorter: the broker is away and 1,000 messages wait for it already), this returns
-        then, with the future failed ``Unavailable``. A request whose connection is lost
-        before its answer, or that a stopping broker refuses with ``retry``, is sent
-        again on a new connection while its budget allows (:mod:`carpool.client.resend`);
-        :meth:`ReplyFuture.cancel` cancels it.
+        The inputs may be reused (refilled) as soon as this returns. While requests wait
+        for room (the broker is away and 1,000 messages wait for it already), this waits
+        for its own to be taken, at most its send window (its timeout, or
+        ``send_timeout_s`` if shorter), and returns then with the future failed
+        ``Unavailable``; a request handed on while the socket had room fails so too. A
+        request whose connection is lost before its answer, or that a stopping broker
+        refuses with ``retry``, is sent again on a new connection while its budget
+        allows (:mod:`carpool.client.resend`); :meth:`ReplyFuture.cancel` cancels it.
 
         Raises (here, before anything is sent; what the broker refuses fails the future):
             TypeError: ``inputs`` is not a mapping of input names to arrays.
