@@ -169,6 +169,7 @@ def core_run(
     n: int = 20_000,
     timer: Callable[[], float] = time.perf_counter,
     clock: Callable[[], float] = time.monotonic,
+    edge: Callable[..., Any] = call,
 ) -> tuple[float, float]:
     """us per request (by ``timer``: wall time, or with ``time.process_time`` this
     process's CPU time) and mean batch size for bursts of ``k`` requests; ``clock`` is
@@ -176,9 +177,10 @@ def core_run(
 
     Every call of the socket edge (a client's frames to the frames handed back, a tick,
     a worker's frames to the frames handed back: decode, core, encode) goes through
-    ``operator.call`` and nothing else does, so that bench/instructions.py can count
-    that edge alone (callgrind's ``--toggle-collect=_operator_call``), without this
-    harness's own encoding of requests and results."""
+    ``edge`` and nothing else does: by default ``operator.call``, so that
+    bench/instructions.py can count that edge alone (callgrind's
+    ``--toggle-collect=_operator_call``), without this harness's own encoding of
+    requests and results."""
     core = _core(BrokerConfig(batching=BatchingConfig(policy=policy, max_batch=32)))
     x = TensorMeta("x", "float32", (-1, 16))
     spec = ModelSpec("m", (x,), (TensorMeta("y", "float32", (-1, 16)),), 32)
@@ -194,7 +196,7 @@ def core_run(
     def on_tick(now: float) -> list[tuple[Side, list[Any]]]:
         return frames_of(core.on_tick(now))
 
-    call(on_worker, clock(), b"w", ready)
+    edge(on_worker, clock(), b"w", ready)
     data = np.zeros((1, 16), np.float32).tobytes()
     inputs = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
     reply_meta = codec.pack({"id": 1, "outputs": inputs, "batch_size": 1})
@@ -218,8 +220,8 @@ def core_run(
         for _ in range(k):
             rid += 1
             meta = codec.pack({"id": rid, "model": "m", "inputs": inputs, "timeout_ms": 10_000})
-            sent += call(on_client, clock(), b"c", [request_header, meta, data])
-        done += collect(sent + call(on_tick, clock()))
+            sent += edge(on_client, clock(), b"c", [request_header, meta, data])
+        done += collect(sent + edge(on_tick, clock()))
         while pending:
             batch = pending.pop()
             count = len(batch["requests"])
@@ -231,7 +233,7 @@ def core_run(
             }
             frames = encode(Command.RESULT, result, reply * count)
             now = clock()
-            done += collect(call(on_worker, now, b"w", frames) + call(on_tick, now))
+            done += collect(edge(on_worker, now, b"w", frames) + edge(on_tick, now))
     elapsed = timer() - t0
     sizes = core.stats.batch_sizes["m"]
     mean = sum(s * c for s, c in sizes.items()) / sum(sizes.values())

@@ -82,14 +82,13 @@ def test_core_run_decodes_and_encodes_inside_the_counted_edge(
 
         return wrapped
 
-    monkeypatch.setattr(hot_path, "call", counted)
     worker_decode = inside("worker", protocol.decode_from_worker)
     monkeypatch.setattr(protocol, "decode_from_worker", worker_decode)
     # A client decoder the core does not take yet: the harness finds it and calls it inside.
     client_decode = inside("client", lambda frames: frames)
     monkeypatch.setattr(protocol, "decode_from_client", client_decode, raising=False)
     monkeypatch.setattr(hot_path, "frames_of", inside("to_frames", hot_path.frames_of))
-    _us, mean_batch = hot_path.core_run(8, "fixed", n=64)
+    _us, mean_batch = hot_path.core_run(8, "fixed", n=64, edge=counted)
     assert mean_batch > 1
     assert seen["client"] >= 64
     assert seen["worker"] >= 2  # the READY and a RESULT at least

@@ -1,12 +1,14 @@
-"""bench/instructions.py: its cells, its arithmetic and its output rows.
+"""bench/instructions.py and bench/edge_profile.py: cells, arithmetic, output rows.
 
-The script runs valgrind in git worktrees; only its pure parts are tested here (the edge
-it counts is tested with bench/hot_path.py in tests/integration/test_bench_helpers.py).
+The scripts run valgrind or a tracer in git worktrees; only their pure parts are tested
+here (the edge they count is tested with bench/hot_path.py in
+tests/integration/test_bench_helpers.py).
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -23,6 +25,11 @@ def ins() -> Iterator[ModuleType]:
         yield load_script("instructions.py")
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def edge() -> ModuleType:
+    return load_script("edge_profile.py")
 
 
 def test_by_default_both_policies_at_bursts_1_and_8_run_3_times_each(ins: ModuleType) -> None:
@@ -61,3 +68,20 @@ def test_a_cell_is_the_median_of_its_runs_and_keeps_every_run(ins: ModuleType) -
     assert (row["base"], row["head"]) == (100.0, 97.0)
     assert row["ratio"] == pytest.approx(0.97)
     assert (row["burst"], row["policy"]) == (8, "fixed")
+
+
+def test_the_edge_profile_is_per_request_and_pairs_moved_functions(edge: ModuleType) -> None:
+    small = [Counter({"a.py:f": 10, "a.py:g": 4}), Counter({"a.py:f": 1}), Counter()]
+    large = [Counter({"a.py:f": 30, "a.py:g": 4, "b.py:h": 8}), Counter({"a.py:f": 3}), Counter()]
+    profile = edge.per_request(small, large, 100, 300)
+    # Work that does not grow with the requests (g) is not a request's.
+    assert profile == {
+        "ops": {"a.py:f": 0.1, "b.py:h": 0.04},
+        "calls": {"a.py:f": 0.01},
+        "ccalls": {},
+    }
+    assert edge.by_file(profile) == {"a.py": 0.1, "b.py": 0.04}
+    base = {"ops": {"old.py:C.f": 1.0, "x.py:k": 1.0, "x.py:C.g": 1.0, "y.py:C.g": 1.0}}
+    head = {"ops": {"new.py:C.f": 1.0, "x.py:k": 1.0, "z.py:C.g": 1.0}}
+    # C.f moved (one of it at each revision); C.g is two at BASE, so it is not paired.
+    assert edge.moved(base, head) == {"old.py:C.f": "new.py:C.f"}
