@@ -3,8 +3,10 @@
 Pure: ``now`` comes in; no sockets or clocks. A pump of one queue asks its policy
 (:mod:`carpool.broker.policy`) whether a batch leaves now, sheds the requests that cannot
 make their deadline, picks the worker (credits, predicted backlog, batch limit) and
-builds its BATCH. Deadlines that pass are answered here too, queued or in flight. Which
-queues are pumped when, and in which order, is :mod:`carpool.broker.pumps`'s.
+builds its BATCH; the batch's requests leave their queue through
+:meth:`~carpool.broker.backlog.Backlog.take`, in the order the backlog keeps. Deadlines
+that pass are answered here too, queued or in flight. Which queues are pumped when, and
+in which order, is :mod:`carpool.broker.pumps`'s.
 """
 
 from __future__ import annotations
