@@ -152,10 +152,10 @@ class Dispatcher:
             promote_s = 0.0
             if policy.edf:
                 promote_s = promotion_s(capacity)
+                first = self.backlog.next_up(queue, now, promote_s, True)
                 urgent = queue.earliest_deadline()
             else:
-                urgent = head
-            first = self.backlog.next_up(queue, now, promote_s, policy.edf)
+                first = urgent = head  # (next_up's in arrival order: the oldest)
             assert first is not None  # the queue is not empty
             assert urgent is not None
             if worker.lanes[model].max_batch < first.samples:
