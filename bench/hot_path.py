@@ -57,6 +57,8 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import importlib
+import inspect
 import itertools
 import json
 import os
@@ -67,6 +69,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from operator import call
 from pathlib import Path
 from typing import Any
 
@@ -130,48 +133,95 @@ def _worker_server(config: Any, **kwargs: Any) -> Any:
     return worker_server(config, **kwargs)
 
 
+def _core(config: BrokerConfig) -> BrokerCore:
+    """A core in the server's pump mode (messages queue work, the tick that ends each loop
+    turn forms the batches): at revisions whose ``BrokerCore`` has two modes, asked for
+    with ``defer_pumps=True``; at later ones its only mode."""
+    if "defer_pumps" in inspect.signature(BrokerCore).parameters:
+        return BrokerCore(config, defer_pumps=True)  # type: ignore[call-arg]
+    return BrokerCore(config)
+
+
+def _client_message() -> Callable[[list[Any]], Any]:
+    """What ``BrokerCore.on_client`` takes of a client's frames (after the routing id): the
+    typed message where ``carpool.common.protocol`` has a ``decode_from_client`` (the
+    decode a transport makes), else the frames themselves, which the core decodes."""
+    protocol = importlib.import_module("carpool.common.protocol")
+    decode: Callable[[list[Any]], Any] | None = getattr(protocol, "decode_from_client", None)
+    return (lambda frames: frames) if decode is None else decode
+
+
+def frames_of(out: list[Any]) -> list[tuple[Side, list[Any]]]:
+    """The side and the frames a socket is handed for each outgoing message: a client's
+    reply comes as frames, a worker's message as a typed message that its transport
+    encodes (and wherever the core hands a message with ``to_frames``, that encoder is
+    called here)."""
+    frames = []
+    for o in out:
+        message = getattr(o, "message", None)
+        frames.append((o.side, o.frames if message is None else message.to_frames()))
+    return frames
+
+
 def core_run(
-    k: int, policy: str, n: int = 20_000, timer: Callable[[], float] = time.perf_counter
+    k: int,
+    policy: str,
+    n: int = 20_000,
+    timer: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] = time.monotonic,
+    edge: Callable[..., Any] = call,
 ) -> tuple[float, float]:
     """us per request (by ``timer``: wall time, or with ``time.process_time`` this
-    process's CPU time) and mean batch size for bursts of ``k`` requests."""
-    core = BrokerCore(BrokerConfig(batching=BatchingConfig(policy=policy, max_batch=32)))
+    process's CPU time) and mean batch size for bursts of ``k`` requests; ``clock`` is
+    the ``now`` the core is given.
+
+    Every call of the socket edge (a client's frames to the frames handed back, a tick,
+    a worker's frames to the frames handed back: decode, core, encode) goes through
+    ``edge`` and nothing else does: by default ``operator.call``, so that
+    bench/instructions.py can count that edge alone (callgrind's
+    ``--toggle-collect=_operator_call``), without this harness's own encoding of
+    requests and results."""
+    core = _core(BrokerConfig(batching=BatchingConfig(policy=policy, max_batch=32)))
     x = TensorMeta("x", "float32", (-1, 16))
     spec = ModelSpec("m", (x,), (TensorMeta("y", "float32", (-1, 16)),), 32)
     ready = encode(Command.READY, Ready("w", 2, (spec,)).to_wire())
-    worker_message = _worker_message()
-    core.on_worker(time.monotonic(), b"w", worker_message(ready))
+    worker_message, client_message = _worker_message(), _client_message()
+
+    def on_client(now: float, identity: bytes, frames: list[Any]) -> list[tuple[Side, list[Any]]]:
+        return frames_of(core.on_client(now, identity, client_message(frames)))
+
+    def on_worker(now: float, identity: bytes, frames: list[Any]) -> list[tuple[Side, list[Any]]]:
+        return frames_of(core.on_worker(now, identity, worker_message(frames)))
+
+    def on_tick(now: float) -> list[tuple[Side, list[Any]]]:
+        return frames_of(core.on_tick(now))
+
+    edge(on_worker, clock(), b"w", ready)
     data = np.zeros((1, 16), np.float32).tobytes()
     inputs = [{"name": "x", "dtype": "float32", "shape": [1, 16]}]
     reply_meta = codec.pack({"id": 1, "outputs": inputs, "batch_size": 1})
     reply = [header(Command.REPLY), reply_meta, data]
-    request_header = header(Command.REQUEST)
+    request_header, batch_header = header(Command.REQUEST), header(Command.BATCH)
     rid = done = 0
     pending: list[dict[str, Any]] = []
 
-    def collect(out: list[Any]) -> int:
+    def collect(sent: list[tuple[Side, list[Any]]]) -> int:
         answered = 0
-        for o in out:
-            if o.side is Side.FRONTEND:
+        for side, frames in sent:
+            if side is Side.FRONTEND:
                 answered += 1
-            else:
-                # A worker's message is encoded by its transport (measured here, as the
-                # ZeroMQ transport does it); before the transport seam, by the core.
-                message = getattr(o, "message", None)
-                frames = o.frames if message is None else message.to_frames()
-                meta = codec.unpack(frames[1])
-                if "requests" in meta:
-                    pending.append(meta)
+            elif frames[0] == batch_header:
+                pending.append(codec.unpack(frames[1]))
         return answered
 
     t0 = timer()
     while done < n:
-        out: list[Any] = []
+        sent: list[tuple[Side, list[Any]]] = []
         for _ in range(k):
             rid += 1
             meta = codec.pack({"id": rid, "model": "m", "inputs": inputs, "timeout_ms": 10_000})
-            out += core.on_client(time.monotonic(), b"c", [request_header, meta, data])
-        done += collect(out + core.on_tick(time.monotonic()))
+            sent += edge(on_client, clock(), b"c", [request_header, meta, data])
+        done += collect(sent + edge(on_tick, clock()))
         while pending:
             batch = pending.pop()
             count = len(batch["requests"])
@@ -182,8 +232,8 @@ def core_run(
                 "frames": [3] * count,
             }
             frames = encode(Command.RESULT, result, reply * count)
-            now = time.monotonic()
-            done += collect(core.on_worker(now, b"w", worker_message(frames)) + core.on_tick(now))
+            now = clock()
+            done += collect(edge(on_worker, now, b"w", frames) + edge(on_tick, now))
     elapsed = timer() - t0
     sizes = core.stats.batch_sizes["m"]
     mean = sum(s * c for s, c in sizes.items()) / sum(sizes.values())

@@ -2,7 +2,8 @@
 
 Requests are sent at their scheduled times whatever the replies do, so a slow reply
 cannot delay the next send and so hide its own latency (no coordinated omission). One
-thread, one DEALER: between sends the client pumps replies until the next send is due.
+thread sends: between sends it waits for replies (the client's I/O thread receives
+them) until the next send is due.
 How late the generator itself sent against its schedule is recorded too: if that grows,
 the generator, not the fleet, is the bottleneck.
 
@@ -15,14 +16,12 @@ from __future__ import annotations
 
 import logging
 import math
-import select
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zmq
 from numpy.typing import NDArray
 
 from carpool.client import Client, ReplyFuture, RequestError
@@ -275,7 +274,7 @@ def drive(
                 completed = client.poll(0)
                 left = start + arrivals[i].t_s - clock.now() - _SPIN_S
                 if not completed and left > 0:
-                    _wait_readable(client, left)
+                    completed = _wait_readable(client, left)
             else:
                 completed = client.poll(max(0.0, wait_s - 0.001) if i < total else wait_s)
             if completed:
@@ -291,16 +290,13 @@ def drive(
     return samples
 
 
-def _wait_readable(client: Client, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` (to the microsecond) for the client's socket to have
-    something: ``select`` on its ZMQ_FD, which zmq_poll (whole milliseconds) is not. The
-    descriptor only says that the socket may have news (the next poll looks); a client
-    without one (a test's) polls without waiting."""
-    socket = getattr(client, "socket", None)
-    if socket is None:
-        client.poll(0)
-        return
-    select.select([socket.getsockopt(zmq.FD)], [], [], timeout_s)
+def _wait_readable(client: Any, timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` (to the microsecond) for a future to complete; returns
+    the number completed. A :class:`Client`'s poll waits so (its I/O thread wakes it,
+    where a zmq poll waits whole milliseconds); another client (a test's) polls
+    without waiting."""
+    completed: int = client.poll(timeout_s if isinstance(client, Client) else 0)
+    return completed
 
 
 def _settle(future: ReplyFuture, sample: Sample, done_s: float) -> None:

@@ -9,8 +9,9 @@ every script still imports.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -52,6 +53,62 @@ def test_the_in_process_harnesses_run(bench: ModuleType) -> None:
     ):
         assert len(chunks) == 2
         assert all(0 < c < 1e6 for c in chunks)
+
+
+def test_core_run_decodes_and_encodes_inside_the_counted_edge(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/instructions.py counts only what runs inside ``operator.call`` in
+    ``core_run``: every decode of a client's or a worker's frames (a ``decode_from_client``
+    too, where the protocol has one) and every encode of what the core hands back."""
+    from carpool.common import protocol
+
+    hot_path = load_script("hot_path.py")
+    depth = [0]
+    seen = {"client": 0, "worker": 0, "to_frames": 0}
+
+    def counted(fn: Callable[..., Any], *args: Any) -> Any:
+        depth[0] += 1
+        try:
+            return fn(*args)
+        finally:
+            depth[0] -= 1
+
+    def inside(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any) -> Any:
+            assert depth[0] == 1, f"{name} ran outside the counted edge"
+            seen[name] += 1
+            return fn(*args)
+
+        return wrapped
+
+    worker_decode = inside("worker", protocol.decode_from_worker)
+    monkeypatch.setattr(protocol, "decode_from_worker", worker_decode)
+    # A client decoder the core does not take yet: the harness finds it and calls it inside.
+    client_decode = inside("client", lambda frames: frames)
+    monkeypatch.setattr(protocol, "decode_from_client", client_decode, raising=False)
+    monkeypatch.setattr(hot_path, "frames_of", inside("to_frames", hot_path.frames_of))
+    _us, mean_batch = hot_path.core_run(8, "fixed", n=64, edge=counted)
+    assert mean_batch > 1
+    assert seen["client"] >= 64
+    assert seen["worker"] >= 2  # the READY and a RESULT at least
+    assert seen["to_frames"] > seen["client"]
+
+
+def test_frames_of_calls_a_messages_encoder(bench: ModuleType) -> None:
+    hot_path = load_script("hot_path.py")
+    from carpool.broker.core import Side
+
+    class Message:
+        def to_frames(self) -> list[bytes]:
+            return [b"BATCH", b"meta"]
+
+    class Out:
+        def __init__(self, side: Side, message: Message | None, frames: list[bytes]) -> None:
+            self.side, self.message, self.frames = side, message, frames
+
+    sent = hot_path.frames_of([Out(Side.BACKEND, Message(), []), Out(Side.FRONTEND, None, [b"r"])])
+    assert sent == [(Side.BACKEND, [b"BATCH", b"meta"]), (Side.FRONTEND, [b"r"])]
 
 
 @pytest.mark.parametrize("link", ["zmq", "unix"])

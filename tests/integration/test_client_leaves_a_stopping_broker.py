@@ -6,8 +6,9 @@ The broker is a ROUTER answered by hand, with a ZAP handler in its context that 
 connections, or, while the broker is "stopping", holds them at the handshake ("300", as
 a stopping broker's door does: docs/security.md) until the ROUTER closes, when they
 connect to the one bound next; each message is recorded with the routing id of the
-connection it came by (a new connection: a new routing id). The blocking client is pumped
-by the test; the asyncio one runs on an event loop in a thread of its own.
+connection it came by (a new connection: a new routing id). The blocking client runs its
+own I/O thread (the test's pump only polls it); the asyncio one runs on an event loop in
+a thread of its own.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.timeout(30)
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 #: How long a test waits for something that should happen at once (bounded, never slept).
-SOON_S = 5.0
+SOON_S = 10.0
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
@@ -131,7 +132,7 @@ class Broker:
             assert self._turn(10) is None, "a message came"
 
     def quiet(self, pump: Callable[[], object], for_s: float) -> None:
-        """Nothing comes for ``for_s`` while the client is pumped."""
+        """Nothing comes for ``for_s`` while the client is polled."""
         until = time.monotonic() + for_s
         while time.monotonic() < until:
             pump()

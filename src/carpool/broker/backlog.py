@@ -10,6 +10,12 @@ Batches are counted per request key, in units of the batch its queue forms under
 backlog (``batch_unit``: its model's B_max cap within the largest batch a live worker
 of it takes), and kept per model incrementally as requests come and go: O(1) a request.
 ``recount`` recounts a model's keys when its workers change (their limits may).
+
+Requests leave a queue through the backlog, which keeps the counts in step: a batch's
+requests through :meth:`Backlog.take` alone (in :meth:`Backlog.next_up`'s order, which
+the dispatcher reads to size the batch), hopeless ones through :meth:`Backlog.shed`,
+and one that leaves unbatched (expired, cancelled, answered) through
+:meth:`Backlog.remove`.
 """
 
 from __future__ import annotations
@@ -180,6 +186,43 @@ class Backlog:
         tally = self.queues[first.key].tally
         assert tally is not None  # (counted when they joined)
         tally.add(-interactive, -bulk)
+
+    def next_up(
+        self, queue: RequestQueue, now: float, promote_s: float, edf: bool
+    ) -> PendingRequest | None:
+        """The request :meth:`take` takes first from ``queue`` (None: it is empty): with
+        ``edf``, the earliest deadline first, interactive before bulk (a bulk request goes
+        first too once its deadline is within ``promote_s`` of ``now``); else the oldest."""
+        return queue.next_edf(now, promote_s) if edf else queue.head()
+
+    def take(
+        self, queue: RequestQueue, max_samples: int, now: float, promote_s: float, edf: bool
+    ) -> list[PendingRequest]:
+        """The requests of a batch, taken out of ``queue`` in :meth:`next_up`'s order while
+        their samples fit in ``max_samples``: each moves to DISPATCHED and out of the
+        counts. The one way a request leaves a queue for a worker."""
+        move = self._book.move
+        if edf:
+            taken = queue.take_edf(max_samples, now, promote_s, move)
+        else:
+            taken = queue.take(max_samples, move)
+        self.dequeued_all(taken)
+        return taken
+
+    def shed(self, queue: RequestQueue, before_s: float) -> list[PendingRequest]:
+        """Take out of ``queue`` every request whose deadline is at or before ``before_s``
+        (hopeless): each moves to EXPIRED and out of the counts; the caller answers it."""
+        shed = queue.shed(before_s, self._book.move)
+        for req in shed:
+            self.dequeued(req)
+        return shed
+
+    def remove(self, queue: RequestQueue, req: PendingRequest) -> None:
+        """``req``, queued in ``queue``, leaves it unbatched (its deadline passed, it is
+        cancelled or answered): out of the queue and the counts. The caller moves it out
+        of QUEUED and answers it."""
+        queue.forget(req)
+        self.dequeued(req)
 
     def drop(self, key: RequestKey) -> None:
         """Forget an idle queue (it holds no request)."""

@@ -304,7 +304,7 @@ class BrokerCore:
             self.workers.fail_batch(batch, ErrorCode.UNAVAILABLE, msg, out)
         self.inflight.clear()
         for worker in list(self.registry.all()):
-            worker.outstanding.clear()
+            self.inflight.take_all(worker)  # (its credits in use: none now)
             out.append(disconnect(worker.wid, "broker stopping"))
         return out
 

@@ -3,8 +3,10 @@
 Pure: ``now`` comes in; no sockets or clocks. A pump of one queue asks its policy
 (:mod:`carpool.broker.policy`) whether a batch leaves now, sheds the requests that cannot
 make their deadline, picks the worker (credits, predicted backlog, batch limit) and
-builds its BATCH. Deadlines that pass are answered here too, queued or in flight. Which
-queues are pumped when, and in which order, is :mod:`carpool.broker.pumps`'s.
+builds its BATCH; the batch's requests leave their queue through
+:meth:`~carpool.broker.backlog.Backlog.take`, in the order the backlog keeps. Deadlines
+that pass are answered here too, queued or in flight. Which queues are pumped when, and
+in which order, is :mod:`carpool.broker.pumps`'s.
 """
 
 from __future__ import annotations
@@ -98,8 +100,7 @@ class Dispatcher:
                 ready_s = capacity.ready_in_s
         if lead_s <= 0:
             return None
-        for req in queue.shed(now + lead_s, self.book.move):
-            self.backlog.dequeued(req)
+        for req in self.backlog.shed(queue, now + lead_s):
             self.stats.shed += 1
             msg = "deadline cannot be met: predicted completion lies past it"
             out.append(request_error(self.stats, req, ErrorCode.DEADLINE_EXCEEDED, msg))
@@ -150,10 +151,10 @@ class Dispatcher:
             promote_s = 0.0
             if policy.edf:
                 promote_s = promotion_s(capacity)
-                first = queue.next_edf(now, promote_s)
+                first = self.backlog.next_up(queue, now, promote_s, True)
                 urgent = queue.earliest_deadline()
             else:
-                first = urgent = head
+                first = urgent = head  # (next_up's in arrival order: the oldest)
             assert first is not None  # the queue is not empty
             assert urgent is not None
             if worker.lanes[model].max_batch < first.samples:
@@ -191,11 +192,7 @@ class Dispatcher:
                 leaving = min(leaving, queue.samples)
                 idle = self.fleet.idle_workers(queue.key, worker, first.samples, leaving)
                 size = min(engine_max, max(first.samples, -(-leaving // idle)))
-            move = self.book.move
-            requests = (
-                queue.take_edf(size, now, promote_s, move) if policy.edf else queue.take(size, move)
-            )
-            self.backlog.dequeued_all(requests)
+            requests = self.backlog.take(queue, size, now, promote_s, policy.edf)
             released = (
                 max(0, leaving - sum(r.samples for r in requests)) if policy.share_idle else 0
             )
@@ -232,9 +229,8 @@ class Dispatcher:
         """Take a request out of its queue and answer it with an error (an UNAVAILABLE
         once the broker is stopping with ``retry``: the request did not run; and, given
         ``now``, with the time left before the broker closes)."""
-        queue.forget(req)
         backlog = self.backlog
-        backlog.dequeued(req)
+        backlog.remove(queue, req)
         self.book.move(req, _FAILED)
         if backlog.stopping and code is ErrorCode.UNAVAILABLE:
             hint = None if now is None else backlog.retry_after_ms(now)
@@ -327,8 +323,7 @@ class Dispatcher:
         for req in self.backlog.deadlines.pop_expired(now):
             queued = req.state is _QUEUED
             if queued:
-                self.backlog.queues[req.key].forget(req)
-                self.backlog.dequeued(req)
+                self.backlog.remove(self.backlog.queues[req.key], req)
                 touched.add(req.key)
             retry = False
             if self.registry.serving(req.model):

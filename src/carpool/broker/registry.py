@@ -3,11 +3,14 @@
 Pure: ``now`` is passed in. A worker is READY once it announced itself; it is GONE after it
 said DISCONNECT, missed ``liveness`` heartbeat intervals, or could not be sent to.
 Credits: a worker with ``slots`` = k holds at most k outstanding batches, while it is
-healthy. Health (:class:`Health`, changed only by :meth:`WorkerRegistry.set_health`): a
-worker whose batch outran the engine watchdog is UNHEALTHY and gets no batches; one that
-showed progress since (a RESULT or FAILED, or a HEARTBEAT whose inference thread started
-its batch after the trip) is on PROBATION with one credit, and HEALTHY again once it
-answers a batch it still holds (docs/protocol.md §10.6).
+healthy. Its ``credits``, the batches the broker may have at it, are set by
+:meth:`WorkerRegistry.set_credits` alone (at its READY, and as its health changes);
+those in use are its ``outstanding`` batches (the in-flight table's).
+Health (:class:`Health`, changed only by :meth:`WorkerRegistry.set_health`): a worker whose
+batch outran the engine watchdog is UNHEALTHY and gets no batches; one that showed
+progress since (a RESULT or FAILED, or a HEARTBEAT whose inference thread started its
+batch after the trip) is on PROBATION with one credit, and HEALTHY again once it answers
+a batch it still holds (docs/protocol.md §10.6).
 Limits (:mod:`carpool.broker.limits`): each worker keeps its own ``max_batch`` and shape
 rules; :meth:`WorkerRegistry.admitting` lists the live workers that admit a queue's
 shapes, and :meth:`WorkerRegistry.limit` the largest batch one of them takes.
@@ -110,7 +113,6 @@ class WorkerState:
 
     wid: WorkerId
     name: str
-    slots: int
     models: dict[str, ModelSpec]
     heartbeat_s: float
     last_seen_s: float
@@ -121,13 +123,12 @@ class WorkerState:
     # Predicted time the worker finishes everything it holds (it runs batches in order).
     free_at_s: float = 0.0
     health: Health = Health.HEALTHY
-    credits: int = -1  # batches it may hold in its health: slots, 1, or 0 (-1: slots)
+    # The batches it takes at once (its READY's), and those the broker may have at it in
+    # its health (slots, 1, or 0): both set by WorkerRegistry.set_credits alone.
+    slots: int = 0
+    credits: int = 0
     unhealthy_since_s: float = 0.0  # when it last turned UNHEALTHY
     telemetry: Telemetry | None = None  # its host and device, as last reported (§8.2)
-
-    def __post_init__(self) -> None:
-        if self.credits < 0:
-            self.credits = self.slots
 
     @property
     def free_slots(self) -> int:
@@ -208,13 +209,13 @@ class WorkerRegistry:
         state = WorkerState(
             wid=wid,
             name=ready.name,
-            slots=ready.slots,
             models={m.name: m for m in ready.models},
             heartbeat_s=heartbeat_s,
             last_seen_s=now,
             next_heartbeat_s=now + heartbeat_s,
             lanes=lanes or {m.name: Lane(None, m.max_batch) for m in ready.models},
         )
+        self.set_credits(state, ready.slots)
         self._workers[wid] = state
         for spec in ready.models:
             peers = self._by_model.setdefault(spec.name, [])
@@ -279,9 +280,20 @@ class WorkerRegistry:
         worker.health = health
         if health is Health.UNHEALTHY:
             worker.unhealthy_since_s = now
-            worker.credits = 0
+        self.set_credits(worker, worker.slots)
+
+    @staticmethod
+    def set_credits(worker: WorkerState, slots: int) -> None:
+        """``worker`` takes ``slots`` batches at once (its READY says; a later message may
+        say otherwise): its credits are those within its health, all while HEALTHY, one
+        on PROBATION, none while UNHEALTHY. The one writer of ``slots`` and ``credits``;
+        batches it holds beyond them stay, and it gets no more until they are answered."""
+        worker.slots = slots
+        health = worker.health
+        if health is Health.HEALTHY:
+            worker.credits = slots
         else:
-            worker.credits = 1 if health is Health.PROBATION else worker.slots
+            worker.credits = min(1, slots) if health is Health.PROBATION else 0
 
     def touch(self, now: float, wid: WorkerId) -> WorkerState | None:
         state = self._workers.get(wid)

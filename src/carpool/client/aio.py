@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.options import ClientOptionArgs, ClientOptions
+from carpool.client.options import ClientOptionArgs, ClientOptions, client_options
 from carpool.client.queries import models_in
 from carpool.client.results import InferResult
 from carpool.client.shell import ClientState, Dealer, close_core, curve_keys, flush, open_core
@@ -67,9 +67,10 @@ class AsyncClient:
         *,
         context: zmq.asyncio.Context | None = None,
         clock: Clock | None = None,
-        **options: Unpack[ClientOptionArgs],
+        options: ClientOptions | None = None,
+        **args: Unpack[ClientOptionArgs],
     ) -> None:
-        self.options = ClientOptions(**options)
+        self.options = client_options(options, args)
         keys = curve_keys(self.options)  # (before anything is opened: it may raise)
         self.core = open_core(self.options)
         self.clock: Clock = clock or MonotonicClock()
@@ -81,8 +82,7 @@ class AsyncClient:
         # stats() and model() calls waiting for their answers, by id (several may overlap).
         self._queries: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._polling: asyncio.Future[Any] | None = None  # the reader's poll: cancelled
-        # to wake it (when the core has something for the socket)
+        self._polling: asyncio.Future[Any] | None = None  # cancelled to wake the reader
         self._loop: asyncio.AbstractEventLoop | None = None  # of the futures and reader
         self.state = ClientState.OPEN
 

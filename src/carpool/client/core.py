@@ -4,22 +4,15 @@ Pure: no sockets, threads or clock (``now`` is passed in). The blocking and asyn
 clients are thin shells over it that only move frames, so neither duplicates protocol
 logic, the matching of STATS replies to the calls that asked, or send deadlines.
 
-Local deadline: the broker answers every request by its deadline, so a client that hears
-nothing for ``timeout + grace`` concludes the broker is unreachable and fails the request
-with :class:`Unavailable` instead of waiting forever.
+Local deadline: a client that hears nothing for ``timeout + grace`` (the broker answers
+every request by its deadline) fails the request :class:`Unavailable`.
 
-Sending again, cancelling, connections: what the core keeps of each request until its
-answer, the rules for sending it again or cancelling it, and which connection it went by
-belong to its :class:`~carpool.client.resend.Resender` (``ClientCore.resend``), told of
-each event (a reply, an UNAVAILABLE with ``retry``, a lost connection, a cancel); the
-twins send what it has for the socket (:meth:`ClientCore.outgoing`), and read two
-sockets at most: the current one and the one *retiring* after a stopping broker's
-``retry`` (:attr:`ClientCore.leaving`: open a new socket, then :meth:`ClientCore.switched`;
+Sending again, cancelling, connections belong to its
+:class:`~carpool.client.resend.Resender` (``ClientCore.resend``), told of each event; the
+twins send what it has for the socket (:meth:`ClientCore.outgoing`), and read two sockets
+at most: the current one and the one *retiring* after a stopping broker's ``retry``
+(:attr:`ClientCore.leaving`: open a new socket, then :meth:`ClientCore.switched`;
 :attr:`ClientCore.retiring`: False once nothing waits on the old one, which then closes).
-
-Send window: ZeroMQ queues up to its high-water mark (1,000 messages) for a broker that is
-away or not reading; past it a send waits for room, for at most :meth:`ClientCore.send_window_s`
-(the request's timeout, or the client's ``send_timeout_s`` if shorter).
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.inputs import encode_inputs
+from carpool.client.inputs import Encoded, encode_inputs
 from carpool.client.queries import Queries
 from carpool.client.resend import Resender
 from carpool.client.results import InferResult
@@ -90,13 +83,11 @@ class ClientCore:
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _deadlines: list[tuple[float, int]] = field(default_factory=list)
     pending: dict[int, float] = field(default_factory=dict)  # id -> local deadline
-    # Reply output layouts validated once: (name, dtype, shape) per output -> what to
-    # decode them with (name, numpy dtype, shape, bytes).
+    # Reply output layouts validated once: (name, dtype, shape)s -> (name, dtype, shape, bytes)s.
     _layouts: dict[Signature, tuple[tuple[str, np.dtype[Any], tuple[int, ...], int], ...]] = field(
         default_factory=dict
     )
-    # Shared-memory inputs (protocol §5.4): inputs of at least shm_min_bytes go through
-    # the arena when it has room; their space is held until the request is settled.
+    # Shared-memory inputs (§5.4) of shm_min_bytes or more, held until the request settles.
     arena: ShmArena | None = None
     shm_min_bytes: int = 64 * 1024
     _leases: dict[int, list[int]] = field(default_factory=dict)  # id -> arena offsets
@@ -104,9 +95,8 @@ class ClientCore:
     shm_outputs: bool = False
     reader: RegionReader | None = None
     _next_sweep_s: float = 0.0
-    #: Connections that closed, current or retiring (what was in flight on each sent
-    #: again or failed: resend.py), and replies for a request no longer pending
-    #: (failed, timed out or answered already): dropped, counted here.
+    #: Connections that closed (current or retiring), and replies for a request no
+    #: longer pending (failed, timed out or answered already: dropped), counted.
     lost_connections: int = 0
     late_replies: int = 0
     # STATS and METADATA requests asked and awaited (ids from the same count as requests').
@@ -141,21 +131,18 @@ class ClientCore:
 
     @property
     def leaving(self) -> bool:
-        """The broker on the current connection refused a request with ``retry``: open a
-        new socket to the endpoint, keep the old one for reading, and call
-        :meth:`switched`, before sending anything more."""
+        """A ``retry`` refusal on the current connection: open a new socket, keep the old
+        one for reading, and call :meth:`switched` before sending anything more."""
         return self.resend.leaving
 
     @property
     def retiring(self) -> bool:
-        """Answers are awaited on the connection left last (the twin reads its socket;
-        False: the twin closes it)."""
+        """Answers are awaited on the connection left last (False: the twin closes it)."""
         return self.resend.retiring is not None
 
     def send_window_s(self, timeout_s: float | None) -> float:
         """How long a request with this timeout (None: the default) may wait for room to
-        be sent: its timeout, or ``send_timeout_s`` if that is shorter. A request not sent
-        in that time fails ``Unavailable``."""
+        be sent (then it fails ``Unavailable``): its timeout, or ``send_timeout_s``."""
         window_s = self.default_timeout_s if timeout_s is None else timeout_s
         if self.send_timeout_s is not None:
             window_s = min(window_s, self.send_timeout_s)
@@ -169,42 +156,59 @@ class ClientCore:
         timeout_s: float | None = None,
         priority: Priority = Priority.INTERACTIVE,
     ) -> tuple[int, list[Any]]:
-        """Encode a request. Returns its id and frames, and starts its local deadline."""
+        """Encode a request (:meth:`encode`) and keep it (:meth:`keep`): its id and frames."""
+        encoded = self.encode(now, model, inputs, timeout_s, priority)
+        return encoded.rid, self.keep(encoded)
+
+    def encode(
+        self,
+        now: float,
+        model: str,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float | None = None,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> Encoded:
+        """A request made at ``now``, encoded, with its id; nothing kept. Without shared
+        memory (``arena`` None) any thread may call it: it reads settings only, and draws
+        the id from a count whose ``next()`` is atomic."""
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not 0 < timeout <= 3600:
             raise ValueError(f"timeout_s must be in (0, 3600], got {timeout}")
         metas, payloads, leases = encode_inputs(inputs, self.arena, self.shm_min_bytes)
         rid = next(self._ids)
-        if leases:
-            self._leases[rid] = leases
         timeout_ms = max(1, round(timeout * 1000))
-        resend = self.resend
-        meta = request_wire(rid, model, metas, timeout_ms, priority, self.shm_outputs, resend.nonce)
-        resend.keep(rid, model, meta, payloads, now)
-        deadline = now + timeout + self.grace_s
+        nonce = self.resend.nonce
+        meta = request_wire(rid, model, metas, timeout_ms, priority, self.shm_outputs, nonce)
+        return Encoded(rid, model, meta, payloads, leases, now, timeout)
+
+    def keep(self, encoded: Encoded) -> list[Any]:
+        """Keep an encoded request until its answer, from its local deadline; its frames."""
+        rid, meta, payloads, now = encoded.rid, encoded.meta, encoded.payloads, encoded.now
+        if encoded.leases:
+            self._leases[rid] = encoded.leases
+        self.resend.keep(rid, encoded.model, meta, payloads, now)
+        deadline = now + encoded.timeout_s + self.grace_s
         self.pending[rid] = deadline
         heap = self._deadlines
         heapq.heappush(heap, (deadline, rid))
         if len(heap) > 2 * len(self.pending) + 64:
-            # Answered requests leave their entries behind until they reach the top; one
-            # with a long timeout behind short ones held its entry for up to an hour.
+            # (Answered requests leave their entries until they reach the top: compact.)
             heap[:] = [entry for entry in heap if entry[1] in self.pending]
             heapq.heapify(heap)
-        return rid, request_frames(meta, payloads)
+        return request_frames(meta, payloads)
 
     def on_reply(
         self, frames: Sequence[Frame], now: float | None = None
     ) -> tuple[int | None, InferResult | RequestError | dict[str, Any]]:
-        """Decode a message from the broker that arrived at ``now`` (the twins pass it: a
-        model's latency is learnt from it, and an UNAVAILABLE with ``retry`` is kept to be
-        sent again only while its budget allows; None: neither is checked here).
+        """Decode a message from the broker that arrived at ``now`` (a model's latency is
+        learnt from it, and a ``retry`` refusal is sent again only while its budget allows;
+        None: neither is checked here).
 
         Returns:
-            (request id, result or error) for replies to requests still pending;
-            (query id, meta map) for a STATS or METADATA answer awaited
-            (:class:`~carpool.client.queries.Queries`), and (None, meta map) for
-            one that is not; (None, error) for an error that names
-            no pending request, or for one kept to be sent again on the next connection.
+            (request id, result or error) for a request still pending; (query id, meta
+            map) for a STATS or METADATA answer awaited (:class:`Queries`), (None, meta
+            map) for one that is not; (None, error) for an error that names no pending
+            request, or for one kept to be sent again on the next connection.
         Raises:
             ProtocolError: the message is not valid.
         """
@@ -368,26 +372,23 @@ class ClientCore:
         self._release(request_id)
 
     def connection_lost(self, now: float) -> list[Failed]:
-        """The current connection to the broker closed, and the twin opened its socket
-        afresh: each pending request that went by it, or waits to be sent, is queued to
-        be sent again (:meth:`outgoing`) while its budget allows; the others are returned
-        with their answers (settled here)."""
+        """The current connection closed, and the twin opened its socket afresh: each
+        request pending on it is queued to be sent again (:meth:`outgoing`) while its
+        budget allows; the others are returned with their answers (settled here)."""
         self.lost_connections += 1
         return self._settled_all(self.resend.lost(now))
 
     def switched(self, now: float) -> list[Failed]:
-        """The twin left the current connection (:attr:`leaving`): it opened a new socket,
-        and keeps the old one open for reading only (closing the one that retired before,
-        if any). Requests refused with ``retry`` are queued for the new socket, and those
-        still on a retiring socket just closed too; the ones with too little budget left
-        are returned with their answers (settled here)."""
+        """The twin left the current connection (:attr:`leaving`) for a new socket, keeping
+        the old one for reading (closing one that retired before). Requests refused with
+        ``retry``, and those on a retiring socket just closed, are queued for the new one;
+        those with too little budget left are returned with their answers (settled)."""
         return self._settled_all(self.resend.switched(now))
 
     def retiring_lost(self, now: float) -> list[Failed]:
-        """The retiring connection closed (the stopping broker closed it) before every
-        request sent on it was answered: those are queued for the current socket while
-        their budgets allow; the others are returned with their answers (settled here).
-        (Nothing, and not counted, when nothing waited on it any more.)"""
+        """The retiring connection closed before every request on it was answered: those
+        are queued for the current socket while their budgets allow, the others returned
+        with their answers (settled here). (Nothing, uncounted, if nothing waited.)"""
         if self.resend.retiring is None:
             return []
         self.lost_connections += 1
@@ -395,9 +396,8 @@ class ClientCore:
 
     def cancel(self, request_id: int) -> RequestError | None:
         """Cancel pending request ``request_id``: its CANCEL is queued (:meth:`outgoing`;
-        its answer comes from the broker; none is sent on a retiring connection, whose
-        broker answers it anyway), or, when it is not at any broker, its answer is
-        returned now (settled here). None too for a request not pending."""
+        none on a retiring connection, whose broker answers anyway), or, when it is at no
+        broker, its answer is returned now (settled). None for a request not pending."""
         if request_id not in self.pending:
             return None
         error = self.resend.cancel(request_id)

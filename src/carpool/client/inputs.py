@@ -11,7 +11,7 @@ again from what the client kept after a lost connection, :mod:`carpool.client.re
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -82,3 +82,16 @@ def encode_inputs(
             arena.free(offset)
         raise
     return metas, payloads, leases
+
+
+class Encoded(NamedTuple):
+    """A request encoded (``ClientCore.encode``), not kept yet: its id, model, meta and
+    payload frames, shared-memory leases, when it was made and its timeout."""
+
+    rid: int
+    model: str
+    meta: dict[str, Any]
+    payloads: list[Any]
+    leases: list[int]
+    now: float
+    timeout_s: float

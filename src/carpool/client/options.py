@@ -1,10 +1,11 @@
 """options.py: ClientOptions — what both client twins are configured with, validated once.
 
-Pure: values only, no sockets, files or clock. ``Client(endpoint, **options)`` and
-``AsyncClient(endpoint, **options)`` take the fields as keyword arguments (typed by
-:class:`ClientOptionArgs`, so a checker sees each name and type) and build one
-:class:`ClientOptions` from them; the context and clock stay their own arguments, since
-each twin takes its own kind of context.
+Pure: values only, no sockets, files or clock. One value opens either twin:
+``Client(endpoint, options=opts)`` and ``AsyncClient(endpoint, options=opts)``. Each
+also takes the fields as keyword arguments instead (typed by :class:`ClientOptionArgs`,
+so a checker sees each name and type) and builds one :class:`ClientOptions` from them
+(:func:`client_options`); the context and clock stay their own arguments, since each
+twin takes its own kind of context.
 """
 
 from __future__ import annotations
@@ -99,3 +100,18 @@ class ClientOptions:
             problems.append("curve_server_key and curve_key go together (CURVE needs both)")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def client_options(options: ClientOptions | None, args: ClientOptionArgs) -> ClientOptions:
+    """The options a twin opens with: ``options`` as given, or one built from the keyword
+    arguments ``args``.
+
+    Raises:
+        TypeError: both were given.
+        ValueError: an option out of its range.
+    """
+    if options is None:
+        return ClientOptions(**args)
+    if args:
+        raise TypeError(f"options= or keyword options, not both (got {', '.join(sorted(args))})")
+    return options

@@ -161,33 +161,149 @@ def simulate(
 ) -> SimResult:
     """Run ``arrivals`` through a BrokerCore with ``batching`` and simulated ``workers``."""
     arrivals = sorted(arrivals, key=lambda a: a.t_s)  # (stable) time never runs backwards
-    rng = random.Random(seed)
     config = BrokerConfig(batching=batching, max_queued=max_queued)
     # One simulated client stands for all of them: it may hold the whole queue.
     config = dataclasses.replace(
         config, max_client_requests=max_queued, max_client_mib=config.max_queued_mib
     )
-    core = BrokerCore(config)
-    result = SimResult(label, span_s(arrivals))
-    result.workers = len(workers)
-    events: list[tuple[float, int, int, object]] = []
-    seq = 0
+    run = _Run(BrokerCore(config), arrivals, SimResult(label, span_s(arrivals)), seed)
+    run.register(workers, heartbeat_s, rho_window_s)
+    run.loop(heartbeat_s)
+    return run.finished()
 
-    def push(t: float, kind: int, data: object) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, data))
 
-    sim_workers: dict[bytes, _Worker] = {}
-    sent_s: dict[int, float] = {}
-    deadline_s: dict[int, float] = {}
-    payloads: dict[tuple[int, ...], bytes] = {}
-    client = b"sim-client"
+class _Run:
+    """One simulated run: the core, the simulated workers and client, and the event heap.
+    Each event (an arrival, a batch that ends, a heartbeat, a wake-up the core asked for)
+    is one loop turn: its message, then :meth:`end_turn`, as the server's loop ends each
+    turn with a tick."""
 
-    def route(outgoing: list[Outgoing], now: float) -> None:
+    def __init__(
+        self, core: BrokerCore, arrivals: list[Arrival], result: SimResult, seed: int
+    ) -> None:
+        self.core = core
+        self.arrivals = arrivals
+        self.result = result
+        self.rng = random.Random(seed)
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.workers: dict[bytes, _Worker] = {}
+        self.sent_s: dict[int, float] = {}  # request id -> when it was sent
+        self.deadline_s: dict[int, float] = {}
+        self.payloads: dict[tuple[int, ...], bytes] = {}  # one zero payload per shape
+        self.ticks: set[float] = set()  # the wake-ups already on the heap
+        self.rid = 0
+        self.now = 0.0
+
+    def push(self, t: float, kind: int, data: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, data))
+
+    def register(
+        self, workers: Sequence[SimWorker], heartbeat_s: float, rho_window_s: float
+    ) -> None:
+        """Each worker's READY at time 0, for every model as its arrivals have it (its
+        rank, every dim dynamic), in one turn."""
+        ranks: dict[str, int] = {}
+        for arrival in self.arrivals:
+            ranks.setdefault(arrival.model, len(arrival.shape))
+        models = sorted(ranks) or ["synthetic"]
+        self.result.workers = len(workers)
+        for i, spec in enumerate(workers):
+            wid = f"sim-{i}".encode()
+            worker = self.workers[wid] = _Worker(spec, wid, rho_window_s)
+            specs = tuple(
+                ModelSpec(
+                    m,
+                    (TensorMeta("x", "float32", (-1,) * ranks.get(m, 2)),),
+                    (TensorMeta("y", "float32", (-1,) * ranks.get(m, 2)),),
+                    spec.max_batch,
+                    spec.preferred_batch,
+                )
+                for m in models
+            )
+            ready = Ready(spec.name, spec.slots, specs, round(heartbeat_s * 1000))
+            msg = decode_from_worker(WorkerReady(ready).to_frames())
+            self.route(self.core.on_worker(0.0, wid, msg), 0.0)
+            self.push(heartbeat_s, _HEARTBEAT, worker)
+        self.route(self.core.on_tick(0.0), 0.0)  # (the turn ends as every turn does)
+
+    def loop(self, heartbeat_s: float) -> None:
+        """Take the events in time order until every request is answered, or the last
+        deadline and a minute have passed."""
+        arrivals = self.arrivals
+        # Every request is answered by its deadline: wait for the last one's, and a minute.
+        last_deadline_s = max((a.t_s + a.timeout_ms / 1000 for a in arrivals), default=0.0)
+        horizon = last_deadline_s + 60.0
+        index = 0
+        events = self.events
+        while index < len(arrivals) or self.sent_s:
+            next_arrival = arrivals[index].t_s if index < len(arrivals) else math.inf
+            if events and events[0][0] <= next_arrival:
+                now, _, kind, data = heapq.heappop(events)
+            else:
+                now, kind, data = next_arrival, _ARRIVE, arrivals[index]
+                index += 1
+            self.now = now
+            if now > horizon:
+                break
+            if kind == _ARRIVE:
+                assert isinstance(data, Arrival)
+                self.arrive(data, now)
+            elif kind == _FINISH:
+                assert isinstance(data, _Worker)
+                self.finish(data, now)
+            elif kind == _HEARTBEAT:
+                assert isinstance(data, _Worker)
+                self.heartbeat(data, now)
+                if index < len(arrivals) or self.sent_s:
+                    self.push(now + heartbeat_s, _HEARTBEAT, data)
+            else:
+                self.ticks.discard(now)
+            self.end_turn(now)
+
+    def end_turn(self, now: float) -> None:
+        """Tick the core, as the server ends each loop turn, and put its next wake-up on
+        the heap."""
+        core = self.core
+        self.route(core.on_tick(now), now)
+        wake = core.next_wakeup(now)
+        if wake is not None:
+            wake = max(wake, now + 1e-6)  # strictly later: the core was just ticked
+            if wake not in self.ticks:
+                self.ticks.add(wake)
+                self.push(wake, _TICK, None)
+
+    def arrive(self, a: Arrival, now: float) -> None:
+        """The client sends a request."""
+        self.rid += 1
+        rid = self.rid
+        payload = self.payloads.get(a.shape)
+        if payload is None:
+            payload = self.payloads[a.shape] = bytes(4 * math.prod(a.shape))
+        submit = Submit(
+            rid,
+            a.model,
+            a.timeout_ms,
+            (TensorMeta("x", "float32", a.shape),),
+            Priority(a.priority),
+        )
+        self.sent_s[rid] = now
+        self.deadline_s[rid] = now + a.timeout_ms / 1000
+        self.result.sent += 1
+        self.route(self.core.on_client(now, _CLIENT, encode_request(submit, [payload])), now)
+
+    def heartbeat(self, worker: _Worker, now: float) -> None:
+        beat = WorkerHeartbeat(worker.meter.rho(now)).to_frames()
+        self.route(self.core.on_worker(now, worker.wid, decode_from_worker(beat)), now)
+
+    def route(self, outgoing: list[Outgoing], now: float) -> None:
+        """What the core sends: a BATCH goes to its worker's queue, a reply or error is
+        counted."""
+        result, sent_s = self.result, self.sent_s
         for out in outgoing:
             if isinstance(out, ToWorker):
-                worker = sim_workers.get(out.identity)
+                worker = self.workers.get(out.identity)
                 # Through the wire form, as a worker on a socket gets it.
                 msg = decode_from_broker(out.message.to_frames())
                 if worker is not None and isinstance(msg, BrokerBatch):
@@ -195,7 +311,7 @@ def simulate(
                     result.batch_sizes[batch.total_samples] += 1
                     worker.queue.append(batch)
                     if worker.running is None:
-                        start(worker, now)
+                        self.start(worker, now)
                 continue
             meta = decode_meta(out.frames[1])
             rid = meta.get("id")
@@ -204,28 +320,30 @@ def simulate(
             if out.frames[0] == header(Command.REPLY):
                 result.ok += 1
                 result.latencies_s.append(now - sent_s[rid])
-                if now <= deadline_s[rid] + 1e-9:
+                if now <= self.deadline_s[rid] + 1e-9:
                     result.on_time += 1
             else:
                 result.errors[ErrorCode(meta["code"]).name] += 1
             del sent_s[rid]
 
-    def start(worker: _Worker, now: float) -> None:
+    def start(self, worker: _Worker, now: float) -> None:
+        """``worker`` starts the next batch it holds."""
         batch = worker.queue.popleft()
         worker.running = batch
         worker.started_s = now
         items = math.prod(batch.inputs[0].shape[1:])
-        worker.duration_s = worker.spec.cost.duration_s(batch.total_samples, rng, items)
+        worker.duration_s = worker.spec.cost.duration_s(batch.total_samples, self.rng, items)
         worker.meter.running_since = now
-        push(now + worker.duration_s, _FINISH, worker)
+        self.push(now + worker.duration_s, _FINISH, worker)
 
-    def finish(worker: _Worker, now: float) -> None:
+    def finish(self, worker: _Worker, now: float) -> None:
+        """``worker``'s batch ends: its RESULT goes to the core, and it starts the next."""
         batch = worker.running
         assert batch is not None
         worker.running = None
         worker.meter.running_since = None
         worker.meter.add(worker.started_s, now)
-        result.busy_s += worker.duration_s
+        self.result.busy_s += worker.duration_s
         frames: list[bytes] = []
         for item in batch.items:
             frames += [header(Command.REPLY), codec.pack({"id": item.request_id})]
@@ -236,95 +354,24 @@ def simulate(
             tuple(2 for _ in batch.items),
         )
         msg = decode_from_worker(WorkerResult(meta, frames).to_frames())
-        route(core.on_worker(now, worker.wid, msg), now)
+        self.route(self.core.on_worker(now, worker.wid, msg), now)
         if worker.queue and worker.running is None:
-            start(worker, now)
+            self.start(worker, now)
 
-    # Each model as its arrivals have it: its rank, every dim dynamic.
-    ranks: dict[str, int] = {}
-    for arrival in arrivals:
-        ranks.setdefault(arrival.model, len(arrival.shape))
-    models = sorted(ranks) or ["synthetic"]
-    for i, spec in enumerate(workers):
-        wid = f"sim-{i}".encode()
-        worker = sim_workers[wid] = _Worker(spec, wid, rho_window_s)
-        specs = tuple(
-            ModelSpec(
-                m,
-                (TensorMeta("x", "float32", (-1,) * ranks.get(m, 2)),),
-                (TensorMeta("y", "float32", (-1,) * ranks.get(m, 2)),),
-                spec.max_batch,
-                spec.preferred_batch,
-            )
-            for m in models
-        )
-        ready = Ready(spec.name, spec.slots, specs, round(heartbeat_s * 1000))
-        route(
-            core.on_worker(0.0, wid, decode_from_worker(WorkerReady(ready).to_frames())),
-            0.0,
-        )
-        push(heartbeat_s, _HEARTBEAT, worker)
-    route(core.on_tick(0.0), 0.0)  # (the registrations' turn ends as every turn does)
+    def finished(self) -> SimResult:
+        """The result, with what was never answered and the broker's last snapshot."""
+        result, now = self.result, self.now
+        for _ in self.sent_s:
+            result.errors["NO_REPLY"] += 1
+        result.end_s = now
+        if result.span_s <= 0 and self.arrivals:  # all at one instant: per second of the run
+            result.span_s = max(0.0, now - self.arrivals[0].t_s)
+        result.broker = self.core.snapshot()
+        return result
 
-    ticks: set[float] = set()
-    arrival_index = 0
-    rid = 0
-    now = 0.0
-    # Every request is answered by its deadline: wait for the last one's, and a minute.
-    last_deadline_s = max((a.t_s + a.timeout_ms / 1000 for a in arrivals), default=0.0)
-    horizon = last_deadline_s + 60.0
-    while arrival_index < len(arrivals) or sent_s:
-        next_arrival = arrivals[arrival_index].t_s if arrival_index < len(arrivals) else math.inf
-        if events and events[0][0] <= next_arrival:
-            now, _, kind, data = heapq.heappop(events)
-        else:
-            now, kind, data = next_arrival, _ARRIVE, arrivals[arrival_index]
-            arrival_index += 1
-        if now > horizon:
-            break
-        if kind == _ARRIVE:
-            a = data
-            assert isinstance(a, Arrival)
-            rid += 1
-            payload = payloads.get(a.shape)
-            if payload is None:
-                payload = payloads[a.shape] = bytes(4 * math.prod(a.shape))
-            submit = Submit(
-                rid,
-                a.model,
-                a.timeout_ms,
-                (TensorMeta("x", "float32", a.shape),),
-                Priority(a.priority),
-            )
-            sent_s[rid] = now
-            deadline_s[rid] = now + a.timeout_ms / 1000
-            result.sent += 1
-            route(core.on_client(now, client, encode_request(submit, [payload])), now)
-        elif kind == _FINISH:
-            assert isinstance(data, _Worker)
-            finish(data, now)
-        elif kind == _HEARTBEAT:
-            assert isinstance(data, _Worker)
-            beat = WorkerHeartbeat(data.meter.rho(now)).to_frames()
-            route(core.on_worker(now, data.wid, decode_from_worker(beat)), now)
-            if arrival_index < len(arrivals) or sent_s:
-                push(now + heartbeat_s, _HEARTBEAT, data)
-        else:
-            ticks.discard(now)
-        route(core.on_tick(now), now)
-        wake = core.next_wakeup(now)
-        if wake is not None:
-            wake = max(wake, now + 1e-6)  # strictly later: the core was just ticked
-            if wake not in ticks:
-                ticks.add(wake)
-                push(wake, _TICK, None)
-    for _ in sent_s:
-        result.errors["NO_REPLY"] += 1
-    result.end_s = now
-    if result.span_s <= 0 and arrivals:  # all at one instant: per second of the run
-        result.span_s = max(0.0, now - arrivals[0].t_s)
-    result.broker = core.snapshot()
-    return result
+
+#: The one simulated client that sends every request.
+_CLIENT = b"sim-client"
 
 
 def span_s(arrivals: Sequence[Arrival]) -> float:

@@ -1,6 +1,7 @@
 """backlog.py: a request joining and leaving the backlog keeps its queue, its counts (the
 batches of each key included) and its deadline heap in step, whether one request moves
-or a whole batch."""
+or a whole batch; ``take`` takes a batch's requests in arrival or EDF order while they
+fit, ``shed`` the hopeless ones, ``remove`` one that leaves unbatched."""
 
 from __future__ import annotations
 
@@ -59,8 +60,7 @@ def test_a_requeued_request_is_counted_again() -> None:
     backlog = Backlog(book)
     r = req(1, samples=2)
     queue = backlog.add(r)
-    taken = queue.take(2, book.move)
-    backlog.dequeued_all(taken)
+    assert backlog.take(queue, 2, 0.0, 0.0, edf=False) == [r]
     assert (backlog.queued, r.state) == (0, RequestState.DISPATCHED)
     backlog.requeue(r)
     assert (backlog.queued, backlog.queued_samples, r.state) == (
@@ -68,6 +68,80 @@ def test_a_requeued_request_is_counted_again() -> None:
         {"m": [2, 0]},
         RequestState.QUEUED,
     )
+
+
+def _counts(backlog: Backlog, queue: RequestQueue) -> tuple[object, ...]:
+    return (
+        backlog.queued,
+        backlog.queued_bytes,
+        backlog.queued_samples,
+        backlog.queued_batches,
+        queue.count,
+        queue.samples,
+    )
+
+
+def test_take_takes_a_batch_in_arrival_order_while_it_fits_and_out_of_the_counts() -> None:
+    book = RequestBook()
+    backlog = Backlog(book)
+    first, bulk, big = req(1, samples=2), req(2, priority=Priority.BULK), req(3, samples=4)
+    queue = backlog.add(first)
+    backlog.add(bulk)
+    backlog.add(big)
+    assert backlog.next_up(queue, 0.0, 0.0, edf=False) is first
+    # 3 samples: the first two fit, the third (4) does not, and nothing overtakes it.
+    assert backlog.take(queue, 3, 0.0, 0.0, edf=False) == [first, bulk]
+    assert [r.state for r in (first, bulk, big)] == [
+        RequestState.DISPATCHED,
+        RequestState.DISPATCHED,
+        RequestState.QUEUED,
+    ]
+    assert _counts(backlog, queue) == (1, 64, {"m": [4, 0]}, {"m": [4, 4]}, 1, 4)
+    assert (list(queue), backlog.next_up(queue, 0.0, 0.0, edf=False)) == ([big], big)
+    # Too small for the next: nothing leaves, nothing changes.
+    assert backlog.take(queue, 3, 0.0, 0.0, edf=False) == []
+    assert _counts(backlog, queue) == (1, 64, {"m": [4, 0]}, {"m": [4, 4]}, 1, 4)
+    assert backlog.take(queue, 4, 0.0, 0.0, edf=False) == [big]
+    assert _counts(backlog, queue) == (0, 0, {"m": [0, 0]}, {"m": [0, 0]}, 0, 0)
+    assert backlog.next_up(queue, 0.0, 0.0, edf=False) is None
+
+
+def test_take_with_edf_takes_the_earliest_deadlines_interactive_first() -> None:
+    """Interactive requests by deadline, then bulk; a bulk request whose deadline is
+    within ``promote_s`` goes first among them."""
+    backlog = Backlog(RequestBook())
+    late = pending_request(1, deadline_s=3.0)
+    soon = pending_request(2, deadline_s=2.0)
+    bulk = pending_request(3, deadline_s=1.0, priority=Priority.BULK)
+    queue = backlog.add(late)
+    backlog.add(soon)
+    backlog.add(bulk)
+    assert backlog.next_up(queue, 0.0, 0.5, edf=True) is soon
+    assert backlog.take(queue, 2, 0.0, 0.5, edf=True) == [soon, late]
+    assert backlog.queued_samples == {"m": [0, 1]}
+    again = pending_request(4, deadline_s=2.0)
+    backlog.add(again)
+    # Within 1 s of its deadline, the bulk request is promoted ahead of it.
+    assert backlog.next_up(queue, 0.0, 1.0, edf=True) is bulk
+    assert backlog.take(queue, 8, 0.0, 1.0, edf=True) == [bulk, again]
+    assert _counts(backlog, queue) == (0, 0, {"m": [0, 0]}, {"m": [0, 0]}, 0, 0)
+
+
+def test_shed_and_remove_take_requests_out_of_the_queue_and_the_counts() -> None:
+    book = RequestBook()
+    backlog = Backlog(book)
+    r1, r2, r3 = req(1), req(2, samples=2), req(3, priority=Priority.BULK)
+    queue = backlog.add(r1)
+    backlog.add(r2)
+    backlog.add(r3)
+    # Deadlines at or before 102 are hopeless: r1 (101) and r2 (102).
+    assert backlog.shed(queue, 102.0) == [r1, r2]
+    assert (r1.state, r2.state) == (RequestState.EXPIRED, RequestState.EXPIRED)
+    assert _counts(backlog, queue) == (1, 16, {"m": [0, 1]}, {"m": [0, 1]}, 1, 1)
+    backlog.remove(queue, r3)
+    book.move(r3, RequestState.FAILED)
+    assert _counts(backlog, queue) == (0, 0, {"m": [0, 0]}, {"m": [0, 0]}, 0, 0)
+    assert list(queue) == []
 
 
 def _of_width(r: PendingRequest, width: int) -> PendingRequest:
@@ -95,7 +169,7 @@ def test_queued_samples_count_as_batches_of_their_own_key() -> None:
     assert not backlog.alone(backlog.queues[five.key])
     # A batch of 4 leaves the first key: 1 sample, 1 batch left.
     queue = backlog.queues[three[0].key]
-    backlog.dequeued_all(queue.take(4, book.move))
+    backlog.take(queue, 4, 0.0, 0.0, edf=False)
     assert backlog.queued_batches == {"m": [2, 3]}
     # The unit changes (the workers changed): recounted, in batches of 1.
     units[3] = units[5] = units[7] = 1
@@ -106,9 +180,8 @@ def test_queued_samples_count_as_batches_of_their_own_key() -> None:
     # One by one, the rest leaves: nothing is counted; an idle queue goes with its count.
     for key, q in list(backlog.queues.items()):
         for r in list(q):
+            backlog.remove(q, r)
             book.move(r, RequestState.EXPIRED)
-            q.forget(r)
-            backlog.dequeued(r)
         backlog.drop(key)
     assert backlog.queued_batches == {"m": [0, 0]}
     assert backlog.alone(RequestQueue(five.key))

@@ -141,6 +141,31 @@ def test_health_sets_the_credits_and_only_moves_along_its_table() -> None:
                     reg.set_health(8.0, w, to)
 
 
+def test_set_credits_changes_the_slots_and_the_credits_within_the_health() -> None:
+    reg = WorkerRegistry()
+    w = reg.add(0.0, W1, ready("w", 2), 1.0)
+    assert (w.slots, w.credits, w.free_slots) == (2, 2, 2)
+    w.outstanding.update({1, 2})
+    reg.set_credits(w, 4)
+    assert (w.slots, w.credits, w.free_slots) == (4, 4, 2)
+    assert reg.best_free(KEY, 1) is w
+    # Fewer than it holds: what it holds stays, and it gets nothing more.
+    reg.set_credits(w, 1)
+    assert (w.slots, w.credits, w.free_slots) == (1, 1, -1)
+    assert reg.best_free(KEY, 1) is None
+    w.outstanding.clear()
+    # Within its health: none while UNHEALTHY, one on PROBATION, the slots once HEALTHY.
+    reg.set_health(1.0, w, Health.UNHEALTHY)
+    reg.set_credits(w, 3)
+    assert (w.slots, w.credits) == (3, 0)
+    reg.set_health(2.0, w, Health.PROBATION)
+    assert (w.slots, w.credits) == (3, 1)
+    reg.set_credits(w, 5)
+    assert (w.slots, w.credits) == (5, 1)
+    reg.set_health(3.0, w, Health.HEALTHY)
+    assert (w.slots, w.credits, w.free_slots) == (5, 5, 5)
+
+
 def test_best_free_respects_max_batch() -> None:
     reg = WorkerRegistry()
     small = reg.add(0.0, W1, ready("small", 4, spec(max_batch=2)), 1.0)

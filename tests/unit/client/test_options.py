@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 from typing import Any
@@ -71,3 +72,30 @@ def test_out_of_range_refused_by_name(bad: dict[str, Any], named: str) -> None:
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ValueError, match=r"default_timeout_s .*; grace_s .*; send_timeout_s"):
         ClientOptions(default_timeout_s=-1.0, grace_s=-1.0, send_timeout_s=-1.0)
+
+
+def test_one_options_value_opens_both_twins() -> None:
+    from carpool.client import AsyncClient, Client
+
+    options = ClientOptions(default_timeout_s=2.0, grace_s=0.5, send_timeout_s=0.1)
+    client = Client("tcp://127.0.0.1:9", options=options)
+    try:
+        assert client.options is options
+        assert (client.core.default_timeout_s, client.core.grace_s) == (2.0, 0.5)
+    finally:
+        client.close()
+
+    async def twin() -> ClientOptions:
+        async with AsyncClient("tcp://127.0.0.1:9", options=options) as aclient:
+            assert (aclient.core.default_timeout_s, aclient.core.send_timeout_s) == (2.0, 0.1)
+            return aclient.options
+
+    assert asyncio.run(twin()) is options
+
+
+def test_an_options_value_and_keyword_options_together_are_refused() -> None:
+    from carpool.client import AsyncClient, Client
+
+    for twin in (Client, AsyncClient):
+        with pytest.raises(TypeError, match="not both"):
+            twin("tcp://127.0.0.1:9", options=ClientOptions(), grace_s=2.0)

@@ -1,0 +1,169 @@
+"""calls.py: what callers of a blocking Client hand its I/O thread.
+
+Each :class:`Call` is answered once, from the I/O thread
+(:mod:`carpool.client.iothread`), with a value or an exception; the caller waits on a
+lock of the call's own, so a signal handler's call, in the thread whose call it
+interrupted, waits on another. A :class:`Cancel` is not waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from numpy.typing import ArrayLike
+
+from carpool.client.futures import Owner, ReplyFuture
+from carpool.client.inputs import Encoded
+from carpool.common.protocol import Priority
+
+__all__ = ["Call", "Cancel", "Close", "Completions", "Query", "Submit"]
+
+#: How long ``poll(0)`` waits when nothing completed: it gives up the GIL that long.
+_YIELD_S = 1e-6
+
+
+class Call:
+    """What a caller hands the I/O thread and waits for: answered once, from the I/O
+    thread, with a value or an exception. The caller's wait holds a lock of the call's
+    own (a signal handler's call, in the same thread, waits on another)."""
+
+    __slots__ = ("_gate", "error", "value")
+
+    def __init__(self) -> None:
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def answer(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+        self._gate.release()
+
+    def wait(self) -> Any:
+        """The answer; raises the exception answered."""
+        self._gate.acquire()  # (a signal handler's exception interrupts it)
+        self._gate.release()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class Submit(Call):
+    """Send a request; answered with its :class:`ReplyFuture` once the socket took it
+    (or it failed), or with what encoding it raised. The future belongs to ``owner``
+    (the client, which it keeps open while the request is pending). A request the
+    caller ``encoded`` comes with its future, and nobody waits for the answer."""
+
+    __slots__ = (
+        "encoded",
+        "frames",
+        "future",
+        "inputs",
+        "model",
+        "owner",
+        "priority",
+        "timeout_s",
+        "until",
+    )
+
+    def __init__(
+        self,
+        owner: Owner,
+        model: str,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float | None,
+        priority: Priority,
+        encoded: Encoded | None = None,
+    ) -> None:
+        super().__init__()
+        self.owner, self.encoded = owner, encoded
+        self.model, self.inputs, self.timeout_s, self.priority = model, inputs, timeout_s, priority
+        self.frames: list[Any] = []
+        self.future: ReplyFuture | None = None
+        self.until = 0.0  # its send window's end
+
+
+class Query(Call):
+    """Send the STATS or METADATA request ``ask`` makes; answered with the broker's
+    answer, or ``TimeoutError`` after ``timeout_s``."""
+
+    __slots__ = ("ask", "frames", "qid", "timeout_s", "until")
+
+    def __init__(self, ask: Callable[[], tuple[int, list[Any]]], timeout_s: float) -> None:
+        super().__init__()
+        self.ask, self.timeout_s = ask, timeout_s
+        self.frames: list[Any] = []
+        self.qid = 0
+        self.until = 0.0
+
+
+class Close(Call):
+    """Close the client: answer every future and call, close the sockets, end the thread."""
+
+    __slots__ = ()
+
+
+class Cancel:
+    """Cancel ``future``'s request (nobody waits for this call's answer)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: ReplyFuture) -> None:
+        self.future = future
+
+
+class Completions:
+    """The futures a client's I/O thread completed, for ``Client.poll``: the thread adds
+    to the count (:meth:`add`); callers wait for it to grow (:meth:`wait`) and take what
+    it grew by (:meth:`look`). Each waiting call parks on a lock of its own, which the
+    thread releases: the thread takes no lock a caller could hold (one interrupted by a
+    signal handler's exception might keep it)."""
+
+    __slots__ = ("_looked", "_total", "_waiters")
+
+    def __init__(self) -> None:
+        self._total = self._looked = 0  # completed in all (the thread's), and looked at
+        self._waiters: list[threading.Lock] = []
+
+    def add(self, completed: int) -> None:
+        """(The I/O thread.) ``completed`` more futures: wake the waiting calls."""
+        self._total += completed
+        self.wake()
+
+    def wake(self) -> None:
+        """(The I/O thread.) Wake the waiting calls (the client closes, say)."""
+        waiters = self._waiters
+        while waiters:
+            waiters.pop().release()
+
+    def wait(self, timeout_s: float | None, closing: threading.Event) -> None:
+        """Wait at most ``timeout_s`` (None: without end) for the count to grow, unless
+        it grew since the last look already, or ``closing`` is set."""
+        if self._total != self._looked or closing.is_set():
+            return
+        if timeout_s == 0:  # (a wait this short still lets the I/O thread take the GIL,
+            timeout_s = _YIELD_S  # which a loop of poll(0) would hold for 5 ms at a time)
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        try:
+            # (Grown between the look and the append: add() woke the waiters it saw,
+            # after it counted, so one of the two looks sees it.)
+            if self._total != self._looked or closing.is_set():
+                return
+            if timeout_s is None or timeout_s >= threading.TIMEOUT_MAX:
+                waiter.acquire()
+            elif timeout_s > 0:
+                waiter.acquire(True, timeout_s)
+        finally:
+            with contextlib.suppress(ValueError):  # (the thread took it out)
+                self._waiters.remove(waiter)
+
+    def look(self) -> int:
+        """How much the count grew since the last look."""
+        grown = self._total - self._looked
+        self._looked += grown
+        return grown
