@@ -1,0 +1,84 @@
+"""A peer that fills a connection's receive queue, then resets the connection: libzmq
+4.3.5 stops reading a connection at its receive high-water mark, and once the peer resets
+it, the next ZMTP PING on it aborts the process (``stream_engine_base.cpp:310``,
+``!_io_error``): the receiver's own PING when its heartbeat falls due, or one the peer
+sent behind the message that met the mark, read as the receiver reads on. The worker's
+DEALER has no receive mark (docs/security.md).
+
+Each attack runs in a process of its own (an abort ends it), from a raw TCP socket that
+closes with SO_LINGER 0 (a reset)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+#: The peer's side: a ZMTP 3.1 NULL handshake, messages of two small frames (each
+#: followed by a PING when ``pings``) until the kernel's buffers stop taking them, a reset.
+_PEER = r"""
+import socket, struct
+
+def greeting(as_server):
+    return (b"\xff" + b"\x00" * 8 + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\x00")
+            + bytes([as_server]) + b"\x00" * 31)
+
+def ready(kind):
+    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(kind)) + kind
+    return bytes([0x04, len(body)]) + body
+
+def flood(peer, pings):
+    message = b"\x01\x04CP\x01\x01\x00\x01x" + (b"\x04\x07\x04PING\x00\x00" if pings else b"")
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.settimeout(0.5)
+    try:
+        for _ in range(200):
+            peer.sendall(message * 3000)
+    except OSError:  # the buffers are full (or the receiver closed the connection)
+        pass
+    peer.close()  # SO_LINGER 0: a reset
+"""
+
+#: A peer posing as the worker's broker: the worker's DEALER (as ZmqConnection opens
+#: it) sends READY and reads nothing while the peer floods it with messages and PINGs,
+#: then resets; the worker then reads what waits.
+_WORKER = (
+    _PEER
+    + r"""
+import zmq
+from carpool.worker.connection import ZmqConnection
+
+class Ready:
+    def to_frames(self):
+        return [b"CP\x01\x01", b"\x80"]
+
+listener = socket.create_server(("127.0.0.1", 0))
+port = listener.getsockname()[1]
+connection = ZmqConnection(f"tcp://127.0.0.1:{port}", "w")
+poller = zmq.Poller()
+connection.open(poller, Ready())
+peer, _ = listener.accept()
+peer.sendall(greeting(1) + ready(b"ROUTER"))
+flood(peer, True)
+read = 0
+while dict(poller.poll(1000)):
+    read += sum(1 for _ in connection.receive(dict(poller.poll(0))))
+print("alive")
+connection.shut()
+"""
+)
+
+
+def test_a_broker_that_fills_the_worker_connection_and_resets_it_does_not_stop_the_worker() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER],
+        timeout=45,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["alive"], done.stdout
