@@ -119,7 +119,11 @@ class ZmqConnection:
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 1000)
-        dealer.setsockopt(zmq.RCVHWM, 1000)
+        # No receive mark: at one libzmq stops reading the connection, and if the peer
+        # then resets it, a PING it sent behind the message that met the mark aborts the
+        # process as the worker reads on (libzmq 4.3.5, ``!_io_error``). What waits is
+        # what the broker sends: the batches its credits allow, and heartbeats.
+        dealer.setsockopt(zmq.RCVHWM, 0)
         if self.keys is not None:
             connect_keys(dealer, self.keys)
         try:

@@ -35,10 +35,10 @@ def bind_router(
     secure: Callable[[zmq.Socket[Any]], None] | None = None,
     prepare: Callable[[zmq.Socket[bytes]], None] | None = None,
 ) -> zmq.Socket[bytes]:
-    """A ROUTER bound to ``endpoint``: ROUTER_MANDATORY, high-water marks of 10,000, no
-    linger; frames over ``max_frame_mib`` (0: no limit) drop the connection; ZMTP
-    heartbeats every ``peer_heartbeat_s`` (0: none) close a peer silent for
-    ``peer_timeout_s``; ``prepare`` is called with the socket before it binds, and
+    """A ROUTER bound to ``endpoint``: ROUTER_MANDATORY, a send high-water mark of 10,000
+    and no receive mark, no linger; frames over ``max_frame_mib`` (0: no limit) drop the
+    connection; ZMTP heartbeats every ``peer_heartbeat_s`` (0: none) close a peer silent
+    for ``peer_timeout_s``; ``prepare`` is called with the socket before it binds, and
     ``secure`` sets CURVE on it (:class:`carpool.broker.auth.BrokerAuth`).
 
     Raises:
@@ -50,7 +50,12 @@ def bind_router(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.SNDHWM, 10_000)
-    sock.setsockopt(zmq.RCVHWM, 10_000)
+    # No receive mark. At one libzmq stops reading the connection; should the peer then
+    # reset it, the next PING on it (ours, or one the peer sent behind the message that
+    # met the mark) aborts the process (libzmq 4.3.5, stream_engine_base.cpp:310,
+    # ``!_io_error``): any peer could stop the broker. The loop reads each socket as it
+    # becomes readable, so what waits is what a peer sends faster than the broker reads.
+    sock.setsockopt(zmq.RCVHWM, 0)
     if peer_heartbeat_s:  # peers that vanish (BrokerConfig)
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(peer_heartbeat_s * 1000)))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(peer_timeout_s * 1000))
