@@ -123,7 +123,8 @@ class DeadlinePolicy:
 
     * Size: the worker's adaptive B_max, shrunk until the batch fits in the most urgent
       request's slack (its deadline − the worker's backlog − the batch's predicted time −
-      ``margin_s``), never below one request.
+      ``margin_s``), never below the floor that keeps up with the arrival rate (or what is
+      queued, if less) nor below one request.
     * Wait: none where batching buys nothing (the fitted fixed cost is under
       ``min_fixed_share`` of a single-sample batch, as on CPUs, or the cost is not known
       yet). Otherwise until the earliest of T_max after the oldest arrival and the most
@@ -158,10 +159,16 @@ class DeadlinePolicy:
           by the broker rather than served late.
         * Otherwise the target: the adaptive B_max (never below the floor that keeps up
           with the arrival rate), shrunk so the most urgent request's SLA countdown still
-          holds: the wait for a fuller batch must not cost that request its deadline.
+          holds: the wait for a fuller batch must not cost that request its deadline. The
+          shrink stops at the floor, or at what is queued if that is less: a batch below
+          the floor leaves the queue growing, each next most urgent request has less slack
+          and shrinks the next batch further, down to batches of one that shed nearly
+          everything. Where the floor does not fit the urgent request's slack, that
+          request is shed instead.
         """
         hard = min(self.max_batch, capacity.hard_max)
-        target = min(hard, max(capacity.max_batch, self.floor(queue, capacity)))
+        floor = self.floor(queue, capacity)
+        target = min(hard, max(capacity.max_batch, floor))
         if queue.samples > target:
             return min(queue.samples, hard)
         cost = capacity.cost
@@ -171,13 +178,14 @@ class DeadlinePolicy:
         slack = queue.earliest_deadline_s - now - self.margin_s
         if self.finish_in_s(capacity, target) <= slack:
             return target
+        least = max(1, min(floor, queue.samples, target))
         budget = slack / self._stretch(cost) - capacity.ready_in_s - cost.fixed_cost_s
         if cost.per_sample_s <= 0:
-            return 1
+            return least
         fits = budget / cost.per_sample_s
         if not math.isfinite(fits):  # a vanishing per-sample cost
-            return target if fits > 0 else 1
-        return max(1, min(target, math.floor(fits + 1e-9)))
+            return target if fits > 0 else least
+        return max(least, min(target, math.floor(fits + 1e-9)))
 
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
         """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with
