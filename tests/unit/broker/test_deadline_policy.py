@@ -377,6 +377,9 @@ def test_floor_raises_the_target_above_a_lagging_adaptive_size() -> None:
         (40, NOW + 0.050, 1400.0, 59),
         # No arrival rate measured: no floor, the guard shrinks to one.
         (40, NOW + 0.0168, 0.0, 1),
+        # Overload: no size keeps up with 2500/s (the floor is the engine's 64), so the
+        # guard serves the most urgent request that can still make it.
+        (40, NOW + 0.0168, 2500.0, 1),
     ],
 )
 def test_deadline_guard_stops_at_the_floor(
@@ -387,7 +390,7 @@ def test_deadline_guard_stops_at_the_floor(
     policy = DeadlinePolicy(64, 0.005)
     queue = QueueView(samples, NOW - 0.03, deadline, arrival_sps)
     capacity = Capacity(63, 0.009, GPU, 64)
-    assert policy.floor(queue, capacity) == (24 if arrival_sps else 1)
+    assert policy.floor(queue, capacity) == {0.0: 1, 1400.0: 24, 2500.0: 64}[arrival_sps]
     assert policy.batch_limit(NOW, queue, capacity) == expected
 
 
