@@ -123,7 +123,8 @@ class DeadlinePolicy:
 
     * Size: the worker's adaptive B_max, shrunk until the batch fits in the most urgent
       request's slack (its deadline − the worker's backlog − the batch's predicted time −
-      ``margin_s``), never below one request.
+      ``margin_s``), never below one request, nor below the floor that keeps up with the
+      arrival rate (or what is queued, if less) where that floor is within reach.
     * Wait: none where batching buys nothing (the fitted fixed cost is under
       ``min_fixed_share`` of a single-sample batch, as on CPUs, or the cost is not known
       yet). Otherwise until the earliest of T_max after the oldest arrival and the most
@@ -159,9 +160,15 @@ class DeadlinePolicy:
         * Otherwise the target: the adaptive B_max (never below the floor that keeps up
           with the arrival rate), shrunk so the most urgent request's SLA countdown still
           holds: the wait for a fuller batch must not cost that request its deadline.
+          Where the floor is below the engine's limit (some size keeps up), the shrink
+          stops at the floor, or at what is queued if that is less: a batch below the
+          floor leaves the queue growing, each next most urgent request has less slack
+          and shrinks the next batch further, down to batches of one that shed nearly
+          everything. A request the floor's batch cannot finish in time is shed instead.
         """
         hard = min(self.max_batch, capacity.hard_max)
-        target = min(hard, max(capacity.max_batch, self.floor(queue, capacity)))
+        floor = self.floor(queue, capacity)
+        target = min(hard, max(capacity.max_batch, floor))
         if queue.samples > target:
             return min(queue.samples, hard)
         cost = capacity.cost
@@ -171,13 +178,16 @@ class DeadlinePolicy:
         slack = queue.earliest_deadline_s - now - self.margin_s
         if self.finish_in_s(capacity, target) <= slack:
             return target
+        # Where a size keeps up with the arrivals, never below it (see above); in overload
+        # none does, and the guard serves the most urgent requests that can still make it.
+        least = max(1, min(floor, queue.samples)) if floor < hard else 1
         budget = slack / self._stretch(cost) - capacity.ready_in_s - cost.fixed_cost_s
         if cost.per_sample_s <= 0:
-            return 1
+            return least
         fits = budget / cost.per_sample_s
         if not math.isfinite(fits):  # a vanishing per-sample cost
-            return target if fits > 0 else 1
-        return max(1, min(target, math.floor(fits + 1e-9)))
+            return target if fits > 0 else least
+        return max(least, min(target, math.floor(fits + 1e-9)))
 
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
         """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with

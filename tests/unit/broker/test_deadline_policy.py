@@ -365,6 +365,35 @@ def test_floor_raises_the_target_above_a_lagging_adaptive_size() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("samples", "deadline", "arrival_sps", "expected"),
+    [
+        # 1400/s needs batches of 24 (7/0.3 = 23.3). The most urgent request's slack
+        # (14.8 ms, the worker busy for 9 more) fits no batch at all: the floor leaves.
+        (40, NOW + 0.0168, 1400.0, 24),
+        # Fewer queued than the floor: what is queued.
+        (10, NOW + 0.0168, 1400.0, 10),
+        # Slack for more than the floor: 1.1·(9 + 5 + 0.5·n) <= 48 ms → n <= 59.
+        (40, NOW + 0.050, 1400.0, 59),
+        # No arrival rate measured: no floor, the guard shrinks to one.
+        (40, NOW + 0.0168, 0.0, 1),
+        # Overload: no size keeps up with 2500/s (the floor is the engine's 64), so the
+        # guard serves the most urgent request that can still make it.
+        (40, NOW + 0.0168, 2500.0, 1),
+    ],
+)
+def test_deadline_guard_stops_at_the_floor(
+    samples: int, deadline: float, arrival_sps: float, expected: int
+) -> None:
+    """A shrink below the floor would leave the queue growing, and the next urgent request
+    with less slack still: batches of one, and nearly everything shed."""
+    policy = DeadlinePolicy(64, 0.005)
+    queue = QueueView(samples, NOW - 0.03, deadline, arrival_sps)
+    capacity = Capacity(63, 0.009, GPU, 64)
+    assert policy.floor(queue, capacity) == {0.0: 1, 1400.0: 24, 2500.0: 64}[arrival_sps]
+    assert policy.batch_limit(NOW, queue, capacity) == expected
+
+
 # --------------------------------------------------------------------------- shedding
 
 
