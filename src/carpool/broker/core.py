@@ -95,7 +95,7 @@ class BrokerCore:
         self.dispatcher = dispatcher = Dispatcher(
             book, backlog, inflight, fleet, replies, stats, registry
         )
-        self.pumps = pumps = Pumps(dispatcher, backlog, registry, fleet)
+        self.pumps = pumps = Pumps(backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, replies)
         self.resends = resends = Resends(book, holding, backlog, dispatcher, replies, stats)
         self.intake = intake = ClientIntake(
@@ -229,6 +229,7 @@ class BrokerCore:
                     answer(queue, req, ErrorCode.UNAVAILABLE, msg, out, now)
         if until_s is None:
             self.pumps.stop()
+            self.dispatcher.stop()
         return out
 
     def finish_stop(self, now: float, closes_s: float | None = None) -> list[Outgoing]:
@@ -313,7 +314,7 @@ class BrokerCore:
         due = [k for k, t in wake_s.items() if t <= now] if wake_s else []
         if touched:
             due.extend(touched)
-        self.pumps.pump_dirty(now, out, due)
+        self.pumps.pump_dirty(now, out, dispatcher.pump, due)
         if self.holding.count:
             self.holding.on_tick(now, out)
         if now >= self._sweep_s:

@@ -387,7 +387,7 @@ class ClientIntake:
             )
             if verdict is not FULL_UNTIL_PUMPED:
                 break
-            pumps.pump_dirty(now, out)
+            pumps.pump_dirty(now, out, self.dispatcher.pump)
         if self.recording is not None and (type(verdict) is not Refused or verdict.arrival):
             self.recording.append(
                 (now, model, layout.shape, round(1000 * timeout_s), int(priority), max_batch)
