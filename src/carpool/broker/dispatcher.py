@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
@@ -47,7 +48,10 @@ class Dispatcher:
     registry: WorkerRegistry
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
     wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
-    _inputs: dict[RequestKey, tuple[TensorMeta, ...]] = field(init=False, default_factory=dict)
+    # Each key's BATCH inputs and their wire form.
+    _inputs: dict[RequestKey, tuple[tuple[TensorMeta, ...], list[dict[str, Any]]]] = field(
+        init=False, default_factory=dict
+    )
 
     def forget(self, key: RequestKey) -> None:
         """A queue went idle and was dropped: forget what was cached for it."""
@@ -277,8 +281,9 @@ class Dispatcher:
             payloads.extend(req.payloads)
         inputs = self._inputs.get(key)
         if inputs is None:
-            inputs = self._inputs[key] = batch_inputs(key)
-        batch = DispatchedBatch(batch_id, model, inputs, requests, payloads, now)
+            metas = batch_inputs(key)
+            inputs = self._inputs[key] = (metas, [t.to_wire() for t in metas])
+        batch = DispatchedBatch(batch_id, model, inputs[0], requests, payloads, now, inputs[1])
         predicted_s = capacity.cost.estimate(samples)
         inflight = InflightBatch(
             batch_id,
