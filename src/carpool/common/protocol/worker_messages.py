@@ -261,12 +261,18 @@ class ResultMeta:
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
-        batch_id = require_field(meta, "batch", int, "result")
+        """A RESULT meta checked: per batch, its checks inlined (the rules of
+        :func:`~carpool.common.protocol.frames.require_field` and
+        :func:`~carpool.common.protocol.frames.optional_number`)."""
+        batch_id = meta.get("batch")
+        if type(batch_id) is not int:
+            batch_id = require_field(meta, "batch", int, "result")
         frames = meta.get("frames")
-        if not isinstance(frames, list) or not all(
-            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in frames
-        ):
+        if not isinstance(frames, list):
             raise ProtocolError("result: frames must be a list of ints >= 1")
+        for k in frames:
+            if type(k) is not int or k < 1:
+                raise ProtocolError("result: frames must be a list of ints >= 1")
         padding = meta.get("padding")
         if padding is not None:
             if not (
@@ -277,14 +283,16 @@ class ResultMeta:
             ):
                 raise ProtocolError("result: padding must be [padded, bucket] elements")
             padding = (padding[0], padding[1])
-        return cls(
-            batch_id,
-            optional_number(meta, "rho"),
-            optional_number(meta, "compute_ms"),
-            tuple(frames),
-            padding,
-            Telemetry.from_wire(meta.get("telemetry")),
-        )
+        rho = meta.get("rho", 0.0)
+        if type(rho) is not float or not math.isfinite(rho):
+            rho = optional_number(meta, "rho")
+        compute_ms = meta.get("compute_ms", 0.0)
+        if type(compute_ms) is not float or not math.isfinite(compute_ms):
+            compute_ms = optional_number(meta, "compute_ms")
+        telemetry = meta.get("telemetry")
+        if telemetry is not None:
+            telemetry = Telemetry.from_wire(telemetry)
+        return cls(batch_id, rho, compute_ms, tuple(frames), padding, telemetry)
 
 
 def result_wire(
