@@ -152,9 +152,20 @@ class RequestQueue:
         self._index_in(req)
 
     def arrive(self, req: PendingRequest) -> None:
-        """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time)."""
-        self.push(req)
-        self.note_arrival(req.arrival_s, req.samples)
+        """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time):
+        both in one call, as every request comes this way."""
+        self._arrivals.append(req)
+        heapq.heappush(
+            self._heaps[0 if req.priority is _INTERACTIVE else 1], (req.deadline_s, req.seq, req)
+        )
+        samples = req.samples
+        self.samples += samples
+        self.count += 1
+        arrival = (req.arrival_s, samples)
+        self._long.append(arrival)
+        self._short.append(arrival)
+        self._long_samples += samples
+        self._short_samples += samples
 
     def push_front(self, req: PendingRequest) -> None:
         """Put back a request that was dispatched before (it keeps its arrival time)."""
