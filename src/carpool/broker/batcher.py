@@ -232,7 +232,7 @@ class RequestQueue:
             move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
-        self._taken(taken)
+        self._taken(len(taken), max_samples - room)
         return taken
 
     def take_edf(
@@ -249,7 +249,7 @@ class RequestQueue:
             move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
-        self._taken(taken)
+        self._taken(len(taken), max_samples - room)
         return taken
 
     def shed(self, before_s: float, move: Mover) -> list[PendingRequest]:
@@ -268,10 +268,9 @@ class RequestQueue:
             self._compact()
         return out
 
-    def _taken(self, taken: list[PendingRequest]) -> None:
-        for req in taken:
-            self.samples -= req.samples
-            self.count -= 1
+    def _taken(self, count: int, samples: int) -> None:
+        self.samples -= samples
+        self.count -= count
         self._compact()
 
     def _compact(self) -> None:
