@@ -292,7 +292,9 @@ class Dispatcher:
             key,
             samples,
             predicted_s,
-            self._watch_s(now, key, samples, requests, predicted_s),
+            self.inflight.limit_s(predicted_s)
+            if predicted_s > 0
+            else self._watch_s(now, key, samples, requests),
             sent_s=now,
         )
         self.inflight.add(now, worker, inflight)
@@ -305,24 +307,20 @@ class Dispatcher:
         return ToWorker(worker.wid, batch)
 
     def _watch_s(
-        self,
-        now: float,
-        key: RequestKey,
-        samples: int,
-        requests: list[PendingRequest],
-        predicted_s: float,
+        self, now: float, key: RequestKey, samples: int, requests: list[PendingRequest]
     ) -> float:
         """How long a batch may run once it is the oldest at its worker (the engine
-        watchdog's limit): from its worker's fitted cost; while that knows nothing of the
-        key, from the slowest estimate another worker of the model has of it; while none
-        has one, until the batch's last deadline (slow cannot be told from hung)."""
+        watchdog's limit) while its worker's fitted cost knows nothing of the key (with
+        one, :meth:`InflightTable.limit_s` of it): from the slowest estimate another
+        worker of the model has of it; while none has one, until the batch's last
+        deadline (slow cannot be told from hung)."""
+        model = key[0]
+        predicted_s = 0.0
+        for w in self.registry.serving(model):
+            predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
         if predicted_s <= 0:
-            model = key[0]
-            for w in self.registry.serving(model):
-                predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
-            if predicted_s <= 0:
-                last_s = max(r.deadline_s for r in requests)
-                return max(self.inflight.watchdog_slack_s, last_s - now)
+            last_s = max(r.deadline_s for r in requests)
+            return max(self.inflight.watchdog_slack_s, last_s - now)
         return self.inflight.limit_s(predicted_s)
 
     def expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
