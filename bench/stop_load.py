@@ -10,16 +10,20 @@ steady rate in all (``--rate``, split evenly among them):
   again, with the same ``id`` and ``client``, each request refused so; it reads the old
   socket until that connection closes, then sends again what was still unanswered on it;
   and on ``OVERLOADED`` it sends the request again after ``retry_after_ms`` (§12: the
-  requests it sent while no broker was up reach the next one at once, past its
-  per-client limit);
+  requests it sent while no broker was up reach the next one at once; with a
+  ``--window`` past the broker's per-client limit, some are refused so);
 - ``ignores``: a raw DEALER that keeps sending on its one socket and never sends again;
 - ``sdk``: the blocking carpool ``Client`` (which follows the rule itself).
 
-A request is *lost* when it has no answer (a result or an error) by the end: a bounded
-wait after the last stop. The report gives, per stop, the requests each kind lost (by
-the broker generation they were first sent to), those answered ``UNAVAILABLE`` with
-``retry`` (which ``ignores`` does not send again), and how long the stopping broker
-took to exit.
+Each client has at most ``--window`` requests unanswered. Each broker is stopped once
+it serves: it has answered ``--per-round`` results to every client, for requests first
+sent after it started; the clients send until the last broker has done the same and
+each has sent ``--min-sent`` requests. A request is *lost* when it has no answer (a
+result or an error) by the end: a wait for every answer, the requests' timeout and 5 s
+at most, after the clients stop sending. The report gives, per stop, the requests each
+kind lost (by the broker generation they were first sent to), those answered
+``UNAVAILABLE`` with ``retry`` (which ``ignores`` does not send again), and how long the
+stopping broker took to exit.
 
 Run: ``.venv/bin/python bench/stop_load.py [--rounds 5] [--rate 1000]``; against
 another revision, put its ``src`` first: ``PYTHONPATH=/path/to/checkout/src``.
@@ -112,6 +116,7 @@ class RawClient:
     answered: Counter[str] = field(default_factory=Counter)
     retired: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = field(default_factory=list)
     later: list[tuple[float, int]] = field(default_factory=list)  # (when, id): OVERLOADED
+    results: Counter[int] = field(default_factory=Counter)  # by generation first sent to
 
     def __post_init__(self) -> None:
         self.sock, self.monitor = self._open()
@@ -155,6 +160,7 @@ class RawClient:
             return
         if header == _REPLY:
             self.answered["result"] += 1
+            self.results[self.pending[rid].generation] += 1
         elif header == _ERROR and self.follows and meta.get("code") == _OVERLOADED:
             self.answered["overloaded (sent again)"] += 1
             wait_s = meta.get("retry_after_ms", 50) / 1000
@@ -209,17 +215,34 @@ class Stop:
 
 
 KINDS = ("follows", "ignores", "sdk")
+#: The longest any one step waits for what it waits on (a broker that serves, a stopping
+#: one that exits, the last answers): past it, the run fails (a hang, not a slow machine).
+HANG_S = 60.0
+
+
+class Hang(RuntimeError):
+    """A step of the run waited :data:`HANG_S` for an event that did not come."""
 
 
 def run_stops(
     rounds: int = 5,
     rate_rps: float = 1000.0,
-    warm_s: float = 0.5,
+    per_round: int = 100,
+    min_sent: int = 1200,
+    window: int = 500,
     kinds: tuple[str, ...] = KINDS,
     transport: str = "ipc",
 ) -> dict[str, Any]:
     """Stop and restart a broker ``rounds`` times under load from clients of ``kinds``
-    (``rate_rps`` in all, split evenly); returns the counts."""
+    (``rate_rps`` in all, split evenly, each client with at most ``window`` requests
+    unanswered); returns the counts.
+
+    Each broker is stopped once it has answered ``per_round`` results to each client,
+    for requests first sent after it started (so it serves, with traffic flowing through
+    it, when it is told to stop). The clients send until the last broker has done the
+    same and each has sent ``min_sent`` requests, then wait for every answer: each step
+    waits for its event, :data:`HANG_S` at most (:class:`Hang`).
+    """
     workdir = Path(tempfile.mkdtemp(prefix="carpool-stops-"))
     ends = endpoints(workdir, transport)
     endpoint = ends[0]
@@ -241,21 +264,27 @@ def run_stops(
     def sdk_loop() -> None:
         try:
             with Client(endpoint, default_timeout_s=TIMEOUT_S, grace_s=1.0) as client:
-                n, start = 0, time.monotonic()
+                due = time.monotonic()
+                unanswered: list[Any] = []
                 while sending.is_set():
-                    due = start + n / share_rps
                     now = time.monotonic()
-                    if now < due:
-                        client.poll(min(due - now, 0.002))
+                    if len(unanswered) >= window:
+                        unanswered = [f for f in unanswered if not f.done()]
+                    if now < due or len(unanswered) >= window:
+                        client.poll(max(0.0, min(due - now, 0.002)))
+                        due = max(due, now) if len(unanswered) >= window else due
                         continue
-                    sdk_futures.append((generation[0], client.submit(MODEL, {"x": X})))
-                    n += 1
+                    future = client.submit(MODEL, {"x": X})
+                    sdk_futures.append((generation[0], future))
+                    unanswered.append(future)
+                    due += 1 / share_rps
                 for _, future in sdk_futures:  # each resolves by its own deadline
                     with contextlib.suppress(RequestError):
                         future.result(TIMEOUT_S + 5)
         except BaseException as exc:  # surfaced after the run
             sdk_error.append(exc)
 
+    sdk_results = _SdkResults(sdk_futures)
     stops: list[float] = []
     try:
         _until_serving(context, endpoint)
@@ -263,35 +292,46 @@ def run_stops(
         if "sdk" in kinds:
             sdk.start()
         poller = zmq.Poller()
-        n, start = 0, time.monotonic()
-        next_stop = start + warm_s
+        due = time.monotonic()
         stopped_at: float | None = None
-        done_at: float | None = None
+        waits_since = due  # when the step now waited on began (the hang guard)
+
+        def serves(gen: int) -> bool:
+            """The broker of ``gen`` answered ``per_round`` results to every client."""
+            raw = all(c.results[gen] >= per_round for c in clients.values())
+            return raw and ("sdk" not in kinds or sdk_results.count(gen) >= per_round)
+
         while True:
             now = time.monotonic()
-            if stopped_at is None and len(stops) < rounds and now >= next_stop:
+            if stopped_at is None and len(stops) < rounds and serves(generation[0]):
                 brokers[-1].send_signal(signal.SIGTERM)
-                stopped_at = now
+                stopped_at = waits_since = now
             if stopped_at is not None and brokers[-1].poll() is not None:
                 stops.append(time.monotonic() - stopped_at)
                 generation[0] += 1
                 brokers.append(start_broker(ends, log))
                 stopped_at = None
-                next_stop = time.monotonic() + warm_s + 1.0
-            if done_at is None and len(stops) == rounds and stopped_at is None:
-                done_at = now + 2.0  # keep sending to the last broker a while
-            if done_at is not None and now >= done_at:
+                waits_since = time.monotonic()
+            if (
+                len(stops) == rounds
+                and stopped_at is None
+                and serves(generation[0])
+                and all(c.sent >= min_sent for c in clients.values())
+                and ("sdk" not in kinds or len(sdk_futures) >= min_sent)
+            ):
                 break
-            due = start + n / share_rps
+            if now - waits_since > HANG_S:
+                raise Hang(f"step {len(stops)} of {rounds}: {HANG_S} s without its event")
             if now >= due:
                 for client in clients.values():
-                    client.send(generation[0])
-                n += 1
+                    if len(client.pending) < window:
+                        client.send(generation[0])
+                due = max(due + 1 / share_rps, now - 0.1)  # (a stall leaves no burst)
             for client in clients.values():
                 client.due(now)
             _read(poller, clients, max(0.0, min(due - time.monotonic(), 0.002)))
         sending.clear()
-        until = time.monotonic() + TIMEOUT_S / 1000 + 5
+        until = time.monotonic() + TIMEOUT_S + 5  # (each answer comes by its deadline)
         while any(c.pending for c in clients.values()) and time.monotonic() < until:
             _read(poller, clients, 0.01)
             for client in clients.values():
@@ -349,6 +389,31 @@ TIMEOUT_S = TIMEOUT_MS / 1000
 _GIVEN_UP = ("connection to the broker closed", "no reply from the broker")
 
 
+class _SdkResults:
+    """The SDK's results by the generation its requests were first sent to (read from the
+    futures its thread appends; a future is answered by that thread)."""
+
+    def __init__(self, futures: list[tuple[int, Any]]) -> None:
+        self._futures = futures
+        self._seen = 0
+        self._open: list[tuple[int, Any]] = []
+        self._results: Counter[int] = Counter()
+
+    def count(self, gen: int) -> int:
+        added = self._futures[self._seen :]
+        self._seen += len(added)
+        still = []
+        for sent, future in [*self._open, *added]:
+            if not future.done():
+                still.append((sent, future))
+                continue
+            with contextlib.suppress(RequestError):
+                future.result(0)
+                self._results[sent] += 1
+        self._open = still
+        return self._results[gen]
+
+
 def _read(poller: zmq.Poller, clients: dict[str, RawClient], wait_s: float) -> None:
     """Take what waits on every client's sockets (polling at most ``wait_s``)."""
     owners: dict[zmq.Socket[bytes], RawClient] = {}
@@ -392,9 +457,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rate", type=float, default=1000.0, help="requests/s, all clients")
+    parser.add_argument("--per-round", type=int, default=100, help="results a broker serves")
+    parser.add_argument("--min-sent", type=int, default=1200, help="requests, each client")
+    parser.add_argument("--window", type=int, default=500, help="unanswered, each client")
     parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     args = parser.parse_args()
-    print(json.dumps(run_stops(args.rounds, args.rate, transport=args.transport), indent=1))
+    counts = run_stops(
+        args.rounds,
+        args.rate,
+        args.per_round,
+        args.min_sent,
+        args.window,
+        transport=args.transport,
+    )
+    print(json.dumps(counts, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from carpool.client import Client, DeadlineExceeded, Overloaded
+from carpool.client import Client, DeadlineExceeded, Overloaded, RequestError
 
 FIXED_MS, PER_SAMPLE_MS, MAX_BATCH = 40.0, 4.0, 8
 #: Full batches, back to back: 8 samples every 72 ms.
@@ -38,6 +38,20 @@ def _pace(client: Client, rate_rps: float, duration_s: float) -> list[tuple[floa
         sent.append((now, client.submit("synthetic", {"x": x}, timeout_s=TIMEOUT_S)))
         n += 1
     return sent
+
+
+def _until_serving(client: Client) -> None:
+    """Until the broker answers a result (its process starts, its worker registers): a
+    hang guard of 30 s, however long a loaded machine takes to start it."""
+    x = np.ones((1, 16), np.float32)
+    until = time.monotonic() + 30.0
+    while time.monotonic() < until:
+        try:
+            client.infer("synthetic", {"x": x}, timeout_s=TIMEOUT_S)
+        except RequestError:  # (not up yet: no reply, or no worker registered)
+            continue
+        return
+    raise AssertionError("the broker did not serve within 30 s")
 
 
 def test_what_the_door_lets_in_at_three_times_capacity_makes_its_deadline(
@@ -69,6 +83,7 @@ def test_what_the_door_lets_in_at_three_times_capacity_makes_its_deadline(
     )
     try:
         with Client(frontend, default_timeout_s=TIMEOUT_S) as client:
+            _until_serving(client)
             # Below capacity first, so that the broker fits the batch cost (2 sizes).
             for _, future in _pace(client, 0.5 * CAPACITY_RPS, 1.5):
                 future.result(5.0)  # type: ignore[attr-defined]

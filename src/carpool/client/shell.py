@@ -111,6 +111,10 @@ class Dealer(Generic[SocketT]):
         instead (see :meth:`reopen`)."""
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        # No receive mark: the broker sends one answer per request, so what waits is
+        # bounded by what was sent. (At a mark libzmq stops reading the connection; if it
+        # then closes, the next ZMTP heartbeat on it aborts the process, libzmq 4.3.5.)
+        socket.setsockopt(zmq.RCVHWM, 0)
         if immediate:
             socket.setsockopt(zmq.IMMEDIATE, 1)
         if self._keys is not None:
