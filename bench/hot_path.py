@@ -143,12 +143,18 @@ def _core(config: BrokerConfig) -> BrokerCore:
 
 
 def _client_message() -> Callable[[list[Any]], Any]:
-    """What ``BrokerCore.on_client`` takes of a client's frames (after the routing id): the
-    typed message where ``carpool.common.protocol`` has a ``decode_from_client`` (the
-    decode a transport makes), else the frames themselves, which the core decodes."""
+    """What ``BrokerCore.on_client`` takes of a client's frames (after the routing id):
+    the frames themselves where it decodes them (its message parameter is ``frames``: it
+    decodes with the layouts it remembers, at its first line, and at revisions before
+    the typed client edge), else the typed message of ``decode_from_client`` (the decode
+    a transport makes). (Before the typed edge ``on_client`` is the intake's, bound in
+    the core's constructor, and takes frames.)"""
+    method = getattr(BrokerCore, "on_client", None)
+    if method is None or list(inspect.signature(method).parameters)[-1] == "frames":
+        return lambda frames: frames
     protocol = importlib.import_module("carpool.common.protocol")
-    decode: Callable[[list[Any]], Any] | None = getattr(protocol, "decode_from_client", None)
-    return (lambda frames: frames) if decode is None else decode
+    decode: Callable[[list[Any]], Any] = protocol.decode_from_client
+    return decode
 
 
 def frames_of(out: list[Any]) -> list[tuple[Side, list[Any]]]:

@@ -113,7 +113,7 @@ def _broker(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGHUP, lambda signum, frame: server.ask_reload())
         with _stopped_by_signals(server.stop, server.signal_fd):
             try:
-                server.serve(broker_watch(server, notifier))
+                server.serve(broker_watch(server.core, server.clock, notifier))
             except BrokerFault:
                 return 1  # (logged with its traceback): systemd restarts it (on-failure)
     return 0

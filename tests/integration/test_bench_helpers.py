@@ -82,11 +82,15 @@ def test_core_run_decodes_and_encodes_inside_the_counted_edge(
 
         return wrapped
 
+    from carpool.broker import core
+
     worker_decode = inside("worker", protocol.decode_from_worker)
     monkeypatch.setattr(protocol, "decode_from_worker", worker_decode)
-    # A client decoder the core does not take yet: the harness finds it and calls it inside.
-    client_decode = inside("client", lambda frames: frames)
-    monkeypatch.setattr(protocol, "decode_from_client", client_decode, raising=False)
+    # The client's decoder, whether the harness calls it (a core that takes the typed
+    # message) or the core does (its on_client's first line, with its layouts).
+    client_decode = inside("client", protocol.decode_from_client)
+    monkeypatch.setattr(protocol, "decode_from_client", client_decode)
+    monkeypatch.setattr(core, "decode_from_client", client_decode)
     monkeypatch.setattr(hot_path, "frames_of", inside("to_frames", hot_path.frames_of))
     _us, mean_batch = hot_path.core_run(8, "fixed", n=64, edge=counted)
     assert mean_batch > 1

@@ -25,10 +25,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from carpool.broker.admission import layout_of
 from carpool.broker.server import BrokerFault, BrokerServer
 from carpool.client import Client
 from carpool.common.clock import MonotonicClock
-from carpool.common.protocol import decode_from_worker, decode_meta
+from carpool.common.protocol import decode_from_worker
 from carpool.common.testing import ServerThread
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 from carpool.worker.server import WorkerServer
@@ -262,7 +263,7 @@ def test_a_fault_inside_the_core_that_changed_nothing_is_answered_internal(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     broker, thread, client = fleet
-    monkeypatch.setattr("carpool.broker.intake.decode_meta", _fails_first(1, decode_meta))
+    monkeypatch.setattr("carpool.broker.intake.layout_of", _fails_first(1, layout_of))
     sock = _raw_dealer(context, broker.frontend_endpoint)
     meta = {
         "id": 41,

@@ -8,8 +8,10 @@ the queue is full (by count or payload bytes), its client already holds its shar
 case (the work queued ahead at full speed, then this request) ends past its deadline.
 :func:`conform` checks a request's inputs against its model (names, dtypes, shapes), and
 :func:`bucketed` puts a padded model's request in its bucket (§8.1); :func:`layout_of`
-does both and gives the :class:`Layout` a request that passed is remembered by, in the
-protocol's RequestDecoder, for its fast path. Shape rules and batch limits are each
+does both and gives the :class:`Layout` a request that passed is remembered by (the
+protocol's :class:`~carpool.common.protocol.KnownLayouts`: a later request of the same
+layout comes decoded with it), and :func:`pending` builds the request book's entry of a
+request let in. Shape rules and batch limits are each
 worker's own: the registry says which workers admit a layout's key (broker/limits.py).
 """
 
@@ -19,17 +21,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from carpool.broker.backlog import Backlog
-from carpool.broker.batcher import request_key
+from carpool.broker.batcher import RequestQueue, request_key
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
-from carpool.broker.replies import retry_after_ms
-from carpool.broker.requests import ClientId, PendingRequest, RequestKey
+from carpool.broker.registry import WorkerRegistry
+from carpool.broker.replies import Refused, retry_after_ms
+from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestKey
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     Frame,
     ModelSpec,
+    Request,
     ShmRef,
-    Submit,
     TensorMeta,
     check_frame_sizes,
 )
@@ -54,24 +57,7 @@ class Admitted:
     """The request may queue (:data:`ADMITTED`, the one instance)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """The request is answered with an error now."""
-
-    code: ErrorCode
-    message: str
-    retry_after_ms: int | None = None
-    # It counts as an arrival of the model's traffic (it was refused for the queue or
-    # its deadline, not for the broker stopping or a batch it can never fit).
-    arrival: bool = True
-    shed: bool = False  # refused as hopeless (counted with the requests shed)
-    retry: bool = False  # the broker is stopping: the request may be sent again (§6.3)
-
-
 ADMITTED = Admitted()
-#: The queue is full, but batches this loop turn may form first would make room: form
-#: them, then ask again (the door of a full queue).
-FULL_UNTIL_PUMPED = Refused(ErrorCode.OVERLOADED, "broker queue full")
 _STOPPING = "the broker is stopping; retry with another broker or after its restart"
 
 
@@ -81,18 +67,18 @@ def admit(
     timeout_s: float,
     priority: int,
     max_batch: int,
-    pumpable: bool,
     config: BrokerConfig,
     backlog: Backlog,
     fleet: FleetModel,
-    *,
     client: ClientId,
     now: float,
+    is_full: bool | None = None,
 ) -> Admitted | Refused:
     """May a valid request of ``layout`` (``nbytes`` of payload, due in ``timeout_s``,
     of ``priority``, from ``client``) queue ``now``? ``max_batch``: the largest batch a live
-    worker that admits its shapes takes (> 0); ``pumpable``: batches may form this turn before the
-    door closes (then a full queue answers :data:`FULL_UNTIL_PUMPED`)."""
+    worker that admits its shapes takes (> 0). A full queue refuses it: the caller forms
+    this turn's batches first where they would make room, and may pass what :func:`full`
+    says then (``is_full``; None: asked here)."""
     if backlog.stopping:
         hint = backlog.retry_after_ms(now)
         return Refused(ErrorCode.UNAVAILABLE, _STOPPING, hint, arrival=False, retry=True)
@@ -112,10 +98,8 @@ def admit(
         )
         msg = f"request of {nbytes} payload bytes exceeds {what} ({key} {mib})"
         return Refused(ErrorCode.INVALID_ARGUMENT, msg)
-    queued = backlog.queued
-    if queued >= config.max_queued or backlog.queued_bytes + nbytes > room:
-        if pumpable:
-            return FULL_UNTIL_PUMPED
+    if full(config, backlog, nbytes) if is_full is None else is_full:
+        queued = backlog.queued
         # Until costs are fitted the drain time is unknown: suggest a modest pause.
         drain_s = fleet.drain_time_s(model, layout.key, queued) or 0.05
         msg = f"broker queue full ({queued} requests, {backlog.queued_bytes} bytes)"
@@ -149,6 +133,52 @@ def admit(
             )
             return Refused(ErrorCode.DEADLINE_EXCEEDED, msg, shed=True)
     return ADMITTED
+
+
+def full(config: BrokerConfig, backlog: Backlog, nbytes: int) -> bool:
+    """Whether the queue has no room for a request of ``nbytes`` (by count or bytes)."""
+    return (
+        backlog.queued >= config.max_queued
+        or backlog.queued_bytes + nbytes > config.max_queued_mib << 20
+    )
+
+
+def pending(
+    seq: int,
+    client: ClientId,
+    request: Request[Layout],
+    layout: Layout,
+    now: float,
+    timeout_s: float,
+    nbytes: int,
+    origin: Origin | None,
+) -> PendingRequest:
+    """The request book's entry for ``request`` (of ``layout``) let in ``now`` from
+    ``client``: its payloads and shared-memory references in spec order."""
+    payloads, refs, order = request.payloads, request.shm, layout.order
+    if order is not None:
+        payloads = [payloads[i] for i in order]
+        if refs is not None:
+            refs = tuple(refs[i] for i in order)
+    return PendingRequest(  # (positional, in declaration order: a keyword call costs ~3 x)
+        seq,
+        client,
+        request.delimited,
+        request.request_id,
+        request.simple,
+        layout.model,
+        layout.key,
+        layout.samples,
+        request.priority,
+        now,
+        now + timeout_s,
+        payloads,
+        refs,
+        request.shm_outputs,
+        nbytes,
+        layout.shapes,
+        origin,
+    )
 
 
 def conform(
@@ -227,18 +257,18 @@ def bucketed(
     return tuple(out), (tuple(own) if differs else None)
 
 
-def layout_of(spec: ModelSpec, submit: Submit, payloads: Sequence[Frame]) -> Layout:
+def layout_of(spec: ModelSpec, request: Request[Layout]) -> Layout:
     """The layout of a request that conforms to ``spec`` (:func:`conform`), in its bucket
     where the model is padded (:func:`bucketed`).
 
     Raises:
         ProtocolError: it does not conform, or fits no bucket.
     """
-    inputs, order, samples = conform(spec, submit.inputs, payloads, submit.shm)
+    inputs, order, samples = conform(spec, request.inputs, request.payloads, request.shm)
     shape = inputs[0].shape
     shapes = None
     if spec.pads:  # queued by bucket (§8.1)
-        inputs, shapes = bucketed(spec, inputs, order, submit.shm)
+        inputs, shapes = bucketed(spec, inputs, order, request.shm)
     in_order = order == tuple(range(len(order)))
     key = request_key(spec.name, inputs)
     return Layout(spec.name, key, shape, samples, None if in_order else order, shapes)
@@ -289,6 +319,49 @@ def queued_misfit(spec: ModelSpec, req: PendingRequest) -> tuple[ErrorCode, str]
         msg = f"model {spec.name!r} was re-registered with its {what}"
         return ErrorCode.UNAVAILABLE, f"{msg} while the request was queued; resend it"
     return None
+
+
+def unfinishable(
+    now: float,
+    until_s: float | None,
+    queues: dict[RequestKey, RequestQueue],
+    registry: WorkerRegistry,
+    fleet: FleetModel,
+) -> list[tuple[RequestQueue, PendingRequest]]:
+    """The queued requests that cannot be answered by ``until_s`` (None: all of them): no
+    live worker serves its model, or its predicted completion, behind what is queued
+    ahead of it, lies past ``until_s`` (a stopping broker answers them at once)."""
+    out = []
+    ahead: dict[str, int] = {}  # samples kept so far, by model
+    stop_by_s = until_s if until_s is not None else float("-inf")
+    for queue in queues.values():
+        for req in queue:
+            model = req.model
+            keep = until_s is not None and any(registry.serving(model))
+            if keep:
+                samples = ahead.get(model, 0) + req.samples
+                completion = fleet.completion(now, model, queue.key, samples)
+                keep = completion is None or now + completion[0] <= stop_by_s
+            if keep:
+                ahead[model] = samples
+            else:
+                out.append((queue, req))
+    return out
+
+
+def misfits(
+    spec: ModelSpec, queues: dict[RequestKey, RequestQueue]
+) -> list[tuple[RequestQueue, PendingRequest, ErrorCode, str]]:
+    """The queued requests of ``spec``'s model that no longer fit it (the model was
+    registered again with another spec), each with its queue and its answer."""
+    out = []
+    for key, queue in queues.items():
+        if key[0] == spec.name:
+            for req in queue:
+                misfit = queued_misfit(spec, req)
+                if misfit is not None:
+                    out.append((queue, req, *misfit))
+    return out
 
 
 def spec_shape(shape: tuple[int, ...]) -> str:

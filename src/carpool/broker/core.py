@@ -5,29 +5,17 @@ tick, a peer that could not be sent to. Each returns the list of :data:`Outgoing
 to send (:class:`ToClient` frames, or :class:`ToWorker` typed messages). No sockets,
 threads or clocks here; ``server.py`` owns those.
 
-The parts, one concern each (composed here, none inherits from another):
-
-- :class:`~carpool.broker.requests.RequestBook`: request state, through its transition table;
-- :class:`~carpool.broker.backlog.Backlog`: the queues, the deadline heap, queued counts;
-- :class:`~carpool.broker.inflight.InflightTable`: the batches at workers;
-- :class:`~carpool.broker.fleet.FleetModel`: per-model policies, workers' lanes, capacities;
-- :class:`~carpool.broker.dispatcher.Dispatcher`: a queue's pump, shedding and dispatch;
-- :class:`~carpool.broker.pumps.Pumps`: which queues are pumped when, and in which order
-  (a free slot goes to the most urgent queue of its model first);
-- :class:`~carpool.broker.intake.ClientIntake`: client messages, validated, then let in or
-  refused by the pure :func:`~carpool.broker.admission.admit`;
-- :class:`~carpool.broker.holding.HeldRequests`: just after a start, requests for an
-  expected model no worker has registered yet, held at the door until one does;
-- :class:`~carpool.broker.resends.Resends`: a request sent again with its client's nonce
-  (answered once, on the copy's connection), and CANCEL;
-- :class:`~carpool.broker.workers.WorkerEvents`: worker messages and losses;
-- :class:`~carpool.broker.replies.Replies` and :mod:`carpool.broker.stats`: error replies,
-  counters and the STATS snapshot.
+The parts, one concern each, composed here (docs/architecture.md has the owner table):
+the request book, the backlog (queues, deadlines), the in-flight table, the fleet model,
+the dispatcher and its pumps, the client intake and the pure
+:func:`~carpool.broker.admission.admit`, the requests held at the door, resends and
+CANCEL, the worker events, replies and stats.
 
 Messages only queue work; the tick that ends each loop turn (the server's and the
-simulator's alike) forms batches for everything that arrived in it. A framed request whose
-layout (model, input names, dtypes, shapes) passed validation before takes a fast path
-with the same checks and answers.
+simulator's alike) forms batches for everything that arrived in it. A client's message is
+decoded once (:func:`~carpool.common.protocol.decode_from_client`, with the layouts the
+door checked before), a worker's by its transport; each is routed by its type. The core
+is the one place where the parts meet: they return outputs and follow-ups, it routes.
 
 Invariants:
 - every client request gets exactly one reply: its result or a typed error;
@@ -39,46 +27,51 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from carpool.broker import metadata, replies
+from carpool.broker.admission import Layout, full, misfits, unfinishable
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.intake import Arrival, ClientIntake
+from carpool.broker.intake import ClientIntake
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerId, WorkerRegistry
-from carpool.broker.replies import Outgoing, Replies, Side, ToClient, ToWorker, disconnect
-from carpool.broker.requests import ClientId, RequestBook
+from carpool.broker.replies import Outgoing, Side, ToClient, ToWorker, disconnect
+from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook
 from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats, model_table, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Frame
+from carpool.common.protocol import (
+    Cancel,
+    ClientMalformed,
+    Command,
+    Frame,
+    FromWorker,
+    MetadataRequest,
+    Ready,
+    Request,
+    WorkerReady,
+    decode_from_client,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BrokerCore",
-    "BrokerStats",
-    "InflightBatch",
-    "Outgoing",
-    "Side",
-    "ToClient",
-    "ToWorker",
-]
+__all__ = ["BrokerCore", "BrokerStats", "InflightBatch", "Outgoing", "Side", "ToClient", "ToWorker"]
 
 #: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
 _SWEEP_S = 0.5
 
 
 class BrokerCore:
-    """The broker's state machine; see the module docstring. ``on_client`` and
-    ``on_worker`` are the intake's and the worker events' own methods (bound here, so a
-    message costs no extra call)."""
+    """The broker's state machine; see the module docstring."""
 
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config = config or BrokerConfig()
@@ -91,69 +84,23 @@ class BrokerCore:
         )
         self.fleet = fleet = FleetModel(config, registry, inflight)
         backlog.batch_unit = fleet.batch_unit
-        self.replies = replies = Replies(stats, backlog, fleet)
-        self.dispatcher = dispatcher = Dispatcher(
-            book, backlog, inflight, fleet, replies, stats, registry
-        )
-        self.pumps = pumps = Pumps(backlog, registry, fleet)
-        self.holding = holding = HeldRequests(config, backlog, replies)
-        self.resends = resends = Resends(book, holding, backlog, dispatcher, replies, stats)
-        self.intake = intake = ClientIntake(
-            config,
-            registry,
-            stats,
-            backlog,
-            fleet,
-            dispatcher,
-            pumps,
-            replies,
-            self.snapshot,
-            holding,
-            resends,
-        )
-        self.workers = workers = WorkerEvents(
-            config, registry, stats, book, backlog, inflight, fleet, pumps, replies, intake
-        )
-        #: The REQUEST decoder with the layouts its fast path knows (the intake's).
-        self.request_decoder = intake.request_decoder
-        self.on_client = intake.on_client
-        self.on_worker = workers.on_worker
+        self.dispatcher = Dispatcher(book, backlog, inflight, fleet, stats, registry)
+        self.pumps = Pumps(backlog, registry, fleet)
+        self.holding = holding = HeldRequests(config, backlog, stats)
+        self.resends = Resends(book, holding, stats)
+        self.intake = intake = ClientIntake(config, registry, backlog, fleet)
+        self.workers = WorkerEvents(config, registry, stats, book, backlog, inflight, fleet)
+        #: The request layouts the door checked before: each client message is decoded
+        #: with them (a request of one comes with its queue key and sample count).
+        self.layouts = intake.layouts
+        # Who may read STATS, by client id (None: everyone); the server sets it.
+        self.stats_gate: Callable[[bytes], bool] | None = None
         self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
         #: How each worker is connected, by its id, as STATS names it ("zeromq", "local",
-        #: "embedded"): the server's transports say; the core only passes it on.
-        self.worker_transport: Callable[[bytes], str] = _zeromq
+        #: "embedded"): the server's transports say (a core without one: all "zeromq").
+        self.worker_transport: Callable[[bytes], str] = lambda wid: "zeromq"
 
     # ------------------------------------------------------------------ the server's knobs
-
-    @property
-    def recording(self) -> list[Arrival] | None:
-        """The arrival trace while recording (None: not recording); the shell writes it
-        out (carpool record)."""
-        return self.intake.recording
-
-    @recording.setter
-    def recording(self, records: list[Arrival] | None) -> None:
-        self.intake.recording = records
-
-    @property
-    def stats_gate(self) -> Callable[[bytes], bool] | None:
-        """Who may read STATS, by client id (None: everyone); the server sets it."""
-        return self.intake.stats_gate
-
-    @stats_gate.setter
-    def stats_gate(self, gate: Callable[[bytes], bool] | None) -> None:
-        self.intake.stats_gate = gate
-
-    @property
-    def authenticated_key(self) -> Callable[[bytes], bytes] | None:
-        """The authenticated key a client id starts with, part of a request's origin
-        (the server sets it under CURVE); None: no keys, a request's origin is its
-        client's nonce alone."""
-        return self.resends.key_of
-
-    @authenticated_key.setter
-    def authenticated_key(self, key_of: Callable[[bytes], bytes] | None) -> None:
-        self.resends.key_of = key_of
 
     @property
     def started_s(self) -> float:
@@ -189,6 +136,127 @@ class BrokerCore:
     def inflight_batches(self) -> int:
         return len(self.inflight)
 
+    # ------------------------------------------------------------------ messages
+
+    def on_client(self, now: float, identity: bytes, frames: Sequence[Frame]) -> list[Outgoing]:
+        """A client's message (its frames after the routing id): decoded once, with the
+        layouts the door remembers, and handled by its type."""
+        msg = decode_from_client(frames, self.layouts)
+        client = ClientId(identity)
+        self.stats.requests += 1
+        if type(msg) is Request:
+            return self._on_request(now, client, msg)
+        if isinstance(msg, ClientMalformed):
+            self.intake.malformed(now, client, msg)
+            rid, code, text = msg.request_id, msg.code, msg.message
+            error = replies.error(
+                self.stats, client, msg.delimited, rid, code, text, simple=msg.simple
+            )
+            return [error]
+        if isinstance(msg, Cancel):
+            return self._on_cancel(client, msg)
+        if isinstance(msg, MetadataRequest):
+            return [metadata.answer(self.registry, self.stats, client, msg)]
+        gate, rid = self.stats_gate, msg.request_id  # STATS: echoes the query's id
+        if gate is not None and not gate(identity):
+            code, denied = ErrorCode.PERMISSION_DENIED, "STATS is answered to operator keys only"
+            return [replies.error(self.stats, client, msg.delimited, rid, code, denied)]
+        answer = self.snapshot(now) if rid is None else {**self.snapshot(now), "id": rid}
+        return [replies.to_client(client, msg.delimited, encode(Command.STATS, answer))]
+
+    def _on_request(self, now: float, client: ClientId, request: Request[Layout]) -> list[Outgoing]:
+        """A REQUEST: a copy of one held is claimed; else the door lets it in (its queue is
+        pumped at the end of the turn), holds it (its model is expected back), or refuses it."""
+        origin: Origin | None = None
+        if request.nonce is not None:  # sent with its client's nonce: a copy sent again?
+            claim = self.resends.claim(client, request)
+            if isinstance(claim, list):
+                return claim
+            origin = claim
+        out: list[Outgoing] = []
+        pumps, config, backlog = self.pumps, self.config, self.backlog
+        is_full = full(config, backlog, request.nbytes)
+        if is_full and (pumps.dirty or pumps.freed_models or pumps.dirty_models):
+            pumps.pump_dirty(now, out, self.dispatcher.pump)  # the turn's batches may make room
+            is_full = full(config, backlog, request.nbytes)
+        verdict = self.intake.admit(now, client, request, origin, is_full)
+        if isinstance(verdict, PendingRequest):
+            pumps.dirty[verdict.key] = None  # its batch forms at the end of the turn
+            return out
+        if verdict.hold and self.holding.hold(now, client, request, origin):
+            return out
+        out.append(replies.refusal(self.stats, client, request, verdict))
+        return out
+
+    def _release(self, now: float, models: list[str], out: list[Outgoing]) -> None:
+        """The requests held at the door for ``models`` (a READY registered them) go to
+        the door, in arrival order, each with what remains of its budget."""
+        holding = self.holding
+        if not holding.count:
+            return
+        holding.on_tick(now, out)  # (those due are answered, not admitted late)
+        for model in models:
+            for held in holding.release(model):  # (more than HOLD_LEAD_S is left)
+                held.request.timeout_ms = max(1, math.floor(1000 * (held.deadline_s - now)))
+                out.extend(self._on_request(now, held.client, held.request))
+
+    def _on_cancel(self, client: ClientId, cancel: Cancel) -> list[Outgoing]:
+        """A CANCEL: a request held at the door is answered by the holding area; a queued
+        one leaves its queue, answered CANCELLED."""
+        out: list[Outgoing] = []
+        req = self.resends.cancel(client, cancel, out)
+        if req is not None:
+            msg = "cancelled by its client before it reached a worker"
+            queue = self.backlog.queues[req.key]
+            self.dispatcher.answer_queued(queue, req, ErrorCode.CANCELLED, msg, out)
+        return out
+
+    def on_worker(self, now: float, identity: bytes, msg: FromWorker) -> list[Outgoing]:
+        """A worker's message, as its transport decoded it (``decode_from_worker``)."""
+        if type(msg) is WorkerReady:
+            return self._on_ready(now, WorkerId(identity), msg.ready)
+        workers = self.workers
+        out = workers.on_worker(now, identity, msg)
+        freed = workers.freed_models
+        if freed:  # (a RESULT or FAILED took a batch)
+            self.pumps.mark_freed(freed)
+            freed.clear()
+        if workers.changed_models:
+            self._mark_changed()
+        return out
+
+    def _mark_changed(self) -> None:
+        """The worker events' follow-ups, marked for the pumps at the end of the turn."""
+        workers, pumps = self.workers, self.pumps
+        if workers.changed_models:
+            pumps.mark_models(workers.changed_models)
+            workers.changed_models.clear()
+        if workers.freed_models:
+            pumps.mark_freed(workers.freed_models)
+            workers.freed_models.clear()
+
+    def _on_ready(self, now: float, wid: WorkerId, ready: Ready) -> list[Outgoing]:
+        """A READY: registered (or refused) by the worker events. A model no live worker
+        served, back with another spec, forgets the layouts checked against the old one
+        and answers the queued requests that no longer fit (the rest ride as they are);
+        the requests held at the door for its models go in; their queues are pumped."""
+        out: list[Outgoing] = []
+        replaced = self.workers.on_ready(now, wid, ready, out)
+        self._mark_changed()  # (the worker that READY replaced)
+        if replaced is None:  # refused
+            return out
+        for spec in replaced:
+            self.layouts.forget_model(spec.name)
+            answered = misfits(spec, self.backlog.queues)
+            for queue, req, code, message in answered:
+                self.dispatcher.answer_queued(queue, req, code, message, out)
+            warning = "model %s re-registered by %s with other inputs or outputs: %d answered"
+            logger.warning(warning, spec.name, ready.name, len(answered))
+        names = [m.name for m in ready.models]
+        self._release(now, names, out)
+        self.pumps.mark_models(names)
+        return out
+
     # ------------------------------------------------------------------ stopping
 
     def begin_stop(
@@ -211,22 +279,9 @@ class BrokerCore:
         # (each UNAVAILABLE of a request that did not run: retry)
         self.holding.stop(out, backlog.retry_after_ms(now))
         msg = "the broker is stopping before the request was dispatched; retry"
-        answer = self.dispatcher.answer_queued
-        registry, fleet = self.registry, self.fleet
-        ahead: dict[str, int] = {}  # samples kept so far, by model
-        stop_by_s = until_s if until_s is not None else float("-inf")
-        for queue in list(self.backlog.queues.values()):
-            for req in list(queue):
-                model = req.model
-                keep = until_s is not None and any(registry.serving(model))
-                if keep:
-                    samples = ahead.get(model, 0) + req.samples
-                    completion = fleet.completion(now, model, queue.key, samples)
-                    keep = completion is None or now + completion[0] <= stop_by_s
-                if keep:
-                    ahead[model] = samples
-                else:
-                    answer(queue, req, ErrorCode.UNAVAILABLE, msg, out, now)
+        code, answer = ErrorCode.UNAVAILABLE, self.dispatcher.answer_queued
+        for queue, req in unfinishable(now, until_s, backlog.queues, self.registry, self.fleet):
+            answer(queue, req, code, msg, out, now)
         if until_s is None:
             self.pumps.stop()
             self.dispatcher.stop()
@@ -249,14 +304,13 @@ class BrokerCore:
     # ------------------------------------------------------------------ faults
 
     def changes(self) -> int:
-        """Writes so far to the state a request's one answer depends on: the client
-        messages that went past their checks (the intake counts each before its first
-        write: a queue, a copy's claim, a hold, a cancel), and the writes of the request
-        book, the held requests, the worker registry and the in-flight table. The server
-        reads it before each message; unchanged after a fault, it shows that the message
-        changed no state."""
+        """Writes so far to the state a request's one answer depends on (the door's, a
+        claim's or CANCEL's, the book's, the held requests', the registry's, the
+        in-flight table's). Unchanged after a fault, it shows that the message changed no
+        state (the server reads it before each message)."""
         return (
             self.intake.writes
+            + self.resends.changes
             + self.book.changes
             + self.holding.changes
             + self.registry.changes
@@ -272,13 +326,14 @@ class BrokerCore:
         and, if registered, lost (its batches go back to the queues), so that it
         registers afresh."""
         if side is Side.FRONTEND:
-            answer = self.replies.internal_error(ClientId(identity), frames or ())
+            answer = replies.internal_error(self.stats, ClientId(identity), frames or ())
             return [] if answer is None else [answer]
         out: list[Outgoing] = []
         reason = "the broker failed to handle its message (a bug, logged)"
         worker = self.registry.get(WorkerId(identity))
         if worker is not None:
             self.workers.lose_worker(now, worker, reason, out)
+            self._mark_changed()
         out.append(disconnect(WorkerId(identity), reason))
         return out
 
@@ -291,6 +346,7 @@ class BrokerCore:
         worker = self.registry.get(WorkerId(identity))
         if worker is not None:
             self.workers.lose_worker(now, worker, "unreachable", out)
+            self._mark_changed()
         return out
 
     # ------------------------------------------------------------------ time
@@ -305,9 +361,11 @@ class BrokerCore:
         event_s = self.registry.next_event_s()
         if event_s is not None and event_s <= now:
             self.workers.on_heartbeats_due(now, out)
+            self._mark_changed()
         due_s = self.inflight.next_due_s()
         if due_s is not None and due_s <= now:
             self.workers.on_watchdog(now, out)
+            self._mark_changed()
         # What waited behind an expired request (now the fleet is known), and the queues
         # whose wake-up has come, pumped with the turn's other work, most urgent first.
         wake_s = dispatcher.wake_s
@@ -340,15 +398,12 @@ class BrokerCore:
             for key in backlog.forget_model(name):
                 self.dispatcher.forget(key)
             self.stats.forget(name)
-            self.request_decoder.forget_model(name)
+            self.layouts.forget_model(name)
             forgotten.append(name)
         if forgotten:
-            logger.info(
-                "forgot %d models no worker served for %.0f s: %s",
-                len(forgotten),
-                config.forget_unserved_s,
-                ",".join(forgotten[:8]) + (",..." if len(forgotten) > 8 else ""),
-            )
+            names = ",".join(forgotten[:8]) + (",..." if len(forgotten) > 8 else "")
+            line = "forgot %d models no worker served for %.0f s: %s"
+            logger.info(line, len(forgotten), config.forget_unserved_s, names)
         return forgotten
 
     def next_wakeup(self, now: float) -> float | None:
@@ -383,17 +438,5 @@ class BrokerCore:
         names = {*registry.specs, *self.config.models}
         batching = self.fleet.batching_for
         models = model_table(stats, registry, names, backlog.queued_samples, batching, now)
-        return snapshot(
-            stats,
-            registry,
-            backlog.queued,
-            backlog.queued_bytes,
-            len(self.inflight),
-            self.worker_transport,
-            models,
-        )
-
-
-def _zeromq(wid: bytes) -> str:
-    """A core without a server: every worker is taken for a ZeroMQ peer."""
-    return "zeromq"
+        counts = (backlog.queued, backlog.queued_bytes, len(self.inflight))
+        return snapshot(stats, registry, *counts, self.worker_transport, models)

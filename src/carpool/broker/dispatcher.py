@@ -23,7 +23,7 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
-from carpool.broker.replies import Outgoing, Replies, ToWorker
+from carpool.broker.replies import Outgoing, ToWorker, request_error
 from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
@@ -43,7 +43,6 @@ class Dispatcher:
     backlog: Backlog
     inflight: InflightTable
     fleet: FleetModel
-    replies: Replies
     stats: BrokerStats
     registry: WorkerRegistry
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
@@ -108,7 +107,7 @@ class Dispatcher:
         for req in self.backlog.shed(queue, now + lead_s):
             self.stats.shed += 1
             msg = "deadline cannot be met: predicted completion lies past it"
-            out.append(self.replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
+            out.append(request_error(self.stats, req, ErrorCode.DEADLINE_EXCEEDED, msg))
         nxt = queue.earliest_deadline()
         if nxt is None:
             return None
@@ -242,9 +241,9 @@ class Dispatcher:
         self.book.move(req, _FAILED)
         if backlog.stopping and code is ErrorCode.UNAVAILABLE:
             hint = None if now is None else backlog.retry_after_ms(now)
-            out.append(self.replies.request_error(req, code, message, retry=True, hint=hint))
+            out.append(request_error(self.stats, req, code, message, retry=True, hint=hint))
         else:
-            out.append(self.replies.request_error(req, code, message))
+            out.append(request_error(self.stats, req, code, message))
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]
@@ -260,7 +259,7 @@ class Dispatcher:
                 if req.deadline_s < done_s:
                     self.book.move(req, _EXPIRED)
                     self.stats.shed += 1
-                    out.append(self.replies.request_error(req, ErrorCode.DEADLINE_EXCEEDED, msg))
+                    out.append(request_error(self.stats, req, ErrorCode.DEADLINE_EXCEEDED, msg))
         return keep
 
     def _dispatch(
@@ -340,5 +339,5 @@ class Dispatcher:
                 retry = queued and self.backlog.stopping  # (it did not run)
             self.book.move(req, _EXPIRED)
             hint = self.backlog.retry_after_ms(now) if retry else None
-            out.append(self.replies.request_error(req, code, msg, retry=retry, hint=hint))
+            out.append(request_error(self.stats, req, code, msg, retry=retry, hint=hint))
         return touched

@@ -29,13 +29,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
-from carpool.broker.replies import Outgoing, Replies
-from carpool.broker.requests import ClientId, Origin, Received, count_in, count_out
+from carpool.broker.replies import Outgoing, error
+from carpool.broker.requests import ClientId, Origin, count_in, count_out
+from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
+from carpool.common.protocol import Request
 
 #: A held request is answered this long before its deadline, so that its client still
 #: has time to act on the UNAVAILABLE (retry elsewhere, or report); a request with less
@@ -48,7 +51,8 @@ class HeldRequest:
     """A request waiting for its model's first READY (decoded, not yet validated)."""
 
     seq: int  # arrival order
-    received: Received
+    client: ClientId  # where its answer goes (a copy sent again moves it)
+    request: Request[Any]
     nbytes: int  # payload bytes, counted against the queue limits
     deadline_s: float  # receipt plus its budget, on the broker's clock
     expires_s: float  # when it is answered UNAVAILABLE unless released first
@@ -59,10 +63,10 @@ class HeldRequest:
 class HeldRequests:
     """The requests held at the door; see the module docstring."""
 
-    def __init__(self, config: BrokerConfig, backlog: Backlog, replies: Replies) -> None:
+    def __init__(self, config: BrokerConfig, backlog: Backlog, stats: BrokerStats) -> None:
         self._config = config
         self._backlog = backlog
-        self._replies = replies
+        self._stats = stats
         #: The model names whose requests may be held.
         self.names: frozenset[str] = frozenset(config.models)
         #: The end of the grace window (the core sets it from when the broker started).
@@ -82,23 +86,22 @@ class HeldRequests:
         """Hold requests for ``names`` too, besides the configuration's models."""
         self.names = frozenset(self._config.models) | frozenset(names)
 
-    def hold(self, now: float, received: Received, origin: Origin | None = None) -> bool:
+    def hold(
+        self, now: float, client: ClientId, request: Request[Any], origin: Origin | None = None
+    ) -> bool:
         """Hold a request for a model with no spec, if it is expected, the grace window
         and the request's budget leave time, and the limits allow. False: not held (the
         caller answers it). ``origin``: the request's, when it carries a nonce."""
-        submit, client = received.submit, received.client
-        if submit.model not in self.names or now >= self.until_s or self._backlog.stopping:
+        if request.model not in self.names or now >= self.until_s or self._backlog.stopping:
             return False
         config = self._config
-        timeout_ms = submit.timeout_ms
+        timeout_ms = request.timeout_ms
         budget_s = timeout_ms / 1000.0 if timeout_ms is not None else config.default_timeout_s
         deadline_s = now + budget_s
         expires_s = min(deadline_s - HOLD_LEAD_S, self.until_s)
         if expires_s <= now:
             return False
-        nbytes = 0
-        for frame in received.payloads:
-            nbytes += len(frame)
+        nbytes = request.nbytes
         backlog = self._backlog
         if (
             self.count + backlog.queued >= config.max_queued
@@ -113,8 +116,8 @@ class HeldRequests:
             return False
         self._seq += 1
         self.changes += 1
-        entry = HeldRequest(self._seq, received, nbytes, deadline_s, expires_s, origin)
-        self._by_model.setdefault(submit.model, {})[entry.seq] = entry
+        entry = HeldRequest(self._seq, client, request, nbytes, deadline_s, expires_s, origin)
+        self._by_model.setdefault(request.model, {})[entry.seq] = entry
         if origin is not None:
             self.by_origin[origin] = entry
         heapq.heappush(self._expiries, (expires_s, entry.seq, entry))
@@ -127,11 +130,12 @@ class HeldRequests:
         """A copy of a held request came by another connection (``client``): its answer
         goes there, and its share of the per-client limits moves there with it."""
         self.changes += 1
-        old = entry.received.client
+        old = entry.client
         if old != client:
             count_out(self._per_client, old, entry.nbytes)
             count_in(self._per_client, client, entry.nbytes)
-        entry.received = replace(entry.received, client=client, delimited=delimited)
+        entry.client = client
+        entry.request.delimited = delimited
 
     def cancel(self, origin: Origin, out: list[Outgoing]) -> bool:
         """Drop the held request of ``origin``, if there is one, and answer it CANCELLED
@@ -139,20 +143,21 @@ class HeldRequests:
         entry = self.by_origin.get(origin)
         if entry is None:
             return False
-        model = entry.received.submit.model
+        model = entry.request.model
         entries = self._by_model[model]
         del entries[entry.seq]
         if not entries:
             del self._by_model[model]
         self._leave(entry)
         self._settle()
-        r = entry.received
+        r = entry.request
         message = "cancelled by its client before a worker registered the model"
         out.append(
-            self._replies.error(
-                r.client,
+            error(
+                self._stats,
+                entry.client,
                 r.delimited,
-                r.submit.request_id,
+                r.request_id,
                 ErrorCode.CANCELLED,
                 message,
                 simple=r.simple,
@@ -184,11 +189,12 @@ class HeldRequests:
             entry = heapq.heappop(expiries)[2]
             if entry.gone:
                 continue
-            del self._by_model[entry.received.submit.model][entry.seq]
+            model = entry.request.model
+            del self._by_model[model][entry.seq]
             self._leave(entry)
             started_s = self.until_s - self._config.register_grace_s
             msg = (
-                f"no worker has registered model {entry.received.submit.model!r} yet; the broker "
+                f"no worker has registered model {model!r} yet; the broker "
                 f"started {now - started_s:.1f} s ago"
             )
             out.append(self._answer(entry, msg))
@@ -213,12 +219,13 @@ class HeldRequests:
     def _answer(
         self, entry: HeldRequest, message: str, *, retry: bool = False, hint: int | None = None
     ) -> Outgoing:
-        r = entry.received
+        r = entry.request
         code = ErrorCode.UNAVAILABLE
-        return self._replies.error(
-            r.client,
+        return error(
+            self._stats,
+            entry.client,
             r.delimited,
-            r.submit.request_id,
+            r.request_id,
             code,
             message,
             simple=r.simple,
@@ -231,7 +238,7 @@ class HeldRequests:
         entry.gone = True
         self.count -= 1
         self.nbytes -= entry.nbytes
-        count_out(self._per_client, entry.received.client, entry.nbytes)
+        count_out(self._per_client, entry.client, entry.nbytes)
         if entry.origin is not None:
             del self.by_origin[entry.origin]
 

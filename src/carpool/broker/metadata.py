@@ -11,21 +11,18 @@ one by name is answered NOT_FOUND, as one for a name the broker never heard of.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 from carpool.broker.limits import hull
 from carpool.broker.registry import WorkerRegistry
-from carpool.broker.replies import Replies, ToClient
+from carpool.broker.replies import ToClient, error, to_client
 from carpool.broker.requests import ClientId
+from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
-    Frame,
     MetadataRequest,
     ModelMetadata,
     WorkerLimits,
-    decode_meta,
     metadata_reply_frames,
-    view,
 )
 
 __all__ = ["answer", "describe"]
@@ -64,23 +61,13 @@ def describe(registry: WorkerRegistry, request: MetadataRequest) -> list[ModelMe
 
 
 def answer(
-    registry: WorkerRegistry,
-    replies: Replies,
-    client: ClientId,
-    delimited: bool,
-    frames: Sequence[Frame],
+    registry: WorkerRegistry, stats: BrokerStats, client: ClientId, request: MetadataRequest
 ) -> ToClient:
-    """The one answer to a METADATA message (its header already read): the models, or
-    NOT_FOUND for a model no live worker serves.
-
-    Raises:
-        ProtocolError: the meta frame is unreadable (the caller answers INVALID_ARGUMENT).
-    """
-    request = MetadataRequest()
-    if len(frames) > 1:
-        request = MetadataRequest.from_wire(decode_meta(view(frames[1])))
+    """The one answer to a METADATA request: the models, or NOT_FOUND for a model no
+    live worker serves."""
+    delimited = request.delimited
     models = describe(registry, request)
     if models is None:
         msg = f"model {request.model!r} is not served by any worker"
-        return replies.error(client, delimited, request.request_id, ErrorCode.NOT_FOUND, msg)
-    return replies.to_client(client, delimited, metadata_reply_frames(request.request_id, models))
+        return error(stats, client, delimited, request.request_id, ErrorCode.NOT_FOUND, msg)
+    return to_client(client, delimited, metadata_reply_frames(request.request_id, models))

@@ -9,21 +9,24 @@ answers, and one that does not sends no WATCHDOG=1 (``carpool.common.supervision
 
 from __future__ import annotations
 
-from carpool.broker.server import BrokerServer
+from carpool.broker.core import BrokerCore
+from carpool.common.clock import Clock
 from carpool.common.sdnotify import SdNotifier
 from carpool.common.supervision import LoopWatch
 
 
 class BrokerStatus:
-    """The STATUS= line of ``server``; each call's rate covers the time since the last."""
+    """The STATUS= line of the broker ``core`` (on the server's ``clock``); each call's
+    rate covers the time since the last."""
 
-    def __init__(self, server: BrokerServer) -> None:
-        self._server = server
-        self._last = (server.clock.now(), server.core.stats.requests)
+    def __init__(self, core: BrokerCore, clock: Clock) -> None:
+        self._core = core
+        self._clock = clock
+        self._last = (clock.now(), core.stats.requests)
 
     def __call__(self) -> str:
-        core = self._server.core
-        now, requests = self._server.clock.now(), core.stats.requests
+        core = self._core
+        now, requests = self._clock.now(), core.stats.requests
         then, before = self._last
         self._last = (now, requests)
         rate = (requests - before) / (now - then) if now > then else 0.0
@@ -34,6 +37,6 @@ class BrokerStatus:
         )
 
 
-def broker_watch(server: BrokerServer, notifier: SdNotifier) -> LoopWatch:
-    """The LoopWatch for ``server``'s loop (``BrokerServer.serve(watch)``)."""
-    return LoopWatch(notifier, BrokerStatus(server))
+def broker_watch(core: BrokerCore, clock: Clock, notifier: SdNotifier) -> LoopWatch:
+    """The LoopWatch for the loop of the server of ``core`` (``BrokerServer.serve(watch)``)."""
+    return LoopWatch(notifier, BrokerStatus(core, clock))

@@ -26,9 +26,9 @@ from enum import Enum
 from typing import NewType
 
 from carpool.broker.adaptive import BatchSizeController
-from carpool.broker.batcher import RequestKey
 from carpool.broker.latency import CostEstimate, LatencyModel
 from carpool.broker.limits import violation
+from carpool.broker.requests import RequestKey
 from carpool.common.protocol import ModelSpec, Ready, Telemetry
 
 WorkerId = NewType("WorkerId", bytes)

@@ -3,10 +3,10 @@
 Pure: the core's events return lists of :data:`Outgoing`: :class:`ToClient` (a client's
 id and the frames for it) or :class:`ToWorker` (a worker's id and a typed message, which
 its transport encodes, or hands as is to a worker in this process); the server sends
-them. Error replies are counted in the stats and carry OVERLOADED's retry hint, the
-fleet's drain time of what waits ahead; the callers say which UNAVAILABLE carries
-``retry`` (one for a request that did not run, from the moment the broker is told to
-stop: protocol.md §6.3, §11).
+them. Error replies are counted in the stats (each function here takes them); the
+callers give OVERLOADED's retry hint and say which UNAVAILABLE carries ``retry`` (one
+for a request that did not run, from the moment the broker is told to stop: protocol.md
+§6.3, §11).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, Protocol
 
-from carpool.broker.backlog import Backlog
-from carpool.broker.fleet import FleetModel
 from carpool.broker.registry import WorkerId
 from carpool.broker.requests import ClientId, PendingRequest
 from carpool.broker.stats import BrokerStats
@@ -29,16 +27,13 @@ from carpool.common.protocol import (
     HEARTBEAT_TO_WORKER,
     MAX_TIMEOUT_MS,
     BrokerDisconnect,
-    Command,
+    Cancel,
     ErrorReply,
     Frame,
     FromBroker,
-    decode_meta,
+    Request,
+    decode_from_client,
     encode_error,
-    is_simple_form,
-    parse_header,
-    request_id_of,
-    view,
 )
 
 logger = logging.getLogger(__name__)
@@ -83,6 +78,26 @@ class ToWorker:
 Outgoing = ToClient | ToWorker
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request not let in: answered with an error now (:func:`refusal`)."""
+
+    code: ErrorCode
+    message: str
+    retry_after_ms: int | None = None
+    # It counts as an arrival of the model's traffic (it was refused for the queue or
+    # its deadline, not for the broker stopping or a batch it can never fit).
+    arrival: bool = True
+    shed: bool = False  # refused as hopeless (counted with the requests shed)
+    retry: bool = False  # the broker is stopping: the request may be sent again (§6.3)
+    # Counted among its model's refusals (STATS): the door's verdicts, not the checks
+    # against a model (whose name may be any a client chose).
+    counted: bool = True
+    # Its model is expected back (just after a start): the request waits at the door if
+    # the holding area takes it, else this is its answer.
+    hold: bool = False
+
+
 def retry_after_ms(drain_s: float) -> int:
     """OVERLOADED's hint: the queue's drain time, in 1 ms..MAX_TIMEOUT_MS (a fitted cost
     can be anything a worker reported; the hint must stay a small integer)."""
@@ -101,83 +116,93 @@ def heartbeat(wid: WorkerId) -> ToWorker:
     return ToWorker(wid, HEARTBEAT_TO_WORKER)
 
 
-class Replies:
-    """Replies to clients: results' envelopes and counted error replies."""
+def to_client(client: ClientId, delimited: bool, frames: Sequence[Any]) -> ToClient:
+    """A reply to ``client``, after an empty delimiter frame when its message had one."""
+    return ToClient(client, [b"", *frames] if delimited else list(frames))
 
-    def __init__(self, stats: BrokerStats, backlog: Backlog, fleet: FleetModel) -> None:
-        self.stats = stats
-        self._backlog = backlog
-        self._fleet = fleet
 
-    def to_client(self, client: ClientId, delimited: bool, frames: Sequence[Any]) -> ToClient:
-        return ToClient(client, [b"", *frames] if delimited else list(frames))
+def error(
+    stats: BrokerStats,
+    client: ClientId,
+    delimited: bool,
+    request_id: int | None,
+    code: ErrorCode,
+    message: str,
+    *,
+    simple: bool = False,
+    retry_after_ms: int | None = None,
+    retry: bool = False,
+) -> ToClient:
+    """An error reply, counted in ``stats`` (STATS ``errors``)."""
+    stats.errors[code.name] += 1
+    logger.debug("error id=%s code=%s: %s", request_id, code.name, message)
+    reply = ErrorReply(request_id, code, message, retry_after_ms, retry)
+    return to_client(client, delimited, encode_error(reply, simple=simple))
 
-    def error(
-        self,
-        client: ClientId,
-        delimited: bool,
-        request_id: int | None,
-        code: ErrorCode,
-        message: str,
-        *,
-        simple: bool = False,
-        retry_after_ms: int | None = None,
-        retry: bool = False,
-    ) -> ToClient:
-        self.stats.errors[code.name] += 1
-        logger.debug("error id=%s code=%s: %s", request_id, code.name, message)
-        reply = ErrorReply(request_id, code, message, retry_after_ms, retry)
-        return self.to_client(client, delimited, encode_error(reply, simple=simple))
 
-    def internal_error(self, client: ClientId, frames: Sequence[Frame]) -> ToClient | None:
-        """INTERNAL, in the form of the client message ``frames`` (framed or simple,
-        after an empty delimiter or not), naming its id when it can be read: the answer
-        to a message whose handling raised inside the core before it changed any state
-        (``BrokerCore.on_fault``). None for a CANCEL, which is never answered (its id is
-        the cancelled request's, whose own answer is still to come)."""
-        delimited = simple = False
-        rid: int | None = None
-        # Each step may fail on the message that made the core fail: what could be read
-        # is answered.
-        with contextlib.suppress(Exception):
-            delimited = len(frames) > 1 and len(frames[0]) == 0
-            if delimited:
-                frames = frames[1:]
-            simple = len(frames) == 1 and is_simple_form(view(frames[0]))
-            if simple:
-                rid = request_id_of(decode_meta(view(frames[0])))
-            elif len(frames) > 1:
-                if parse_header(view(frames[0])) is Command.CANCEL:
-                    return None
-                rid = request_id_of(decode_meta(view(frames[1])))
-        message = (
-            "the broker failed to handle the message (a bug of the broker's, logged); it "
-            "changed nothing there, and may be sent again"
-        )
-        return self.error(client, delimited, rid, ErrorCode.INTERNAL, message, simple=simple)
+def internal_error(
+    stats: BrokerStats, client: ClientId, frames: Sequence[Frame]
+) -> ToClient | None:
+    """INTERNAL, in the form of the client message ``frames`` (framed or simple, after
+    an empty delimiter or not), naming its id when it can be read: the answer to a
+    message whose handling raised inside the core before it changed any state
+    (``BrokerCore.on_fault``). None for a CANCEL, which is never answered (its id is the
+    cancelled request's, whose own answer is still to come)."""
+    msg: Any = None
+    # The message made the core fail: what can be read of it is answered.
+    with contextlib.suppress(Exception):
+        msg = decode_from_client(frames)
+    if type(msg) is Cancel:
+        return None
+    rid = getattr(msg, "request_id", None)
+    delimited = getattr(msg, "delimited", False)
+    simple = getattr(msg, "simple", False)
+    message = (
+        "the broker failed to handle the message (a bug of the broker's, logged); it "
+        "changed nothing there, and may be sent again"
+    )
+    return error(stats, client, delimited, rid, ErrorCode.INTERNAL, message, simple=simple)
 
-    def request_error(
-        self,
-        req: PendingRequest,
-        code: ErrorCode,
-        message: str,
-        *,
-        retry: bool = False,
-        hint: int | None = None,
-    ) -> ToClient:
-        """The error answer of a request the broker held; ``hint``: its
-        ``retry_after_ms`` (an OVERLOADED gets the queue's drain time)."""
-        self.stats.failed(req.model, code.name)
-        if code is ErrorCode.OVERLOADED:  # (a worker's FAILED: §12 wants a hint with it)
-            ahead = self._backlog.samples_ahead(req.model, int(req.priority)) + req.samples
-            hint = retry_after_ms(self._fleet.drain_time_s(req.model, req.key, ahead) or 0.05)
-        return self.error(
-            req.client,
-            req.delimited,
-            req.request_id,
-            code,
-            message,
-            simple=req.simple,
-            retry_after_ms=hint,
-            retry=retry,
-        )
+
+def refusal(
+    stats: BrokerStats, client: ClientId, request: Request[Any], refused: Refused
+) -> ToClient:
+    """The error answer of a request the door refused, counted in ``stats``."""
+    if refused.counted:
+        stats.refused(request.model, refused.code.name, refused.shed)
+    return error(
+        stats,
+        client,
+        request.delimited,
+        request.request_id,
+        refused.code,
+        refused.message,
+        simple=request.simple,
+        retry_after_ms=refused.retry_after_ms,
+        retry=refused.retry,
+    )
+
+
+def request_error(
+    stats: BrokerStats,
+    req: PendingRequest,
+    code: ErrorCode,
+    message: str,
+    *,
+    retry: bool = False,
+    hint: int | None = None,
+) -> ToClient:
+    """The error answer of a request the broker held, counted per model in ``stats``;
+    ``hint``: its ``retry_after_ms``."""
+    stats.failed(req.model, code.name)
+    return error(
+        stats,
+        req.client,
+        req.delimited,
+        req.request_id,
+        code,
+        message,
+        simple=req.simple,
+        retry_after_ms=hint,
+        retry=retry,
+    )

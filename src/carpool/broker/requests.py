@@ -40,27 +40,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar, NewType
 
-from carpool.common.protocol import Frame, Priority, ShmRef, Submit
+from carpool.common.protocol import Frame, Priority, ShmRef
 
 ClientId = NewType("ClientId", bytes)
 #: Who sent a request, as a copy of it is known by: (origin, request id), where the origin
 #: is the client's nonce (REQUEST ``client``), after its authenticated key under CURVE.
 Origin = tuple[bytes, int]
 RequestKey = tuple[str, tuple[tuple[str, str, tuple[int, ...]], ...]]
-
-
-@dataclass(slots=True)
-class Received:
-    """A request as it came in at the door: decoded, not yet validated against a model
-    (admission does that; a request held for a model not yet registered waits so). Not
-    frozen: one is made per request, and a frozen dataclass's ``__init__`` costs several
-    times a plain one's; nothing changes one after it is made."""
-
-    client: ClientId
-    delimited: bool  # it came from a REQ socket (answered after an empty frame)
-    submit: Submit
-    payloads: Sequence[Frame]
-    simple: bool  # it came in the simple form (answered in it)
 
 
 class RequestState(Enum):

@@ -26,15 +26,14 @@ matches nothing (docs/security.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from carpool.broker.backlog import Backlog
-from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.holding import HeldRequests
-from carpool.broker.replies import Outgoing, Replies
-from carpool.broker.requests import ClientId, Origin, RequestBook, RequestState
+from carpool.broker.replies import Outgoing, error
+from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook, RequestState
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Cancel
+from carpool.common.protocol import Cancel, Request
 
 _QUEUED = RequestState.QUEUED
 
@@ -42,22 +41,13 @@ _QUEUED = RequestState.QUEUED
 class Resends:
     """Copies of requests and CANCELs; see the module docstring."""
 
-    def __init__(
-        self,
-        book: RequestBook,
-        holding: HeldRequests,
-        backlog: Backlog,
-        dispatcher: Dispatcher,
-        replies: Replies,
-        stats: BrokerStats,
-    ) -> None:
+    def __init__(self, book: RequestBook, holding: HeldRequests, stats: BrokerStats) -> None:
         self._by_origin = book.by_origin
         self._book = book
         self._holding = holding
-        self._backlog = backlog
-        self._dispatcher = dispatcher
-        self._replies = replies
         self._stats = stats
+        #: Claims and CANCELs that went past their checks (the core's ``changes``).
+        self.changes = 0
         #: The authenticated key a client id starts with (the server sets it under
         #: CURVE); None: no keys, a request's origin is its nonce alone.
         self.key_of: Callable[[bytes], bytes] | None = None
@@ -67,16 +57,16 @@ class Resends:
         key_of = self.key_of
         return (nonce if key_of is None else key_of(client) + nonce, request_id)
 
-    def claim(
-        self, client: ClientId, delimited: bool, nonce: bytes, request_id: int, model: str
-    ) -> Origin | list[Outgoing]:
-        """A REQUEST with ``nonce`` and ``request_id`` for ``model`` came from ``client``:
-        its (origin, id) when it is no copy of a request held (the caller admits it with
-        that origin), else what to send: nothing (the held request answers on
-        ``client``'s connection) or, for a copy that names another model, its
-        INVALID_ARGUMENT. (One call: it runs for every request sent with a nonce.)"""
-        key_of = self.key_of
-        origin = (nonce if key_of is None else key_of(client) + nonce, request_id)
+    def claim(self, client: ClientId, request: Request[Any]) -> Origin | list[Outgoing]:
+        """``request``, sent with its client's nonce, came from ``client``: its (origin,
+        id) when it is no copy of a request held (the caller admits it with that origin),
+        else what to send: nothing (the held request answers on ``client``'s connection)
+        or, for a copy that names another model, its INVALID_ARGUMENT. (One call: it runs
+        for every request sent with a nonce.)"""
+        self.changes += 1  # (from here on the message may change state)
+        key_of, nonce, delimited = self.key_of, request.nonce, request.delimited
+        assert nonce is not None
+        origin = (nonce if key_of is None else key_of(client) + nonce, request.request_id)
         req = self._by_origin.get(origin)
         holding = self._holding
         entry = None
@@ -86,16 +76,16 @@ class Resends:
             entry = holding.by_origin.get(origin)
             if entry is None:
                 return origin
-            held_model = entry.received.submit.model
+            held_model = entry.request.model
         else:
             held_model = req.model
-        if held_model != model:
+        if held_model != request.model:
             msg = (
                 f"request {origin[1]} of this client is at the broker for model "
                 f"{held_model!r}; a request sent again must name the same model"
             )
             code = ErrorCode.INVALID_ARGUMENT
-            return [self._replies.error(client, delimited, origin[1], code, msg)]
+            return [error(self._stats, client, delimited, origin[1], code, msg)]
         if req is not None:
             self._book.redirect(req, client, delimited)
         else:
@@ -104,18 +94,20 @@ class Resends:
         self._stats.resent += 1
         return []
 
-    def cancel(self, client: ClientId, cancel: Cancel) -> list[Outgoing]:
-        """A valid CANCEL from ``client``: drop the request it names if that is held at
-        the door or queued (its answer: CANCELLED); nothing else changes."""
-        out: list[Outgoing] = []
+    def cancel(
+        self, client: ClientId, cancel: Cancel, out: list[Outgoing]
+    ) -> PendingRequest | None:
+        """A valid CANCEL from ``client``: a request it names that is held at the door is
+        dropped and answered CANCELLED (into ``out``); one that is queued is returned,
+        for the caller to take out of its queue and answer CANCELLED; nothing else
+        changes."""
+        self.changes += 1
         origin = self.origin(client, cancel.client, cancel.request_id)
         req = self._by_origin.get(origin)
         if req is not None:
             if req.state is _QUEUED:
-                msg = "cancelled by its client before it reached a worker"
-                queue = self._backlog.queues[req.key]
-                self._dispatcher.answer_queued(queue, req, ErrorCode.CANCELLED, msg, out)
                 self._stats.cancelled += 1
+                return req
         elif self._holding.cancel(origin, out):
             self._stats.cancelled += 1
-        return out
+        return None

@@ -79,7 +79,7 @@ class BrokerServer:
         if record:
             self.core.expect(recorded_models(record))
             self._trace = TraceWriter.for_clock(record, self.clock)
-            self.core.recording = []
+            self.core.intake.recording = []
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._stopping = False
@@ -152,7 +152,7 @@ class BrokerServer:
         if auth is not None:
             self.core.stats_gate = auth.is_operator
             # A request's origin (resends, CANCEL) is bound to its key, not its nonce alone.
-            self.core.authenticated_key = auth.key_of
+            self.core.resends.key_of = auth.key_of
         self.backend = backend
         self.core.worker_transport = lambda wid: self._route(wid).label
         self.poller.register(self._wake.fd, zmq.POLLIN)
@@ -270,9 +270,9 @@ class BrokerServer:
             transport.after_turn(now)
         if self.metrics is not None:
             self.metrics.on_turn(now)
-        if self._trace is not None and self.core.recording:
-            self._trace.write(self.core.recording)
-            self.core.recording.clear()
+        if self._trace is not None and self.core.intake.recording:
+            self._trace.write(self.core.intake.recording)
+            self.core.intake.recording.clear()
         return handled
 
     def _drain_clients(self, limit: int | None = BURST) -> int:

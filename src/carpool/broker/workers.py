@@ -21,10 +21,15 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.intake import ClientIntake
-from carpool.broker.pumps import Pumps
 from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
-from carpool.broker.replies import Outgoing, Replies, ToClient, disconnect, heartbeat
+from carpool.broker.replies import (
+    Outgoing,
+    ToClient,
+    disconnect,
+    heartbeat,
+    request_error,
+    retry_after_ms,
+)
 from carpool.broker.requests import RequestBook, RequestState
 from carpool.broker.stats import BrokerStats, batch_log, batch_record
 from carpool.common.errors import ErrorCode, ProtocolError
@@ -34,6 +39,7 @@ from carpool.common.protocol import (
     Command,
     FailedMeta,
     Frame,
+    ModelSpec,
     Ready,
     ResultMeta,
 )
@@ -66,9 +72,11 @@ class WorkerEvents:
     backlog: Backlog
     inflight: InflightTable
     fleet: FleetModel
-    pumps: Pumps
-    replies: Replies
-    intake: ClientIntake
+    # Follow-ups for the core, which takes them after each call (they are marked for
+    # the pumps at the end of the turn): the models a worker of which freed a slot, and
+    # those whose workers changed (one joined, left, or changed health).
+    freed_models: set[str] = field(init=False, default_factory=set)
+    changed_models: set[str] = field(init=False, default_factory=set)
     # Lines a peer on the worker socket can cause, each kind rate-limited apart.
     _log_protocol: RateLimitedLog = field(init=False, default_factory=_peer_log)
     _log_refused: RateLimitedLog = field(init=False, default_factory=_peer_log)
@@ -101,8 +109,7 @@ class WorkerEvents:
         out: list[Outgoing] = []
         try:
             if isinstance(msg, msgs.WorkerReady):
-                self._on_ready(now, wid, msg.ready, out)
-                return out
+                raise ProtocolError("READY goes to on_ready")  # (the core routes it there)
             if isinstance(msg, msgs.WorkerMalformed) and msg.command is None:
                 raise ProtocolError(msg.error)  # whoever sent it
             worker = self.registry.touch(now, wid)
@@ -141,7 +148,14 @@ class WorkerEvents:
             out.append(disconnect(wid, f"protocol error: {exc}"))
         return out
 
-    def _on_ready(self, now: float, wid: WorkerId, ready: Ready, out: list[Outgoing]) -> None:
+    def on_ready(
+        self, now: float, wid: WorkerId, ready: Ready, out: list[Outgoing]
+    ) -> list[ModelSpec] | None:
+        """A worker's READY: register it (a second READY ends the first registration),
+        or refuse it with DISCONNECT (then None). Returns the registered specs its
+        models replaced (a model no live worker served, back with another spec): the
+        caller answers the queued requests they no longer fit, and lets in the requests
+        held for its models."""
         old = self.registry.get(wid)
         if old is not None:
             # A second READY on one connection: the old registration ends either way.
@@ -158,7 +172,7 @@ class WorkerEvents:
                 "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
-            return
+            return None
         if len(self.registry) >= self.config.max_workers:
             reason = (
                 f"this broker has its limit of {self.config.max_workers} workers registered "
@@ -168,7 +182,7 @@ class WorkerEvents:
                 "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
-            return
+            return None
         conflicts = self.registry.conflicts(ready)
         if conflicts:
             reason = f"model spec differs from the registered one for {', '.join(conflicts)}"
@@ -176,9 +190,8 @@ class WorkerEvents:
                 "worker peer=%s name=%s refused: %s", peer_tag(wid), ready.name, reason, now=now
             )
             out.append(disconnect(wid, reason))
-            return
-        for spec in self.registry.replaced(ready):
-            self.intake.respec(spec, ready.name, out)
+            return None
+        replaced = list(self.registry.replaced(ready))
         lanes = {
             m.name: self.fleet.lane(m.name, m.max_batch, m.preferred_batch) for m in ready.models
         }
@@ -195,9 +208,7 @@ class WorkerEvents:
             ",".join(limits) + (f",... ({len(names)} models)" if len(names) > 8 else ""),
             now=now,
         )
-        # Requests held at the door for these models (just after a start) go in first.
-        self.intake.release(now, names, out)
-        self.pumps.mark_models(names)
+        return replaced
 
     def _on_result(
         self,
@@ -246,7 +257,7 @@ class WorkerEvents:
             self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
             if result.padding is not None:
                 self.stats.padded(batch.key, batch.samples, result.padding)
-        self.pumps.mark_freed(worker.models)
+        self.freed_models.update(worker.models)
 
     def _on_failed(
         self, now: float, worker: WorkerState, failed: FailedMeta, out: list[Outgoing]
@@ -268,7 +279,7 @@ class WorkerEvents:
             now=now,
         )
         self.fail_batch(batch, failed.code, failed.message, out)
-        self.pumps.mark_freed(worker.models)
+        self.freed_models.update(worker.models)
 
     def _take_batch(
         self,
@@ -313,7 +324,7 @@ class WorkerEvents:
         self.registry.set_health(now, worker, Health.PROBATION)
         self.fleet.rates.clear()  # its share of the fleet's rate changed
         logger.info("worker on probation name=%s: %s", worker.name, why)
-        self.pumps.mark_models(worker.models)
+        self.changed_models.update(worker.models)
 
     def fail_batch(
         self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
@@ -321,7 +332,13 @@ class WorkerEvents:
         for req in batch.requests:
             if req.state is _DISPATCHED:
                 self.book.move(req, _FAILED)
-                out.append(self.replies.request_error(req, code, message))
+                hint = None
+                if code is ErrorCode.OVERLOADED:  # (§12 wants a hint with it)
+                    # The drain time of what waits ahead of it, and of itself.
+                    ahead = self.backlog.samples_ahead(req.model, int(req.priority)) + req.samples
+                    drain_s = self.fleet.drain_time_s(req.model, req.key, ahead)
+                    hint = retry_after_ms(drain_s or 0.05)
+                out.append(request_error(self.stats, req, code, message, hint=hint))
 
     def lose_worker(
         self, now: float, worker: WorkerState, reason: str, out: list[Outgoing]
@@ -382,5 +399,5 @@ class WorkerEvents:
                     self.stats.requeued += 1
                 else:
                     self.book.move(req, _FAILED)
-                    out.append(self.replies.request_error(req, ErrorCode.UNAVAILABLE, message))
-        self.pumps.mark_models(worker.models)
+                    out.append(request_error(self.stats, req, ErrorCode.UNAVAILABLE, message))
+        self.changed_models.update(worker.models)

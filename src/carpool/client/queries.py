@@ -12,10 +12,9 @@ from typing import Any
 
 from carpool.common.errors import RequestError
 from carpool.common.protocol import (
-    Command,
     MetadataRequest,
     ModelMetadata,
-    encode,
+    StatsQuery,
     parse_metadata_reply,
 )
 
@@ -38,7 +37,7 @@ class Queries:
         """A STATS request, awaited from now on: the reply that echoes the returned id is
         kept for :meth:`answer` until :meth:`forget`."""
         qid = self._ask()
-        return qid, encode(Command.STATS, {"id": qid})
+        return qid, StatsQuery(qid).to_frames()
 
     def metadata_request(self, model: str | None = None) -> tuple[int, list[Any]]:
         """A METADATA request for ``model`` (None: every model), awaited as STATS is."""

@@ -7,11 +7,10 @@ import dataclasses
 
 from carpool.broker.admission import (
     ADMITTED,
-    FULL_UNTIL_PUMPED,
     Admitted,
     Layout,
-    Refused,
     admit,
+    full,
 )
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import request_key
@@ -19,6 +18,7 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightTable
 from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.replies import Refused
 from carpool.broker.requests import ClientId, RequestBook, RequestKey
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import ModelSpec, Priority, Ready, TensorMeta
@@ -39,9 +39,8 @@ def ask(
     *,
     nbytes: int = 32,
     max_batch: int = 8,
-    pumpable: bool = False,
 ) -> Admitted | Refused:
-    return admit(LAYOUT, nbytes, 1.0, 0, max_batch, pumpable, *parts, client=CLIENT, now=0.0)
+    return admit(LAYOUT, nbytes, 1.0, 0, max_batch, *parts, client=CLIENT, now=0.0)
 
 
 def test_a_request_that_fits_is_admitted_and_nothing_changes() -> None:
@@ -71,10 +70,14 @@ def test_a_payload_larger_than_the_queue_is_invalid() -> None:
     assert (verdict.code, verdict.arrival) == (ErrorCode.INVALID_ARGUMENT, True)
 
 
-def test_a_full_queue_is_overloaded_with_a_hint_unless_a_pump_may_make_room() -> None:
-    parts = door(max_queued=1)
+def test_a_full_queue_is_overloaded_with_a_hint() -> None:
+    """Full by count, or by bytes: what the intake reads (``full``) before it forms the
+    turn's batches to make room, and the door's refusal when none was made."""
+    parts = door(max_queued=1, max_queued_mib=1)
+    assert not full(parts[0], parts[1], 1 << 20)
+    assert full(parts[0], parts[1], (1 << 20) + 1)
     parts[1].queued = 1
-    assert ask(parts, pumpable=True) is FULL_UNTIL_PUMPED
+    assert full(parts[0], parts[1], 0)
     verdict = ask(parts)
     assert isinstance(verdict, Refused)
     assert (verdict.code, verdict.retry_after_ms, verdict.shed) == (ErrorCode.OVERLOADED, 50, False)
@@ -126,7 +129,7 @@ def test_the_door_counts_other_shapes_queued_ahead_as_batches_of_their_own() -> 
     layout = Layout("m", _key(0), (1, 0), 1, None)
 
     def verdict(timeout_s: float, priority: Priority) -> Admitted | Refused:
-        return admit(layout, 4, timeout_s, priority, 8, False, *parts, client=CLIENT, now=0.0)
+        return admit(layout, 4, timeout_s, priority, 8, *parts, client=CLIENT, now=0.0)
 
     refused = verdict(0.6, Priority.INTERACTIVE)
     assert isinstance(refused, Refused)

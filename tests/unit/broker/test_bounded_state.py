@@ -156,7 +156,7 @@ def test_a_model_no_worker_serves_is_forgotten_after_the_window() -> None:
     assert core.backlog.queues == {}
     assert core.backlog.queued_samples == {}
     assert core.fleet.rates == {}
-    assert core.request_decoder.layouts == {}
+    assert core.layouts.layouts == {}
     (err,) = to_clients(b.request(T0 + 12, 4))
     assert err.code is ErrorCode.NOT_FOUND
     assert core.registry.specs == {}

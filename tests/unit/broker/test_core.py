@@ -620,6 +620,19 @@ def test_queue_admits_again_once_drained() -> None:
     assert b.core.queued == 1
 
 
+def test_a_full_queue_forms_the_turns_batches_before_the_door_answers() -> None:
+    """Two requests in one loop turn, room for one queued: the first's batch, which the
+    turn would form anyway, leaves before the door answers the second, which queues."""
+    b = Broker.make(max_batch=1, max_wait_s=0.0, max_queued=1)
+    b.ready(T0, W1, slots=1)
+    assert b.core.on_client(T0, C1, b.request_frames(1)) == []  # marked for the turn's end
+    out = [parse(o) for o in b.core.on_client(T0, C1, b.request_frames(2))]
+    assert [ids(m) for m in batches(out)] == [[1]]
+    assert to_clients(out) == []
+    assert b.core.queued == 1
+    assert b.request(T0, 3)[0].code is ErrorCode.OVERLOADED  # no batch this turn makes room
+
+
 # --------------------------------------------------------------------------- deadlines
 
 
@@ -1618,7 +1631,7 @@ def test_a_known_layout_answers_bad_requests_like_a_fresh_broker(changes: dict[s
         b.ready(T0, W1, SPEC2, slots=2)
     (first,) = batches(warm.client(T0, C2, raw_request(1)))  # caches the layout
     assert ids(first) == [1]
-    assert warm.core.request_decoder.layouts  # the fast path is armed
+    assert warm.core.layouts.layouts  # the layout is remembered
     frames = raw_request(**changes)
     assert answer(warm, frames) == answer(cold, frames)
 
@@ -1628,11 +1641,12 @@ def test_the_fast_path_reorders_inputs_into_spec_order(monkeypatch: pytest.Monke
     b.ready(T0, W1, SPEC2, slots=2)
     b.client(T0, C1, raw_request(1))  # the full path; the next two take the fast one
 
-    def no_full_decode(meta: Any) -> None:
+    def no_full_check(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a known layout took the full path")
 
-    monkeypatch.setattr("carpool.broker.intake.decode_submit", no_full_decode)
-    monkeypatch.setattr("carpool.common.protocol.request_decoder.decode_submit", no_full_decode)
+    # A known layout's descriptors and its checks against the model are not made again.
+    monkeypatch.setattr("carpool.common.protocol.from_client.tensor_list", no_full_check)
+    monkeypatch.setattr("carpool.broker.intake.layout_of", no_full_check)
     b.client(T0, C1, raw_request(2))
     a3 = np.full(3, 7, np.float32).tobytes()
     (msg,) = batches(b.client(T0, C1, raw_request(3, payloads=[b"\x05\x06", a3])))

@@ -43,7 +43,7 @@ def test_a_fault_before_any_write_leaves_the_count_and_is_answered_internal(
 ) -> None:
     b = Broker.make(max_batch=4)
     b.ready(T0, W1)
-    monkeypatch.setattr(b.core.intake.request_decoder, "decode", _fail)
+    monkeypatch.setattr("carpool.broker.intake.layout_of", _fail)
     mark = b.core.changes()
     frames = b.request_frames(7)
     with pytest.raises(RuntimeError, match="injected fault"):

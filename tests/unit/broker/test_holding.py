@@ -4,7 +4,8 @@ usual, in arrival order), their deadline nears, the window ends or the broker st
 gets exactly one reply. Names the broker does not expect are answered as before.
 
 BrokerCore driven with wire frames and an injected clock, with harness.py;
-the trace reading on files in ``tmp_path``.
+the trace reading on files in ``tmp_path``; at the end, HeldRequests built on its own
+from what it reads (the configuration, the backlog, the stats).
 """
 
 from __future__ import annotations
@@ -15,14 +16,27 @@ from typing import Any
 
 import pytest
 
-from carpool.broker.config import BatchingOverride
-from carpool.broker.holding import HOLD_LEAD_S
+from carpool.broker.backlog import Backlog
+from carpool.broker.config import BatchingOverride, BrokerConfig
+from carpool.broker.holding import HOLD_LEAD_S, HeldRequests
+from carpool.broker.replies import Outgoing
+from carpool.broker.requests import ClientId, RequestBook
+from carpool.broker.stats import BrokerStats
 from carpool.broker.trace import MAX_RECORDED_MODELS, recorded_models
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Command
+from carpool.common.protocol import (
+    Command,
+    Request,
+    Submit,
+    TensorMeta,
+    decode_from_client,
+    encode_request,
+)
 from tests.unit.broker.harness import (
     C1,
     C2,
+    C3,
+    F32,
     SPEC,
     T0,
     W1,
@@ -226,3 +240,61 @@ def test_the_trace_read_for_models_is_bounded(tmp_path: Path) -> None:
     got = recorded_models(str(trace))
     assert len(got) == MAX_RECORDED_MODELS
     assert got[0] == names[-1]
+
+
+# ---------------------------------------------------------------- HeldRequests on its own
+
+
+def _held(**config: Any) -> HeldRequests:
+    """The holding area of a broker that started at T0 and expects model "m"."""
+    cfg = BrokerConfig(models={"m": BatchingOverride()}, register_grace_s=GRACE_S, **config)
+    holding = HeldRequests(cfg, Backlog(RequestBook()), BrokerStats())
+    holding.until_s = T0 + GRACE_S
+    return holding
+
+
+def _request(rid: int, model: str = "m", nonce: bytes | None = None) -> Request[Any]:
+    submit = Submit(rid, model, 1000, (TensorMeta("x", F32, (1, 4)),), client=nonce)
+    msg = decode_from_client(encode_request(submit, [bytes(16)]))
+    assert isinstance(msg, Request)
+    return msg
+
+
+def test_an_expected_model_is_held_until_released_in_arrival_order() -> None:
+    holding = _held()
+    assert holding.hold(T0, ClientId(C1), _request(1))
+    assert holding.hold(T0, ClientId(C2), _request(2))
+    assert not holding.hold(T0, ClientId(C1), _request(3, model="other"))  # not expected
+    assert (holding.count, holding.nbytes) == (2, 32)
+    released = holding.release("m")
+    assert [(h.client, h.request.request_id) for h in released] == [(C1, 1), (C2, 2)]
+    assert (holding.count, holding.nbytes, holding.next_expiry_s()) == (0, 0, None)
+
+
+def test_a_held_request_is_answered_once_at_its_expiry_its_cancel_or_the_stop() -> None:
+    holding = _held()
+    nonce = bytes(range(16))
+    for rid in (1, 2, 3):
+        holding.hold(T0, ClientId(C1), _request(rid, nonce=nonce), (nonce, rid))
+    out: list[Outgoing] = []
+    assert holding.cancel((nonce, 2), out)
+    assert not holding.cancel((nonce, 2), out)
+    holding.on_tick(T0 + 1.0 - HOLD_LEAD_S, out)  # request 1's (and 3's) budget is spent
+    holding.stop(out, 7)
+    answers = [parse(o) for o in out]
+    assert [(m.rid, m.code) for m in answers] == [
+        (2, ErrorCode.CANCELLED),
+        (1, ErrorCode.UNAVAILABLE),
+        (3, ErrorCode.UNAVAILABLE),
+    ]
+    assert holding.count == 0
+    assert holding.by_origin == {}
+
+
+def test_the_holding_area_keeps_to_the_queue_limits() -> None:
+    holding = _held(max_queued=2, max_client_requests=1)
+    assert holding.hold(T0, ClientId(C1), _request(1))
+    assert not holding.hold(T0, ClientId(C1), _request(2))  # its client's share
+    assert holding.hold(T0, ClientId(C2), _request(3))
+    assert not holding.hold(T0, ClientId(C3), _request(4))  # the queue's
+    assert not holding.hold(T0 + GRACE_S, ClientId(C3), _request(5))  # the window ended

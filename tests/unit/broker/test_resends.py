@@ -5,18 +5,34 @@ does nothing else; under CURVE a request's origin is bound to its key. Every UNA
 for a request that did not run, once the broker is told to stop, carries ``retry``
 (§11).
 
-BrokerCore driven with wire frames and an injected clock, with harness.py.
+BrokerCore driven with wire frames and an injected clock, with harness.py; at the end,
+Resends built on its own from the state it reads (the book, the held requests, the stats).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from carpool.broker.config import BatchingOverride
-from carpool.broker.requests import ClientId
+from carpool.broker.backlog import Backlog
+from carpool.broker.config import BatchingOverride, BrokerConfig
+from carpool.broker.holding import HeldRequests
+from carpool.broker.replies import Outgoing
+from carpool.broker.requests import ClientId, RequestBook
+from carpool.broker.resends import Resends
+from carpool.broker.stats import BrokerStats
 from carpool.common import codec
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Cancel, Command, header
+from carpool.common.protocol import (
+    Cancel,
+    Command,
+    Request,
+    Submit,
+    TensorMeta,
+    decode_from_client,
+    encode_request,
+    header,
+)
 from tests.unit.broker.harness import (
     C1,
     C2,
@@ -30,6 +46,7 @@ from tests.unit.broker.harness import (
     parse,
     to_clients,
 )
+from tests.unit.broker.pending import pending_request
 
 NONCE = bytes(range(16))
 OTHER = bytes(range(1, 17))
@@ -187,7 +204,7 @@ def test_an_invalid_cancel_is_answered_invalid_argument() -> None:
 def test_under_curve_the_origin_is_bound_to_the_key() -> None:
     """The server sets the seam under CURVE: a client id starts with its key."""
     b = served()
-    b.core.authenticated_key = lambda client: client[:1]
+    b.core.resends.key_of = lambda client: client[:1]
     alice, alice_again, mallory = b"a-conn-1", b"a-conn-2", b"m-conn-1"
     (batch,) = batches(b.request(T0, 7, alice, nonce=NONCE))
     assert b.request(T0, 8, alice, nonce=NONCE) == []
@@ -219,3 +236,50 @@ def test_every_unavailable_of_a_request_that_did_not_run_carries_retry_from_the_
         (1, ErrorCode.UNAVAILABLE, False),  # at a worker: it may have run
         (2, ErrorCode.UNAVAILABLE, True),
     ]
+
+
+# ---------------------------------------------------------------- Resends on its own
+
+
+def _parts() -> tuple[Resends, RequestBook, BrokerStats]:
+    book, stats = RequestBook(), BrokerStats()
+    config = BrokerConfig(models={"m": BatchingOverride()})
+    return Resends(book, HeldRequests(config, Backlog(book), stats), stats), book, stats
+
+
+def _copy(rid: int, model: str = "m", nonce: bytes = NONCE) -> Request[Any]:
+    submit = Submit(rid, model, 1000, (TensorMeta("x", "float32", (1, 4)),), client=nonce)
+    msg = decode_from_client(encode_request(submit, [bytes(16)]))
+    assert isinstance(msg, Request)
+    return msg
+
+
+def test_a_request_no_one_holds_is_claimed_by_its_origin() -> None:
+    resends, _, stats = _parts()
+    assert resends.claim(ClientId(C1), _copy(5)) == (NONCE, 5)
+    resends.key_of = lambda client: b"key:" + client
+    assert resends.claim(ClientId(C1), _copy(5)) == (b"key:" + C1 + NONCE, 5)
+    assert stats.resent == 0
+
+
+def test_a_copy_of_a_queued_request_takes_its_answer_to_the_copys_connection() -> None:
+    resends, book, stats = _parts()
+    held = dataclasses.replace(pending_request(1), origin=(NONCE, 5))
+    book.enter(held)
+    assert resends.claim(ClientId(C2), _copy(5)) == []
+    assert (held.client, stats.resent) == (C2, 1)
+    refused = resends.claim(ClientId(C3), _copy(5, model="other"))
+    assert isinstance(refused, list)
+    assert [parse(o).code for o in refused] == [ErrorCode.INVALID_ARGUMENT]
+    assert held.client == C2  # the request goes on as it was
+
+
+def test_a_cancel_returns_the_queued_request_it_names_and_nothing_else() -> None:
+    resends, book, stats = _parts()
+    held = dataclasses.replace(pending_request(1), origin=(NONCE, 5))
+    book.enter(held)
+    out: list[Outgoing] = []
+    assert resends.cancel(ClientId(C1), Cancel(6, NONCE), out) is None
+    assert resends.cancel(ClientId(C1), Cancel(5, OTHER), out) is None
+    assert resends.cancel(ClientId(C1), Cancel(5, NONCE), out) is held
+    assert (out, stats.cancelled) == ([], 1)

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from carpool.broker.core import Outgoing
-    from carpool.broker.replies import WorkerBound
+    from carpool.broker.replies import Outgoing, WorkerBound
     from carpool.common.protocol import FromWorker
 
 #: The events of one poll, as ``dict(zmq.Poller.poll())`` gives them.

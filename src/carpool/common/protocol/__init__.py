@@ -39,11 +39,11 @@ Worker ↔ broker (worker DEALER → broker backend ROUTER)::
 
 Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (tensor
 descriptors and frame sizes), :mod:`.refs` (shared-memory references),
-:mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL, the simple form),
-:mod:`.request_decoder` (REQUEST metas of layouts seen before), :mod:`.ready` (READY and
-its model specs), :mod:`.metadata` (METADATA), :mod:`.worker_messages` (BATCH, RESULT,
-FAILED), :mod:`.from_worker` and :mod:`.from_broker` (each side's messages to the other
-as one typed union, each with its ``to_frames``). Each message has one encoder
+:mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL: their encoders, and the simple
+form's), :mod:`.ready` (READY and its model specs), :mod:`.metadata` (METADATA),
+:mod:`.worker_messages` (BATCH, RESULT, FAILED), :mod:`.from_client`, :mod:`.from_worker`
+and :mod:`.from_broker` (each side's messages to the other as one typed union; the
+client's decoder holds REQUEST's one validator and its layout cache). Each message has one encoder
 (``<message>_wire`` builds its meta map from its fields, ``<message>_frames`` its frames;
 a dataclass's ``to_wire`` calls the former) and one decoder, used by every caller. The
 package imports nothing that does I/O (no sockets, files, locks or threads); a test
@@ -56,8 +56,6 @@ from carpool.common.protocol.client_messages import (
     ErrorReply,
     ReplyMeta,
     Submit,
-    decode_simple_request,
-    decode_submit,
     encode_error,
     encode_reply,
     encode_request,
@@ -99,6 +97,18 @@ from carpool.common.protocol.from_broker import (
     FromBroker,
     decode_from_broker,
 )
+from carpool.common.protocol.from_client import (
+    ClientMalformed,
+    FromClient,
+    KnownLayouts,
+    Request,
+    StatsQuery,
+    decode_from_client,
+    decode_request,
+    decode_simple,
+    decode_simple_request,
+    decode_submit,
+)
 from carpool.common.protocol.from_worker import (
     FromWorker,
     ToBroker,
@@ -132,7 +142,6 @@ from carpool.common.protocol.refs import (
     shm_wire,
     valid_region,
 )
-from carpool.common.protocol.request_decoder import KnownRequest, RequestDecoder
 from carpool.common.protocol.telemetry import Telemetry
 from carpool.common.protocol.tensors import (
     Signature,
@@ -174,13 +183,15 @@ __all__ = [
     "BrokerHeartbeat",
     "BrokerMalformed",
     "Cancel",
+    "ClientMalformed",
     "Command",
     "ErrorReply",
     "FailedMeta",
     "Frame",
     "FromBroker",
+    "FromClient",
     "FromWorker",
-    "KnownRequest",
+    "KnownLayouts",
     "MetadataRequest",
     "ModelMetadata",
     "ModelSpec",
@@ -188,10 +199,11 @@ __all__ = [
     "Priority",
     "Ready",
     "ReplyMeta",
-    "RequestDecoder",
+    "Request",
     "ResultMeta",
     "ShmRef",
     "Signature",
+    "StatsQuery",
     "Submit",
     "Telemetry",
     "TensorMeta",
@@ -207,8 +219,11 @@ __all__ = [
     "check_frame_sizes",
     "checked_from_worker",
     "decode_from_broker",
+    "decode_from_client",
     "decode_from_worker",
     "decode_meta",
+    "decode_request",
+    "decode_simple",
     "decode_simple_request",
     "decode_submit",
     "empty_span_bytes",

@@ -1,8 +1,9 @@
 """client_messages.py: what clients and the broker say to each other — pure.
 
-REQUEST (:class:`Submit`), REPLY (:class:`ReplyMeta`), ERROR (:class:`ErrorReply`) and
-CANCEL (:class:`Cancel`) metas, their encoders and decoders, and the single-frame simple
-form of a request and its reply.
+REQUEST (:class:`Submit`, as a client sends it), REPLY (:class:`ReplyMeta`), ERROR
+(:class:`ErrorReply`) and CANCEL (:class:`Cancel`) metas, their encoders and the replies'
+decoders, and the single-frame simple form of a request and its reply. What the broker
+receives from a client is decoded in :mod:`.from_client` (REQUEST's one validator).
 """
 
 from __future__ import annotations
@@ -14,16 +15,11 @@ from typing import Any, TypeVar
 from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol.frames import (
-    MAX_TIMEOUT_MS,
-    PRIORITIES,
     PROTOCOL_VERSION,
     Command,
     Priority,
-    VersionMismatch,
     header,
     optional_number,
-    require_map,
-    require_name,
 )
 from carpool.common.protocol.refs import (
     OutputRef,
@@ -31,9 +27,8 @@ from carpool.common.protocol.refs import (
     output_ref_wire,
     parse_output_ref,
     ref_wire,
-    shm_refs,
 )
-from carpool.common.protocol.tensors import TensorMeta, check_frame_sizes, tensor_list
+from carpool.common.protocol.tensors import TensorMeta, tensor_list
 
 #: Header frames, built once.
 _REQUEST, _REPLY, _ERROR = header(Command.REQUEST), header(Command.REPLY), header(Command.ERROR)
@@ -145,66 +140,9 @@ def request_id_of(meta: Any) -> int | None:
     return None
 
 
-def decode_submit(meta: dict[str, Any]) -> Submit:
-    """Validate a REQUEST meta (or a simple-form map) into a :class:`Submit`."""
-    rid = request_id_of(meta)
-    if rid is None:
-        raise ProtocolError("request: field 'id' missing or not an unsigned 64-bit int")
-    model = require_name(meta.get("model"), "request model")
-    timeout = meta.get("timeout_ms")
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int)
-        or not 0 < timeout <= MAX_TIMEOUT_MS
-    ):
-        raise ProtocolError(f"request: timeout_ms must be an int in 1..{MAX_TIMEOUT_MS}")
-    prio = meta.get("priority", 0)
-    if type(prio) is not int or prio not in (0, 1):
-        raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
-    raw = meta.get("inputs")
-    inputs = tensor_list(raw, "request inputs")
-    assert isinstance(raw, list)  # _tensor_list checked it
-    shm_outputs = meta.get("shm_outputs", False)
-    if type(shm_outputs) is not bool:
-        raise ProtocolError("request: shm_outputs must be true or false")
-    nonce = client_nonce_of(meta, "request")
-    return Submit(rid, model, timeout, inputs, PRIORITIES[prio], shm_refs(raw), shm_outputs, nonce)
-
-
 def encode_request(submit: Submit, payloads: Sequence[object]) -> list[Any]:
     """Frames of a REQUEST (for a DEALER client)."""
     return request_frames(submit.to_wire(), payloads)
-
-
-def decode_simple_request(frame: bytes | memoryview) -> tuple[Submit, list[bytes]]:
-    """Decode a single-frame simple-form request into a Submit and its payloads.
-
-    The inline ``data`` fields are copied out of msgpack; this form is meant for small
-    tensors from small devices. Large tensors belong in the framed form.
-    """
-    obj = require_map(codec.unpack(frame, max_bytes=codec.MAX_SIMPLE_BYTES), "simple request")
-    try:
-        version = obj.get("v")
-        if type(version) is not int:
-            raise ProtocolError("simple request: field 'v' (protocol version) missing")
-        if version != PROTOCOL_VERSION:
-            raise VersionMismatch(version)
-        submit = decode_submit(obj)
-        if submit.shm is not None or submit.shm_outputs:
-            raise ProtocolError("simple request: shared memory needs the framed form")
-        if submit.client is not None:
-            raise ProtocolError("simple request: client (resends, CANCEL) needs the framed form")
-        payloads: list[bytes] = []
-        for raw, t in zip(obj["inputs"], submit.inputs, strict=True):
-            data = raw.get("data")
-            if not isinstance(data, bytes):
-                raise ProtocolError(f"simple request: tensor {t.name!r} has no bin 'data' field")
-            payloads.append(data)
-        check_frame_sizes(submit.inputs, payloads)
-    except ProtocolError as exc:
-        exc.meta = obj
-        raise
-    return submit, payloads
 
 
 def encode_simple_request(submit: Submit, payloads: Sequence[bytes]) -> bytes:

@@ -35,10 +35,13 @@ _METADATA = header(Command.METADATA)
 
 @dataclass(frozen=True, slots=True)
 class MetadataRequest:
-    """METADATA request meta: ``model`` names one model; None asks for all of them."""
+    """METADATA request meta: ``model`` names one model; None asks for all of them.
+    ``delimited``: as the broker received it, after an empty delimiter frame (a REQ
+    socket), so that its answer goes back after one too (not on the wire)."""
 
     request_id: int | None = None
     model: str | None = None
+    delimited: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         meta: dict[str, Any] = {}

@@ -1,0 +1,111 @@
+"""workers.py: WorkerEvents built on its own from the state it reads (no other part):
+a READY registers a worker and returns the specs it replaced (the core routes what
+follows), a RESULT answers its batch's requests with the worker's frames as they
+arrived, a lost worker's requests go back to their queues; each leaves the models to
+pump as its follow-ups (freed_models, changed_models)."""
+
+from __future__ import annotations
+
+from carpool.broker.backlog import Backlog
+from carpool.broker.config import BatchingConfig, BrokerConfig
+from carpool.broker.fleet import FleetModel
+from carpool.broker.inflight import InflightBatch, InflightTable
+from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.replies import Outgoing, ToClient, ToWorker
+from carpool.broker.requests import RequestBook, RequestState
+from carpool.broker.stats import BrokerStats
+from carpool.broker.workers import WorkerEvents
+from carpool.common.protocol import (
+    BrokerDisconnect,
+    ModelSpec,
+    Ready,
+    ResultMeta,
+    TensorMeta,
+    WorkerDisconnect,
+    WorkerResult,
+)
+from tests.unit.broker.pending import pending_request
+
+T0 = 100.0
+W = WorkerId(b"w1")
+X, Y = TensorMeta("x", "float32", (-1, 4)), TensorMeta("y", "float32", (-1, 2))
+SPEC = ModelSpec("m", (X,), (Y,), 8)
+
+
+def events(**config: int) -> WorkerEvents:
+    cfg = BrokerConfig(batching=BatchingConfig(policy="fixed", max_batch=8), **config)  # type: ignore[arg-type]
+    registry, book, inflight = WorkerRegistry(liveness=cfg.liveness), RequestBook(), InflightTable()
+    fleet = FleetModel(cfg, registry, inflight)
+    backlog = Backlog(book, fleet.batch_unit)
+    return WorkerEvents(cfg, registry, BrokerStats(), book, backlog, inflight, fleet)
+
+
+def dispatched(w: WorkerEvents, *seqs: int) -> InflightBatch:
+    """A batch of requests ``seqs`` at worker W (as the dispatcher leaves one)."""
+    reqs = [pending_request(seq, deadline_s=T0 + 10) for seq in seqs]
+    for req in reqs:
+        w.backlog.add(req)
+        w.backlog.queues[req.key].forget(req)
+        w.backlog.dequeued(req)
+        w.book.move(req, RequestState.DISPATCHED)
+    worker = w.registry.get(W)
+    assert worker is not None
+    batch = InflightBatch(w.inflight.next_id(), W, reqs, reqs[0].key, len(reqs), 0.01, 1.0)
+    w.inflight.add(T0, worker, batch)
+    return batch
+
+
+def test_a_ready_registers_its_worker_and_names_no_replaced_spec() -> None:
+    w = events()
+    out: list[Outgoing] = []
+    assert w.on_ready(T0, W, Ready("w", 2, (SPEC,)), out) == []
+    assert out == []
+    worker = w.registry.get(W)
+    assert worker is not None
+    assert (worker.name, worker.slots) == ("w", 2)
+
+
+def test_a_ready_over_the_limit_is_refused_with_disconnect() -> None:
+    w = events(max_workers=1)
+    w.on_ready(T0, W, Ready("w", 1, (SPEC,)), [])
+    out: list[Outgoing] = []
+    assert w.on_ready(T0, WorkerId(b"w2"), Ready("w2", 1, (SPEC,)), out) is None
+    (refusal,) = out
+    assert isinstance(refusal, ToWorker)
+    assert isinstance(refusal.message, BrokerDisconnect)
+    assert w.registry.get(WorkerId(b"w2")) is None
+
+
+def test_a_result_answers_its_requests_with_the_frames_as_they_arrived() -> None:
+    w = events()
+    w.on_ready(T0, W, Ready("w", 1, (SPEC,)), [])
+    batch = dispatched(w, 1, 2)
+    replies = [b"r1", b"r2"]
+    meta = ResultMeta(batch.batch_id, 0.5, 3.0, (1, 1))
+    out = w.on_worker(T0 + 0.01, W, WorkerResult(meta, replies))
+    answers = [o for o in out if isinstance(o, ToClient)]
+    assert len(answers) == len(out) == 2
+    assert all(o.frames[0] is r for o, r in zip(answers, replies, strict=True))  # not copied
+    assert [r.state for r in batch.requests] == [RequestState.DONE, RequestState.DONE]
+    assert (w.freed_models, w.changed_models) == ({"m"}, set())
+
+
+def test_a_lost_workers_requests_go_back_to_their_queue() -> None:
+    w = events()
+    w.on_ready(T0, W, Ready("w", 1, (SPEC,)), [])
+    batch = dispatched(w, 1, 2)
+    out = w.on_worker(T0 + 0.01, W, WorkerDisconnect("bye"))
+    assert out == []
+    assert w.registry.get(W) is None
+    assert [r.state for r in batch.requests] == [RequestState.QUEUED, RequestState.QUEUED]
+    assert (w.backlog.queued, w.stats.requeued) == (2, 2)
+    assert w.changed_models == {"m"}
+
+
+def test_a_stranger_is_told_to_register_and_its_result_counted_late() -> None:
+    w = events()
+    meta = ResultMeta(7, 0.5, 3.0, (1,))
+    (out,) = w.on_worker(T0, W, WorkerResult(meta, [b"r"]))
+    assert isinstance(out, ToWorker)
+    assert isinstance(out.message, BrokerDisconnect)
+    assert w.stats.late_results == 1
