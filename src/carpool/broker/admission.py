@@ -19,12 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue, request_key
-from carpool.broker.config import BrokerConfig
-from carpool.broker.fleet import FleetModel
-from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Refused, retry_after_ms
 from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestKey
 from carpool.common.errors import ErrorCode, ProtocolError
@@ -36,6 +33,12 @@ from carpool.common.protocol import (
     TensorMeta,
     check_frame_sizes,
 )
+
+if TYPE_CHECKING:
+    from carpool.broker.backlog import Backlog
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.fleet import FleetModel
+    from carpool.broker.registry import WorkerRegistry
 
 
 @dataclass(frozen=True, slots=True)

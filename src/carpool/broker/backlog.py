@@ -97,10 +97,18 @@ class Backlog:
             per_model = self.queued_samples[req.model] = [0, 0]
         per_model[priority] += samples
         tally = queue.tally or self._tally(queue)
+        # (BatchTally.add, inlined: per request)
         if priority:
-            tally.add(0, samples)
+            tally.bulk += samples
         else:
-            tally.add(samples, 0)
+            tally.interactive += samples
+        interactive, unit, totals = tally.interactive, tally.unit, tally.totals
+        first = -(-interactive // unit)
+        every = -(-(interactive + tally.bulk) // unit)
+        totals[0] += first - tally.first
+        totals[1] += every - tally.every
+        tally.first = first
+        tally.every = every
         self.deadlines.push(req)
         return queue
 

@@ -152,9 +152,20 @@ class RequestQueue:
         self._index_in(req)
 
     def arrive(self, req: PendingRequest) -> None:
-        """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time)."""
-        self.push(req)
-        self.note_arrival(req.arrival_s, req.samples)
+        """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time):
+        both in one call, as every request comes this way."""
+        self._arrivals.append(req)
+        heapq.heappush(
+            self._heaps[0 if req.priority is _INTERACTIVE else 1], (req.deadline_s, req.seq, req)
+        )
+        samples = req.samples
+        self.samples += samples
+        self.count += 1
+        arrival = (req.arrival_s, samples)
+        self._long.append(arrival)
+        self._short.append(arrival)
+        self._long_samples += samples
+        self._short_samples += samples
 
     def push_front(self, req: PendingRequest) -> None:
         """Put back a request that was dispatched before (it keeps its arrival time)."""
@@ -221,7 +232,7 @@ class RequestQueue:
             move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
-        self._taken(taken)
+        self._taken(len(taken), max_samples - room)
         return taken
 
     def take_edf(
@@ -238,7 +249,7 @@ class RequestQueue:
             move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
-        self._taken(taken)
+        self._taken(len(taken), max_samples - room)
         return taken
 
     def shed(self, before_s: float, move: Mover) -> list[PendingRequest]:
@@ -257,10 +268,9 @@ class RequestQueue:
             self._compact()
         return out
 
-    def _taken(self, taken: list[PendingRequest]) -> None:
-        for req in taken:
-            self.samples -= req.samples
-            self.count -= 1
+    def _taken(self, count: int, samples: int) -> None:
+        self.samples -= samples
+        self.count -= count
         self._compact()
 
     def _compact(self) -> None:

@@ -64,15 +64,7 @@ from carpool.common.protocol import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BrokerCore",
-    "BrokerStats",
-    "InflightBatch",
-    "Outgoing",
-    "Side",
-    "ToClient",
-    "ToWorker",
-]
+__all__ = ["BrokerCore", "BrokerStats", "InflightBatch", "Outgoing", "Side", "ToClient", "ToWorker"]
 
 #: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
 _SWEEP_S = 0.5
@@ -92,8 +84,8 @@ class BrokerCore:
         )
         self.fleet = fleet = FleetModel(config, registry, inflight)
         backlog.batch_unit = fleet.batch_unit
-        self.dispatcher = dispatcher = Dispatcher(book, backlog, inflight, fleet, stats, registry)
-        self.pumps = Pumps(dispatcher, backlog, registry, fleet)
+        self.dispatcher = Dispatcher(book, backlog, inflight, fleet, stats, registry)
+        self.pumps = Pumps(backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, stats)
         self.resends = Resends(book, holding, stats)
         self.intake = intake = ClientIntake(config, registry, backlog, fleet)
@@ -185,7 +177,7 @@ class BrokerCore:
         pumps, config, backlog = self.pumps, self.config, self.backlog
         is_full = full(config, backlog, request.nbytes)
         if is_full and (pumps.dirty or pumps.freed_models or pumps.dirty_models):
-            pumps.pump_dirty(now, out)  # the turn's batches, formed first, may make room
+            pumps.pump_dirty(now, out, self.dispatcher.pump)  # the turn's batches may make room
             is_full = full(config, backlog, request.nbytes)
         verdict = self.intake.admit(now, client, request, origin, is_full)
         if isinstance(verdict, PendingRequest):
@@ -292,6 +284,7 @@ class BrokerCore:
             answer(queue, req, code, msg, out, now)
         if until_s is None:
             self.pumps.stop()
+            self.dispatcher.stop()
         return out
 
     def finish_stop(self, now: float, closes_s: float | None = None) -> list[Outgoing]:
@@ -379,7 +372,7 @@ class BrokerCore:
         due = [k for k, t in wake_s.items() if t <= now] if wake_s else []
         if touched:
             due.extend(touched)
-        self.pumps.pump_dirty(now, out, due)
+        self.pumps.pump_dirty(now, out, dispatcher.pump, due)
         if self.holding.count:
             self.holding.on_tick(now, out)
         if now >= self._sweep_s:

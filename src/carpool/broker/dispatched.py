@@ -3,7 +3,9 @@
 A :class:`DispatchedBatch` holds the batch's requests; its transport asks for one form:
 :meth:`~DispatchedBatch.to_message`, the typed :class:`BrokerBatch` (for a worker in the
 broker's process, no msgpack), or :meth:`~DispatchedBatch.to_frames`, that message's
-frames through its one encoder (for a socket).
+frames (for a socket), encoded straight from the requests by the encoders the typed
+message uses (:func:`~carpool.common.protocol.worker_messages.item_wire`,
+:func:`~carpool.common.protocol.worker_messages.batch_frames`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from carpool.broker.requests import PendingRequest, RequestKey
 from carpool.common.protocol import BatchItem, BatchMeta, BrokerBatch, Frame, TensorMeta
+from carpool.common.protocol.worker_messages import batch_frames, item_wire
 
 
 def batch_inputs(key: RequestKey) -> tuple[TensorMeta, ...]:
@@ -24,8 +27,9 @@ def batch_inputs(key: RequestKey) -> tuple[TensorMeta, ...]:
 @dataclass(slots=True)
 class DispatchedBatch:
     """One BATCH to one worker: ``requests`` in batch order, their ``payloads``
-    request-major, ``sent_s`` the dispatch time (each request's queue time ends there).
-    (Not frozen: one is made per batch.)"""
+    request-major, ``sent_s`` the dispatch time (each request's queue time ends there),
+    ``inputs_wire`` the wire form of ``inputs`` where the caller keeps it (None: made
+    here). (Not frozen: one is made per batch.)"""
 
     batch_id: int
     model: str
@@ -33,6 +37,7 @@ class DispatchedBatch:
     requests: Sequence[PendingRequest]
     payloads: Sequence[Frame]
     sent_s: float
+    inputs_wire: list[dict[str, Any]] | None = None
 
     def to_message(self) -> BrokerBatch:
         sent_s = self.sent_s
@@ -48,7 +53,25 @@ class DispatchedBatch:
             )
             for r in self.requests
         )
-        return BrokerBatch(BatchMeta(self.batch_id, self.model, self.inputs, items), self.payloads)
+        meta = BatchMeta(self.batch_id, self.model, self.inputs, items)
+        return BrokerBatch(meta, self.payloads)
 
     def to_frames(self) -> list[Any]:
-        return self.to_message().to_frames()
+        """The frames of :meth:`to_message`'s message, without building it."""
+        sent_s = self.sent_s
+        items = [
+            item_wire(
+                r.request_id,
+                r.samples,
+                r.simple,
+                1000.0 * (sent_s - r.arrival_s),
+                r.refs,
+                r.shm_outputs,
+                r.shapes,
+            )
+            for r in self.requests
+        ]
+        inputs = self.inputs_wire
+        if inputs is None:
+            inputs = [t.to_wire() for t in self.inputs]
+        return batch_frames(self.batch_id, self.model, inputs, items, self.payloads)

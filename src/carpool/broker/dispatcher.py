@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
 from carpool.broker.dispatched import DispatchedBatch, batch_inputs
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.policy import Capacity, Dispatch, promotion_s
+from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, ToWorker, request_error
 from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
@@ -46,7 +47,10 @@ class Dispatcher:
     registry: WorkerRegistry
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
     wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
-    _inputs: dict[RequestKey, tuple[TensorMeta, ...]] = field(init=False, default_factory=dict)
+    # Each key's BATCH inputs and their wire form.
+    _inputs: dict[RequestKey, tuple[tuple[TensorMeta, ...], list[dict[str, Any]]]] = field(
+        init=False, default_factory=dict
+    )
 
     def forget(self, key: RequestKey) -> None:
         """A queue went idle and was dropped: forget what was cached for it."""
@@ -78,13 +82,13 @@ class Dispatcher:
         queue: RequestQueue,
         out: list[Outgoing],
         caps: dict[WorkerId, Capacity],
+        policy: BatchPolicy,
+        workers: list[WorkerState],
     ) -> float | None:
         """Answer the queue's hopeless requests now; return when to look again, at or
         before the moment the next one turns hopeless (None if that cannot be
-        predicted). ``caps`` collects the workers' capacities for the rest of the pump."""
-        model = queue.key[0]
-        policy = self.fleet.policy(model)
-        workers = self.registry.admitting(queue.key)
+        predicted). ``caps`` collects the workers' capacities for the rest of the pump;
+        ``workers``: those that admit the queue's shapes."""
         if not policy.edf or not workers or queue.count == 0:
             return None
         # Hopeless against the best worker: its earliest start plus the smallest batch the
@@ -118,25 +122,28 @@ class Dispatcher:
     def pump(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> int:
         """Shed what cannot make it, then send every batch the policy lets leave now;
         returns how many left."""
-        model = queue.key[0]
+        key = queue.key
+        model = key[0]
         policy = self.fleet.policy(model)
-        self.wake_s.pop(queue.key, None)
+        # The workers that admit its shapes do not change within a pump.
+        workers, limit = self.registry.eligible(key)
+        self.wake_s.pop(key, None)
         # Events can outrun ticks: never send a request whose deadline has already passed.
-        for key in self.expire(now, out):
-            if key != queue.key:
-                self.wake_s[key] = now  # the next tick looks at what was behind it
+        for other in self.expire(now, out):
+            if other != key:
+                self.wake_s[other] = now  # the next tick looks at what was behind it
         # Capacities of this pump, per worker, until that worker takes a batch.
         caps: dict[WorkerId, Capacity] = {}
-        shed_at = self._shed(now, queue, out, caps)
+        shed_at = self._shed(now, queue, out, caps, policy, workers)
         released = 0  # samples the policy let leave now, still to share among idle workers
         sent = 0
         while True:
             head = queue.head()
             if head is None:
                 return sent
-            worker = self.registry.best_free(queue.key, 1)
+            worker = self.registry.best_free(key, 1, workers)
             if worker is None:
-                if not self.registry.limit(queue.key) and self.registry.serving(model):
+                if not limit and self.registry.serving(model):
                     # The workers that took its shapes have left: answer the queue now,
                     # not let it wait for its deadlines.
                     for req in list(queue):
@@ -144,9 +151,9 @@ class Dispatcher:
                     return sent
                 # A RESULT, READY or worker loss will pump again; meanwhile shed on time.
                 if shed_at is not None:
-                    self.wake_s[queue.key] = shed_at
+                    self.wake_s[key] = shed_at
                 return sent
-            capacity = caps.get(worker.wid) or self.fleet.capacity(now, worker, queue.key)
+            capacity = caps.get(worker.wid) or self.fleet.capacity(now, worker, key)
             # The request the batch starts with, and the most urgent one it must respect.
             promote_s = 0.0
             if policy.edf:
@@ -158,9 +165,9 @@ class Dispatcher:
             assert first is not None  # the queue is not empty
             assert urgent is not None
             if worker.lanes[model].max_batch < first.samples:
-                bigger = self.registry.best_free(queue.key, first.samples)
+                bigger = self.registry.best_free(key, first.samples, workers)
                 if bigger is None:
-                    if self.registry.limit(queue.key) < first.samples:
+                    if limit < first.samples:
                         # The worker that could take it has left: answer it now, not let
                         # everything behind it wait for its deadline.
                         self._unservable(queue, first, out)
@@ -168,19 +175,19 @@ class Dispatcher:
                     # Only a busy worker can take it; its RESULT pumps again, and shedding
                     # keeps its own time.
                     if shed_at is not None:
-                        self.wake_s[queue.key] = shed_at
+                        self.wake_s[key] = shed_at
                     return sent
-                worker, capacity = bigger, self.fleet.capacity(now, bigger, queue.key)
+                worker, capacity = bigger, self.fleet.capacity(now, bigger, key)
             engine_max = worker.lanes[model].max_batch
             if released > 0:
                 # The policy already let these leave now; this idle worker takes its share.
                 leaving = released
             else:
-                view = self.fleet.view(now, queue, head, urgent)
+                view = self.fleet.view(now, queue, head, urgent, len(workers))
                 decision = policy.decide(now, view, capacity)
                 if not isinstance(decision, Dispatch):
                     wake = decision.t if shed_at is None else min(decision.t, shed_at)
-                    self.wake_s[queue.key] = wake
+                    self.wake_s[key] = wake
                     return sent
                 # A request larger than the policy's size still travels alone rather than
                 # starve; `first` is taken first either way, so a batch is never empty.
@@ -190,7 +197,7 @@ class Dispatcher:
                 # Several workers idle: each takes a share of what leaves now (workers run in
                 # parallel, so a batch each ends sooner than all of it on one worker).
                 leaving = min(leaving, queue.samples)
-                idle = self.fleet.idle_workers(queue.key, worker, first.samples, leaving)
+                idle = self.fleet.idle_workers(model, workers, worker, first.samples, leaving)
                 size = min(engine_max, max(first.samples, -(-leaving // idle)))
             requests = self.backlog.take(queue, size, now, promote_s, policy.edf)
             released = (
@@ -200,7 +207,7 @@ class Dispatcher:
                 requests = self._drop_doomed(now, requests, capacity, out)
                 if not requests:
                     continue
-            out.append(self._dispatch(now, worker, queue.key, requests, capacity))
+            out.append(self._dispatch(now, worker, key, requests, capacity))
             sent += 1
             caps.pop(worker.wid, None)  # its backlog and credits changed
 
@@ -273,8 +280,9 @@ class Dispatcher:
             payloads.extend(req.payloads)
         inputs = self._inputs.get(key)
         if inputs is None:
-            inputs = self._inputs[key] = batch_inputs(key)
-        batch = DispatchedBatch(batch_id, model, inputs, requests, payloads, now)
+            metas = batch_inputs(key)
+            inputs = self._inputs[key] = (metas, [t.to_wire() for t in metas])
+        batch = DispatchedBatch(batch_id, model, inputs[0], requests, payloads, now, inputs[1])
         predicted_s = capacity.cost.estimate(samples)
         inflight = InflightBatch(
             batch_id,
@@ -283,7 +291,9 @@ class Dispatcher:
             key,
             samples,
             predicted_s,
-            self._watch_s(now, key, samples, requests, predicted_s),
+            self.inflight.limit_s(predicted_s)
+            if predicted_s > 0
+            else self._watch_s(now, key, samples, requests),
             sent_s=now,
         )
         self.inflight.add(now, worker, inflight)
@@ -296,24 +306,20 @@ class Dispatcher:
         return ToWorker(worker.wid, batch)
 
     def _watch_s(
-        self,
-        now: float,
-        key: RequestKey,
-        samples: int,
-        requests: list[PendingRequest],
-        predicted_s: float,
+        self, now: float, key: RequestKey, samples: int, requests: list[PendingRequest]
     ) -> float:
         """How long a batch may run once it is the oldest at its worker (the engine
-        watchdog's limit): from its worker's fitted cost; while that knows nothing of the
-        key, from the slowest estimate another worker of the model has of it; while none
-        has one, until the batch's last deadline (slow cannot be told from hung)."""
+        watchdog's limit) while its worker's fitted cost knows nothing of the key (with
+        one, :meth:`InflightTable.limit_s` of it): from the slowest estimate another
+        worker of the model has of it; while none has one, until the batch's last
+        deadline (slow cannot be told from hung)."""
+        model = key[0]
+        predicted_s = 0.0
+        for w in self.registry.serving(model):
+            predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
         if predicted_s <= 0:
-            model = key[0]
-            for w in self.registry.serving(model):
-                predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
-            if predicted_s <= 0:
-                last_s = max(r.deadline_s for r in requests)
-                return max(self.inflight.watchdog_slack_s, last_s - now)
+            last_s = max(r.deadline_s for r in requests)
+            return max(self.inflight.watchdog_slack_s, last_s - now)
         return self.inflight.limit_s(predicted_s)
 
     def expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:

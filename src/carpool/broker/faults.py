@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from carpool.broker.core import BrokerCore, Outgoing
-from carpool.broker.replies import Side
 from carpool.common.protocol import Frame
 from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
+
+if TYPE_CHECKING:
+    from carpool.broker.core import BrokerCore, Outgoing
+    from carpool.broker.replies import Side
 
 __all__ = ["BrokerFault", "Fault", "FaultPolicy"]
 

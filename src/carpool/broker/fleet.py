@@ -196,20 +196,26 @@ class FleetModel:
             full = min(full, size)
         return FleetRate(rate_sps, full, CostEstimate(fixed_s, per_sample_s, True, spread))
 
+    @staticmethod
     def view(
-        self, now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest
+        now: float, queue: RequestQueue, head: PendingRequest, urgent: PendingRequest, workers: int
     ) -> QueueView:
-        """What the policy sees of a queue; its arrival rate is shared among the workers."""
-        workers = max(1, len(self.registry.admitting(queue.key)))
+        """What the policy sees of a queue; its arrival rate is shared among the
+        ``workers`` that admit its shapes."""
         return QueueView(
-            queue.samples, head.arrival_s, urgent.deadline_s, queue.arrival_sps(now) / workers
+            queue.samples,
+            head.arrival_s,
+            urgent.deadline_s,
+            queue.arrival_sps(now) / max(1, workers),
         )
 
-    def idle_workers(self, key: RequestKey, worker: WorkerState, samples: int, most: int) -> int:
-        """Workers that could start a batch of ``key`` now (``worker`` included, 1 if it
-        is busy itself), counted only up to ``most``."""
-        model = key[0]
-        workers = self.registry.admitting(key)
+    @staticmethod
+    def idle_workers(
+        model: str, workers: list[WorkerState], worker: WorkerState, samples: int, most: int
+    ) -> int:
+        """Of ``workers`` (those that admit a key's shapes), those that could start a
+        batch now (``worker`` included, 1 if it is busy itself), counted only up to
+        ``most``."""
         if most <= 1 or worker.outstanding or len(workers) < 2:
             return 1
         idle = 0

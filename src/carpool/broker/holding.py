@@ -30,15 +30,17 @@ import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from carpool.broker.backlog import Backlog
-from carpool.broker.config import BrokerConfig
 from carpool.broker.replies import Outgoing, error
 from carpool.broker.requests import ClientId, Origin, count_in, count_out
-from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Request
+
+if TYPE_CHECKING:
+    from carpool.broker.backlog import Backlog
+    from carpool.broker.config import BrokerConfig
+    from carpool.broker.stats import BrokerStats
 
 #: A held request is answered this long before its deadline, so that its client still
 #: has time to act on the UNAVAILABLE (retry elsewhere, or report); a request with less

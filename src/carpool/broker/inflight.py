@@ -21,9 +21,11 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from carpool.broker.registry import WorkerId, WorkerState
-from carpool.broker.requests import PendingRequest, RequestKey
+if TYPE_CHECKING:
+    from carpool.broker.registry import WorkerId, WorkerState
+    from carpool.broker.requests import PendingRequest, RequestKey
 
 
 @dataclass(slots=True)

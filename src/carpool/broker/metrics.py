@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -22,10 +22,12 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from carpool.broker.core import BrokerCore
 from carpool.common.errors import ErrorCode
 from carpool.common.histogram import BATCH_BOUNDS, Histogram
 from carpool.common.metrics import MetricsEndpoint, Snapshot, Snapshots, gauges
+
+if TYPE_CHECKING:
+    from carpool.broker.core import BrokerCore
 
 
 class BrokerMetrics:

@@ -9,10 +9,14 @@ answers, and one that does not sends no WATCHDOG=1 (``carpool.common.supervision
 
 from __future__ import annotations
 
-from carpool.broker.core import BrokerCore
+from typing import TYPE_CHECKING
+
 from carpool.common.clock import Clock
 from carpool.common.sdnotify import SdNotifier
 from carpool.common.supervision import LoopWatch
+
+if TYPE_CHECKING:
+    from carpool.broker.core import BrokerCore
 
 
 class BrokerStatus:

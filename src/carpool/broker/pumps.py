@@ -1,8 +1,9 @@
 """pumps.py: Pumps — which queues are pumped, when, and in which order.
 
 Pure: ``now`` comes in; no sockets or clocks. What one pump of a queue does (shed,
-decide, dispatch) is :class:`~carpool.broker.dispatcher.Dispatcher`'s; this decides
-which queues it runs for after each event.
+decide, dispatch) is :meth:`Dispatcher.pump <carpool.broker.dispatcher.Dispatcher.pump>`,
+which the caller passes in as ``pump``; this decides which queues it runs for after each
+event, and in which order.
 
 Events only mark what changed; :meth:`Pumps.pump_dirty`, in the tick that ends each
 loop turn, forms the batches for everything that arrived in it (a burst of arrivals
@@ -32,12 +33,11 @@ them all again happens at most once per slot taken or freed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
-from carpool.broker.dispatcher import Dispatcher
 from carpool.broker.fleet import FleetModel
 from carpool.broker.policy import promotion_s
 from carpool.broker.registry import WorkerRegistry
@@ -45,12 +45,15 @@ from carpool.broker.replies import Outgoing
 from carpool.broker.requests import RequestKey
 from carpool.broker.urgency import rank_of
 
+#: One pump of a queue (:meth:`Dispatcher.pump <carpool.broker.dispatcher.Dispatcher.pump>`):
+#: ``(now, queue, out)``, returns how many batches left.
+Pump = Callable[[float, RequestQueue, list[Outgoing]], int]
+
 
 @dataclass(slots=True, eq=False, repr=False)
 class Pumps:
     """When and in which order queues are pumped; see the module docstring."""
 
-    dispatcher: Dispatcher
     backlog: Backlog
     registry: WorkerRegistry
     fleet: FleetModel
@@ -70,7 +73,6 @@ class Pumps:
         self.dirty_models.clear()
         self.freed_models.clear()
         self.settled.clear()
-        self.dispatcher.stop()
 
     def mark_models(self, models: Iterable[str]) -> None:
         """The workers of ``models`` changed (one joined, left, or changed health): recount
@@ -104,6 +106,7 @@ class Pumps:
         now: float,
         queue: RequestQueue,
         out: list[Outgoing],
+        pump: Pump,
         pumped: set[RequestKey] | None = None,
     ) -> None:
         """Pump ``queue`` (a request arrived, its wake-up came, or one ahead of it expired).
@@ -119,17 +122,19 @@ class Pumps:
             if first is not None and first is not queue:
                 if pumped is None:
                     pumped = set()
-                self._offer(now, model, out, pumped)
+                self._offer(now, model, out, pump, pumped)
                 if queue.key in pumped:
                     return
         if pumped is not None:
             pumped.add(queue.key)
-        if self.dispatcher.pump(now, queue, out):
+        if pump(now, queue, out):
             # It took a slot: a waiting queue's latest start may have moved earlier.
             self.settled.discard(model)
 
-    def pump_dirty(self, now: float, out: list[Outgoing], due: Iterable[RequestKey] = ()) -> None:
-        """At the tick that ends each turn: pump every queue of the models
+    def pump_dirty(
+        self, now: float, out: list[Outgoing], pump: Pump, due: Iterable[RequestKey] = ()
+    ) -> None:
+        """At the tick that ends each turn: with ``pump``, pump every queue of the models
         whose workers changed, offer the slots freed since to the queues of their models,
         then :meth:`pump_queue` the queues messages touched and those ``due`` (a wake-up
         came, or a request ahead expired), most urgent first; each queue once."""
@@ -139,9 +144,9 @@ class Pumps:
             models, self.dirty_models = self.dirty_models, set()
             freed, self.freed_models = self.freed_models - models, set()
             for model in models:  # (every queue of theirs)
-                self._offer(now, model, out, pumped, every=True)
+                self._offer(now, model, out, pump, pumped, every=True)
             for model in freed:
-                self._offer(now, model, out, pumped)
+                self._offer(now, model, out, pump, pumped)
         keys = self.dirty
         if keys:
             self.dirty = {}
@@ -154,7 +159,7 @@ class Pumps:
             for key in keys:
                 queue = known.get(key)
                 if queue is not None and (pumped is None or key not in pumped):
-                    self.pump_queue(now, queue, out, pumped)
+                    self.pump_queue(now, queue, out, pump, pumped)
             return
         if pumped is None:
             pumped = set()
@@ -162,13 +167,14 @@ class Pumps:
         queues.sort(key=lambda q: rank_of(q, now, self.promote_s))
         for queue in queues:
             if queue.key not in pumped:
-                self.pump_queue(now, queue, out, pumped)
+                self.pump_queue(now, queue, out, pump, pumped)
 
     def _offer(
         self,
         now: float,
         model: str,
         out: list[Outgoing],
+        pump: Pump,
         pumped: set[RequestKey],
         every: bool = False,
     ) -> None:
@@ -184,7 +190,7 @@ class Pumps:
             # One queue holds requests (one shape, say): no order to keep.
             if first.key not in pumped and (every or any(w.free_slots > 0 for w in workers)):
                 pumped.add(first.key)
-                self.dispatcher.pump(now, first, out)
+                pump(now, first, out)
             self.settled.add(model)
             return
 
@@ -193,7 +199,7 @@ class Pumps:
                 return False
             if queue.key not in pumped:
                 pumped.add(queue.key)
-                self.dispatcher.pump(now, queue, out)
+                pump(now, queue, out)
             return True
 
         if first is not None:

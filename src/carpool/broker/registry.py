@@ -150,10 +150,10 @@ class WorkerRegistry:
         # (None: recompute). Kept up to date on add/remove/reschedule, so the per-message
         # and per-turn paths do not scan every worker.
         self._max_batch: dict[str, int] = {}
-        # Per model, per request key: the live workers whose limits admit its shapes and
-        # the largest batch one of them takes (dropped when a worker of the model comes
-        # or goes; bounded, since clients choose shapes).
-        self._admitting: dict[str, dict[RequestKey, tuple[list[WorkerState], int]]] = {}
+        # Per request key: the live workers of its model whose limits admit its shapes and
+        # the largest batch one of them takes (a model's keys are dropped when a worker of
+        # it comes or goes; bounded, since clients choose shapes).
+        self._eligible: dict[RequestKey, tuple[list[WorkerState], int]] = {}
         self._event_s: float | None = None
         self._event_stale = False
         # Models whose last live worker left: since when (stamped by unserved_for, which
@@ -257,7 +257,7 @@ class WorkerRegistry:
         self.changes += 1
         self.specs.pop(name, None)
         self._max_batch.pop(name, None)
-        self._admitting.pop(name, None)
+        self._drop_keys(name)
         self._unserved_s.pop(name, None)
         self._orphans.discard(name)
 
@@ -266,8 +266,13 @@ class WorkerRegistry:
             self._max_batch[name] = max(
                 (w.lanes[name].max_batch for w in self.serving(name)), default=0
             )
-            self._admitting.pop(name, None)
+            self._drop_keys(name)
         self.reschedule()
+
+    def _drop_keys(self, model: str) -> None:
+        known = self._eligible
+        for key in [k for k in known if k[0] == model]:
+            del known[key]
 
     def reschedule(self) -> None:
         """Heartbeat times changed: recompute :meth:`next_event_s` when next asked."""
@@ -309,40 +314,44 @@ class WorkerRegistry:
         """The largest batch any live worker accepts for ``model`` (0 if none serves it)."""
         return self._max_batch.get(model, 0)
 
-    #: Request keys whose admitting workers a model keeps (dropped whole when full).
-    MAX_KEYS = 1024
+    #: Request keys whose admitting workers are kept (dropped all at once when full).
+    MAX_KEYS = 4096
+
+    def eligible(self, key: RequestKey) -> tuple[list[WorkerState], int]:
+        """The live workers of ``key``'s model whose limits admit its shapes, and the
+        largest batch of ``key`` one of them takes (0: none admits its shapes)."""
+        hit = self._eligible.get(key)
+        return self._eligible_of(key) if hit is None else hit
 
     def admitting(self, key: RequestKey) -> list[WorkerState]:
         """The live workers of ``key``'s model whose limits admit its shapes."""
-        return self._eligible(key)[0]
+        return self.eligible(key)[0]
 
     def limit(self, key: RequestKey) -> int:
         """The largest batch of ``key`` a live worker takes (0: none admits its shapes)."""
-        return self._eligible(key)[1]
+        return self.eligible(key)[1]
 
-    def _eligible(self, key: RequestKey) -> tuple[list[WorkerState], int]:
+    def _eligible_of(self, key: RequestKey) -> tuple[list[WorkerState], int]:
         model = key[0]
-        peers = self._by_model.get(model)
-        if not peers:
-            return [], 0
-        known = self._admitting.setdefault(model, {})
-        hit = known.get(key)
-        if hit is None:
-            workers = peers
-            if any(w.models[model].rules for w in peers):
-                workers = [w for w in peers if violation(w.models[model], key) is None]
-            hit = (workers, max((w.lanes[model].max_batch for w in workers), default=0))
-            if len(known) >= self.MAX_KEYS:
-                known.clear()
-            known[key] = hit
+        workers = self._by_model.get(model, [])
+        if any(w.models[model].rules for w in workers):
+            workers = [w for w in workers if violation(w.models[model], key) is None]
+        hit = (workers, max((w.lanes[model].max_batch for w in workers), default=0))
+        known = self._eligible
+        if len(known) >= self.MAX_KEYS:
+            known.clear()
+        known[key] = hit
         return hit
 
-    def best_free(self, key: RequestKey, samples: int) -> WorkerState | None:
+    def best_free(
+        self, key: RequestKey, samples: int, workers: list[WorkerState] | None = None
+    ) -> WorkerState | None:
         """The worker to take the next batch of ``key``: the most free credits, then the
-        lowest reported load; only workers whose limits admit its shapes and ``samples``."""
+        lowest reported load; only workers whose limits admit its shapes and ``samples``
+        (``workers``: those :meth:`admitting` gives, when the caller has them)."""
         model = key[0]
         best: WorkerState | None = None
-        for w in self.admitting(key):
+        for w in self.admitting(key) if workers is None else workers:
             if w.free_slots <= 0 or w.lanes[model].max_batch < samples:
                 continue
             if best is None or (w.free_slots, -w.rho) > (best.free_slots, -best.rho):

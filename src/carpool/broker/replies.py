@@ -17,11 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from carpool.broker.registry import WorkerId
-from carpool.broker.requests import ClientId, PendingRequest
-from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     HEARTBEAT_TO_WORKER,
@@ -35,6 +32,11 @@ from carpool.common.protocol import (
     decode_from_client,
     encode_error,
 )
+
+if TYPE_CHECKING:
+    from carpool.broker.registry import WorkerId
+    from carpool.broker.requests import ClientId, PendingRequest
+    from carpool.broker.stats import BrokerStats
 
 logger = logging.getLogger(__name__)
 

@@ -158,7 +158,8 @@ def optional_number(meta: dict[str, Any], key: str, default: float = 0.0) -> flo
 
 def decode_meta(frame: bytes | memoryview) -> dict[str, Any]:
     """Decode a meta frame into a map (bounded in size)."""
-    return require_map(codec.unpack(frame), "meta")
+    meta = codec.unpack(frame)
+    return meta if type(meta) is dict else require_map(meta, "meta")
 
 
 def encode(command: Command, meta: dict[str, Any], payloads: Sequence[object] = ()) -> list[Any]:

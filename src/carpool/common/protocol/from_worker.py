@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from carpool.common.errors import ProtocolError
-from carpool.common.protocol.frames import Command, Frame, decode_meta, encode, parse_header, view
+from carpool.common.protocol.frames import Command, Frame, decode_meta, encode, parse_header
 from carpool.common.protocol.ready import Ready
 from carpool.common.protocol.telemetry import Telemetry
 from carpool.common.protocol.worker_messages import FailedMeta, ResultMeta, result_frames
@@ -122,8 +122,8 @@ def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
     if len(frames) < 2:
         return WorkerMalformed(None, "worker messages have a header and a meta frame")
     try:
-        command = parse_header(view(frames[0]))
-        meta = decode_meta(view(frames[1]))
+        command = parse_header(memoryview(frames[0]))
+        meta = decode_meta(memoryview(frames[1]))
     except ProtocolError as exc:
         return WorkerMalformed(None, str(exc))
     if command is Command.READY:

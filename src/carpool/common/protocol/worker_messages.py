@@ -52,19 +52,55 @@ class BatchItem:
 
     def to_wire(self) -> dict[str, Any]:
         """BATCH ``requests[i]``."""
-        wire: dict[str, Any] = {
-            "id": self.request_id,
-            "n": self.samples,
-            "simple": self.simple,
-            "queue_ms": round(self.queue_ms, 3),
-        }
-        if self.shm is not None:
-            wire["shm"] = shm_wire(self.shm)
-        if self.shm_outputs:
-            wire["shm_outputs"] = True
-        if self.shapes is not None:
-            wire["shapes"] = self.shapes
-        return wire
+        return item_wire(
+            self.request_id,
+            self.samples,
+            self.simple,
+            self.queue_ms,
+            self.shm,
+            self.shm_outputs,
+            self.shapes,
+        )
+
+
+def item_wire(
+    request_id: int,
+    samples: int,
+    simple: bool,
+    queue_ms: float,
+    shm: tuple[ShmRef | None, ...] | None,
+    shm_outputs: bool,
+    shapes: tuple[tuple[int, ...], ...] | None,
+) -> dict[str, Any]:
+    """BATCH ``requests[i]`` from a :class:`BatchItem`'s fields (the broker encodes its
+    dispatched requests with it, without the item)."""
+    wire: dict[str, Any] = {
+        "id": request_id,
+        "n": samples,
+        "simple": simple,
+        "queue_ms": round(queue_ms, 3),
+    }
+    if shm is not None:
+        wire["shm"] = shm_wire(shm)
+    if shm_outputs:
+        wire["shm_outputs"] = True
+    if shapes is not None:
+        wire["shapes"] = shapes
+    return wire
+
+
+def batch_frames(
+    batch_id: int,
+    model: str,
+    inputs: list[dict[str, Any]],
+    requests: list[dict[str, Any]],
+    payloads: Sequence[object],
+) -> list[Any]:
+    """A BATCH's frames from its meta's wire fields (``inputs``: each input's
+    :meth:`TensorMeta.to_wire`; ``requests``: each item's :func:`item_wire`) and its
+    ``payloads``, request-major."""
+    meta = {"batch": batch_id, "model": model, "inputs": inputs, "requests": requests}
+    return [_BATCH, codec.pack(meta), *payloads]
 
 
 class BatchInputCache:
@@ -118,7 +154,13 @@ class BatchMeta:
 
     def to_frames(self, payloads: Sequence[object]) -> list[Any]:
         """The BATCH's frames; ``payloads`` request-major."""
-        return [_BATCH, codec.pack(self.to_wire()), *payloads]
+        return batch_frames(
+            self.batch_id,
+            self.model,
+            [t.to_wire() for t in self.inputs],
+            [i.to_wire() for i in self.items],
+            payloads,
+        )
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any], known: BatchInputCache | None = None) -> BatchMeta:
@@ -219,12 +261,18 @@ class ResultMeta:
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
-        batch_id = require_field(meta, "batch", int, "result")
+        """A RESULT meta checked: per batch, its checks inlined (the rules of
+        :func:`~carpool.common.protocol.frames.require_field` and
+        :func:`~carpool.common.protocol.frames.optional_number`)."""
+        batch_id = meta.get("batch")
+        if type(batch_id) is not int:
+            batch_id = require_field(meta, "batch", int, "result")
         frames = meta.get("frames")
-        if not isinstance(frames, list) or not all(
-            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in frames
-        ):
+        if not isinstance(frames, list):
             raise ProtocolError("result: frames must be a list of ints >= 1")
+        for k in frames:
+            if type(k) is not int or k < 1:
+                raise ProtocolError("result: frames must be a list of ints >= 1")
         padding = meta.get("padding")
         if padding is not None:
             if not (
@@ -235,14 +283,16 @@ class ResultMeta:
             ):
                 raise ProtocolError("result: padding must be [padded, bucket] elements")
             padding = (padding[0], padding[1])
-        return cls(
-            batch_id,
-            optional_number(meta, "rho"),
-            optional_number(meta, "compute_ms"),
-            tuple(frames),
-            padding,
-            Telemetry.from_wire(meta.get("telemetry")),
-        )
+        rho = meta.get("rho", 0.0)
+        if type(rho) is not float or not math.isfinite(rho):
+            rho = optional_number(meta, "rho")
+        compute_ms = meta.get("compute_ms", 0.0)
+        if type(compute_ms) is not float or not math.isfinite(compute_ms):
+            compute_ms = optional_number(meta, "compute_ms")
+        telemetry = meta.get("telemetry")
+        if telemetry is not None:
+            telemetry = Telemetry.from_wire(telemetry)
+        return cls(batch_id, rho, compute_ms, tuple(frames), padding, telemetry)
 
 
 def result_wire(
