@@ -97,7 +97,7 @@ class Backlog:
             per_model = self.queued_samples[req.model] = [0, 0]
         per_model[priority] += samples
         tally = queue.tally or self._tally(queue)
-        # (BatchTally.add, inlined: per request)
+        # (BatchTally.add, inlined: speed: docs/benchmarks.md "Why the hot path looks as it does")
         if priority:
             tally.bulk += samples
         else:

@@ -29,7 +29,7 @@ class DispatchedBatch:
     """One BATCH to one worker: ``requests`` in batch order, their ``payloads``
     request-major, ``sent_s`` the dispatch time (each request's queue time ends there),
     ``inputs_wire`` the wire form of ``inputs`` where the caller keeps it (None: made
-    here). (Not frozen: one is made per batch.)"""
+    here). (Not frozen, for speed: docs/benchmarks.md "Why the hot path looks as it does".)"""
 
     batch_id: int
     model: str

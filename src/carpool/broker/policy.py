@@ -6,9 +6,8 @@ worker that would take the batch (its batch limit, when it will be free, its fit
 and answers ``Dispatch(max_samples)`` now or ``WaitUntil(t)``. It also says which requests
 are hopeless (``shed_before``) and in which order a queue is served.
 
-The value objects here are built several times per batch on the broker's hot path, so
-they are plain slotted dataclasses: a frozen one's ``__init__`` costs ~4 x as much. Treat
-them as immutable all the same.
+The value objects here are plain slotted dataclasses, not frozen; treat them as immutable
+all the same (speed: docs/benchmarks.md "Why the hot path looks as it does").
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class WorkerBound(Protocol):
 
 @dataclass(slots=True)
 class ToClient:
-    """Frames to send to the client ``identity``. (Not frozen: one is made per reply, and
-    a frozen dataclass's ``__init__`` costs ~4 x a plain one.)"""
+    """Frames to send to the client ``identity``. Not frozen, for speed:
+    docs/benchmarks.md "Why the hot path looks as it does"."""
 
     side: ClassVar[Side] = Side.FRONTEND
     identity: bytes

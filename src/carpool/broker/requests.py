@@ -83,8 +83,8 @@ FINAL = (_DONE, _EXPIRED, _FAILED)
 
 #: The states a request may move to, by the value of the state it is in: TRANSITIONS
 #: indexed for :meth:`RequestBook.move`. Keyed by value and held in tuples, so a move
-#: neither hashes the Enum (its ``__hash__`` is Python code, ~150 ns) nor compares more
-#: than identities.
+#: neither hashes the Enum nor compares more than identities.
+#: speed: docs/benchmarks.md "Why the hot path looks as it does"
 _TARGETS: dict[str, tuple[RequestState, ...]] = {
     state.value: tuple(to for frm, to in TRANSITIONS if frm is state) for state in RequestState
 }
@@ -175,7 +175,7 @@ class RequestBook:
     def enter(self, req: PendingRequest) -> None:
         """A new request is held for its client until it reaches a final state."""
         self.changes += 1
-        mine = self.held.get(req.client)  # (count_in, inlined: per request)
+        mine = self.held.get(req.client)  # (count_in, inlined: speed, docs/benchmarks.md)
         if mine is None:
             self.held[req.client] = [1, req.nbytes]
         else:
@@ -209,8 +209,8 @@ class RequestBook:
         self.changes += 1
         if to in FINAL:
             req.payloads = ()
-            # (count_out, inlined: per request; absent: a request made without enter, in
-            # tests)
+            # (count_out, inlined: speed: docs/benchmarks.md "Why the hot path looks as it does";
+            # absent: a request made without enter, in tests)
             mine = self.held.get(req.client)
             if mine is not None:
                 if mine[0] <= 1:

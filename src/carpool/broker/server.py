@@ -44,7 +44,7 @@ __all__ = ["BURST", "BrokerFault", "BrokerServer", "EmbeddedWorker"]
 
 #: How long the sockets may hold wind_down's last answers on close.
 _STOP_LINGER_MS = 1000
-# Read per message: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
+# Enum members as globals, for speed: docs/benchmarks.md "Why the hot path looks as it does".
 _BACKEND = Side.BACKEND
 
 

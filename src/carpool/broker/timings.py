@@ -41,8 +41,8 @@ class ModelTimings:
         """A batch dispatched at ``sent_s`` came back at ``now``; its requests answered by
         it (state DONE; the others were answered before, at their deadlines) are counted.
         Returns how many."""
-        # Histogram.observe, inlined (per request, and the batch's compute time): a bisect
-        # and an add for each figure.
+        # Histogram.observe, inlined: a bisect and an add for each figure.
+        # speed: docs/benchmarks.md "Why the hot path looks as it does"
         latency, wait, append = self.latency, self.wait, self._recent.append
         latency_counts, wait_counts, bounds = latency.counts, wait.counts, TIME_BOUNDS_S
         latency_sum = wait_sum = 0.0

@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 #: A request settled by the core itself, and its answer.
 Failed = tuple[int, RequestError]
 
-# Read per request: on CPython 3.11 ``Enum.MEMBER`` costs ~85 ns a read, a global ~15.
+# Enum members as globals, for speed: docs/benchmarks.md "Why the hot path looks as it does".
 _ERROR, _REPLY = Command.ERROR, Command.REPLY
 _QUERIES = (Command.STATS, Command.METADATA)
 #: Reply layouts a client remembers (the cache stops growing when full).

@@ -81,10 +81,10 @@ _PACKER_KEEP_BYTES = 1 << 20
 def pack(obj: object) -> bytes:
     """msgpack-encode ``obj`` (maps, lists, str, bytes, ints, floats, bool, None).
 
-    One ``Packer`` per thread, reused: ``msgpack.packb`` builds a new one per call, about
-    half of its cost for a small meta (1.3 -> 0.7 us). A Packer resets itself after each
-    call, also when the object cannot be packed, but keeps its buffer at the largest
-    size it ever needed: after a large object (a simple-form message carries its tensors
+    One ``Packer`` per thread, reused, where ``msgpack.packb`` builds a new one each time
+    (speed: docs/benchmarks.md "Why the hot path looks as it does"). A Packer resets
+    itself after each call, also when the object cannot be packed, but keeps its buffer at
+    the largest size it ever needed: after a large object (a simple-form message carries its tensors
     inline, up to 64 MiB) the thread's Packer is dropped. Not reentrant: nothing packed
     here may call back into ``pack`` (no ``default`` hook, plain containers only)."""
     try:

@@ -2,11 +2,10 @@
 
 glibc serves every allocation above ``M_MMAP_THRESHOLD`` (128 KiB to start, raised as
 mapped chunks are freed) with its own ``mmap`` and returns it with ``munmap`` when freed.
-libzmq allocates one buffer per received message, so a 1 MiB tensor frame cost a map, 256
-fresh-page faults and an unmap in every process it crossed. Measured on the zero-copy
-benchmark (bench/zero_copy.py, 1 MiB payloads): the broker's extra CPU per request over
-1 KiB fell from ~1.5 ms to ~0.95 ms with the thresholds below (set through
-``GLIBC_TUNABLES`` for that run; this module sets the same through ``mallopt``).
+libzmq allocates one buffer per received message, so under glibc's defaults a 1 MiB
+tensor frame costs a map, 256 fresh-page faults and an unmap in every process it crosses.
+This module raises the thresholds through ``mallopt`` (speed: docs/benchmarks.md "Why the
+hot path looks as it does").
 
 The cost: freed buffers stay in the process's heap for reuse, up to ``TRIM_BYTES`` per
 arena before glibc gives memory back, so a broker's resident size after a burst of large

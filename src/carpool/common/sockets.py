@@ -2,14 +2,13 @@
 
 ``Socket.send_multipart`` / ``recv_multipart`` are written in Python over the compiled
 ``zmq.backend.Socket.send`` / ``recv``: per frame they re-check the buffer, combine enum
-flags and ask ``getsockopt(RCVMORE)`` through the option enum. For the small frames of a
-request that layer costs about twice the send and receive themselves (a 4-frame message
-over inproc, sent and received: ~34 µs through it, ~11 µs direct; py-spy put 38% of the
-broker's time in it). These helpers call the compiled methods directly with plain int
-flags and read ``Frame.more``, with the same semantics as ``copy=False``: frames arrive
-as ``zmq.Frame`` (payloads never copied into Python), sends of ``zmq.Frame`` share the
-message, small ``bytes`` are copied by libzmq as usual. Errors are pyzmq's own
-(``zmq.Again`` for a would-block, ``ZMQError`` otherwise).
+flags and ask ``getsockopt(RCVMORE)`` through the option enum; for the small frames of
+a request that layer costs more than the send and receive themselves (speed:
+docs/benchmarks.md "Why the hot path looks as it does"). These helpers call the compiled
+methods directly with plain int flags and read ``Frame.more``, with the same semantics as
+``copy=False``: frames arrive as ``zmq.Frame`` (payloads never copied into Python), sends
+of ``zmq.Frame`` share the message, small ``bytes`` are copied by libzmq as usual.
+Errors are pyzmq's own (``zmq.Again`` for a would-block, ``ZMQError`` otherwise).
 
 If the compiled class is not where pyzmq has kept it (``zmq.backend.Socket``, every
 release since 2013), the helpers fall back to the public methods.
@@ -95,11 +94,11 @@ def readable(sock: zmq.Socket[Any]) -> bool:
 def waiting(sock: zmq.Socket[Any], limit: int | None = None) -> Iterator[list[zmq.Frame]]:
     """The messages waiting on ``sock`` (at most ``limit``), received without blocking.
 
-    After the first message it asks ZMQ_EVENTS whether another waits (~3.5 us) instead
-    of reading on until ``zmq.Again`` (~8.5 us: pyzmq builds the exception, an import
-    included): at low load a drain finds one message. If another waits it reads on until
-    ``zmq.Again``, so a busy socket is asked once per drain, not once per message.
-    ZMQ_EVENTS is level-triggered: what a drain leaves, the next poll reports."""
+    After the first message it asks ZMQ_EVENTS whether another waits instead of reading
+    on until ``zmq.Again``: at low load a drain finds one message. If another waits it
+    reads on until ``zmq.Again``, so a busy socket is asked once per drain, not once per
+    message. ZMQ_EVENTS is level-triggered: what a drain leaves, the next poll reports.
+    Speed: docs/benchmarks.md "Why the hot path looks as it does"."""
     n = 0
     while limit is None or n < limit:
         if n == 1 and not readable(sock):

@@ -48,7 +48,8 @@ from carpool.worker.load import BusyMeter, ReportedBusy
 
 logger = logging.getLogger(__name__)
 #: Batches of thread-free engines predicted to take less than this run on the loop
-#: thread: the hand-off to the inference thread and back costs ~0.25 ms.
+#: thread, with no hand-off to the inference thread.
+# speed: docs/benchmarks.md "Why the hot path looks as it does"
 INLINE_MAX_S = 0.002
 #: Weight of the newest batch in the smoothed engine time per sample.
 _RUN_EWMA_WEIGHT = 0.2
@@ -62,8 +63,8 @@ class WorkerState(Enum):
 
 @dataclass(slots=True)
 class RunBatch:
-    """Hand this batch to the inference thread. (Not frozen: one per batch, and a frozen
-    dataclass's ``__init__`` costs several times a plain one's.)"""
+    """Hand this batch to the inference thread. Not frozen, for speed:
+    docs/benchmarks.md "Why the hot path looks as it does"."""
 
     epoch: int
     batch: BatchMeta

@@ -73,8 +73,8 @@ def unreadable(batch: BatchMeta, reader: RegionReader) -> list[ItemError]:
 
 
 def _input_plan(inputs: tuple[TensorMeta, ...]) -> _Plan:
-    """Per batch input: its numpy dtype, item shape and bytes per sample. (Computed per
-    batch: a microsecond or two, under 1% of a batch's time in the worker.)"""
+    """Per batch input: its numpy dtype, item shape and bytes per sample, computed per
+    batch."""
     dtypes = [numpy_dtype(t.dtype) for t in inputs]
     item_shapes = [t.shape[1:] for t in inputs]
     sample_bytes = [
@@ -205,7 +205,7 @@ def replies(
         if order == ">" or (order == "=" and _BIG_ENDIAN_HOST):
             arr = arr.astype(arr.dtype.newbyteorder("<"))  # little-endian on the wire
         arrays.append(arr)
-        # wire_dtype is a dict lookup; numpy's dtype.name costs ~5 us per call.
+        # wire_dtype, not dtype.name: speed: docs/benchmarks.md "Why the hot path looks as it does"
         described.append((name, wire_dtype(arr.dtype), list(arr.shape[1:])))
     single = len(batch.items) == 1
     if single:
@@ -213,8 +213,9 @@ def replies(
         rows: list[Any] = arrays
         row_bytes: list[int] = []
     else:
-        # A request's rows as a slice of a flat byte view (cheaper than a numpy slice;
-        # flat uint8 because memoryview.cast refuses arrays with a zero-size dim).
+        # A request's rows as a slice of a flat byte view (flat uint8 because
+        # memoryview.cast refuses arrays with a zero-size dim).
+        # speed: docs/benchmarks.md "Why the hot path looks as it does"
         rows = [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays]  # type: ignore[arg-type]
         row_bytes = [a.itemsize * math.prod(a.shape[1:]) for a in arrays]
     descs: dict[int, list[dict[str, Any]]] = {}  # reply "outputs" by sample count

@@ -4,10 +4,9 @@ A worker on the broker's own host may connect over a plain unix stream socket in
 ZeroMQ (``carpool broker --local unix:PATH``, ``carpool worker --broker unix:PATH``). The
 messages and their frames are the same as on the ZeroMQ backend (docs/protocol.md); only
 the transport differs. Why: a ZeroMQ send wakes libzmq's I/O thread, which writes the
-socket, and on the other side the I/O thread reads it and wakes the receiving thread;
-on a small VM each wake-up costs tens of microseconds. Two processes passing 64 bytes
-over a pipe take 7–17 µs a round trip, over pyzmq ipc 66–89 µs (``bench/hot_path.py
-hops``). A link is written and read by the thread that owns it: one wake-up per hop.
+socket, and on the other side the I/O thread reads it and wakes the receiving thread.
+A link is written and read by the thread that owns it: one wake-up per hop (speed:
+docs/benchmarks.md "Why the hot path looks as it does", ``bench/hot_path.py hops``).
 
 Modules: :mod:`~carpool.common.link.stream` (:class:`Link`: the framing, sending and
 receiving on one connection) and :mod:`~carpool.common.link.listener`

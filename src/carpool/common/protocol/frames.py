@@ -53,7 +53,8 @@ class Priority(IntEnum):
     BULK = 1
 
 
-#: Priority by its wire value (an index is cheaper than the enum call).
+#: Priority by its wire value, an index.
+# speed: docs/benchmarks.md "Why the hot path looks as it does"
 PRIORITIES = (Priority.INTERACTIVE, Priority.BULK)
 
 

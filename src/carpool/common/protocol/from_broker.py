@@ -33,7 +33,7 @@ _HEARTBEAT_FRAMES = (header(Command.HEARTBEAT), encode(Command.HEARTBEAT, {})[1]
 @dataclass(slots=True)
 class BrokerBatch:
     """BATCH: requests to run as one batch; ``payloads``, request-major, as they arrived.
-    (Not frozen, as BatchMeta: one is made per batch on the hot path.)"""
+    (Not frozen, for speed: docs/benchmarks.md "Why the hot path looks as it does".)"""
 
     batch: BatchMeta
     payloads: Sequence[Frame]

@@ -62,10 +62,11 @@ from carpool.common.protocol.tensors import (
 
 L = TypeVar("L")
 
-#: :func:`~carpool.common.protocol.frames.view` as the type itself: two a request, so no
-#: Python frame of its own.
+#: :func:`~carpool.common.protocol.frames.view` as the type itself.
+# speed: docs/benchmarks.md "Why the hot path looks as it does"
 _view = cast(Callable[[Frame], memoryview], memoryview)
-#: The commands a client sends, as globals (a read per message; bench/hot_path.py).
+#: The commands a client sends, as globals.
+# speed: docs/benchmarks.md "Why the hot path looks as it does"
 _REQUEST, _CANCEL, _STATS, _METADATA = (
     Command.REQUEST,
     Command.CANCEL,
@@ -77,7 +78,7 @@ _REQUEST, _CANCEL, _STATS, _METADATA = (
 @dataclass(slots=True, eq=False)
 class Request(Generic[L]):
     """A REQUEST that passed :func:`decode_request` (framed, or the simple form). Not
-    frozen: one is made per request."""
+    frozen, for speed: docs/benchmarks.md "Why the hot path looks as it does"."""
 
     request_id: int
     model: str

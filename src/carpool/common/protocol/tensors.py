@@ -79,8 +79,9 @@ class TensorMeta:
 
 
 def tensor_wire(name: str, dtype: str, shape: list[int]) -> dict[str, Any]:
-    """A tensor descriptor map: the one encoder of ``{name, dtype, shape}`` (callers on
-    the hot path build descriptors from their fields, without a :class:`TensorMeta`)."""
+    """A tensor descriptor map: the one encoder of ``{name, dtype, shape}`` (callers that
+    hold the fields build descriptors without a :class:`TensorMeta`).
+    speed: docs/benchmarks.md "Why the hot path looks as it does"."""
     return {"name": name, "dtype": dtype, "shape": shape}
 
 

@@ -33,8 +33,8 @@ _BATCH, _RESULT = header(Command.BATCH), header(Command.RESULT)
 
 @dataclass(slots=True)
 class BatchItem:
-    """One request inside a BATCH. (Not frozen: a worker builds one per request of every
-    batch, and a frozen dataclass's ``__init__`` costs ~4 x a plain one.)"""
+    """One request inside a BATCH. Not frozen, for speed:
+    docs/benchmarks.md "Why the hot path looks as it does"."""
 
     request_id: int
     samples: int
@@ -128,7 +128,7 @@ class BatchInputCache:
 @dataclass(slots=True)
 class BatchMeta:
     """BATCH meta: requests of one model and one item shape, stacked along dim 0.
-    (Not frozen, like BatchItem and ResultMeta: built per batch on the hot path.)"""
+    (Not frozen, for speed: docs/benchmarks.md "Why the hot path looks as it does".)"""
 
     batch_id: int
     model: str
@@ -177,7 +177,7 @@ class BatchMeta:
             raise ProtocolError("batch: requests must be a non-empty list")
         items: list[BatchItem] = []
         append = items.append
-        for r in reqs:  # per request of every batch: checks inlined, same rules
+        for r in reqs:  # checks inlined for speed (docs/benchmarks.md), same rules
             if type(r) is not dict:
                 require_map(r, "batch request")  # raises with the usual message
             rid = r.get("id")
@@ -261,7 +261,7 @@ class ResultMeta:
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
-        """A RESULT meta checked: per batch, its checks inlined (the rules of
+        """A RESULT meta checked, its checks inlined for speed (docs/benchmarks.md; the rules of
         :func:`~carpool.common.protocol.frames.require_field` and
         :func:`~carpool.common.protocol.frames.optional_number`)."""
         batch_id = meta.get("batch")

@@ -4,8 +4,8 @@
 the host's CPU and memory from psutil, always; the GPU from NVML (nvml.py) on a dGPU, or
 from the Jetson's devfreq load (jetson.py) with the unified memory from psutil; and the
 CUDA binding, runtime and driver versions the GPU probe found. The worker core asks for a
-sample at heartbeat cadence, never per batch: each costs a few tens of microseconds
-(``psutil.cpu_percent(interval=None)`` compares with the last call and does not wait).
+sample at heartbeat cadence, never per batch (``psutil.cpu_percent(interval=None)``
+compares with the last call and does not wait).
 
 :meth:`TelemetrySampler.detect` picks the sources once, at start. The worker's GPU is the
 one CUDA names (the probe, :mod:`carpool.worker.tensorrt.probe`, which honours
