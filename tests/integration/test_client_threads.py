@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from carpool.client import Client, ReplyFuture, Unavailable
-from carpool.common.errors import CarpoolError
+from carpool.common.errors import Cancelled, CarpoolError
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output
 
 pytestmark = pytest.mark.timeout(60)
@@ -259,6 +259,24 @@ def test_a_submit_keeps_its_timeout_while_another_threads_send_waits(nobody: str
             answered.result(0)
 
 
+def test_a_request_cancelled_before_it_was_sent_is_never_sent(nobody: str) -> None:
+    """No broker, its queue full: a request the I/O thread holds for room, cancelled, is
+    answered Cancelled at once and leaves the I/O thread; no CANCEL is queued to go ahead
+    of it (a CANCEL before its REQUEST finds nothing at the broker, which then runs it)."""
+    client = Client(nobody, grace_s=0.2)
+    for _ in range(1000):  # fills ZeroMQ's high-water mark: the broker is away
+        client.submit("m", X, 30)
+    held = client.submit("m", X, 30)
+    _until("the I/O thread holds the request for room", lambda: _unsent(client) == 1)
+    assert held.cancel()
+    with pytest.raises(Cancelled, match="before it was sent"):
+        held.result(10)
+    assert _unsent(client) == 0
+    assert not client.core.resend.has_outgoing  # no CANCEL waits for the socket
+    assert held.request_id not in client.core.pending
+    client.close()
+
+
 def _hammer(
     client: Client, stop: threading.Event, ended: list[BaseException]
 ) -> tuple[threading.Thread, threading.Event]:
@@ -471,7 +489,7 @@ def test_interrupts_anywhere_in_close_leave_the_client_open_or_wholly_closed(
         f"""
 import signal, numpy as np
 from carpool.client import Client, Unavailable
-from carpool.common.errors import CarpoolError
+from carpool.common.errors import CarpoolError, Cancelled
 X = {{"x": np.ones((1, 4), np.float32)}}
 armed = False
 def boom(*a):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -122,15 +123,17 @@ class Completions:
     thread releases: the thread takes no lock a caller could hold (one interrupted by a
     signal handler's exception might keep it)."""
 
-    __slots__ = ("_looked", "_total", "_waiters")
+    __slots__ = ("_counts", "_waiters")
 
     def __init__(self) -> None:
-        self._total = self._looked = 0  # completed in all (the thread's), and looked at
+        # What each add() completed, until a look takes it: appends and pops of a deque
+        # are atomic, so looks in two threads never count one completion twice.
+        self._counts: deque[int] = deque()
         self._waiters: list[threading.Lock] = []
 
     def add(self, completed: int) -> None:
         """(The I/O thread.) ``completed`` more futures: wake the waiting calls."""
-        self._total += completed
+        self._counts.append(completed)
         self.wake()
 
     def wake(self) -> None:
@@ -142,7 +145,7 @@ class Completions:
     def wait(self, timeout_s: float | None, closing: threading.Event) -> None:
         """Wait at most ``timeout_s`` (None: without end) for the count to grow, unless
         it grew since the last look already, or ``closing`` is set."""
-        if self._total != self._looked or closing.is_set():
+        if self._counts or closing.is_set():
             return
         if timeout_s == 0:  # (a wait this short still lets the I/O thread take the GIL,
             timeout_s = _YIELD_S  # which a loop of poll(0) would hold for 5 ms at a time)
@@ -152,7 +155,7 @@ class Completions:
         try:
             # (Grown between the look and the append: add() woke the waiters it saw,
             # after it counted, so one of the two looks sees it.)
-            if self._total != self._looked or closing.is_set():
+            if self._counts or closing.is_set():
                 return
             if timeout_s is None or timeout_s >= threading.TIMEOUT_MAX:
                 waiter.acquire()
@@ -164,6 +167,8 @@ class Completions:
 
     def look(self) -> int:
         """How much the count grew since the last look."""
-        grown = self._total - self._looked
-        self._looked += grown
+        grown = 0
+        with contextlib.suppress(IndexError):
+            while True:
+                grown += self._counts.popleft()
         return grown

@@ -13,7 +13,7 @@ Sockets are held per broker, a :class:`Link` each, which the loop iterates (one 
 the DEALER, and the one retiring after a stopping broker's ``retry``). Each turn reads,
 fails what expired, follows the core to a new socket, takes the calls, and sends: the
 core's messages, then the calls' in order; one the socket has no room for waits (POLLOUT)
-until its send window passes. In a ``fork()`` child a parent's Client refuses calls.
+until its send window passes. A parent's Client refuses calls in a ``fork()`` child.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from carpool.client.futures import ReplyFuture, answer
 from carpool.client.shell import Dealer, close_core
 from carpool.common.clock import Clock
 from carpool.common.curve import ClientKeys
-from carpool.common.errors import CarpoolError, ProtocolError, RequestError, Unavailable
+from carpool.common.errors import Cancelled, CarpoolError, ProtocolError, RequestError, Unavailable
 from carpool.common.sockets import NOBLOCK, send_frames, waiting
 from carpool.common.wake import WakePipe
 
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _CLOSED = "the client is closed"
 _NOT_TAKING = "the broker is not taking requests"
+_UNSENT = "cancelled before it was sent"
 _NAMES = itertools.count(1)
 _forks = 0  # fork()s on the way to this process: a client's thread is in its own
 
@@ -60,8 +61,7 @@ os.register_at_fork(after_in_child=_forked)
 
 
 class Link:
-    """One broker's sockets as the I/O thread polls them: its :class:`Dealer` (current and
-    retiring socket), the current one's poll events, and the messages waiting for it."""
+    """One broker's :class:`Dealer`, its current socket's poll events, what waits for it."""
 
     __slots__ = ("dealer", "events", "full", "unsent")
 
@@ -176,19 +176,15 @@ class IOThread:
         self._polling = False
         if self._wake.fd in ready:
             self._wake.clear()
-        completed = 0
-        for link in self.links:
-            completed += self._read(link, ready)
+        completed = sum(self._read(link, ready) for link in self.links)
         now = self.clock.now()
         for link in self.links:  # (first: a window ends before its request's deadline)
             completed += self._expire_unsent(link, now) if link.unsent else 0
         completed += answer(self.futures, self.core.expire(now))
-        for link in self.links:
-            completed += self._follow_core(link)
+        completed += sum(self._follow_core(link) for link in self.links)
         completed += self._take_calls()
         now = self.clock.now()
-        for link in self.links:
-            completed += self._send(link, now)
+        completed += sum(self._send(link, now) for link in self.links)
         if self._queries:
             self._answer_queries(now)
         if completed:
@@ -199,15 +195,13 @@ class IOThread:
         """How long the poll may wait: until the next deadline (None: until woken)."""
         if self._calls or self._closers:
             return 0
-        soonest = self.core.next_deadline()
-        for link in self.links:
-            for op in link.unsent:
-                soonest = op.until if soonest is None else min(soonest, op.until)
-        for query in self._queries.values():
-            soonest = query.until if soonest is None else min(soonest, query.until)
-        if soonest is None:
+        untils = [op.until for link in self.links for op in link.unsent]
+        untils += [query.until for query in self._queries.values()]
+        if (deadline := self.core.next_deadline()) is not None:
+            untils.append(deadline)
+        if not untils:
             return None
-        return max(0, math.ceil((soonest - self.clock.now()) * 1000))
+        return max(0, math.ceil((min(untils) - self.clock.now()) * 1000))
 
     def _take_calls(self) -> int:
         """Take the calls handed so far (up to a Close); returns futures completed."""
@@ -255,14 +249,20 @@ class IOThread:
     def _cancel(self, future: ReplyFuture) -> int:
         if future.done() or self.futures.get(future.request_id) is not future:
             return 0
-        error = self.core.cancel(future.request_id)
+        rid = future.request_id
+        for link in self.links:  # one not sent yet never leaves: no CANCEL goes ahead of it
+            if op := next((o for o in link.unsent if getattr(o, "future", 0) is future), None):
+                link.unsent.remove(op)
+                self.core.forget(rid)
+                op.answer(future)
+                return answer(self.futures, [(rid, Cancelled(_UNSENT, request_id=rid))])
+        error = self.core.cancel(rid)
         if error is None or error.request_id is None:
             return 0  # its CANCEL waits in the core, for the socket
         return answer(self.futures, [(error.request_id, error)])
 
     def _send(self, link: Link, now: float) -> int:
-        """Send what the socket takes now: the core's messages, then the calls' in
-        order; fail what waited past its send window. Returns futures completed."""
+        """Send what the socket takes now (module docstring); returns futures completed."""
         socket = link.dealer.socket
         core, unsent = self.core, link.unsent
         full = sent = False
