@@ -24,13 +24,17 @@ from carpool.common.protocol import (
     HEARTBEAT_TO_WORKER,
     MAX_TIMEOUT_MS,
     BrokerDisconnect,
-    Cancel,
+    Command,
     ErrorReply,
     Frame,
     FromBroker,
     Request,
-    decode_from_client,
+    decode_meta,
     encode_error,
+    is_simple_form,
+    parse_header,
+    request_id_of,
+    view,
 )
 
 if TYPE_CHECKING:
@@ -150,15 +154,21 @@ def internal_error(
     message whose handling raised inside the core before it changed any state
     (``BrokerCore.on_fault``). None for a CANCEL, which is never answered (its id is the
     cancelled request's, whose own answer is still to come)."""
-    msg: Any = None
-    # The message made the core fail: what can be read of it is answered.
+    delimited = simple = False
+    rid: int | None = None
+    # Each step may fail on the message that made the core fail (the decoder's own fault
+    # too): what could be read is answered, from the header and the meta alone.
     with contextlib.suppress(Exception):
-        msg = decode_from_client(frames)
-    if type(msg) is Cancel:
-        return None
-    rid = getattr(msg, "request_id", None)
-    delimited = getattr(msg, "delimited", False)
-    simple = getattr(msg, "simple", False)
+        delimited = len(frames) > 1 and len(frames[0]) == 0
+        if delimited:
+            frames = frames[1:]
+        simple = len(frames) == 1 and is_simple_form(view(frames[0]))
+        if simple:
+            rid = request_id_of(decode_meta(view(frames[0])))
+        elif len(frames) > 1:
+            if parse_header(view(frames[0])) is Command.CANCEL:
+                return None
+            rid = request_id_of(decode_meta(view(frames[1])))
     message = (
         "the broker failed to handle the message (a bug of the broker's, logged); it "
         "changed nothing there, and may be sent again"

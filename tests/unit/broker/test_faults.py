@@ -16,7 +16,7 @@ from carpool.common.errors import ErrorCode
 from tests.unit.broker.harness import C1, T0, W1, Broker, parse
 
 
-def _fail(*args: Any) -> None:
+def _fail(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("injected fault")
 
 
@@ -58,3 +58,19 @@ def test_a_cancel_whose_handling_failed_is_not_answered() -> None:
     b = Broker.make()
     cancel = [b"CP\x01\x05", msgpack.packb({"id": 5, "client": b"n" * 16})]
     assert b.core.on_fault(T0, Side.FRONTEND, C1, cancel) == []
+
+
+def test_a_fault_in_the_decoder_is_answered_internal_with_its_id_after_the_delimiter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The answer reads the header and the meta itself, not through the decoder that
+    failed: a REQ client gets its empty delimiter (else its socket drops the answer) and
+    a DEALER client its request's id."""
+    b = Broker.make(max_batch=4)
+    b.ready(T0, W1)
+    monkeypatch.setattr("carpool.common.protocol.from_client.decode_request", _fail)
+    frames = [b"", *b.request_frames(7)]
+    with pytest.raises(RuntimeError, match="injected fault"):
+        b.core.on_client(T0, C1, frames)
+    (answer,) = [parse(o) for o in b.core.on_fault(T0, Side.FRONTEND, C1, frames)]
+    assert (answer.rid, answer.code, answer.delimited) == (7, ErrorCode.INTERNAL, True)
