@@ -54,6 +54,20 @@ def flood(peer, pings):
     peer.close()  # SO_LINGER 0: a reset
 """
 
+
+def _survives(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a process of its own (an abort ends only it); it exited 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        timeout=45,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 #: A broker on a thread (its ROUTERs as :func:`bind_router` makes them, the backend's as
 #: the frontend's); the peer attacks the frontend, faster than the broker reads; after
 #: the broker's heartbeats have fallen due a client asks STATS.
@@ -94,14 +108,7 @@ with ServerThread(BrokerServer(config)) as broker:
 def test_a_client_that_fills_its_connection_and_resets_it_does_not_stop_the_broker(
     heartbeat_s: float, pings: str
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _BROKER, str(heartbeat_s), pings],
-        timeout=45,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _survives(_BROKER, str(heartbeat_s), pings)
     assert done.stdout.startswith("serving"), done.stdout
 
 
@@ -141,14 +148,7 @@ router.close()
 def test_a_broker_router_left_unread_while_a_peer_fills_and_resets_it_reads_on(
     heartbeat_s: float, pings: str
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _ROUTER, str(heartbeat_s), pings],
-        timeout=45,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _survives(_ROUTER, str(heartbeat_s), pings)
     assert done.stdout.split() == ["alive"], done.stdout
 
 
@@ -183,12 +183,5 @@ connection.shut()
 
 
 def test_a_broker_that_fills_the_worker_connection_and_resets_it_does_not_stop_the_worker() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _WORKER],
-        timeout=45,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _survives(_WORKER)
     assert done.stdout.split() == ["alive"], done.stdout
