@@ -247,7 +247,7 @@ class BrokerAuth:
     @staticmethod
     def key_of(client: bytes) -> bytes:
         """The authenticated key the core's client id ``client`` starts with
-        (:meth:`client_key`): part of a request's origin (resends.py)."""
+        (:meth:`client_key`): part of a request's origin (intake.py)."""
         return client[:KEY_CHARS]
 
     def is_operator(self, client: bytes) -> bool:

@@ -36,15 +36,13 @@ from carpool.broker.admission import Layout, full, misfits, unfinishable
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
-from carpool.broker.fleet import FleetModel
+from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
 from carpool.broker.holding import HeldRequests
-from carpool.broker.inflight import InflightBatch, InflightTable
-from carpool.broker.intake import ClientIntake
+from carpool.broker.intake import ClientIntake, Resends
 from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Side, ToClient, ToWorker, disconnect
 from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook
-from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats, model_table, snapshot
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode

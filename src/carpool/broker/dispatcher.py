@@ -7,27 +7,33 @@ builds its BATCH; the batch's requests leave their queue through
 :meth:`~carpool.broker.backlog.Backlog.take`, in the order the backlog keeps. Deadlines
 that pass are answered here too, queued or in flight. Which queues are pumped when, and
 in which order, is :mod:`carpool.broker.pumps`'s.
+
+The BATCH goes to a worker's transport as a :class:`DispatchedBatch`, holding the batch's
+requests; its transport asks for one form: :meth:`~DispatchedBatch.to_message`, the
+typed :class:`BrokerBatch` (for a worker in the broker's process, no msgpack), or
+:meth:`~DispatchedBatch.to_frames`, that message's frames (for a socket), encoded
+straight from the requests by the encoders the typed message uses.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
-from carpool.broker.dispatched import DispatchedBatch, batch_inputs
-from carpool.broker.fleet import FleetModel
-from carpool.broker.inflight import InflightBatch, InflightTable
+from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
 from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, ToWorker, request_error
 from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
-from carpool.common.protocol import Frame, TensorMeta
+from carpool.common.protocol import BatchItem, BatchMeta, BrokerBatch, Frame, TensorMeta
+from carpool.common.protocol.worker_messages import batch_frames, item_wire
 
 logger = logging.getLogger(__name__)
 
@@ -341,3 +347,61 @@ class Dispatcher:
             hint = self.backlog.retry_after_ms(now) if retry else None
             out.append(request_error(self.stats, req, code, msg, retry=retry, hint=hint))
         return touched
+
+
+def batch_inputs(key: RequestKey) -> tuple[TensorMeta, ...]:
+    """A queue key's BATCH ``inputs``: its tensors with dim 0 = -1."""
+    return tuple(TensorMeta(name, dtype, (-1, *shape)) for name, dtype, shape in key[1])
+
+
+@dataclass(slots=True)
+class DispatchedBatch:
+    """One BATCH to one worker: ``requests`` in batch order, their ``payloads``
+    request-major, ``sent_s`` the dispatch time (each request's queue time ends there),
+    ``inputs_wire`` the wire form of ``inputs`` where the caller keeps it (None: made
+    here). (Not frozen, for speed: docs/benchmarks.md "Why the hot path looks as it does".)"""
+
+    batch_id: int
+    model: str
+    inputs: tuple[TensorMeta, ...]
+    requests: Sequence[PendingRequest]
+    payloads: Sequence[Frame]
+    sent_s: float
+    inputs_wire: list[dict[str, Any]] | None = None
+
+    def to_message(self) -> BrokerBatch:
+        sent_s = self.sent_s
+        items = tuple(
+            BatchItem(
+                r.request_id,
+                r.samples,
+                r.simple,
+                1000.0 * (sent_s - r.arrival_s),
+                r.refs,
+                r.shm_outputs,
+                r.shapes,
+            )
+            for r in self.requests
+        )
+        meta = BatchMeta(self.batch_id, self.model, self.inputs, items)
+        return BrokerBatch(meta, self.payloads)
+
+    def to_frames(self) -> list[Any]:
+        """The frames of :meth:`to_message`'s message, without building it."""
+        sent_s = self.sent_s
+        items = [
+            item_wire(
+                r.request_id,
+                r.samples,
+                r.simple,
+                1000.0 * (sent_s - r.arrival_s),
+                r.refs,
+                r.shm_outputs,
+                r.shapes,
+            )
+            for r in self.requests
+        ]
+        inputs = self.inputs_wire
+        if inputs is None:
+            inputs = [t.to_wire() for t in self.inputs]
+        return batch_frames(self.batch_id, self.model, inputs, items, self.payloads)

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from carpool.broker.latency import CostEstimate
+from carpool.broker.adaptive import CostEstimate
 
 
 @dataclass(slots=True)

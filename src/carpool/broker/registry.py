@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NewType
 
-from carpool.broker.adaptive import BatchSizeController
-from carpool.broker.latency import CostEstimate, LatencyModel
+from carpool.broker.adaptive import BatchSizeController, CostEstimate, LatencyModel
 from carpool.broker.limits import violation
 from carpool.broker.requests import RequestKey
 from carpool.common.protocol import ModelSpec, Ready, Telemetry

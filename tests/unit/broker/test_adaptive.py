@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.broker.adaptive import AdaptiveConfig, BatchSizeController
-from carpool.broker.latency import CostEstimate
+from carpool.broker.adaptive import AdaptiveConfig, BatchSizeController, CostEstimate
 
 GPU = CostEstimate(0.005, 0.0005, calibrated=True)
 

@@ -15,8 +15,7 @@ from carpool.broker.admission import (
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import request_key
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.fleet import FleetModel
-from carpool.broker.inflight import InflightTable
+from carpool.broker.fleet import FleetModel, InflightTable
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Refused
 from carpool.broker.requests import ClientId, RequestBook, RequestKey

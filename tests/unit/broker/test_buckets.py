@@ -191,7 +191,7 @@ def test_a_worker_whose_pad_rules_differ_from_the_live_spec_is_refused() -> None
 
 def test_a_batch_for_a_worker_in_the_broker_process_carries_the_own_shapes() -> None:
     """(The embedded transport hands the typed BATCH over; the socket one its frames.)"""
-    from carpool.broker.dispatched import DispatchedBatch, batch_inputs
+    from carpool.broker.dispatcher import DispatchedBatch, batch_inputs
     from tests.unit.broker.pending import pending_request
 
     req = pending_request(1)

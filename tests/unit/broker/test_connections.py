@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zmq
 
-from carpool.broker.connections import ConnectionTable
+from carpool.broker.frontend import ConnectionTable
 
 ACCEPTED, DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, ToClient, ToWorker
-from carpool.broker.dispatched import DispatchedBatch
+from carpool.broker.dispatcher import DispatchedBatch
 from carpool.common.protocol import (
     Command,
     ModelSpec,

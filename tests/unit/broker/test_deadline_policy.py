@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.broker.latency import CostEstimate
+from carpool.broker.adaptive import CostEstimate
 from carpool.broker.policy import (
     Capacity,
     DeadlinePolicy,

@@ -3,7 +3,7 @@ typed message."""
 
 from __future__ import annotations
 
-from carpool.broker.dispatched import DispatchedBatch, batch_inputs
+from carpool.broker.dispatcher import DispatchedBatch, batch_inputs
 from carpool.common import codec
 from tests.unit.broker.pending import pending_request
 

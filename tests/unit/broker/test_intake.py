@@ -11,8 +11,7 @@ import pytest
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.fleet import FleetModel
-from carpool.broker.inflight import InflightTable
+from carpool.broker.fleet import FleetModel, InflightTable
 from carpool.broker.intake import ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Refused

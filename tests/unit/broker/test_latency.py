@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from carpool.broker.latency import CostEstimate, LatencyModel
+from carpool.broker.adaptive import CostEstimate, LatencyModel
 
 
 def test_uncalibrated_until_two_sizes_seen() -> None:

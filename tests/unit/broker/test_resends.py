@@ -17,9 +17,9 @@ from typing import Any
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BatchingOverride, BrokerConfig
 from carpool.broker.holding import HeldRequests
+from carpool.broker.intake import Resends
 from carpool.broker.replies import Outgoing
 from carpool.broker.requests import ClientId, RequestBook
-from carpool.broker.resends import Resends
 from carpool.broker.stats import BrokerStats
 from carpool.common import codec
 from carpool.common.errors import ErrorCode

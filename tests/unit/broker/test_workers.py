@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.fleet import FleetModel
-from carpool.broker.inflight import InflightBatch, InflightTable
+from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, ToClient, ToWorker
 from carpool.broker.requests import RequestBook, RequestState
