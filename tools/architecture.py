@@ -18,12 +18,18 @@ another checkout's ``src`` measures that checkout with this script.
    submodule is an edge to it), counted in modules. Cycles are listed too (a cycle's
    modules count as one link of its length in the path). Target: at most 8.
 3. **Attributes of broker parts that hold another part**: in a ``BrokerCore()``, the
-   parts are the objects its attributes hold whose class is defined in
-   ``carpool.broker`` (frozen dataclasses, enums and exceptions are values, not parts).
-   Counted: each attribute of a part (its ``__dict__`` or slots) whose value is another
-   part, a method bound to one, the core or a method bound to it; a dataclass, container
-   or closure held there is looked into one level. Target: 0 outside the core. Also
-   given: how many of them name a part that holds no other (a state object).
+   core's objects are those its attributes hold whose class is defined in
+   ``carpool.broker`` (frozen dataclasses, enums and exceptions are values). Of them,
+   the *state objects* are the owners of the core's state in docs/architecture.md's
+   "Who owns what" (:data:`STATE_CLASSES`: the request book, the backlog, the held
+   requests, the in-flight table, the registry, the fleet model, the stats); the others
+   are *parts*, which act on state they are given. Counted: each attribute of a part
+   (its ``__dict__`` or slots) whose value is another part, a method bound to one, the
+   core or a method bound to it; a dataclass, container or closure held there is looked
+   into one level. Target: 0 outside the core. Also listed: the state objects that hold
+   another state object.
+3b. **State objects a part holds**: per part, the distinct state objects its attributes
+   hold (as above); the figure is the largest. Target: at most 3.
 4. **Lines in the client-message handler**: the source lines of the function
    ``BrokerCore.on_client`` runs (a method of the core, or the part's method it is bound
    to), from its ``def`` to its last line. Target: at most 30.
@@ -59,11 +65,26 @@ def package_dir() -> Path:
 
 BROKER_PACKAGE = "carpool.broker"
 
+#: The classes of the core's state objects: the owners of its state (docs/architecture.md,
+#: "Who owns what"). Every other object of the core is a part.
+STATE_CLASSES = frozenset(
+    {
+        "RequestBook",
+        "Backlog",
+        "HeldRequests",
+        "InflightTable",
+        "WorkerRegistry",
+        "FleetModel",
+        "BrokerStats",
+    }
+)
+
 #: Each figure's target: the comparison and the bound.
 TARGETS: dict[str, tuple[str, int]] = {
     "request_files": ("<", 40),
     "broker_import_path": ("<=", 8),
     "part_references": ("==", 0),
+    "state_per_part": ("<=", 3),
     "client_handler_lines": ("<=", 30),
 }
 _MEETS: dict[str, Callable[[int, int], bool]] = {
@@ -295,12 +316,33 @@ def part_references(core: object, package: str = BROKER_PACKAGE) -> list[tuple[s
     return found
 
 
-def to_leaves(refs: list[tuple[str, str]], parts: Iterable[str]) -> int:
-    """How many of ``refs`` name a part that itself holds no other part (a state object,
-    such as a request book, rather than a part that acts on others)."""
-    holders = {where.split(".")[0] for where, _ in refs}
-    leaves = set(parts) - holders
-    return sum(1 for _, held in refs if held.split(" ")[0] in leaves)
+def classify(
+    core: object,
+    refs: list[tuple[str, str]],
+    package: str = BROKER_PACKAGE,
+    state: frozenset[str] = STATE_CLASSES,
+) -> dict[str, Any]:
+    """``refs`` (:func:`part_references`) sorted by who holds what: a part holding a part
+    or the core (``between_parts``), a part holding state objects (``state_of``: the
+    distinct ones per part, every part listed) and a state object holding another
+    (``between_state``)."""
+    objects = parts_of(core, package)
+    is_state = {name: type(obj).__name__ in state for name, obj in objects.items()}
+    between_parts, between_state = [], []
+    state_of: dict[str, set[str]] = {n: set() for n, s in is_state.items() if not s}
+    for where, held in refs:
+        holder, target = where.split(".")[0], held.split(" ")[0]
+        if is_state[holder]:
+            between_state.append((where, held))
+        elif is_state.get(target, False):
+            state_of[holder].add(target)
+        else:
+            between_parts.append((where, held))
+    return {
+        "between_parts": between_parts,
+        "between_state": between_state,
+        "state_of": {name: sorted(held) for name, held in sorted(state_of.items())},
+    }
 
 
 # --------------------------------------------------------------------------- 4. handler
@@ -435,6 +477,8 @@ def measure(*, request: bool = True, trials: int = 3) -> dict[str, Any]:
     path = longest_path(graph)
     core = BrokerCore()
     refs = part_references(core)
+    sorted_refs = classify(core, refs)
+    state_of = sorted_refs["state_of"]
     lines, where = handler_lines(client_handler(core))
     figures: dict[str, Any] = {
         "broker_import_path": {
@@ -444,10 +488,15 @@ def measure(*, request: bool = True, trials: int = 3) -> dict[str, Any]:
             "modules": len(graph),
         },
         "part_references": {
-            "value": len(refs),
-            "parts": sorted(parts_of(core)),
-            "references": [f"{where} -> {held}" for where, held in refs],
-            "to_leaves": to_leaves(refs, parts_of(core)),
+            "value": len(sorted_refs["between_parts"]),
+            "parts": sorted(state_of),
+            "state_objects": sorted(set(parts_of(core)) - set(state_of)),
+            "references": [f"{w} -> {h}" for w, h in sorted_refs["between_parts"]],
+            "between_state": [f"{w} -> {h}" for w, h in sorted_refs["between_state"]],
+        },
+        "state_per_part": {
+            "value": max((len(held) for held in state_of.values()), default=0),
+            "state_of": state_of,
         },
         "client_handler_lines": {"value": lines, "function": where},
     }
@@ -471,6 +520,7 @@ def _print(figures: Mapping[str, Any], verbose: bool) -> None:
         "request_files": "files one request touches",
         "broker_import_path": "longest import path in src/carpool/broker (modules)",
         "part_references": "attributes of broker parts that hold another part",
+        "state_per_part": "state objects a broker part holds, at most",
         "client_handler_lines": "lines in the client-message handler",
     }
     for name in TARGETS:
@@ -488,8 +538,13 @@ def _print(figures: Mapping[str, Any], verbose: bool) -> None:
             print(f"  cycles: {figure['cycles'] or 'none'}")
         elif name == "part_references":
             print(f"  parts: {', '.join(figure['parts'])}")
-            print(f"  of them to parts that hold none (state objects): {figure['to_leaves']}")
+            print(f"  state objects: {', '.join(figure['state_objects'])}")
             print("".join(f"    {ref}\n" for ref in figure["references"]), end="")
+            print("  state objects that hold another:")
+            print("".join(f"    {ref}\n" for ref in figure["between_state"]), end="")
+        elif name == "state_per_part":
+            for part, held in figure["state_of"].items():
+                print(f"    {part} ({len(held)}): {', '.join(held)}")
         else:
             print(f"  {figure['function']}")
 

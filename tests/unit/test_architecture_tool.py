@@ -192,9 +192,22 @@ def test_every_way_a_part_holds_another_is_counted() -> None:
         ("slotted.notify<book>", "book (Book)"),
         ("tally.book", "book (Book)"),
     ]
-    # book holds nothing; intake, slotted and tally hold it, the core's method aside
+
+
+def test_references_are_sorted_into_parts_and_state_objects() -> None:
+    """With Book and Tally as state objects: tally's book is state holding state; the
+    intake and slotted parts each hold one state object (book, however often); the
+    intake's core method is the one reference between parts."""
+    core = TangledCore()
     refs = arch.part_references(core, __name__)
-    assert arch.to_leaves(refs, arch.parts_of(core, __name__)) == 4
+    found = arch.classify(core, refs, __name__, frozenset({"Book", "Tally"}))
+    assert found["between_parts"] == [("intake.snapshot", "TangledCore .snapshot")]
+    assert found["between_state"] == [("tally.book", "book (Book)")]
+    assert found["state_of"] == {"intake": ["book"], "slotted": ["book"]}
+    # with no state classes every reference is between parts
+    found = arch.classify(core, refs, __name__, frozenset())
+    assert len(found["between_parts"]) == len(refs) == 5
+    assert found["state_of"] == {"book": [], "intake": [], "slotted": [], "tally": []}
 
 
 def test_parts_that_hold_only_values_and_their_own_objects_count_nothing() -> None:
@@ -211,6 +224,11 @@ def test_the_broker_parts_and_their_references_are_found() -> None:
     for where, held in arch.part_references(core):
         assert where.split(".")[0] in parts
         assert held.split(" ")[0] in {*parts, "BrokerCore"}
+    # every state class names an object of the core, and some objects are parts
+    found = arch.classify(core, arch.part_references(core))
+    states = {type(obj).__name__ for name, obj in parts.items() if name not in found["state_of"]}
+    assert states == arch.STATE_CLASSES
+    assert found["state_of"]
 
 
 # --------------------------------------------------------------------------- handler
@@ -252,7 +270,12 @@ def test_the_script_prints_its_figures_as_json_and_exits_0(
     """It measures and never enforces: 0 whether the targets are met or not."""
     assert arch.main(["--json", "--skip-request"]) == 0
     figures = json.loads(capsys.readouterr().out)
-    assert set(figures) == {"broker_import_path", "part_references", "client_handler_lines"}
+    assert set(figures) == {
+        "broker_import_path",
+        "part_references",
+        "state_per_part",
+        "client_handler_lines",
+    }
     for figure in figures.values():
         assert isinstance(figure["value"], int)
         assert isinstance(figure["meets"], bool)

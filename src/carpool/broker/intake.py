@@ -12,12 +12,12 @@ answers it; the core routes what follows (the queue's pump, a hold at the door, 
 error reply).
 
 A request sent again, and a client's CANCEL (protocol.md §6.1, §6.5), are
-:class:`Resends`'s. A request that carries its client's nonce (REQUEST ``client``, 16 random bytes the
-client draws once) has an origin: the nonce, after the client's authenticated key under
-CURVE (the server sets :attr:`Resends.key_of`; without it the nonce alone). The request
-book indexes the requests it holds by (origin, id), and the holding area its held ones;
-both entries leave when the request has had its answer, so the index is bounded by the
-queue and in-flight limits.
+:class:`Resends`'s. A request that carries its client's nonce (REQUEST ``client``, 16
+random bytes the client draws once) has an origin: the nonce, after the client's
+authenticated key under CURVE (the server sets :attr:`Resends.key_of`; without it the
+nonce alone). The request book indexes the requests it holds by (origin, id), and the
+holding area its held ones; both entries leave when the request has had its answer, so
+the index is bounded by the queue and in-flight limits.
 
 - A REQUEST whose (origin, id) is a request still held (at the door, queued or at a
   worker) is a copy sent again after the client lost its connection: it is not run

@@ -23,13 +23,15 @@ import math
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carpool.broker.config import BatchingConfig
-from carpool.broker.fleet import InflightBatch
 from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
 from carpool.broker.requests import PendingRequest, RequestKey, RequestState
 from carpool.common.histogram import TIME_BOUNDS_S, Histogram
+
+if TYPE_CHECKING:  # (the in-flight table's module imports this one's neighbours)
+    from carpool.broker.fleet import InflightBatch
 
 #: The per-batch records (DEBUG; this module logs nothing else: turn it on alone).
 batch_log = logging.getLogger(__name__)
