@@ -14,8 +14,10 @@ of it takes), and kept per model incrementally as requests come and go: O(1) a r
 Requests leave a queue through the backlog, which keeps the counts in step: a batch's
 requests through :meth:`Backlog.take` alone (in :meth:`Backlog.next_up`'s order, which
 the dispatcher reads to size the batch), hopeless ones through :meth:`Backlog.shed`,
-and one that leaves unbatched (expired, cancelled, answered) through
-:meth:`Backlog.remove`.
+one that leaves unbatched (cancelled, answered) through :meth:`Backlog.remove`, and
+every live request whose deadline has passed through :meth:`Backlog.expire`. Each of
+these moves the request in the request book too, so that no request leaves a queue
+without its move, nor moves without leaving.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from carpool.broker.requests import (
 )
 from carpool.broker.urgency import QueueOrder
 
-_QUEUED = RequestState.QUEUED
+_QUEUED, _EXPIRED, _FAILED = RequestState.QUEUED, RequestState.EXPIRED, RequestState.FAILED
 
 
 def _one_sample(key: RequestKey) -> int:
@@ -226,11 +228,36 @@ class Backlog:
         return shed
 
     def remove(self, queue: RequestQueue, req: PendingRequest) -> None:
-        """``req``, queued in ``queue``, leaves it unbatched (its deadline passed, it is
-        cancelled or answered): out of the queue and the counts. The caller moves it out
-        of QUEUED and answers it."""
+        """``req``, queued in ``queue``, leaves it unbatched (cancelled or answered with
+        an error): out of the queue and the counts, and FAILED. The caller answers it."""
         queue.forget(req)
         self.dequeued(req)
+        self._book.move(req, _FAILED)
+
+    def expire(self, now: float) -> tuple[list[tuple[PendingRequest, bool]], set[RequestKey]]:
+        """Every live request whose deadline has passed by ``now``, queued or at a worker:
+        each leaves its queue (if queued) and moves to EXPIRED. Returns them, each with
+        whether it was queued, for the caller to answer; and the keys of the queues that
+        lost one (what was behind it may leave now)."""
+        expired: list[tuple[PendingRequest, bool]] = []
+        touched: set[RequestKey] = set()
+        move = self._book.move
+        for req in self.deadlines.pop_expired(now):
+            queued = req.state is _QUEUED
+            if queued:
+                self.queues[req.key].forget(req)
+                self.dequeued(req)
+                touched.add(req.key)
+            move(req, _EXPIRED)
+            expired.append((req, queued))
+        return expired, touched
+
+    def expire_taken(self, requests: Iterable[PendingRequest]) -> None:
+        """Requests taken into a batch that would finish past their deadlines (the
+        dispatcher drops them before it sends the batch): each moves to EXPIRED."""
+        move = self._book.move
+        for req in requests:
+            move(req, _EXPIRED)
 
     def drop(self, key: RequestKey) -> None:
         """Forget an idle queue (it holds no request)."""

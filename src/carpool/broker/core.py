@@ -82,7 +82,7 @@ class BrokerCore:
         )
         self.fleet = fleet = FleetModel(config, registry, inflight)
         backlog.batch_unit = fleet.batch_unit
-        self.dispatcher = Dispatcher(book, backlog, inflight, fleet, stats, registry)
+        self.dispatcher = Dispatcher(backlog, inflight, fleet, stats, registry)
         self.pumps = Pumps(backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, stats)
         self.resends = Resends(book, holding, stats)

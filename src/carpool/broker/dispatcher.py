@@ -29,7 +29,7 @@ from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
 from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, ToWorker, request_error
-from carpool.broker.requests import PendingRequest, RequestBook, RequestKey, RequestState
+from carpool.broker.requests import PendingRequest, RequestKey
 from carpool.broker.stats import BrokerStats
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import BatchItem, BatchMeta, BrokerBatch, Frame, TensorMeta
@@ -37,15 +37,11 @@ from carpool.common.protocol.worker_messages import batch_frames, item_wire
 
 logger = logging.getLogger(__name__)
 
-# Enum members as globals, for speed: docs/benchmarks.md "Why the hot path looks as it does".
-_QUEUED, _EXPIRED, _FAILED = RequestState.QUEUED, RequestState.EXPIRED, RequestState.FAILED
-
 
 @dataclass(slots=True, eq=False, repr=False)
 class Dispatcher:
     """The pump, shedding and dispatch; see the module docstring."""
 
-    book: RequestBook
     backlog: Backlog
     inflight: InflightTable
     fleet: FleetModel
@@ -244,7 +240,6 @@ class Dispatcher:
         ``now``, with the time left before the broker closes)."""
         backlog = self.backlog
         backlog.remove(queue, req)
-        self.book.move(req, _FAILED)
         if backlog.stopping and code is ErrorCode.UNAVAILABLE:
             hint = None if now is None else backlog.retry_after_ms(now)
             out.append(request_error(self.stats, req, code, message, retry=True, hint=hint))
@@ -261,11 +256,11 @@ class Dispatcher:
         keep = [r for r in requests if r.deadline_s >= done_s]
         if len(keep) < len(requests):
             msg = "deadline cannot be met: predicted completion lies past it"
-            for req in requests:
-                if req.deadline_s < done_s:
-                    self.book.move(req, _EXPIRED)
-                    self.stats.shed += 1
-                    out.append(request_error(self.stats, req, ErrorCode.DEADLINE_EXCEEDED, msg))
+            doomed = [r for r in requests if r.deadline_s < done_s]
+            self.backlog.expire_taken(doomed)
+            for req in doomed:
+                self.stats.shed += 1
+                out.append(request_error(self.stats, req, ErrorCode.DEADLINE_EXCEEDED, msg))
         return keep
 
     def _dispatch(
@@ -331,20 +326,16 @@ class Dispatcher:
     def expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
         """Answer every request whose deadline has passed, queued or in flight; returns the
         keys of queues that lost a request (what was behind it may leave now)."""
-        touched: set[RequestKey] = set()
-        for req in self.backlog.deadlines.pop_expired(now):
-            queued = req.state is _QUEUED
-            if queued:
-                self.backlog.remove(self.backlog.queues[req.key], req)
-                touched.add(req.key)
+        backlog = self.backlog
+        expired, touched = backlog.expire(now)
+        for req, queued in expired:
             retry = False
             if self.registry.serving(req.model):
                 code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"
             else:
                 code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
-                retry = queued and self.backlog.stopping  # (it did not run)
-            self.book.move(req, _EXPIRED)
-            hint = self.backlog.retry_after_ms(now) if retry else None
+                retry = queued and backlog.stopping  # (it did not run)
+            hint = backlog.retry_after_ms(now) if retry else None
             out.append(request_error(self.stats, req, code, msg, retry=retry, hint=hint))
         return touched
 

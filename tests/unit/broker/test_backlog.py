@@ -139,9 +139,38 @@ def test_shed_and_remove_take_requests_out_of_the_queue_and_the_counts() -> None
     assert (r1.state, r2.state) == (RequestState.EXPIRED, RequestState.EXPIRED)
     assert _counts(backlog, queue) == (1, 16, {"m": [0, 1]}, {"m": [0, 1]}, 1, 1)
     backlog.remove(queue, r3)
-    book.move(r3, RequestState.FAILED)
+    assert r3.state is RequestState.FAILED
     assert _counts(backlog, queue) == (0, 0, {"m": [0, 0]}, {"m": [0, 0]}, 0, 0)
     assert list(queue) == []
+
+
+def test_expire_takes_every_live_request_past_its_deadline_out_once() -> None:
+    """Queued ones leave their queue and the counts; one at a worker is only moved; each
+    is EXPIRED and returned once, with whether it was queued; the queue is named."""
+    book = RequestBook()
+    backlog = Backlog(book)
+    r1, r2, r3 = req(1), req(2), req(3)  # deadlines 101, 102, 103
+    queue = backlog.add(r1)
+    backlog.add(r2)
+    backlog.add(r3)
+    (sent,) = backlog.take(queue, 1, 0.0, 0.0, edf=False)
+    assert sent is r1
+    expired, touched = backlog.expire(102.0)
+    assert expired == [(r1, False), (r2, True)]
+    assert touched == {queue.key}
+    assert (r1.state, r2.state, r3.state) == (
+        RequestState.EXPIRED,
+        RequestState.EXPIRED,
+        RequestState.QUEUED,
+    )
+    assert list(queue) == [r3]
+    assert backlog.queued == 1
+    assert backlog.expire(102.0) == ([], set())
+    # Taken into a batch that would end too late: moved, nothing else.
+    (late,) = backlog.take(queue, 1, 0.0, 0.0, edf=False)
+    backlog.expire_taken([late])
+    assert late.state is RequestState.EXPIRED
+    assert backlog.expire(200.0) == ([], set())
 
 
 def _of_width(r: PendingRequest, width: int) -> PendingRequest:
@@ -181,7 +210,6 @@ def test_queued_samples_count_as_batches_of_their_own_key() -> None:
     for key, q in list(backlog.queues.items()):
         for r in list(q):
             backlog.remove(q, r)
-            book.move(r, RequestState.EXPIRED)
         backlog.drop(key)
     assert backlog.queued_batches == {"m": [0, 0]}
     assert backlog.alone(RequestQueue(five.key))
