@@ -37,6 +37,9 @@ from carpool.broker.urgency import QueueOrder
 
 _QUEUED, _EXPIRED, _FAILED = RequestState.QUEUED, RequestState.EXPIRED, RequestState.FAILED
 
+#: What :meth:`Backlog.expire` returns when nothing is due (never written).
+_NONE: list[tuple[PendingRequest, bool]] = []
+
 
 def _one_sample(key: RequestKey) -> int:
     return 1
@@ -234,23 +237,23 @@ class Backlog:
         self.dequeued(req)
         self._book.move(req, _FAILED)
 
-    def expire(self, now: float) -> tuple[list[tuple[PendingRequest, bool]], set[RequestKey]]:
+    def expire(self, now: float) -> list[tuple[PendingRequest, bool]]:
         """Every live request whose deadline has passed by ``now``, queued or at a worker:
         each leaves its queue (if queued) and moves to EXPIRED. Returns them, each with
-        whether it was queued, for the caller to answer; and the keys of the queues that
-        lost one (what was behind it may leave now)."""
+        whether it was queued, for the caller to answer."""
+        heap = self.deadlines.entries
+        if not heap or heap[0][0] > now:
+            return _NONE  # (the common case, once per pump: nothing due)
         expired: list[tuple[PendingRequest, bool]] = []
-        touched: set[RequestKey] = set()
         move = self._book.move
         for req in self.deadlines.pop_expired(now):
             queued = req.state is _QUEUED
             if queued:
                 self.queues[req.key].forget(req)
                 self.dequeued(req)
-                touched.add(req.key)
             move(req, _EXPIRED)
             expired.append((req, queued))
-        return expired, touched
+        return expired
 
     def expire_taken(self, requests: Iterable[PendingRequest]) -> None:
         """Requests taken into a batch that would finish past their deadlines (the

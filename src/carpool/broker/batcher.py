@@ -312,11 +312,13 @@ class DeadlineHeap:
     MIN_COMPACT = 1024
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, PendingRequest]] = []
+        #: (deadline, request) entries, a heap: the earliest first (read, never written,
+        #: outside this class).
+        self.entries: list[tuple[float, PendingRequest]] = []
         self._compact_at = self.MIN_COMPACT
 
     def push(self, req: PendingRequest) -> None:
-        heap = self._heap
+        heap = self.entries
         heapq.heappush(heap, (req.deadline_s, req))
         if len(heap) >= self._compact_at:
             live = [e for e in heap if e[1].state in _LIVE]
@@ -325,7 +327,7 @@ class DeadlineHeap:
             self._compact_at = max(self.MIN_COMPACT, 2 * len(live))
 
     def earliest(self) -> float | None:
-        heap = self._heap
+        heap = self.entries
         while heap and heap[0][1].state not in _LIVE:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
@@ -333,7 +335,7 @@ class DeadlineHeap:
     def pop_expired(self, now: float) -> list[PendingRequest]:
         """Remove and return live requests whose deadline is at or before ``now``."""
         out: list[PendingRequest] = []
-        heap = self._heap
+        heap = self.entries
         while heap and heap[0][0] <= now:
             _, req = heapq.heappop(heap)
             if req.state in _LIVE:
@@ -341,4 +343,4 @@ class DeadlineHeap:
         return out
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self.entries)

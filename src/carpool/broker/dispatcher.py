@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,9 @@ from carpool.common.protocol import BatchItem, BatchMeta, BrokerBatch, Frame, Te
 from carpool.common.protocol.worker_messages import batch_frames, item_wire
 
 logger = logging.getLogger(__name__)
+
+#: What :meth:`Dispatcher.expire` returns when nothing expired (never written).
+_NO_KEYS: frozenset[RequestKey] = frozenset()
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -323,12 +327,17 @@ class Dispatcher:
             return max(self.inflight.watchdog_slack_s, last_s - now)
         return self.inflight.limit_s(predicted_s)
 
-    def expire(self, now: float, out: list[Outgoing]) -> set[RequestKey]:
+    def expire(self, now: float, out: list[Outgoing]) -> AbstractSet[RequestKey]:
         """Answer every request whose deadline has passed, queued or in flight; returns the
         keys of queues that lost a request (what was behind it may leave now)."""
         backlog = self.backlog
-        expired, touched = backlog.expire(now)
+        expired = backlog.expire(now)
+        if not expired:
+            return _NO_KEYS
+        touched: set[RequestKey] = set()
         for req, queued in expired:
+            if queued:
+                touched.add(req.key)
             retry = False
             if self.registry.serving(req.model):
                 code, msg = ErrorCode.DEADLINE_EXCEEDED, "deadline passed before a result"

@@ -146,7 +146,7 @@ def test_shed_and_remove_take_requests_out_of_the_queue_and_the_counts() -> None
 
 def test_expire_takes_every_live_request_past_its_deadline_out_once() -> None:
     """Queued ones leave their queue and the counts; one at a worker is only moved; each
-    is EXPIRED and returned once, with whether it was queued; the queue is named."""
+    is EXPIRED and returned once, with whether it was queued."""
     book = RequestBook()
     backlog = Backlog(book)
     r1, r2, r3 = req(1), req(2), req(3)  # deadlines 101, 102, 103
@@ -155,9 +155,7 @@ def test_expire_takes_every_live_request_past_its_deadline_out_once() -> None:
     backlog.add(r3)
     (sent,) = backlog.take(queue, 1, 0.0, 0.0, edf=False)
     assert sent is r1
-    expired, touched = backlog.expire(102.0)
-    assert expired == [(r1, False), (r2, True)]
-    assert touched == {queue.key}
+    assert backlog.expire(102.0) == [(r1, False), (r2, True)]
     assert (r1.state, r2.state, r3.state) == (
         RequestState.EXPIRED,
         RequestState.EXPIRED,
@@ -165,12 +163,12 @@ def test_expire_takes_every_live_request_past_its_deadline_out_once() -> None:
     )
     assert list(queue) == [r3]
     assert backlog.queued == 1
-    assert backlog.expire(102.0) == ([], set())
+    assert backlog.expire(102.0) == []
     # Taken into a batch that would end too late: moved, nothing else.
     (late,) = backlog.take(queue, 1, 0.0, 0.0, edf=False)
     backlog.expire_taken([late])
     assert late.state is RequestState.EXPIRED
-    assert backlog.expire(200.0) == ([], set())
+    assert backlog.expire(200.0) == []
 
 
 def _of_width(r: PendingRequest, width: int) -> PendingRequest:
