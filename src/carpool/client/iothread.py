@@ -30,9 +30,8 @@ from typing import Any
 
 import zmq
 
-from carpool.client.calls import Call, Cancel, Close, Completions, Query, Submit
+from carpool.client.calls import Call, Cancel, Close, Completions, Query, ReplyFuture, Submit, fail
 from carpool.client.core import ClientCore
-from carpool.client.futures import ReplyFuture, answer
 from carpool.client.shell import Dealer, close_core
 from carpool.common.clock import Clock
 from carpool.common.curve import ClientKeys
@@ -180,7 +179,7 @@ class IOThread:
         now = self.clock.now()
         for link in self.links:  # (first: a window ends before its request's deadline)
             completed += self._expire_unsent(link, now) if link.unsent else 0
-        completed += answer(self.futures, self.core.expire(now))
+        completed += fail(self.futures, self.core.expire(now))
         completed += sum(self._follow_core(link) for link in self.links)
         completed += self._take_calls()
         now = self.clock.now()
@@ -255,11 +254,11 @@ class IOThread:
                 link.unsent.remove(op)
                 self.core.forget(rid)
                 op.answer(future)
-                return answer(self.futures, [(rid, Cancelled(_UNSENT, request_id=rid))])
+                return fail(self.futures, [(rid, Cancelled(_UNSENT, request_id=rid))])
         error = self.core.cancel(rid)
         if error is None or error.request_id is None:
             return 0  # its CANCEL waits in the core, for the socket
-        return answer(self.futures, [(error.request_id, error)])
+        return fail(self.futures, [(error.request_id, error)])
 
     def _send(self, link: Link, now: float) -> int:
         """Send what the socket takes now (module docstring); returns futures completed."""
@@ -309,7 +308,7 @@ class IOThread:
             assert op.future is not None
             rid = op.future.request_id
             self.core.forget(rid)
-            completed += answer(self.futures, [(rid, Unavailable(_NOT_TAKING, request_id=rid))])
+            completed += fail(self.futures, [(rid, Unavailable(_NOT_TAKING, request_id=rid))])
             op.answer(op.future)
         return completed
 
@@ -354,7 +353,7 @@ class IOThread:
                 completed += self._drain(retiring.socket)
                 self._unwatch(retiring.socket, retiring.watch.monitor)
                 dealer.close_retiring()
-                completed += answer(self.futures, self.core.retiring_lost(self.clock.now()))
+                completed += fail(self.futures, self.core.retiring_lost(self.clock.now()))
         return completed
 
     def _connection_lost(self, link: Link) -> int:
@@ -366,7 +365,7 @@ class IOThread:
         self._unwatch(link.dealer.socket, link.dealer.watch.monitor)
         link.dealer.reopen()
         self._watch(link)
-        completed += answer(self.futures, self.core.connection_lost(self.clock.now()))
+        completed += fail(self.futures, self.core.connection_lost(self.clock.now()))
         self._release_unsent(link)
         return completed
 
@@ -389,7 +388,7 @@ class IOThread:
                 self._poller.modify(dealer.socket, _POLLIN)  # (read only from now on)
             dealer.switch()
             self._watch(link)
-            completed += answer(self.futures, self.core.switched(self.clock.now()))
+            completed += fail(self.futures, self.core.switched(self.clock.now()))
             self._release_unsent(link)
         retiring = dealer.retiring
         if retiring is not None and not self.core.retiring:
