@@ -41,9 +41,10 @@ Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (
 descriptors and frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL: their encoders, and the simple
 form's), :mod:`.ready` (READY and its model specs), :mod:`.metadata` (METADATA),
-:mod:`.worker_messages` (BATCH, RESULT, FAILED), :mod:`.from_client`, :mod:`.from_worker`
-and :mod:`.from_broker` (each side's messages to the other as one typed union; the
-client's decoder holds REQUEST's one validator and its layout cache). Each message has one encoder
+:mod:`.worker_messages` (BATCH, RESULT, FAILED, and the broker's messages to a worker as
+one typed union), :mod:`.from_client` and :mod:`.from_worker` (each side's messages to
+the broker as one typed union; the client's decoder holds REQUEST's one validator and
+its layout cache). Each message has one encoder
 (``<message>_wire`` builds its meta map from its fields, ``<message>_frames`` its frames;
 a dataclass's ``to_wire`` calls the former) and one decoder, used by every caller. The
 package imports nothing that does I/O (no sockets, files, locks or threads); a test
@@ -87,15 +88,6 @@ from carpool.common.protocol.frames import (
     is_simple_form,
     parse_header,
     view,
-)
-from carpool.common.protocol.from_broker import (
-    HEARTBEAT_TO_WORKER,
-    BrokerBatch,
-    BrokerDisconnect,
-    BrokerHeartbeat,
-    BrokerMalformed,
-    FromBroker,
-    decode_from_broker,
 )
 from carpool.common.protocol.from_client import (
     ClientMalformed,
@@ -152,11 +144,18 @@ from carpool.common.protocol.tensors import (
     tensor_wire,
 )
 from carpool.common.protocol.worker_messages import (
+    HEARTBEAT_TO_WORKER,
     BatchInputCache,
     BatchItem,
     BatchMeta,
+    BrokerBatch,
+    BrokerDisconnect,
+    BrokerHeartbeat,
+    BrokerMalformed,
     FailedMeta,
+    FromBroker,
     ResultMeta,
+    decode_from_broker,
     result_frames,
     result_wire,
 )
