@@ -37,8 +37,8 @@ Worker ↔ broker (worker DEALER → broker backend ROUTER)::
     FAILED     W→B  meta {batch, code, message, rho}
     DISCONNECT W↔B  meta {reason}
 
-Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (tensor
-descriptors and frame sizes), :mod:`.refs` (shared-memory references),
+Modules: :mod:`.frames` (header, commands, limits, meta maps, tensor descriptors and
+frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL: their encoders, and the simple
 form's), :mod:`.ready` (READY and its model specs), :mod:`.metadata` (METADATA),
 :mod:`.worker_messages` (BATCH, RESULT, FAILED, and the broker's messages to a worker as
@@ -81,12 +81,18 @@ from carpool.common.protocol.frames import (
     Command,
     Frame,
     Priority,
+    Signature,
+    TensorMeta,
     VersionMismatch,
+    check_frame_sizes,
     decode_meta,
+    empty_span_bytes,
     encode,
     header,
     is_simple_form,
     parse_header,
+    tensor_signature,
+    tensor_wire,
     view,
 )
 from carpool.common.protocol.from_client import (
@@ -135,14 +141,6 @@ from carpool.common.protocol.refs import (
     valid_region,
 )
 from carpool.common.protocol.telemetry import Telemetry
-from carpool.common.protocol.tensors import (
-    Signature,
-    TensorMeta,
-    check_frame_sizes,
-    empty_span_bytes,
-    tensor_signature,
-    tensor_wire,
-)
 from carpool.common.protocol.worker_messages import (
     HEARTBEAT_TO_WORKER,
     BatchInputCache,

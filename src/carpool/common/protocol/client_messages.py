@@ -18,8 +18,10 @@ from carpool.common.protocol.frames import (
     PROTOCOL_VERSION,
     Command,
     Priority,
+    TensorMeta,
     header,
     optional_number,
+    tensor_list,
 )
 from carpool.common.protocol.refs import (
     OutputRef,
@@ -28,7 +30,6 @@ from carpool.common.protocol.refs import (
     parse_output_ref,
     ref_wire,
 )
-from carpool.common.protocol.tensors import TensorMeta, tensor_list
 
 #: Header frames, built once.
 _REQUEST, _REPLY, _ERROR = header(Command.REQUEST), header(Command.REPLY), header(Command.ERROR)

@@ -41,24 +41,22 @@ from carpool.common.protocol.frames import (
     Command,
     Frame,
     Priority,
+    Signature,
+    TensorMeta,
     VersionMismatch,
+    check_frame_sizes,
     decode_meta,
     encode,
     is_simple_form,
     parse_header,
     require_map,
     require_name,
+    tensor_list,
+    tensor_signature,
     view,
 )
 from carpool.common.protocol.metadata import MetadataRequest
 from carpool.common.protocol.refs import MAX_REF_BYTES, ShmRef, shm_refs
-from carpool.common.protocol.tensors import (
-    Signature,
-    TensorMeta,
-    check_frame_sizes,
-    tensor_list,
-    tensor_signature,
-)
 
 L = TypeVar("L")
 

@@ -17,9 +17,8 @@ from typing import Any
 from carpool.common import codec
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol.client_messages import request_id_of
-from carpool.common.protocol.frames import Command, header, require_map, require_name
+from carpool.common.protocol.frames import Command, TensorMeta, header, require_map, require_name
 from carpool.common.protocol.ready import ModelSpec
-from carpool.common.protocol.tensors import TensorMeta
 from carpool.common.shape_rules import ShapeRule
 
 __all__ = [

@@ -27,6 +27,8 @@ from carpool.common.protocol.client_messages import ErrorReply
 from carpool.common.protocol.frames import (
     Command,
     Frame,
+    Signature,
+    TensorMeta,
     decode_meta,
     encode,
     header,
@@ -35,11 +37,12 @@ from carpool.common.protocol.frames import (
     require_field,
     require_map,
     require_name,
+    tensor_list,
+    tensor_signature,
     view,
 )
 from carpool.common.protocol.refs import ShmRef, parse_batch_refs, shm_wire
 from carpool.common.protocol.telemetry import Telemetry
-from carpool.common.protocol.tensors import Signature, TensorMeta, tensor_list, tensor_signature
 
 #: Header frames, built once.
 _BATCH, _RESULT = header(Command.BATCH), header(Command.RESULT)
