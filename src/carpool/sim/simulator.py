@@ -46,7 +46,7 @@ from carpool.common.protocol import (
     header,
 )
 from carpool.sim.workload import Arrival
-from carpool.worker.load import BusyMeter
+from carpool.worker.core import BusyMeter
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,13 +29,13 @@ from carpool.common.protocol import (
 from carpool.worker.core import (
     Action,
     Answer,
+    BusyMeter,
     JobOutcome,
     Reconnect,
     RunBatch,
     WorkerCore,
     WorkerState,
 )
-from carpool.worker.load import BusyMeter
 
 T0 = 100.0
 SPEC = ModelSpec(
