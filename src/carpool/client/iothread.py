@@ -262,7 +262,7 @@ class IOThread:
 
     def _send(self, link: Link, now: float) -> int:
         """Send what the socket takes now (module docstring); returns futures completed."""
-        socket = link.dealer.socket
+        socket = link.dealer.current.socket
         core, unsent = self.core, link.unsent
         full = sent = False
         while (frames := core.outgoing(now)) is not None:
@@ -329,8 +329,8 @@ class IOThread:
 
     def _watch(self, link: Link) -> None:
         """Poll the link's current socket (for reading) and its monitor."""
-        self._poller.register(link.dealer.socket, _POLLIN)
-        self._poller.register(link.dealer.watch.monitor, _POLLIN)
+        self._poller.register(link.dealer.current.socket, _POLLIN)
+        self._poller.register(link.dealer.current.watch.monitor, _POLLIN)
         link.events = _POLLIN
 
     def _unwatch(self, socket: zmq.Socket[bytes], monitor: zmq.Socket[Any]) -> None:
@@ -341,9 +341,9 @@ class IOThread:
         """Read what the poll found on the link's sockets; returns futures completed."""
         dealer = link.dealer
         completed = 0
-        if dealer.socket in ready:
-            completed += self._drain(dealer.socket)
-        if dealer.watch.monitor in ready and dealer.watch.lost():
+        if dealer.current.socket in ready:
+            completed += self._drain(dealer.current.socket)
+        if dealer.current.watch.monitor in ready and dealer.current.watch.lost():
             completed += self._connection_lost(link)
         retiring = dealer.retiring
         if retiring is not None:
@@ -361,8 +361,8 @@ class IOThread:
         came, and open the socket afresh (nothing queued in the old one reaches the next
         broker, to be answered twice). Each request pending on it, or waiting for it to
         take it, is sent again while its budget allows, else fails now (protocol §11)."""
-        completed = self._drain(link.dealer.socket)
-        self._unwatch(link.dealer.socket, link.dealer.watch.monitor)
+        completed = self._drain(link.dealer.current.socket)
+        self._unwatch(link.dealer.current.socket, link.dealer.current.watch.monitor)
         link.dealer.reopen()
         self._watch(link)
         completed += fail(self.futures, self.core.connection_lost(self.clock.now()))
@@ -385,7 +385,7 @@ class IOThread:
                 completed += self._drain(old.socket)
                 self._unwatch(old.socket, old.watch.monitor)
             if link.events != _POLLIN:
-                self._poller.modify(dealer.socket, _POLLIN)  # (read only from now on)
+                self._poller.modify(dealer.current.socket, _POLLIN)  # (read only from now on)
             dealer.switch()
             self._watch(link)
             completed += fail(self.futures, self.core.switched(self.clock.now()))
