@@ -24,10 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from carpool.common.codec import numpy_dtype
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.padding import CropAxis, PadRule, cropped_extent
-from carpool.common.protocol import BatchItem, BatchMeta, Frame, check_frame_sizes, view
+from carpool.common.protocol import (
+    BatchItem,
+    BatchMeta,
+    Frame,
+    check_frame_sizes,
+    numpy_dtype,
+    view,
+)
 from carpool.common.shm import RegionReader, ShmError, ShmRing
 from carpool.worker.engines.base import Array
 from carpool.worker.tensors import ItemError, replies, stack

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchItem,
@@ -26,6 +25,7 @@ from carpool.common.protocol import (
     header,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 from carpool.worker.core import (
     Action,
     Answer,

@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol.client_messages import (
     Cancel,
@@ -35,6 +34,7 @@ from carpool.common.protocol.client_messages import (
 )
 from carpool.common.protocol.frames import (
     MAX_NAME_CHARS,
+    MAX_SIMPLE_BYTES,
     MAX_TIMEOUT_MS,
     PRIORITIES,
     PROTOCOL_VERSION,
@@ -53,6 +53,7 @@ from carpool.common.protocol.frames import (
     require_name,
     tensor_list,
     tensor_signature,
+    unpack,
     view,
 )
 from carpool.common.protocol.metadata import MetadataRequest
@@ -258,7 +259,7 @@ def decode_simple(frame: Frame, *, delimited: bool = False) -> Request[Any]:
         ProtocolError: as :func:`decode_request`, or a rule of the simple form (its
             ``meta``: the decoded map, when there was one).
     """
-    obj = require_map(codec.unpack(view(frame), max_bytes=codec.MAX_SIMPLE_BYTES), "simple request")
+    obj = require_map(unpack(view(frame), max_bytes=MAX_SIMPLE_BYTES), "simple request")
     try:
         version = obj.get("v")
         if type(version) is not int:

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol.client_messages import ErrorReply
 from carpool.common.protocol.frames import (
@@ -33,6 +32,7 @@ from carpool.common.protocol.frames import (
     encode,
     header,
     optional_number,
+    pack,
     parse_header,
     require_field,
     require_map,
@@ -117,7 +117,7 @@ def batch_frames(
     :meth:`TensorMeta.to_wire`; ``requests``: each item's :func:`item_wire`) and its
     ``payloads``, request-major."""
     meta = {"batch": batch_id, "model": model, "inputs": inputs, "requests": requests}
-    return [_BATCH, codec.pack(meta), *payloads]
+    return [_BATCH, pack(meta), *payloads]
 
 
 class BatchInputCache:
@@ -338,7 +338,7 @@ def result_wire(
 
 def result_frames(meta: dict[str, Any], replies: Sequence[object]) -> list[Any]:
     """Frames of a RESULT whose meta :func:`result_wire` built, then the replies' frames."""
-    return [_RESULT, codec.pack(meta), *replies]
+    return [_RESULT, pack(meta), *replies]
 
 
 @dataclass(frozen=True, slots=True)
