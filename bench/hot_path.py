@@ -90,7 +90,6 @@ from common import (
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Side
 from carpool.client import Client
-from carpool.common import codec
 from carpool.common.protocol import (
     Command,
     ModelSpec,
@@ -99,6 +98,7 @@ from carpool.common.protocol import (
     encode,
     header,
 )
+from carpool.common.protocol import frames as codec
 
 
 def _worker_message() -> Callable[[list[Any]], Any]:

@@ -25,8 +25,8 @@ import zmq
 
 from carpool.broker.config import BatchingConfig
 from carpool.commandline import add_batching_flags, add_burst_flags, add_command
-from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
+from carpool.common.protocol import DTYPES
 from carpool.loadgen import BenchReport, run, synthetic_inputs
 from carpool.sim import workload
 from carpool.sim.commands import add_engine_flags, finite, write_json

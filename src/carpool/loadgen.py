@@ -26,9 +26,8 @@ from numpy.typing import NDArray
 
 from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.clock import Clock, MonotonicClock
-from carpool.common.codec import DTYPES
 from carpool.common.progress import Progress
-from carpool.common.protocol import Priority
+from carpool.common.protocol import DTYPES, Priority
 from carpool.sim.simulator import SimResult, rate_per_s
 from carpool.sim.workload import Arrival
 

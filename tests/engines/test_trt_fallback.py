@@ -17,10 +17,10 @@ from carpool.client import Client
 from carpool.common.errors import ConfigError
 from carpool.worker.config import ModelConfig, TensorRTConfig
 from carpool.worker.engines import trt_load
+from carpool.worker.engines.base import engines_busy_s
 from carpool.worker.engines.ort import OnnxRuntimeEngine
 from carpool.worker.engines.trt_load import TensorRT
 from carpool.worker.factory import engine_factory
-from carpool.worker.load import engines_busy_s
 from carpool.worker.models import locate
 from carpool.worker.tensorrt import cache
 from carpool.worker.tensorrt.build import prepare, request_for

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from carpool.common import codec
 from carpool.common.protocol import Command, header
+from carpool.common.protocol import frames as codec
 from tests.bench_scripts import BENCH, load_script
 
 

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from carpool.client import AsyncClient, Client
-from carpool.common import codec
 from carpool.common.errors import Unavailable
+from carpool.common.protocol import frames as codec
 from carpool.worker.engines.synthetic import SyntheticEngine
 
 X = np.ones((1, 4), np.float32)

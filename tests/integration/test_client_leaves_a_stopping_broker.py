@@ -25,8 +25,8 @@ import pytest
 import zmq
 
 from carpool.client import AsyncClient, Client, InferResult, Unavailable
+from carpool.client.calls import ReplyFuture
 from carpool.client.core import ClientCore
-from carpool.client.futures import ReplyFuture
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Command,

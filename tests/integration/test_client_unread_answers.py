@@ -29,7 +29,7 @@ broker.bind(endpoint)
 owner = type("Owner", (), {})()
 dealer = Dealer(owner, context, endpoint, own_context=False, keys=None)
 for i in range(1500):
-    dealer.socket.send_multipart([b"CP\\x01\\x01", str(i).encode()])
+    dealer.current.socket.send_multipart([b"CP\\x01\\x01", str(i).encode()])
 for _ in range(1500):
     frames = broker.recv_multipart()
     broker.send_multipart([frames[0], b"CP\\x01\\x02", frames[2]])
@@ -38,8 +38,8 @@ idle = context.socket(zmq.PAIR)  # (nothing arrives: a wait that reads no socket
 idle.poll(3 * HEARTBEAT_IVL_MS)
 idle.close()
 unread = 0
-while dealer.socket.poll(0):
-    dealer.socket.recv_multipart()
+while dealer.current.socket.poll(0):
+    dealer.current.socket.recv_multipart()
     unread += 1
 print("alive", unread)
 dealer.close()

@@ -25,7 +25,6 @@ from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import ToWorker
 from carpool.broker.server import BURST, BrokerServer
 from carpool.client import Client
-from carpool.common import codec
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ConfigError, RequestError
 from carpool.common.link import MAX_FRAMES, PREAMBLE
@@ -39,6 +38,7 @@ from carpool.common.protocol import (
     encode,
     encode_reply,
 )
+from carpool.common.protocol import frames as codec
 from carpool.common.testing import FakeClock, ServerThread
 from carpool.worker.connection import too_large_for_a_link
 from carpool.worker.engines.ort import OnnxRuntimeEngine

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from carpool.common import codec
 from carpool.common.protocol import Command, encode, header
+from carpool.common.protocol import frames as codec
 from carpool.worker.engines.base import Array, EngineInfo
 from carpool.worker.engines.synthetic import SyntheticEngine
 from carpool.worker.server import WorkerServer

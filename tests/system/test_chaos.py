@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from carpool.client import Client, RequestError
-from carpool.client.futures import ReplyFuture
+from carpool.client.calls import ReplyFuture
 from carpool.common.errors import Unavailable
 from carpool.worker.engines.synthetic import synthetic_output
 

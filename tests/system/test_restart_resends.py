@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from carpool.client import Client, RequestError
-from carpool.client.futures import ReplyFuture
+from carpool.client.calls import ReplyFuture
 from carpool.worker.engines.synthetic import synthetic_output
 
 pytestmark = pytest.mark.timeout(90)

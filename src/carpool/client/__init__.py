@@ -10,7 +10,7 @@ Both speak to a broker's frontend and raise the typed errors of
 """
 
 from carpool.client.aio import AsyncClient
-from carpool.client.futures import ReplyFuture
+from carpool.client.calls import ReplyFuture
 from carpool.client.options import ClientOptionArgs, ClientOptions
 from carpool.client.results import InferResult
 from carpool.client.sync import Client

@@ -89,7 +89,7 @@ class AsyncClient:
     @property
     def socket(self) -> zmq.asyncio.Socket:
         """The DEALER socket to the broker (a fresh one after a lost connection)."""
-        return self._dealer.socket
+        return self._dealer.current.socket
 
     async def submit(
         self,
@@ -302,7 +302,7 @@ class AsyncClient:
                 ready = {}  # woken: the core has something for the socket
             finally:
                 self._polling = None
-            socket, watch = self.socket, self._dealer.watch
+            socket, watch = self.socket, self._dealer.current.watch
             retiring = self._dealer.retiring
             if ready.get(socket, 0) & _POLLIN:
                 await self._receive(socket)  # (never suspends: NOBLOCK receives)
@@ -358,7 +358,7 @@ class AsyncClient:
         poller = zmq.asyncio.Poller()
         poller.register(self.socket, zmq.POLLIN)
         self._poll_events = _POLLIN
-        poller.register(dealer.watch.monitor, zmq.POLLIN)
+        poller.register(dealer.current.watch.monitor, zmq.POLLIN)
         if dealer.retiring is not None:
             poller.register(dealer.retiring.socket, zmq.POLLIN)
             poller.register(dealer.retiring.watch.monitor, zmq.POLLIN)

@@ -1,9 +1,14 @@
-"""calls.py: what callers of a blocking Client hand its I/O thread.
+"""calls.py: what callers of a blocking Client hand its I/O thread, and the futures it
+completes for them.
 
 Each :class:`Call` is answered once, from the I/O thread
 (:mod:`carpool.client.iothread`), with a value or an exception; the caller waits on a
 lock of the call's own, so a signal handler's call, in the thread whose call it
-interrupted, waits on another. A :class:`Cancel` is not waited for.
+interrupted, waits on another. A :class:`Cancel` is not waited for. A submitted
+request's answer is a :class:`ReplyFuture`, which the I/O thread completes once and any
+thread may wait for: each waiting call parks on a lock of its own, which the I/O thread
+releases when it completes the future (a waiter that an exception interrupts leaves
+nothing held that another waiter needs).
 """
 
 from __future__ import annotations
@@ -12,18 +17,119 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.futures import Owner, ReplyFuture
 from carpool.client.inputs import Encoded
+from carpool.client.results import InferResult
+from carpool.common.errors import RequestError
 from carpool.common.protocol import Priority
 
-__all__ = ["Call", "Cancel", "Close", "Completions", "Query", "Submit"]
+__all__ = [
+    "Call",
+    "Cancel",
+    "Close",
+    "Completions",
+    "Owner",
+    "Query",
+    "ReplyFuture",
+    "Submit",
+    "fail",
+]
 
 #: How long ``poll(0)`` waits when nothing completed: it gives up the GIL that long.
 _YIELD_S = 1e-6
+
+
+class Owner(Protocol):
+    """What a future belongs to: its client, which cancels it."""
+
+    def cancel(self, future: ReplyFuture) -> bool: ...
+
+
+class ReplyFuture:
+    """The pending reply of one request; :meth:`result` waits for it."""
+
+    __slots__ = ("_error", "_owner", "_result", "_waiters", "request_id")
+
+    def __init__(self, owner: Owner, request_id: int) -> None:
+        self._owner = owner
+        self.request_id = request_id
+        self._result: InferResult | None = None
+        self._error: RequestError | None = None
+        self._waiters: list[threading.Lock] = []  # one per waiting call, each held
+
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def _set(self, outcome: InferResult | RequestError) -> None:
+        """(The I/O thread, once.) Complete the future and wake the calls waiting."""
+        if isinstance(outcome, RequestError):
+            self._error = outcome
+        else:
+            self._result = outcome
+        for waiter in list(self._waiters):
+            waiter.release()
+
+    def result(self, timeout_s: float | None = None) -> InferResult:
+        """Wait for the reply (at most ``timeout_s``; None or ``math.inf``: as long as it
+        takes); raise its typed error if it failed.
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed first (the request stays pending).
+            RequestError: the request failed (a subclass per error code).
+        """
+        ready = self._result
+        if ready is not None:  # the common case once answered
+            return ready
+        if not self.done():
+            self._wait(timeout_s)
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None  # done() and no error
+        return self._result
+
+    def _wait(self, timeout_s: float | None) -> None:
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        try:
+            # (Completed between the look and the append: _set released the waiters it
+            # saw, after it set the outcome, so one of the two looks sees it.)
+            if self.done():
+                return
+            if timeout_s is None or timeout_s >= threading.TIMEOUT_MAX:
+                waiter.acquire()
+            elif timeout_s <= 0 or not waiter.acquire(True, timeout_s):
+                raise TimeoutError(f"request {self.request_id} still pending")
+        finally:
+            self._waiters.remove(waiter)
+
+    def outputs(self, timeout_s: float | None = None) -> dict[str, NDArray[Any]]:
+        return self.result(timeout_s).outputs
+
+    def cancel(self) -> bool:
+        """Tell the broker this request is no longer needed (CANCEL, protocol §6.5),
+        without waiting: a request still queued there is dropped. The future still
+        resolves with the request's one answer, which says what became of it:
+        :class:`~carpool.common.errors.Cancelled` if it was dropped before a worker had
+        it, else its result (or error) as usual. A request waiting in the client to be
+        sent again (after a lost connection) is at no broker: it resolves ``Cancelled``
+        at once. Returns False if the future was already answered."""
+        return self._owner.cancel(self)
+
+
+def fail(futures: dict[int, ReplyFuture], failed: list[tuple[int, RequestError]]) -> int:
+    """Fail the futures (taken out of ``futures``) of requests that the client's core
+    settled itself, each with its error; returns how many it completed."""
+    completed = 0
+    for rid, error in failed:
+        future = futures.pop(rid, None)
+        if future is not None:
+            future._set(error)
+            completed += 1
+    return completed
 
 
 class Call:

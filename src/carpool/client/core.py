@@ -32,7 +32,6 @@ from carpool.client.inputs import Encoded, encode_inputs
 from carpool.client.queries import Queries
 from carpool.client.resend import Resender
 from carpool.client.results import InferResult
-from carpool.common import codec
 from carpool.common.errors import (
     InternalError,
     ProtocolError,
@@ -49,6 +48,7 @@ from carpool.common.protocol import (
     Signature,
     check_frame_sizes,
     decode_meta,
+    numpy_dtype,
     parse_header,
     request_frames,
     request_id_of,
@@ -267,13 +267,13 @@ class ClientCore:
                 return None, Unavailable("a late reply", request_id=reply.request_id)
             return rid, self._shared_outputs(reply, payloads)
         outputs = {
-            t.name: np.frombuffer(view(p), codec.numpy_dtype(t.dtype)).reshape(t.shape)
+            t.name: np.frombuffer(view(p), numpy_dtype(t.dtype)).reshape(t.shape)
             for t, p in zip(reply.outputs, payloads, strict=True)
         }
         if len(self._layouts) < _MAX_LAYOUTS:
             sig = tuple((t.name, t.dtype, t.shape) for t in reply.outputs)
             self._layouts[sig] = tuple(
-                (t.name, codec.numpy_dtype(t.dtype), t.shape, t.nbytes) for t in reply.outputs
+                (t.name, numpy_dtype(t.dtype), t.shape, t.nbytes) for t in reply.outputs
             )
         result = InferResult(outputs, reply.batch_size, reply.queue_ms, reply.compute_ms)
         return self._settle(reply.request_id, now, answered=True), result
@@ -287,14 +287,14 @@ class ClientCore:
         outputs: dict[str, NDArray[Any]] = {}
         for t, ref, payload in zip(reply.outputs, reply.shm, payloads, strict=True):
             if ref is None:
-                outputs[t.name] = np.frombuffer(view(payload), codec.numpy_dtype(t.dtype)).reshape(
+                outputs[t.name] = np.frombuffer(view(payload), numpy_dtype(t.dtype)).reshape(
                     t.shape
                 )
                 continue
             if self.reader is None:
                 self.reader = RegionReader(max_open=8)
             try:
-                arr = np.empty(t.shape, codec.numpy_dtype(t.dtype))
+                arr = np.empty(t.shape, numpy_dtype(t.dtype))
                 self.reader.read_output(ref, memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
             except Exception as exc:  # the request is settled: it must get an answer
                 if isinstance(exc, ShmError) and exc.unreachable and self.shm_outputs:

@@ -16,8 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from carpool.common import codec
-from carpool.common.protocol import ref_wire, tensor_wire
+from carpool.common.protocol import DTYPES, ref_wire, tensor_wire, wire_dtype
 from carpool.common.shm import ShmArena
 
 #: Inputs at least this large are sent without a copy (pyzmq's zmq.COPY_THRESHOLD);
@@ -52,9 +51,9 @@ def encode_inputs(
             arr = np.asarray(value)
             if arr.ndim == 0:
                 raise ValueError(f"input {name!r} is a scalar; dim 0 is the batch")
-            dtype = codec.wire_dtype(arr.dtype)
+            dtype = wire_dtype(arr.dtype)
             given = arr
-            arr = np.ascontiguousarray(arr, dtype=codec.DTYPES[dtype])
+            arr = np.ascontiguousarray(arr, dtype=DTYPES[dtype])
             desc = tensor_wire(name, dtype, [int(d) for d in arr.shape])
             metas.append(desc)
             if arena is not None and arr.nbytes >= shm_min_bytes:

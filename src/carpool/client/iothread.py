@@ -30,9 +30,8 @@ from typing import Any
 
 import zmq
 
-from carpool.client.calls import Call, Cancel, Close, Completions, Query, Submit
+from carpool.client.calls import Call, Cancel, Close, Completions, Query, ReplyFuture, Submit, fail
 from carpool.client.core import ClientCore
-from carpool.client.futures import ReplyFuture, answer
 from carpool.client.shell import Dealer, close_core
 from carpool.common.clock import Clock
 from carpool.common.curve import ClientKeys
@@ -180,7 +179,7 @@ class IOThread:
         now = self.clock.now()
         for link in self.links:  # (first: a window ends before its request's deadline)
             completed += self._expire_unsent(link, now) if link.unsent else 0
-        completed += answer(self.futures, self.core.expire(now))
+        completed += fail(self.futures, self.core.expire(now))
         completed += sum(self._follow_core(link) for link in self.links)
         completed += self._take_calls()
         now = self.clock.now()
@@ -255,15 +254,15 @@ class IOThread:
                 link.unsent.remove(op)
                 self.core.forget(rid)
                 op.answer(future)
-                return answer(self.futures, [(rid, Cancelled(_UNSENT, request_id=rid))])
+                return fail(self.futures, [(rid, Cancelled(_UNSENT, request_id=rid))])
         error = self.core.cancel(rid)
         if error is None or error.request_id is None:
             return 0  # its CANCEL waits in the core, for the socket
-        return answer(self.futures, [(error.request_id, error)])
+        return fail(self.futures, [(error.request_id, error)])
 
     def _send(self, link: Link, now: float) -> int:
         """Send what the socket takes now (module docstring); returns futures completed."""
-        socket = link.dealer.socket
+        socket = link.dealer.current.socket
         core, unsent = self.core, link.unsent
         full = sent = False
         while (frames := core.outgoing(now)) is not None:
@@ -309,7 +308,7 @@ class IOThread:
             assert op.future is not None
             rid = op.future.request_id
             self.core.forget(rid)
-            completed += answer(self.futures, [(rid, Unavailable(_NOT_TAKING, request_id=rid))])
+            completed += fail(self.futures, [(rid, Unavailable(_NOT_TAKING, request_id=rid))])
             op.answer(op.future)
         return completed
 
@@ -330,8 +329,8 @@ class IOThread:
 
     def _watch(self, link: Link) -> None:
         """Poll the link's current socket (for reading) and its monitor."""
-        self._poller.register(link.dealer.socket, _POLLIN)
-        self._poller.register(link.dealer.watch.monitor, _POLLIN)
+        self._poller.register(link.dealer.current.socket, _POLLIN)
+        self._poller.register(link.dealer.current.watch.monitor, _POLLIN)
         link.events = _POLLIN
 
     def _unwatch(self, socket: zmq.Socket[bytes], monitor: zmq.Socket[Any]) -> None:
@@ -342,9 +341,9 @@ class IOThread:
         """Read what the poll found on the link's sockets; returns futures completed."""
         dealer = link.dealer
         completed = 0
-        if dealer.socket in ready:
-            completed += self._drain(dealer.socket)
-        if dealer.watch.monitor in ready and dealer.watch.lost():
+        if dealer.current.socket in ready:
+            completed += self._drain(dealer.current.socket)
+        if dealer.current.watch.monitor in ready and dealer.current.watch.lost():
             completed += self._connection_lost(link)
         retiring = dealer.retiring
         if retiring is not None:
@@ -354,7 +353,7 @@ class IOThread:
                 completed += self._drain(retiring.socket)
                 self._unwatch(retiring.socket, retiring.watch.monitor)
                 dealer.close_retiring()
-                completed += answer(self.futures, self.core.retiring_lost(self.clock.now()))
+                completed += fail(self.futures, self.core.retiring_lost(self.clock.now()))
         return completed
 
     def _connection_lost(self, link: Link) -> int:
@@ -362,11 +361,11 @@ class IOThread:
         came, and open the socket afresh (nothing queued in the old one reaches the next
         broker, to be answered twice). Each request pending on it, or waiting for it to
         take it, is sent again while its budget allows, else fails now (protocol §11)."""
-        completed = self._drain(link.dealer.socket)
-        self._unwatch(link.dealer.socket, link.dealer.watch.monitor)
+        completed = self._drain(link.dealer.current.socket)
+        self._unwatch(link.dealer.current.socket, link.dealer.current.watch.monitor)
         link.dealer.reopen()
         self._watch(link)
-        completed += answer(self.futures, self.core.connection_lost(self.clock.now()))
+        completed += fail(self.futures, self.core.connection_lost(self.clock.now()))
         self._release_unsent(link)
         return completed
 
@@ -386,10 +385,10 @@ class IOThread:
                 completed += self._drain(old.socket)
                 self._unwatch(old.socket, old.watch.monitor)
             if link.events != _POLLIN:
-                self._poller.modify(dealer.socket, _POLLIN)  # (read only from now on)
+                self._poller.modify(dealer.current.socket, _POLLIN)  # (read only from now on)
             dealer.switch()
             self._watch(link)
-            completed += answer(self.futures, self.core.switched(self.clock.now()))
+            completed += fail(self.futures, self.core.switched(self.clock.now()))
             self._release_unsent(link)
         retiring = dealer.retiring
         if retiring is not None and not self.core.retiring:

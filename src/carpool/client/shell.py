@@ -77,8 +77,8 @@ class Dealer(Generic[SocketT]):
     broker's refusal, kept for reading until the core awaits nothing on it
     (:attr:`retiring`); and the finalizer that closes them (and ``context`` too, with
     ``own_context``) at :meth:`close` or when ``owner`` is collected without one (see
-    :func:`release_sockets`). This object alone holds them; the client reads ``socket``,
-    ``watch`` and ``retiring`` from it.
+    :func:`release_sockets`). This object alone holds them; the client reads the
+    :class:`Line` it sends on, ``current``, and ``retiring`` from it.
     """
 
     def __init__(
@@ -95,15 +95,7 @@ class Dealer(Generic[SocketT]):
         self._lines: list[Line[SocketT]] = []
         self._release = weakref.finalize(owner, release_sockets, self._lines, context, own_context)
         self.retiring: Line[SocketT] | None = None
-        self._current = self._open(immediate=False)
-
-    @property
-    def socket(self) -> SocketT:
-        return self._current.socket
-
-    @property
-    def watch(self) -> ConnectionWatch:
-        return self._current.watch
+        self.current = self._open(immediate=False)
 
     def _open(self, *, immediate: bool) -> Line[SocketT]:
         """``immediate``: queue messages only on a connection that is up
@@ -136,8 +128,8 @@ class Dealer(Generic[SocketT]):
         fails there, never queued for a broker that starts after the client failed the
         request at its timeout (that broker would run it and answer a request nobody
         waits for)."""
-        self._shut(self._current)
-        self._current = self._open(immediate=True)
+        self._shut(self.current)
+        self.current = self._open(immediate=True)
 
     def switch(self) -> None:
         """Leave the socket (its broker is stopping: protocol §11): keep it open for
@@ -145,8 +137,8 @@ class Dealer(Generic[SocketT]):
         and open a fresh, watched one to the same endpoint, which queues only on a
         connection that is up, as :meth:`reopen`'s does."""
         self.close_retiring()
-        self.retiring = self._current
-        self._current = self._open(immediate=True)
+        self.retiring = self.current
+        self.current = self._open(immediate=True)
 
     def close_retiring(self) -> None:
         """Close the retiring socket and its watch, if any."""

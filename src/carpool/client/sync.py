@@ -25,8 +25,7 @@ from typing import Any, Unpack
 import zmq
 from numpy.typing import ArrayLike, NDArray
 
-from carpool.client.calls import Close, Query, Submit
-from carpool.client.futures import ReplyFuture
+from carpool.client.calls import Close, Query, ReplyFuture, Submit
 from carpool.client.iothread import IOThread
 from carpool.client.options import ClientOptionArgs, ClientOptions, client_options
 from carpool.client.queries import models_in

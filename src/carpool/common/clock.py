@@ -20,10 +20,10 @@ class Clock(Protocol):
 
 
 class MonotonicClock:
-    """The real clock."""
+    """The real clock. ``now`` is ``time.monotonic`` itself, with no Python call around it:
+    shells read it several times per request."""
 
-    def now(self) -> float:
-        return time.monotonic()
+    now = staticmethod(time.monotonic)
 
     def sleep(self, duration_s: float) -> None:
         if duration_s > 0:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, ToWorker
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchMeta,
@@ -44,9 +43,10 @@ from carpool.common.protocol import (
     decode_meta,
     encode_request,
     header,
+    pack,
 )
 from carpool.sim.workload import Arrival
-from carpool.worker.load import BusyMeter
+from carpool.worker.core import BusyMeter
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,7 +346,7 @@ class _Run:
         self.result.busy_s += worker.duration_s
         frames: list[bytes] = []
         for item in batch.items:
-            frames += [header(Command.REPLY), codec.pack({"id": item.request_id})]
+            frames += [header(Command.REPLY), pack({"id": item.request_id})]
         meta = ResultMeta(
             batch.batch_id,
             worker.meter.rho(now),

@@ -24,12 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from carpool.common.codec import numpy_dtype
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.padding import CropAxis, PadRule, cropped_extent
-from carpool.common.protocol import BatchItem, BatchMeta, Frame, check_frame_sizes, view
+from carpool.common.protocol import (
+    BatchItem,
+    BatchMeta,
+    Frame,
+    check_frame_sizes,
+    numpy_dtype,
+    view,
+)
 from carpool.common.shm import RegionReader, ShmError, ShmRing
-from carpool.worker.engines.base import Array, EngineInfo
+from carpool.worker.engines.base import Array
 from carpool.worker.tensors import ItemError, replies, stack
 
 
@@ -204,28 +210,3 @@ def padded_replies(
         counts.extend(k)
         frames.extend(reply)
     return counts, frames
-
-
-def batch_inputs(
-    info: EngineInfo, batch: BatchMeta, frames: Sequence[Frame], reader: RegionReader | None
-) -> dict[str, Array]:
-    """The batch's input arrays for an engine of ``info``: stacked, or padded into the
-    bucket where the model has pad rules (:func:`stack_padded`)."""
-    if not info.io.pads:
-        return stack(batch, frames, reader)
-    return stack_padded(batch, frames, info.io.pads, reader)
-
-
-def batch_replies(
-    info: EngineInfo,
-    batch: BatchMeta,
-    outputs: Mapping[str, Array],
-    names: Sequence[str],
-    compute_ms: float,
-    ring: ShmRing | None = None,
-) -> tuple[list[int], list[Any]]:
-    """The batch's replies: :func:`~carpool.worker.tensors.replies`, or, where the model
-    has pad rules, :func:`padded_replies`."""
-    if not info.io.pads:
-        return replies(batch, outputs, names, compute_ms, ring)
-    return padded_replies(batch, outputs, names, info.io.crops, compute_ms, ring)

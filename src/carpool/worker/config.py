@@ -12,11 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carpool.common.codec import DTYPES
 from carpool.common.config import MAX_BATCH_CEILING, check, out_of_range
 from carpool.common.errors import ConfigError
 from carpool.common.listen import listen_problems
-from carpool.common.protocol import MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
+from carpool.common.protocol import DTYPES, MAX_MODELS, MAX_NAME_CHARS, MAX_RANK
 from carpool.worker.shapes import InputConfig, ModelShapes, OutputConfig
 from carpool.worker.tensorrt.precision import PRECISIONS
 from carpool.worker.tensorrt.profile_text import parse_batch, parse_profile

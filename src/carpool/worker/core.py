@@ -3,7 +3,9 @@
 It decides what to send (READY, HEARTBEAT, RESULT, FAILED, DISCONNECT), when the broker
 counts as lost and when to connect again (:class:`Backoff`), which batches run on the
 loop thread rather than the inference thread (:meth:`WorkerCore.runs_inline`), and how
-busy the engine has been (ρ). ``now`` is always an argument; no sockets or threads here.
+busy the engine has been (ρ: :class:`BusyMeter`, from the spans of the batches it ran,
+unless the engines report their own busy time, :class:`~.engines.base.ReportedBusy`).
+``now`` is always an argument; no sockets or threads here.
 ``server.py`` owns the connection to the broker, ``inference.py`` the inference thread.
 
 Connection epochs: every (re)connection starts a new epoch, and so does every loss of
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -44,7 +46,7 @@ from carpool.common.protocol import (
     WorkerResult,
 )
 from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
-from carpool.worker.load import BusyMeter, ReportedBusy
+from carpool.worker.engines.base import ReportedBusy
 
 logger = logging.getLogger(__name__)
 #: Batches of thread-free engines predicted to take less than this run on the loop
@@ -129,6 +131,41 @@ class Backoff:
 #: A worker in its broker's process: it says READY again from the broker's next turn, at
 #: most once a second, never inside the turn that refused it (not in a loop with it).
 EMBEDDED_BACKOFF = Backoff(min_s=1.0, max_s=1.0, at_once=False)
+
+
+class BusyMeter:
+    """ρ: the fraction of the last ``window_s`` the engine spent running batches.
+
+    Finished batches are exact spans reported by the inference thread; a batch still
+    running counts from ``running_since`` (when the idle thread was handed work). A running
+    total of the spans in the window keeps ``rho`` cheap however many batches there are.
+    """
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._spans: deque[tuple[float, float]] = deque()
+        self._total_s = 0.0  # summed length of the spans in _spans
+        self.running_since: float | None = None
+
+    def add(self, start: float, end: float) -> None:
+        if end > start:
+            self._spans.append((start, end))
+            self._total_s += end - start
+
+    def rho(self, now: float) -> float:
+        begin = now - self.window_s
+        spans = self._spans
+        while spans and spans[0][1] <= begin:
+            start, end = spans.popleft()
+            self._total_s -= end - start
+        busy = self._total_s
+        if spans and spans[0][0] < begin:  # the oldest span straddles the window's start
+            busy -= begin - spans[0][0]
+        if spans and spans[-1][1] > now:  # reported with a later clock than ours
+            busy -= spans[-1][1] - max(now, spans[-1][0])
+        if self.running_since is not None:
+            busy += max(0.0, now - max(self.running_since, begin))
+        return min(1.0, max(0.0, busy / self.window_s))
 
 
 class WorkerCore:

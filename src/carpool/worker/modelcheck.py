@@ -15,10 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from carpool.common.codec import DTYPES
 from carpool.common.errors import ConfigError
 from carpool.common.padding import CropAxis, PadRule
-from carpool.common.protocol import TensorMeta
+from carpool.common.protocol import DTYPES, TensorMeta
 from carpool.common.shape_rules import ShapeRule
 from carpool.worker.config import ModelConfig
 from carpool.worker.engines.ort import read_io

@@ -24,12 +24,12 @@ from typing import Any
 
 from carpool.common.clock import Clock
 from carpool.common.errors import ErrorCode, ProtocolError
-from carpool.common.protocol import BatchMeta, ErrorReply, encode_error
+from carpool.common.protocol import BatchMeta, ErrorReply, Frame, encode_error
 from carpool.common.shm import RegionReader, ShmRing
-from carpool.worker.buckets import batch_inputs, batch_replies, padding_of
+from carpool.worker.buckets import padded_replies, padding_of, stack_padded
 from carpool.worker.core import JobOutcome, RunBatch
-from carpool.worker.engines.base import Array, BadInput, Engine, Pending, queue_depth
-from carpool.worker.tensors import ItemError, unreadable
+from carpool.worker.engines.base import Array, BadInput, Engine, EngineInfo, Pending, queue_depth
+from carpool.worker.tensors import ItemError, replies, stack, unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,31 @@ def first_line(exc: BaseException) -> str:
     """An exception's first line, for a log line or an error message."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
+
+
+def batch_inputs(
+    info: EngineInfo, batch: BatchMeta, frames: Sequence[Frame], reader: RegionReader | None
+) -> dict[str, Array]:
+    """The batch's input arrays for an engine of ``info``: stacked, or padded into the
+    bucket where the model has pad rules (:func:`~carpool.worker.buckets.stack_padded`)."""
+    if not info.io.pads:
+        return stack(batch, frames, reader)
+    return stack_padded(batch, frames, info.io.pads, reader)
+
+
+def batch_replies(
+    info: EngineInfo,
+    batch: BatchMeta,
+    outputs: Mapping[str, Array],
+    names: Sequence[str],
+    compute_ms: float,
+    ring: ShmRing | None = None,
+) -> tuple[list[int], list[Any]]:
+    """The batch's replies: :func:`~carpool.worker.tensors.replies`, or, where the model
+    has pad rules, :func:`~carpool.worker.buckets.padded_replies`."""
+    if not info.io.pads:
+        return replies(batch, outputs, names, compute_ms, ring)
+    return padded_replies(batch, outputs, names, info.io.crops, compute_ms, ring)
 
 
 class LazyRing:
@@ -242,7 +267,8 @@ def finish_job(
                 counts, frames = _merge(failed, alive, counts, frames)
     except JobError as exc:
         return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
-    padding = padding_of(batch, engine.info.io.pads)
+    pads = engine.info.io.pads
+    padding = padding_of(batch, pads) if pads else None  # (a plain model: no padding)
     return _outcome(
         job, start, end, counts, frames, samples=samples, timed=outputs is not None, padding=padding
     )

@@ -43,8 +43,8 @@ from carpool.worker.core import (
     RunBatch,
     WorkerCore,
 )
+from carpool.worker.engines.base import engines_busy_s
 from carpool.worker.inference import START_TIMEOUT_S, EngineFactory, InferenceThread
-from carpool.worker.load import engines_busy_s
 from carpool.worker.metrics import WorkerMetrics
 from carpool.worker.run import LazyRing, run_job
 from carpool.worker.telemetry import TelemetrySampler

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from carpool.common.codec import numpy_dtype, wire_dtype
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     MAX_EMPTY_SPAN_BYTES,
@@ -23,11 +22,13 @@ from carpool.common.protocol import (
     TensorMeta,
     check_frame_sizes,
     empty_span_bytes,
+    numpy_dtype,
     output_ref_wire,
     reply_frames,
     reply_wire,
     tensor_wire,
     view,
+    wire_dtype,
 )
 from carpool.common.shm import MAX_REF_BYTES, RegionReader, ShmError, ShmRing
 from carpool.worker.engines.base import Array

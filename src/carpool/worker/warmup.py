@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from carpool.common.codec import numpy_dtype
 from carpool.common.errors import ConfigError
+from carpool.common.protocol import numpy_dtype
 from carpool.worker.engines.base import Array, Engine
 from carpool.worker.run import first_line
 

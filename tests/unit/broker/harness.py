@@ -14,7 +14,6 @@ import numpy as np
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToWorker
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchMeta,
@@ -37,6 +36,7 @@ from carpool.common.protocol import (
     is_simple_form,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 
 T0 = 100.0
 W1, W2, W3 = b"w1", b"w2", b"w3"

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import (
@@ -22,6 +21,7 @@ from carpool.common.protocol import (
     encode,
     encode_reply,
 )
+from carpool.common.protocol import frames as codec
 from carpool.common.shape_rules import ShapeRule
 from tests.unit.broker.harness import C1, F32, T0, W1, W2, Broker, Msg, batches, ids, to_clients
 

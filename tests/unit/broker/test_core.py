@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Side
 from carpool.broker.registry import WorkerId
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Command,
@@ -32,6 +31,7 @@ from carpool.common.protocol import (
     encode_request,
     header,
 )
+from carpool.common.protocol import frames as codec
 from tests.unit.broker.harness import (
     C1,
     C2,

@@ -13,7 +13,6 @@ import pytest
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, ToClient, ToWorker
 from carpool.broker.registry import WorkerId
-from carpool.common import codec
 from carpool.common.protocol import (
     BatchMeta,
     BrokerBatch,
@@ -31,6 +30,7 @@ from carpool.common.protocol import (
     encode_reply,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 from carpool.worker.core import JobOutcome, RunBatch, WorkerCore
 from tests.unit.broker.harness import SPEC2, T0, W1, raw_request, ready_frames, shm_request
 

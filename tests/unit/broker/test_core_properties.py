@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, ToClient
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchMeta,
@@ -37,6 +36,7 @@ from carpool.common.protocol import (
     encode_request,
     header,
 )
+from carpool.common.protocol import frames as codec
 
 B_MAX = 4
 ITEM_SHAPES = [(4,), (6,)]

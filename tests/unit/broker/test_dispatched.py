@@ -4,7 +4,7 @@ typed message."""
 from __future__ import annotations
 
 from carpool.broker.dispatcher import DispatchedBatch, batch_inputs
-from carpool.common import codec
+from carpool.common.protocol import frames as codec
 from tests.unit.broker.pending import pending_request
 
 

@@ -16,7 +16,6 @@ import pytest
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, Side, ToWorker
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchMeta,
@@ -33,6 +32,7 @@ from carpool.common.protocol import (
     encode_request,
     header,
 )
+from carpool.common.protocol import frames as codec
 
 T0 = 100.0
 WORKER = b"w1"

@@ -9,7 +9,6 @@ from carpool.broker import replies
 from carpool.broker.replies import Refused
 from carpool.broker.requests import ClientId
 from carpool.broker.stats import BrokerStats
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Cancel,
@@ -22,6 +21,7 @@ from carpool.common.protocol import (
     encode_simple_request,
     header,
 )
+from carpool.common.protocol import frames as codec
 from tests.unit.broker.pending import pending_request
 
 CLIENT = ClientId(b"c1")

@@ -21,7 +21,6 @@ from carpool.broker.intake import Resends
 from carpool.broker.replies import Outgoing
 from carpool.broker.requests import ClientId, RequestBook
 from carpool.broker.stats import BrokerStats
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Cancel,
@@ -33,6 +32,7 @@ from carpool.common.protocol import (
     encode_request,
     header,
 )
+from carpool.common.protocol import frames as codec
 from tests.unit.broker.harness import (
     C1,
     C2,

@@ -12,7 +12,6 @@ import pytest
 from carpool.client.core import ClientCore
 from carpool.client.options import ClientOptions
 from carpool.client.results import InferResult
-from carpool.common import codec
 from carpool.common.errors import (
     DeadlineExceeded,
     ErrorCode,
@@ -41,6 +40,7 @@ from carpool.common.protocol import (
     header,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 
 if TYPE_CHECKING:
     from carpool.common.shm import ShmRing

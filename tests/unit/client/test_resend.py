@@ -17,7 +17,6 @@ from carpool.client.resend import (
     Stage,
 )
 from carpool.client.results import InferResult
-from carpool.common import codec
 from carpool.common.errors import Cancelled, ErrorCode, RequestError, Unavailable
 from carpool.common.protocol import (
     CLIENT_NONCE_BYTES,
@@ -33,6 +32,7 @@ from carpool.common.protocol import (
     encode_reply,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 
 T0 = 100.0
 X = np.ones((1, 4), np.float32)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol import BatchItem, BatchMeta, ResultMeta, TensorMeta
+from carpool.common.protocol import frames as codec
 
 INPUTS = (TensorMeta("x", "float32", (-1, 3, 736, 1280)), TensorMeta("k", "int64", (-1, 2)))
 

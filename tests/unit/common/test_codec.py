@@ -1,4 +1,4 @@
-"""codec.py: msgpack with limits, and the dtype allow-list."""
+"""protocol/frames.py: msgpack with limits, and the dtype allow-list."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ProtocolError
+from carpool.common.protocol import frames as codec
 
 ALLOWED = [
     "bool",

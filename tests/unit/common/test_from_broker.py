@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from carpool.common import codec
 from carpool.common.protocol import (
     HEARTBEAT_TO_WORKER,
     BatchInputCache,
@@ -22,6 +21,7 @@ from carpool.common.protocol import (
     encode,
     header,
 )
+from carpool.common.protocol import frames as codec
 
 BATCH = BatchMeta(
     7,

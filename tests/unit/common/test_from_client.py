@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     Cancel,
@@ -27,6 +26,7 @@ from carpool.common.protocol import (
     encode_simple_request,
     header,
 )
+from carpool.common.protocol import frames as codec
 
 KEY = "0123456789abcdef" * 2
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Command,
@@ -25,6 +24,7 @@ from carpool.common.protocol import (
     encode,
     header,
 )
+from carpool.common.protocol import frames as codec
 
 SPEC = ModelSpec(
     "m", (TensorMeta("x", "float32", (-1, 2)),), (TensorMeta("y", "float32", (-1, 2)),), 8

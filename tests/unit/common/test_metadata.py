@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ProtocolError
 from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import (
@@ -19,6 +18,7 @@ from carpool.common.protocol import (
     parse_header,
     parse_metadata_reply,
 )
+from carpool.common.protocol import frames as codec
 
 DETECTOR = ModelSpec(
     "det",

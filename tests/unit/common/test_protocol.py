@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.padding import CropAxis, PadRule
 from carpool.common.protocol import (
@@ -48,6 +47,7 @@ from carpool.common.protocol import (
     parse_header,
     request_id_of,
 )
+from carpool.common.protocol import frames as codec
 
 
 def wire(obj: Any) -> Any:

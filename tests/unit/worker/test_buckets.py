@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.common import codec
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.padding import CropAxis, PadRule, cropped_extent
@@ -24,6 +23,7 @@ from carpool.common.protocol import (
     decode_meta,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 from carpool.worker.buckets import cropped_outputs, padding_of, stack_padded
 from carpool.worker.core import RunBatch
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchItem,
@@ -26,16 +25,17 @@ from carpool.common.protocol import (
     header,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 from carpool.worker.core import (
     Action,
     Answer,
+    BusyMeter,
     JobOutcome,
     Reconnect,
     RunBatch,
     WorkerCore,
     WorkerState,
 )
-from carpool.worker.load import BusyMeter
 
 T0 = 100.0
 SPEC = ModelSpec(

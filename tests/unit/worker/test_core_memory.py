@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from carpool.common import codec
 from carpool.common.protocol import (
     BatchItem,
     BatchMeta,
@@ -27,6 +26,7 @@ from carpool.common.protocol import (
     decode_from_broker,
     encode,
 )
+from carpool.common.protocol import frames as codec
 from carpool.common.testing import FakeClock
 from carpool.worker.core import RunBatch, WorkerCore
 from carpool.worker.engines.synthetic import SyntheticEngine, synthetic_output

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from carpool.common.codec import unpack
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchItem,
@@ -17,6 +16,7 @@ from carpool.common.protocol import (
     ModelSpec,
     TensorMeta,
     parse_header,
+    unpack,
 )
 from carpool.worker.core import (
     EMBEDDED_BACKOFF,

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.common import codec
 from carpool.common.clock import MonotonicClock
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import BatchItem, BatchMeta, Command, TensorMeta, parse_header
+from carpool.common.protocol import frames as codec
 from carpool.common.shm import HEADER_BYTES, RegionReader, ShmArena, ShmRef
 from carpool.common.shm import available as shm_available
 from carpool.worker.core import RunBatch

@@ -1,4 +1,4 @@
-"""Worker telemetry (worker/telemetry, worker/load.py, protocol §8.2): the NVML and
+"""Worker telemetry (worker/telemetry, worker/engines/base.py, protocol §8.2): the NVML and
 Jetson parsers on recorded answers, the sampler behind its reader seams, the sources it
 picks (NVML opened by the device CUDA names, a trial sample, the Jetson fallback), the
 wire form, the core's sampling cadence, and ρ from an engine's own busy seconds."""
@@ -25,7 +25,7 @@ from carpool.common.protocol import (
     decode_from_worker,
 )
 from carpool.worker.core import JobOutcome, WorkerCore
-from carpool.worker.load import ReportedBusy, engines_busy_s
+from carpool.worker.engines.base import ReportedBusy, engines_busy_s
 from carpool.worker.telemetry import TelemetrySampler, cuda_binding_installed, jetson, nvml
 from carpool.worker.tensorrt.cache import Device
 from carpool.worker.tensorrt.probe import GpuProbe, run_probe

@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.common import codec
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol import (
     BatchItem,
@@ -21,6 +20,7 @@ from carpool.common.protocol import (
     is_simple_form,
     parse_header,
 )
+from carpool.common.protocol import frames as codec
 from carpool.worker.engines.base import Array
 from carpool.worker.tensors import replies, stack
 

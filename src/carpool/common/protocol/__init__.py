@@ -37,13 +37,14 @@ Worker ↔ broker (worker DEALER → broker backend ROUTER)::
     FAILED     W→B  meta {batch, code, message, rho}
     DISCONNECT W↔B  meta {reason}
 
-Modules: :mod:`.frames` (header, commands, limits, meta maps), :mod:`.tensors` (tensor
-descriptors and frame sizes), :mod:`.refs` (shared-memory references),
+Modules: :mod:`.frames` (header, commands, limits, meta maps, tensor descriptors and
+frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL: their encoders, and the simple
 form's), :mod:`.ready` (READY and its model specs), :mod:`.metadata` (METADATA),
-:mod:`.worker_messages` (BATCH, RESULT, FAILED), :mod:`.from_client`, :mod:`.from_worker`
-and :mod:`.from_broker` (each side's messages to the other as one typed union; the
-client's decoder holds REQUEST's one validator and its layout cache). Each message has one encoder
+:mod:`.worker_messages` (BATCH, RESULT, FAILED, and the broker's messages to a worker as
+one typed union), :mod:`.from_client` and :mod:`.from_worker` (each side's messages to
+the broker as one typed union; the client's decoder holds REQUEST's one validator and
+its layout cache). Each message has one encoder
 (``<message>_wire`` builds its meta map from its fields, ``<message>_frames`` its frames;
 a dataclass's ``to_wire`` calls the former) and one decoder, used by every caller. The
 package imports nothing that does I/O (no sockets, files, locks or threads); a test
@@ -67,12 +68,16 @@ from carpool.common.protocol.client_messages import (
     request_wire,
 )
 from carpool.common.protocol.frames import (
+    DTYPES,
     HEADER_BYTES,
+    ITEMSIZE,
     MAGIC,
     MAX_EMPTY_SPAN_BYTES,
+    MAX_META_BYTES,
     MAX_MODELS,
     MAX_NAME_CHARS,
     MAX_RANK,
+    MAX_SIMPLE_BYTES,
     MAX_TENSORS,
     MAX_TIMEOUT_MS,
     PRIORITIES,
@@ -80,22 +85,23 @@ from carpool.common.protocol.frames import (
     Command,
     Frame,
     Priority,
+    Signature,
+    TensorMeta,
     VersionMismatch,
+    check_frame_sizes,
     decode_meta,
+    empty_span_bytes,
     encode,
     header,
     is_simple_form,
+    numpy_dtype,
+    pack,
     parse_header,
+    tensor_signature,
+    tensor_wire,
+    unpack,
     view,
-)
-from carpool.common.protocol.from_broker import (
-    HEARTBEAT_TO_WORKER,
-    BrokerBatch,
-    BrokerDisconnect,
-    BrokerHeartbeat,
-    BrokerMalformed,
-    FromBroker,
-    decode_from_broker,
+    wire_dtype,
 )
 from carpool.common.protocol.from_client import (
     ClientMalformed,
@@ -143,34 +149,37 @@ from carpool.common.protocol.refs import (
     valid_region,
 )
 from carpool.common.protocol.telemetry import Telemetry
-from carpool.common.protocol.tensors import (
-    Signature,
-    TensorMeta,
-    check_frame_sizes,
-    empty_span_bytes,
-    tensor_signature,
-    tensor_wire,
-)
 from carpool.common.protocol.worker_messages import (
+    HEARTBEAT_TO_WORKER,
     BatchInputCache,
     BatchItem,
     BatchMeta,
+    BrokerBatch,
+    BrokerDisconnect,
+    BrokerHeartbeat,
+    BrokerMalformed,
     FailedMeta,
+    FromBroker,
     ResultMeta,
+    decode_from_broker,
     result_frames,
     result_wire,
 )
 
 __all__ = [
     "CLIENT_NONCE_BYTES",
+    "DTYPES",
     "HEADER_BYTES",
     "HEARTBEAT_TO_WORKER",
+    "ITEMSIZE",
     "MAGIC",
     "MAX_EMPTY_SPAN_BYTES",
+    "MAX_META_BYTES",
     "MAX_MODELS",
     "MAX_NAME_CHARS",
     "MAX_RANK",
     "MAX_REF_BYTES",
+    "MAX_SIMPLE_BYTES",
     "MAX_TENSORS",
     "MAX_TIMEOUT_MS",
     "PRIORITIES",
@@ -235,7 +244,9 @@ __all__ = [
     "header",
     "is_simple_form",
     "metadata_reply_frames",
+    "numpy_dtype",
     "output_ref_wire",
+    "pack",
     "parse_batch_refs",
     "parse_header",
     "parse_metadata_reply",
@@ -253,6 +264,8 @@ __all__ = [
     "shm_wire",
     "tensor_signature",
     "tensor_wire",
+    "unpack",
     "valid_region",
     "view",
+    "wire_dtype",
 ]

@@ -12,14 +12,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol.frames import (
     PROTOCOL_VERSION,
     Command,
     Priority,
+    TensorMeta,
     header,
     optional_number,
+    pack,
+    tensor_list,
 )
 from carpool.common.protocol.refs import (
     OutputRef,
@@ -28,7 +30,6 @@ from carpool.common.protocol.refs import (
     parse_output_ref,
     ref_wire,
 )
-from carpool.common.protocol.tensors import TensorMeta, tensor_list
 
 #: Header frames, built once.
 _REQUEST, _REPLY, _ERROR = header(Command.REQUEST), header(Command.REPLY), header(Command.ERROR)
@@ -128,7 +129,7 @@ def client_nonce_of(meta: dict[str, Any], what: str) -> bytes | None:
 
 def request_frames(meta: dict[str, Any], payloads: Sequence[object]) -> list[Any]:
     """Frames of a REQUEST whose meta :func:`request_wire` built."""
-    return [_REQUEST, codec.pack(meta), *payloads]
+    return [_REQUEST, pack(meta), *payloads]
 
 
 def request_id_of(meta: Any) -> int | None:
@@ -151,7 +152,7 @@ def encode_simple_request(submit: Submit, payloads: Sequence[bytes]) -> bytes:
     meta["v"] = PROTOCOL_VERSION
     for t, data in zip(meta["inputs"], payloads, strict=True):
         t["data"] = bytes(data)
-    return codec.pack(meta)
+    return pack(meta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,8 +247,8 @@ def encode_error(error: ErrorReply, *, simple: bool = False) -> list[bytes]:
     if simple:
         wire = error.to_wire()
         rid = wire.pop("id")
-        return [codec.pack({"v": PROTOCOL_VERSION, "id": rid, "error": wire})]
-    return [_ERROR, codec.pack(error.to_wire())]
+        return [pack({"v": PROTOCOL_VERSION, "id": rid, "error": wire})]
+    return [_ERROR, pack(error.to_wire())]
 
 
 def reply_wire(
@@ -280,8 +281,8 @@ def reply_frames(
             {**t, "data": bytes(memoryview(data))}  # type: ignore[arg-type]
             for t, data in zip(meta["outputs"], payloads, strict=True)
         ]
-        return [codec.pack(wire)]
-    return [_REPLY, codec.pack(meta), *payloads]
+        return [pack(wire)]
+    return [_REPLY, pack(meta), *payloads]
 
 
 def encode_reply(reply: ReplyMeta, payloads: Sequence[object], *, simple: bool) -> list[Any]:
@@ -302,7 +303,7 @@ class Cancel:
         return {"id": self.request_id, "client": self.client}
 
     def to_frames(self) -> list[Any]:
-        return [_CANCEL, codec.pack(self.to_wire())]
+        return [_CANCEL, pack(self.to_wire())]
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> Cancel:

@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
-from carpool.common import codec
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol.client_messages import (
     Cancel,
@@ -35,30 +34,30 @@ from carpool.common.protocol.client_messages import (
 )
 from carpool.common.protocol.frames import (
     MAX_NAME_CHARS,
+    MAX_SIMPLE_BYTES,
     MAX_TIMEOUT_MS,
     PRIORITIES,
     PROTOCOL_VERSION,
     Command,
     Frame,
     Priority,
+    Signature,
+    TensorMeta,
     VersionMismatch,
+    check_frame_sizes,
     decode_meta,
     encode,
     is_simple_form,
     parse_header,
     require_map,
     require_name,
+    tensor_list,
+    tensor_signature,
+    unpack,
     view,
 )
 from carpool.common.protocol.metadata import MetadataRequest
 from carpool.common.protocol.refs import MAX_REF_BYTES, ShmRef, shm_refs
-from carpool.common.protocol.tensors import (
-    Signature,
-    TensorMeta,
-    check_frame_sizes,
-    tensor_list,
-    tensor_signature,
-)
 
 L = TypeVar("L")
 
@@ -260,7 +259,7 @@ def decode_simple(frame: Frame, *, delimited: bool = False) -> Request[Any]:
         ProtocolError: as :func:`decode_request`, or a rule of the simple form (its
             ``meta``: the decoded map, when there was one).
     """
-    obj = require_map(codec.unpack(view(frame), max_bytes=codec.MAX_SIMPLE_BYTES), "simple request")
+    obj = require_map(unpack(view(frame), max_bytes=MAX_SIMPLE_BYTES), "simple request")
     try:
         version = obj.get("v")
         if type(version) is not int:

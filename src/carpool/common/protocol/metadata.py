@@ -14,12 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from carpool.common import codec
 from carpool.common.errors import ProtocolError
 from carpool.common.protocol.client_messages import request_id_of
-from carpool.common.protocol.frames import Command, header, require_map, require_name
+from carpool.common.protocol.frames import (
+    Command,
+    TensorMeta,
+    header,
+    pack,
+    require_map,
+    require_name,
+)
 from carpool.common.protocol.ready import ModelSpec
-from carpool.common.protocol.tensors import TensorMeta
 from carpool.common.shape_rules import ShapeRule
 
 __all__ = [
@@ -52,7 +57,7 @@ class MetadataRequest:
         return meta
 
     def to_frames(self) -> list[Any]:
-        return [_METADATA, codec.pack(self.to_wire())]
+        return [_METADATA, pack(self.to_wire())]
 
     @classmethod
     def from_wire(cls, meta: dict[str, Any]) -> MetadataRequest:
@@ -134,7 +139,7 @@ class ModelMetadata:
 def metadata_reply_frames(request_id: int | None, models: Sequence[ModelMetadata]) -> list[Any]:
     """The frames of a METADATA answer: header and a meta map ``{id, models: [...]}``."""
     meta = {"id": request_id, "models": [m.to_wire() for m in models]}
-    return [_METADATA, codec.pack(meta)]
+    return [_METADATA, pack(meta)]
 
 
 def parse_metadata_reply(meta: dict[str, Any]) -> tuple[int | None, tuple[ModelMetadata, ...]]:

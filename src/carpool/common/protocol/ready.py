@@ -12,8 +12,14 @@ from typing import Any
 
 from carpool.common.errors import ProtocolError
 from carpool.common.padding import CropAxis, PadRule
-from carpool.common.protocol.frames import MAX_MODELS, require_field, require_map, require_name
-from carpool.common.protocol.tensors import TensorMeta, tensor_list
+from carpool.common.protocol.frames import (
+    MAX_MODELS,
+    TensorMeta,
+    require_field,
+    require_map,
+    require_name,
+    tensor_list,
+)
 from carpool.common.shape_rules import ShapeRule
 
 

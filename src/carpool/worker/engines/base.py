@@ -3,12 +3,20 @@
 An engine takes a batch (dim 0 of every input) and returns outputs with the same dim 0.
 It is used from exactly one thread (the worker's inference thread), which also creates it
 when the backend needs thread affinity (TensorRT's CUDA context).
+
+An engine that measures its own device time (the TensorRT engine, with CUDA events around
+each batch) may expose it as ``busy_s()``: seconds busy since it was built, never
+decreasing, safe to call from the worker's loop thread. Where every engine of a worker
+does (:func:`engines_busy_s`), :class:`ReportedBusy` gives the worker's ρ from those
+seconds instead of from wall-clock batch spans: host-side time between launches, copies
+the device overlaps and the Python around a batch then count for nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -106,3 +114,43 @@ def queue_depth(engine: Engine | None) -> int:
 def as_batch_dim(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A spec shape with dim 0 marked as the (dynamic) batch dim."""
     return (-1, *shape[1:]) if shape else shape
+
+
+class ReportedBusy:
+    """ρ from an engine-reported busy-seconds counter: the seconds it grew by over about
+    the last ``window_s``, as a share of that time.
+
+    Args:
+        busy_s: the counter (summed over the engines), read on every :meth:`rho`.
+        window_s: how far back ρ looks.
+    """
+
+    def __init__(self, busy_s: Callable[[], float], window_s: float = 1.0) -> None:
+        self.busy_s = busy_s
+        self.window_s = window_s
+        self._marks: deque[tuple[float, float]] = deque()  # (when, counter), oldest first
+
+    def rho(self, now: float) -> float:
+        total = self.busy_s()
+        marks = self._marks
+        # Keep a mark a tenth of a window apart at most, and one at or before the window's
+        # start once there is one: a few marks, however often ρ is asked.
+        if not marks or now - marks[-1][0] >= self.window_s / 10:
+            marks.append((now, total))
+        while len(marks) > 1 and marks[1][0] <= now - self.window_s:
+            marks.popleft()
+        since, base = marks[0]
+        if now <= since:
+            return 0.0
+        return min(1.0, max(0.0, (total - base) / (now - since)))
+
+
+def engines_busy_s(engines: Mapping[str, Any]) -> Callable[[], float] | None:
+    """The summed ``busy_s()`` of ``engines`` when every one of them has it (seconds
+    their device spent computing, from CUDA events: the TensorRT engine), else None (ρ
+    from wall-clock batch time: ONNX Runtime, synthetic)."""
+    counters = [getattr(e, "busy_s", None) for e in engines.values()]
+    if not counters or not all(callable(c) for c in counters):
+        return None
+    ready = [c for c in counters if c is not None]
+    return lambda: float(sum(c() for c in ready))
