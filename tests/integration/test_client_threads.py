@@ -398,21 +398,65 @@ def test_calls_racing_close_are_answered_or_refused_never_stranded(nobody: str) 
 
 def test_a_forked_child_is_refused_the_parents_client(nobody: str) -> None:
     """The I/O thread stays in the parent: in a child, the parent's client refuses calls
-    (rather than hand them to a thread that is not there)."""
+    (rather than hand them to a thread that is not there), and neither a pending future
+    nor poll() waits for it."""
     client = Client(nobody)
     try:
+        pending = client.submit("m", X, 30)
         pid = os.fork()
         if pid == 0:  # the child: report through the exit status only
-            try:
-                client.submit("m", X, 1)
-            except CarpoolError as exc:
-                os._exit(0 if "fork" in str(exc) else 2)
-            os._exit(1)
+            code = 0
+            for step, attempt in enumerate(
+                (
+                    lambda: client.submit("m", X, 1),
+                    lambda: pending.result(10),
+                    lambda: client.poll(10),
+                ),
+                start=1,
+            ):
+                try:
+                    attempt()
+                    code = code or step
+                except CarpoolError as exc:
+                    code = code or (0 if "fork" in str(exc) else 10 + step)
+                except BaseException:
+                    code = code or 20 + step
+            os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+        assert not pending.done()
         assert not client.submit("m", X, 30).done()  # the parent's still works
     finally:
         client.close()
+
+
+def test_a_fault_in_the_io_thread_answers_the_call_it_was_taking(nobody: str) -> None:
+    """A bug that ends the I/O thread while it takes a call (here, a query) still
+    answers that call's caller: the client closes, and the caller hears so."""
+    client = Client(nobody)
+
+    def fault(call: object, now: float) -> None:
+        raise RuntimeError("injected fault")
+
+    client._io._query = fault  # type: ignore[method-assign]
+    heard: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            client.stats(30)
+        except BaseException as exc:
+            heard.append(exc)
+
+    caller = threading.Thread(target=ask, daemon=True)
+    caller.start()
+    caller.join(20)
+    assert not caller.is_alive()
+    assert len(heard) == 1
+    assert isinstance(heard[0], CarpoolError)
+    assert "closed" in str(heard[0])
+    client._io.join()
+    assert not client._io.thread.is_alive()
+    client.close()
 
 
 def _io_threads() -> int:

@@ -8,12 +8,14 @@ interrupted, waits on another. A :class:`Cancel` is not waited for. A submitted
 request's answer is a :class:`ReplyFuture`, which the I/O thread completes once and any
 thread may wait for: each waiting call parks on a lock of its own, which the I/O thread
 releases when it completes the future (a waiter that an exception interrupts leaves
-nothing held that another waiter needs).
+nothing held that another waiter needs). No I/O thread crosses ``fork()``: in a child, a
+future of its parent's client that is not done raises rather than wait for nobody.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -23,7 +25,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from carpool.client.inputs import Encoded
 from carpool.client.results import InferResult
-from carpool.common.errors import RequestError
+from carpool.common.errors import CarpoolError, RequestError
 from carpool.common.protocol import Priority
 
 __all__ = [
@@ -40,6 +42,22 @@ __all__ = [
 
 #: How long ``poll(0)`` waits when nothing completed: it gives up the GIL that long.
 _YIELD_S = 1e-6
+#: What a parent's client, or its future, says in a ``fork()`` child.
+NOT_ACROSS_FORK = "a Client does not cross fork(): open another in the child"
+_forks = 0  # fork()s on the way to this process: a client's thread is in its own
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def forks() -> int:
+    """How many ``fork()``s lie between the first process and this one."""
+    return _forks
 
 
 class Owner(Protocol):
@@ -51,10 +69,11 @@ class Owner(Protocol):
 class ReplyFuture:
     """The pending reply of one request; :meth:`result` waits for it."""
 
-    __slots__ = ("_error", "_owner", "_result", "_waiters", "request_id")
+    __slots__ = ("_error", "_forks", "_owner", "_result", "_waiters", "request_id")
 
     def __init__(self, owner: Owner, request_id: int) -> None:
         self._owner = owner
+        self._forks = _forks
         self.request_id = request_id
         self._result: InferResult | None = None
         self._error: RequestError | None = None
@@ -91,6 +110,8 @@ class ReplyFuture:
         return self._result
 
     def _wait(self, timeout_s: float | None) -> None:
+        if self._forks != _forks:  # (its I/O thread is in the parent)
+            raise CarpoolError(NOT_ACROSS_FORK)
         waiter = threading.Lock()
         waiter.acquire()
         self._waiters.append(waiter)
@@ -137,15 +158,20 @@ class Call:
     thread, with a value or an exception. The caller's wait holds a lock of the call's
     own (a signal handler's call, in the same thread, waits on another)."""
 
-    __slots__ = ("_gate", "error", "value")
+    __slots__ = ("_gate", "answered", "error", "value")
 
     def __init__(self) -> None:
         self._gate = threading.Lock()
         self._gate.acquire()
         self.value: Any = None
         self.error: BaseException | None = None
+        self.answered = False
 
     def answer(self, value: Any = None, error: BaseException | None = None) -> None:
+        """(The I/O thread.) The first answer stands; a later one is ignored."""
+        if self.answered:
+            return
+        self.answered = True
         self.value, self.error = value, error
         self._gate.release()
 

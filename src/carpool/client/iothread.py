@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import signal
 import threading
 import weakref
@@ -30,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from carpool.client import calls
 from carpool.client.calls import Call, Cancel, Close, Completions, Query, ReplyFuture, Submit, fail
 from carpool.client.core import ClientCore
 from carpool.client.shell import Dealer, close_core
@@ -48,15 +48,6 @@ _CLOSED = "the client is closed"
 _NOT_TAKING = "the broker is not taking requests"
 _UNSENT = "cancelled before it was sent"
 _NAMES = itertools.count(1)
-_forks = 0  # fork()s on the way to this process: a client's thread is in its own
-
-
-def _forked() -> None:
-    global _forks
-    _forks += 1
-
-
-os.register_at_fork(after_in_child=_forked)
 
 
 class Link:
@@ -99,7 +90,7 @@ class IOThread:
         self._closers: list[Close] = []
         self._closing = threading.Event()  # set once, by the thread, as it begins to close
         self.completions = Completions()  # for poll()
-        self._forks = _forks
+        self._forks = calls.forks()
         self._polling = False  # the thread is in (or about to enter) its poll
         self.thread = threading.Thread(
             target=self._run, name=f"carpool-client-io-{next(_NAMES)}", daemon=True
@@ -114,8 +105,8 @@ class IOThread:
     def hand(self, call: Call | Cancel) -> None:
         """Give the thread ``call`` (from any thread, a signal handler's too). Raises
         CarpoolError if the client is closed (the call not taken), or in a forked child."""
-        if self._forks != _forks:
-            raise CarpoolError("a Client does not cross fork(): open another in the child")
+        if self._forks != calls.forks():
+            raise CarpoolError(calls.NOT_ACROSS_FORK)
         if self.closed:
             raise CarpoolError(_CLOSED)
         self._calls.append(call)
@@ -145,7 +136,10 @@ class IOThread:
 
     def wait_completed(self, timeout_s: float | None) -> int:
         """The futures completed since the last look (any thread's), waiting up to
-        ``timeout_s`` (None: without end) for one; CarpoolError once the client closed."""
+        ``timeout_s`` (None: without end) for one; CarpoolError once the client closed,
+        or in a forked child (no thread completes them there)."""
+        if self._forks != calls.forks():
+            raise CarpoolError(calls.NOT_ACROSS_FORK)
         self.completions.wait(timeout_s, self._closing)
         completed = self.completions.look()
         if not completed and self.closed:
@@ -205,17 +199,21 @@ class IOThread:
     def _take_calls(self) -> int:
         """Take the calls handed so far (up to a Close); returns futures completed."""
         completed = 0
-        calls, now = self._calls, self.clock.now()
-        while calls and not self._closers:
-            call = calls.popleft()
-            if isinstance(call, Submit):
-                self._submit(call, now)
-            elif isinstance(call, Cancel):
-                completed += self._cancel(call.future)
-            elif isinstance(call, Query):
-                self._query(call, now)
-            elif isinstance(call, Close):
-                self._closers.append(call)
+        handed, now = self._calls, self.clock.now()
+        while handed and not self._closers:
+            call = handed.popleft()
+            try:
+                if isinstance(call, Submit):
+                    self._submit(call, now)
+                elif isinstance(call, Cancel):
+                    completed += self._cancel(call.future)
+                elif isinstance(call, Query):
+                    self._query(call, now)
+                elif isinstance(call, Close):
+                    self._closers.append(call)
+            except BaseException:  # a bug: back with the calls, which _shut answers
+                handed.appendleft(call)
+                raise
         return completed
 
     def _submit(self, call: Submit, now: float) -> None:
