@@ -98,7 +98,14 @@ from carpool.common.protocol import (
     encode,
     header,
 )
-from carpool.common.protocol import frames as codec
+
+# msgpack's pack/unpack: in protocol/frames.py, or in common/codec.py at the older
+# revisions this harness also drives (bench/instructions.py, compare_revs.py).
+codec: Any
+try:
+    codec = importlib.import_module("carpool.common.codec")
+except ImportError:
+    codec = importlib.import_module("carpool.common.protocol.frames")
 
 
 def _worker_message() -> Callable[[list[Any]], Any]:
