@@ -496,7 +496,7 @@ def test_a_worker_with_no_broker_does_not_say_connected(tmp_path: Path, spawn: S
     """With nothing listening it logs that it waits for a broker, once, and never
     "connected to", however often it reconnects."""
     toml = tmp_path / "w.toml"
-    toml.write_text("heartbeat_s = 0.5\nliveness = 3\n")  # silent for 1.5 s: reconnect
+    toml.write_text("heartbeat_s = 0.25\nliveness = 3\n")  # silent for 0.75 s: reconnect
     endpoint = f"ipc://{tmp_path}/nobody"
     worker = spawn(
         "worker", "--config", str(toml), "--broker", endpoint, "--synthetic", "0", "0",
