@@ -55,6 +55,7 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--csv", help="write per-second figures as CSV")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_stats_timeout(b)
     b.add_argument(
         "--shared-memory-mib",
         type=int,
@@ -68,12 +69,22 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--input-name", default="x", help="input tensor name")
     r.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="input dtype")
     r.add_argument("--simulate", action="store_true", help="replay in the simulator instead")
+    _add_stats_timeout(r)
     add_engine_flags(r, fleet=False)
     g = r.add_argument_group(
         "simulated broker", "as carpool broker's flags; set them as the recording broker had"
     )
     add_batching_flags(g, BatchingConfig())
     r.add_argument("--json", help="write the report as JSON")
+
+
+def _add_stats_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--stats-timeout-s",
+        type=float,
+        help="how long each STATS waits for the broker's answer (default: 3 s for each of "
+        "the three asked before the run, 5 s for the one after it)",
+    )
 
 
 _EXIT_STATUS = (
@@ -116,6 +127,7 @@ def _check_bench(args: argparse.Namespace) -> tuple[int, ...]:
         problems.append(f"--timeout-ms must be in 1..3600000, got {args.timeout_ms}")
     if not args.model:
         problems.append("--model must be a non-empty name")
+    problems += _stats_timeout_problems(args)
     if args.shared_memory_mib < 0:
         problems.append(f"--shared-memory-mib must be at least 0, got {args.shared_memory_mib}")
     shape: tuple[int, ...] = ()
@@ -130,6 +142,13 @@ def _check_bench(args: argparse.Namespace) -> tuple[int, ...]:
         raise ConfigError("; ".join(problems))
     _check_endpoint(args.endpoint)
     return shape
+
+
+def _stats_timeout_problems(args: argparse.Namespace) -> list[str]:
+    timeout_s = args.stats_timeout_s
+    if timeout_s is None or _at_least(timeout_s, 0, above=True):
+        return []
+    return [f"--stats-timeout-s must be more than 0, got {timeout_s:g}"]
 
 
 def _arrivals(args: argparse.Namespace) -> list[Arrival]:
@@ -230,7 +249,11 @@ def _live(args: argparse.Namespace, items: list[Arrival], **kwargs: Any) -> int:
     """Run ``items`` against the broker at ``args.endpoint``, print and write the report."""
     try:
         report = run(
-            args.endpoint, items, synthetic_inputs(items, args.input_name, args.dtype), **kwargs
+            args.endpoint,
+            items,
+            synthetic_inputs(items, args.input_name, args.dtype),
+            stats_timeout_s=args.stats_timeout_s,
+            **kwargs,
         )
     except TimeoutError:  # no STATS before the run was answered (loadgen.first_stats)
         return _fail(
@@ -281,6 +304,7 @@ def _check_replay(args: argparse.Namespace) -> BatchingConfig:
         problems.append("--engine-max-batch must be at least 1")
     if not (_at_least(args.alpha_ms, 0) and _at_least(args.beta_ms, 0)):
         problems.append("--alpha-ms and --beta-ms must be at least 0 (and finite)")
+    problems += _stats_timeout_problems(args)
     if problems:
         raise ConfigError("; ".join(problems))
     return BatchingConfig(

@@ -318,10 +318,12 @@ def run(
     keep: bool = False,
     end_s: float | None = None,
     shared_memory: int = 0,
+    stats_timeout_s: float | None = None,
 ) -> BenchReport:
     """One open-loop run against a live broker (``keep`` keeps every sample;
     ``shared_memory``: bytes of a /dev/shm region for large inputs and outputs, §5.4-5.5,
-    for a fleet on this host)."""
+    for a fleet on this host; ``stats_timeout_s``: how long each STATS waits for its
+    answer, None for :func:`first_stats`'s and ``Client.stats``'s own)."""
     clock = clock or MonotonicClock()
     shm: dict[str, Any] = (
         {"shared_memory": shared_memory, "shared_memory_outputs": True} if shared_memory else {}
@@ -329,11 +331,18 @@ def run(
     # send_timeout_s=0: a send never waits for room (that wait would hold up every later
     # send); a request the broker does not take fails UNAVAILABLE at once.
     with Client(endpoint, grace_s=1.0, send_timeout_s=0.0, **shm) as client:
-        first = first_stats(client)  # TimeoutError: no broker, nothing run
+        # TimeoutError: no broker, nothing run.
+        if stats_timeout_s is None:
+            first = first_stats(client)
+        else:
+            first = first_stats(client, timeout_s=stats_timeout_s)
         before = _batch_sizes(first)
         samples = drive(client, arrivals, inputs, clock=clock, progress=progress)
         try:
-            last = client.stats()
+            if stats_timeout_s is None:
+                last = client.stats()
+            else:
+                last = client.stats(timeout_s=stats_timeout_s)
             after: dict[str, Counter[int]] | None = _batch_sizes(last)
         except TimeoutError:  # the broker went away during the run: keep what was measured
             logger.warning("the broker did not answer STATS after the run: no batch sizes")

@@ -4,6 +4,8 @@ is closed with requests in flight: every request still gets exactly one answer."
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -103,13 +105,29 @@ def test_a_submitted_input_does_not_change_with_the_callers_buffer(
 @pytest.mark.timeout(30)
 def test_closing_a_client_answers_what_it_had_in_flight(fleet_factory: Any) -> None:
     fleet = fleet_factory(max_batch=4, max_wait_s=0.001)
-    slow = SyntheticEngine(item_shape=(4,), fixed_cost_s=2.0)
+    gate = threading.Event()  # the batch runs until the client has closed
+    slow = Gated(gate)
     fleet.add_worker({"slow": lambda: slow}, warmup=False)
     fleet.ready()
     client = fleet.client()
     futures = [client.submit("slow", {"x": X}, timeout_s=5) for _ in range(3)]
-    client.close()
-    assert all(f.done() for f in futures)
-    for future in futures:
-        with pytest.raises(Unavailable, match="closed"):
-            future.result(0)
+    try:
+        client.close()
+        assert all(f.done() for f in futures)
+        for future in futures:
+            with pytest.raises(Unavailable, match="closed"):
+                future.result(0)
+    finally:
+        gate.set()
+
+
+class Gated(SyntheticEngine):
+    """Finishes a batch only once the test opens the gate."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__(item_shape=(4,))
+        self.gate = gate
+
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        assert self.gate.wait(30)
+        return super().run(inputs)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(90)
 
 CARPOOL = [sys.executable, "-m", "carpool"]
 RATE_RPS = 200
-LOAD_S = 12.0
+#: The load goes on for one request timeout after the thaw (THAW_AT_S + TIMEOUT_S).
+LOAD_S = 10.0
 TIMEOUT_S, GRACE_S = 2.0, 0.5
 #: Each batch costs 30 ms + 1 ms a sample: a worker is mid-batch most of the time.
 SYNTHETIC_MS = ("30", "1")

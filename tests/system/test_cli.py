@@ -354,14 +354,22 @@ def _write_trace(path: Path, n: int = 5) -> Path:
 def test_no_broker_at_the_endpoint_is_one_line_and_status_1(
     command: str, nobody: str, tmp_path: Path
 ) -> None:
-    """One line ("no broker answered at ...") and exit 1, not a TimeoutError traceback."""
+    """One line ("no broker answered at ...") and exit 1, not a TimeoutError traceback
+    (after three STATS of 0.2 s each, not the default 3 s)."""
     if command == "bench":
         args = ["bench", "--duration-s", "0.1", "--warmup-s", "0", "--no-progress"]
     else:
         args = ["replay", "--trace", str(_write_trace(tmp_path / "t.jsonl"))]
-    result = _carpool(*args, "--endpoint", nobody)
+    result = _carpool(*args, "--endpoint", nobody, "--stats-timeout-s", "0.2")
     assert result.returncode == 1, result.stderr
     assert f"carpool: no broker answered at {nobody}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_stats_timeout_that_is_not_positive_is_a_config_error(nobody: str) -> None:
+    result = _carpool("bench", "--endpoint", nobody, "--stats-timeout-s", "0")
+    assert result.returncode == 2, result.stderr
+    assert "--stats-timeout-s must be more than 0, got 0" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -488,7 +496,7 @@ def test_a_worker_with_no_broker_does_not_say_connected(tmp_path: Path, spawn: S
     """With nothing listening it logs that it waits for a broker, once, and never
     "connected to", however often it reconnects."""
     toml = tmp_path / "w.toml"
-    toml.write_text("heartbeat_s = 0.5\nliveness = 3\n")  # silent for 1.5 s: reconnect
+    toml.write_text("heartbeat_s = 0.25\nliveness = 3\n")  # silent for 0.75 s: reconnect
     endpoint = f"ipc://{tmp_path}/nobody"
     worker = spawn(
         "worker", "--config", str(toml), "--broker", endpoint, "--synthetic", "0", "0",

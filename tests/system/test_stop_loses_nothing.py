@@ -28,7 +28,7 @@ from carpool.client import AsyncClient, Client, Unavailable
 pytestmark = pytest.mark.timeout(60)
 
 RATE_RPS = 500
-TIMEOUT_S = 4.0
+TIMEOUT_S = 2.0
 
 
 def test_a_stopping_broker_leaves_no_request_to_its_timeout(tmp_path: Path) -> None:

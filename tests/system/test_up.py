@@ -166,9 +166,9 @@ def test_metrics_base_gives_the_broker_and_each_worker_their_port(tmp_path: Path
     base = _free_port_pair()
     fleet = UpFleet(tmp_path, "--workers", "1", *SYNTHETIC, "--metrics-base", str(base))
     try:
-        fleet.until(
-            "carpool status --json lists worker-0", lambda: fleet.status_workers() == ["worker-0"]
-        )
+        with Client(fleet.frontend) as client:  # (a poll in this process, not a command each)
+            fleet.until_workers(client, ["worker-0"])
+        assert fleet.status_workers() == ["worker-0"]  # carpool status --json lists it
 
         def scrape(port: int) -> str:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
