@@ -1,4 +1,5 @@
-"""listen.py: the HOST:PORT of an HTTP listener (``--metrics``), checked.
+"""listen.py: the HOST:PORT of an HTTP listener (``--metrics``), checked; how often its
+serving thread looks for a shutdown.
 
 Pure. A bare ``PORT`` or ``:PORT`` listens on 127.0.0.1: an endpoint reachable from
 elsewhere is only ever one the operator named.
@@ -9,6 +10,9 @@ from __future__ import annotations
 from carpool.common.errors import ConfigError
 
 DEFAULT_HOST = "127.0.0.1"
+#: How often an HTTP server's thread looks for its shutdown: how long closing it may wait
+#: (``serve_forever``'s default is 0.5 s).
+SHUTDOWN_POLL_S = 0.1
 
 
 def parse_listen(address: str) -> tuple[str, int]:

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from carpool.common.errors import ConfigError
-from carpool.common.listen import parse_listen
+from carpool.common.listen import SHUTDOWN_POLL_S, parse_listen
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,10 @@ class MetricsEndpoint:
         self.host = host
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="carpool-metrics", daemon=True
+            target=self._server.serve_forever,
+            args=(SHUTDOWN_POLL_S,),
+            name="carpool-metrics",
+            daemon=True,
         )
         self._thread.start()
         logger.info("metrics on http://%s:%d/metrics", host, self.port)

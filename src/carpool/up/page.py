@@ -33,6 +33,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any, Protocol
 
+from carpool.common.listen import SHUTDOWN_POLL_S
+
 logger = logging.getLogger(__name__)
 
 STATIC = {
@@ -126,7 +128,10 @@ class PageServer:
         self.port = int(self.httpd.server_address[1])
         self.access = Access(token, is_loopback(host))
         self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="carpool-up-page", daemon=True
+            target=self.httpd.serve_forever,
+            args=(SHUTDOWN_POLL_S,),
+            name="carpool-up-page",
+            daemon=True,
         )
 
     @property
