@@ -322,22 +322,22 @@ def classify(
     package: str = BROKER_PACKAGE,
     state: frozenset[str] = STATE_CLASSES,
 ) -> dict[str, Any]:
-    """``refs`` (:func:`part_references`) sorted by who holds what: a part holding a part
-    or the core (``between_parts``), a part holding state objects (``state_of``: the
-    distinct ones per part, every part listed) and a state object holding another
-    (``between_state``)."""
+    """``refs`` (:func:`part_references`) sorted by who holds what: anything holding a part
+    or the core (``between_parts``; a state object that did would count too), a part
+    holding state objects (``state_of``: the distinct ones per part, every part listed)
+    and a state object holding another (``between_state``)."""
     objects = parts_of(core, package)
     is_state = {name: type(obj).__name__ in state for name, obj in objects.items()}
     between_parts, between_state = [], []
     state_of: dict[str, set[str]] = {n: set() for n, s in is_state.items() if not s}
     for where, held in refs:
         holder, target = where.split(".")[0], held.split(" ")[0]
-        if is_state[holder]:
-            between_state.append((where, held))
-        elif is_state.get(target, False):
-            state_of[holder].add(target)
-        else:
+        if not is_state.get(target, False):  # a part, or the core
             between_parts.append((where, held))
+        elif is_state[holder]:
+            between_state.append((where, held))
+        else:
+            state_of[holder].add(target)
     return {
         "between_parts": between_parts,
         "between_state": between_state,

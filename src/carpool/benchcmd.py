@@ -83,7 +83,7 @@ def _add_stats_timeout(parser: argparse.ArgumentParser) -> None:
         "--stats-timeout-s",
         type=float,
         help="how long each STATS waits for the broker's answer (default: 3 s for each of "
-        "the three asked before the run, 5 s for the one after it)",
+        "the three asked before the run, 5 s for the one after it; --simulate asks none)",
     )
 
 

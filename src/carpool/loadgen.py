@@ -369,7 +369,7 @@ def first_stats(client: Client, tries: int = 3, timeout_s: float = 3.0) -> dict[
         try:
             return client.stats(timeout_s=timeout_s)
         except TimeoutError:  # noqa: PERF203 (three tries, each seconds long)
-            logger.info("no STATS answer in %.0f s (try %d of %d)", timeout_s, attempt, tries)
+            logger.info("no STATS answer in %g s (try %d of %d)", timeout_s, attempt, tries)
     return client.stats(timeout_s=timeout_s)
 
 

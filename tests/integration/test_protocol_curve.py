@@ -68,8 +68,8 @@ def test_the_documented_curve_client_is_answered_and_a_stranger_is_not(
                 if client == "stranger":
                     # No answer at all: 1 s is ample for one over loopback (the document's
                     # 5 s deadline is for a real network). A handshake refused before the
-                    # send leaves the REQ socket no peer to send to: its send waits too.
-                    deadline = "req.rcvtimeo = 5000"
+                    # send leaves the REQ socket no peer to send to: its send times out.
+                    deadline = "req.rcvtimeo = req.sndtimeo = 5000"
                     assert deadline in code
                     bounded = "req.rcvtimeo = req.sndtimeo = 1000"
                     with pytest.raises(zmq.Again):

@@ -204,6 +204,10 @@ def test_references_are_sorted_into_parts_and_state_objects() -> None:
     assert found["between_parts"] == [("intake.snapshot", "TangledCore .snapshot")]
     assert found["between_state"] == [("tally.book", "book (Book)")]
     assert found["state_of"] == {"intake": ["book"], "slotted": ["book"]}
+    # a state object that holds a part, or the core, counts as such a reference too
+    found = arch.classify(core, refs, __name__, frozenset({"Book", "Intake", "Tally"}))
+    assert found["between_parts"] == [("intake.snapshot", "TangledCore .snapshot")]
+    assert found["state_of"] == {"slotted": ["book"]}
     # with no state classes every reference is between parts
     found = arch.classify(core, refs, __name__, frozenset())
     assert len(found["between_parts"]) == len(refs) == 5

@@ -22,13 +22,12 @@ Pure: ``now`` and ρ are passed in. docs/batching.md derives the rule; in short:
 At constant load ρ(B) is a fixed decreasing function, so log B converges geometrically
 with factor (1 − η) for 0 < η ≤ 1: it settles and does not oscillate.
 
-LatencyModel: an online fit of batch duration ≈ fixed_cost_s + per_sample_s·n.
-
-Pure: fed with (samples, duration) pairs from worker reports; never reads a clock.
-History is bounded per batch size (the last ``per_size`` durations of each size), so
-points at sizes seen rarely survive a long run of one size and the fit stays determined.
-The fit is a weighted least squares over per-size medians (robust to stragglers), with
-both coefficients clipped at zero: a negative fixed cost (seen on CPUs) means "none".
+:class:`LatencyModel` fits batch duration ≈ fixed_cost_s + per_sample_s·n online, fed
+with (samples, duration) pairs from worker reports. History is bounded per batch size
+(the last ``per_size`` durations of each size), so points at sizes seen rarely survive a
+long run of one size and the fit stays determined. The fit is a weighted least squares
+over per-size medians (robust to stragglers), with both coefficients clipped at zero: a
+negative fixed cost (seen on CPUs) means "none".
 """
 
 from __future__ import annotations

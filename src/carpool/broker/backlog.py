@@ -17,13 +17,13 @@ the dispatcher reads to size the batch), hopeless ones through :meth:`Backlog.sh
 one that leaves unbatched (cancelled, answered) through :meth:`Backlog.remove`, and
 every live request whose deadline has passed through :meth:`Backlog.expire`. Each of
 these moves the request in the request book too, so that no request leaves a queue
-without its move, nor moves without leaving.
+without its move, and every move of a queued request out of QUEUED leaves its queue.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from carpool.broker.batcher import BatchTally, DeadlineHeap, RequestQueue
 from carpool.broker.requests import (
@@ -37,8 +37,8 @@ from carpool.broker.urgency import QueueOrder
 
 _QUEUED, _EXPIRED, _FAILED = RequestState.QUEUED, RequestState.EXPIRED, RequestState.FAILED
 
-#: What :meth:`Backlog.expire` returns when nothing is due (never written).
-_NONE: list[tuple[PendingRequest, bool]] = []
+#: What :meth:`Backlog.expire` returns when nothing is due.
+_NONE: tuple[tuple[PendingRequest, bool], ...] = ()
 
 
 def _one_sample(key: RequestKey) -> int:
@@ -237,7 +237,7 @@ class Backlog:
         self.dequeued(req)
         self._book.move(req, _FAILED)
 
-    def expire(self, now: float) -> list[tuple[PendingRequest, bool]]:
+    def expire(self, now: float) -> Sequence[tuple[PendingRequest, bool]]:
         """Every live request whose deadline has passed by ``now``, queued or at a worker:
         each leaves its queue (if queued) and moves to EXPIRED. Returns them, each with
         whether it was queued, for the caller to answer."""

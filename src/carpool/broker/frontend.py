@@ -10,8 +10,9 @@ give, the connection table) is dropped and reported (``unreadable``: faults.py),
 handed on. A reply goes back by that id (:meth:`Frontend.deliver`): to the connection
 the request came by, or nowhere once that has closed.
 
-The client connection each frontend message came by, so that a reply
-for a connection that has closed never reaches a later one under the same routing id.
+:class:`ClientConnections` tracks the client connection each frontend message came by,
+so that a reply for a connection that has closed never reaches a later one under the
+same routing id.
 
 A ROUTER knows a peer only by its routing id, and a peer may choose its own: when a
 client's connection closes, a newcomer can connect under its id and would receive the
@@ -72,7 +73,7 @@ from carpool.common.peer_names import peer_tag
 from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames, waiting
 
-__all__ = ["Frontend"]
+__all__ = ["TOKEN_BYTES", "ClientConnections", "ConnectionTable", "Frontend"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +185,6 @@ def _guard_clients(sock: zmq.Socket[Any]) -> None:
     """Without CURVE: the frontend's new connections ask the door (auth.py)."""
     Door.guard(sock, CLIENTS)
 
-
-__all__ = ["TOKEN_BYTES", "ClientConnections", "ConnectionTable"]
 
 _ACCEPTED = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)

@@ -98,6 +98,7 @@ class ReplyFuture:
         Raises:
             TimeoutError: ``timeout_s`` passed first (the request stays pending).
             RequestError: the request failed (a subclass per error code).
+            CarpoolError: not answered, in a ``fork()`` child of the client's process.
         """
         ready = self._result
         if ready is not None:  # the common case once answered

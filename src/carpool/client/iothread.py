@@ -250,8 +250,8 @@ class IOThread:
         for link in self.links:  # one not sent yet never leaves: no CANCEL goes ahead of it
             if op := next((o for o in link.unsent if getattr(o, "future", 0) is future), None):
                 link.unsent.remove(op)
+                op.answer(future)  # (first: out of the link, its caller is answered)
                 self.core.forget(rid)
-                op.answer(future)
                 return fail(self.futures, [(rid, Cancelled(_UNSENT, request_id=rid))])
         error = self.core.cancel(rid)
         if error is None or error.request_id is None:
@@ -298,16 +298,16 @@ class IOThread:
         """Fail the requests and queries whose send window passed unsent."""
         completed = 0
         for op in [op for op in link.unsent if op.until <= now]:
-            link.unsent.remove(op)
+            link.unsent.remove(op)  # (its caller answered next, before anything can fail)
             if isinstance(op, Query):
-                self.core.queries.forget(op.qid)
                 op.answer(error=TimeoutError(_NOT_TAKING))
+                self.core.queries.forget(op.qid)
                 continue
             assert op.future is not None
+            op.answer(op.future)
             rid = op.future.request_id
             self.core.forget(rid)
             completed += fail(self.futures, [(rid, Unavailable(_NOT_TAKING, request_id=rid))])
-            op.answer(op.future)
         return completed
 
     def _answer_queries(self, now: float) -> None:

@@ -192,7 +192,8 @@ class Client:
         or not anyone polls: this only waits.
 
         Raises:
-            CarpoolError: the client is closed (and nothing completed since the last look).
+            CarpoolError: the client is closed (and nothing completed since the last look),
+                or this is a ``fork()`` child of the client's process.
         """
         return self._io.wait_completed(timeout_s)
 

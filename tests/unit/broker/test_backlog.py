@@ -155,7 +155,7 @@ def test_expire_takes_every_live_request_past_its_deadline_out_once() -> None:
     backlog.add(r3)
     (sent,) = backlog.take(queue, 1, 0.0, 0.0, edf=False)
     assert sent is r1
-    assert backlog.expire(102.0) == [(r1, False), (r2, True)]
+    assert list(backlog.expire(102.0)) == [(r1, False), (r2, True)]
     assert (r1.state, r2.state, r3.state) == (
         RequestState.EXPIRED,
         RequestState.EXPIRED,
@@ -163,12 +163,12 @@ def test_expire_takes_every_live_request_past_its_deadline_out_once() -> None:
     )
     assert list(queue) == [r3]
     assert backlog.queued == 1
-    assert backlog.expire(102.0) == []
+    assert list(backlog.expire(102.0)) == []
     # Taken into a batch that would end too late: moved, nothing else.
     (late,) = backlog.take(queue, 1, 0.0, 0.0, edf=False)
     backlog.expire_taken([late])
     assert late.state is RequestState.EXPIRED
-    assert backlog.expire(200.0) == []
+    assert list(backlog.expire(200.0)) == []
 
 
 def _of_width(r: PendingRequest, width: int) -> PendingRequest:

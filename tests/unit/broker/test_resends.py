@@ -1,4 +1,4 @@
-"""resends.py (protocol.md §6.1, §6.5): a request sent again with its client's nonce and
+"""Resends (intake.py; protocol.md §6.1, §6.5): a request sent again with its client's nonce and
 id is answered once, on the connection of its latest copy, and never run twice while
 the broker holds it; a CANCEL drops a held or queued request (answered CANCELLED) and
 does nothing else; under CURVE a request's origin is bound to its key. Every UNAVAILABLE
