@@ -180,10 +180,11 @@ class LatencyModel:
         self._dirty = False
         self.observations = 0
 
-    def observe(self, samples: int, duration_s: float) -> None:
-        """Record one finished batch."""
+    def observe(self, samples: int, duration_s: float) -> bool:
+        """Record one finished batch; True when the fit will change (it is refitted at the
+        next look), False when the point only waits for a later refit."""
         if samples < 1 or not duration_s >= 0:
-            return
+            return False
         history = self._by_size.pop(samples, None)  # re-inserted last: recency order
         if history is None:
             history = deque(maxlen=self.per_size)
@@ -196,6 +197,8 @@ class LatencyModel:
         # point barely moves a fit of hundreds, and refitting is the costly part.
         if self.observations <= 64 or self.observations % self.REFIT_EVERY == 0:
             self._dirty = True
+            return True
+        return False
 
     @property
     def cost(self) -> CostEstimate:

@@ -70,14 +70,15 @@ class Lane:
     #: Item shapes whose costs a lane remembers (clients choose shapes; keep it bounded).
     MAX_SHAPES = 64
 
-    def observe(self, key: RequestKey, samples: int, duration_s: float) -> None:
+    def observe(self, key: RequestKey, samples: int, duration_s: float) -> bool:
+        """Teach the key's cost fit a batch; True when the fit will change."""
         model = self.latency.get(key)
         if model is None:
             if len(self.latency) >= self.MAX_SHAPES:
                 del self.latency[next(iter(self.latency))]  # the longest-known shape goes
             model = self.latency[key] = LatencyModel()
-        model.observe(samples, duration_s)
         self.last_key = key
+        return model.observe(samples, duration_s)
 
     def on_dispatch(self, samples: int) -> None:
         self.mean_batch += 0.2 * (samples - self.mean_batch)

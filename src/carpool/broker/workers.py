@@ -308,9 +308,12 @@ class WorkerEvents:
     def _learn(self, worker: WorkerState, batch: InflightBatch, compute_ms: float) -> None:
         lane = worker.lanes.get(batch.key[0])
         # A time no batch can take (longer than any deadline) would only break the fit.
-        if lane is not None and 0 < compute_ms <= _MAX_COMPUTE_MS:
-            lane.observe(batch.key, batch.samples, compute_ms / 1000.0)
-            self.fleet.rates.pop(batch.key, None)
+        if (
+            lane is not None
+            and 0 < compute_ms <= _MAX_COMPUTE_MS
+            and lane.observe(batch.key, batch.samples, compute_ms / 1000.0)
+        ):
+            self.fleet.rates.pop(batch.key, None)  # (cached until a cost is refitted)
 
     def _on_busy(self, now: float, worker: WorkerState, busy_ms: int, out: list[Outgoing]) -> None:
         """An UNHEALTHY worker's HEARTBEAT says how long its inference thread has run its

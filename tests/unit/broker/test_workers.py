@@ -108,3 +108,25 @@ def test_a_stranger_is_told_to_register_and_its_result_counted_late() -> None:
     assert isinstance(out, ToWorker)
     assert isinstance(out.message, BrokerDisconnect)
     assert w.stats.late_results == 1
+
+
+def test_the_fleets_cached_rate_follows_every_refit_of_the_cost() -> None:
+    """A RESULT teaches the lane its cost; the fleet's rate for the key, cached for
+    admission, is dropped whenever the fit will change and kept otherwise: after every
+    result it equals one computed afresh, and it outlives the results that only wait
+    for a later refit."""
+    w = events()
+    w.on_ready(T0, W, Ready("w", 1, (SPEC,)), [])
+    kept = 0
+    for i in range(120):
+        batch = dispatched(w, *range(10 * i, 10 * i + 1 + i % 2))  # sizes 1 and 2
+        key = batch.key
+        w.fleet.drain_time_s("m", key, 16)  # (cached now)
+        compute_ms = 2.0 + 0.5 * batch.samples + 0.01 * (i % 7)
+        meta = ResultMeta(batch.batch_id, 0.5, compute_ms, (1,) * batch.samples)
+        w.on_worker(T0 + 0.01, W, WorkerResult(meta, [b"r"] * batch.samples))
+        kept += key in w.fleet.rates
+        cached = w.fleet.drain_time_s("m", key, 16)
+        w.fleet.rates.clear()
+        assert w.fleet.drain_time_s("m", key, 16) == cached
+    assert kept >= 40  # (past the first 64 observations, 7 of each 8 keep it)
