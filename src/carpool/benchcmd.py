@@ -19,7 +19,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -27,10 +27,12 @@ from carpool.broker.config import BatchingConfig
 from carpool.commandline import add_batching_flags, add_burst_flags, add_command
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import DTYPES
-from carpool.loadgen import BenchReport, run, synthetic_inputs
 from carpool.sim import workload
 from carpool.sim.commands import add_engine_flags, finite, write_json
 from carpool.sim.workload import Arrival
+
+if TYPE_CHECKING:  # (the load generator and the client load when a run starts)
+    from carpool.loadgen import BenchReport
 
 # ---------------------------------------------------------------------- command line
 
@@ -247,6 +249,8 @@ def _fail(message: str) -> int:
 
 def _live(args: argparse.Namespace, items: list[Arrival], **kwargs: Any) -> int:
     """Run ``items`` against the broker at ``args.endpoint``, print and write the report."""
+    from carpool.loadgen import run, synthetic_inputs
+
     try:
         report = run(
             args.endpoint,

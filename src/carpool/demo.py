@@ -23,15 +23,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from carpool.client import Client, ReplyFuture, RequestError
 from carpool.common.clock import MonotonicClock
 from carpool.common.config import check, signs
 from carpool.common.errors import ConfigError
+
+if TYPE_CHECKING:  # (the client loads when the demo runs, not with carpool's parser)
+    from carpool.client import Client, ReplyFuture
 
 MODEL = "orientation"
 INPUT = "x"
@@ -118,6 +120,8 @@ def run_demo(settings: DemoSettings) -> int:
     Raises:
         ConfigError: an argument is out of range, or Pillow is not installed.
     """
+    from carpool.client import Client
+
     settings.check()
     duration_s, cameras, fps = settings.duration_s, settings.cameras, settings.fps
     workers, max_batch, max_wait_ms = settings.workers, settings.max_batch, settings.max_wait_ms
@@ -264,6 +268,8 @@ def _run_cameras(
     client: Client, frames: list[Frame], duration_s: float, cameras: int, fps: float
 ) -> Tally:
     """Send frames open loop at every tick; collect replies between ticks."""
+    from carpool.client import RequestError
+
     clock = client.clock
     tally = Tally()
     in_flight: list[tuple[ReplyFuture, float, Frame]] = []

@@ -8,6 +8,8 @@ connected component of more than one module (or a module that imports itself).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -155,3 +157,30 @@ def test_no_import_cycle_in_src() -> None:
     """No module reaches itself through imports, module-level or function-level."""
     found = cycles(import_graph())
     assert found == [], "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_command_lines_parser_loads_no_command_it_does_not_run() -> None:
+    """Building ``carpool``'s parser (what every ``carpool`` process does first, a broker's
+    and ``carpool status``'s alike) imports no client, simulator, load generator, broker
+    core or HTTP server: each command loads those when it runs."""
+    heavy = (
+        "asyncio",
+        "carpool.broker.core",
+        "carpool.client",
+        "carpool.loadgen",
+        "carpool.sim.simulator",
+        "http.server",
+    )
+    script = (
+        "import sys\nimport carpool.cli\ncarpool.cli.build_parser()\n"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+    )
+    assert found.stdout.strip() == ""

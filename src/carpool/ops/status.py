@@ -12,16 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from rich.console import Console, Group, RenderableType
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from carpool.client import Client
 from carpool.common.errors import ConfigError, RequestError
 from carpool.ops import fleet
+
+if TYPE_CHECKING:  # (the client loads when a command asks the broker)
+    from carpool.client import Client
 
 __all__ = ["add_client_flags", "fetch", "open_client", "renderable", "run_status"]
 
@@ -47,6 +49,8 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def open_client(args: argparse.Namespace) -> Client:
     """A client for questions to the broker (``ConfigError`` for keys that go wrong)."""
+    from carpool.client import Client
+
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be more than 0, got {args.timeout:g}")
     try:

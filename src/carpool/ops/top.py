@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import argparse
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from carpool.client import Client
 from carpool.common.clock import Clock, MonotonicClock
 from carpool.ops import fleet
 from carpool.ops.status import add_client_flags, fetch, open_client, renderable
+
+if TYPE_CHECKING:
+    from carpool.client import Client
 
 
 def run_top(

@@ -13,16 +13,17 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carpool.commandline import add_burst_flags, add_command
 from carpool.common.errors import ConfigError
 from carpool.common.progress import CountProgress
 from carpool.common.protocol import MAX_TIMEOUT_MS
 from carpool.sim import workload
-from carpool.sim.compare import as_records, compare, grid_search, table
-from carpool.sim.simulator import EngineCost, SimWorker, span_s
 from carpool.sim.workload import Arrival
+
+if TYPE_CHECKING:  # (the simulator and its comparisons load when a command runs)
+    from carpool.sim.simulator import SimWorker
 
 #: The engine's batch limit assumed when neither the flag nor the trace gives one.
 DEFAULT_ENGINE_MAX = 64
@@ -103,6 +104,8 @@ def add_parsers(sub: Any) -> None:
 def _workers(args: argparse.Namespace, items: Sequence[Arrival]) -> tuple[list[SimWorker], str]:
     """The simulated fleet, and a note of its engines' batch limit: --engine-max-batch,
     else what the trace recorded (the recording fleet's), else DEFAULT_ENGINE_MAX."""
+    from carpool.sim.simulator import EngineCost, SimWorker
+
     problems = []
     limit = args.engine_max_batch
     if args.workers < 1 or args.slots < 1 or (limit is not None and limit < 1):
@@ -172,6 +175,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     open-loop arrivals; print throughput, goodput (answers within the deadline per
     second), latency percentiles, misses, batch size and busy time.
     """
+    from carpool.sim.compare import as_records, compare, table
+    from carpool.sim.simulator import span_s
+
     _quiet()
     items = _arrivals(args)
     workers, limit = _workers(args, items)
@@ -212,6 +218,8 @@ def run_tune(args: argparse.Namespace) -> int:
     shape, timeout_ms) on a grid of fixed (B_max, T_max) with a measured batch cost, and
     recommend the setting with the best goodput at the SLA.
     """
+    from carpool.sim.compare import grid_search, table
+
     _quiet()
     if args.top < 1:  # (0 printed an empty ranking; -2 all but its last two rows)
         raise ConfigError(f"--top must be at least 1, got {args.top}")

@@ -18,20 +18,20 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from carpool.client import Client
 from carpool.commandline import METRICS_COMMANDS, add_batching_flags, add_command
 from carpool.common.curve import check_private, load_keypair
 from carpool.common.errors import ConfigError
 from carpool.curvecmd import add_broker_flags
 from carpool.roles import check_environment
-from carpool.up.feed import FleetFeed, StatsPoller
-from carpool.up.page import PageServer, is_loopback
 from carpool.up.plan import FleetPlan
 from carpool.up.processes import FleetRunner
 from carpool.up.supervisor import RestartPolicy, Supervisor
-from carpool.up.traffic import KNOWN_SHAPES, Traffic, TrafficPlan
+
+if TYPE_CHECKING:  # (the client, the page and the traffic load when the fleet starts)
+    from carpool.client import Client
+    from carpool.up.traffic import Traffic, TrafficPlan
 
 __all__ = ["add_parsers", "child_args"]
 
@@ -95,6 +95,8 @@ def _page_address(text: str) -> tuple[str, int]:
 def _page_token(args: argparse.Namespace, host: str) -> str:
     """The page's token: from ``--page-token-file`` (mode 0600), else a new random one;
     a page bound to anything but loopback must have the operator's own."""
+    from carpool.up.page import is_loopback
+
     if args.page_token_file is None:
         if not is_loopback(host):
             raise ConfigError(
@@ -111,6 +113,8 @@ def _page_token(args: argparse.Namespace, host: str) -> str:
 
 
 def _traffic_plan(args: argparse.Namespace) -> TrafficPlan | None:
+    from carpool.up.traffic import KNOWN_SHAPES, TrafficPlan
+
     if args.traffic is None:
         return None
     if not args.traffic > 0:
@@ -135,6 +139,8 @@ def _traffic_plan(args: argparse.Namespace) -> TrafficPlan | None:
 
 def _client(args: argparse.Namespace) -> Client:
     """A client of the fleet's frontend (its CURVE keys with ``--curve``)."""
+    from carpool.client import Client
+
     keys: dict[str, Any] = {}
     if args.curve:
         if not args.curve_client_key or not args.curve_server_key:
@@ -175,6 +181,8 @@ class _Board:
     """The page's figures: the feed (fed by the poller thread) behind a lock."""
 
     def __init__(self, runner: FleetRunner, max_workers: int, traffic: Traffic | None) -> None:
+        from carpool.up.feed import FleetFeed
+
         self.runner = runner
         self.max_workers = max_workers
         self.traffic = traffic
@@ -216,6 +224,10 @@ def _up(args: argparse.Namespace) -> int:
     HOST:PORT, the live fleet page (docs/fleet-page.md): its URL, with the token that
     changing the fleet needs, is printed at start.
     """
+    from carpool.up.feed import StatsPoller
+    from carpool.up.page import PageServer
+    from carpool.up.traffic import Traffic
+
     # A misspelt setting stops carpool up here, not its children one restart after
     # another; the children (same environment) warn of the other names themselves.
     check_environment(os.environ)
