@@ -113,10 +113,10 @@ def _page_token(args: argparse.Namespace, host: str) -> str:
 
 
 def _traffic_plan(args: argparse.Namespace) -> TrafficPlan | None:
-    from carpool.up.traffic import KNOWN_SHAPES, TrafficPlan
-
     if args.traffic is None:
         return None
+    from carpool.up.traffic import KNOWN_SHAPES, TrafficPlan
+
     if not args.traffic > 0:
         raise ConfigError(f"--traffic must be > 0 requests per second, got {args.traffic:g}")
     model = args.traffic_model or (
