@@ -1,5 +1,5 @@
 """Clock: the one seam for time. Only this module reads ``time.monotonic`` (and the wall
-clock, for :func:`wall_offset_s`).
+clock, for :func:`wall_offset_s`, and a thread's CPU time).
 
 Pure cores never hold a clock: they take ``now`` (monotonic seconds) as an argument.
 Shells hold a :class:`Clock`; tests give them :class:`carpool.common.testing.FakeClock`.
@@ -12,9 +12,13 @@ from typing import Protocol
 
 
 class Clock(Protocol):
-    """Monotonic seconds, and a way to let time pass."""
+    """Monotonic seconds, the calling thread's CPU seconds, and a way to let time pass."""
 
     def now(self) -> float: ...
+
+    def cpu(self) -> float:
+        """CPU seconds the calling thread has used (differences are what count)."""
+        ...
 
     def sleep(self, duration_s: float) -> None: ...
 
@@ -24,6 +28,7 @@ class MonotonicClock:
     shells read it several times per request."""
 
     now = staticmethod(time.monotonic)
+    cpu = staticmethod(time.thread_time)
 
     def sleep(self, duration_s: float) -> None:
         if duration_s > 0:

@@ -15,11 +15,21 @@ class FakeClock:
 
     def __init__(self, start_s: float = 1000.0) -> None:
         self._now = start_s
+        self._cpu = 0.0
         self._lock = threading.Lock()
 
     def now(self) -> float:
         with self._lock:
             return self._now
+
+    def cpu(self) -> float:
+        """CPU seconds used, as far as :meth:`use_cpu` said (one count for every thread)."""
+        with self._lock:
+            return self._cpu
+
+    def use_cpu(self, duration_s: float) -> None:
+        with self._lock:
+            self._cpu += duration_s
 
     def advance(self, duration_s: float) -> None:
         with self._lock:

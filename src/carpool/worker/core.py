@@ -71,6 +71,7 @@ class RunBatch:
     epoch: int
     batch: BatchMeta
     frames: Sequence[Frame]
+    cpu_s: float = 0.0  # the loop's CPU for it so far (its receipt; RESULT ``cpu_ms``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,9 @@ class JobOutcome:
     error: tuple[ErrorCode, str] | None = None
     # A padded model's batch: RESULT ``padding`` (§8.4), (padded, bucket) elements.
     padding: tuple[int, int] | None = None
+    # The CPU its threads spent on it outside the engine's run, receipt included (RESULT
+    # ``cpu_ms``, §8.4; sent only with ``timed``).
+    cpu_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,7 +397,9 @@ class WorkerCore:
         # the RESULT says 0, which the broker's cost model ignores.
         compute_ms = 1000.0 * (outcome.end_s - outcome.start_s) if outcome.timed else 0.0
         counts, padding = tuple(outcome.counts), outcome.padding
-        meta = ResultMeta(outcome.batch_id, rho, compute_ms, counts, padding, self._sample(now))
+        cpu_ms = 1000.0 * outcome.cpu_s if outcome.timed else 0.0
+        telemetry = self._sample(now)
+        meta = ResultMeta(outcome.batch_id, rho, compute_ms, counts, padding, telemetry, cpu_ms)
         return WorkerResult(meta, outcome.frames)
 
     def on_batch_queued(self, now: float) -> None:

@@ -123,6 +123,7 @@ class StartedJob:
     pending: Pending | None = None  # what engine.enqueue returned
     queue_error: Exception | None = None  # what engine.enqueue raised
     outcome: JobOutcome | None = None
+    cpu_s: float = 0.0  # CPU spent on it so far: its receipt and its staging
 
 
 def run_job(
@@ -148,6 +149,7 @@ def start_job(
     with ``queue`` on an engine that has ``enqueue``, queued on it (its errors are the
     batch's, in :func:`finish_job`)."""
     batch = job.batch
+    cpu0 = clock.cpu()
     started = StartedJob(job, clock.now())
     engine = engines.get(batch.model)
     try:
@@ -199,6 +201,7 @@ def start_job(
             started.pending = engine.enqueue(inputs)  # type: ignore[attr-defined]
         except Exception as exc:  # (answered as the engine's run failing, when finished)
             started.queue_error = exc
+    started.cpu_s = job.cpu_s + clock.cpu() - cpu0
     return started
 
 
@@ -220,6 +223,8 @@ def finish_job(
     assert batch is not None
     assert started.inputs is not None
     start = max(started.start_s, not_before_s)
+    cpu0 = clock.cpu()
+    engine_cpu_s = 0.0  # the engine's run: compute_ms's, not cpu_ms's
     samples = 0  # set once the engine has run them: what the inline decision learns from
     failed, alive = started.failed, started.alive
     try:
@@ -227,10 +232,12 @@ def finish_job(
         try:
             if started.queue_error is not None:
                 raise started.queue_error
+            run_cpu = clock.cpu()
             if started.pending is not None:
                 outputs = started.pending.result()
             else:
                 outputs = engine.run(started.inputs)
+            engine_cpu_s = clock.cpu() - run_cpu
         except Exception as exc:
             if len(batch.items) == 1 and not failed:
                 logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)
@@ -269,8 +276,17 @@ def finish_job(
         return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
     pads = engine.info.io.pads
     padding = padding_of(batch, pads) if pads else None  # (a plain model: no padding)
+    cpu_s = started.cpu_s + clock.cpu() - cpu0 - engine_cpu_s
     return _outcome(
-        job, start, end, counts, frames, samples=samples, timed=outputs is not None, padding=padding
+        job,
+        start,
+        end,
+        counts,
+        frames,
+        samples=samples,
+        timed=outputs is not None,
+        padding=padding,
+        cpu_s=cpu_s,
     )
 
 
@@ -285,6 +301,7 @@ def _outcome(
     timed: bool = True,
     error: tuple[ErrorCode, str] | None = None,
     padding: tuple[int, int] | None = None,
+    cpu_s: float = 0.0,
 ) -> JobOutcome:
     return JobOutcome(
         job.epoch,
@@ -298,6 +315,7 @@ def _outcome(
         timed,
         error,
         padding,
+        cpu_s,
     )
 
 

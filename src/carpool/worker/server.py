@@ -251,17 +251,18 @@ class WorkerServer:
         handled = 0
         if self._results_fd in events:
             handled += self._drain_results()
-        decode, known = decode_from_broker, core.batch_inputs
+        decode, known, cpu = decode_from_broker, core.batch_inputs, self.clock.cpu
         try:
             for frames in conn.receive(events):
                 handled += 1
+                cpu0 = cpu()
                 try:
                     msg = decode(frames, known)
                 except Exception as exc:  # (it answers BrokerMalformed: a bug if not)
                     self._unreadable("decode", exc)
                     continue
                 try:
-                    went_on = self._on_broker(msg)
+                    went_on = self._on_broker(msg, cpu0)
                 except Exception as exc:
                     # A bug of ours: start over (a new connection, the broker requeues
                     # what it sent this one), so no half-done state outlives it.
@@ -303,13 +304,15 @@ class WorkerServer:
         if reconnect is not None:
             self._reconnect(reconnect.reason)
 
-    def _on_broker(self, msg: FromBroker) -> bool:
-        """One message from the broker; False when the connection was started over."""
+    def _on_broker(self, msg: FromBroker, cpu0: float) -> bool:
+        """One message from the broker, whose decoding began at this thread's CPU time
+        ``cpu0``; False when the connection was started over."""
         core = self.core
         action = core.on_broker(self.clock.now(), msg)
         if isinstance(action, RunBatch):
             inline = core.runs_inline(action)
             core.on_batch_queued(self.clock.now())
+            action.cpu_s = self.clock.cpu() - cpu0
             if inline:
                 outcome = run_job(self._engines, action, self.clock, self._shm, self._ring)
                 return self._finish_job(outcome)
@@ -377,7 +380,7 @@ class WorkerServer:
         short batch runs right here, on the broker's thread, and its RESULT comes back)."""
         outbox = self._outbox()
         if not self.core.rejoining:  # else not registered: nothing is ours to answer
-            self._on_broker(message)
+            self._on_broker(message, self.clock.cpu())
         return outbox.take()
 
     def service(self, results_ready: bool) -> list[ToBroker]:

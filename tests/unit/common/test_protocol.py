@@ -841,6 +841,16 @@ def test_result_meta_round_trip() -> None:
     assert ResultMeta.from_wire(wire(r.to_wire())) == r
 
 
+def test_result_meta_carries_the_worker_cpu_when_measured() -> None:
+    r = ResultMeta(3, 0.5, 12.5, (1,), cpu_ms=0.4567)
+    w = r.to_wire()
+    assert w["cpu_ms"] == 0.457
+    assert ResultMeta.from_wire(wire(w)).cpu_ms == 0.457
+    assert "cpu_ms" not in ResultMeta(3, 0.5, 12.5, (1,)).to_wire()  # 0: not measured
+    assert ResultMeta.from_wire({"batch": 3, "frames": [1], "cpu_ms": 2}).cpu_ms == 2.0
+    assert ResultMeta.from_wire({"batch": 3, "frames": [1]}).cpu_ms == 0.0
+
+
 def test_result_meta_rounds() -> None:
     w = ResultMeta(3, 0.123456, 1.23456, (1,)).to_wire()
     assert w["rho"] == 0.1235
@@ -860,6 +870,9 @@ def test_result_meta_rounds() -> None:
         ({"batch": 1, "frames": [1], "rho": "high"}, "rho"),
         ({"batch": 1, "frames": [1], "rho": math.nan}, "rho"),
         ({"batch": 1, "frames": [1], "compute_ms": False}, "compute_ms"),
+        ({"batch": 1, "frames": [1], "cpu_ms": True}, "cpu_ms"),
+        ({"batch": 1, "frames": [1], "cpu_ms": math.inf}, "cpu_ms"),
+        ({"batch": 1, "frames": [1], "cpu_ms": "0.3"}, "cpu_ms"),
     ],
 )
 def test_result_meta_rejects(meta: dict[str, Any], match: str) -> None:

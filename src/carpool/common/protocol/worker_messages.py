@@ -270,10 +270,19 @@ class ResultMeta:
     padding: tuple[int, int] | None = None
     # The worker's host and device, when it took a sample for this message (§8.2).
     telemetry: Telemetry | None = None
+    # The worker process's CPU time for the batch, every thread, from its receipt to this
+    # RESULT (§8.4); 0: not measured.
+    cpu_ms: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return result_wire(
-            self.batch_id, self.rho, self.compute_ms, self.frames, self.padding, self.telemetry
+            self.batch_id,
+            self.rho,
+            self.compute_ms,
+            self.frames,
+            self.padding,
+            self.telemetry,
+            self.cpu_ms,
         )
 
     @classmethod
@@ -306,10 +315,13 @@ class ResultMeta:
         compute_ms = meta.get("compute_ms", 0.0)
         if type(compute_ms) is not float or not math.isfinite(compute_ms):
             compute_ms = optional_number(meta, "compute_ms")
+        cpu_ms = meta.get("cpu_ms", 0.0)
+        if type(cpu_ms) is not float or not math.isfinite(cpu_ms):
+            cpu_ms = optional_number(meta, "cpu_ms")
         telemetry = meta.get("telemetry")
         if telemetry is not None:
             telemetry = Telemetry.from_wire(telemetry)
-        return cls(batch_id, rho, compute_ms, tuple(frames), padding, telemetry)
+        return cls(batch_id, rho, compute_ms, tuple(frames), padding, telemetry, cpu_ms)
 
 
 def result_wire(
@@ -319,10 +331,12 @@ def result_wire(
     frames: Iterable[int],
     padding: tuple[int, int] | None = None,
     telemetry: Telemetry | None = None,
+    cpu_ms: float = 0.0,
 ) -> dict[str, Any]:
     """A RESULT meta from its fields: ``frames[i]``, the frame count of request i's reply;
     ``padding``: a padded batch's (padded, bucket) elements; ``telemetry``: a sample of
-    the worker's host and device (§8.2)."""
+    the worker's host and device (§8.2); ``cpu_ms``: the worker's CPU for the batch (left
+    off at 0: not measured)."""
     wire: dict[str, Any] = {
         "batch": batch_id,
         "rho": round(rho, 4),
@@ -333,6 +347,8 @@ def result_wire(
         wire["padding"] = list(padding)
     if telemetry is not None:
         wire["telemetry"] = telemetry.to_wire()
+    if cpu_ms > 0:
+        wire["cpu_ms"] = round(cpu_ms, 3)
     return wire
 
 
