@@ -1,26 +1,18 @@
-"""adaptive.py: what a worker's lane learns: B_max per (worker, model), driven by the
-worker's load ρ (:class:`BatchSizeController`), and the batch cost (:class:`LatencyModel`).
+"""adaptive.py: what a worker's lane learns: the batch cost (:class:`LatencyModel`), and,
+under the ``seed`` comparison policy, a B_max driven by the worker's load ρ
+(:class:`BatchSizeController`).
 
-Pure: ``now`` and ρ are passed in. docs/batching.md derives the rule; in short:
+Pure: ``now`` and ρ are passed in.
 
-* The seeds' rule: ρ high → smaller B_max, ρ low → larger, each step scaled by a learning
-  rate. It aims at latency but is backwards for capacity: with a batch cost α + β·B, at
-  arrival rate λ the engine is busy ρ(B) = λ·(α/B + β), which *falls* as B grows. Shrinking
-  B when ρ is high pushes a saturated engine further into overload.
-* carpool's rule ("goodput"): steer ρ to a target ρ* by a gradient step on log B with
-  learning rate η toward B*, the size at which the cost model predicts ρ(B*) = ρ*:
-  λ̂ = ρ / (α/B + β) from the measurement, B* = λ̂·α / (ρ* − λ̂·β) (unbounded when
-  λ̂·β ≥ ρ*: then only the cap holds). ρ above target → bigger batches (more capacity),
-  below → smaller (less waiting). Without a calibrated cost model it steps by a fixed
-  factor in the direction of ρ − ρ*.
+* The seeds' rule (``seed`` policy only): ρ high → smaller B_max, ρ low → larger, each
+  step scaled by a learning rate. It aims at latency but is backwards for capacity: with a
+  batch cost α + β·B, at arrival rate λ the engine is busy ρ(B) = λ·(α/B + β), which
+  *falls* as B grows. Shrinking B when ρ is high pushes a saturated engine further into
+  overload. carpool's own policy keeps the configured B_max as its size and adapts the
+  wait instead (docs/batching.md §4).
 * Output: B_cont is rounded up to the next allowed size (a TensorRT profile size, or an
   integer); it moves down only when two steps in a row ask for it, so noise near a
-  boundary does not flip it; bounded by [1, cap]. Rounding up keeps ρ at or under the target. The
-  deadline guard (a batch must fit in its most urgent request's slack) and the
-  sustainable floor are applied per batch by the policy, on top of this.
-
-At constant load ρ(B) is a fixed decreasing function, so log B converges geometrically
-with factor (1 − η) for 0 < η ≤ 1: it settles and does not oscillate.
+  boundary does not flip it; bounded by [1, cap].
 
 :class:`LatencyModel` fits batch duration ≈ fixed_cost_s + per_sample_s·n online, fed
 with (samples, duration) pairs from worker reports. History is bounded per batch size
@@ -42,16 +34,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class AdaptiveConfig:
-    """Knobs of the ρ controller (defaults in one place)."""
+    """Knobs of the seeds' ρ rule (defaults in one place)."""
 
     target_rho: float = 0.5
     learning_rate: float = 0.5
     interval_s: float = 0.5  # at most one step per interval (ρ is a ~1 s moving average)
-    rule: str = "goodput"  # "goodput" (carpool) or "seed" (ρ high → smaller)
 
 
 class BatchSizeController:
-    """Adaptive B_max of one worker for one model.
+    """The seeds' adaptive B_max of one worker for one model (the ``seed`` policy).
 
     Args:
         cap: the engine's max batch (and the broker's configured B_max, if lower).
@@ -77,44 +68,18 @@ class BatchSizeController:
         self._down_votes = 0
         self.updates = 0
 
-    def update(
-        self, now: float, rho: float, cost: CostEstimate, mean_batch: float | None = None
-    ) -> bool:
-        """Take one gradient step from a fresh ρ; returns True if a step was taken.
-
-        Args:
-            mean_batch: the mean size of recent batches (they may be smaller than B_max);
-                used to infer the arrival rate. Defaults to the current B_max.
-        """
+    def update(self, now: float, rho: float) -> bool:
+        """Take one step from a fresh ρ; returns True if a step was taken."""
         if now < self._next_update_s or not 0.0 <= rho <= 1.0:
             return False
         self._next_update_s = now + self.config.interval_s
         cfg = self.config
-        if cfg.rule == "seed":
-            # The seeds' rule, as written: busy → smaller batches, idle → larger.
-            step = -cfg.learning_rate * (rho - cfg.target_rho) / cfg.target_rho
-        else:
-            step = cfg.learning_rate * self._log_gap(rho, cost, mean_batch)
+        # The seeds' rule, as written: busy → smaller batches, idle → larger.
+        step = -cfg.learning_rate * (rho - cfg.target_rho) / cfg.target_rho
         self.b_cont = min(float(self.cap), max(1.0, self.b_cont * math.exp(step)))
         self._resnap()
         self.updates += 1
         return True
-
-    def _log_gap(self, rho: float, cost: CostEstimate, mean_batch: float | None) -> float:
-        """log(B*/B): how far, in log size, the current size is from the target load."""
-        target = self.config.target_rho
-        b = float(self.batch_size) if mean_batch is None else max(1.0, mean_batch)
-        if not cost.calibrated or cost.fixed_cost_s <= 0 or rho <= 0:
-            # No model of the fixed cost: move by a fixed factor towards the target.
-            if abs(rho - target) < 0.05:
-                return 0.0
-            return math.log(2.0) if rho > target else -math.log(2.0)
-        arrival_rps = rho / (cost.fixed_cost_s / b + cost.per_sample_s)
-        room = target - arrival_rps * cost.per_sample_s
-        if room <= 0:
-            return math.log(self.cap / self.b_cont)
-        b_star = max(1.0, arrival_rps * cost.fixed_cost_s / room)
-        return math.log(min(b_star, self.cap) / self.b_cont)
 
     def _snap_up(self, value: float) -> int:
         """The smallest allowed size >= ``value`` (the cap if none is). Values within 2%

@@ -38,6 +38,9 @@ from carpool.common.protocol.worker_messages import batch_frames, item_wire
 
 logger = logging.getLogger(__name__)
 
+#: Why a batch leaves when it is an idle worker's share of what the policy let leave.
+SHARED = "shared"
+
 #: What :meth:`Dispatcher.expire` returns when nothing expired (never written).
 _NO_KEYS: frozenset[RequestKey] = frozenset()
 
@@ -188,6 +191,7 @@ class Dispatcher:
             if released > 0:
                 # The policy already let these leave now; this idle worker takes its share.
                 leaving = released
+                reason = SHARED
             else:
                 view = self.fleet.view(now, queue, head, urgent, len(workers))
                 decision = policy.decide(now, view, capacity)
@@ -198,6 +202,7 @@ class Dispatcher:
                 # A request larger than the policy's size still travels alone rather than
                 # starve; `first` is taken first either way, so a batch is never empty.
                 leaving = min(engine_max, max(decision.max_samples, first.samples))
+                reason = decision.reason
             size = leaving
             if policy.share_idle:
                 # Several workers idle: each takes a share of what leaves now (workers run in
@@ -213,7 +218,7 @@ class Dispatcher:
                 requests = self._drop_doomed(now, requests, capacity, out)
                 if not requests:
                     continue
-            out.append(self._dispatch(now, worker, key, requests, capacity))
+            out.append(self._dispatch(now, worker, key, requests, capacity, reason))
             sent += 1
             caps.pop(worker.wid, None)  # its backlog and credits changed
 
@@ -274,6 +279,7 @@ class Dispatcher:
         key: RequestKey,
         requests: list[PendingRequest],
         capacity: Capacity,
+        reason: str,
     ) -> ToWorker:
         batch_id = self.inflight.next_id()
         model = key[0]
@@ -303,10 +309,14 @@ class Dispatcher:
         )
         self.inflight.add(now, worker, inflight)
         worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s
-        worker.lanes[model].on_dispatch(samples)
         self.stats.batch(model, samples)
         logger.debug(
-            "dispatch batch=%d model=%s n=%d worker=%s", batch_id, model, samples, worker.name
+            "dispatch batch=%d model=%s n=%d worker=%s reason=%s",
+            batch_id,
+            model,
+            samples,
+            worker.name,
+            reason,
         )
         return ToWorker(worker.wid, batch)
 

@@ -105,12 +105,11 @@ class FleetModel:
     def lane(self, model: str, engine_max: int, preferred: Sequence[int]) -> Lane:
         cfg = self.batching_for(model)
         controller = None
-        if cfg.policy != "fixed":
+        if cfg.policy == "seed":  # (carpool's own policy keeps the configured B_max: §4)
             adaptive = AdaptiveConfig(
                 target_rho=cfg.target_rho,
                 learning_rate=cfg.learning_rate,
                 interval_s=cfg.adapt_interval_s,
-                rule="seed" if cfg.policy == "seed" else "goodput",
             )
             controller = BatchSizeController(
                 min(engine_max, cfg.max_batch), preferred, config=adaptive
@@ -136,7 +135,12 @@ class FleetModel:
     def capacity(self, now: float, worker: WorkerState, key: RequestKey) -> Capacity:
         lane = worker.lanes[key[0]]
         return Capacity(
-            lane.batch_limit, self.ready_in_s(now, worker), lane.cost(key), lane.max_batch
+            lane.batch_limit,
+            self.ready_in_s(now, worker),
+            lane.cost(key),
+            lane.max_batch,
+            lane.overhead(key),
+            worker.host_busy,
         )
 
     def drain_time_s(self, model: str, key: RequestKey, samples: int) -> float:

@@ -18,12 +18,20 @@ from typing import Protocol
 
 from carpool.broker.adaptive import CostEstimate
 
+#: Why a batch leaves (:attr:`Dispatch.reason`; the broker logs it at DEBUG).
+FULL = "full"  # B_max aboard
+WAITED = "waited"  # the oldest waited T_max (or, below the sustainable floor, its fill time)
+DEADLINE = "deadline"  # the most urgent request's latest start
+COST = "cost"  # batching buys nothing at the fitted cost (or the cost is not known yet)
+
 
 @dataclass(slots=True)
 class Dispatch:
-    """Send a batch now, of at most ``max_samples`` samples."""
+    """Send a batch now, of at most ``max_samples`` samples; ``reason``: why it leaves
+    now (one of the constants above; not part of equality)."""
 
     max_samples: int
+    reason: str = field(default=FULL, compare=False)
 
 
 @dataclass(slots=True)
@@ -56,10 +64,25 @@ class Capacity:
     cost: CostEstimate = field(default_factory=CostEstimate)
     # The engine's hard limit (>= max_batch); 0 means the same as max_batch.
     engine_max: int = 0
+    # The worker's CPU per batch outside its engine (RESULT ``cpu_ms``), and the share of
+    # it that is taken from the engine: its host's CPU in use, 0..1 (telemetry; 0 where
+    # not reported, as on a host with cores to spare it costs the engine nothing).
+    overhead: CostEstimate = field(default_factory=CostEstimate)
+    host_busy: float = 0.0
 
     @property
     def hard_max(self) -> int:
         return max(self.max_batch, self.engine_max)
+
+    def batch_cost(self) -> tuple[float, float]:
+        """What a batch costs the worker's capacity, fixed and per sample: the engine's
+        fitted time plus the share of the worker's own CPU per batch that its busy host
+        takes from the engine."""
+        cost, overhead, share = self.cost, self.overhead, self.host_busy
+        return (
+            cost.fixed_cost_s + share * overhead.fixed_cost_s,
+            cost.per_sample_s + share * overhead.per_sample_s,
+        )
 
 
 class BatchPolicy(Protocol):
@@ -103,10 +126,10 @@ class FixedPolicy:
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         limit = min(self.max_batch, capacity.max_batch)
         if queue.samples >= limit:
-            return Dispatch(limit)
+            return Dispatch(limit, FULL)
         leave_at = queue.oldest_arrival_s + self.max_wait_s
         if now >= leave_at:
-            return Dispatch(limit)
+            return Dispatch(limit, WAITED)
         return WaitUntil(leave_at)
 
     def shed_before(self, now: float, capacity: Capacity) -> float:
@@ -150,7 +173,11 @@ class DeadlinePolicy:
     headroom: float = 1.0
 
     def batch_limit(self, now: float, queue: QueueView, capacity: Capacity) -> int:
-        """The batch size.
+        """The batch size (:meth:`sized`'s, without whether the guard shrank it)."""
+        return self.sized(now, queue, capacity)[0]
+
+    def sized(self, now: float, queue: QueueView, capacity: Capacity) -> tuple[int, bool]:
+        """The batch size, and whether the deadline guard shrank it.
 
         * Backlog (more queued than the target below): take as many as the engine allows.
           A backlog means throughput is what is short, and with a fixed cost the largest
@@ -169,48 +196,49 @@ class DeadlinePolicy:
         floor = self.floor(queue, capacity)
         target = min(hard, max(capacity.max_batch, floor))
         if queue.samples > target:
-            return min(queue.samples, hard)
+            return min(queue.samples, hard), False
         cost = capacity.cost
         if not cost.calibrated:
-            return target
+            return target, False
         # Largest n with stretch·(ready_in + fixed + per_sample·n) <= slack, at least 1.
         slack = queue.earliest_deadline_s - now - self.margin_s
         if self.finish_in_s(capacity, target) <= slack:
-            return target
+            return target, False
         # Where a size keeps up with the arrivals, never below it (see above); in overload
         # none does, and the guard serves the most urgent requests that can still make it.
         least = max(1, min(floor, queue.samples)) if floor < hard else 1
         budget = slack / self._stretch(cost) - capacity.ready_in_s - cost.fixed_cost_s
         if cost.per_sample_s <= 0:
-            return least
+            return least, least < target
         fits = budget / cost.per_sample_s
         if not math.isfinite(fits):  # a vanishing per-sample cost
-            return target if fits > 0 else least
-        return max(least, min(target, math.floor(fits + 1e-9)))
+            return (target, False) if fits > 0 else (least, least < target)
+        size = max(least, min(target, math.floor(fits + 1e-9)))
+        return size, size < target
 
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
         """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with
         ``headroom`` × the arrival rate, within [1, B_max]. It may exceed the adaptive
         B_max (which follows ρ with a lag): keeping up with a load step comes first."""
         cap = min(self.max_batch, capacity.hard_max)
-        cost = capacity.cost
         demand = self.headroom * queue.arrival_sps
-        if not cost.calibrated or demand <= 0 or cost.fixed_cost_s <= 0:
+        if not capacity.cost.calibrated or demand <= 0:
             return 1
-        room = 1.0 - demand * cost.per_sample_s
+        fixed_s, per_sample_s = capacity.batch_cost()
+        if fixed_s <= 0:
+            return 1
+        room = 1.0 - demand * per_sample_s
         if room <= 0:
             return cap
-        return min(cap, max(1, math.ceil(demand * cost.fixed_cost_s / room)))
+        return min(cap, max(1, math.ceil(demand * fixed_s / room)))
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
-        limit = self.batch_limit(now, queue, capacity)
-        cost = capacity.cost
-        batching_pays = cost.calibrated and cost.fixed_share(1) >= self.min_fixed_share
-        if not batching_pays:
-            return Dispatch(limit)  # waiting would buy no throughput, only latency
+        limit, shrunk = self.sized(now, queue, capacity)
+        if not self.batching_pays(capacity):
+            return Dispatch(limit, COST)  # waiting would buy no throughput, only latency
         busy = capacity.ready_in_s > self.margin_s
         if queue.samples >= limit and not busy:
-            return Dispatch(limit)
+            return Dispatch(limit, DEADLINE if shrunk else FULL)
         # The last moment the batch that is aboard may leave and still end by the most urgent
         # deadline. Sized by who is aboard now (every arrival re-decides): sized by the
         # limit instead, the guard would shrink the limit at that moment, push the moment
@@ -223,7 +251,7 @@ class DeadlinePolicy:
             # Full, but the worker is still busy: leaving now would only queue there, while
             # staying lets the batch grow (up to the engine's limit) until it is nearly free.
             leave_at = min(now + capacity.ready_in_s - self.margin_s, latest_start)
-            return Dispatch(limit) if now >= leave_at else WaitUntil(leave_at)
+            return Dispatch(limit, DEADLINE) if now >= leave_at else WaitUntil(leave_at)
         leave_at = queue.oldest_arrival_s + self.max_wait_s
         if busy:
             leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
@@ -233,10 +261,18 @@ class DeadlinePolicy:
             # long as filling it should take at the measured rate, counted from the oldest
             # arrival (a fixed moment: re-deciding does not push it on).
             leave_at = max(leave_at, queue.oldest_arrival_s + floor / queue.arrival_sps)
-        leave_at = min(leave_at, latest_start)
-        if now >= leave_at:
-            return Dispatch(limit)
-        return WaitUntil(leave_at)
+        if now < min(leave_at, latest_start):
+            return WaitUntil(min(leave_at, latest_start))
+        return Dispatch(limit, WAITED if now >= leave_at else DEADLINE)
+
+    def batching_pays(self, capacity: Capacity) -> bool:
+        """A batch's fixed cost (the engine's, and the worker's CPU its busy host takes
+        from the engine) is at least ``min_fixed_share`` of a one-sample batch's."""
+        if not capacity.cost.calibrated:
+            return False
+        fixed_s, per_sample_s = capacity.batch_cost()
+        one_s = fixed_s + per_sample_s
+        return one_s > 0 and fixed_s >= self.min_fixed_share * one_s
 
     def refuses(self, predicted_s: float, cost: CostEstimate, budget_s: float) -> bool:
         # The prediction stretched as the countdown stretches it.

@@ -30,6 +30,9 @@ from carpool.broker.limits import violation
 from carpool.broker.requests import RequestKey
 from carpool.common.protocol import ModelSpec, Ready, Telemetry
 
+#: What :meth:`Lane.overhead` answers while no ``cpu_ms`` came (never written).
+_NO_OVERHEAD = CostEstimate()
+
 WorkerId = NewType("WorkerId", bytes)
 
 
@@ -42,8 +45,10 @@ class Lane:
     max_batch: int  # the engine's limit (a request may not carry more samples)
     cap: int = 0  # the configured B_max, if lower than the engine's limit (0: none)
     latency: dict[RequestKey, LatencyModel] = field(default_factory=dict)
+    # The worker's CPU per batch outside its engine (RESULT ``cpu_ms``), fitted as the
+    # engine's time is: per key, against the batch's samples.
+    cpu: dict[RequestKey, LatencyModel] = field(default_factory=dict)
     last_key: RequestKey | None = None
-    mean_batch: float = 1.0  # EWMA of dispatched batch sizes
 
     @property
     def batch_limit(self) -> int:
@@ -67,6 +72,12 @@ class Lane:
         model = self.latency.get(key) if key is not None else None
         return model.cost if model is not None else CostEstimate()
 
+    def overhead(self, key: RequestKey) -> CostEstimate:
+        """The worker's fitted CPU per batch of ``key`` outside its engine (none known:
+        zero)."""
+        model = self.cpu.get(key)
+        return model.cost if model is not None else _NO_OVERHEAD
+
     #: Item shapes whose costs a lane remembers (clients choose shapes; keep it bounded).
     MAX_SHAPES = 64
 
@@ -80,12 +91,18 @@ class Lane:
         self.last_key = key
         return model.observe(samples, duration_s)
 
-    def on_dispatch(self, samples: int) -> None:
-        self.mean_batch += 0.2 * (samples - self.mean_batch)
+    def observe_cpu(self, key: RequestKey, samples: int, cpu_s: float) -> None:
+        """Teach the key's overhead fit a batch's ``cpu_ms`` (in seconds)."""
+        model = self.cpu.get(key)
+        if model is None:
+            if len(self.cpu) >= self.MAX_SHAPES:
+                del self.cpu[next(iter(self.cpu))]
+            model = self.cpu[key] = LatencyModel()
+        model.observe(samples, cpu_s)
 
     def on_load(self, now: float, rho: float) -> None:
         if self.controller is not None:
-            self.controller.update(now, rho, self.cost(self.last_key), self.mean_batch)
+            self.controller.update(now, rho)
 
 
 class Health(Enum):
@@ -129,6 +146,15 @@ class WorkerState:
     credits: int = 0
     unhealthy_since_s: float = 0.0  # when it last turned UNHEALTHY
     telemetry: Telemetry | None = None  # its host and device, as last reported (§8.2)
+    # Its host's CPU in use, 0..1, as last reported (0: not reported): the share of the
+    # worker's CPU per batch that is taken from the engine (docs/batching.md §3).
+    host_busy: float = 0.0
+
+    def on_telemetry(self, sample: Telemetry) -> None:
+        """A sample of its host and device arrived."""
+        self.telemetry = sample
+        if sample.host_cpu_pct is not None:
+            self.host_busy = sample.host_cpu_pct / 100.0
 
     @property
     def free_slots(self) -> int:

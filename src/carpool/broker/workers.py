@@ -123,11 +123,11 @@ class WorkerEvents:
                 return out
             if isinstance(msg, msgs.WorkerResult):
                 if msg.result.telemetry is not None:
-                    worker.telemetry = msg.result.telemetry
+                    worker.on_telemetry(msg.result.telemetry)
                 self._on_result(now, worker, msg.result, msg.replies, out)
             elif isinstance(msg, msgs.WorkerHeartbeat):
                 if msg.telemetry is not None:
-                    worker.telemetry = msg.telemetry
+                    worker.on_telemetry(msg.telemetry)
                 if msg.rho is not None:
                     self.fleet.on_load(now, worker, msg.rho)
                 if msg.busy_ms is not None and worker.health is Health.UNHEALTHY:
@@ -224,6 +224,10 @@ class WorkerEvents:
             self.registry.set_health(now, worker, Health.HEALTHY)
             self.fleet.rates.clear()  # its share of the fleet's rate changed
         self._learn(worker, batch, result.compute_ms)
+        if 0 < result.cpu_ms <= _MAX_COMPUTE_MS:
+            lane = worker.lanes.get(batch.key[0])
+            if lane is not None:
+                lane.observe_cpu(batch.key, batch.samples, result.cpu_ms / 1000.0)
         compute_s = result.compute_ms / 1000.0
         if batch_log.isEnabledFor(logging.DEBUG):
             batch_record(now, worker, batch, result.compute_ms)

@@ -9,6 +9,12 @@ turn allows). Workers are modelled: each runs one batch at a time, ``slots`` dee
 like the real worker (same BusyMeter), and heartbeats. Clients are open loop: requests
 are sent at their arrival times.
 
+A worker may also have an ``overhead``: its own CPU per batch outside the engine
+(receiving the BATCH, stacking inputs, building replies), which runs on the worker's
+core after the engine's time, so the batch and the next one wait for it, and which its
+RESULT reports as ``cpu_ms``; and a ``host_busy_pct`` that its telemetry reports. Then
+the broker weighs the overhead as it weighs a live worker's (docs/batching.md §3).
+
 Not modelled: network and broker CPU time (the live fleet benchmark shows those).
 """
 
@@ -34,6 +40,7 @@ from carpool.common.protocol import (
     Ready,
     ResultMeta,
     Submit,
+    Telemetry,
     TensorMeta,
     WorkerHeartbeat,
     WorkerReady,
@@ -79,6 +86,10 @@ class SimWorker:
     max_batch: int = 64
     slots: int = 2
     preferred_batch: tuple[int, ...] = ()
+    # Its CPU per batch outside the engine (None: none), run after the engine's time.
+    overhead: EngineCost | None = None
+    # The host's CPU in use that its telemetry reports, 0..100 (None: not reported).
+    host_busy_pct: float | None = None
 
 
 def rate_per_s(count: int, span_s: float) -> float:
@@ -141,8 +152,11 @@ class _Worker:
         self.queue: deque[BatchMeta] = deque()
         self.running: BatchMeta | None = None
         self.started_s = 0.0
-        self.duration_s = 0.0
+        self.duration_s = 0.0  # the engine's
+        self.overhead_s = 0.0  # the worker's own CPU for the batch, after the engine
         self.meter = BusyMeter(rho_window_s)
+        pct = spec.host_busy_pct
+        self.telemetry = None if pct is None else Telemetry(host_cpu_pct=pct)
 
 
 _ARRIVE, _FINISH, _HEARTBEAT, _TICK = range(4)
@@ -294,7 +308,7 @@ class _Run:
         self.route(self.core.on_client(now, _CLIENT, encode_request(submit, [payload])), now)
 
     def heartbeat(self, worker: _Worker, now: float) -> None:
-        beat = WorkerHeartbeat(worker.meter.rho(now)).to_frames()
+        beat = WorkerHeartbeat(worker.meter.rho(now), telemetry=worker.telemetry).to_frames()
         self.route(self.core.on_worker(now, worker.wid, decode_from_worker(beat)), now)
 
     def route(self, outgoing: list[Outgoing], now: float) -> None:
@@ -332,9 +346,12 @@ class _Run:
         worker.running = batch
         worker.started_s = now
         items = math.prod(batch.inputs[0].shape[1:])
-        worker.duration_s = worker.spec.cost.duration_s(batch.total_samples, self.rng, items)
+        samples = batch.total_samples
+        worker.duration_s = worker.spec.cost.duration_s(samples, self.rng, items)
+        overhead = worker.spec.overhead
+        worker.overhead_s = 0.0 if overhead is None else overhead.duration_s(samples, self.rng)
         worker.meter.running_since = now
-        self.push(now + worker.duration_s, _FINISH, worker)
+        self.push(now + worker.duration_s + worker.overhead_s, _FINISH, worker)
 
     def finish(self, worker: _Worker, now: float) -> None:
         """``worker``'s batch ends: its RESULT goes to the core, and it starts the next."""
@@ -352,6 +369,9 @@ class _Run:
             worker.meter.rho(now),
             1000 * worker.duration_s,
             tuple(2 for _ in batch.items),
+            None,
+            worker.telemetry,
+            1000 * worker.overhead_s,
         )
         msg = decode_from_worker(WorkerResult(meta, frames).to_frames())
         self.route(self.core.on_worker(now, worker.wid, msg), now)

@@ -25,6 +25,7 @@ from carpool.common.protocol import (
     ReplyMeta,
     ResultMeta,
     Submit,
+    Telemetry,
     TensorMeta,
     decode_from_worker,
     decode_meta,
@@ -229,6 +230,8 @@ class Broker:
         wid: bytes | None = None,
         rho: float = 0.0,
         compute_ms: float = 1.0,
+        cpu_ms: float = 0.0,
+        telemetry: Telemetry | None = None,
     ) -> tuple[list[Msg], list[list[Any]]]:
         """The worker's RESULT for ``batch``: one reply per request, as tensors.replies does."""
         meta = batch.batch
@@ -243,7 +246,8 @@ class Broker:
                 1.0,
             )
             replies.append(encode_reply(reply, [out.tobytes()], simple=item.simple))
-        result = ResultMeta(meta.batch_id, rho, compute_ms, tuple(len(r) for r in replies))
+        counts = tuple(len(r) for r in replies)
+        result = ResultMeta(meta.batch_id, rho, compute_ms, counts, None, telemetry, cpu_ms)
         frames = encode(Command.RESULT, result.to_wire(), [f for r in replies for f in r])
         return self.worker(now, wid or batch.to, frames), replies
 
