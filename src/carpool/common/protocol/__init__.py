@@ -41,10 +41,10 @@ Modules: :mod:`.frames` (header, commands, limits, meta maps, tensor descriptors
 frame sizes), :mod:`.refs` (shared-memory references),
 :mod:`.client_messages` (REQUEST, REPLY, ERROR, CANCEL: their encoders, and the simple
 form's), :mod:`.ready` (READY and its model specs), :mod:`.metadata` (METADATA),
-:mod:`.worker_messages` (BATCH, RESULT, FAILED, and the broker's messages to a worker as
-one typed union), :mod:`.from_client` and :mod:`.from_worker` (each side's messages to
-the broker as one typed union; the client's decoder holds REQUEST's one validator and
-its layout cache). Each message has one encoder
+:mod:`.worker_messages` (BATCH, and the broker's messages to a worker as one typed
+union), :mod:`.from_client` and :mod:`.from_worker` (each side's messages to the broker
+as one typed union, RESULT's and FAILED's metas with the worker's; the client's
+decoder holds REQUEST's one validator and its layout cache). Each message has one encoder
 (``<message>_wire`` builds its meta map from its fields, ``<message>_frames`` its frames;
 a dataclass's ``to_wire`` calls the former) and one decoder, used by every caller. The
 package imports nothing that does I/O (no sockets, files, locks or threads); a test
@@ -116,7 +116,9 @@ from carpool.common.protocol.from_client import (
     decode_submit,
 )
 from carpool.common.protocol.from_worker import (
+    FailedMeta,
     FromWorker,
+    ResultMeta,
     ToBroker,
     WorkerDisconnect,
     WorkerFailed,
@@ -126,6 +128,8 @@ from carpool.common.protocol.from_worker import (
     WorkerResult,
     checked_from_worker,
     decode_from_worker,
+    result_frames,
+    result_wire,
 )
 from carpool.common.protocol.metadata import (
     MetadataRequest,
@@ -158,12 +162,8 @@ from carpool.common.protocol.worker_messages import (
     BrokerDisconnect,
     BrokerHeartbeat,
     BrokerMalformed,
-    FailedMeta,
     FromBroker,
-    ResultMeta,
     decode_from_broker,
-    result_frames,
-    result_wire,
 )
 
 __all__ = [

@@ -1,8 +1,8 @@
-"""worker_messages.py: what workers and the broker say to each other — pure.
+"""worker_messages.py: what the broker says to workers — pure.
 
-BATCH (:class:`BatchMeta` of :class:`BatchItem`), RESULT (:class:`ResultMeta`) and
-FAILED (:class:`FailedMeta`) metas, their encoders and decoders; READY is in
-:mod:`.ready`, the worker's side as one typed union in :mod:`.from_worker`.
+The BATCH meta (:class:`BatchMeta` of :class:`BatchItem`), its encoders and decoders;
+READY is in :mod:`.ready`, and RESULT and FAILED, with the worker's side as one typed
+union, in :mod:`.from_worker`.
 
 What the broker says to a worker is one typed union decoded in one place:
 :func:`decode_from_broker` turns the broker's message (its frames, as the worker's
@@ -17,12 +17,11 @@ in the broker's own process is handed these objects, with no frames in between.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.common.errors import ErrorCode, ProtocolError
-from carpool.common.protocol.client_messages import ErrorReply
+from carpool.common.errors import ProtocolError
 from carpool.common.protocol.frames import (
     Command,
     Frame,
@@ -42,10 +41,9 @@ from carpool.common.protocol.frames import (
     view,
 )
 from carpool.common.protocol.refs import ShmRef, parse_batch_refs, shm_wire
-from carpool.common.protocol.telemetry import Telemetry
 
 #: Header frames, built once.
-_BATCH, _RESULT = header(Command.BATCH), header(Command.RESULT)
+_BATCH = header(Command.BATCH)
 
 
 @dataclass(slots=True)
@@ -255,130 +253,6 @@ def own_shapes(raw: Any, inputs: Sequence[TensorMeta]) -> tuple[tuple[int, ...],
             )
         out.append(tuple(shape))
     return tuple(out)
-
-
-@dataclass(slots=True)
-class ResultMeta:
-    """RESULT meta: a finished batch. ``frames[i]`` frames of replies follow per request."""
-
-    batch_id: int
-    rho: float
-    compute_ms: float
-    frames: tuple[int, ...]
-    # A batch padded into a bucket (§8.4): (elements padding added, elements of the
-    # bucket-shaped inputs), over the padded inputs; None for a model without pad rules.
-    padding: tuple[int, int] | None = None
-    # The worker's host and device, when it took a sample for this message (§8.2).
-    telemetry: Telemetry | None = None
-    # The worker process's CPU time for the batch, every thread, from its receipt to this
-    # RESULT (§8.4); 0: not measured.
-    cpu_ms: float = 0.0
-
-    def to_wire(self) -> dict[str, Any]:
-        return result_wire(
-            self.batch_id,
-            self.rho,
-            self.compute_ms,
-            self.frames,
-            self.padding,
-            self.telemetry,
-            self.cpu_ms,
-        )
-
-    @classmethod
-    def from_wire(cls, meta: dict[str, Any]) -> ResultMeta:
-        """A RESULT meta checked, its checks inlined for speed (docs/benchmarks.md; the rules of
-        :func:`~carpool.common.protocol.frames.require_field` and
-        :func:`~carpool.common.protocol.frames.optional_number`)."""
-        batch_id = meta.get("batch")
-        if type(batch_id) is not int:
-            batch_id = require_field(meta, "batch", int, "result")
-        frames = meta.get("frames")
-        if not isinstance(frames, list):
-            raise ProtocolError("result: frames must be a list of ints >= 1")
-        for k in frames:
-            if type(k) is not int or k < 1:
-                raise ProtocolError("result: frames must be a list of ints >= 1")
-        padding = meta.get("padding")
-        if padding is not None:
-            if not (
-                type(padding) is list
-                and len(padding) == 2
-                and all(type(k) is int for k in padding)
-                and 0 <= padding[0] <= padding[1]
-            ):
-                raise ProtocolError("result: padding must be [padded, bucket] elements")
-            padding = (padding[0], padding[1])
-        rho = meta.get("rho", 0.0)
-        if type(rho) is not float or not math.isfinite(rho):
-            rho = optional_number(meta, "rho")
-        compute_ms = meta.get("compute_ms", 0.0)
-        if type(compute_ms) is not float or not math.isfinite(compute_ms):
-            compute_ms = optional_number(meta, "compute_ms")
-        cpu_ms = meta.get("cpu_ms", 0.0)
-        if type(cpu_ms) is not float or not math.isfinite(cpu_ms):
-            cpu_ms = optional_number(meta, "cpu_ms")
-        telemetry = meta.get("telemetry")
-        if telemetry is not None:
-            telemetry = Telemetry.from_wire(telemetry)
-        return cls(batch_id, rho, compute_ms, tuple(frames), padding, telemetry, cpu_ms)
-
-
-def result_wire(
-    batch_id: int,
-    rho: float,
-    compute_ms: float,
-    frames: Iterable[int],
-    padding: tuple[int, int] | None = None,
-    telemetry: Telemetry | None = None,
-    cpu_ms: float = 0.0,
-) -> dict[str, Any]:
-    """A RESULT meta from its fields: ``frames[i]``, the frame count of request i's reply;
-    ``padding``: a padded batch's (padded, bucket) elements; ``telemetry``: a sample of
-    the worker's host and device (§8.2); ``cpu_ms``: the worker's CPU for the batch (left
-    off at 0: not measured)."""
-    wire: dict[str, Any] = {
-        "batch": batch_id,
-        "rho": round(rho, 4),
-        "compute_ms": round(compute_ms, 3),
-        "frames": list(frames),
-    }
-    if padding is not None:
-        wire["padding"] = list(padding)
-    if telemetry is not None:
-        wire["telemetry"] = telemetry.to_wire()
-    if cpu_ms > 0:
-        wire["cpu_ms"] = round(cpu_ms, 3)
-    return wire
-
-
-def result_frames(meta: dict[str, Any], replies: Sequence[object]) -> list[Any]:
-    """Frames of a RESULT whose meta :func:`result_wire` built, then the replies' frames."""
-    return [_RESULT, pack(meta), *replies]
-
-
-@dataclass(frozen=True, slots=True)
-class FailedMeta:
-    """FAILED meta: a batch the worker could not run."""
-
-    batch_id: int
-    code: ErrorCode
-    message: str
-    rho: float = 0.0
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "batch": self.batch_id,
-            "code": int(self.code),
-            "message": self.message,
-            "rho": round(self.rho, 4),
-        }
-
-    @classmethod
-    def from_wire(cls, meta: dict[str, Any]) -> FailedMeta:
-        batch_id = require_field(meta, "batch", int, "failed")
-        err = ErrorReply.from_wire(meta)
-        return cls(batch_id, err.code, err.message, optional_number(meta, "rho"))
 
 
 _HEARTBEAT_FRAMES = (header(Command.HEARTBEAT), encode(Command.HEARTBEAT, {})[1])
