@@ -83,7 +83,7 @@ def ensure(hidden: int = HIDDEN) -> Path:
     return path
 
 
-def session(path: Path, threads: int = 1) -> object:
+def runner(path: Path, threads: int = 1) -> object:
     """An ONNX Runtime inference session on ``threads`` intra-op threads (CPU)."""
     import onnxruntime as ort
 
@@ -95,17 +95,17 @@ def session(path: Path, threads: int = 1) -> object:
 
 def measure(path: Path, batches: Sequence[int], reps: int = 200) -> dict[int, float]:
     """Median milliseconds per run at each batch size, one thread."""
-    sess = session(path)
+    engine = runner(path)
     out: dict[int, float] = {}
     rng = np.random.default_rng(0)
     for b in batches:
         x = rng.standard_normal((b, *ITEM_SHAPE)).astype(np.float32)
         for _ in range(20):
-            sess.run(None, {INPUT_NAME: x})  # type: ignore[attr-defined]
+            engine.run(None, {INPUT_NAME: x})  # type: ignore[attr-defined]
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            sess.run(None, {INPUT_NAME: x})  # type: ignore[attr-defined]
+            engine.run(None, {INPUT_NAME: x})  # type: ignore[attr-defined]
             times.append(time.perf_counter() - t0)
         out[b] = statistics.median(times) * 1000
     return out
