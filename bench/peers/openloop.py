@@ -9,11 +9,15 @@ sends. A latency runs from the request's scheduled send, not its actual one, so 
 generator that falls behind cannot hide the wait (no coordinated omission); how late it
 sent is reported on its own (``lag_ms``).
 
-After the last send it waits for each counted request until its scheduled time plus the
-timeout plus ``--grace-ms``; what has no answer by then counts as ``lost``. Its own CPU
-(``time.process_time``) over the counted window is reported per request and in cores: a
-cell where it used more than half a core is ``void`` (the generator, not the server,
-may be what was measured). One JSON object goes to stdout.
+A REPLY that comes later than the request's timeout after its scheduled send counts as
+``LATE``, not answered: its client no longer waits for it (carpool answers such a request
+``DEADLINE_EXCEEDED``; a server without deadlines runs it anyway). After the last send
+it waits for each counted request until its scheduled time plus the timeout plus
+``--grace-ms``; what has no answer by then counts as ``lost``. Its own CPU
+(``time.process_time``) is reported per counted request (from the first counted send to
+its last reply) and in cores (while it sends): a cell where it used more than half a
+core is ``void`` (the generator, not the server, may be what was measured). One JSON
+object goes to stdout.
 
 Run:  .venv/bin/python bench/peers/openloop.py ENDPOINT --rate 1000 [--seconds 5]
           [--warmup-s 1] [--seed 1] [--timeout-ms 1000] [--model mlp]
@@ -105,7 +109,8 @@ def run(
                 continue
             done[rid] = now
             if command is reply:
-                outcome[rid] = "ok"
+                # A reply after the request's timeout is one its client no longer waits for.
+                outcome[rid] = "ok" if now - times[rid] <= timeout_s else "LATE"
             elif command is error:
                 try:
                     outcome[rid] = ErrorCode(meta["code"]).name
@@ -113,7 +118,8 @@ def run(
                     outcome[rid] = "INTERNAL"
 
     first = int(np.searchsorted(times, 0.0))  # the first counted request
-    wait_s = timeout_ms / 1000 + grace_ms / 1000
+    timeout_s = timeout_ms / 1000
+    wait_s = timeout_s + grace_ms / 1000
     t0 = time.perf_counter() - float(times[0]) + 0.05 if n else time.perf_counter()
     cpu0 = wall0 = math.nan
     try:
@@ -133,6 +139,7 @@ def run(
                     time.sleep(rem)
             sock.send_multipart(frames[i], copy=False)
             sent[i] = time.perf_counter() - t0
+        send_cores = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         until = float(times[-1]) + wait_s if n else 0.0
         while np.isnan(done[first:]).any():
             rem = until - (time.perf_counter() - t0)
@@ -140,11 +147,11 @@ def run(
                 break
             if sock.poll(max(1, int(rem * 1000))):
                 drain(t0)
-        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        cpu_s = time.process_time() - cpu0
     finally:
         sock.close()
         ctx.term()
-    return summary(times[first:], sent[first:], done[first:], outcome[first:], cpu_s, wall_s)
+    return summary(times[first:], sent[first:], done[first:], outcome[first:], cpu_s, send_cores)
 
 
 def summary(
@@ -153,9 +160,11 @@ def summary(
     done: np.ndarray[Any, Any],
     outcome: Sequence[str],
     cpu_s: float,
-    wall_s: float,
+    cores: float,
 ) -> dict[str, Any]:
-    """The counted requests' figures (milliseconds, per second, CPU)."""
+    """The counted requests' figures (milliseconds, per second, CPU): ``cpu_s`` is the
+    generator's CPU from the first counted send to its last reply, ``cores`` its CPU
+    over wall time while it sent the counted requests."""
     counts = Counter(outcome)
     ok = np.array([o == "ok" for o in outcome], dtype=bool)
     lat_ms = (done[ok] - times[ok]) * 1000
@@ -167,7 +176,6 @@ def summary(
     def pct(values: np.ndarray[Any, Any], q: float) -> float | None:
         return float(np.percentile(values, q)) if len(values) else None
 
-    cores = cpu_s / wall_s if wall_s > 0 else 0.0
     answered = int(counts.pop("ok", 0))
     return {
         "sent": count,

@@ -164,8 +164,9 @@ def markdown(
     """The per-target, per-rate table (medians over passes, spreads in brackets), then
     goodput, ceiling and the CPU-bound rate of each target."""
     head = (
-        "| target | offered/s | served/s | ok | p50 ms | p99 ms (min-max) | mean batch "
-        "| server us/req (min-max) | per process us/req | generator us/req | server cores |"
+        "| target | offered/s | served/s | ok (errors, all passes) | p50 ms | p99 ms (min-max) "
+        "| mean batch | server us/req (min-max) | per process us/req | generator us/req "
+        "| server cores |"
     )
     lines = [head, "|" + "---|" * 11]
     for target, rows in summary.items():
