@@ -33,9 +33,10 @@ machine the figures are noisy: read the spreads.
 Run:  PYTHONPATH=$PWD/src .venv/bin/python bench/policy_live.py [--rates 600,1000,...]
           [--passes 3] [--seconds 5] [--targets carpool-default,carpool-fixed,greedy,
           carpool@482d38b] [--old-from 2500] [--quick]
-Takes about 11 minutes with the defaults on 2 cores (84 cells of about 7.5 s, plus
-starts); ``--quick`` (1,000 and 3,000/s, one pass, 2 s cells) about 1.5 minutes. Writes
-bench/out/policy_live.json and prints a markdown table for docs/benchmarks.md.
+Takes about 10 minutes with the defaults on 2 cores (84 cells of about 7.5 s, plus the
+starts: 590-625 s measured); ``--quick`` (1,000 and 3,000/s, one pass, 2 s cells) about
+30 s. Writes bench/out/policy_live.json and prints a markdown table for
+docs/benchmarks.md, headed by the commit it ran at (``-dirty`` with uncommitted changes).
 """
 
 from __future__ import annotations
