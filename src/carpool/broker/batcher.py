@@ -197,8 +197,12 @@ class RequestQueue:
 
     def earliest_deadline(self) -> PendingRequest | None:
         """The queued request with the earliest deadline, any priority."""
-        heads = [h for h in (_live_head(self._heaps[0]), _live_head(self._heaps[1])) if h]
-        return min(heads, key=lambda r: (r.deadline_s, r.seq), default=None)
+        interactive, bulk = _live_head(self._heaps[0]), _live_head(self._heaps[1])
+        if interactive is None or bulk is None:
+            return bulk if interactive is None else interactive
+        if (bulk.deadline_s, bulk.seq) < (interactive.deadline_s, interactive.seq):
+            return bulk
+        return interactive
 
     def next_edf(self, now: float, promote_before_s: float) -> PendingRequest | None:
         """The request EDF-with-priorities would serve next.

@@ -176,16 +176,20 @@ class DeadlinePolicy:
         """The batch size (:meth:`sized`'s, without whether the guard shrank it)."""
         return self.sized(now, queue, capacity)[0]
 
-    def sized(self, now: float, queue: QueueView, capacity: Capacity) -> tuple[int, bool]:
-        """The batch size, and whether the deadline guard shrank it.
+    def sized(
+        self, now: float, queue: QueueView, capacity: Capacity, floor: int | None = None
+    ) -> tuple[int, bool]:
+        """The batch size, and whether the deadline guard shrank it (``floor``:
+        :meth:`floor`'s, where the caller has it).
 
         * Backlog (more queued than the target below): take as many as the engine allows.
           A backlog means throughput is what is short, and with a fixed cost the largest
           batch has the most of it; members that this batch would finish too late are shed
           by the broker rather than served late.
-        * Otherwise the target: the adaptive B_max (never below the floor that keeps up
-          with the arrival rate), shrunk so the most urgent request's SLA countdown still
-          holds: the wait for a fuller batch must not cost that request its deadline.
+        * Otherwise the target: B_max (under the ``seed`` policy's lanes, their adaptive
+          size), never below the floor that keeps up with the arrival rate, shrunk so the
+          most urgent request's SLA countdown still holds: the wait for a fuller batch
+          must not cost that request its deadline.
           Where the floor is below the engine's limit (some size keeps up), the shrink
           stops at the floor, or at what is queued if that is less: a batch below the
           floor leaves the queue growing, each next most urgent request has less slack
@@ -193,7 +197,8 @@ class DeadlinePolicy:
           everything. A request the floor's batch cannot finish in time is shed instead.
         """
         hard = min(self.max_batch, capacity.hard_max)
-        floor = self.floor(queue, capacity)
+        if floor is None:
+            floor = self.floor(queue, capacity)
         target = min(hard, max(capacity.max_batch, floor))
         if queue.samples > target:
             return min(queue.samples, hard), False
@@ -233,7 +238,8 @@ class DeadlinePolicy:
         return min(cap, max(1, math.ceil(demand * fixed_s / room)))
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
-        limit, shrunk = self.sized(now, queue, capacity)
+        floor = self.floor(queue, capacity)
+        limit, shrunk = self.sized(now, queue, capacity, floor)
         if not self.batching_pays(capacity):
             return Dispatch(limit, COST)  # waiting would buy no throughput, only latency
         busy = capacity.ready_in_s > self.margin_s
@@ -255,7 +261,6 @@ class DeadlinePolicy:
         leave_at = queue.oldest_arrival_s + self.max_wait_s
         if busy:
             leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
-        floor = self.floor(queue, capacity)
         if queue.samples < floor and queue.arrival_sps > 0:
             # Too few aboard to keep up with the arrivals: wait for the floor to fill, as
             # long as filling it should take at the measured rate, counted from the oldest
