@@ -21,7 +21,8 @@ class BatchingConfig:
     ``policy``:
       * ``carpool`` (default): deadline-aware — earliest deadline first with two priorities,
         hopeless requests shed at once, the wait bounded by the SLA countdown, and each
-        worker's B_max steered by its load ρ towards ``target_rho`` (docs/batching.md).
+        wait following the worker's backlog and the batch's fitted cost, the fleet's own
+        CPU per batch included (docs/batching.md).
       * ``fixed``: the minibus rule with fixed B_max/T_max, FIFO (what Triton configures).
       * ``seed``: ``fixed`` plus the seeds' ρ rule (busy → smaller B_max), for comparison.
     """
@@ -30,7 +31,7 @@ class BatchingConfig:
     max_wait_s: float = 0.005  # T_max: longest wait of the oldest request
     policy: str = "carpool"
     margin_s: float = 0.002  # safety margin of the SLA countdown
-    target_rho: float = 0.5  # ρ* the adaptive B_max steers towards
+    target_rho: float = 0.5  # seed policy: the ρ its rule steers around
     learning_rate: float = 0.5  # η of the ρ gradient step
     adapt_interval_s: float = 0.5  # at most one B_max step per interval
     # carpool policy: the share of a request's timeout kept in reserve at the door (a

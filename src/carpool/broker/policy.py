@@ -143,7 +143,8 @@ class FixedPolicy:
 class DeadlinePolicy:
     """carpool's policy: the minibus rule bounded by the SLA countdown.
 
-    * Size: the worker's adaptive B_max, shrunk until the batch fits in the most urgent
+    * Size: the worker's B_max (the configured cap within its engine's limit; under the
+      ``seed`` policy, its lane's adaptive size), shrunk until the batch fits in the most urgent
       request's slack (its deadline − the worker's backlog − the batch's predicted time −
       ``margin_s``), never below one request, nor below the floor that keeps up with the
       arrival rate (or what is queued, if less) where that floor is within reach.
