@@ -55,10 +55,10 @@ pytest: install system-deps
 
 test: lint typecheck pytest
 
-# The benchmark suite (docs/benchmarks.md): about 30 minutes on 2 cores; not part of CI.
+# The benchmark suite (docs/benchmarks.md): about 40 minutes on 2 cores; not part of CI.
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
-	for s in batching broker_ceiling added_latency zero_copy scaling real_model ocr_buckets loadgen_check; do \
+	for s in batching policy_live broker_ceiling added_latency zero_copy scaling real_model ocr_buckets loadgen_check; do \
 		$(BIN)/python bench/$$s.py || exit 1; done
 
 clean:
