@@ -22,7 +22,10 @@ passes' own spread of it. The latency bases differ: live latency counts from eac
 request's scheduled send at the client (its send, four ZeroMQ hops and the broker's and
 client's CPU included); the simulator's from the request's arrival at the broker. The
 live broker's own p50 and p99 (STATS: arrival to RESULT, over its last 2,048 requests)
-are on the simulator's base, and are compared too.
+are on the simulator's base, and are compared too. The broker runs at DEBUG, a line per
+batch; from those lines each rate also reports what the simulator does not model: each
+batch's round trip less its engine time, against the worker's CPU per batch, and how
+long each batch's oldest request waited, against T_max.
 
 Run:  .venv/bin/python bench/sim_vs_live.py          (about 4 minutes on 2 cores)
       .venv/bin/python bench/sim_vs_live.py --quick  (a smoke run, about a minute)
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -133,13 +137,18 @@ def live_pass(
     time the measured window's schedule began after (the warm-up's arrivals came before)."""
     warm = poisson(rate, warmup_s, seed + 1000)
     items = poisson(rate, duration_s, seed)
-    with ProcessGroup("tcp") as group:
+    log = trace.with_suffix(".broker.log")
+    with ProcessGroup("tcp") as group, open(log, "wb") as log_file:
         frontend, backend = group.endpoint("frontend"), group.endpoint("backend")
-        group.broker(frontend, backend, *BATCHING, "--record", str(trace))
+        # At DEBUG: a line per batch (carpool.broker.stats), read by :func:`batch_times`.
+        broker = [*CARPOOL, "broker", "--frontend", frontend, "--backend", backend]
+        broker += [*BATCHING, "--record", str(trace), "--log-level", "DEBUG"]
+        proc = subprocess.Popen(broker, stdin=subprocess.DEVNULL, stderr=log_file)
+        group.procs.append(("broker", proc))
         group.worker(backend, "--model", f"{MODEL}={model}", "--threads", "1")
         wait_workers(frontend, 1, group)
         run(frontend, warm, synthetic_inputs(warm), warmup_s=0.0)
-        start_unix = time.time()
+        start_unix, log_offset = time.time(), log.stat().st_size
         report = run(frontend, items, synthetic_inputs(items), warmup_s=0.0)
         with Client(frontend) as client:
             stats = client.stats()
@@ -158,8 +167,30 @@ def live_pass(
         "broker_p99_ms": float(stats["models"][MODEL]["latency"]["p99_ms"]),
         "p99_send_lag_ms": round(report.p99_send_lag_ms, 3),
         "kept_up": report.kept_up,
+        **batch_times(log, log_offset),
     }
     return live, fit, start_unix
+
+
+_BATCH_LINE = re.compile(r"wait_ms=([\d.]+) compute_ms=([\d.]+) round_trip_ms=([\d.]+)")
+
+
+def batch_times(log: Path, offset: int) -> dict[str, float]:
+    """From the broker's per-batch lines after ``offset``: the median queue wait of each
+    batch's oldest request (against T_max: how late its timer fired), and the median of
+    each batch's round trip less its engine time (the transfers, the worker's own CPU,
+    a wait behind the worker's previous batch, and any wait for a core; the simulator
+    has only the worker's CPU of it)."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", "replace")
+    rows = [tuple(map(float, m)) for m in _BATCH_LINE.findall(text)]
+    if not rows:
+        return {"batch_wait_ms": math.nan, "outside_engine_ms": math.nan}
+    return {
+        "batch_wait_ms": statistics.median(wait for wait, _, _ in rows),
+        "outside_engine_ms": statistics.median(rt - c for _, c, rt in rows),
+    }
 
 
 def cut(trace: Path, after_unix: float, out: Path) -> int:
@@ -200,6 +231,12 @@ def summarize(rate: float, passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
         # passes whose generator sent on schedule (else its lag is in the live latency)
         "generator_kept_up": sum(1 for p in passes if p["live"]["kept_up"]),
         "host_cpu_pct": statistics.median(p["fit"]["host_cpu_pct"] for p in passes),
+        "cpu_per_batch_ms": statistics.median(
+            p["fit"]["cpu_alpha_ms"] + p["fit"]["cpu_beta_ms"] * p["live"]["mean_batch"]
+            for p in passes
+        ),
+        "batch_wait_ms": statistics.median(p["live"]["batch_wait_ms"] for p in passes),
+        "outside_engine_ms": statistics.median(p["live"]["outside_engine_ms"] for p in passes),
     }
     for figure, (sim_figure, tolerance) in FIGURES.items():
         live = [p["live"][figure] for p in passes]
@@ -232,7 +269,10 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
             )
     notes = [
         f"{s['rate']:g}/s: generator on schedule in {s['generator_kept_up']} of "
-        f"{s['passes']} passes; host CPU in use {s['host_cpu_pct']:.0f}% (telemetry)"
+        f"{s['passes']} passes; host CPU in use {s['host_cpu_pct']:.0f}% (telemetry); "
+        f"per batch: the worker's CPU {s['cpu_per_batch_ms']:.2f} ms (the simulator's "
+        f"overhead), round trip less engine {s['outside_engine_ms']:.2f} ms, oldest "
+        f"request's wait {s['batch_wait_ms']:.2f} ms (medians)"
         for s in summary
     ]
     return "\n".join([*rows, *notes])
