@@ -59,7 +59,7 @@ HIDDEN = 512
 SEED = 30
 BATCHING = ["--policy", "carpool", "--max-batch", "16", "--max-wait-ms", "5"]
 TIMEOUT_MS = 1000
-#: The issue's tolerances: the simulator's figure over the live one, within 1 ± this.
+#: The agreement asked of the simulator: its figure over the live one within 1 ± this.
 TOLERANCE = {"mean_batch": 0.15, "p50_ms": 0.20, "p99_ms": 0.30}
 #: Each figure compared: the live one, the simulator's it is held against, and its
 #: tolerance. ``broker_*``: the live broker's own percentiles (STATS, arrival to RESULT,
