@@ -73,11 +73,32 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--simulate", action="store_true", help="replay in the simulator instead")
     _add_stats_timeout(r)
     add_engine_flags(r, fleet=False)
+    _add_worker_cpu_flags(r)
     g = r.add_argument_group(
         "simulated broker", "as carpool broker's flags; set them as the recording broker had"
     )
     add_batching_flags(g, BatchingConfig())
     r.add_argument("--json", help="write the report as JSON")
+
+
+def _add_worker_cpu_flags(parser: argparse.ArgumentParser) -> None:
+    """replay --simulate: the engines' spread, and the simulated workers' own CPU per batch
+    outside the engine (RESULT cpu_ms) and their host's CPU in use (telemetry), as a live
+    fleet's STATS reports them (lanes' spread, cpu_fixed_ms and cpu_per_sample_ms;
+    telemetry host_cpu_pct)."""
+    g = parser.add_argument_group("simulated workers' CPU")
+    g.add_argument(
+        "--jitter", type=float, default=0.05, help="relative std of the engine's batch times"
+    )
+    g.add_argument(
+        "--cpu-alpha-ms", type=float, default=0.0, help="the worker's own CPU per batch, fixed"
+    )
+    g.add_argument("--cpu-beta-ms", type=float, default=0.0, help="the worker's own CPU per sample")
+    g.add_argument(
+        "--host-busy-pct",
+        type=float,
+        help="the host's CPU in use its telemetry reports, 0..100 (default: none reported)",
+    )
 
 
 def _add_stats_timeout(parser: argparse.ArgumentParser) -> None:
@@ -308,6 +329,11 @@ def _check_replay(args: argparse.Namespace) -> BatchingConfig:
         problems.append("--engine-max-batch must be at least 1")
     if not (_at_least(args.alpha_ms, 0) and _at_least(args.beta_ms, 0)):
         problems.append("--alpha-ms and --beta-ms must be at least 0 (and finite)")
+    if not all(_at_least(x, 0) for x in (args.jitter, args.cpu_alpha_ms, args.cpu_beta_ms)):
+        problems.append("--jitter, --cpu-alpha-ms and --cpu-beta-ms must be at least 0")
+    busy = args.host_busy_pct
+    if busy is not None and not (_at_least(busy, 0) and busy <= 100):
+        problems.append(f"--host-busy-pct must be in 0..100, got {busy:g}")
     problems += _stats_timeout_problems(args)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -321,7 +347,8 @@ def run_replay(args: argparse.Namespace) -> int:
 
     Send a recorded trace (carpool record) to a live broker at its recorded times, or
     (--simulate) feed it to a simulated broker, with the batching flags of carpool broker,
-    and workers of cost --alpha-ms + --beta-ms x B.
+    and workers of cost --alpha-ms + --beta-ms x B (spread --jitter), whose own CPU per
+    batch is --cpu-alpha-ms + --cpu-beta-ms x B on a host --host-busy-pct busy.
     """
     _end_on_sigterm()
     batching = _check_replay(args)  # a typo in a flag for the simulator fails live runs too
@@ -336,8 +363,12 @@ def run_replay(args: argparse.Namespace) -> int:
 
     # The recording fleet's engine limit where the trace has it (else the simulator's).
     limit = args.engine_max_batch or workload.engine_limit(items) or DEFAULT_ENGINE_MAX
+    cost = EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, args.jitter)
+    overhead = None
+    if args.cpu_alpha_ms or args.cpu_beta_ms:
+        overhead = EngineCost(args.cpu_alpha_ms / 1000, args.cpu_beta_ms / 1000)
     workers = [
-        SimWorker(f"sim-{i}", EngineCost(args.alpha_ms / 1000, args.beta_ms / 1000, 0.05), limit)
+        SimWorker(f"sim-{i}", cost, limit, overhead=overhead, host_busy_pct=args.host_busy_pct)
         for i in range(args.workers)
     ]
     result = simulate(items, workers, batching, label=f"{args.policy} (sim)")

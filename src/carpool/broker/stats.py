@@ -25,6 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from carpool.broker.adaptive import CostEstimate
 from carpool.broker.config import BatchingConfig
 from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
 from carpool.broker.requests import PendingRequest, RequestKey, RequestState
@@ -227,13 +228,21 @@ def bound_by(registry: WorkerRegistry) -> dict[str, str]:
 
 
 def _lane_snapshot(lane: Lane) -> dict[str, Any]:
-    cost = lane.cost(lane.last_key)
+    """A lane's B_max, the limit that binds it, and its fits for the shape it ran last:
+    the engine's time per batch (with its relative spread) and the worker's own CPU per
+    batch outside the engine (RESULT ``cpu_ms``; 0 until one came)."""
+    key = lane.last_key
+    cost = lane.cost(key)
+    cpu = lane.overhead(key) if key is not None else CostEstimate()
     return {
         "b_max": lane.batch_limit,
         "max_batch_bound_by": lane.bound_by,
         "fixed_cost_ms": round(1000 * cost.fixed_cost_s, 3),
         "per_sample_ms": round(1000 * cost.per_sample_s, 3),
+        "spread": round(cost.spread, 4),
         "calibrated": cost.calibrated,
+        "cpu_fixed_ms": round(1000 * cpu.fixed_cost_s, 3),
+        "cpu_per_sample_ms": round(1000 * cpu.per_sample_s, 3),
     }
 
 

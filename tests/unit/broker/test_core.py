@@ -1371,7 +1371,10 @@ def test_stats_snapshot_counts() -> None:
         "max_batch_bound_by",
         "fixed_cost_ms",
         "per_sample_ms",
+        "spread",
         "calibrated",
+        "cpu_fixed_ms",
+        "cpu_per_sample_ms",
     }
     assert lane["max_batch_bound_by"] == "broker"
     assert lane["calibrated"] is False  # one batch size seen so far

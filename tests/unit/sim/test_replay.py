@@ -82,6 +82,33 @@ def test_policy_and_max_wait_reach_the_simulated_broker(tmp_path: Path) -> None:
     assert at_once["p50_ms"] < 20
 
 
+@pytest.fixture
+def sparse_poisson(tmp_path: Path) -> Path:
+    """300/s, Poisson, for 2 s: now and then a request finds both slots taken."""
+    trace = tmp_path / "poisson.jsonl"
+    phases = workload.poisson(300.0, 2.0)
+    workload.write_trace(trace, workload.arrivals(phases, timeout_ms=1000, seed=1))
+    return trace
+
+
+def test_the_workers_cpu_per_batch_and_busy_host_reach_the_simulated_fleet(
+    sparse_poisson: Path, tmp_path: Path
+) -> None:
+    """An engine of 0.5 ms a sample and nothing fixed: batching buys nothing. The
+    worker's own 2 ms per batch delays each answer; on a host 90% busy it is taken from
+    the engine, so the simulated broker waits for fuller batches, as a live one would."""
+    engine = ["--alpha-ms", "0", "--beta-ms", "0.5", "--jitter", "0"]
+    bare = _replay(sparse_poisson, tmp_path, *engine)
+    cpu = _replay(sparse_poisson, tmp_path, *engine, "--cpu-alpha-ms", "2")
+    busy = _replay(
+        sparse_poisson, tmp_path, *engine, "--cpu-alpha-ms", "2", "--host-busy-pct", "90"
+    )
+    assert bare["p50_ms"] == pytest.approx(0.5, abs=0.05)  # one sample, at once
+    assert cpu["p50_ms"] >= bare["p50_ms"] + 2.0  # the RESULT leaves after the worker's CPU
+    assert bare["mean_batch"] < 1.1
+    assert busy["mean_batch"] > 1.5 * cpu["mean_batch"]  # batching pays on a busy host
+
+
 def test_an_invalid_max_batch_is_a_config_error(
     burst: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,6 +125,9 @@ def test_an_invalid_max_batch_is_a_config_error(
         (["--alpha-ms", "nan"], "--alpha-ms and --beta-ms must be at least 0"),
         (["--workers", "0"], "--workers must be at least 1"),
         (["--max-wait-ms", "-1"], "max_wait_s must be in 0..60"),
+        (["--cpu-alpha-ms", "-1"], "--cpu-alpha-ms and --cpu-beta-ms must be at least 0"),
+        (["--jitter", "nan"], "--cpu-alpha-ms and --cpu-beta-ms must be at least 0"),
+        (["--host-busy-pct", "101"], "--host-busy-pct must be in 0..100, got 101"),
     ],
 )
 def test_impossible_simulator_flags_are_a_usage_error(
