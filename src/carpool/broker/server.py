@@ -13,7 +13,6 @@ that cannot be read, or a fault inside the core, is handled as faults.py says.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -31,7 +30,7 @@ from carpool.broker.transports import BURST, Upstream, WorkerTransport
 from carpool.broker.transports.inprocess import EmbeddedWorker, InProcessWorkers
 from carpool.broker.transports.local import LinkWorkers
 from carpool.broker.transports.zeromq import ZmqWorkers, bind_router
-from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.clock import Clock, MonotonicClock, poll_timeout_ms
 from carpool.common.errors import ConfigError
 from carpool.common.protocol import FromWorker
 from carpool.common.routing_ids import seed_routing_ids
@@ -240,7 +239,7 @@ class BrokerServer:
         wait_s = None if wake is None else wake - now
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
-        wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+        wait_ms = poll_timeout_ms(wait_s)
         for transport in transports:
             if transport.before_poll():
                 wait_ms = 0  # whole messages wait in a buffer: no poll would say so

@@ -7,6 +7,7 @@ Shells hold a :class:`Clock`; tests give them :class:`carpool.common.testing.Fak
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -33,6 +34,13 @@ class MonotonicClock:
     def sleep(self, duration_s: float) -> None:
         if duration_s > 0:
             time.sleep(duration_s)
+
+
+def poll_timeout_ms(wait_s: float | None) -> int | None:
+    """A wait as a poll timeout: whole milliseconds, rounded up, so that a loop never wakes
+    before what it waits for falls due (None: no limit). The broker's and the worker's
+    loops poll with it; the simulator wakes its broker when the broker's loop would."""
+    return None if wait_s is None else max(0, math.ceil(wait_s * 1000))
 
 
 def wall_offset_s() -> float:

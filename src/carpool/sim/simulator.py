@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Outgoing, ToWorker
+from carpool.common.clock import poll_timeout_ms
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     BatchMeta,
@@ -283,7 +284,10 @@ class _Run:
         self.route(core.on_tick(now), now)
         wake = core.next_wakeup(now)
         if wake is not None:
-            wake = max(wake, now + 1e-6)  # strictly later: the core was just ticked
+            # When the broker's loop would wake: its poll waits whole milliseconds, rounded
+            # up; and strictly later than now (the core was just ticked).
+            wait_ms = poll_timeout_ms(wake - now) or 0
+            wake = now + wait_ms / 1000 if wait_ms else now + 1e-6
             if wake not in self.ticks:
                 self.ticks.add(wake)
                 self.push(wake, _TICK, None)

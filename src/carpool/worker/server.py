@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import grp
 import logging
-import math
 import os
 from collections.abc import Callable, Mapping
 
 import zmq
 
-from carpool.common.clock import Clock, MonotonicClock
+from carpool.common.clock import Clock, MonotonicClock, poll_timeout_ms
 from carpool.common.curve import ClientKeys
 from carpool.common.errors import ConfigError
 from carpool.common.link import link_path
@@ -241,7 +240,7 @@ class WorkerServer:
         wait_s = None if wake is None else wake - now
         if timeout_s is not None:
             wait_s = timeout_s if wait_s is None else min(wait_s, timeout_s)
-        wait_ms = None if wait_s is None else max(0, math.ceil(wait_s * 1000))
+        wait_ms = poll_timeout_ms(wait_s)
         conn = self._conn
         if conn.flush():
             wait_ms = 0  # whole messages wait, read already: no poll would say so
