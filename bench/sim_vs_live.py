@@ -10,9 +10,12 @@ warm-up at the pass's rate, then the measured window. Before the fleet stops, ST
 gives the worker lane's fits (the engine's α, β and spread; the worker's own CPU per
 batch outside the engine, from RESULT ``cpu_ms``) and the worker's telemetry
 ``host_cpu_pct``. The pass's trace, cut to the measured window, is then replayed with
-``carpool replay --simulate`` and the same batching flags, twice: with all those
-figures, and with the engine's alone (no worker CPU, no host busy share), which shows
-what the overhead model changes. Rates are interleaved within each pass, and every pass
+``carpool replay --simulate`` and the same batching flags, three times: with all those
+figures ("sim"); with them and, per batch, a transfer time ("+xfer": the pass's median
+round trip less the engine's time and the worker's CPU, from the broker's batch lines,
+by which each RESULT reaches the simulated broker late); and with the engine's figures
+alone ("engine": no worker CPU, no host busy share), which shows what the overhead
+model changes. Rates are interleaved within each pass, and every pass
 has a fresh broker, worker and trace.
 
 Compared per rate: mean batch, p50 and p99, as medians over the passes, with the live
@@ -204,9 +207,12 @@ def cut(trace: Path, after_unix: float, out: Path) -> int:
     return len(lines)
 
 
-def replay(trace: Path, fit: dict[str, float], *, overhead: bool) -> dict[str, float]:
+def replay(
+    trace: Path, fit: dict[str, float], *, overhead: bool, transfer_ms: float = 0.0
+) -> dict[str, float]:
     """``carpool replay --simulate`` of ``trace`` with the fitted figures (``overhead``:
-    the worker's CPU per batch and its host's busy share too)."""
+    the worker's CPU per batch and its host's busy share too; ``transfer_ms``: how much
+    later than its end each batch's RESULT reaches the broker)."""
     out = trace.with_suffix(".sim.json")
     flags = [
         *("--alpha-ms", str(fit["alpha_ms"]), "--beta-ms", str(fit["beta_ms"])),
@@ -216,6 +222,8 @@ def replay(trace: Path, fit: dict[str, float], *, overhead: bool) -> dict[str, f
         flags += ["--cpu-alpha-ms", str(fit["cpu_alpha_ms"])]
         flags += ["--cpu-beta-ms", str(fit["cpu_beta_ms"])]
         flags += ["--host-busy-pct", str(min(100.0, fit["host_cpu_pct"]))]
+    if transfer_ms > 0:
+        flags += ["--transfer-ms", str(transfer_ms)]
     cmd = [*CARPOOL, "replay", "--trace", str(trace), "--simulate", *BATCHING, *flags]
     subprocess.run([*cmd, "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
     (row,) = json.loads(out.read_text(encoding="utf-8"))
@@ -242,7 +250,7 @@ def summarize(rate: float, passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
         live = [p["live"][figure] for p in passes]
         median, spread = statistics.median(live), max(live) - min(live)
         row: dict[str, Any] = {"live": median, "live_spread": spread}
-        for name in ("sim", "sim_engine_only"):
+        for name in ("sim", "sim_transfer", "sim_engine_only"):
             value = statistics.median(p[name][sim_figure] for p in passes)
             ratio = value / median if median else math.nan
             row[name] = value
@@ -255,17 +263,19 @@ def summarize(rate: float, passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def table(summary: Sequence[dict[str, Any]]) -> str:
     head = (
         f"{'rate/s':>7} {'figure':<13} {'live':>8} {'spread':>7} {'sim':>8} {'ratio':>6} "
-        f"{'ok':>3} {'engine':>8} {'ratio':>6} {'ok':>3}"
+        f"{'ok':>3} {'+xfer':>8} {'ratio':>6} {'ok':>3} {'engine':>8} {'ratio':>6} {'ok':>3}"
     )
     rows = [head, "-" * len(head)]
     for s in summary:
         for figure in FIGURES:
             r = s[figure]
+            cells = [
+                f"{r[n]:8.2f} {r[f'{n}_ratio']:6.2f} {'yes' if r[f'{n}_agrees'] else 'NO':>3}"
+                for n in ("sim", "sim_transfer", "sim_engine_only")
+            ]
             rows.append(
                 f"{s['rate']:>7g} {figure:<13} {r['live']:8.2f} {r['live_spread']:7.2f} "
-                f"{r['sim']:8.2f} {r['sim_ratio']:6.2f} {'yes' if r['sim_agrees'] else 'NO':>3} "
-                f"{r['sim_engine_only']:8.2f} {r['sim_engine_only_ratio']:6.2f} "
-                f"{'yes' if r['sim_engine_only_agrees'] else 'NO':>3}"
+                + " ".join(cells)
             )
     notes = [
         f"{s['rate']:g}/s: generator on schedule in {s['generator_kept_up']} of "
@@ -304,13 +314,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured = work / f"measured-{rate:g}-{n}.jsonl"
             arrivals = cut(trace, start_unix, measured)
             sim = replay(measured, fit, overhead=True)
+            # What the broker's batch lines show beyond the engine and the worker's CPU.
+            cpu_ms = fit["cpu_alpha_ms"] + fit["cpu_beta_ms"] * live["mean_batch"]
+            transfer_ms = max(0.0, live["outside_engine_ms"] - cpu_ms)
             runs[rate].append(
                 {
                     "pass": n,
                     "recorded": arrivals,
                     "live": live,
                     "fit": fit,
+                    "transfer_ms": transfer_ms,
                     "sim": sim,
+                    "sim_transfer": replay(measured, fit, overhead=True, transfer_ms=transfer_ms),
                     "sim_engine_only": replay(measured, fit, overhead=False),
                 }
             )

@@ -99,6 +99,12 @@ def _add_worker_cpu_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="the host's CPU in use its telemetry reports, 0..100 (default: none reported)",
     )
+    g.add_argument(
+        "--transfer-ms",
+        type=float,
+        default=0.0,
+        help="per batch, how much later than its end its RESULT reaches the broker",
+    )
 
 
 def _add_stats_timeout(parser: argparse.ArgumentParser) -> None:
@@ -329,8 +335,11 @@ def _check_replay(args: argparse.Namespace) -> BatchingConfig:
         problems.append("--engine-max-batch must be at least 1")
     if not (_at_least(args.alpha_ms, 0) and _at_least(args.beta_ms, 0)):
         problems.append("--alpha-ms and --beta-ms must be at least 0 (and finite)")
-    if not all(_at_least(x, 0) for x in (args.jitter, args.cpu_alpha_ms, args.cpu_beta_ms)):
-        problems.append("--jitter, --cpu-alpha-ms and --cpu-beta-ms must be at least 0")
+    figures = (args.jitter, args.cpu_alpha_ms, args.cpu_beta_ms, args.transfer_ms)
+    if not all(_at_least(x, 0) for x in figures):
+        problems.append(
+            "--jitter, --cpu-alpha-ms, --cpu-beta-ms and --transfer-ms must be at least 0"
+        )
     busy = args.host_busy_pct
     if busy is not None and not (_at_least(busy, 0) and busy <= 100):
         problems.append(f"--host-busy-pct must be in 0..100, got {busy:g}")
@@ -348,7 +357,8 @@ def run_replay(args: argparse.Namespace) -> int:
     Send a recorded trace (carpool record) to a live broker at its recorded times, or
     (--simulate) feed it to a simulated broker, with the batching flags of carpool broker,
     and workers of cost --alpha-ms + --beta-ms x B (spread --jitter), whose own CPU per
-    batch is --cpu-alpha-ms + --cpu-beta-ms x B on a host --host-busy-pct busy.
+    batch is --cpu-alpha-ms + --cpu-beta-ms x B on a host --host-busy-pct busy, and whose
+    RESULT reaches the broker --transfer-ms after the batch ends.
     """
     _end_on_sigterm()
     batching = _check_replay(args)  # a typo in a flag for the simulator fails live runs too
@@ -368,7 +378,14 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.cpu_alpha_ms or args.cpu_beta_ms:
         overhead = EngineCost(args.cpu_alpha_ms / 1000, args.cpu_beta_ms / 1000)
     workers = [
-        SimWorker(f"sim-{i}", cost, limit, overhead=overhead, host_busy_pct=args.host_busy_pct)
+        SimWorker(
+            f"sim-{i}",
+            cost,
+            limit,
+            overhead=overhead,
+            host_busy_pct=args.host_busy_pct,
+            transfer_s=args.transfer_ms / 1000,
+        )
         for i in range(args.workers)
     ]
     result = simulate(items, workers, batching, label=f"{args.policy} (sim)")

@@ -12,8 +12,9 @@ are sent at their arrival times.
 A worker may also have an ``overhead``: its own CPU per batch outside the engine
 (receiving the BATCH, stacking inputs, building replies), which runs on the worker's
 core after the engine's time, so the batch and the next one wait for it, and which its
-RESULT reports as ``cpu_ms``; and a ``host_busy_pct`` that its telemetry reports. Then
-the broker weighs the overhead as it weighs a live worker's (docs/batching.md §3).
+RESULT reports as ``cpu_ms``; a ``host_busy_pct`` that its telemetry reports (the
+broker weighs the overhead as it weighs a live worker's, docs/batching.md §3); and a
+``transfer_s`` per batch, by which its RESULT reaches the broker after the batch ends.
 
 Not modelled: network and broker CPU time (the live fleet benchmark shows those).
 """
@@ -91,6 +92,10 @@ class SimWorker:
     overhead: EngineCost | None = None
     # The host's CPU in use that its telemetry reports, 0..100 (None: not reported).
     host_busy_pct: float | None = None
+    # Per batch, the time its messages spend between the broker and the worker beyond the
+    # worker's CPU (transfers, hand-offs, a wait for a core): its RESULT reaches the
+    # broker this long after the batch ends; the worker goes on meanwhile.
+    transfer_s: float = 0.0
 
 
 def rate_per_s(count: int, span_s: float) -> float:
@@ -160,7 +165,7 @@ class _Worker:
         self.telemetry = None if pct is None else Telemetry(host_cpu_pct=pct)
 
 
-_ARRIVE, _FINISH, _HEARTBEAT, _TICK = range(4)
+_ARRIVE, _FINISH, _HEARTBEAT, _RESULT, _TICK = range(5)
 
 
 def simulate(
@@ -273,6 +278,10 @@ class _Run:
                 self.heartbeat(data, now)
                 if index < len(arrivals) or self.sent_s:
                     self.push(now + heartbeat_s, _HEARTBEAT, data)
+            elif kind == _RESULT:
+                assert isinstance(data, tuple)
+                wid, msg = data
+                self.route(self.core.on_worker(now, wid, msg), now)
             else:
                 self.ticks.discard(now)
             self.end_turn(now)
@@ -378,7 +387,10 @@ class _Run:
             1000 * worker.overhead_s,
         )
         msg = decode_from_worker(WorkerResult(meta, frames).to_frames())
-        self.route(self.core.on_worker(now, worker.wid, msg), now)
+        if worker.spec.transfer_s > 0:
+            self.push(now + worker.spec.transfer_s, _RESULT, (worker.wid, msg))
+        else:
+            self.route(self.core.on_worker(now, worker.wid, msg), now)
         if worker.queue and worker.running is None:
             self.start(worker, now)
 

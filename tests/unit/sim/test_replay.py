@@ -109,6 +109,19 @@ def test_the_workers_cpu_per_batch_and_busy_host_reach_the_simulated_fleet(
     assert busy["mean_batch"] > 1.5 * cpu["mean_batch"]  # batching pays on a busy host
 
 
+def test_a_batchs_transfer_delays_its_answers_and_lets_batches_fill(
+    sparse_poisson: Path, tmp_path: Path
+) -> None:
+    """A RESULT that reaches the broker 3 ms after its batch ended: each answer comes that
+    much later, and the broker, which learns later that the worker is free, sends fuller
+    batches (an engine with a fixed cost: batching pays)."""
+    engine = ["--alpha-ms", "2", "--beta-ms", "0.2", "--jitter", "0"]
+    bare = _replay(sparse_poisson, tmp_path, *engine)
+    late = _replay(sparse_poisson, tmp_path, *engine, "--transfer-ms", "3")
+    assert late["p50_ms"] >= bare["p50_ms"] + 3.0
+    assert late["mean_batch"] > bare["mean_batch"], (late, bare)
+
+
 def test_an_invalid_max_batch_is_a_config_error(
     burst: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -125,8 +138,9 @@ def test_an_invalid_max_batch_is_a_config_error(
         (["--alpha-ms", "nan"], "--alpha-ms and --beta-ms must be at least 0"),
         (["--workers", "0"], "--workers must be at least 1"),
         (["--max-wait-ms", "-1"], "max_wait_s must be in 0..60"),
-        (["--cpu-alpha-ms", "-1"], "--cpu-alpha-ms and --cpu-beta-ms must be at least 0"),
-        (["--jitter", "nan"], "--cpu-alpha-ms and --cpu-beta-ms must be at least 0"),
+        (["--cpu-alpha-ms", "-1"], "--cpu-beta-ms and --transfer-ms must be at least 0"),
+        (["--jitter", "nan"], "--cpu-beta-ms and --transfer-ms must be at least 0"),
+        (["--transfer-ms", "-1"], "--cpu-beta-ms and --transfer-ms must be at least 0"),
         (["--host-busy-pct", "101"], "--host-busy-pct must be in 0..100, got 101"),
     ],
 )
