@@ -144,15 +144,17 @@ class DeadlinePolicy:
     """carpool's policy: the minibus rule bounded by the SLA countdown.
 
     * Size: the worker's B_max (the configured cap within its engine's limit; under the
-      ``seed`` policy, its lane's adaptive size), shrunk until the batch fits in the most urgent
-      request's slack (its deadline − the worker's backlog − the batch's predicted time −
+      ``seed`` policy, its lane's adaptive size), shrunk until the batch fits in the most
+      urgent request's slack (its deadline − the worker's backlog − the batch's predicted time −
       ``margin_s``), never below one request, nor below the floor that keeps up with the
       arrival rate (or what is queued, if less) where that floor is within reach.
-    * Wait: none where batching buys nothing (the fitted fixed cost is under
-      ``min_fixed_share`` of a single-sample batch, as on CPUs, or the cost is not known
-      yet). Otherwise until the earliest of T_max after the oldest arrival and the most
-      urgent request's latest start; while the worker is still busy, the batch may keep
-      filling until shortly before it is free, since leaving earlier would only queue there.
+    * Wait: none where batching buys nothing (the fixed cost, the engine's and the share
+      of the worker's own CPU that its busy host takes from it, is under
+      ``min_fixed_share`` of a single-sample batch, as for CPU models on a host with cores
+      to spare, or the cost is not known yet). Otherwise until the earliest of T_max
+      after the oldest arrival and the most urgent request's latest start; while the
+      worker is still busy, the batch may keep filling until shortly before it is free,
+      since leaving earlier would only queue there.
     * Sharing (``share_idle``): what leaves at once while several workers are idle is
       split among them by the broker (workers run in parallel: a batch each ends sooner).
     * Shedding: a request whose deadline comes before the earliest possible completion
@@ -223,9 +225,10 @@ class DeadlinePolicy:
         return size, size < target
 
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
-        """The smallest batch whose throughput n / (fixed + per_sample·n) keeps up with
-        ``headroom`` × the arrival rate, within [1, B_max]. It may exceed the adaptive
-        B_max (which follows ρ with a lag): keeping up with a load step comes first."""
+        """The smallest batch whose throughput n / (fixed + per_sample·n), at
+        :meth:`Capacity.batch_cost`, keeps up with ``headroom`` × the arrival rate, within
+        [1, B_max]. Below it a batch waits for it to fill; under the ``seed`` policy it may
+        exceed the adaptive B_max (which follows ρ with a lag)."""
         cap = min(self.max_batch, capacity.hard_max)
         demand = self.headroom * queue.arrival_sps
         if not capacity.cost.calibrated or demand <= 0:
