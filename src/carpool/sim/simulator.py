@@ -211,7 +211,9 @@ class _Run:
         self.sent_s: dict[int, float] = {}  # request id -> when it was sent
         self.deadline_s: dict[int, float] = {}
         self.payloads: dict[tuple[int, ...], bytes] = {}  # one zero payload per shape
-        self.ticks: set[float] = set()  # the wake-ups already on the heap
+        # The wake-up the last turn asked for (its number on the heap): a loop polls with
+        # its last turn's timeout, so a wake-up an earlier turn asked for is void.
+        self.tick = 0
         self.rid = 0
         self.now = 0.0
 
@@ -282,8 +284,8 @@ class _Run:
                 assert isinstance(data, tuple)
                 wid, msg = data
                 self.route(self.core.on_worker(now, wid, msg), now)
-            else:
-                self.ticks.discard(now)
+            elif data != self.tick:
+                continue  # a later turn asked for another wake-up
             self.end_turn(now)
 
     def end_turn(self, now: float) -> None:
@@ -292,14 +294,13 @@ class _Run:
         core = self.core
         self.route(core.on_tick(now), now)
         wake = core.next_wakeup(now)
+        self.tick += 1  # (none asked for: the earlier ones are void all the same)
         if wake is not None:
             # When the broker's loop would wake: its poll waits whole milliseconds, rounded
             # up; and strictly later than now (the core was just ticked).
             wait_ms = poll_timeout_ms(wake - now) or 0
             wake = now + wait_ms / 1000 if wait_ms else now + 1e-6
-            if wake not in self.ticks:
-                self.ticks.add(wake)
-                self.push(wake, _TICK, None)
+            self.push(wake, _TICK, self.tick)
 
     def arrive(self, a: Arrival, now: float) -> None:
         """The client sends a request."""
