@@ -30,7 +30,7 @@ batch; from those lines each rate also reports what the simulator does not model
 batch's round trip less its engine time, against the worker's CPU per batch, and how
 long each batch's oldest request waited, against T_max.
 
-Run:  .venv/bin/python bench/sim_vs_live.py          (about 2 minutes on 2 cores)
+Run:  .venv/bin/python bench/sim_vs_live.py          (about 2.5 minutes on 2 cores)
       .venv/bin/python bench/sim_vs_live.py --quick  (a smoke run, about 30 s)
 Writes bench/out/sim_vs_live.json. The machine is shared: the live figures are noisy.
 """

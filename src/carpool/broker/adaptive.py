@@ -83,8 +83,7 @@ class BatchSizeController:
 
     def _snap_up(self, value: float) -> int:
         """The smallest allowed size >= ``value`` (the cap if none is). Values within 2%
-        above a size count as that size: log B approaches its target geometrically and
-        would otherwise sit just above a boundary for many steps."""
+        above a size count as that size, so that a small step does not round up past it."""
         if value >= self.cap * 0.999:
             return self.cap
         value *= 0.98

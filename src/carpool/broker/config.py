@@ -32,7 +32,7 @@ class BatchingConfig:
     policy: str = "carpool"
     margin_s: float = 0.002  # safety margin of the SLA countdown
     target_rho: float = 0.5  # seed policy: the ρ its rule steers around
-    learning_rate: float = 0.5  # η of the ρ gradient step
+    learning_rate: float = 0.5  # seed policy: η, the learning rate of its ρ step
     adapt_interval_s: float = 0.5  # at most one B_max step per interval
     # carpool policy: the share of a request's timeout kept in reserve at the door (a
     # request is let in when its predicted completion, stretched by the spread of batch

@@ -143,11 +143,11 @@ class FixedPolicy:
 class DeadlinePolicy:
     """carpool's policy: the minibus rule bounded by the SLA countdown.
 
-    * Size: the worker's B_max (the configured cap within its engine's limit; under the
-      ``seed`` policy, its lane's adaptive size), shrunk until the batch fits in the most
-      urgent request's slack (its deadline − the worker's backlog − the batch's predicted time −
-      ``margin_s``), never below one request, nor below the floor that keeps up with the
-      arrival rate (or what is queued, if less) where that floor is within reach.
+    * Size: the worker's B_max (the configured cap within its engine's limit), shrunk
+      until the batch fits in the most urgent request's slack (its deadline − the worker's
+      backlog − the batch's predicted time − ``margin_s``), never below one request, nor
+      below the floor that keeps up with the arrival rate (or what is queued, if less)
+      where that floor is within reach.
     * Wait: none where batching buys nothing (the fixed cost, the engine's and the share
       of the worker's own CPU that its busy host takes from it, is under
       ``min_fixed_share`` of a single-sample batch, as for CPU models on a host with cores
@@ -189,9 +189,9 @@ class DeadlinePolicy:
           A backlog means throughput is what is short, and with a fixed cost the largest
           batch has the most of it; members that this batch would finish too late are shed
           by the broker rather than served late.
-        * Otherwise the target: B_max (under the ``seed`` policy's lanes, their adaptive
-          size), never below the floor that keeps up with the arrival rate, shrunk so the
-          most urgent request's SLA countdown still holds: the wait for a fuller batch
+        * Otherwise the target: B_max, never below the floor that keeps up with the arrival
+          rate (where the engine takes more than B_max), shrunk so the most urgent
+          request's SLA countdown still holds: the wait for a fuller batch
           must not cost that request its deadline.
           Where the floor is below the engine's limit (some size keeps up), the shrink
           stops at the floor, or at what is queued if that is less: a batch below the
@@ -227,8 +227,7 @@ class DeadlinePolicy:
     def floor(self, queue: QueueView, capacity: Capacity) -> int:
         """The smallest batch whose throughput n / (fixed + per_sample·n), at
         :meth:`Capacity.batch_cost`, keeps up with ``headroom`` × the arrival rate, within
-        [1, B_max]. Below it a batch waits for it to fill; under the ``seed`` policy it may
-        exceed the adaptive B_max (which follows ρ with a lag)."""
+        [1, B_max]. Below it a batch waits for it to fill."""
         cap = min(self.max_batch, capacity.hard_max)
         demand = self.headroom * queue.arrival_sps
         if not capacity.cost.calibrated or demand <= 0:

@@ -153,8 +153,8 @@ class WorkerState:
     def on_telemetry(self, sample: Telemetry) -> None:
         """A sample of its host and device arrived."""
         self.telemetry = sample
-        if sample.host_cpu_pct is not None:
-            self.host_busy = sample.host_cpu_pct / 100.0
+        pct = sample.host_cpu_pct
+        self.host_busy = 0.0 if pct is None else pct / 100.0  # (none read: not counted)
 
     @property
     def free_slots(self) -> int:

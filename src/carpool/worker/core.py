@@ -112,7 +112,7 @@ class JobOutcome:
     error: tuple[ErrorCode, str] | None = None
     # A padded model's batch: RESULT ``padding`` (§8.4), (padded, bucket) elements.
     padding: tuple[int, int] | None = None
-    # The CPU its threads spent on it outside the engine's run, receipt included (RESULT
+    # The CPU its threads spent on it outside end_s - start_s, receipt included (RESULT
     # ``cpu_ms``, §8.4; sent only with ``timed``).
     cpu_s: float = 0.0
 

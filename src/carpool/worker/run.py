@@ -222,9 +222,11 @@ def finish_job(
     assert engine is not None  # (set with the batch and its inputs by start_job)
     assert batch is not None
     assert started.inputs is not None
+    # The batch's time (compute_ms) runs from ``start`` to ``end``; its CPU outside that
+    # window (cpu_ms) is its receipt, its staging where that came before the window (a
+    # batch queued behind another), and its replies.
     start = max(started.start_s, not_before_s)
-    cpu0 = clock.cpu()
-    engine_cpu_s = 0.0  # the engine's run: compute_ms's, not cpu_ms's
+    outside_s = started.cpu_s if start > started.start_s else started.job.cpu_s
     samples = 0  # set once the engine has run them: what the inline decision learns from
     failed, alive = started.failed, started.alive
     try:
@@ -232,12 +234,10 @@ def finish_job(
         try:
             if started.queue_error is not None:
                 raise started.queue_error
-            run_cpu = clock.cpu()
             if started.pending is not None:
                 outputs = started.pending.result()
             else:
                 outputs = engine.run(started.inputs)
-            engine_cpu_s = clock.cpu() - run_cpu
         except Exception as exc:
             if len(batch.items) == 1 and not failed:
                 logger.exception("engine failed on batch %d of %s", batch.batch_id, batch.model)
@@ -252,7 +252,7 @@ def finish_job(
                 first_line(exc),
             )
             outputs = None
-        end = clock.now()
+        end, cpu_end = clock.now(), clock.cpu()
         # Only a batch the engine ran whole times it: batches answered without it
         # (unreadable inputs, a bad batch) are fast, and would make a slow model look short
         # enough to run on the loop thread, which then sends no heartbeat for the whole
@@ -276,7 +276,7 @@ def finish_job(
         return _outcome(job, start, clock.now(), samples=samples, error=(exc.code, exc.message))
     pads = engine.info.io.pads
     padding = padding_of(batch, pads) if pads else None  # (a plain model: no padding)
-    cpu_s = started.cpu_s + clock.cpu() - cpu0 - engine_cpu_s
+    cpu_s = outside_s + clock.cpu() - cpu_end
     return _outcome(
         job,
         start,

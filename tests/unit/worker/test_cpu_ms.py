@@ -1,8 +1,10 @@
-"""RESULT ``cpu_ms`` (protocol §8.4): the worker's CPU for a batch outside its engine run,
-from the batch's receipt to its RESULT."""
+"""RESULT ``cpu_ms`` (protocol §8.4): the worker's CPU for a batch outside the time its
+``compute_ms`` covers, from the batch's receipt to its RESULT."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +16,7 @@ from carpool.common.protocol import BatchItem, BatchMeta, TensorMeta, WorkerResu
 from carpool.common.testing import FakeClock
 from carpool.worker.core import RunBatch, WorkerCore
 from carpool.worker.engines.synthetic import SyntheticEngine
-from carpool.worker.run import run_job
+from carpool.worker.run import finish_job, run_job, start_job
 
 
 def _job(samples: int = 2, receipt_cpu_s: float = 0.0) -> RunBatch:
@@ -82,3 +84,34 @@ def test_a_batch_run_request_by_request_sends_none() -> None:
     assert isinstance(result, WorkerResult)
     assert result.result.cpu_ms == 0.0
     assert "cpu_ms" not in result.result.to_wire()
+
+
+def _big_job(samples: int = 16) -> RunBatch:
+    """A batch whose stacking copies 16 x 768 KiB: CPU that a measure can see."""
+    shape = (3, 256, 256)
+    meta = BatchMeta(
+        9,
+        "m",
+        (TensorMeta("x", "float32", (-1, *shape)),),
+        tuple(BatchItem(i, 1, False, 0.0) for i in range(samples)),
+    )
+    return RunBatch(1, meta, [np.ones((1, *shape), np.float32).tobytes()] * samples)
+
+
+@pytest.mark.parametrize("queued_behind", [False, True])
+def test_staging_counts_only_outside_the_batchs_time(queued_behind: bool) -> None:
+    """compute_ms runs from the batch's start, its staging included, unless it was queued
+    behind another batch and its time starts when that one ended: cpu_ms counts the
+    staging only then, so no CPU is in both."""
+    clock = MonotonicClock()
+    engines = {"m": SyntheticEngine(item_shape=(3, 256, 256), max_batch=16)}
+    before = time.thread_time()
+    started = start_job(engines, _big_job(), clock)
+    staging_s = time.thread_time() - before
+    not_before_s = clock.now() if queued_behind else -math.inf
+    outcome = finish_job(started, clock, not_before_s=not_before_s)
+    assert outcome.error is None
+    if queued_behind:
+        assert outcome.cpu_s >= staging_s * 0.9
+    else:
+        assert outcome.cpu_s < staging_s / 2  # (the replies: views of the outputs)

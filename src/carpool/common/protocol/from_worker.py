@@ -52,7 +52,7 @@ class ResultMeta:
     padding: tuple[int, int] | None = None
     # The worker's host and device, when it took a sample for this message (§8.2).
     telemetry: Telemetry | None = None
-    # The worker's CPU for the batch outside its engine run (§8.4); 0: not measured.
+    # The worker's CPU for the batch outside compute_ms's time (§8.4); 0: not measured.
     cpu_ms: float = 0.0
 
     def to_wire(self) -> dict[str, Any]:
