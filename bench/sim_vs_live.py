@@ -2,9 +2,9 @@
 
 Method. One live fleet per pass, as processes on this machine over tcp on 127.0.0.1: a
 ``carpool broker --policy carpool --max-batch 16 --max-wait-ms 5 --record TRACE`` and one
-``carpool worker --model mlp=FILE.onnx --threads 1``, serving an ONNX MLP [N,3,64,64]
-float32 -> [N,10] (Flatten, MatMul 12288xH + Add, Relu, MatMul Hx10 + Add, seeded
-weights; H=512 costs about 0.65 ms at batch 1 and 2.5 ms at batch 16 on one ONNX Runtime
+``carpool worker --model mlp=FILE.onnx --threads 1``, serving bench/peers/mlp.py's
+ONNX MLP [N,3,64,64] float32 -> [N,10] at width H (``--hidden``; H=512 costs about
+0.65 ms at batch 1 and 2.5 ms at batch 16 on one ONNX Runtime
 thread). This process is the open-loop Poisson load generator (carpool.loadgen): a
 warm-up at the pass's rate, then the measured window. Before the fleet stops, STATS
 gives the worker lane's fits (the engine's α, β and spread; the worker's own CPU per
@@ -48,8 +48,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from common import CARPOOL, OUT, ProcessGroup, parser, quiet_logs, wait_workers
+from peers import mlp
 
 from carpool.client import Client
 from carpool.loadgen import run, synthetic_inputs
@@ -59,7 +59,6 @@ from carpool.sim.workload import Arrival
 MODEL = "mlp"
 ITEM_SHAPE = (3, 64, 64)
 HIDDEN = 512
-SEED = 30
 BATCHING = ["--policy", "carpool", "--max-batch", "16", "--max-wait-ms", "5"]
 TIMEOUT_MS = 1000
 #: The agreement asked of the simulator: its figure over the live one within 1 ± this.
@@ -74,43 +73,6 @@ FIGURES = {
     "broker_p50_ms": ("p50_ms", 0.20),
     "broker_p99_ms": ("p99_ms", 0.30),
 }
-
-
-def build_mlp(path: Path, hidden: int = HIDDEN) -> Path:
-    """Write the ONNX MLP of width ``hidden`` to ``path`` (seeded: the same bytes each
-    time); returns ``path``."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    features = math.prod(ITEM_SHAPE)
-    rng = np.random.default_rng(SEED)
-    weights = {
-        "w1": (rng.standard_normal((features, hidden)) / math.sqrt(features)).astype(np.float32),
-        "b1": (rng.standard_normal(hidden) * 0.01).astype(np.float32),
-        "w2": (rng.standard_normal((hidden, 10)) / math.sqrt(hidden)).astype(np.float32),
-        "b2": (rng.standard_normal(10) * 0.01).astype(np.float32),
-    }
-    nodes = [
-        helper.make_node("Flatten", ["x"], ["flat"], axis=1),
-        helper.make_node("MatMul", ["flat", "w1"], ["h"]),
-        helper.make_node("Add", ["h", "b1"], ["hb"]),
-        helper.make_node("Relu", ["hb"], ["hr"]),
-        helper.make_node("MatMul", ["hr", "w2"], ["o"]),
-        helper.make_node("Add", ["o", "b2"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *ITEM_SHAPE])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
-        [numpy_helper.from_array(v, k) for k, v in weights.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(model.SerializeToString())
-    return path
 
 
 def poisson(rate: float, duration_s: float, seed: int) -> list[Arrival]:
@@ -303,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         rates, passes, duration_s, warmup_s = rates[:2], 2, 2.0, 1.0
     work = OUT / "sim_vs_live"
-    model = build_mlp(work / f"mlp-{args.hidden}.onnx", args.hidden)
+    model = mlp.ensure(args.hidden)  # (cached in bench/out, as bench/policy_live.py has it)
     started = time.monotonic()
     runs: dict[float, list[dict[str, Any]]] = {rate: [] for rate in rates}
     for n in range(passes):

@@ -83,26 +83,27 @@ class Lane:
 
     def observe(self, key: RequestKey, samples: int, duration_s: float) -> bool:
         """Teach the key's cost fit a batch; True when the fit will change."""
-        model = self.latency.get(key)
-        if model is None:
-            if len(self.latency) >= self.MAX_SHAPES:
-                del self.latency[next(iter(self.latency))]  # the longest-known shape goes
-            model = self.latency[key] = LatencyModel()
         self.last_key = key
-        return model.observe(samples, duration_s)
+        return _fit_of(self.latency, key).observe(samples, duration_s)
 
     def observe_cpu(self, key: RequestKey, samples: int, cpu_s: float) -> None:
         """Teach the key's overhead fit a batch's ``cpu_ms`` (in seconds)."""
-        model = self.cpu.get(key)
-        if model is None:
-            if len(self.cpu) >= self.MAX_SHAPES:
-                del self.cpu[next(iter(self.cpu))]
-            model = self.cpu[key] = LatencyModel()
-        model.observe(samples, cpu_s)
+        _fit_of(self.cpu, key).observe(samples, cpu_s)
 
     def on_load(self, now: float, rho: float) -> None:
         if self.controller is not None:
             self.controller.update(now, rho)
+
+
+def _fit_of(fits: dict[RequestKey, LatencyModel], key: RequestKey) -> LatencyModel:
+    """The fit of ``key`` in ``fits``, made where there is none (the longest-known shape
+    goes when :attr:`Lane.MAX_SHAPES` are known: clients choose shapes)."""
+    model = fits.get(key)
+    if model is None:
+        if len(fits) >= Lane.MAX_SHAPES:
+            del fits[next(iter(fits))]
+        model = fits[key] = LatencyModel()
+    return model
 
 
 class Health(Enum):
