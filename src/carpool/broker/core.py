@@ -74,7 +74,7 @@ class BrokerCore:
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config = config or BrokerConfig()
         self.registry = registry = WorkerRegistry(liveness=config.liveness)
-        self.stats = stats = BrokerStats()
+        self._stats = stats = BrokerStats()
         self.book = book = RequestBook()
         self.backlog = backlog = Backlog(book)
         self.inflight = inflight = InflightTable(
@@ -82,12 +82,12 @@ class BrokerCore:
         )
         self.fleet = fleet = FleetModel(config, registry, inflight)
         backlog.batch_unit = fleet.batch_unit
-        self.dispatcher = Dispatcher(backlog, inflight, fleet, stats, registry)
+        self.dispatcher = Dispatcher(backlog, inflight, fleet, registry)
         self.pumps = Pumps(backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, stats)
         self.resends = Resends(book, holding, stats)
         self.intake = intake = ClientIntake(config, registry, backlog, fleet)
-        self.workers = WorkerEvents(config, registry, stats, book, backlog, inflight, fleet)
+        self.workers = WorkerEvents(config, registry, book, backlog, inflight, fleet)
         #: The request layouts the door checked before: each client message is decoded
         #: with them (a request of one comes with its queue key and sample count).
         self.layouts = intake.layouts
@@ -123,6 +123,14 @@ class BrokerCore:
         return self.backlog.stopping
 
     @property
+    def stats(self) -> BrokerStats:
+        """The counters, with what the parts noted since the turn began counted in."""
+        stats = self._stats
+        stats.take(self.dispatcher.notes)
+        stats.take(self.workers.notes)
+        return stats
+
+    @property
     def queued(self) -> int:
         return self.backlog.queued
 
@@ -141,24 +149,24 @@ class BrokerCore:
         layouts the door remembers, and handled by its type."""
         msg = decode_from_client(frames, self.layouts)
         client = ClientId(identity)
-        self.stats.requests += 1
+        self._stats.requests += 1
         if type(msg) is Request:
             return self._on_request(now, client, msg)
         if isinstance(msg, ClientMalformed):
             self.intake.malformed(now, client, msg)
             rid, code, text = msg.request_id, msg.code, msg.message
             error = replies.error(
-                self.stats, client, msg.delimited, rid, code, text, simple=msg.simple
+                self._stats, client, msg.delimited, rid, code, text, simple=msg.simple
             )
             return [error]
         if isinstance(msg, Cancel):
             return self._on_cancel(client, msg)
         if isinstance(msg, MetadataRequest):
-            return [metadata.answer(self.registry, self.stats, client, msg)]
+            return [metadata.answer(self.registry, self._stats, client, msg)]
         gate, rid = self.stats_gate, msg.request_id  # STATS: echoes the query's id
         if gate is not None and not gate(identity):
             code, denied = ErrorCode.PERMISSION_DENIED, "STATS is answered to operator keys only"
-            return [replies.error(self.stats, client, msg.delimited, rid, code, denied)]
+            return [replies.error(self._stats, client, msg.delimited, rid, code, denied)]
         answer = self.snapshot(now) if rid is None else {**self.snapshot(now), "id": rid}
         return [replies.to_client(client, msg.delimited, encode(Command.STATS, answer))]
 
@@ -183,7 +191,7 @@ class BrokerCore:
             return out
         if verdict.hold and self.holding.hold(now, client, request, origin):
             return out
-        out.append(replies.refusal(self.stats, client, request, verdict))
+        out.append(replies.refusal(self._stats, client, request, verdict))
         return out
 
     def _release(self, now: float, models: list[str], out: list[Outgoing]) -> None:
@@ -324,7 +332,7 @@ class BrokerCore:
         and, if registered, lost (its batches go back to the queues), so that it
         registers afresh."""
         if side is Side.FRONTEND:
-            answer = replies.internal_error(self.stats, ClientId(identity), frames or ())
+            answer = replies.internal_error(self._stats, ClientId(identity), frames or ())
             return [] if answer is None else [answer]
         out: list[Outgoing] = []
         reason = "the broker failed to handle its message (a bug, logged)"
@@ -339,7 +347,7 @@ class BrokerCore:
         """The shell could not send to a peer (gone, or its queue is full)."""
         out: list[Outgoing] = []
         if side is Side.FRONTEND:
-            self.stats.undeliverable += 1
+            self._stats.undeliverable += 1
             return out
         worker = self.registry.get(WorkerId(identity))
         if worker is not None:
@@ -373,6 +381,8 @@ class BrokerCore:
         self.pumps.pump_dirty(now, out, dispatcher.pump, due)
         if self.holding.count:
             self.holding.on_tick(now, out)
+        self._stats.take(dispatcher.notes)
+        self._stats.take(self.workers.notes)
         if now >= self._sweep_s:
             self._sweep_s = now + _SWEEP_S
             dispatcher.sweep(now)
@@ -395,7 +405,7 @@ class BrokerCore:
             self.fleet.forget(name)
             for key in backlog.forget_model(name):
                 self.dispatcher.forget(key)
-            self.stats.forget(name)
+            self._stats.forget(name)
             self.layouts.forget_model(name)
             forgotten.append(name)
         if forgotten:

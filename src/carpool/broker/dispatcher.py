@@ -31,7 +31,7 @@ from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, ToWorker, request_error
 from carpool.broker.requests import PendingRequest, RequestKey
-from carpool.broker.stats import BrokerStats
+from carpool.broker.stats import Notes
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import BatchItem, BatchMeta, BrokerBatch, Frame, TensorMeta
 from carpool.common.protocol.worker_messages import batch_frames, item_wire
@@ -52,8 +52,9 @@ class Dispatcher:
     backlog: Backlog
     inflight: InflightTable
     fleet: FleetModel
-    stats: BrokerStats
     registry: WorkerRegistry
+    #: What it did that the stats count; the core takes them (one writer of the stats).
+    notes: Notes = field(init=False, default_factory=Notes)
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
     wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
     # Each key's BATCH inputs and their wire form.
@@ -113,10 +114,11 @@ class Dispatcher:
                 ready_s = capacity.ready_in_s
         if lead_s <= 0:
             return None
+        notes = self.notes
         for req in self.backlog.shed(queue, now + lead_s):
-            self.stats.shed += 1
+            notes.shed += 1
             msg = "deadline cannot be met: predicted completion lies past it"
-            out.append(request_error(self.stats, req, ErrorCode.DEADLINE_EXCEEDED, msg))
+            out.append(request_error(notes, req, ErrorCode.DEADLINE_EXCEEDED, msg))
         nxt = queue.earliest_deadline()
         if nxt is None:
             return None
@@ -251,9 +253,9 @@ class Dispatcher:
         backlog.remove(queue, req)
         if backlog.stopping and code is ErrorCode.UNAVAILABLE:
             hint = None if now is None else backlog.retry_after_ms(now)
-            out.append(request_error(self.stats, req, code, message, retry=True, hint=hint))
+            out.append(request_error(self.notes, req, code, message, retry=True, hint=hint))
         else:
-            out.append(request_error(self.stats, req, code, message))
+            out.append(request_error(self.notes, req, code, message))
 
     def _drop_doomed(
         self, now: float, requests: list[PendingRequest], capacity: Capacity, out: list[Outgoing]
@@ -267,9 +269,10 @@ class Dispatcher:
             msg = "deadline cannot be met: predicted completion lies past it"
             doomed = [r for r in requests if r.deadline_s < done_s]
             self.backlog.expire_taken(doomed)
+            notes = self.notes
             for req in doomed:
-                self.stats.shed += 1
-                out.append(request_error(self.stats, req, ErrorCode.DEADLINE_EXCEEDED, msg))
+                notes.shed += 1
+                out.append(request_error(notes, req, ErrorCode.DEADLINE_EXCEEDED, msg))
         return keep
 
     def _dispatch(
@@ -309,7 +312,7 @@ class Dispatcher:
         )
         self.inflight.add(now, worker, inflight)
         worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s
-        self.stats.batch(model, samples)
+        self.notes.batches.append((model, samples))
         logger.debug(
             "dispatch batch=%d model=%s n=%d worker=%s reason=%s",
             batch_id,
@@ -355,7 +358,7 @@ class Dispatcher:
                 code, msg = ErrorCode.UNAVAILABLE, f"no live worker serves model {req.model!r}"
                 retry = queued and backlog.stopping  # (it did not run)
             hint = backlog.retry_after_ms(now) if retry else None
-            out.append(request_error(self.stats, req, code, msg, retry=retry, hint=hint))
+            out.append(request_error(self.notes, req, code, msg, retry=retry, hint=hint))
         return touched
 
 

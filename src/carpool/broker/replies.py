@@ -3,10 +3,11 @@
 Pure: the core's events return lists of :data:`Outgoing`: :class:`ToClient` (a client's
 id and the frames for it) or :class:`ToWorker` (a worker's id and a typed message, which
 its transport encodes, or hands as is to a worker in this process); the server sends
-them. Error replies are counted in the stats (each function here takes them); the
-callers give OVERLOADED's retry hint and say which UNAVAILABLE carries ``retry`` (one
-for a request that did not run, from the moment the broker is told to stop: protocol.md
-§6.3, §11).
+them. Error replies are counted in the stats: each function here takes them, except
+:func:`request_error`, which notes its reply in a part's
+:class:`~carpool.broker.stats.Notes` for the core to count. The callers give OVERLOADED's
+retry hint and say which UNAVAILABLE carries ``retry`` (one for a request that did not
+run, from the moment the broker is told to stop: protocol.md §6.3, §11).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from carpool.common.protocol import (
 if TYPE_CHECKING:
     from carpool.broker.registry import WorkerId
     from carpool.broker.requests import ClientId, PendingRequest
-    from carpool.broker.stats import BrokerStats
+    from carpool.broker.stats import BrokerStats, Notes
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,19 @@ def error(
 ) -> ToClient:
     """An error reply, counted in ``stats`` (STATS ``errors``)."""
     stats.errors[code.name] += 1
+    return _error(client, delimited, request_id, code, message, simple, retry_after_ms, retry)
+
+
+def _error(
+    client: ClientId,
+    delimited: bool,
+    request_id: int | None,
+    code: ErrorCode,
+    message: str,
+    simple: bool,
+    retry_after_ms: int | None,
+    retry: bool,
+) -> ToClient:
     logger.debug("error id=%s code=%s: %s", request_id, code.name, message)
     reply = ErrorReply(request_id, code, message, retry_after_ms, retry)
     return to_client(client, delimited, encode_error(reply, simple=simple))
@@ -196,7 +210,7 @@ def refusal(
 
 
 def request_error(
-    stats: BrokerStats,
+    notes: Notes,
     req: PendingRequest,
     code: ErrorCode,
     message: str,
@@ -204,17 +218,8 @@ def request_error(
     retry: bool = False,
     hint: int | None = None,
 ) -> ToClient:
-    """The error answer of a request the broker held, counted per model in ``stats``;
-    ``hint``: its ``retry_after_ms``."""
-    stats.failed(req.model, code.name)
-    return error(
-        stats,
-        req.client,
-        req.delimited,
-        req.request_id,
-        code,
-        message,
-        simple=req.simple,
-        retry_after_ms=hint,
-        retry=retry,
-    )
+    """The error answer of a request the broker held, noted in ``notes`` (the core
+    counts it, per model, in the stats); ``hint``: its ``retry_after_ms``."""
+    notes.failed.append((req.model, code.name))
+    rid = req.request_id
+    return _error(req.client, req.delimited, rid, code, message, req.simple, hint, retry)

@@ -38,6 +38,38 @@ if TYPE_CHECKING:  # (the in-flight table's module imports this one's neighbours
 batch_log = logging.getLogger(__name__)
 
 
+class Notes:
+    """What a part did that the stats count, noted by the part and taken into
+    :class:`BrokerStats` by the core (:meth:`BrokerStats.take`): the dispatcher and the
+    worker events note, the core writes. Each list and count grows with the part's calls
+    until the core takes it (at least once a loop turn: ``BrokerCore.on_tick``)."""
+
+    __slots__ = (
+        "answered",
+        "batches",
+        "failed",
+        "late_results",
+        "padded",
+        "requeued",
+        "shed",
+        "unhealthy",
+    )
+
+    def __init__(self) -> None:
+        #: Per error answered to an admitted request: (its model, the code's name).
+        self.failed: list[tuple[str, str]] = []
+        #: Per batch dispatched: (model, samples).
+        self.batches: list[tuple[str, int]] = []
+        #: Per batch answered: :meth:`BrokerStats.answered`'s arguments.
+        self.answered: list[tuple[float, str, list[PendingRequest], float, float]] = []
+        #: Per bucket batch answered with its ``padding``: (key, samples, padding).
+        self.padded: list[tuple[RequestKey, int, tuple[int, int]]] = []
+        self.shed = 0  # of the failed, those shed as hopeless
+        self.late_results = 0
+        self.requeued = 0
+        self.unhealthy = 0
+
+
 class BrokerStats:
     """Counters for STATS replies and tests."""
 
@@ -86,12 +118,15 @@ class BrokerStats:
         requests: list[PendingRequest],
         sent_s: float,
         compute_s: float,
-    ) -> None:
-        """A batch of ``model`` sent at ``sent_s`` came back at ``now`` (its RESULT)."""
+    ) -> int:
+        """A batch of ``model`` sent at ``sent_s`` came back at ``now`` (its RESULT);
+        returns how many of its requests it answered."""
         timings = self.timings.get(model)
         if timings is None:
             timings = self.timings[model] = ModelTimings()
-        self.answers[model] += timings.answered(now, requests, sent_s, compute_s)
+        answered = timings.answered(now, requests, sent_s, compute_s)
+        self.answers[model] += answered
+        return answered
 
     def failed(self, model: str, code: str) -> None:
         """An admitted request of ``model`` was answered with the error ``code``."""
@@ -126,6 +161,33 @@ class BrokerStats:
         if sizes is None:  # (setdefault would build a Counter every call)
             sizes = self.batch_sizes[model] = Counter()
         sizes[samples] += 1
+
+    def take(self, notes: Notes) -> None:
+        """Count what a part noted, and empty its notes."""
+        if notes.failed:
+            errors = self.errors
+            for model, code in notes.failed:
+                errors[code] += 1
+                self.failed(model, code)
+            notes.failed.clear()
+        if notes.batches:
+            for model, samples in notes.batches:
+                self.batch(model, samples)
+            notes.batches.clear()
+        if notes.answered:
+            for now, model, requests, sent_s, compute_s in notes.answered:
+                self.replies += self.answered(now, model, requests, sent_s, compute_s)
+            notes.answered.clear()
+        if notes.padded:
+            for key, samples, padding in notes.padded:
+                self.padded(key, samples, padding)
+            notes.padded.clear()
+        if notes.shed or notes.late_results or notes.requeued or notes.unhealthy:
+            self.shed += notes.shed
+            self.late_results += notes.late_results
+            self.requeued += notes.requeued
+            self.unhealthy += notes.unhealthy
+            notes.shed = notes.late_results = notes.requeued = notes.unhealthy = 0
 
 
 def model_table(

@@ -30,7 +30,7 @@ from carpool.broker.replies import (
     retry_after_ms,
 )
 from carpool.broker.requests import RequestBook, RequestState
-from carpool.broker.stats import BrokerStats, batch_log, batch_record
+from carpool.broker.stats import Notes, batch_log, batch_record
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.peer_names import peer_tag
 from carpool.common.protocol import (
@@ -66,7 +66,6 @@ class WorkerEvents:
 
     config: BrokerConfig
     registry: WorkerRegistry
-    stats: BrokerStats
     book: RequestBook
     backlog: Backlog
     inflight: InflightTable
@@ -76,6 +75,8 @@ class WorkerEvents:
     # those whose workers changed (one joined, left, or changed health).
     freed_models: set[str] = field(init=False, default_factory=set)
     changed_models: set[str] = field(init=False, default_factory=set)
+    #: What it did that the stats count; the core takes them (one writer of the stats).
+    notes: Notes = field(init=False, default_factory=Notes)
     # Lines a peer on the worker socket can cause, each kind rate-limited apart.
     _log_protocol: RateLimitedLog = field(init=False, default_factory=_peer_log)
     _log_refused: RateLimitedLog = field(init=False, default_factory=_peer_log)
@@ -119,7 +120,7 @@ class WorkerEvents:
                 if isinstance(msg, msgs.WorkerResult | msgs.WorkerFailed) or (
                     isinstance(msg, msgs.WorkerMalformed) and msg.command in _BATCH_ANSWERS
                 ):
-                    self.stats.late_results += 1
+                    self.notes.late_results += 1
                 return out
             if isinstance(msg, msgs.WorkerResult):
                 if msg.result.telemetry is not None:
@@ -243,13 +244,11 @@ class WorkerEvents:
             self.fail_batch(batch, ErrorCode.INTERNAL, msg, out)
         else:
             start = 0
-            answered = 0
             move = self.book.move
             for req, count in zip(batch.requests, result.frames, strict=True):
                 stop = start + count
                 if req.state is _DISPATCHED:  # else answered already (expired)
                     move(req, _DONE)
-                    answered += 1
                     # Replies.to_client, inlined: the slice is this message's list.
                     # speed: docs/benchmarks.md "Why the hot path looks as it does"
                     frames = reply_frames[start:stop]
@@ -257,10 +256,10 @@ class WorkerEvents:
                         frames = [b"", *frames]
                     out.append(ToClient(req.client, frames))
                 start = stop
-            self.stats.replies += answered
-            self.stats.answered(now, batch.key[0], batch.requests, batch.sent_s, compute_s)
+            notes = self.notes
+            notes.answered.append((now, batch.key[0], batch.requests, batch.sent_s, compute_s))
             if result.padding is not None:
-                self.stats.padded(batch.key, batch.samples, result.padding)
+                notes.padded.append((batch.key, batch.samples, result.padding))
         self.freed_models.update(worker.models)
 
     def _on_failed(
@@ -297,7 +296,7 @@ class WorkerEvents:
         if batch is None:
             # A batch this worker no longer owns (it was requeued after a presumed loss, or
             # the watchdog gave up on it): dropped, but the engine did finish something.
-            self.stats.late_results += 1
+            self.notes.late_results += 1
             hung = self.inflight.take_hung(worker, batch_id)
             if hung is not None:
                 # The batch that outran the watchdog: its time teaches the lane all the
@@ -345,7 +344,7 @@ class WorkerEvents:
                     ahead = self.backlog.samples_ahead(req.model, int(req.priority)) + req.samples
                     drain_s = self.fleet.drain_time_s(req.model, req.key, ahead)
                     hint = retry_after_ms(drain_s or 0.05)
-                out.append(request_error(self.stats, req, code, message, hint=hint))
+                out.append(request_error(self.notes, req, code, message, hint=hint))
 
     def lose_worker(
         self, now: float, worker: WorkerState, reason: str, out: list[Outgoing]
@@ -382,8 +381,7 @@ class WorkerEvents:
             )
             self.registry.set_health(now, worker, Health.UNHEALTHY)
             self.fleet.rates.clear()  # its share of the fleet's rate changed
-            self.stats.unhealthy += 1
-            self.fleet.rates.clear()
+            self.notes.unhealthy += 1
             worker.free_at_s = now
             msg = f"worker {worker.name} did not answer the request's batch in time (watchdog)"
             self._requeue(now, worker, msg, out)
@@ -403,8 +401,8 @@ class WorkerEvents:
                     and not self.backlog.stopping
                 ):
                     self.backlog.requeue(req)
-                    self.stats.requeued += 1
+                    self.notes.requeued += 1
                 else:
                     self.book.move(req, _FAILED)
-                    out.append(request_error(self.stats, req, ErrorCode.UNAVAILABLE, message))
+                    out.append(request_error(self.notes, req, ErrorCode.UNAVAILABLE, message))
         self.changed_models.update(worker.models)

@@ -241,3 +241,26 @@ def test_a_flood_of_bad_worker_messages_writes_a_bounded_number_of_log_lines(
         b.worker(T0 + 61.0, b"\x01late", [b"CP\x01\x7f", b"\x80"])
     last = caplog.records[-1].getMessage()
     assert f"({200 - PEER_LINES_PER_MIN} more like it not logged)" in last
+
+
+# --------------------------------------------------------------------------- parts' notes
+
+
+def test_the_parts_notes_are_counted_and_emptied_by_every_tick() -> None:
+    """The dispatcher and the worker events note what the stats count; the core takes
+    their notes at the end of each turn, so they never grow past one turn's."""
+    b = Broker.make(max_batch=2)
+    b.ready(T0, W1, SPEC)
+    b.request(T0, 1)
+    (batch,) = batches(b.request(T0, 2))
+    b.request(T0 + 0.001, 3, timeout_ms=1)  # expires queued: a noted failure
+    dispatcher, workers = b.core.dispatcher.notes, b.core.workers.notes
+    b.result(T0 + 0.002, batch)
+    b.tick(T0 + 0.01)
+    for notes in (dispatcher, workers):
+        assert (notes.failed, notes.batches, notes.answered, notes.padded) == ([], [], [], [])
+    stats = b.core.stats
+    assert stats.batch_sizes == {"m": {2: 1}}
+    assert (stats.replies, stats.answers["m"]) == (2, 2)
+    assert stats.model_errors == {"m": {"DEADLINE_EXCEEDED": 1}}
+    assert stats.errors["DEADLINE_EXCEEDED"] == 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 from carpool.broker import replies
 from carpool.broker.replies import Refused
 from carpool.broker.requests import ClientId
-from carpool.broker.stats import BrokerStats
+from carpool.broker.stats import BrokerStats, Notes
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Cancel,
@@ -59,12 +59,18 @@ def test_a_refusal_answers_in_the_requests_form_and_counts_only_what_the_door_co
     assert stats.refusals == {"m": {"OVERLOADED": 1}}
 
 
-def test_a_held_requests_error_is_counted_as_its_models_failure() -> None:
-    stats = BrokerStats()
-    answer = replies.request_error(stats, pending_request(4), ErrorCode.UNAVAILABLE, "gone")
+def test_a_held_requests_error_is_noted_and_counted_as_its_models_failure() -> None:
+    notes, stats = Notes(), BrokerStats()
+    answer = replies.request_error(notes, pending_request(4), ErrorCode.UNAVAILABLE, "gone")
     assert codec.unpack(answer.frames[1])["id"] == 4
+    assert notes.failed == [("m", "UNAVAILABLE")]
+    assert not stats.errors  # (the core counts the notes: BrokerStats.take)
+    stats.take(notes)
     assert stats.errors["UNAVAILABLE"] == 1
     assert stats.model_errors == {"m": {"UNAVAILABLE": 1}}
+    assert notes.failed == []  # taken once
+    stats.take(notes)
+    assert stats.errors["UNAVAILABLE"] == 1
 
 
 def test_internal_names_what_it_can_read_and_never_answers_a_cancel() -> None:

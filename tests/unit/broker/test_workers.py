@@ -12,7 +12,6 @@ from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, ToClient, ToWorker
 from carpool.broker.requests import RequestBook, RequestState
-from carpool.broker.stats import BrokerStats
 from carpool.broker.workers import WorkerEvents
 from carpool.common.protocol import (
     BrokerDisconnect,
@@ -36,7 +35,7 @@ def events(**config: int) -> WorkerEvents:
     registry, book, inflight = WorkerRegistry(liveness=cfg.liveness), RequestBook(), InflightTable()
     fleet = FleetModel(cfg, registry, inflight)
     backlog = Backlog(book, fleet.batch_unit)
-    return WorkerEvents(cfg, registry, BrokerStats(), book, backlog, inflight, fleet)
+    return WorkerEvents(cfg, registry, book, backlog, inflight, fleet)
 
 
 def dispatched(w: WorkerEvents, *seqs: int) -> InflightBatch:
@@ -97,7 +96,7 @@ def test_a_lost_workers_requests_go_back_to_their_queue() -> None:
     assert out == []
     assert w.registry.get(W) is None
     assert [r.state for r in batch.requests] == [RequestState.QUEUED, RequestState.QUEUED]
-    assert (w.backlog.queued, w.stats.requeued) == (2, 2)
+    assert (w.backlog.queued, w.notes.requeued) == (2, 2)
     assert w.changed_models == {"m"}
 
 
@@ -107,7 +106,7 @@ def test_a_stranger_is_told_to_register_and_its_result_counted_late() -> None:
     (out,) = w.on_worker(T0, W, WorkerResult(meta, [b"r"]))
     assert isinstance(out, ToWorker)
     assert isinstance(out.message, BrokerDisconnect)
-    assert w.stats.late_results == 1
+    assert w.notes.late_results == 1
 
 
 def test_the_fleets_cached_rate_follows_every_refit_of_the_cost() -> None:
