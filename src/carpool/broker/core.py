@@ -6,10 +6,11 @@ to send (:class:`ToClient` frames, or :class:`ToWorker` typed messages). No sock
 threads or clocks here; ``server.py`` owns those.
 
 The parts, one concern each, composed here (docs/architecture.md has the owner table):
-the request book, the backlog (queues, deadlines), the in-flight table, the fleet model,
-the dispatcher and its pumps, the client intake and the pure
-:func:`~carpool.broker.admission.admit`, the requests held at the door, resends and
-CANCEL, the worker events, replies and stats.
+the request book, the backlog (queues, deadlines), the worker registry (with the batches
+at its workers), the fleet model, the dispatcher and its pumps, the client intake and
+the pure :func:`~carpool.broker.admission.admit`, the requests held at the door, resends
+and CANCEL, the worker events, replies and stats (of which the dispatcher and the worker
+events keep notes, which the core takes).
 
 Messages only queue work; the tick that ends each loop turn (the server's and the
 simulator's alike) forms batches for everything that arrived in it. A client's message is
@@ -36,7 +37,7 @@ from carpool.broker.admission import Layout, full, misfits, unfinishable
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.dispatcher import Dispatcher
-from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
+from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.intake import ClientIntake, Resends
 from carpool.broker.pumps import Pumps
@@ -62,7 +63,7 @@ from carpool.common.protocol import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BrokerCore", "BrokerStats", "InflightBatch", "Outgoing", "Side", "ToClient", "ToWorker"]
+__all__ = ["BrokerCore", "BrokerStats", "Outgoing", "Side", "ToClient", "ToWorker"]
 
 #: How often on_tick looks for idle queues to forget (a queue idle for a second goes).
 _SWEEP_S = 0.5
@@ -73,21 +74,23 @@ class BrokerCore:
 
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config = config or BrokerConfig()
-        self.registry = registry = WorkerRegistry(liveness=config.liveness)
+        self.registry = registry = WorkerRegistry(
+            liveness=config.liveness,
+            watchdog_factor=config.watchdog_factor,
+            watchdog_slack_s=config.watchdog_slack_s,
+        )
         self._stats = stats = BrokerStats()
         self.book = book = RequestBook()
         self.backlog = backlog = Backlog(book)
-        self.inflight = inflight = InflightTable(
-            watchdog_factor=config.watchdog_factor, watchdog_slack_s=config.watchdog_slack_s
-        )
-        self.fleet = fleet = FleetModel(config, registry, inflight)
+        self.inflight = registry.inflight
+        self.fleet = fleet = FleetModel(config, registry)
         backlog.batch_unit = fleet.batch_unit
-        self.dispatcher = Dispatcher(backlog, inflight, fleet, registry)
+        self.dispatcher = Dispatcher(backlog, fleet, registry)
         self.pumps = Pumps(backlog, registry, fleet)
         self.holding = holding = HeldRequests(config, backlog, stats)
         self.resends = Resends(book, holding, stats)
         self.intake = intake = ClientIntake(config, registry, backlog, fleet)
-        self.workers = WorkerEvents(config, registry, book, backlog, inflight, fleet)
+        self.workers = WorkerEvents(config, registry, book, backlog, fleet)
         #: The request layouts the door checked before: each client message is decoded
         #: with them (a request of one comes with its queue key and sample count).
         self.layouts = intake.layouts
@@ -133,10 +136,6 @@ class BrokerCore:
     @property
     def queued(self) -> int:
         return self.backlog.queued
-
-    @property
-    def queued_bytes(self) -> int:
-        return self.backlog.queued_bytes
 
     @property
     def inflight_batches(self) -> int:

@@ -26,7 +26,8 @@ from typing import Any
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
-from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
+from carpool.broker.fleet import FleetModel
+from carpool.broker.inflight import InflightBatch
 from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, ToWorker, request_error
@@ -50,10 +51,9 @@ class Dispatcher:
     """The pump, shedding and dispatch; see the module docstring."""
 
     backlog: Backlog
-    inflight: InflightTable
     fleet: FleetModel
     registry: WorkerRegistry
-    #: What it did that the stats count; the core takes them (one writer of the stats).
+    #: What it did that the stats count, for the core to take into them.
     notes: Notes = field(init=False, default_factory=Notes)
     # When each queue's policy next wants a look (absent: waits for a worker or arrival).
     wake_s: dict[RequestKey, float] = field(init=False, default_factory=dict)
@@ -284,7 +284,8 @@ class Dispatcher:
         capacity: Capacity,
         reason: str,
     ) -> ToWorker:
-        batch_id = self.inflight.next_id()
+        table = self.registry.inflight
+        batch_id = table.next_id()
         model = key[0]
         payloads: list[Frame] = []
         samples = 0
@@ -305,12 +306,12 @@ class Dispatcher:
             key,
             samples,
             predicted_s,
-            self.inflight.limit_s(predicted_s)
+            table.limit_s(predicted_s)
             if predicted_s > 0
             else self._watch_s(now, key, samples, requests),
             sent_s=now,
         )
-        self.inflight.add(now, worker, inflight)
+        table.add(now, worker, inflight)
         worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s
         self.notes.batches.append((model, samples))
         logger.debug(
@@ -337,8 +338,8 @@ class Dispatcher:
             predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
         if predicted_s <= 0:
             last_s = max(r.deadline_s for r in requests)
-            return max(self.inflight.watchdog_slack_s, last_s - now)
-        return self.inflight.limit_s(predicted_s)
+            return max(self.registry.inflight.watchdog_slack_s, last_s - now)
+        return self.registry.inflight.limit_s(predicted_s)
 
     def expire(self, now: float, out: list[Outgoing]) -> AbstractSet[RequestKey]:
         """Answer every request whose deadline has passed, queued or in flight; returns the

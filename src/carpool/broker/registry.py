@@ -1,11 +1,12 @@
-"""registry.py: the broker's table of workers — models, credits, liveness, load.
+"""registry.py: the broker's table of workers — models, credits, liveness, load, and
+the batches at them (its :class:`~carpool.broker.inflight.InflightTable`).
 
 Pure: ``now`` is passed in. A worker is READY once it announced itself; it is GONE after it
 said DISCONNECT, missed ``liveness`` heartbeat intervals, or could not be sent to.
 Credits: a worker with ``slots`` = k holds at most k outstanding batches, while it is
 healthy. Its ``credits``, the batches the broker may have at it, are set by
 :meth:`WorkerRegistry.set_credits` alone (at its READY, and as its health changes);
-those in use are its ``outstanding`` batches (the in-flight table's).
+those in use are its ``outstanding`` batches, kept by the registry's in-flight table.
 Health (:class:`Health`, changed only by :meth:`WorkerRegistry.set_health`): a worker whose
 batch outran the engine watchdog is UNHEALTHY and gets no batches; one that showed
 progress since (a RESULT or FAILED, or a HEARTBEAT whose inference thread started its
@@ -26,6 +27,7 @@ from enum import Enum
 from typing import NewType
 
 from carpool.broker.adaptive import BatchSizeController, CostEstimate, LatencyModel
+from carpool.broker.inflight import InflightTable
 from carpool.broker.limits import violation
 from carpool.broker.requests import RequestKey
 from carpool.common.protocol import ModelSpec, Ready, Telemetry
@@ -165,8 +167,14 @@ class WorkerState:
 class WorkerRegistry:
     """Live workers by routing id, and which of them serve each model."""
 
-    def __init__(self, *, liveness: int = 3) -> None:
+    def __init__(
+        self, *, liveness: int = 3, watchdog_factor: float = 5.0, watchdog_slack_s: float = 1.0
+    ) -> None:
         self.liveness = liveness
+        #: The batches at the workers (each worker's ``outstanding`` changes only there).
+        self.inflight = InflightTable(
+            watchdog_factor=watchdog_factor, watchdog_slack_s=watchdog_slack_s
+        )
         self._workers: dict[WorkerId, WorkerState] = {}
         self._by_model: dict[str, list[WorkerState]] = {}
         # The spec per model name: the first READY's while any live worker serves the

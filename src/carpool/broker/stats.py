@@ -31,8 +31,8 @@ from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
 from carpool.broker.requests import PendingRequest, RequestKey, RequestState
 from carpool.common.histogram import TIME_BOUNDS_S, Histogram
 
-if TYPE_CHECKING:  # (the in-flight table's module imports this one's neighbours)
-    from carpool.broker.fleet import InflightBatch
+if TYPE_CHECKING:
+    from carpool.broker.inflight import InflightBatch
 
 #: The per-batch records (DEBUG; this module logs nothing else: turn it on alone).
 batch_log = logging.getLogger(__name__)

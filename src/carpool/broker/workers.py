@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
-from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
+from carpool.broker.fleet import FleetModel
+from carpool.broker.inflight import InflightBatch
 from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import (
     Outgoing,
@@ -68,14 +69,13 @@ class WorkerEvents:
     registry: WorkerRegistry
     book: RequestBook
     backlog: Backlog
-    inflight: InflightTable
     fleet: FleetModel
     # Follow-ups for the core, which takes them after each call (they are marked for
     # the pumps at the end of the turn): the models a worker of which freed a slot, and
     # those whose workers changed (one joined, left, or changed health).
     freed_models: set[str] = field(init=False, default_factory=set)
     changed_models: set[str] = field(init=False, default_factory=set)
-    #: What it did that the stats count; the core takes them (one writer of the stats).
+    #: What it did that the stats count, for the core to take into them.
     notes: Notes = field(init=False, default_factory=Notes)
     # Lines a peer on the worker socket can cause, each kind rate-limited apart.
     _log_protocol: RateLimitedLog = field(init=False, default_factory=_peer_log)
@@ -292,12 +292,13 @@ class WorkerEvents:
         out: list[Outgoing],
         compute_ms: float = 0.0,
     ) -> InflightBatch | None:
-        batch = self.inflight.take(now, worker, batch_id)
+        table = self.registry.inflight
+        batch = table.take(now, worker, batch_id)
         if batch is None:
             # A batch this worker no longer owns (it was requeued after a presumed loss, or
             # the watchdog gave up on it): dropped, but the engine did finish something.
             self.notes.late_results += 1
-            hung = self.inflight.take_hung(worker, batch_id)
+            hung = table.take_hung(worker, batch_id)
             if hung is not None:
                 # The batch that outran the watchdog: its time teaches the lane all the
                 # same, or a model slower than the slack could never be served.
@@ -365,7 +366,7 @@ class WorkerEvents:
     def on_watchdog(self, now: float, out: list[Outgoing]) -> None:
         """Batches have outrun the watchdog: their workers turn UNHEALTHY, and everything
         those hold goes back to the queues as a lost worker's does."""
-        for batch in self.inflight.overdue(now):
+        for batch in self.registry.inflight.overdue(now):
             worker = self.registry.get(batch.worker)
             if worker is None or batch.batch_id not in worker.outstanding:
                 continue
@@ -385,12 +386,12 @@ class WorkerEvents:
             worker.free_at_s = now
             msg = f"worker {worker.name} did not answer the request's batch in time (watchdog)"
             self._requeue(now, worker, msg, out)
-            self.inflight.remember_hung(batch)
+            self.registry.inflight.remember_hung(batch)
 
     def _requeue(self, now: float, worker: WorkerState, message: str, out: list[Outgoing]) -> None:
         """Take every batch ``worker`` holds; each request goes back to its queue while its
         attempts and deadline allow, or is answered UNAVAILABLE."""
-        for batch in self.inflight.take_all(worker):
+        for batch in self.registry.inflight.take_all(worker):
             # Newest batch first and each batch back to front, so push_front keeps FIFO order.
             for req in reversed(batch.requests):
                 if req.state is not _DISPATCHED:

@@ -15,7 +15,7 @@ from carpool.broker.admission import (
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import request_key
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.fleet import FleetModel, InflightTable
+from carpool.broker.fleet import FleetModel
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Refused
 from carpool.broker.requests import ClientId, RequestBook, RequestKey
@@ -30,7 +30,7 @@ LAYOUT = Layout("m", ("m", (("x", "float32", (4,)),)), (2, 4), 2, None)
 def door(policy: str = "fixed", **limits: int) -> tuple[BrokerConfig, Backlog, FleetModel]:
     config = BrokerConfig(batching=BatchingConfig(policy=policy), **limits)  # type: ignore[arg-type]
     registry = WorkerRegistry(liveness=config.liveness)
-    return config, Backlog(RequestBook()), FleetModel(config, registry, InflightTable())
+    return config, Backlog(RequestBook()), FleetModel(config, registry)
 
 
 def ask(
@@ -92,7 +92,7 @@ def _shapes_door(max_batch: int = 8) -> tuple[BrokerConfig, Backlog, FleetModel]
     ``max_batch``, whose cost for shape [1, 0] is fitted at 40 ms + 4 ms a sample."""
     config = BrokerConfig(batching=BatchingConfig(policy="carpool", max_batch=max_batch))
     registry = WorkerRegistry(liveness=config.liveness)
-    fleet = FleetModel(config, registry, InflightTable())
+    fleet = FleetModel(config, registry)
     x, y = TensorMeta("x", "float32", (-1, -1)), TensorMeta("y", "float32", (-1, 2))
     ready = Ready("w", 2, (ModelSpec("m", (x,), (y,), max_batch),))
     lane = fleet.lane("m", max_batch, ())

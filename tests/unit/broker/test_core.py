@@ -1845,7 +1845,7 @@ def test_queued_payload_bytes_are_bounded_too() -> None:
     assert len(batches(b.request(T0, 1, model="dyn", item=item))) == 1  # the worker is busy now
     for rid in (2, 3, 4, 5):
         assert b.request(T0, rid, model="dyn", item=item) == []  # 1 MiB queued
-    assert b.core.queued_bytes == 4 * 256 * 1024
+    assert b.core.backlog.queued_bytes == 4 * 256 * 1024
     (full,) = b.request(T0, 6, model="dyn", item=item)
     assert full.code is ErrorCode.OVERLOADED
     assert "bytes" in full.meta["message"]

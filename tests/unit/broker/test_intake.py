@@ -11,7 +11,7 @@ import pytest
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.fleet import FleetModel, InflightTable
+from carpool.broker.fleet import FleetModel
 from carpool.broker.intake import ClientIntake
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Refused
@@ -38,7 +38,7 @@ def door(**config: Any) -> ClientIntake:
     """The door of a broker with one live worker of model "m" (batches of up to 8)."""
     cfg = BrokerConfig(batching=BatchingConfig(policy="fixed", max_batch=8), **config)
     registry = WorkerRegistry(liveness=cfg.liveness)
-    fleet = FleetModel(cfg, registry, InflightTable())
+    fleet = FleetModel(cfg, registry)
     lane = fleet.lane("m", 8, ())
     registry.add(T0, WorkerId(b"w"), Ready("w", 1, (SPEC,)), 1.0, {"m": lane})
     return ClientIntake(cfg, registry, Backlog(RequestBook(), fleet.batch_unit), fleet)

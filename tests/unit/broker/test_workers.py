@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BatchingConfig, BrokerConfig
-from carpool.broker.fleet import FleetModel, InflightBatch, InflightTable
+from carpool.broker.fleet import FleetModel
+from carpool.broker.inflight import InflightBatch
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, ToClient, ToWorker
 from carpool.broker.requests import RequestBook, RequestState
@@ -32,10 +33,10 @@ SPEC = ModelSpec("m", (X,), (Y,), 8)
 
 def events(**config: int) -> WorkerEvents:
     cfg = BrokerConfig(batching=BatchingConfig(policy="fixed", max_batch=8), **config)  # type: ignore[arg-type]
-    registry, book, inflight = WorkerRegistry(liveness=cfg.liveness), RequestBook(), InflightTable()
-    fleet = FleetModel(cfg, registry, inflight)
+    registry, book = WorkerRegistry(liveness=cfg.liveness), RequestBook()
+    fleet = FleetModel(cfg, registry)
     backlog = Backlog(book, fleet.batch_unit)
-    return WorkerEvents(cfg, registry, book, backlog, inflight, fleet)
+    return WorkerEvents(cfg, registry, book, backlog, fleet)
 
 
 def dispatched(w: WorkerEvents, *seqs: int) -> InflightBatch:
@@ -48,8 +49,9 @@ def dispatched(w: WorkerEvents, *seqs: int) -> InflightBatch:
         w.book.move(req, RequestState.DISPATCHED)
     worker = w.registry.get(W)
     assert worker is not None
-    batch = InflightBatch(w.inflight.next_id(), W, reqs, reqs[0].key, len(reqs), 0.01, 1.0)
-    w.inflight.add(T0, worker, batch)
+    table = w.registry.inflight
+    batch = InflightBatch(table.next_id(), W, reqs, reqs[0].key, len(reqs), 0.01, 1.0)
+    table.add(T0, worker, batch)
     return batch
 
 
