@@ -18,6 +18,9 @@ one that leaves unbatched (cancelled, answered) through :meth:`Backlog.remove`, 
 every live request whose deadline has passed through :meth:`Backlog.expire`. Each of
 these moves the request in the request book too, so that no request leaves a queue
 without its move, and every move of a queued request out of QUEUED leaves its queue.
+The answers that come for requests at workers move them through the backlog as well
+(:meth:`Backlog.answered`, :meth:`Backlog.failed`, :meth:`Backlog.requeue`): the book
+is the backlog's, and no other part moves a request.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from carpool.broker.requests import (
 from carpool.broker.urgency import QueueOrder
 
 _QUEUED, _EXPIRED, _FAILED = RequestState.QUEUED, RequestState.EXPIRED, RequestState.FAILED
+_DISPATCHED, _DONE = RequestState.DISPATCHED, RequestState.DONE
 
 #: What :meth:`Backlog.expire` returns when nothing is due.
 _NONE: tuple[tuple[PendingRequest, bool], ...] = ()
@@ -261,6 +265,19 @@ class Backlog:
         move = self._book.move
         for req in requests:
             move(req, _EXPIRED)
+
+    def answered(self, requests: Iterable[PendingRequest]) -> None:
+        """A batch's RESULT came: those of its ``requests`` still at their worker (not
+        expired meanwhile) move to DONE. The caller answers them."""
+        move = self._book.move
+        for req in requests:
+            if req.state is _DISPATCHED:
+                move(req, _DONE)
+
+    def failed(self, req: PendingRequest) -> None:
+        """``req``, at a worker, is answered with an error (its batch failed, its worker
+        was lost, or the broker stopped): it moves to FAILED. The caller answers it."""
+        self._book.move(req, _FAILED)
 
     def drop(self, key: RequestKey) -> None:
         """Forget an idle queue (it holds no request)."""

@@ -90,7 +90,7 @@ class BrokerCore:
         self.holding = holding = HeldRequests(config, backlog, stats)
         self.resends = Resends(book, holding, stats)
         self.intake = intake = ClientIntake(config, registry, backlog, fleet)
-        self.workers = WorkerEvents(config, registry, book, backlog, fleet)
+        self.workers = WorkerEvents(config, registry, backlog, fleet)
         #: The request layouts the door checked before: each client message is decoded
         #: with them (a request of one comes with its queue key and sample count).
         self.layouts = intake.layouts

@@ -30,7 +30,7 @@ from carpool.broker.replies import (
     request_error,
     retry_after_ms,
 )
-from carpool.broker.requests import RequestBook, RequestState
+from carpool.broker.requests import RequestState
 from carpool.broker.stats import Notes, batch_log, batch_record
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.peer_names import peer_tag
@@ -53,7 +53,7 @@ _MAX_COMPUTE_MS = float(MAX_TIMEOUT_MS)
 #: The commands whose message from a stranger counts as a late answer to a batch.
 _BATCH_ANSWERS = (Command.RESULT, Command.FAILED)
 # Enum members as globals, for speed: docs/benchmarks.md "Why the hot path looks as it does".
-_DISPATCHED, _DONE, _FAILED = RequestState.DISPATCHED, RequestState.DONE, RequestState.FAILED
+_DISPATCHED, _DONE = RequestState.DISPATCHED, RequestState.DONE
 _HEALTHY = Health.HEALTHY
 
 
@@ -67,7 +67,6 @@ class WorkerEvents:
 
     config: BrokerConfig
     registry: WorkerRegistry
-    book: RequestBook
     backlog: Backlog
     fleet: FleetModel
     # Follow-ups for the core, which takes them after each call (they are marked for
@@ -243,12 +242,11 @@ class WorkerEvents:
             logger.error("%s", msg)
             self.fail_batch(batch, ErrorCode.INTERNAL, msg, out)
         else:
+            self.backlog.answered(batch.requests)
             start = 0
-            move = self.book.move
             for req, count in zip(batch.requests, result.frames, strict=True):
                 stop = start + count
-                if req.state is _DISPATCHED:  # else answered already (expired)
-                    move(req, _DONE)
+                if req.state is _DONE:  # else answered already (expired)
                     # Replies.to_client, inlined: the slice is this message's list.
                     # speed: docs/benchmarks.md "Why the hot path looks as it does"
                     frames = reply_frames[start:stop]
@@ -338,7 +336,7 @@ class WorkerEvents:
     ) -> None:
         for req in batch.requests:
             if req.state is _DISPATCHED:
-                self.book.move(req, _FAILED)
+                self.backlog.failed(req)
                 hint = None
                 if code is ErrorCode.OVERLOADED:  # (§12 wants a hint with it)
                     # The drain time of what waits ahead of it, and of itself.
@@ -404,6 +402,6 @@ class WorkerEvents:
                     self.backlog.requeue(req)
                     self.notes.requeued += 1
                 else:
-                    self.book.move(req, _FAILED)
+                    self.backlog.failed(req)
                     out.append(request_error(self.notes, req, ErrorCode.UNAVAILABLE, message))
         self.changed_models.update(worker.models)

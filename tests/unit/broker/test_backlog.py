@@ -211,3 +211,25 @@ def test_queued_samples_count_as_batches_of_their_own_key() -> None:
         backlog.drop(key)
     assert backlog.queued_batches == {"m": [0, 0]}
     assert backlog.alone(RequestQueue(five.key))
+
+
+def test_answers_from_workers_move_the_requests_at_them_through_the_book() -> None:
+    """A RESULT's requests still at their worker move to DONE (one expired meanwhile
+    keeps its answer); an error moves one to FAILED; the client's hold ends with both."""
+    book = RequestBook()
+    backlog = Backlog(book)
+    batch = [req(1), req(2), req(3)]
+    for r in batch:
+        backlog.add(r)
+    assert backlog.take(backlog.queues[batch[0].key], 3, 0.0, 0.0, False) == batch
+    backlog.expire_taken([batch[1]])
+    backlog.answered(batch)
+    assert [r.state for r in batch] == [RequestState.DONE, RequestState.EXPIRED, RequestState.DONE]
+    failing = req(4)
+    backlog.add(failing)
+    backlog.take(backlog.queues[failing.key], 1, 0.0, 0.0, False)
+    assert backlog.held(failing.client) == (1, 16)
+    backlog.failed(failing)
+    assert failing.state is RequestState.FAILED
+    assert backlog.held(failing.client) == (0, 0)
+    assert book.by_origin == {}

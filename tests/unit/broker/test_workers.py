@@ -36,7 +36,7 @@ def events(**config: int) -> WorkerEvents:
     registry, book = WorkerRegistry(liveness=cfg.liveness), RequestBook()
     fleet = FleetModel(cfg, registry)
     backlog = Backlog(book, fleet.batch_unit)
-    return WorkerEvents(cfg, registry, book, backlog, fleet)
+    return WorkerEvents(cfg, registry, backlog, fleet)
 
 
 def dispatched(w: WorkerEvents, *seqs: int) -> InflightBatch:
@@ -44,9 +44,8 @@ def dispatched(w: WorkerEvents, *seqs: int) -> InflightBatch:
     reqs = [pending_request(seq, deadline_s=T0 + 10) for seq in seqs]
     for req in reqs:
         w.backlog.add(req)
-        w.backlog.queues[req.key].forget(req)
-        w.backlog.dequeued(req)
-        w.book.move(req, RequestState.DISPATCHED)
+    assert w.backlog.take(w.backlog.queues[reqs[0].key], len(reqs), T0, 0.0, False) == reqs
+    assert all(req.state is RequestState.DISPATCHED for req in reqs)
     worker = w.registry.get(W)
     assert worker is not None
     table = w.registry.inflight
