@@ -250,9 +250,10 @@ def attributes(obj: object) -> dict[str, Any]:
 
 
 def parts_of(core: object, package: str = BROKER_PACKAGE) -> dict[str, object]:
-    """The core's parts, by the name of the core's attribute that holds each."""
+    """The core's parts, by the name of the core's attribute that holds each (a private
+    attribute by its name without the underscore: ``_stats`` is the stats)."""
     return {
-        name: value
+        name.lstrip("_"): value
         for name, value in attributes(core).items()
         if _is_part_class(type(value), package) and value is not core
     }
