@@ -127,7 +127,7 @@ class BrokerCore:
 
     @property
     def stats(self) -> BrokerStats:
-        """The counters, with what the parts noted since the turn began counted in."""
+        """The counters, with what the parts noted since they were last read counted in."""
         stats = self._stats
         stats.take(self.dispatcher.notes)
         stats.take(self.workers.notes)
@@ -380,8 +380,6 @@ class BrokerCore:
         self.pumps.pump_dirty(now, out, dispatcher.pump, due)
         if self.holding.count:
             self.holding.on_tick(now, out)
-        self._stats.take(dispatcher.notes)
-        self._stats.take(self.workers.notes)
         if now >= self._sweep_s:
             self._sweep_s = now + _SWEEP_S
             dispatcher.sweep(now)
@@ -396,6 +394,7 @@ class BrokerCore:
         still queued (they are answered at their deadlines; it goes after them). Returns
         the models forgotten. ``on_tick`` calls it every sweep."""
         config, backlog, registry = self.config, self.backlog, self.registry
+        stats = self.stats  # (reading them takes the parts' notes: none is of a model gone)
         forgotten = []
         for name in registry.unserved_for(now, config.forget_unserved_s):
             if name in config.models or any(backlog.queued_samples.get(name, ())):
@@ -404,7 +403,7 @@ class BrokerCore:
             self.fleet.forget(name)
             for key in backlog.forget_model(name):
                 self.dispatcher.forget(key)
-            self._stats.forget(name)
+            stats.forget(name)
             self.layouts.forget_model(name)
             forgotten.append(name)
         if forgotten:

@@ -246,9 +246,13 @@ def test_a_flood_of_bad_worker_messages_writes_a_bounded_number_of_log_lines(
 # --------------------------------------------------------------------------- parts' notes
 
 
-def test_the_parts_notes_are_counted_and_emptied_by_every_tick() -> None:
+@pytest.mark.parametrize("read_first", [False, True])
+def test_the_parts_notes_are_counted_when_the_stats_are_read_and_at_each_sweep(
+    read_first: bool,
+) -> None:
     """The dispatcher and the worker events note what the stats count; the core takes
-    their notes at the end of each turn, so they never grow past one turn's."""
+    their notes whenever the stats are read, and at each sweep (half a second), so they
+    never hold more than a sweep's."""
     b = Broker.make(max_batch=2)
     b.ready(T0, W1, SPEC)
     b.request(T0, 1)
@@ -257,6 +261,10 @@ def test_the_parts_notes_are_counted_and_emptied_by_every_tick() -> None:
     dispatcher, workers = b.core.dispatcher.notes, b.core.workers.notes
     b.result(T0 + 0.002, batch)
     b.tick(T0 + 0.01)
+    if read_first:
+        stats = b.core.stats
+    else:
+        b.tick(T0 + 1.0)  # a sweep
     for notes in (dispatcher, workers):
         assert (notes.failed, notes.batches, notes.answered, notes.padded) == ([], [], [], [])
     stats = b.core.stats
