@@ -101,7 +101,8 @@ class FleetModel:
     def on_load(self, now: float, worker: WorkerState, rho: float) -> None:
         worker.rho = rho
         for lane in worker.lanes.values():
-            lane.on_load(now, rho)
+            if lane.controller is not None:  # (the seed policy's, alone)
+                lane.controller.update(now, rho)
 
     def ready_in_s(self, now: float, worker: WorkerState) -> float:
         """Predicted time until ``worker`` has finished the batches it holds."""
@@ -110,9 +111,12 @@ class FleetModel:
     def replan(self, now: float, worker: WorkerState) -> None:
         """A batch just ended at ``now``: the worker's queue restarts from here."""
         batches = self.registry.inflight.batches
-        worker.free_at_s = now + sum(
-            batches[b].predicted_s for b in worker.outstanding if b in batches
-        )
+        ahead_s = 0.0  # (a loop, not sum() over a generator: one frame less a RESULT)
+        for batch_id in worker.outstanding:
+            batch = batches.get(batch_id)
+            if batch is not None:
+                ahead_s += batch.predicted_s
+        worker.free_at_s = now + ahead_s
 
     def capacity(self, now: float, worker: WorkerState, key: RequestKey) -> Capacity:
         lane = worker.lanes[key[0]]

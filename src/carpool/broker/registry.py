@@ -92,10 +92,6 @@ class Lane:
         """Teach the key's overhead fit a batch's ``cpu_ms`` (in seconds)."""
         _fit_of(self.cpu, key).observe(samples, cpu_s)
 
-    def on_load(self, now: float, rho: float) -> None:
-        if self.controller is not None:
-            self.controller.update(now, rho)
-
 
 def _fit_of(fits: dict[RequestKey, LatencyModel], key: RequestKey) -> LatencyModel:
     """The fit of ``key`` in ``fits``, made where there is none (the longest-known shape
