@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from carpool.broker.config import BrokerConfig
     from carpool.worker.config import ModelConfig, WorkerConfig
     from carpool.worker.server import WorkerServer
+
+logger = logging.getLogger(__name__)
 
 
 def role_classes() -> dict[str, type]:
@@ -69,8 +72,9 @@ def _checked(cls: type[Any], data: Mapping[str, Any], layers: Layers) -> Any:
 
 
 def broker_config(args: argparse.Namespace, environ: Mapping[str, str]) -> BrokerConfig:
-    """The BrokerConfig of ``carpool broker ARGS`` under ``environ``."""
-    from carpool.broker.config import BrokerConfig
+    """The BrokerConfig of ``carpool broker ARGS`` under ``environ`` (a key that changes
+    nothing under its policy is logged: :func:`~carpool.broker.config.unused_settings`)."""
+    from carpool.broker.config import BrokerConfig, unused_settings
 
     layers = Layers()
     data = load_toml(args.config) if args.config else {}
@@ -90,6 +94,8 @@ def broker_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Broke
     given = {**flags, **batching}
     layers.given += [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
     config: BrokerConfig = _checked(BrokerConfig, data, layers)
+    for key in unused_settings(config):
+        logger.warning("%s has no effect: the seed policy alone reads it (docs/batching.md)", key)
     return config
 
 

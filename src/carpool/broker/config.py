@@ -276,6 +276,31 @@ class BrokerConfig:
         return self.batching if override is None else override.over(self.batching)
 
 
+#: The keys only the seed policy reads (its ρ rule).
+SEED_ONLY = ("target_rho", "learning_rate", "adapt_interval_s")
+
+
+def unused_settings(config: BrokerConfig) -> list[str]:
+    """The seed policy's keys set where no model's policy is ``seed``, so that they
+    change nothing (``batching.target_rho``, ``models.m.learning_rate``, ...): a
+    ``[models.<name>]`` key that table sets under another policy, and a ``[batching]``
+    key away from its default while neither it nor a table that leaves the key to it
+    picks ``seed``."""
+    found: list[str] = []
+    base, default = config.batching, BatchingConfig()
+    for key in SEED_ONLY:
+        inherits = [m for m, o in config.models.items() if getattr(o, key) is None]
+        read = base.policy == "seed" or any(
+            config.batching_for(m).policy == "seed" for m in inherits
+        )
+        if not read and getattr(base, key) != getattr(default, key):
+            found.append(f"batching.{key}")
+    for name, override in config.models.items():
+        if config.batching_for(name).policy != "seed":
+            found += [f"models.{name}.{k}" for k in SEED_ONLY if getattr(override, k) is not None]
+    return found
+
+
 def _unix_path(endpoint: str) -> bool:
     try:
         return link_path(endpoint) is not None

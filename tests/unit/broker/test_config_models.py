@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 
 from carpool import cli, roles
-from carpool.broker.config import BatchingConfig, BatchingOverride, BrokerConfig
+from carpool.broker.config import (
+    BatchingConfig,
+    BatchingOverride,
+    BrokerConfig,
+    unused_settings,
+)
 from carpool.broker.core import BrokerCore
 from carpool.broker.policy import FixedPolicy
 from carpool.common.config import from_mapping, load_toml
@@ -119,3 +124,34 @@ def test_a_whole_batching_config_per_model_overrides_every_key() -> None:
     assert config.models["m"] == BatchingOverride(**dataclasses.asdict(BatchingConfig(max_batch=4)))
     with pytest.raises(ConfigError, match=r"models\.m must be a table"):
         BrokerConfig(models={"m": 4})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("toml", "unused"),
+    [
+        ("[batching]\ntarget_rho = 0.7\n", ["batching.target_rho"]),  # carpool reads none
+        ('[batching]\npolicy = "seed"\ntarget_rho = 0.7\n', []),
+        ('[batching]\npolicy = "fixed"\ntarget_rho = 0.5\n', []),  # the default: no change
+        # A seed table that leaves the key to [batching] reads it; one that sets its own
+        # does not.
+        ('[batching]\nlearning_rate = 0.2\n[models.m]\npolicy = "seed"\n', []),
+        (
+            '[batching]\nlearning_rate = 0.2\n[models.m]\npolicy = "seed"\nlearning_rate = 0.3\n',
+            ["batching.learning_rate"],
+        ),
+        (
+            '[models.m]\nadapt_interval_s = 1.0\n[models.s]\npolicy = "seed"\ntarget_rho = 0.6\n',
+            ["models.m.adapt_interval_s"],
+        ),
+    ],
+)
+def test_a_seed_policy_key_that_changes_nothing_is_named_and_logged(
+    tmp_path: Path, toml: str, unused: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "broker.toml"
+    path.write_text(toml)
+    with caplog.at_level("WARNING", logger="carpool.roles"):
+        config = broker_config_from_cli(["--config", str(path)])
+    assert unused_settings(config) == unused
+    warned = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert [w.split(" ")[0] for w in warned] == unused
