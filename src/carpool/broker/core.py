@@ -44,7 +44,8 @@ from carpool.broker.pumps import Pumps
 from carpool.broker.registry import WorkerId, WorkerRegistry
 from carpool.broker.replies import Outgoing, Side, ToClient, ToWorker, disconnect
 from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook
-from carpool.broker.stats import BrokerStats, model_table, snapshot
+from carpool.broker.snapshot import model_table, snapshot
+from carpool.broker.stats import BrokerStats
 from carpool.broker.workers import WorkerEvents
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
