@@ -52,6 +52,9 @@ class Backlog:
         self, book: RequestBook, batch_unit: Callable[[RequestKey], int] = _one_sample
     ) -> None:
         self._book = book
+        #: Per client: [requests held, their payload bytes] (the book's own table, which
+        #: :meth:`held` reads; the door reads it directly).
+        self.held_by = book.held
         #: The samples of a batch of ``key`` under a backlog (the core's FleetModel says).
         self.batch_unit = batch_unit
         self.queues: dict[RequestKey, RequestQueue] = {}

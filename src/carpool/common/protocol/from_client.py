@@ -47,6 +47,7 @@ from carpool.common.protocol.frames import (
     check_frame_sizes,
     decode_meta,
     encode,
+    header,
     is_simple_form,
     parse_header,
     require_map,
@@ -64,6 +65,7 @@ L = TypeVar("L")
 #: :func:`~carpool.common.protocol.frames.view` as the type itself.
 # speed: docs/benchmarks.md "Why the hot path looks as it does"
 _view = cast(Callable[[Frame], memoryview], memoryview)
+_bytes = cast(Callable[[Frame], bytes], bytes)
 #: The commands a client sends, as globals.
 # speed: docs/benchmarks.md "Why the hot path looks as it does"
 _REQUEST, _CANCEL, _STATS, _METADATA = (
@@ -72,6 +74,8 @@ _REQUEST, _CANCEL, _STATS, _METADATA = (
     Command.STATS,
     Command.METADATA,
 )
+#: The header frames of the commands a client sends, to their command: one lookup.
+_HEADERS = {header(c): c for c in (_REQUEST, _CANCEL, _STATS, _METADATA)}
 
 
 @dataclass(slots=True, eq=False)
@@ -318,10 +322,12 @@ def decode_from_client(
     """The typed message of a client's frames (after the routing id, as a socket gives
     them); ``known``: the broker's remembered layouts. Never raises: a message that
     breaks the protocol is a :class:`ClientMalformed`."""
-    delimited = len(frames) > 1 and len(frames[0]) == 0
+    count = len(frames)
+    delimited = count > 1 and not len(frames[0])
     if delimited:
         frames = frames[1:]
-    if len(frames) == 1 and is_simple_form(view(frames[0])):
+        count -= 1
+    if count == 1 and is_simple_form(view(frames[0])):
         try:
             return decode_simple(frames[0], delimited=delimited)
         except ProtocolError as exc:
@@ -329,25 +335,28 @@ def decode_from_client(
             return ClientMalformed(request_id_of(exc.meta), code, str(exc), delimited, True)
     meta: dict[str, Any] | None = None
     try:
-        if not frames:
+        if not count:
             raise ProtocolError("empty message")
-        command = parse_header(_view(frames[0]))
+        # speed: docs/benchmarks.md "Why the hot path looks as it does"
+        command = _HEADERS.get(_bytes(frames[0]))  # (a v1 header of a client's command)
+        if command is None:
+            command = parse_header(_view(frames[0]))
         if command is _REQUEST:
-            if len(frames) < 2:
+            if count < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
             meta = decode_meta(_view(frames[1]))
             return decode_request(meta, frames[2:], known, delimited=delimited)
         if command is _CANCEL:
-            if len(frames) != 2:
+            if count != 2:
                 raise ProtocolError("CANCEL is a header and a meta frame")
             meta = decode_meta(view(frames[1]))
             return Cancel.from_wire(meta)
         if command is _STATS:
-            if len(frames) == 1:
+            if count == 1:
                 return StatsQuery(None, delimited)
             return StatsQuery(request_id_of(decode_meta(view(frames[1]))), delimited)
         if command is _METADATA:
-            if len(frames) == 1:
+            if count == 1:
                 return MetadataRequest(delimited=delimited)
             query = MetadataRequest.from_wire(decode_meta(view(frames[1])))
             return MetadataRequest(query.request_id, query.model, delimited)
