@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from heapq import heappush
 
 from carpool.broker.batcher import BatchTally, DeadlineHeap, RequestQueue
 from carpool.broker.requests import (
@@ -117,7 +118,12 @@ class Backlog:
         totals[1] += every - tally.every
         tally.first = first
         tally.every = every
-        self.deadlines.push(req)
+        # (DeadlineHeap.push, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        deadlines = self.deadlines
+        heap = deadlines.entries
+        heappush(heap, (req.deadline_s, req))
+        if len(heap) >= deadlines.compact_at:
+            deadlines.compact()
         return queue
 
     def enqueued(self, req: PendingRequest) -> None:

@@ -319,16 +319,22 @@ class DeadlineHeap:
         #: (deadline, request) entries, a heap: the earliest first (read, never written,
         #: outside this class).
         self.entries: list[tuple[float, PendingRequest]] = []
-        self._compact_at = self.MIN_COMPACT
+        #: The size at which :meth:`compact` is due (read by a push).
+        self.compact_at = self.MIN_COMPACT
 
     def push(self, req: PendingRequest) -> None:
         heap = self.entries
         heapq.heappush(heap, (req.deadline_s, req))
-        if len(heap) >= self._compact_at:
-            live = [e for e in heap if e[1].state in _LIVE]
-            heapq.heapify(live)
-            heap[:] = live
-            self._compact_at = max(self.MIN_COMPACT, 2 * len(live))
+        if len(heap) >= self.compact_at:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the dead entries; the next compaction is due at twice the live size."""
+        heap = self.entries
+        live = [e for e in heap if e[1].state in _LIVE]
+        heapq.heapify(live)
+        heap[:] = live
+        self.compact_at = max(self.MIN_COMPACT, 2 * len(live))
 
     def earliest(self) -> float | None:
         heap = self.entries

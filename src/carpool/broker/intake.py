@@ -112,7 +112,8 @@ class ClientIntake:
         max_batch = 0
         # (an input in shared memory that needs padding: the model's checks refuse it)
         if layout is not None and (request.shm is None or layout.shapes is None):
-            max_batch = self.registry.limit(layout.key)
+            # (limit's figure) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            max_batch = self.registry.eligible(layout.key)[1]
         if layout is None or not max_batch:
             checked = self._check(now, request)
             if isinstance(checked, Refused):
@@ -148,8 +149,7 @@ class ClientIntake:
             payloads = [payloads[i] for i in order]
             if refs is not None:
                 refs = tuple(refs[i] for i in order)
-        # (positional, in declaration order: speed: docs/benchmarks.md "Why the hot path
-        # looks as it does")
+        # (positional, in order) speed: docs/benchmarks.md "Why the hot path looks as it does"
         req = PendingRequest(
             seq,
             client,

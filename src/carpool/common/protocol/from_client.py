@@ -53,7 +53,6 @@ from carpool.common.protocol.frames import (
     require_map,
     require_name,
     tensor_list,
-    tensor_signature,
     unpack,
     view,
 )
@@ -74,6 +73,9 @@ _REQUEST, _CANCEL, _STATS, _METADATA = (
     Command.STATS,
     Command.METADATA,
 )
+#: The one type of a shape's dims that matches a remembered layout (a bool or a float
+#: hashes like the int it equals).
+_INT = frozenset((int,))
 #: The header frames of the commands a client sends, to their command: one lookup.
 _HEADERS = {header(c): c for c in (_REQUEST, _CANCEL, _STATS, _METADATA)}
 
@@ -203,10 +205,23 @@ def decode_request(
         raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
     raw: Any = meta.get("inputs")
     entry = None
-    if known is not None and known.layouts:
-        signature = tensor_signature(raw)
-        if signature is not None:
-            entry = known.layouts.get((model, signature))
+    if known is not None and known.layouts and type(raw) is list:
+        # (tensor_signature, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        signature: list[tuple[str, str, tuple[int, ...]]] = []
+        for t in raw:
+            if type(t) is not dict:
+                break
+            name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+            if (
+                type(name) is not str
+                or type(dtype) is not str
+                or type(shape) is not list
+                or not _INT.issuperset(map(type, shape))
+            ):
+                break
+            signature.append((name, dtype, tuple(shape)))
+        else:
+            entry = known.layouts.get((model, tuple(signature)))
     # A remembered layout's descriptors passed tensor_list when it was remembered.
     inputs = tensor_list(raw, "request inputs") if entry is None else entry[0]
     shm_outputs = meta.get("shm_outputs", False)
@@ -344,7 +359,10 @@ def decode_from_client(
         if command is _REQUEST:
             if count < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
-            meta = decode_meta(_view(frames[1]))
+            # (decode_meta, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            meta = unpack(_view(frames[1]))
+            if type(meta) is not dict:
+                meta = require_map(meta, "meta")
             return decode_request(meta, frames[2:], known, delimited=delimited)
         if command is _CANCEL:
             if count != 2:
