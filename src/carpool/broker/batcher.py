@@ -18,6 +18,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop
 
 from carpool.broker.requests import (
     LIVE,
@@ -197,7 +198,14 @@ class RequestQueue:
 
     def earliest_deadline(self) -> PendingRequest | None:
         """The queued request with the earliest deadline, any priority."""
-        interactive, bulk = _live_head(self._heaps[0]), _live_head(self._heaps[1])
+        # (_live_head, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        heap, bulk_heap = self._heaps
+        while heap and heap[0][2].state is not _QUEUED:
+            heappop(heap)
+        while bulk_heap and bulk_heap[0][2].state is not _QUEUED:
+            heappop(bulk_heap)
+        interactive = heap[0][2] if heap else None
+        bulk = bulk_heap[0][2] if bulk_heap else None
         if interactive is None or bulk is None:
             return bulk if interactive is None else interactive
         if (bulk.deadline_s, bulk.seq) < (interactive.deadline_s, interactive.seq):
@@ -211,8 +219,14 @@ class RequestQueue:
         once its deadline is within ``promote_before_s`` of ``now`` (so bulk requests that
         still have slack are not starved), and whenever no interactive request waits.
         """
-        interactive = _live_head(self._heaps[0])
-        bulk = _live_head(self._heaps[1])
+        # (_live_head, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        heap, bulk_heap = self._heaps
+        while heap and heap[0][2].state is not _QUEUED:
+            heappop(heap)
+        while bulk_heap and bulk_heap[0][2].state is not _QUEUED:
+            heappop(bulk_heap)
+        interactive = heap[0][2] if heap else None
+        bulk = bulk_heap[0][2] if bulk_heap else None
         if bulk is not None and (interactive is None or bulk.deadline_s <= now + promote_before_s):
             if interactive is not None and interactive.deadline_s < bulk.deadline_s:
                 return interactive  # both urgent: plain EDF between them
@@ -246,10 +260,11 @@ class RequestQueue:
         moved to DISPATCHED as it is popped, so next_edf moves on."""
         taken: list[PendingRequest] = []
         room = max_samples
+        heaps = self._heaps
         while (req := self.next_edf(now, promote_before_s)) is not None:
             if req.samples > room:
                 break
-            heapq.heappop(self._index(req))
+            heappop(heaps[0 if req.priority is _INTERACTIVE else 1])
             move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
@@ -262,20 +277,31 @@ class RequestQueue:
         is moved to EXPIRED, and the caller answers it."""
         out: list[PendingRequest] = []
         for heap in self._heaps:
-            while (req := _live_head(heap)) is not None and req.deadline_s <= before_s:
-                heapq.heappop(heap)
-                move(req, _EXPIRED)
-                out.append(req)
-                self.samples -= req.samples
-                self.count -= 1
+            # (_live_head, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            while heap:
+                req = heap[0][2]
+                if req.state is not _QUEUED:  # (it left before: skipped)
+                    heappop(heap)
+                elif req.deadline_s <= before_s:
+                    heappop(heap)
+                    move(req, _EXPIRED)
+                    out.append(req)
+                    self.samples -= req.samples
+                    self.count -= 1
+                else:
+                    break
         if out:  # once, with all of them marked (per request, a full queue shed would be n²)
             self._compact()
         return out
 
     def _taken(self, count: int, samples: int) -> None:
         self.samples -= samples
-        self.count -= count
-        self._compact()
+        self.count = left = self.count - count
+        # (_compact's test, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        bound = 2 * left + 64
+        heap, bulk_heap = self._heaps
+        if len(self._arrivals) > bound or len(heap) > bound or len(bulk_heap) > bound:
+            self._compact()
 
     def _compact(self) -> None:
         """Drop the records that left QUEUED once they dominate a view. Removal is lazy, and
