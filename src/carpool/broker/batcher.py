@@ -27,7 +27,7 @@ from carpool.broker.requests import (
     RequestKey,
     RequestState,
 )
-from carpool.common.protocol import Priority, TensorMeta
+from carpool.common.protocol import TensorMeta
 
 __all__ = [
     "BatchTally",
@@ -46,14 +46,16 @@ __all__ = [
 #: queue reports the requests that leave it, and never sets a state itself.
 Mover = Callable[[PendingRequest, RequestState], None]
 
-_LIVE = LIVE
+#: :data:`~carpool.broker.requests.LIVE` as a tuple: a test of a state against it compares
+#: identities, where the frozenset hashes the Enum (Python code).
+#: speed: docs/benchmarks.md "Why the hot path looks as it does"
+_LIVE = tuple(LIVE)
 # Enum members as globals, for speed: docs/benchmarks.md "Why the hot path looks as it does".
 _QUEUED, _DISPATCHED, _EXPIRED = (
     RequestState.QUEUED,
     RequestState.DISPATCHED,
     RequestState.EXPIRED,
 )
-_INTERACTIVE = Priority.INTERACTIVE
 
 
 def request_key(model: str, inputs: Sequence[TensorMeta]) -> RequestKey:
@@ -146,7 +148,7 @@ class RequestQueue:
         )
 
     def _index(self, req: PendingRequest) -> list[_Entry]:
-        return self._heaps[0 if req.priority is _INTERACTIVE else 1]
+        return self._heaps[req.priority]
 
     def push(self, req: PendingRequest) -> None:
         self._arrivals.append(req)
@@ -156,9 +158,7 @@ class RequestQueue:
         """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time):
         both in one call, as every request comes this way."""
         self._arrivals.append(req)
-        heapq.heappush(
-            self._heaps[0 if req.priority is _INTERACTIVE else 1], (req.deadline_s, req.seq, req)
-        )
+        heapq.heappush(self._heaps[req.priority], (req.deadline_s, req.seq, req))
         samples = req.samples
         self.samples += samples
         self.count += 1
@@ -264,7 +264,7 @@ class RequestQueue:
         while (req := self.next_edf(now, promote_before_s)) is not None:
             if req.samples > room:
                 break
-            heappop(heaps[0 if req.priority is _INTERACTIVE else 1])
+            heappop(heaps[req.priority])
             move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
