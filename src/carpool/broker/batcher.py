@@ -342,8 +342,8 @@ class DeadlineHeap:
     MIN_COMPACT = 1024
 
     def __init__(self) -> None:
-        #: (deadline, request) entries, a heap: the earliest first (read, never written,
-        #: outside this class).
+        #: (deadline, request) entries, a heap: the earliest first (read outside this
+        #: class, and pushed onto by Backlog.add, which inlines :meth:`push`).
         self.entries: list[tuple[float, PendingRequest]] = []
         #: The size at which :meth:`compact` is due (read by a push).
         self.compact_at = self.MIN_COMPACT

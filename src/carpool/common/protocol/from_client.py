@@ -61,7 +61,8 @@ from carpool.common.protocol.refs import MAX_REF_BYTES, ShmRef, shm_refs
 
 L = TypeVar("L")
 
-#: :func:`~carpool.common.protocol.frames.view` as the type itself.
+#: :func:`~carpool.common.protocol.frames.view` as the type itself, and ``bytes`` typed for
+#: a frame (a header's lookup).
 # speed: docs/benchmarks.md "Why the hot path looks as it does"
 _view = cast(Callable[[Frame], memoryview], memoryview)
 _bytes = cast(Callable[[Frame], bytes], bytes)
