@@ -75,7 +75,6 @@ class ClientIntake:
     registry: WorkerRegistry
     backlog: Backlog
     fleet: FleetModel
-    _seq: int = dataclasses.field(init=False, default=0)
     # Request layouts checked once per (model, input names, dtypes, shapes); valid while
     # the model's spec stands (a replaced or forgotten model's are dropped). The core
     # decodes each client message with them.
@@ -89,7 +88,8 @@ class ClientIntake:
     # UNAVAILABLE, not NOT_FOUND.
     started_s: float = dataclasses.field(init=False, default=-math.inf)
     # Requests let in: counted before the first write (the queue), for the core's
-    # ``changes``: a fault before it is in a message that changed nothing.
+    # ``changes``: a fault before it is in a message that changed nothing. Each request
+    # let in has its count as its ``seq`` (the broker-wide arrival order).
     writes: int = dataclasses.field(init=False, default=0)
     _log_version: RateLimitedLog = dataclasses.field(
         init=False,
@@ -141,8 +141,8 @@ class ClientIntake:
             )
         if type(verdict) is Refused:
             return verdict
-        self.writes += 1  # (from here on the message changes state)
-        self._seq = seq = self._seq + 1
+        # (From here on the message changes state.) Its count is the request's ``seq``.
+        self.writes = seq = self.writes + 1
         # The request book's entry: payloads and shared-memory references in spec order.
         payloads, refs, order = request.payloads, request.shm, layout.order
         if order is not None:
