@@ -10,9 +10,8 @@ case (the work queued ahead at full speed, then this request) ends past its dead
 :func:`bucketed` puts a padded model's request in its bucket (§8.1); :func:`layout_of`
 does both and gives the :class:`Layout` a request that passed is remembered by (the
 protocol's :class:`~carpool.common.protocol.KnownLayouts`: a later request of the same
-layout comes decoded with it), and :func:`pending` builds the request book's entry of a
-request let in. Shape rules and batch limits are each
-worker's own: the registry says which workers admit a layout's key (broker/limits.py).
+layout comes decoded with it). Shape rules and batch limits are each worker's own: the
+registry says which workers admit a layout's key (broker/limits.py).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from carpool.broker.batcher import RequestQueue, request_key
 from carpool.broker.replies import Refused, retry_after_ms
-from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestKey
+from carpool.broker.requests import ClientId, PendingRequest, RequestKey
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.protocol import (
     Frame,
@@ -107,7 +106,9 @@ def admit(
         drain_s = fleet.drain_time_s(model, layout.key, queued) or 0.05
         msg = f"broker queue full ({queued} requests, {backlog.queued_bytes} bytes)"
         return Refused(ErrorCode.OVERLOADED, msg, retry_after_ms(drain_s))
-    held, held_bytes = backlog.held(client)
+    # (Backlog.held, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+    mine = backlog.held_by.get(client)
+    held, held_bytes = (0, 0) if mine is None else mine
     if held >= config.max_client_requests or held_bytes + nbytes > client_room:
         # Its own requests must drain first: pumping this turn frees no such room (a
         # request at a worker is still held).
@@ -143,44 +144,6 @@ def full(config: BrokerConfig, backlog: Backlog, nbytes: int) -> bool:
     return (
         backlog.queued >= config.max_queued
         or backlog.queued_bytes + nbytes > config.max_queued_mib << 20
-    )
-
-
-def pending(
-    seq: int,
-    client: ClientId,
-    request: Request[Layout],
-    layout: Layout,
-    now: float,
-    timeout_s: float,
-    nbytes: int,
-    origin: Origin | None,
-) -> PendingRequest:
-    """The request book's entry for ``request`` (of ``layout``) let in ``now`` from
-    ``client``: its payloads and shared-memory references in spec order."""
-    payloads, refs, order = request.payloads, request.shm, layout.order
-    if order is not None:
-        payloads = [payloads[i] for i in order]
-        if refs is not None:
-            refs = tuple(refs[i] for i in order)
-    return PendingRequest(  # (positional, in declaration order: speed, docs/benchmarks.md)
-        seq,
-        client,
-        request.delimited,
-        request.request_id,
-        request.simple,
-        layout.model,
-        layout.key,
-        layout.samples,
-        request.priority,
-        now,
-        now + timeout_s,
-        payloads,
-        refs,
-        request.shm_outputs,
-        nbytes,
-        layout.shapes,
-        origin,
     )
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from heapq import heappush
 
 from carpool.broker.batcher import BatchTally, DeadlineHeap, RequestQueue
 from carpool.broker.requests import (
@@ -56,6 +57,9 @@ class Backlog:
         self, book: RequestBook, batch_unit: Callable[[RequestKey], int] = _one_sample
     ) -> None:
         self._book = book
+        #: Per client: [requests held, their payload bytes] (the book's own table, which
+        #: :meth:`held` reads; the door reads it directly).
+        self.held_by = book.held
         #: The samples of a batch of ``key`` under a backlog (the core's FleetModel says).
         self.batch_unit = batch_unit
         self.queues: dict[RequestKey, RequestQueue] = {}
@@ -118,7 +122,12 @@ class Backlog:
         totals[1] += every - tally.every
         tally.first = first
         tally.every = every
-        self.deadlines.push(req)
+        # (DeadlineHeap.push, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        deadlines = self.deadlines
+        heap = deadlines.entries
+        heappush(heap, (req.deadline_s, req))
+        if len(heap) >= deadlines.compact_at:
+            deadlines.compact()
         return queue
 
     def enqueued(self, req: PendingRequest) -> None:

@@ -18,6 +18,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop
 
 from carpool.broker.requests import (
     LIVE,
@@ -26,7 +27,7 @@ from carpool.broker.requests import (
     RequestKey,
     RequestState,
 )
-from carpool.common.protocol import Priority, TensorMeta
+from carpool.common.protocol import TensorMeta
 
 __all__ = [
     "BatchTally",
@@ -45,14 +46,16 @@ __all__ = [
 #: queue reports the requests that leave it, and never sets a state itself.
 Mover = Callable[[PendingRequest, RequestState], None]
 
-_LIVE = LIVE
+#: :data:`~carpool.broker.requests.LIVE` as a tuple: a test of a state against it compares
+#: identities, where the frozenset hashes the Enum (Python code).
+#: speed: docs/benchmarks.md "Why the hot path looks as it does"
+_LIVE = tuple(LIVE)
 # Enum members as globals, for speed: docs/benchmarks.md "Why the hot path looks as it does".
 _QUEUED, _DISPATCHED, _EXPIRED = (
     RequestState.QUEUED,
     RequestState.DISPATCHED,
     RequestState.EXPIRED,
 )
-_INTERACTIVE = Priority.INTERACTIVE
 
 
 def request_key(model: str, inputs: Sequence[TensorMeta]) -> RequestKey:
@@ -145,7 +148,7 @@ class RequestQueue:
         )
 
     def _index(self, req: PendingRequest) -> list[_Entry]:
-        return self._heaps[0 if req.priority is _INTERACTIVE else 1]
+        return self._heaps[req.priority]
 
     def push(self, req: PendingRequest) -> None:
         self._arrivals.append(req)
@@ -155,9 +158,7 @@ class RequestQueue:
         """:meth:`push` a new request and :meth:`note_arrival` it (at its arrival time):
         both in one call, as every request comes this way."""
         self._arrivals.append(req)
-        heapq.heappush(
-            self._heaps[0 if req.priority is _INTERACTIVE else 1], (req.deadline_s, req.seq, req)
-        )
+        heapq.heappush(self._heaps[req.priority], (req.deadline_s, req.seq, req))
         samples = req.samples
         self.samples += samples
         self.count += 1
@@ -197,7 +198,14 @@ class RequestQueue:
 
     def earliest_deadline(self) -> PendingRequest | None:
         """The queued request with the earliest deadline, any priority."""
-        interactive, bulk = _live_head(self._heaps[0]), _live_head(self._heaps[1])
+        # (_live_head, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        heap, bulk_heap = self._heaps
+        while heap and heap[0][2].state is not _QUEUED:
+            heappop(heap)
+        while bulk_heap and bulk_heap[0][2].state is not _QUEUED:
+            heappop(bulk_heap)
+        interactive = heap[0][2] if heap else None
+        bulk = bulk_heap[0][2] if bulk_heap else None
         if interactive is None or bulk is None:
             return bulk if interactive is None else interactive
         if (bulk.deadline_s, bulk.seq) < (interactive.deadline_s, interactive.seq):
@@ -211,8 +219,14 @@ class RequestQueue:
         once its deadline is within ``promote_before_s`` of ``now`` (so bulk requests that
         still have slack are not starved), and whenever no interactive request waits.
         """
-        interactive = _live_head(self._heaps[0])
-        bulk = _live_head(self._heaps[1])
+        # (_live_head, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        heap, bulk_heap = self._heaps
+        while heap and heap[0][2].state is not _QUEUED:
+            heappop(heap)
+        while bulk_heap and bulk_heap[0][2].state is not _QUEUED:
+            heappop(bulk_heap)
+        interactive = heap[0][2] if heap else None
+        bulk = bulk_heap[0][2] if bulk_heap else None
         if bulk is not None and (interactive is None or bulk.deadline_s <= now + promote_before_s):
             if interactive is not None and interactive.deadline_s < bulk.deadline_s:
                 return interactive  # both urgent: plain EDF between them
@@ -246,10 +260,11 @@ class RequestQueue:
         moved to DISPATCHED as it is popped, so next_edf moves on."""
         taken: list[PendingRequest] = []
         room = max_samples
+        heaps = self._heaps
         while (req := self.next_edf(now, promote_before_s)) is not None:
             if req.samples > room:
                 break
-            heapq.heappop(self._index(req))
+            heappop(heaps[req.priority])
             move(req, _DISPATCHED)
             taken.append(req)
             room -= req.samples
@@ -262,20 +277,31 @@ class RequestQueue:
         is moved to EXPIRED, and the caller answers it."""
         out: list[PendingRequest] = []
         for heap in self._heaps:
-            while (req := _live_head(heap)) is not None and req.deadline_s <= before_s:
-                heapq.heappop(heap)
-                move(req, _EXPIRED)
-                out.append(req)
-                self.samples -= req.samples
-                self.count -= 1
+            # (_live_head, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            while heap:
+                req = heap[0][2]
+                if req.state is not _QUEUED:  # (it left before: skipped)
+                    heappop(heap)
+                elif req.deadline_s <= before_s:
+                    heappop(heap)
+                    move(req, _EXPIRED)
+                    out.append(req)
+                    self.samples -= req.samples
+                    self.count -= 1
+                else:
+                    break
         if out:  # once, with all of them marked (per request, a full queue shed would be n²)
             self._compact()
         return out
 
     def _taken(self, count: int, samples: int) -> None:
         self.samples -= samples
-        self.count -= count
-        self._compact()
+        self.count = left = self.count - count
+        # (_compact's test, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        bound = 2 * left + 64
+        heap, bulk_heap = self._heaps
+        if len(self._arrivals) > bound or len(heap) > bound or len(bulk_heap) > bound:
+            self._compact()
 
     def _compact(self) -> None:
         """Drop the records that left QUEUED once they dominate a view. Removal is lazy, and
@@ -316,19 +342,25 @@ class DeadlineHeap:
     MIN_COMPACT = 1024
 
     def __init__(self) -> None:
-        #: (deadline, request) entries, a heap: the earliest first (read, never written,
-        #: outside this class).
+        #: (deadline, request) entries, a heap: the earliest first (read outside this
+        #: class, and pushed onto by Backlog.add, which inlines :meth:`push`).
         self.entries: list[tuple[float, PendingRequest]] = []
-        self._compact_at = self.MIN_COMPACT
+        #: The size at which :meth:`compact` is due (read by a push).
+        self.compact_at = self.MIN_COMPACT
 
     def push(self, req: PendingRequest) -> None:
         heap = self.entries
         heapq.heappush(heap, (req.deadline_s, req))
-        if len(heap) >= self._compact_at:
-            live = [e for e in heap if e[1].state in _LIVE]
-            heapq.heapify(live)
-            heap[:] = live
-            self._compact_at = max(self.MIN_COMPACT, 2 * len(live))
+        if len(heap) >= self.compact_at:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the dead entries; the next compaction is due at twice the live size."""
+        heap = self.entries
+        live = [e for e in heap if e[1].state in _LIVE]
+        heapq.heapify(live)
+        heap[:] = live
+        self.compact_at = max(self.MIN_COMPACT, 2 * len(live))
 
     def earliest(self) -> float | None:
         heap = self.entries

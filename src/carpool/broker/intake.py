@@ -7,9 +7,9 @@ layout checked before comes with it (``Request.layout``); any other is checked a
 its model's spec (names, dtypes, shapes, sizes, shared-memory references) and its layout
 remembered. Then :func:`carpool.broker.admission.admit`, asked once, lets it in or
 refuses it. :meth:`ClientIntake.admit` returns the request book's entry of a request let
-in (queued in the backlog) or the :class:`~carpool.broker.admission.Refused` that
-answers it; the core routes what follows (the queue's pump, a hold at the door, the
-error reply).
+in (built there, its payloads in spec order, and queued in the backlog) or the
+:class:`~carpool.broker.admission.Refused` that answers it; the core routes what follows
+(the queue's pump, a hold at the door, the error reply).
 
 A request sent again, and a client's CANCEL (protocol.md §6.1, §6.5), are
 :class:`Resends`'s. A request that carries its client's nonce (REQUEST ``client``, 16
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from carpool.broker import limits
-from carpool.broker.admission import Layout, admit, layout_of, pending
+from carpool.broker.admission import Layout, admit, layout_of
 from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
@@ -75,7 +75,6 @@ class ClientIntake:
     registry: WorkerRegistry
     backlog: Backlog
     fleet: FleetModel
-    _seq: int = dataclasses.field(init=False, default=0)
     # Request layouts checked once per (model, input names, dtypes, shapes); valid while
     # the model's spec stands (a replaced or forgotten model's are dropped). The core
     # decodes each client message with them.
@@ -89,7 +88,8 @@ class ClientIntake:
     # UNAVAILABLE, not NOT_FOUND.
     started_s: float = dataclasses.field(init=False, default=-math.inf)
     # Requests let in: counted before the first write (the queue), for the core's
-    # ``changes``: a fault before it is in a message that changed nothing.
+    # ``changes``: a fault before it is in a message that changed nothing. Each request
+    # let in has its count as its ``seq`` (the broker-wide arrival order).
     writes: int = dataclasses.field(init=False, default=0)
     _log_version: RateLimitedLog = dataclasses.field(
         init=False,
@@ -112,7 +112,8 @@ class ClientIntake:
         max_batch = 0
         # (an input in shared memory that needs padding: the model's checks refuse it)
         if layout is not None and (request.shm is None or layout.shapes is None):
-            max_batch = self.registry.limit(layout.key)
+            # (limit's figure) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            max_batch = self.registry.eligible(layout.key)[1]
         if layout is None or not max_batch:
             checked = self._check(now, request)
             if isinstance(checked, Refused):
@@ -140,9 +141,34 @@ class ClientIntake:
             )
         if type(verdict) is Refused:
             return verdict
-        self.writes += 1  # (from here on the message changes state)
-        self._seq += 1
-        req = pending(self._seq, client, request, layout, now, timeout_s, nbytes, origin)
+        # (From here on the message changes state.) Its count is the request's ``seq``.
+        self.writes = seq = self.writes + 1
+        # The request book's entry: payloads and shared-memory references in spec order.
+        payloads, refs, order = request.payloads, request.shm, layout.order
+        if order is not None:
+            payloads = [payloads[i] for i in order]
+            if refs is not None:
+                refs = tuple(refs[i] for i in order)
+        # (positional, in order) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        req = PendingRequest(
+            seq,
+            client,
+            request.delimited,
+            request.request_id,
+            request.simple,
+            layout.model,
+            layout.key,
+            layout.samples,
+            priority,
+            now,
+            now + timeout_s,
+            payloads,
+            refs,
+            request.shm_outputs,
+            nbytes,
+            layout.shapes,
+            origin,
+        )
         self.backlog.add(req)
         return req
 

@@ -47,12 +47,12 @@ from carpool.common.protocol.frames import (
     check_frame_sizes,
     decode_meta,
     encode,
+    header,
     is_simple_form,
     parse_header,
     require_map,
     require_name,
     tensor_list,
-    tensor_signature,
     unpack,
     view,
 )
@@ -61,9 +61,11 @@ from carpool.common.protocol.refs import MAX_REF_BYTES, ShmRef, shm_refs
 
 L = TypeVar("L")
 
-#: :func:`~carpool.common.protocol.frames.view` as the type itself.
+#: :func:`~carpool.common.protocol.frames.view` as the type itself, and ``bytes`` typed for
+#: a frame (a header's lookup).
 # speed: docs/benchmarks.md "Why the hot path looks as it does"
 _view = cast(Callable[[Frame], memoryview], memoryview)
+_bytes = cast(Callable[[Frame], bytes], bytes)
 #: The commands a client sends, as globals.
 # speed: docs/benchmarks.md "Why the hot path looks as it does"
 _REQUEST, _CANCEL, _STATS, _METADATA = (
@@ -72,6 +74,11 @@ _REQUEST, _CANCEL, _STATS, _METADATA = (
     Command.STATS,
     Command.METADATA,
 )
+#: The one type of a shape's dims that matches a remembered layout (a bool or a float
+#: hashes like the int it equals).
+_INT = frozenset((int,))
+#: The header frames of the commands a client sends, to their command: one lookup.
+_HEADERS = {header(c): c for c in (_REQUEST, _CANCEL, _STATS, _METADATA)}
 
 
 @dataclass(slots=True, eq=False)
@@ -199,10 +206,23 @@ def decode_request(
         raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
     raw: Any = meta.get("inputs")
     entry = None
-    if known is not None and known.layouts:
-        signature = tensor_signature(raw)
-        if signature is not None:
-            entry = known.layouts.get((model, signature))
+    if known is not None and known.layouts and type(raw) is list:
+        # (tensor_signature, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        signature: list[tuple[str, str, tuple[int, ...]]] = []
+        for t in raw:
+            if type(t) is not dict:
+                break
+            name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+            if (
+                type(name) is not str
+                or type(dtype) is not str
+                or type(shape) is not list
+                or not _INT.issuperset(map(type, shape))
+            ):
+                break
+            signature.append((name, dtype, tuple(shape)))
+        else:
+            entry = known.layouts.get((model, tuple(signature)))
     # A remembered layout's descriptors passed tensor_list when it was remembered.
     inputs = tensor_list(raw, "request inputs") if entry is None else entry[0]
     shm_outputs = meta.get("shm_outputs", False)
@@ -318,10 +338,12 @@ def decode_from_client(
     """The typed message of a client's frames (after the routing id, as a socket gives
     them); ``known``: the broker's remembered layouts. Never raises: a message that
     breaks the protocol is a :class:`ClientMalformed`."""
-    delimited = len(frames) > 1 and len(frames[0]) == 0
+    count = len(frames)
+    delimited = count > 1 and not len(frames[0])
     if delimited:
         frames = frames[1:]
-    if len(frames) == 1 and is_simple_form(view(frames[0])):
+        count -= 1
+    if count == 1 and is_simple_form(view(frames[0])):
         try:
             return decode_simple(frames[0], delimited=delimited)
         except ProtocolError as exc:
@@ -329,25 +351,31 @@ def decode_from_client(
             return ClientMalformed(request_id_of(exc.meta), code, str(exc), delimited, True)
     meta: dict[str, Any] | None = None
     try:
-        if not frames:
+        if not count:
             raise ProtocolError("empty message")
-        command = parse_header(_view(frames[0]))
+        # speed: docs/benchmarks.md "Why the hot path looks as it does"
+        command = _HEADERS.get(_bytes(frames[0]))  # (a v1 header of a client's command)
+        if command is None:
+            command = parse_header(_view(frames[0]))
         if command is _REQUEST:
-            if len(frames) < 2:
+            if count < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
-            meta = decode_meta(_view(frames[1]))
+            # (decode_meta, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            meta = unpack(_view(frames[1]))
+            if type(meta) is not dict:
+                meta = require_map(meta, "meta")
             return decode_request(meta, frames[2:], known, delimited=delimited)
         if command is _CANCEL:
-            if len(frames) != 2:
+            if count != 2:
                 raise ProtocolError("CANCEL is a header and a meta frame")
             meta = decode_meta(view(frames[1]))
             return Cancel.from_wire(meta)
         if command is _STATS:
-            if len(frames) == 1:
+            if count == 1:
                 return StatsQuery(None, delimited)
             return StatsQuery(request_id_of(decode_meta(view(frames[1]))), delimited)
         if command is _METADATA:
-            if len(frames) == 1:
+            if count == 1:
                 return MetadataRequest(delimited=delimited)
             query = MetadataRequest.from_wire(decode_meta(view(frames[1])))
             return MetadataRequest(query.request_id, query.model, delimited)
