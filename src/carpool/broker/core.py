@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -98,6 +99,8 @@ class BrokerCore:
         # Who may read STATS, by client id (None: everyone); the server sets it.
         self.stats_gate: Callable[[bytes], bool] | None = None
         self._sweep_s = 0.0  # when on_tick next looks for idle queues to forget
+        #: The thread that runs the core's events (its builder's; the server's loop sets it).
+        self.loop_thread = threading.get_ident()
         #: How each worker is connected, by its id, as STATS names it ("zeromq", "local",
         #: "embedded"): the server's transports say (a core without one: all "zeromq").
         self.worker_transport: Callable[[bytes], str] = lambda wid: "zeromq"
@@ -107,8 +110,7 @@ class BrokerCore:
     @property
     def started_s(self) -> float:
         """When the broker began serving (the server sets it): for register_grace_s after
-        it, a model no worker has registered yet is held (an expected name, see
-        :meth:`expect`) or UNAVAILABLE, not NOT_FOUND."""
+        it, a model no worker has registered yet is held (:meth:`expect`) or UNAVAILABLE."""
         return self.intake.started_s
 
     @started_s.setter
@@ -128,10 +130,12 @@ class BrokerCore:
 
     @property
     def stats(self) -> BrokerStats:
-        """The counters, with what the parts noted since they were last read counted in."""
+        """The counters. Read on :attr:`loop_thread`, what the parts noted since is counted
+        in first; another thread reads them as that thread last did (each sweep does)."""
         stats = self._stats
-        stats.take(self.dispatcher.notes)
-        stats.take(self.workers.notes)
+        if threading.get_ident() == self.loop_thread:  # (the parts note on that thread)
+            stats.take(self.dispatcher.notes)
+            stats.take(self.workers.notes)
         return stats
 
     @property

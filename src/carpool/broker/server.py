@@ -13,6 +13,7 @@ that cannot be read, or a fault inside the core, is handled as faults.py says.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -333,13 +334,13 @@ class BrokerServer:
     def serve(self, watch: LoopWatch | None = None) -> None:
         """Loop until :meth:`stop` is called (from any thread or a signal handler); then
         stop as :meth:`wind_down` says. ``watch`` is told of every turn (systemd). Close
-        the server when it returns (as its process exits): the door answers no more, and
-        the connections it holds at the handshake close only with it.
+        the server when it returns: the door's half-open connections close only with it.
 
         Raises:
             BrokerFault: a fault inside the core may have changed its state; the broker
                 wound down first (faults.py).
         """
+        self.core.loop_thread = threading.get_ident()  # (its stats are taken on this thread)
         try:
             while not self._stopping:
                 self.step(None if watch is None else watch.turn(self.clock.now()))

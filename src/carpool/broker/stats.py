@@ -173,24 +173,25 @@ class BrokerStats:
         sizes[samples] += 1
 
     def take(self, notes: Notes) -> None:
-        """Count what a part noted, and empty its notes."""
+        """Count what a part noted, and empty its notes (each list is taken before it
+        is counted: a count that raises loses its list, it never counts it twice)."""
         if notes.failed:
+            failed, notes.failed = notes.failed, []
             errors = self.errors
-            for model, code in notes.failed:
+            for model, code in failed:
                 errors[code] += 1
                 self.failed(model, code)
-            notes.failed.clear()
         if notes.batches:
-            for model, samples in notes.batches:
+            batches, notes.batches = notes.batches, []
+            for model, samples in batches:
                 self.batch(model, samples)
-            notes.batches.clear()
         if notes.answered:
-            self.replies += self.answered(notes.answered)
-            notes.answered.clear()
+            answered, notes.answered = notes.answered, []
+            self.replies += self.answered(answered)
         if notes.padded:
-            for key, samples, padding in notes.padded:
+            padded, notes.padded = notes.padded, []
+            for key, samples, padding in padded:
                 self.padded(key, samples, padding)
-            notes.padded.clear()
         if notes.shed or notes.late_results or notes.requeued or notes.unhealthy:
             self.shed += notes.shed
             self.late_results += notes.late_results

@@ -7,6 +7,7 @@ BrokerCore driven with wire frames and an injected clock, with harness.py.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -262,7 +263,7 @@ def test_the_parts_notes_are_counted_when_the_stats_are_read_and_at_each_sweep(
     b.result(T0 + 0.002, batch)
     b.tick(T0 + 0.01)
     if read_first:
-        stats = b.core.stats
+        b.core.stats  # noqa: B018 (reading them takes the notes)
     else:
         b.tick(T0 + 1.0)  # a sweep
     for notes in (dispatcher, workers):
@@ -272,3 +273,20 @@ def test_the_parts_notes_are_counted_when_the_stats_are_read_and_at_each_sweep(
     assert (stats.replies, stats.answers["m"]) == (2, 2)
     assert stats.model_errors == {"m": {"DEADLINE_EXCEEDED": 1}}
     assert stats.errors["DEADLINE_EXCEEDED"] == 1
+
+
+def test_another_thread_reads_the_stats_as_the_loop_last_took_them() -> None:
+    """Only the loop's thread takes the parts' notes (they are written there, unlocked):
+    another thread's read leaves them, and sees the counts of the last take."""
+    b = Broker.make(max_batch=1)
+    b.ready(T0, W1, SPEC)
+    (batch,) = batches(b.request(T0, 1))
+    b.result(T0 + 0.002, batch)
+    seen: list[int] = []
+    reader = threading.Thread(target=lambda: seen.append(len(b.core.stats.batch_sizes)))
+    reader.start()
+    reader.join(10)
+    assert seen == [0]
+    assert b.core.workers.notes.answered  # still noted
+    assert b.core.stats.batch_sizes == {"m": {1: 1}}  # taken on the loop's thread
+    assert not b.core.workers.notes.answered
