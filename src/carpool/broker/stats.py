@@ -1,7 +1,11 @@
 """stats.py: the broker's counters (the STATS reply built from them is snapshot.py's).
 
-Pure. :class:`BrokerStats` is counted into on the hot path (plain attributes), directly
-or through the parts' :class:`Notes`. Its per-model figures (answers and errors by
+Pure. :class:`BrokerStats` is counted into in two ways: directly, where a count is one
+add (plain attributes: the core, the door's refusals, resends, held requests, the
+frontend), and through :class:`Notes`, which the dispatcher and the worker events keep
+and the core takes into the stats when they are read on the loop's thread (its sweep
+reads them every half second): a batch's counts, and the answered requests' times,
+which are then binned many at a time. Its per-model figures (answers and errors by
 model, admission refusals, the time histograms of :class:`ModelTimings`) are kept only
 for models the broker knows a spec of, and go when the model is forgotten: made-up names
 cannot grow them.

@@ -6,7 +6,7 @@ frames as they arrived (never read or copied) and teaches the worker's lane its 
 FAILED answers them with the worker's error; a lost worker's batches go back to their
 queues while their attempts and deadlines allow. A worker that breaks the protocol is
 dropped (it may reconnect and register again). A worker whose batch outruns the
-watchdog (:mod:`carpool.broker.fleet`) stays registered but turns UNHEALTHY
+watchdog (:mod:`carpool.broker.inflight`) stays registered but turns UNHEALTHY
 (:class:`~carpool.broker.registry.Health`): its batches go back to their queues as a
 lost worker's do, and it gets no more until it shows progress.
 """
