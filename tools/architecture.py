@@ -22,7 +22,8 @@ another checkout's ``src`` measures that checkout with this script.
    ``carpool.broker`` (frozen dataclasses, enums and exceptions are values). Of them,
    the *state objects* are the owners of the core's state in docs/architecture.md's
    "Who owns what" (:data:`STATE_CLASSES`: the request book, the backlog, the held
-   requests, the in-flight table, the registry, the fleet model, the stats); the others
+   requests, the registry (whose in-flight table is its own), the fleet model, the
+   stats); the others
    are *parts*, which act on state they are given. Counted: each attribute of a part
    (its ``__dict__`` or slots) whose value is another part, a method bound to one, the
    core or a method bound to it; a dataclass, container or closure held there is looked
@@ -72,7 +73,6 @@ STATE_CLASSES = frozenset(
         "RequestBook",
         "Backlog",
         "HeldRequests",
-        "InflightTable",
         "WorkerRegistry",
         "FleetModel",
         "BrokerStats",

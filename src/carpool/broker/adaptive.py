@@ -1,6 +1,6 @@
-"""adaptive.py: what a worker's lane learns: the batch cost (:class:`LatencyModel`), and,
-under the ``seed`` comparison policy, a B_max driven by the worker's load ρ
-(:class:`BatchSizeController`).
+"""adaptive.py: what a worker's lane (:class:`Lane`: one model on one worker) learns:
+the batch cost (:class:`LatencyModel`), and, under the ``seed`` comparison policy, a
+B_max driven by the worker's load ρ (:class:`BatchSizeController`).
 
 Pure: ``now`` and ρ are passed in.
 
@@ -29,7 +29,11 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from carpool.broker.requests import RequestKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,3 +216,73 @@ class LatencyModel:
             per_sample = 0.0
             fixed = d_mean
         return CostEstimate(fixed, per_sample, calibrated=True)
+
+
+#: What :meth:`Lane.overhead` answers while no ``cpu_ms`` came (never written).
+_NO_OVERHEAD = CostEstimate()
+
+
+@dataclass(slots=True)
+class Lane:
+    """What the broker learns about one model on one worker."""
+
+    # Adaptive B_max; None under policies that keep B_max fixed.
+    controller: BatchSizeController | None
+    max_batch: int  # the engine's limit (a request may not carry more samples)
+    cap: int = 0  # the configured B_max, if lower than the engine's limit (0: none)
+    latency: dict[RequestKey, LatencyModel] = field(default_factory=dict)
+    # The worker's CPU per batch outside its engine (RESULT ``cpu_ms``), fitted as the
+    # engine's time is: per key, against the batch's samples.
+    cpu: dict[RequestKey, LatencyModel] = field(default_factory=dict)
+    last_key: RequestKey | None = None
+
+    @property
+    def batch_limit(self) -> int:
+        """The current B_max: the adaptive size, within the configured and engine limits."""
+        limit = min(self.max_batch, self.cap) if self.cap else self.max_batch
+        if self.controller is None:
+            return limit
+        return min(limit, self.controller.batch_size)
+
+    @property
+    def bound_by(self) -> str:
+        """Which limit sets :attr:`batch_limit`: ``"adaptive"`` (the controller's size,
+        below both caps), ``"broker"`` (its max_batch, below the engine's limit) or
+        ``"worker"`` (the engine's limit, which a larger broker cap cannot raise)."""
+        limit = min(self.max_batch, self.cap) if self.cap else self.max_batch
+        if self.controller is not None and self.controller.batch_size < limit:
+            return "adaptive"
+        return "broker" if self.cap and self.cap < self.max_batch else "worker"
+
+    def cost(self, key: RequestKey | None) -> CostEstimate:
+        model = self.latency.get(key) if key is not None else None
+        return model.cost if model is not None else CostEstimate()
+
+    def overhead(self, key: RequestKey) -> CostEstimate:
+        """The worker's fitted CPU per batch of ``key`` outside its engine (none known:
+        zero)."""
+        model = self.cpu.get(key)
+        return model.cost if model is not None else _NO_OVERHEAD
+
+    #: Item shapes whose costs a lane remembers (clients choose shapes; keep it bounded).
+    MAX_SHAPES = 64
+
+    def observe(self, key: RequestKey, samples: int, duration_s: float) -> bool:
+        """Teach the key's cost fit a batch; True when the fit will change."""
+        self.last_key = key
+        return _fit_of(self.latency, key).observe(samples, duration_s)
+
+    def observe_cpu(self, key: RequestKey, samples: int, cpu_s: float) -> None:
+        """Teach the key's overhead fit a batch's ``cpu_ms`` (in seconds)."""
+        _fit_of(self.cpu, key).observe(samples, cpu_s)
+
+
+def _fit_of(fits: dict[RequestKey, LatencyModel], key: RequestKey) -> LatencyModel:
+    """The fit of ``key`` in ``fits``, made where there is none (the longest-known shape
+    goes when :attr:`Lane.MAX_SHAPES` are known: clients choose shapes)."""
+    model = fits.get(key)
+    if model is None:
+        if len(fits) >= Lane.MAX_SHAPES:
+            del fits[next(iter(fits))]
+        model = fits[key] = LatencyModel()
+    return model

@@ -84,7 +84,6 @@ class BrokerCore:
         self._stats = stats = BrokerStats()
         self.book = book = RequestBook()
         self.backlog = backlog = Backlog(book)
-        self.inflight = registry.inflight
         self.fleet = fleet = FleetModel(config, registry)
         backlog.batch_unit = fleet.batch_unit
         self.dispatcher = Dispatcher(backlog, fleet, registry)
@@ -144,7 +143,7 @@ class BrokerCore:
 
     @property
     def inflight_batches(self) -> int:
-        return len(self.inflight)
+        return self.registry.batches_held
 
     # ------------------------------------------------------------------ messages
 
@@ -303,11 +302,9 @@ class BrokerCore:
         ``closes_s``: as :meth:`begin_stop`'s, now that the grace has ended."""
         out = self.begin_stop(now, None, closes_s)
         msg = "the broker stopped before the request's batch finished; retry"
-        for batch in self.inflight:
-            self.workers.fail_batch(batch, ErrorCode.UNAVAILABLE, msg, out)
-        self.inflight.clear()
         for worker in list(self.registry.all()):
-            self.inflight.take_all(worker)  # (its credits in use: none now)
+            for batch in self.registry.take_all(worker):
+                self.workers.fail_batch(batch, ErrorCode.UNAVAILABLE, msg, out)
             out.append(disconnect(worker.wid, "broker stopping"))
         return out
 
@@ -324,7 +321,7 @@ class BrokerCore:
             + self.book.changes
             + self.holding.changes
             + self.registry.changes
-            + self.inflight.changes
+            + self.registry.batch_changes
         )
 
     def on_fault(
@@ -372,7 +369,7 @@ class BrokerCore:
         if event_s is not None and event_s <= now:
             self.workers.on_heartbeats_due(now, out)
             self._mark_changed()
-        due_s = self.inflight.next_due_s()
+        due_s = self.registry.next_due_s()
         if due_s is not None and due_s <= now:
             self.workers.on_watchdog(now, out)
             self._mark_changed()
@@ -426,7 +423,7 @@ class BrokerCore:
             for t in (
                 self.backlog.deadlines.earliest(),
                 self.registry.next_event_s(),
-                self.inflight.next_due_s(),
+                self.registry.next_due_s(),
                 self.holding.next_expiry_s(),
             )
             if t is not None
@@ -449,5 +446,5 @@ class BrokerCore:
         names = {*registry.specs, *self.config.models}
         batching = self.fleet.batching_for
         models = model_table(stats, registry, names, backlog.queued_samples, batching, now)
-        counts = (backlog.queued, backlog.queued_bytes, len(self.inflight))
+        counts = (backlog.queued, backlog.queued_bytes, registry.batches_held)
         return snapshot(stats, registry, *counts, self.worker_transport, models)

@@ -27,7 +27,6 @@ from typing import Any
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
 from carpool.broker.fleet import FleetModel
-from carpool.broker.inflight import InflightBatch
 from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
 from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, ToWorker, request_error
@@ -284,8 +283,6 @@ class Dispatcher:
         capacity: Capacity,
         reason: str,
     ) -> ToWorker:
-        table = self.registry.inflight
-        batch_id = table.next_id()
         model = key[0]
         payloads: list[Frame] = []
         samples = 0
@@ -297,22 +294,10 @@ class Dispatcher:
         if inputs is None:
             metas = batch_inputs(key)
             inputs = self._inputs[key] = (metas, [t.to_wire() for t in metas])
-        batch = DispatchedBatch(batch_id, model, inputs[0], requests, payloads, now, inputs[1])
         predicted_s = capacity.cost.estimate(samples)
-        inflight = InflightBatch(
-            batch_id,
-            worker.wid,
-            requests,
-            key,
-            samples,
-            predicted_s,
-            table.limit_s(predicted_s)
-            if predicted_s > 0
-            else self._watch_s(now, key, samples, requests),
-            sent_s=now,
-        )
-        table.add(now, worker, inflight)
-        worker.free_at_s = max(now, worker.free_at_s) + inflight.predicted_s
+        held = self.registry.dispatched(now, worker, requests, key, samples, predicted_s)
+        batch_id = held.batch_id
+        batch = DispatchedBatch(batch_id, model, inputs[0], requests, payloads, now, inputs[1])
         self.notes.batches.append((model, samples))
         logger.debug(
             "dispatch batch=%d model=%s n=%d worker=%s reason=%s",
@@ -323,23 +308,6 @@ class Dispatcher:
             reason,
         )
         return ToWorker(worker.wid, batch)
-
-    def _watch_s(
-        self, now: float, key: RequestKey, samples: int, requests: list[PendingRequest]
-    ) -> float:
-        """How long a batch may run once it is the oldest at its worker (the engine
-        watchdog's limit) while its worker's fitted cost knows nothing of the key (with
-        one, :meth:`InflightTable.limit_s` of it): from the slowest estimate another
-        worker of the model has of it; while none has one, until the batch's last
-        deadline (slow cannot be told from hung)."""
-        model = key[0]
-        predicted_s = 0.0
-        for w in self.registry.serving(model):
-            predicted_s = max(predicted_s, w.lanes[model].cost(key).estimate(samples))
-        if predicted_s <= 0:
-            last_s = max(r.deadline_s for r in requests)
-            return max(self.registry.inflight.watchdog_slack_s, last_s - now)
-        return self.registry.inflight.limit_s(predicted_s)
 
     def expire(self, now: float, out: list[Outgoing]) -> AbstractSet[RequestKey]:
         """Answer every request whose deadline has passed, queued or in flight; returns the

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from carpool.broker.adaptive import AdaptiveConfig, BatchSizeController, CostEstimate
+from carpool.broker.adaptive import AdaptiveConfig, BatchSizeController, CostEstimate, Lane
 from carpool.broker.batcher import RequestQueue
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.policy import (
@@ -26,7 +26,7 @@ from carpool.broker.policy import (
     FixedPolicy,
     QueueView,
 )
-from carpool.broker.registry import Lane, WorkerRegistry, WorkerState
+from carpool.broker.registry import WorkerRegistry, WorkerState
 from carpool.broker.requests import PendingRequest, RequestKey
 
 
@@ -107,16 +107,6 @@ class FleetModel:
     def ready_in_s(self, now: float, worker: WorkerState) -> float:
         """Predicted time until ``worker`` has finished the batches it holds."""
         return max(0.0, worker.free_at_s - now) if worker.outstanding else 0.0
-
-    def replan(self, now: float, worker: WorkerState) -> None:
-        """A batch just ended at ``now``: the worker's queue restarts from here."""
-        batches = self.registry.inflight.batches
-        ahead_s = 0.0  # (a loop, not sum() over a generator: one frame less a RESULT)
-        for batch_id in worker.outstanding:
-            batch = batches.get(batch_id)
-            if batch is not None:
-                ahead_s += batch.predicted_s
-        worker.free_at_s = now + ahead_s
 
     def capacity(self, now: float, worker: WorkerState, key: RequestKey) -> Capacity:
         lane = worker.lanes[key[0]]

@@ -1,10 +1,11 @@
 """inflight.py: InflightTable — the batches at workers, and the engine watchdog's timers.
 
-Pure: ``now`` comes in. The table belongs to the worker registry
-(:attr:`carpool.broker.registry.WorkerRegistry.inflight`): it keeps the batches at
-workers, by batch id and per worker. A batch enters when it is dispatched and leaves when
-its worker answers it, when the worker is lost or turns unhealthy, or when the broker
-stops; each worker's ``outstanding`` set (its credits in use) changes only here.
+Pure: ``now`` comes in. The table is the worker registry's own, changed only through
+its methods (:meth:`~carpool.broker.registry.WorkerRegistry.dispatched`, ``answered``,
+``take_all``): it keeps the batches at workers, by batch id and per worker. A batch
+enters when it is dispatched and leaves when its worker answers it, when the worker is
+lost or turns unhealthy, or when the broker stops; each worker's ``outstanding`` set
+(its credits in use) changes only here.
 
 The watchdog: a worker runs its batches in the order they came, so only the oldest batch
 at each worker (its head) is running. The head gets its ``watch_s`` (``max(factor ×

@@ -1,5 +1,6 @@
 """registry.py: the broker's table of workers — models, credits, liveness, load, and
-the batches at them (its :class:`~carpool.broker.inflight.InflightTable`).
+the batches at them (its own :class:`~carpool.broker.inflight.InflightTable`, changed
+only through the registry's methods: a batch dispatched, answered, or taken back).
 
 Pure: ``now`` is passed in. A worker is READY once it announced itself; it is GONE after it
 said DISCONNECT, missed ``liveness`` heartbeat intervals, or could not be sent to.
@@ -26,82 +27,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NewType
 
-from carpool.broker.adaptive import BatchSizeController, CostEstimate, LatencyModel
-from carpool.broker.inflight import InflightTable
+from carpool.broker.adaptive import Lane
+from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.limits import violation
-from carpool.broker.requests import RequestKey
+from carpool.broker.requests import PendingRequest, RequestKey
 from carpool.common.protocol import ModelSpec, Ready, Telemetry
 
-#: What :meth:`Lane.overhead` answers while no ``cpu_ms`` came (never written).
-_NO_OVERHEAD = CostEstimate()
-
 WorkerId = NewType("WorkerId", bytes)
-
-
-@dataclass(slots=True)
-class Lane:
-    """What the broker learns about one model on one worker."""
-
-    # Adaptive B_max; None under policies that keep B_max fixed.
-    controller: BatchSizeController | None
-    max_batch: int  # the engine's limit (a request may not carry more samples)
-    cap: int = 0  # the configured B_max, if lower than the engine's limit (0: none)
-    latency: dict[RequestKey, LatencyModel] = field(default_factory=dict)
-    # The worker's CPU per batch outside its engine (RESULT ``cpu_ms``), fitted as the
-    # engine's time is: per key, against the batch's samples.
-    cpu: dict[RequestKey, LatencyModel] = field(default_factory=dict)
-    last_key: RequestKey | None = None
-
-    @property
-    def batch_limit(self) -> int:
-        """The current B_max: the adaptive size, within the configured and engine limits."""
-        limit = min(self.max_batch, self.cap) if self.cap else self.max_batch
-        if self.controller is None:
-            return limit
-        return min(limit, self.controller.batch_size)
-
-    @property
-    def bound_by(self) -> str:
-        """Which limit sets :attr:`batch_limit`: ``"adaptive"`` (the controller's size,
-        below both caps), ``"broker"`` (its max_batch, below the engine's limit) or
-        ``"worker"`` (the engine's limit, which a larger broker cap cannot raise)."""
-        limit = min(self.max_batch, self.cap) if self.cap else self.max_batch
-        if self.controller is not None and self.controller.batch_size < limit:
-            return "adaptive"
-        return "broker" if self.cap and self.cap < self.max_batch else "worker"
-
-    def cost(self, key: RequestKey | None) -> CostEstimate:
-        model = self.latency.get(key) if key is not None else None
-        return model.cost if model is not None else CostEstimate()
-
-    def overhead(self, key: RequestKey) -> CostEstimate:
-        """The worker's fitted CPU per batch of ``key`` outside its engine (none known:
-        zero)."""
-        model = self.cpu.get(key)
-        return model.cost if model is not None else _NO_OVERHEAD
-
-    #: Item shapes whose costs a lane remembers (clients choose shapes; keep it bounded).
-    MAX_SHAPES = 64
-
-    def observe(self, key: RequestKey, samples: int, duration_s: float) -> bool:
-        """Teach the key's cost fit a batch; True when the fit will change."""
-        self.last_key = key
-        return _fit_of(self.latency, key).observe(samples, duration_s)
-
-    def observe_cpu(self, key: RequestKey, samples: int, cpu_s: float) -> None:
-        """Teach the key's overhead fit a batch's ``cpu_ms`` (in seconds)."""
-        _fit_of(self.cpu, key).observe(samples, cpu_s)
-
-
-def _fit_of(fits: dict[RequestKey, LatencyModel], key: RequestKey) -> LatencyModel:
-    """The fit of ``key`` in ``fits``, made where there is none (the longest-known shape
-    goes when :attr:`Lane.MAX_SHAPES` are known: clients choose shapes)."""
-    model = fits.get(key)
-    if model is None:
-        if len(fits) >= Lane.MAX_SHAPES:
-            del fits[next(iter(fits))]
-        model = fits[key] = LatencyModel()
-    return model
 
 
 class Health(Enum):
@@ -167,8 +99,9 @@ class WorkerRegistry:
         self, *, liveness: int = 3, watchdog_factor: float = 5.0, watchdog_slack_s: float = 1.0
     ) -> None:
         self.liveness = liveness
-        #: The batches at the workers (each worker's ``outstanding`` changes only there).
-        self.inflight = InflightTable(
+        # The batches at the workers: each worker's ``outstanding`` (its credits in use)
+        # and ``free_at_s`` change only through the methods of "The batches at workers".
+        self._inflight = InflightTable(
             watchdog_factor=watchdog_factor, watchdog_slack_s=watchdog_slack_s
         )
         self._workers: dict[WorkerId, WorkerState] = {}
@@ -330,6 +263,85 @@ class WorkerRegistry:
             worker.credits = slots
         else:
             worker.credits = min(1, slots) if health is Health.PROBATION else 0
+
+    # ------------------------------------------------------------ the batches at workers
+
+    def dispatched(
+        self,
+        now: float,
+        worker: WorkerState,
+        requests: list[PendingRequest],
+        key: RequestKey,
+        samples: int,
+        predicted_s: float,
+    ) -> InflightBatch:
+        """A batch of ``requests`` leaves for ``worker``, predicted to take
+        ``predicted_s`` (0: its lane knows no cost of ``key``): numbered, watched
+        (:meth:`InflightTable.limit_s`; with no prediction, the slowest estimate another
+        worker of the model has, else until its last deadline, since slow cannot be told
+        from hung), and held at the worker, whose predicted free time moves past it."""
+        table = self._inflight
+        watch_s = predicted_s
+        if watch_s <= 0:
+            model = key[0]
+            for w in self.serving(model):
+                watch_s = max(watch_s, w.lanes[model].cost(key).estimate(samples))
+        if watch_s > 0:
+            watch_s = table.limit_s(watch_s)
+        else:
+            watch_s = max(table.watchdog_slack_s, max(r.deadline_s for r in requests) - now)
+        batch = InflightBatch(
+            table.next_id(), worker.wid, requests, key, samples, predicted_s, watch_s, sent_s=now
+        )
+        table.add(now, worker, batch)
+        worker.free_at_s = max(now, worker.free_at_s) + predicted_s
+        return batch
+
+    def answered(self, now: float, worker: WorkerState, batch_id: int) -> InflightBatch | None:
+        """The batch ``worker`` answered, no longer at it (None: it no longer holds it,
+        :meth:`InflightTable.take`); the worker's queue restarts from ``now``."""
+        table = self._inflight
+        batch = table.take(now, worker, batch_id)
+        if batch is not None:
+            batches, ahead_s = table.batches, 0.0  # (a loop: no generator's frame)
+            for held in worker.outstanding:
+                other = batches.get(held)
+                if other is not None:
+                    ahead_s += other.predicted_s
+            worker.free_at_s = now + ahead_s
+        return batch
+
+    def answered_late(self, worker: WorkerState, batch_id: int) -> InflightBatch | None:
+        """The batch ``worker`` hung on, if ``batch_id`` is it (its late answer)."""
+        return self._inflight.take_hung(worker, batch_id)
+
+    def take_all(self, worker: WorkerState) -> list[InflightBatch]:
+        """Every batch ``worker`` holds, no longer at it, newest first (it holds none:
+        free now)."""
+        worker.free_at_s = 0.0
+        return self._inflight.take_all(worker)
+
+    def overdue(self, now: float) -> list[InflightBatch]:
+        """The batches whose watchdog time has come (:meth:`InflightTable.overdue`)."""
+        return self._inflight.overdue(now)
+
+    def hung(self, batch: InflightBatch) -> None:
+        """``batch`` outran the watchdog and left with its worker's others: its late
+        answer still teaches the lane (:meth:`answered_late`)."""
+        self._inflight.remember_hung(batch)
+
+    def next_due_s(self) -> float | None:
+        """The earliest watchdog time of a batch at a worker (None: none)."""
+        return self._inflight.next_due_s()
+
+    @property
+    def batches_held(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def batch_changes(self) -> int:
+        """Batches added or taken so far (the core's ``changes`` reads it)."""
+        return self._inflight.changes
 
     def touch(self, now: float, wid: WorkerId) -> WorkerState | None:
         state = self._workers.get(wid)

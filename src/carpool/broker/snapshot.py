@@ -11,9 +11,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from carpool.broker.adaptive import CostEstimate
+from carpool.broker.adaptive import CostEstimate, Lane
 from carpool.broker.config import BatchingConfig
-from carpool.broker.registry import Lane, WorkerRegistry
+from carpool.broker.registry import WorkerRegistry
 from carpool.broker.stats import BrokerStats
 
 

@@ -290,13 +290,12 @@ class WorkerEvents:
         out: list[Outgoing],
         compute_ms: float = 0.0,
     ) -> InflightBatch | None:
-        table = self.registry.inflight
-        batch = table.take(now, worker, batch_id)
+        batch = self.registry.answered(now, worker, batch_id)
         if batch is None:
             # A batch this worker no longer owns (it was requeued after a presumed loss, or
             # the watchdog gave up on it): dropped, but the engine did finish something.
             self.notes.late_results += 1
-            hung = table.take_hung(worker, batch_id)
+            hung = self.registry.answered_late(worker, batch_id)
             if hung is not None:
                 # The batch that outran the watchdog: its time teaches the lane all the
                 # same, or a model slower than the slack could never be served.
@@ -304,7 +303,6 @@ class WorkerEvents:
             if worker.health is Health.UNHEALTHY:
                 self._recovered(now, worker, "a late answer came", out)
             return None
-        self.fleet.replan(now, worker)
         return batch
 
     def _learn(self, worker: WorkerState, batch: InflightBatch, compute_ms: float) -> None:
@@ -364,7 +362,7 @@ class WorkerEvents:
     def on_watchdog(self, now: float, out: list[Outgoing]) -> None:
         """Batches have outrun the watchdog: their workers turn UNHEALTHY, and everything
         those hold goes back to the queues as a lost worker's does."""
-        for batch in self.registry.inflight.overdue(now):
+        for batch in self.registry.overdue(now):
             worker = self.registry.get(batch.worker)
             if worker is None or batch.batch_id not in worker.outstanding:
                 continue
@@ -381,15 +379,14 @@ class WorkerEvents:
             self.registry.set_health(now, worker, Health.UNHEALTHY)
             self.fleet.rates.clear()  # its share of the fleet's rate changed
             self.notes.unhealthy += 1
-            worker.free_at_s = now
             msg = f"worker {worker.name} did not answer the request's batch in time (watchdog)"
             self._requeue(now, worker, msg, out)
-            self.registry.inflight.remember_hung(batch)
+            self.registry.hung(batch)
 
     def _requeue(self, now: float, worker: WorkerState, message: str, out: list[Outgoing]) -> None:
         """Take every batch ``worker`` holds; each request goes back to its queue while its
         attempts and deadline allow, or is answered UNAVAILABLE."""
-        for batch in self.registry.inflight.take_all(worker):
+        for batch in self.registry.take_all(worker):
             # Newest batch first and each batch back to front, so push_front keeps FIFO order.
             for req in reversed(batch.requests):
                 if req.state is not _DISPATCHED:

@@ -7,8 +7,7 @@ import logging
 
 import pytest
 
-from carpool.broker.adaptive import BatchSizeController
-from carpool.broker.registry import Lane
+from carpool.broker.adaptive import BatchSizeController, Lane
 from tests.unit.broker.harness import T0, W1, Broker, batches
 
 

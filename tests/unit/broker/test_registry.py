@@ -6,6 +6,7 @@ import pytest
 
 from carpool.broker.registry import HEALTH_MOVES, Health, WorkerId, WorkerRegistry
 from carpool.common.protocol import ModelSpec, Ready, TensorMeta
+from tests.unit.broker.pending import pending_request
 
 #: The queue key of model "m"'s requests of one item shape (the registry reads its model).
 KEY = ("m", (("x", "float32", (4,)),))
@@ -240,3 +241,24 @@ def test_all_lists_live_workers() -> None:
     reg.add(0.0, W3, ready("c", 1, spec("n")), 1.0)
     assert sorted(w.name for w in reg.all()) == ["a", "b", "c"]
     assert [w.name for w in reg.serving("n")] == ["c"]
+
+
+def test_the_batches_at_a_worker_change_its_credits_in_use_and_its_free_time() -> None:
+    """The registry holds the batches at its workers: a dispatch takes a credit and moves
+    the worker's predicted free time; an answer gives the credit back and restarts the
+    worker's queue from then; taking them all frees it. A batch with no prediction is
+    watched until its last deadline (slow cannot be told from hung)."""
+    reg = WorkerRegistry(watchdog_factor=5.0, watchdog_slack_s=1.0)
+    worker = reg.add(10.0, W1, ready("one", 3), 0.5)
+    first = reg.dispatched(10.0, worker, [pending_request(1)], KEY, 1, 0.2)
+    second = reg.dispatched(10.0, worker, [pending_request(2, deadline_s=40.0)], KEY, 1, 0.0)
+    assert (first.watch_s, second.watch_s) == (pytest.approx(1.2), pytest.approx(30.0))
+    assert (worker.outstanding, worker.free_slots) == ({first.batch_id, second.batch_id}, 1)
+    assert worker.free_at_s == pytest.approx(10.2)
+    assert reg.next_due_s() == pytest.approx(11.2)  # the head's: dispatched at 10.0
+    assert reg.answered(10.5, worker, first.batch_id) is first
+    assert reg.answered(10.5, worker, first.batch_id) is None  # answered once
+    assert worker.free_at_s == pytest.approx(10.5)  # (the second predicts nothing)
+    assert reg.next_due_s() == pytest.approx(40.5)  # the second is the head from 10.5
+    assert reg.take_all(worker) == [second]
+    assert (worker.outstanding, reg.batches_held, reg.next_due_s()) == (set(), 0, None)

@@ -60,7 +60,7 @@ def test_a_batch_past_its_limit_goes_to_another_worker(
     (msg,) = batches(b.request(start, 1, timeout_ms=10_000))
     assert msg.to == W1  # the tie goes to the first worker
     due = start + limit_s
-    assert b.core.inflight.next_due_s() == pytest.approx(due)
+    assert b.core.registry.next_due_s() == pytest.approx(due)
     assert b.core.next_wakeup(start + 0.001) <= due  # type: ignore[operator]
     assert batches(b.tick(math.nextafter(due, 0) - 1e-9)) == []
     assert health(b, W1) is Health.HEALTHY
@@ -82,7 +82,7 @@ def test_a_workers_first_batch_is_timed_by_what_another_worker_of_the_model_show
     b.ready(start, W2, slots=2)  # more free credits: the next batch goes to it
     (msg,) = batches(b.request(start, 1, timeout_ms=10_000))
     assert msg.to == W2
-    assert b.core.inflight.next_due_s() == pytest.approx(start + 2.0)  # 5 × W1's 0.4 s
+    assert b.core.registry.next_due_s() == pytest.approx(start + 2.0)  # 5 × W1's 0.4 s
 
 
 def test_without_any_prediction_a_batch_may_run_until_its_last_deadline() -> None:
@@ -93,7 +93,7 @@ def test_without_any_prediction_a_batch_may_run_until_its_last_deadline() -> Non
     b.request(T0, 1, timeout_ms=4_000)
     (msg,) = batches(b.request(T0, 2, timeout_ms=500))
     assert ids(msg) == [1, 2]
-    assert b.core.inflight.next_due_s() == pytest.approx(T0 + 4.0)
+    assert b.core.registry.next_due_s() == pytest.approx(T0 + 4.0)
     for t in (T0 + 1.0, T0 + 2.0, T0 + 3.0):
         b.heartbeat(t, W1)
         b.tick(t)
@@ -117,7 +117,7 @@ def test_a_batch_behind_another_is_timed_from_when_the_first_is_answered() -> No
     assert health(b, W1) is Health.HEALTHY
     # Its own limit (the lane now predicts more: at least predicted + 1 s) counts from
     # the answer to the first.
-    assert b.core.inflight.next_due_s() > answered + 1.0  # type: ignore[operator]
+    assert b.core.registry.next_due_s() > answered + 1.0  # type: ignore[operator]
     out, _ = b.result(start + 1.6, second, compute_ms=700.0)
     assert [(m.to, m.rid) for m in to_clients(out)] == [(C1, 2)]
     assert b.core.stats.unhealthy == 0
@@ -134,7 +134,7 @@ def test_a_worker_that_answers_in_time_is_never_marked() -> None:
         out, _ = b.result(now, msg, compute_ms=10.0)
         assert [m.rid for m in to_clients(out)] == [rid]
     assert b.core.stats.unhealthy == 0
-    assert b.core.inflight.next_due_s() is None  # nothing left to watch
+    assert b.core.registry.next_due_s() is None  # nothing left to watch
 
 
 # --------------------------------------------------------------------------- redispatch
@@ -286,5 +286,5 @@ def test_answered_batches_leave_no_timers_behind() -> None:
     for rid in range(1, 200):
         (msg,) = batches(b.request(T0, rid, timeout_ms=10_000))
         b.result(T0, msg, compute_ms=1.0)
-    assert b.core.inflight.next_due_s() is None
+    assert b.core.registry.next_due_s() is None
     assert b.core.next_wakeup(T0) == T0 + 1.0  # the heartbeat, not a stale timer

@@ -48,9 +48,8 @@ def dispatched(w: WorkerEvents, *seqs: int) -> InflightBatch:
     assert all(req.state is RequestState.DISPATCHED for req in reqs)
     worker = w.registry.get(W)
     assert worker is not None
-    table = w.registry.inflight
-    batch = InflightBatch(table.next_id(), W, reqs, reqs[0].key, len(reqs), 0.01, 1.0)
-    table.add(T0, worker, batch)
+    batch = w.registry.dispatched(T0, worker, reqs, reqs[0].key, len(reqs), 0.01)
+    assert worker.outstanding == {batch.batch_id}
     return batch
 
 
