@@ -252,7 +252,7 @@ def test_the_batches_at_a_worker_change_its_credits_in_use_and_its_free_time() -
     worker = reg.add(10.0, W1, ready("one", 3), 0.5)
     first = reg.dispatched(10.0, worker, [pending_request(1)], KEY, 1, 0.2)
     second = reg.dispatched(10.0, worker, [pending_request(2, deadline_s=40.0)], KEY, 1, 0.0)
-    assert (first.watch_s, second.watch_s) == (pytest.approx(1.2), pytest.approx(30.0))
+    assert [first.watch_s, second.watch_s] == pytest.approx([1.2, 30.0])
     assert (worker.outstanding, worker.free_slots) == ({first.batch_id, second.batch_id}, 1)
     assert worker.free_at_s == pytest.approx(10.2)
     assert reg.next_due_s() == pytest.approx(11.2)  # the head's: dispatched at 10.0
