@@ -283,10 +283,14 @@ class Backlog:
             if req.state is _DISPATCHED:
                 move(req, _DONE)
 
-    def failed(self, req: PendingRequest) -> None:
-        """``req``, at a worker, is answered with an error (its batch failed, its worker
-        was lost, or the broker stopped): it moves to FAILED. The caller answers it."""
+    def failed(self, req: PendingRequest) -> bool:
+        """``req`` is answered with an error where it is still at its worker (its batch
+        failed, its worker was lost, or the broker stopped): it moves to FAILED, and the
+        caller answers it. False: it was answered before (expired), and stays as it is."""
+        if req.state is not _DISPATCHED:
+            return False
         self._book.move(req, _FAILED)
+        return True
 
     def drop(self, key: RequestKey) -> None:
         """Forget an idle queue (it holds no request)."""

@@ -333,8 +333,7 @@ class WorkerEvents:
         self, batch: InflightBatch, code: ErrorCode, message: str, out: list[Outgoing]
     ) -> None:
         for req in batch.requests:
-            if req.state is _DISPATCHED:
-                self.backlog.failed(req)
+            if self.backlog.failed(req):
                 hint = None
                 if code is ErrorCode.OVERLOADED:  # (§12 wants a hint with it)
                     # The drain time of what waits ahead of it, and of itself.
@@ -399,6 +398,6 @@ class WorkerEvents:
                     self.backlog.requeue(req)
                     self.notes.requeued += 1
                 else:
-                    self.backlog.failed(req)
+                    self.backlog.failed(req)  # (it is at its worker: DISPATCHED, above)
                     out.append(request_error(self.notes, req, ErrorCode.UNAVAILABLE, message))
         self.changed_models.update(worker.models)

@@ -229,7 +229,9 @@ def test_answers_from_workers_move_the_requests_at_them_through_the_book() -> No
     backlog.add(failing)
     backlog.take(backlog.queues[failing.key], 1, 0.0, 0.0, False)
     assert backlog.held(failing.client) == (1, 16)
-    backlog.failed(failing)
+    assert backlog.failed(failing)
     assert failing.state is RequestState.FAILED
     assert backlog.held(failing.client) == (0, 0)
     assert book.by_origin == {}
+    assert not backlog.failed(batch[1])  # answered before (expired): left as it is
+    assert batch[1].state is RequestState.EXPIRED
