@@ -52,8 +52,8 @@ class Notes:
     """What a part did that the stats count, noted by the part and taken into
     :class:`BrokerStats` by the core (:meth:`BrokerStats.take`): the dispatcher and the
     worker events note, the core writes. Each list and count grows with the part's calls
-    until the core takes it: whenever the stats are read, which the core's sweep does
-    every half second (``BrokerCore.forget_unserved``)."""
+    until the core takes it: whenever the stats are read on the loop's thread
+    (``BrokerCore.stats``), which the core's sweep does every half second."""
 
     __slots__ = (
         "answered",
