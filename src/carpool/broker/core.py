@@ -42,9 +42,9 @@ from carpool.broker.fleet import FleetModel
 from carpool.broker.holding import HeldRequests
 from carpool.broker.intake import ClientIntake, Resends
 from carpool.broker.pumps import Pumps
-from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Outgoing, Side, ToClient, ToWorker, disconnect
-from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook
+from carpool.broker.requests import ClientId, Origin, PendingRequest, RequestBook, WorkerId
 from carpool.broker.snapshot import model_table, snapshot
 from carpool.broker.stats import BrokerStats
 from carpool.broker.workers import WorkerEvents

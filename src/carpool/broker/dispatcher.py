@@ -28,9 +28,9 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import RequestQueue
 from carpool.broker.fleet import FleetModel
 from carpool.broker.policy import BatchPolicy, Capacity, Dispatch, promotion_s
-from carpool.broker.registry import WorkerId, WorkerRegistry, WorkerState
+from carpool.broker.registry import WorkerRegistry, WorkerState
 from carpool.broker.replies import Outgoing, ToWorker, request_error
-from carpool.broker.requests import PendingRequest, RequestKey
+from carpool.broker.requests import PendingRequest, RequestKey, WorkerId
 from carpool.broker.stats import Notes
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import BatchItem, BatchMeta, BrokerBatch, Frame, TensorMeta

@@ -21,13 +21,18 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from carpool.broker.registry import WorkerId, WorkerState
-    from carpool.broker.requests import PendingRequest, RequestKey
+    from carpool.broker.requests import PendingRequest, RequestKey, WorkerId
+
+
+class Holder(Protocol):
+    """A worker as the table reads and writes it: the registry's ``WorkerState``."""
+
+    wid: WorkerId
+    outstanding: set[int]  # the ids of the batches at it: its credits in use
 
 
 @dataclass(slots=True)
@@ -66,9 +71,6 @@ class InflightTable:
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __iter__(self) -> Iterator[InflightBatch]:
-        return iter(self.batches.values())
-
     def next_id(self) -> int:
         self._batch_seq += 1
         return self._batch_seq
@@ -78,7 +80,7 @@ class InflightTable:
         gives up on its worker."""
         return max(self.watchdog_factor * predicted_s, predicted_s + self.watchdog_slack_s)
 
-    def add(self, now: float, worker: WorkerState, batch: InflightBatch) -> None:
+    def add(self, now: float, worker: Holder, batch: InflightBatch) -> None:
         self.changes += 1
         self.batches[batch.batch_id] = batch
         worker.outstanding.add(batch.batch_id)
@@ -94,7 +96,7 @@ class InflightTable:
         batch.due_s = now + batch.watch_s
         heapq.heappush(self._due, (batch.due_s, batch.batch_id))
 
-    def take(self, now: float, worker: WorkerState, batch_id: int) -> InflightBatch | None:
+    def take(self, now: float, worker: Holder, batch_id: int) -> InflightBatch | None:
         """The batch ``worker`` answered, out of the table; None if it no longer owns it
         (it was requeued after a presumed loss, or the watchdog gave up on it). When it
         was the head, the next batch's watchdog starts now."""
@@ -114,7 +116,7 @@ class InflightTable:
             self._arm(now, self.batches[order[0]])
         return batch
 
-    def take_all(self, worker: WorkerState) -> list[InflightBatch]:
+    def take_all(self, worker: Holder) -> list[InflightBatch]:
         """Every batch ``worker`` holds, out of the table, newest first."""
         self.changes += 1
         taken = []
@@ -132,7 +134,7 @@ class InflightTable:
         (one a worker) for :meth:`take_hung`."""
         self._hung[batch.worker] = batch
 
-    def take_hung(self, worker: WorkerState, batch_id: int) -> InflightBatch | None:
+    def take_hung(self, worker: Holder, batch_id: int) -> InflightBatch | None:
         """The batch ``worker`` hung on, if ``batch_id`` is it (out of the memory)."""
         batch = self._hung.get(worker.wid)
         if batch is None or batch.batch_id != batch_id:
@@ -165,10 +167,3 @@ class InflightTable:
                 return due_s
             heapq.heappop(due)  # answered already
         return None
-
-    def clear(self) -> None:
-        self.changes += 1
-        self.batches.clear()
-        self._order.clear()
-        self._due.clear()
-        self._hung.clear()

@@ -25,15 +25,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NewType
 
 from carpool.broker.adaptive import Lane
 from carpool.broker.inflight import InflightBatch, InflightTable
 from carpool.broker.limits import violation
-from carpool.broker.requests import PendingRequest, RequestKey
+from carpool.broker.requests import PendingRequest, RequestKey, WorkerId
 from carpool.common.protocol import ModelSpec, Ready, Telemetry
-
-WorkerId = NewType("WorkerId", bytes)
 
 
 class Health(Enum):

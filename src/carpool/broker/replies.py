@@ -39,8 +39,7 @@ from carpool.common.protocol import (
 )
 
 if TYPE_CHECKING:
-    from carpool.broker.registry import WorkerId
-    from carpool.broker.requests import ClientId, PendingRequest
+    from carpool.broker.requests import ClientId, PendingRequest, WorkerId
     from carpool.broker.stats import BrokerStats, Notes
 
 logger = logging.getLogger(__name__)

@@ -43,6 +43,9 @@ from typing import ClassVar, NewType
 from carpool.common.protocol import Frame, Priority, ShmRef
 
 ClientId = NewType("ClientId", bytes)
+#: A worker's routing id, as the registry knows it (here, beside the client's, so that
+#: the registry's in-flight table can name it without importing the registry).
+WorkerId = NewType("WorkerId", bytes)
 #: Who sent a request, as a copy of it is known by: (origin, request id), where the origin
 #: is the client's nonce (REQUEST ``client``), after its authenticated key under CURVE.
 Origin = tuple[bytes, int]

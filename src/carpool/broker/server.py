@@ -25,7 +25,7 @@ from carpool.broker.core import BrokerCore, Outgoing, Side, ToClient, ToWorker
 from carpool.broker.faults import BrokerFault, Fault, FaultPolicy
 from carpool.broker.frontend import Frontend
 from carpool.broker.metrics import BrokerMetrics
-from carpool.broker.registry import WorkerId
+from carpool.broker.requests import WorkerId
 from carpool.broker.trace import TraceWriter, recorded_models
 from carpool.broker.transports import BURST, Upstream, WorkerTransport
 from carpool.broker.transports.inprocess import EmbeddedWorker, InProcessWorkers

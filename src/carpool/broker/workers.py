@@ -21,7 +21,7 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.config import BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch
-from carpool.broker.registry import Health, WorkerId, WorkerRegistry, WorkerState
+from carpool.broker.registry import Health, WorkerRegistry, WorkerState
 from carpool.broker.replies import (
     Outgoing,
     ToClient,
@@ -30,7 +30,7 @@ from carpool.broker.replies import (
     request_error,
     retry_after_ms,
 )
-from carpool.broker.requests import RequestState
+from carpool.broker.requests import RequestState, WorkerId
 from carpool.broker.stats import Notes, batch_log, batch_record
 from carpool.common.errors import ErrorCode, ProtocolError
 from carpool.common.peer_names import peer_tag

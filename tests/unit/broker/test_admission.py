@@ -16,9 +16,9 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import request_key
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.fleet import FleetModel
-from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Refused
-from carpool.broker.requests import ClientId, RequestBook, RequestKey
+from carpool.broker.requests import ClientId, RequestBook, RequestKey, WorkerId
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import ModelSpec, Priority, Ready, TensorMeta
 from tests.unit.broker.pending import pending_request

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, Side
-from carpool.broker.registry import WorkerId
+from carpool.broker.requests import WorkerId
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     Command,

@@ -12,7 +12,7 @@ import pytest
 
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.core import BrokerCore, ToClient, ToWorker
-from carpool.broker.registry import WorkerId
+from carpool.broker.requests import WorkerId
 from carpool.common.protocol import (
     BatchMeta,
     BrokerBatch,

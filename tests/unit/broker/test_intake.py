@@ -13,9 +13,9 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.intake import ClientIntake
-from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Refused
-from carpool.broker.requests import ClientId, PendingRequest, RequestBook
+from carpool.broker.requests import ClientId, PendingRequest, RequestBook, WorkerId
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import (
     ModelSpec,

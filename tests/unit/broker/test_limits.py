@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from carpool.broker.limits import hull, refusal, takes, violation
 from carpool.broker.metadata import describe
-from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.registry import WorkerRegistry
+from carpool.broker.requests import WorkerId
 from carpool.common.protocol import (
     MetadataRequest,
     ModelMetadata,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.broker.registry import HEALTH_MOVES, Health, WorkerId, WorkerRegistry
+from carpool.broker.registry import HEALTH_MOVES, Health, WorkerRegistry
+from carpool.broker.requests import WorkerId
 from carpool.common.protocol import ModelSpec, Ready, TensorMeta
 from tests.unit.broker.pending import pending_request
 

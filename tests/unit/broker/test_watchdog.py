@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from carpool.broker.registry import Health, WorkerId
+from carpool.broker.registry import Health
+from carpool.broker.requests import WorkerId
 from carpool.common.errors import ErrorCode
 from carpool.common.protocol import Command, encode
 from tests.unit.broker.harness import C1, C2, T0, W1, W2, Broker, Msg, batches, ids, to_clients

@@ -10,9 +10,9 @@ from carpool.broker.backlog import Backlog
 from carpool.broker.config import BatchingConfig, BrokerConfig
 from carpool.broker.fleet import FleetModel
 from carpool.broker.inflight import InflightBatch
-from carpool.broker.registry import WorkerId, WorkerRegistry
+from carpool.broker.registry import WorkerRegistry
 from carpool.broker.replies import Outgoing, ToClient, ToWorker
-from carpool.broker.requests import RequestBook, RequestState
+from carpool.broker.requests import RequestBook, RequestState, WorkerId
 from carpool.broker.workers import WorkerEvents
 from carpool.common.protocol import (
     BrokerDisconnect,
