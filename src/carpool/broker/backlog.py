@@ -110,18 +110,23 @@ class Backlog:
             per_model = self.queued_samples[req.model] = [0, 0]
         per_model[priority] += samples
         tally = queue.tally or self._tally(queue)
-        # (BatchTally.add, inlined: speed: docs/benchmarks.md "Why the hot path looks as it does")
+        # (BatchTally.add, inlined, recounting only a count that grows past its batches'
+        # samples) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        unit = tally.unit
         if priority:
-            tally.bulk += samples
+            tally.bulk = bulk = tally.bulk + samples
+            interactive = tally.interactive
         else:
-            tally.interactive += samples
-        interactive, unit, totals = tally.interactive, tally.unit, tally.totals
-        first = -(-interactive // unit)
-        every = -(-(interactive + tally.bulk) // unit)
-        totals[0] += first - tally.first
-        totals[1] += every - tally.every
-        tally.first = first
-        tally.every = every
+            tally.interactive = interactive = tally.interactive + samples
+            bulk = tally.bulk
+            if interactive > tally.first * unit:
+                first = -(-interactive // unit)
+                tally.totals[0] += first - tally.first
+                tally.first = first
+        if interactive + bulk > tally.every * unit:
+            every = -(-(interactive + bulk) // unit)
+            tally.totals[1] += every - tally.every
+            tally.every = every
         # (DeadlineHeap.push, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
         deadlines = self.deadlines
         heap = deadlines.entries
@@ -271,17 +276,12 @@ class Backlog:
     def expire_taken(self, requests: Iterable[PendingRequest]) -> None:
         """Requests taken into a batch that would finish past their deadlines (the
         dispatcher drops them before it sends the batch): each moves to EXPIRED."""
-        move = self._book.move
-        for req in requests:
-            move(req, _EXPIRED)
+        self._book.move_all(requests, _DISPATCHED, _EXPIRED)
 
     def answered(self, requests: Iterable[PendingRequest]) -> None:
         """A batch's RESULT came: those of its ``requests`` still at their worker (not
         expired meanwhile) move to DONE. The caller answers them."""
-        move = self._book.move
-        for req in requests:
-            if req.state is _DISPATCHED:
-                move(req, _DONE)
+        self._book.move_all(requests, _DISPATCHED, _DONE)
 
     def failed(self, req: PendingRequest) -> bool:
         """``req`` is answered with an error where it is still at its worker (its batch

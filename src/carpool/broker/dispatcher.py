@@ -211,10 +211,10 @@ class Dispatcher:
                 leaving = min(leaving, queue.samples)
                 idle = self.fleet.idle_workers(model, workers, worker, first.samples, leaving)
                 size = min(engine_max, max(first.samples, -(-leaving // idle)))
+            queued = queue.samples
             requests = self.backlog.take(queue, size, now, promote_s, policy.edf)
-            released = (
-                max(0, leaving - sum(r.samples for r in requests)) if policy.share_idle else 0
-            )
+            # (what left counted by the queue, not summed again)
+            released = max(0, leaving - (queued - queue.samples)) if policy.share_idle else 0
             if policy.edf and capacity.cost.calibrated:
                 requests = self._drop_doomed(now, requests, capacity, out)
                 if not requests:
@@ -299,14 +299,15 @@ class Dispatcher:
         batch_id = held.batch_id
         batch = DispatchedBatch(batch_id, model, inputs[0], requests, payloads, now, inputs[1])
         self.notes.batches.append((model, samples))
-        logger.debug(
-            "dispatch batch=%d model=%s n=%d worker=%s reason=%s",
-            batch_id,
-            model,
-            samples,
-            worker.name,
-            reason,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # (one call a batch, not two)
+            logger.debug(
+                "dispatch batch=%d model=%s n=%d worker=%s reason=%s",
+                batch_id,
+                model,
+                samples,
+                worker.name,
+                reason,
+            )
         return ToWorker(worker.wid, batch)
 
     def expire(self, now: float, out: list[Outgoing]) -> AbstractSet[RequestKey]:

@@ -17,7 +17,8 @@ table, and one method applies it)::
 DONE, EXPIRED and FAILED are final: the request has had its one reply.
 
 Rules:
-- :meth:`RequestBook.move` is the only writer of ``PendingRequest.state``; a move not in
+- :meth:`RequestBook.move` (and :meth:`RequestBook.move_all`, the same for a batch's
+  requests) is the only writer of ``PendingRequest.state``; a move not in
   :data:`TRANSITIONS` raises :class:`IllegalTransition`.
 - A request that reaches a final state drops its payload frames in the same move, so
   answered requests hold no tensor memory.
@@ -35,7 +36,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar, NewType
@@ -161,7 +162,8 @@ def count_out(tally: dict[ClientId, list[int]], client: ClientId, nbytes: int) -
 
 
 class RequestBook:
-    """The owner of request state: every move of every request goes through :meth:`move`."""
+    """The owner of request state: every move of every request goes through :meth:`move`
+    (or :meth:`move_all`, a batch's)."""
 
     #: Watchers of every book's moves (class-wide: brokers are built inside servers).
     observers: ClassVar[list[Observer]] = []
@@ -202,9 +204,9 @@ class RequestBook:
 
     def move(self, req: PendingRequest, to: RequestState) -> None:
         """Move ``req`` to state ``to``; raise :class:`IllegalTransition` if the table
-        has no such edge. The only assignment to ``PendingRequest.state``. A request
-        that reaches a final state drops its payload frames now (not at its deadline,
-        when its deadline-heap entry goes)."""
+        has no such edge. With :meth:`move_all`'s, the only assignment to
+        ``PendingRequest.state``. A request that reaches a final state drops its payload
+        frames now (not at its deadline, when its deadline-heap entry goes)."""
         frm = req.state
         if to not in _TARGETS[frm._value_]:
             raise IllegalTransition(frm, to)
@@ -226,3 +228,33 @@ class RequestBook:
         if self.observers:
             for observe in self.observers:
                 observe(frm, to)
+
+    def move_all(
+        self, requests: Iterable[PendingRequest], frm: RequestState, to: RequestState
+    ) -> None:
+        """:meth:`move` each of ``requests`` that is in state ``frm`` to ``to``; the others
+        stay as they are. One call for a batch (its RESULT, or the requests of a batch
+        that would finish too late); raises :class:`IllegalTransition` if the table has
+        no such edge, before any request moves."""
+        if to not in _TARGETS[frm._value_]:
+            raise IllegalTransition(frm, to)
+        final, held, by_origin, observers = to in FINAL, self.held, self.by_origin, self.observers
+        for req in requests:
+            if req.state is not frm:
+                continue
+            req.state = to
+            self.changes += 1
+            if final:
+                req.payloads = ()
+                mine = held.get(req.client)  # (as move's)
+                if mine is not None:
+                    if mine[0] <= 1:
+                        del held[req.client]
+                    else:
+                        mine[0] -= 1
+                        mine[1] -= req.nbytes
+                if req.origin is not None:
+                    del by_origin[req.origin]
+            if observers:
+                for observe in observers:
+                    observe(frm, to)

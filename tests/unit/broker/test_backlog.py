@@ -6,6 +6,7 @@ fit, ``shed`` the hopeless ones, ``remove`` one that leaves unbatched."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from carpool.broker.backlog import Backlog
 from carpool.broker.batcher import (
@@ -211,6 +212,34 @@ def test_queued_samples_count_as_batches_of_their_own_key() -> None:
         backlog.drop(key)
     assert backlog.queued_batches == {"m": [0, 0]}
     assert backlog.alone(RequestQueue(five.key))
+
+
+def test_batch_counts_stay_those_of_a_full_recount_as_requests_come_and_go() -> None:
+    """A request that joins recounts its key's batches only when its samples pass what
+    the counted batches hold; after every add and removal the counts equal a recount."""
+    rng = random.Random(7)
+    backlog = Backlog(RequestBook(), lambda key: 4)
+    queued: list[PendingRequest] = []
+    for seq in range(1, 300):
+        if queued and rng.random() < 0.4:
+            r = queued.pop(rng.randrange(len(queued)))
+            backlog.remove(backlog.queues[r.key], r)
+        else:
+            priority = rng.choice((Priority.INTERACTIVE, Priority.BULK))
+            r = _of_width(req(seq, rng.randint(1, 6), priority), rng.choice((3, 5)))
+            backlog.add(r)
+            queued.append(r)
+        totals = [0, 0]
+        for queue in backlog.queues.values():
+            tally = queue.tally
+            assert tally is not None
+            interactive = sum(q.samples for q in queue if not q.priority)
+            every = interactive + sum(q.samples for q in queue if q.priority)
+            assert (tally.interactive, tally.interactive + tally.bulk) == (interactive, every)
+            assert (tally.first, tally.every) == (-(-interactive // 4), -(-every // 4))
+            totals[0] += tally.first
+            totals[1] += tally.every
+        assert backlog.queued_batches == {"m": totals}
 
 
 def test_answers_from_workers_move_the_requests_at_them_through_the_book() -> None:

@@ -160,15 +160,51 @@ def test_only_the_book_writes_a_request_state() -> None:
             )
             if not own:
                 writers.append(f"{path.relative_to(SRC)}:{getattr(node, 'lineno', '?')} {where}")
+    move, move_all = _move_lines()
     assert writers == [
-        f"carpool/broker/requests.py:{_move_line()} RequestBook.move",
+        f"carpool/broker/requests.py:{move} RequestBook.move",
+        f"carpool/broker/requests.py:{move_all} RequestBook.move_all",
     ]
 
 
-def _move_line() -> int:
+def _move_lines() -> list[int]:
     source = (SRC / "carpool/broker/requests.py").read_text()
-    (line,) = [i for i, text in enumerate(source.splitlines(), 1) if "req.state = to" in text]
-    return line
+    return [i for i, text in enumerate(source.splitlines(), 1) if "req.state = to" in text]
+
+
+@pytest.mark.parametrize(
+    ("frm", "to"),
+    list(itertools.product(RequestState, RequestState)),
+    ids=lambda s: s.name,
+)
+def test_move_all_moves_a_batch_as_move_moves_each(
+    book: RequestBook, frm: RequestState, to: RequestState
+) -> None:
+    """For every pair: the requests in ``frm`` move as :meth:`move` moves them (the
+    book's per-client counts and origin index too), the others stay; a pair the table
+    lacks raises before anything moves."""
+    one_by_one = RequestBook()
+    batch, alone = [request(seq) for seq in (1, 2, 3)], [request(seq) for seq in (1, 2, 3)]
+    for i, (r, s) in enumerate(zip(batch, alone, strict=True)):
+        for req, owner in ((r, book), (s, one_by_one)):
+            req.origin = (b"nonce", i)
+            owner.enter(req)
+            for state in PATHS[frm] if i != 1 else PATHS[Q if frm is not Q else D]:
+                owner.move(req, state)
+    if (frm, to) not in TRANSITIONS:
+        with pytest.raises(IllegalTransition):
+            book.move_all(batch, frm, to)
+        assert [r.state for r in batch] == [s.state for s in alone]
+        return
+    book.move_all(batch, frm, to)
+    for s in alone:
+        if s.state is frm:
+            one_by_one.move(s, to)
+    assert [(r.state, len(r.payloads)) for r in batch] == [
+        (s.state, len(s.payloads)) for s in alone
+    ]
+    assert book.held == one_by_one.held
+    assert book.by_origin.keys() == one_by_one.by_origin.keys()
 
 
 def test_the_writer_check_sees_the_forms_of_a_write() -> None:
