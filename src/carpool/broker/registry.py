@@ -22,7 +22,7 @@ the broker forgets it (:meth:`WorkerRegistry.unserved_for`, :meth:`WorkerRegistr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -101,6 +101,10 @@ class WorkerRegistry:
         self._inflight = InflightTable(
             watchdog_factor=watchdog_factor, watchdog_slack_s=watchdog_slack_s
         )
+        #: The earliest watchdog time of a batch at a worker (None: none): the table's
+        #: own method, asked every loop turn.
+        #: speed: docs/benchmarks.md "Why the hot path looks as it does"
+        self.next_due_s: Callable[[], float | None] = self._inflight.next_due_s
         self._workers: dict[WorkerId, WorkerState] = {}
         self._by_model: dict[str, list[WorkerState]] = {}
         # The spec per model name: the first READY's while any live worker serves the
@@ -326,10 +330,6 @@ class WorkerRegistry:
         """``batch`` outran the watchdog and left with its worker's others: its late
         answer still teaches the lane (:meth:`answered_late`)."""
         self._inflight.remember_hung(batch)
-
-    def next_due_s(self) -> float | None:
-        """The earliest watchdog time of a batch at a worker (None: none)."""
-        return self._inflight.next_due_s()
 
     @property
     def batches_held(self) -> int:

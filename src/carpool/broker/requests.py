@@ -239,22 +239,26 @@ class RequestBook:
         if to not in _TARGETS[frm._value_]:
             raise IllegalTransition(frm, to)
         final, held, by_origin, observers = to in FINAL, self.held, self.by_origin, self.observers
-        for req in requests:
-            if req.state is not frm:
-                continue
-            req.state = to
-            self.changes += 1
-            if final:
-                req.payloads = ()
-                mine = held.get(req.client)  # (as move's)
-                if mine is not None:
-                    if mine[0] <= 1:
-                        del held[req.client]
-                    else:
-                        mine[0] -= 1
-                        mine[1] -= req.nbytes
-                if req.origin is not None:
-                    del by_origin[req.origin]
-            if observers:
-                for observe in observers:
-                    observe(frm, to)
+        moved = 0  # (counted even where a move raises: the core's changes must see it)
+        try:
+            for req in requests:
+                if req.state is not frm:
+                    continue
+                req.state = to
+                moved += 1
+                if final:
+                    req.payloads = ()
+                    mine = held.get(req.client)  # (as move's)
+                    if mine is not None:
+                        if mine[0] <= 1:
+                            del held[req.client]
+                        else:
+                            mine[0] -= 1
+                            mine[1] -= req.nbytes
+                    if req.origin is not None:
+                        del by_origin[req.origin]
+                if observers:
+                    for observe in observers:
+                        observe(frm, to)
+        finally:
+            self.changes += moved

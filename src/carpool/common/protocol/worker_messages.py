@@ -93,7 +93,7 @@ def item_wire(
         "id": request_id,
         "n": samples,
         "simple": simple,
-        "queue_ms": round(queue_ms, 3),
+        "queue_ms": queue_ms,  # (not rounded: a float packs in 9 bytes either way)
     }
     if shm is not None:
         wire["shm"] = shm_wire(shm)
