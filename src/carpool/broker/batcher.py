@@ -143,9 +143,10 @@ class RequestQueue:
             self._long_samples -= long_.popleft()[1]
         while short and short[0][0] < now - self.SHORT_WINDOW_S:
             self._short_samples -= short.popleft()[1]
-        return max(
-            self._long_samples / self.LONG_WINDOW_S, self._short_samples / self.SHORT_WINDOW_S
-        )
+        steady = self._long_samples / self.LONG_WINDOW_S
+        burst = self._short_samples / self.SHORT_WINDOW_S
+        # (max, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        return burst if burst > steady else steady
 
     def _index(self, req: PendingRequest) -> list[_Entry]:
         return self._heaps[req.priority]

@@ -108,7 +108,10 @@ class Dispatcher:
             capacity = caps.get(w.wid)
             if capacity is None:
                 capacity = caps[w.wid] = self.fleet.capacity(now, w, key)
-            lead_s = min(lead_s, policy.shed_before(now, capacity) - now)
+            lead = policy.shed_before(now, capacity) - now
+            # (min, as a test) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            if lead < lead_s:
+                lead_s = lead
             if capacity.ready_in_s < ready_s:
                 ready_s = capacity.ready_in_s
         if lead_s <= 0:
@@ -201,20 +204,32 @@ class Dispatcher:
                     self.wake_s[key] = wake
                     return sent
                 # A request larger than the policy's size still travels alone rather than
-                # starve; `first` is taken first either way, so a batch is never empty.
-                leaving = min(engine_max, max(decision.max_samples, first.samples))
+                # starve; `first` is taken first either way, so a batch is never empty. (min
+                # and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
+                leaving = decision.max_samples
+                if first.samples > leaving:
+                    leaving = first.samples
+                if engine_max < leaving:
+                    leaving = engine_max
                 reason = decision.reason
             size = leaving
             if policy.share_idle:
                 # Several workers idle: each takes a share of what leaves now (workers run in
                 # parallel, so a batch each ends sooner than all of it on one worker).
-                leaving = min(leaving, queue.samples)
+                if queue.samples < leaving:
+                    leaving = queue.samples
                 idle = self.fleet.idle_workers(model, workers, worker, first.samples, leaving)
-                size = min(engine_max, max(first.samples, -(-leaving // idle)))
+                size = -(-leaving // idle)
+                if first.samples > size:
+                    size = first.samples
+                if engine_max < size:
+                    size = engine_max
             queued = queue.samples
             requests = self.backlog.take(queue, size, now, promote_s, policy.edf)
             # (what left counted by the queue, not summed again)
-            released = max(0, leaving - (queued - queue.samples)) if policy.share_idle else 0
+            released = leaving - (queued - queue.samples) if policy.share_idle else 0
+            if released < 0:
+                released = 0
             if policy.edf and capacity.cost.calibrated:
                 requests = self._drop_doomed(now, requests, capacity, out)
                 if not requests:

@@ -201,7 +201,7 @@ class FleetModel:
             queue.samples,
             head.arrival_s,
             urgent.deadline_s,
-            queue.arrival_sps(now) / max(1, workers),
+            queue.arrival_sps(now) / (workers if workers > 1 else 1),  # (max: see min_max)
         )
 
     @staticmethod

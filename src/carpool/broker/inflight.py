@@ -78,7 +78,8 @@ class InflightTable:
     def limit_s(self, predicted_s: float) -> float:
         """How long a batch predicted to take ``predicted_s`` may run before the watchdog
         gives up on its worker."""
-        return max(self.watchdog_factor * predicted_s, predicted_s + self.watchdog_slack_s)
+        scaled, slack = self.watchdog_factor * predicted_s, predicted_s + self.watchdog_slack_s
+        return slack if slack > scaled else scaled  # (max: see Capacity.hard_max)
 
     def add(self, now: float, worker: Holder, batch: InflightBatch) -> None:
         self.changes += 1

@@ -72,7 +72,8 @@ class Capacity:
 
     @property
     def hard_max(self) -> int:
-        return max(self.max_batch, self.engine_max)
+        # (max, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        return self.engine_max if self.engine_max > self.max_batch else self.max_batch
 
     def batch_cost(self) -> tuple[float, float]:
         """What a batch costs the worker's capacity, fixed and per sample: the engine's
@@ -124,7 +125,9 @@ class FixedPolicy:
     share_idle: bool = False
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
-        limit = min(self.max_batch, capacity.max_batch)
+        limit = capacity.max_batch  # (min, as a test: see Capacity.hard_max)
+        if self.max_batch <= limit:
+            limit = self.max_batch
         if queue.samples >= limit:
             return Dispatch(limit, FULL)
         leave_at = queue.oldest_arrival_s + self.max_wait_s
@@ -199,12 +202,17 @@ class DeadlinePolicy:
           and shrinks the next batch further, down to batches of one that shed nearly
           everything. A request the floor's batch cannot finish in time is shed instead.
         """
-        hard = min(self.max_batch, capacity.hard_max)
+        # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        hard = capacity.hard_max
+        if self.max_batch < hard:
+            hard = self.max_batch
         if floor is None:
             floor = self.floor(queue, capacity)
-        target = min(hard, max(capacity.max_batch, floor))
+        target = floor if floor > capacity.max_batch else capacity.max_batch
+        if hard < target:
+            target = hard
         if queue.samples > target:
-            return min(queue.samples, hard), False
+            return (hard if hard < queue.samples else queue.samples), False
         cost = capacity.cost
         if not cost.calibrated:
             return target, False
@@ -228,7 +236,8 @@ class DeadlinePolicy:
         """The smallest batch whose throughput n / (fixed + per_sample·n), at
         :meth:`Capacity.batch_cost`, keeps up with ``headroom`` × the arrival rate, within
         [1, B_max]. Below it a batch waits for it to fill."""
-        cap = min(self.max_batch, capacity.hard_max)
+        hard = capacity.hard_max
+        cap = hard if hard < self.max_batch else self.max_batch  # (min)
         demand = self.headroom * queue.arrival_sps
         if not capacity.cost.calibrated or demand <= 0:
             return 1

@@ -295,7 +295,8 @@ class WorkerRegistry:
             table.next_id(), worker.wid, requests, key, samples, predicted_s, watch_s, sent_s=now
         )
         table.add(now, worker, batch)
-        worker.free_at_s = max(now, worker.free_at_s) + predicted_s
+        free_at_s = worker.free_at_s  # (max of two, as a test: see Capacity.hard_max)
+        worker.free_at_s = (free_at_s if free_at_s > now else now) + predicted_s
         return batch
 
     def answered(self, now: float, worker: WorkerState, batch_id: int) -> InflightBatch | None:
