@@ -263,24 +263,28 @@ class ModelTimings:
         """Batches came back, each ``(now, requests, sent_s, compute_s)``: dispatched at
         ``sent_s``, answered at ``now``; the requests each answered (state DONE; the
         others were answered before, at their deadlines) are counted. Returns how many."""
-        arrivals: list[float] = []
-        ends: list[float] = []
+        arrivals: list[float] = []  # per request answered
+        ends: list[float] = []  # per batch that answered any: when, when sent, how many
         sent: list[float] = []
+        counts: list[int] = []
         compute, bounds = self.compute, TIME_BOUNDS_S
         for now, requests, sent_s, compute_s in batches:
             done = [r.arrival_s for r in requests if r.state is _DONE]
-            arrivals += done
-            ends += [now] * len(done)
-            sent += [sent_s] * len(done)
+            if done:
+                arrivals += done
+                ends.append(now)
+                sent.append(sent_s)
+                counts.append(len(done))
             if compute_s > 0:  # 0: not the batch's engine time (run request by request)
                 compute.counts[bisect_left(bounds, compute_s)] += 1
                 compute.sum += compute_s
         if not arrivals:
             return 0
-        arrived, answered_s = np.array(arrivals), np.array(ends)
+        arrived = np.fromiter(arrivals, np.float64, len(arrivals))
+        answered_s = np.repeat(np.array(ends), counts)  # (a batch's time for each request)
         latency = answered_s - arrived
         _observe(self.latency, latency)
-        _observe(self.wait, np.array(sent) - arrived)
+        _observe(self.wait, np.repeat(np.array(sent), counts) - arrived)
         self._keep(answered_s, latency)
         return len(arrivals)
 
