@@ -201,7 +201,8 @@ class FleetModel:
             queue.samples,
             head.arrival_s,
             urgent.deadline_s,
-            queue.arrival_sps(now) / (workers if workers > 1 else 1),  # (max: see min_max)
+            # (max, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+            queue.arrival_sps(now) / (workers if workers > 1 else 1),
         )
 
     @staticmethod

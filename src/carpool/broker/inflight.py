@@ -79,7 +79,8 @@ class InflightTable:
         """How long a batch predicted to take ``predicted_s`` may run before the watchdog
         gives up on its worker."""
         scaled, slack = self.watchdog_factor * predicted_s, predicted_s + self.watchdog_slack_s
-        return slack if slack > scaled else scaled  # (max: see Capacity.hard_max)
+        # (max, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        return slack if slack > scaled else scaled
 
     def add(self, now: float, worker: Holder, batch: InflightBatch) -> None:
         self.changes += 1

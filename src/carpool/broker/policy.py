@@ -125,7 +125,8 @@ class FixedPolicy:
     share_idle: bool = False
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
-        limit = capacity.max_batch  # (min, as a test: see Capacity.hard_max)
+        # (min, as a test) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        limit = capacity.max_batch
         if self.max_batch <= limit:
             limit = self.max_batch
         if queue.samples >= limit:
@@ -237,7 +238,8 @@ class DeadlinePolicy:
         :meth:`Capacity.batch_cost`, keeps up with ``headroom`` × the arrival rate, within
         [1, B_max]. Below it a batch waits for it to fill."""
         hard = capacity.hard_max
-        cap = hard if hard < self.max_batch else self.max_batch  # (min)
+        # (min, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        cap = hard if hard < self.max_batch else self.max_batch
         demand = self.headroom * queue.arrival_sps
         if not capacity.cost.calibrated or demand <= 0:
             return 1

@@ -295,7 +295,8 @@ class WorkerRegistry:
             table.next_id(), worker.wid, requests, key, samples, predicted_s, watch_s, sent_s=now
         )
         table.add(now, worker, batch)
-        free_at_s = worker.free_at_s  # (max of two, as a test: see Capacity.hard_max)
+        # (max, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        free_at_s = worker.free_at_s
         worker.free_at_s = (free_at_s if free_at_s > now else now) + predicted_s
         return batch
 
