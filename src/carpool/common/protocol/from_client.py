@@ -360,6 +360,15 @@ def decode_from_client(
     them); ``known``: the broker's remembered layouts. Never raises: a message that
     breaks the protocol is a :class:`ClientMalformed`."""
     count = len(frames)
+    # A DEALER's REQUEST first, as the rest would decode it.
+    # speed: docs/benchmarks.md "Why the hot path looks as it does"
+    if count > 1 and _HEADERS.get(_bytes(frames[0])) is _REQUEST:
+        meta: dict[str, Any] | None = None
+        try:
+            meta = decode_meta(frames[1], False)  # (arrays as tuples: see decode_request)
+            return decode_request(meta, frames[2:], known)
+        except ProtocolError as exc:
+            return ClientMalformed(request_id_of(meta), ErrorCode.INVALID_ARGUMENT, str(exc))
     delimited = count > 1 and not len(frames[0])
     if delimited:
         frames = frames[1:]
@@ -370,7 +379,7 @@ def decode_from_client(
         except ProtocolError as exc:
             code = _code_of(exc)
             return ClientMalformed(request_id_of(exc.meta), code, str(exc), delimited, True)
-    meta: dict[str, Any] | None = None
+    meta = None
     try:
         if not count:
             raise ProtocolError("empty message")
