@@ -187,7 +187,9 @@ def decode_request(
 ) -> Request[L]:
     """A REQUEST meta (or the map of a simple-form request) checked, with its payload
     frames; ``known``: the layouts a broker remembers (then ``layout`` is the value of
-    the request's, if it has one, frames included).
+    the request's, if it has one, frames included). Its arrays may be lists or tuples;
+    a layout's signature is built in C from tuples (as :func:`decode_from_client`
+    unpacks a REQUEST's meta), in Python from lists.
 
     Raises:
         ProtocolError: the meta breaks a rule (its message names which).
