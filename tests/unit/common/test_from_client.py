@@ -200,3 +200,59 @@ def test_a_malformed_simple_request_says_so_and_keeps_its_id() -> None:
     old = decode_from_client([codec.pack({"v": 2, "id": 8})])
     assert isinstance(old, ClientMalformed)
     assert (old.code, old.version) == (ErrorCode.UNSUPPORTED_VERSION, None)
+
+
+def request_frames(**changes: Any) -> list[Any]:
+    return [header(Command.REQUEST), codec.pack(meta(**changes)), *FRAMES]
+
+
+def test_a_remembered_layout_decodes_from_frames_with_its_value() -> None:
+    known = warm()
+    got = decode_from_client(request_frames(id=11), known)
+    assert isinstance(got, Request)
+    assert (got.layout, got.request_id, got.nbytes) == ("layout", 11, 32)
+    assert fields(got) == fields(decode_request(meta(id=11), FRAMES))
+    ref = {"region": "carpool-1-ab", "offset": 64, "key": KEY}
+    inputs = [{"name": "x", "dtype": "float32", "shape": [2, 4], "shm": ref}]
+    frames = [header(Command.REQUEST), codec.pack(meta(inputs=inputs)), b""]
+    got = decode_from_client(frames, known)
+    assert isinstance(got, Request)
+    assert (got.layout, got.shm, got.nbytes) == ("layout", (("carpool-1-ab", 64, KEY),), 0)
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        [{"name": "x", "dtype": "float32", "shape": [2, 4.0]}],  # equal to 4, a float
+        [{"name": "x", "dtype": "float32", "shape": [True, 4]}],  # (with [1, 4] remembered)
+        [{"name": "x", "dtype": "float32", "shape": [2, 4], "shm": "r"}],
+        [{"name": "x", "dtype": "float32", "shape": [2, [4]]}],
+        [{"name": "x", "dtype": "float32"}],
+        ["x"],
+        "x",
+        {"name": "x", "dtype": "float32", "shape": [2, 4]},
+        None,
+        [],
+    ],
+)
+def test_framed_inputs_off_a_remembered_layout_get_a_fresh_decoders_answer(inputs: Any) -> None:
+    known = warm()
+    known.remember(
+        decode_request(
+            meta(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4]}]), [b"\0" * 16]
+        ),
+        "one",
+    )
+    fresh = decode_from_client(request_frames(inputs=inputs))
+    got = decode_from_client(request_frames(inputs=inputs), known)
+    assert isinstance(fresh, ClientMalformed)
+    assert got == fresh
+
+
+def test_frames_of_other_lengths_than_a_remembered_layouts_have_no_value() -> None:
+    known = warm()
+    for payloads in ([b"\0" * 31], [b"\0" * 32] * 2, []):
+        frames = [header(Command.REQUEST), codec.pack(meta()), *payloads]
+        got = decode_from_client(frames, known)
+        assert isinstance(got, Request)
+        assert (got.layout, got.nbytes) == (None, sum(map(len, payloads)))

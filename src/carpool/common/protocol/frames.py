@@ -286,9 +286,27 @@ def optional_number(meta: dict[str, Any], key: str, default: float = 0.0) -> flo
     return float(value)
 
 
-def decode_meta(frame: bytes | memoryview) -> dict[str, Any]:
-    """Decode a meta frame into a map (bounded in size)."""
-    meta = unpack(frame)
+def decode_meta(frame: Frame, use_list: bool = True) -> dict[str, Any]:
+    """A meta frame (bytes, memoryview, zmq.Frame) as a map, by :func:`unpack`'s rules
+    and limits (its body inlined; speed: docs/benchmarks.md "Why the hot path looks as it
+    does"); ``use_list`` False: its arrays as tuples (hashable where their items are)."""
+    if len(frame) > MAX_META_BYTES:
+        raise ProtocolError(f"msgpack frame of {len(frame)} bytes exceeds {MAX_META_BYTES}")
+    try:
+        meta = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=use_list,
+            max_bin_len=MAX_META_BYTES,
+            max_str_len=MAX_META_BYTES,
+            max_array_len=MAX_META_BYTES,
+            max_map_len=MAX_META_BYTES,
+            max_ext_len=0,
+            ext_hook=_no_ext,
+        )
+    except Exception as exc:  # (as unpack's)
+        raise ProtocolError(f"malformed msgpack: {exc}") from None
     return meta if type(meta) is dict else require_map(meta, "meta")
 
 
@@ -326,7 +344,7 @@ class TensorMeta:
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}")
         shape = m.get("shape")
-        if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_RANK:
+        if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= MAX_RANK:
             # Rank >= 1: dim 0 is the batch (sample) dimension.
             raise ProtocolError(f"tensor {name!r}: shape must be a list of 1..{MAX_RANK} ints")
         low = -1 if allow_dynamic else 1
@@ -336,14 +354,14 @@ class TensorMeta:
                 if d == 0 and allow_empty and i > 0 and type(d) is int:
                     empty = True
                     continue
-                raise ProtocolError(f"tensor {name!r}: bad dimension {d!r} in shape {shape}")
+                raise ProtocolError(f"tensor {name!r}: bad dimension {d!r} in shape {list(shape)}")
         if empty:
             # An empty payload bounds nothing: the other dims could describe an array no
             # client can build (numpy refuses [1, 0, 2**61] float32). §14's limit.
             span = empty_span_bytes(shape, ITEMSIZE[dtype])
             if span > MAX_EMPTY_SPAN_BYTES:
                 raise ProtocolError(
-                    f"tensor {name!r}: shape {shape} spans {span} bytes without its zero "
+                    f"tensor {name!r}: shape {list(shape)} spans {span} bytes without its zero "
                     f"dims; at most {MAX_EMPTY_SPAN_BYTES}"
                 )
         return cls(name, dtype, tuple(shape))
@@ -364,7 +382,7 @@ def empty_span_bytes(shape: Sequence[int], itemsize: int) -> int:
 def tensor_list(
     obj: Any, what: str, *, allow_dynamic: bool = False, allow_empty: bool = False
 ) -> tuple[TensorMeta, ...]:
-    if not isinstance(obj, list) or not obj or len(obj) > MAX_TENSORS:
+    if not isinstance(obj, (list, tuple)) or not obj or len(obj) > MAX_TENSORS:
         raise ProtocolError(f"{what}: expected a list of 1..{MAX_TENSORS} tensors")
     tensors = tuple(
         TensorMeta.from_wire(t, allow_dynamic=allow_dynamic, allow_empty=allow_empty) for t in obj

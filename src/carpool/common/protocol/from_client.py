@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Generic, TypeVar, cast, overload
 
 from carpool.common.errors import ErrorCode, ProtocolError
@@ -53,6 +54,7 @@ from carpool.common.protocol.frames import (
     require_map,
     require_name,
     tensor_list,
+    tensor_signature,
     unpack,
     view,
 )
@@ -77,6 +79,8 @@ _REQUEST, _CANCEL, _STATS, _METADATA = (
 #: The one type of a shape's dims that matches a remembered layout (a bool or a float
 #: hashes like the int it equals).
 _INT = frozenset((int,))
+#: A tensor descriptor's (name, dtype, shape): its part of a layout's signature.
+_SIGNATURE = itemgetter("name", "dtype", "shape")
 #: The header frames of the commands a client sends, to their command: one lookup.
 _HEADERS = {header(c): c for c in (_REQUEST, _CANCEL, _STATS, _METADATA)}
 
@@ -183,7 +187,9 @@ def decode_request(
 ) -> Request[L]:
     """A REQUEST meta (or the map of a simple-form request) checked, with its payload
     frames; ``known``: the layouts a broker remembers (then ``layout`` is the value of
-    the request's, if it has one, frames included).
+    the request's, if it has one, frames included). Its arrays may be lists or tuples;
+    a layout's signature is built in C from tuples (as :func:`decode_from_client`
+    unpacks a REQUEST's meta), in Python from lists.
 
     Raises:
         ProtocolError: the meta breaks a rule (its message names which).
@@ -206,42 +212,59 @@ def decode_request(
         raise ProtocolError("request: priority must be 0 (interactive) or 1 (bulk)")
     raw: Any = meta.get("inputs")
     entry = None
-    if known is not None and known.layouts and type(raw) is list:
-        # (tensor_signature, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
-        signature: list[tuple[str, str, tuple[int, ...]]] = []
+    if known is not None and known.layouts:
+        # speed: docs/benchmarks.md "Why the hot path looks as it does"
+        try:  # (a meta unpacked with tuples: the signature built in C)
+            sig = (_SIGNATURE(raw[0]),) if len(raw) == 1 else tuple(map(_SIGNATURE, raw))
+            entry = known.layouts.get((model, sig))
+        except (KeyError, TypeError):  # not maps with the three keys, or lists (unhashable)
+            signature = tensor_signature(raw)
+            if signature is not None:
+                entry = known.layouts.get((model, signature))
+    shm = False  # an input is in shared memory
+    if entry is not None:
+        # A remembered layout's descriptors passed tensor_list when it was remembered; a
+        # bool or a float dim hashes and compares as the int it equals: refused here.
         for t in raw:
-            if type(t) is not dict:
+            for d in t["shape"]:
+                if type(d) is not int:
+                    entry = None
+            if "shm" in t:
+                shm = True
+    if entry is None:
+        inputs = tensor_list(raw, "request inputs")
+        shm = False
+        for t in raw:  # (maps: tensor_list checked them)
+            if "shm" in t:
+                shm = True
                 break
-            name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
-            if (
-                type(name) is not str
-                or type(dtype) is not str
-                or type(shape) is not list
-                or not _INT.issuperset(map(type, shape))
-            ):
-                break
-            signature.append((name, dtype, tuple(shape)))
-        else:
-            entry = known.layouts.get((model, tuple(signature)))
-    # A remembered layout's descriptors passed tensor_list when it was remembered.
-    inputs = tensor_list(raw, "request inputs") if entry is None else entry[0]
+    else:
+        inputs = entry[0]
     shm_outputs = meta.get("shm_outputs", False)
     if type(shm_outputs) is not bool:
         raise ProtocolError("request: shm_outputs must be true or false")
     nonce = meta.get("client")
     if nonce is not None:
         nonce = client_nonce_of(meta, "request")
-    refs = None
-    for t in raw:  # (maps: tensor_list or the cache checked them)
-        if "shm" in t:
-            refs = shm_refs(raw)
-            break
-    lengths = tuple(map(len, payloads))
+    refs = shm_refs(raw) if shm else None
     layout = None
-    if entry is not None and (
-        entry[1] == lengths if refs is None else _fit(entry[1], lengths, refs)
-    ):
-        layout = entry[2]  # (its frames are as long as the layout's)
+    if entry is None or refs is not None:
+        lengths = tuple(map(len, payloads))
+        nbytes = sum(lengths)
+        if entry is not None and refs is not None and _fit(entry[1], lengths, refs):
+            layout = entry[2]
+    else:  # (each frame as long as the layout's: its value)
+        sizes = entry[1]
+        fits = len(payloads) == len(sizes)
+        nbytes = i = 0
+        for frame in payloads:  # (a counter, not zip or enumerate: no iterator built)
+            length = len(frame)
+            nbytes += length
+            if fits and length != sizes[i]:
+                fits = False
+            i += 1  # noqa: SIM113
+        if fits:
+            layout = entry[2]
     return Request(
         rid,
         model,
@@ -252,7 +275,7 @@ def decode_request(
         shm_outputs,
         nonce,
         payloads,
-        sum(lengths),
+        nbytes,
         delimited,
         False,
         layout,
@@ -339,6 +362,15 @@ def decode_from_client(
     them); ``known``: the broker's remembered layouts. Never raises: a message that
     breaks the protocol is a :class:`ClientMalformed`."""
     count = len(frames)
+    # A DEALER's REQUEST first, as the rest would decode it.
+    # speed: docs/benchmarks.md "Why the hot path looks as it does"
+    if count > 1 and _HEADERS.get(_bytes(frames[0])) is _REQUEST:
+        meta: dict[str, Any] | None = None
+        try:
+            meta = decode_meta(frames[1], False)  # (arrays as tuples: see decode_request)
+            return decode_request(meta, frames[2:], known)
+        except ProtocolError as exc:
+            return ClientMalformed(request_id_of(meta), ErrorCode.INVALID_ARGUMENT, str(exc))
     delimited = count > 1 and not len(frames[0])
     if delimited:
         frames = frames[1:]
@@ -349,7 +381,7 @@ def decode_from_client(
         except ProtocolError as exc:
             code = _code_of(exc)
             return ClientMalformed(request_id_of(exc.meta), code, str(exc), delimited, True)
-    meta: dict[str, Any] | None = None
+    meta = None
     try:
         if not count:
             raise ProtocolError("empty message")
@@ -360,10 +392,8 @@ def decode_from_client(
         if command is _REQUEST:
             if count < 2:
                 raise ProtocolError("REQUEST needs a meta frame")
-            # (decode_meta, inlined) speed: docs/benchmarks.md "Why the hot path looks as it does"
-            meta = unpack(_view(frames[1]))
-            if type(meta) is not dict:
-                meta = require_map(meta, "meta")
+            # (arrays as tuples: an input's signature is hashable as it arrives)
+            meta = decode_meta(frames[1], False)
             return decode_request(meta, frames[2:], known, delimited=delimited)
         if command is _CANCEL:
             if count != 2:

@@ -37,6 +37,17 @@ from carpool.common.protocol.telemetry import Telemetry
 
 #: The RESULT header frame, built once.
 _RESULT = header(Command.RESULT)
+#: The commands a worker sends, as globals.
+# speed: docs/benchmarks.md "Why the hot path looks as it does"
+_READY, _RESULTS, _FAILED, _HEARTBEAT_, _DISCONNECT = (
+    Command.READY,
+    Command.RESULT,
+    Command.FAILED,
+    Command.HEARTBEAT,
+    Command.DISCONNECT,
+)
+#: The header frames of the commands a worker sends, to their command: one lookup.
+_HEADERS = {header(c): c for c in (_READY, _RESULTS, _FAILED, _HEARTBEAT_, _DISCONNECT)}
 
 
 @dataclass(slots=True)
@@ -260,19 +271,25 @@ def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
     if len(frames) < 2:
         return WorkerMalformed(None, "worker messages have a header and a meta frame")
     try:
-        command = parse_header(memoryview(frames[0]))
-        meta = decode_meta(memoryview(frames[1]))
+        # speed: docs/benchmarks.md "Why the hot path looks as it does"
+        command = _HEADERS.get(bytes(frames[0]))  # (a v1 header of a worker's command)
+        if command is None:
+            command = parse_header(memoryview(frames[0]))
+        meta = decode_meta(frames[1])
     except ProtocolError as exc:
         return WorkerMalformed(None, str(exc))
-    if command is Command.READY:
+    if command is _RESULTS:
+        try:
+            return WorkerResult(ResultMeta.from_wire(meta), frames[2:])
+        except ProtocolError as exc:
+            return WorkerMalformed(command, str(exc))
+    if command is _READY:
         try:
             return WorkerReady(Ready.from_wire(meta))
         except ProtocolError as exc:
             return WorkerMalformed(None, str(exc))
     try:
-        if command is Command.RESULT:
-            return WorkerResult(ResultMeta.from_wire(meta), frames[2:])
-        if command is Command.HEARTBEAT:
+        if command is _HEARTBEAT_:
             rho = meta.get("rho")
             busy_ms = meta.get("busy_ms")
             if not (isinstance(busy_ms, int) and not isinstance(busy_ms, bool) and busy_ms >= 0):
@@ -283,9 +300,9 @@ def decode_from_worker(frames: Sequence[Any]) -> FromWorker:
             if busy_ms is None and telemetry is None:
                 return _HEARTBEAT
             return WorkerHeartbeat(None, busy_ms, telemetry)
-        if command is Command.FAILED:
+        if command is _FAILED:
             return WorkerFailed(FailedMeta.from_wire(meta))
-        if command is Command.DISCONNECT:
+        if command is _DISCONNECT:
             reason = meta.get("reason", "")
             return WorkerDisconnect(reason if isinstance(reason, str) else "")
     except ProtocolError as exc:
