@@ -21,6 +21,17 @@ This module is pure: no I/O, no imports beyond the standard library.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
+
+
+def as_sent(value: Any) -> str:
+    """``repr`` of a decoded wire value as its sender wrote it, for an error message: an
+    array, which a decoder may read as a tuple, shown as a list."""
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(map(as_sent, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{as_sent(k)}: {as_sent(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 class ErrorCode(IntEnum):

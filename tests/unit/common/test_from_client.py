@@ -256,3 +256,36 @@ def test_frames_of_other_lengths_than_a_remembered_layouts_have_no_value() -> No
         got = decode_from_client(frames, known)
         assert isinstance(got, Request)
         assert (got.layout, got.nbytes) == (None, sum(map(len, payloads)))
+
+
+@pytest.mark.parametrize(
+    ("tensor", "shown"),
+    [
+        ({"name": "x", "dtype": [2, 3], "shape": [2, 3]}, "unsupported dtype [2, 3]"),
+        ({"name": "x", "dtype": "float32", "shape": [2, []]}, "bad dimension [] in shape [2, []]"),
+        (
+            {"name": "x", "dtype": "float32", "shape": [2, 4], "shm": {"region": ["carpool-r"]}},
+            "got ['carpool-r']",
+        ),
+        (
+            {
+                "name": "x",
+                "dtype": "float32",
+                "shape": [2, 4],
+                "shm": {"region": "carpool-1-ab", "offset": [4096], "key": KEY},
+            },
+            "got [4096]",
+        ),
+    ],
+)
+def test_an_error_shows_the_arrays_a_client_sent_as_it_sent_them(
+    tensor: dict[str, Any], shown: str
+) -> None:
+    """A REQUEST's meta decodes its arrays as tuples; a refusal that quotes one shows it
+    as the list the client wrote, as the simple form's (decoded with lists) does."""
+    for known in (None, warm()):
+        got = decode_from_client(
+            request_frames(inputs=[tensor]), *(() if known is None else (known,))
+        )
+        assert isinstance(got, ClientMalformed)
+        assert shown in got.message

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from carpool.common.errors import ProtocolError
+from carpool.common.errors import ProtocolError, as_sent
 from carpool.common.protocol.refs import MAX_REF_BYTES
 
 MAGIC = b"CP"
@@ -342,7 +342,7 @@ class TensorMeta:
         name = require_name(m.get("name"), "tensor")
         dtype = m.get("dtype")
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+            raise ProtocolError(f"tensor {name!r}: unsupported dtype {as_sent(dtype)}")
         shape = m.get("shape")
         if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= MAX_RANK:
             # Rank >= 1: dim 0 is the batch (sample) dimension.
@@ -354,7 +354,9 @@ class TensorMeta:
                 if d == 0 and allow_empty and i > 0 and type(d) is int:
                     empty = True
                     continue
-                raise ProtocolError(f"tensor {name!r}: bad dimension {d!r} in shape {list(shape)}")
+                raise ProtocolError(
+                    f"tensor {name!r}: bad dimension {as_sent(d)} in shape {as_sent(shape)}"
+                )
         if empty:
             # An empty payload bounds nothing: the other dims could describe an array no
             # client can build (numpy refuses [1, 0, 2**61] float32). §14's limit.

@@ -14,7 +14,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from carpool.common.errors import ProtocolError
+from carpool.common.errors import ProtocolError, as_sent
 
 #: Every region's file name starts with this.
 REGION_PREFIX = "carpool-"
@@ -62,11 +62,13 @@ def parse_ref(obj: Any, what: str, *, ring_ok: bool = False) -> ShmRef:
     key = obj.get("key")
     if not valid_region(region):
         raise ProtocolError(
-            f"{what}: shm region must match {REGION_PREFIX}[A-Za-z0-9_.-]{{1,200}}, got {region!r}"
+            f"{what}: shm region must match {REGION_PREFIX}[A-Za-z0-9_.-]{{1,200}}, "
+            f"got {as_sent(region)}"
         )
     if type(offset) is not int or not REGION_HEADER_BYTES <= offset <= MAX_OFFSET:
         raise ProtocolError(
-            f"{what}: shm offset must be an int in {REGION_HEADER_BYTES}..2**62, got {offset!r}"
+            f"{what}: shm offset must be an int in {REGION_HEADER_BYTES}..2**62, "
+            f"got {as_sent(offset)}"
         )
     if type(key) is not str or _KEY_RE.fullmatch(key) is None:
         raise ProtocolError(f"{what}: shm key must be {2 * KEY_BYTES} lowercase hex digits")
