@@ -196,10 +196,16 @@ def test_move_all_moves_a_batch_as_move_moves_each(
             book.move_all(batch, frm, to)
         assert [r.state for r in batch] == [s.state for s in alone]
         return
+    seen: list[tuple[RequestState, RequestState]] = []
+    RequestBook.observers.append(lambda a, b: seen.append((a, b)))
+    changes = book.changes, one_by_one.changes
     book.move_all(batch, frm, to)
+    seen_all, seen[:] = list(seen), []
     for s in alone:
         if s.state is frm:
             one_by_one.move(s, to)
+    assert seen_all == seen  # observers see the same moves
+    assert book.changes - changes[0] == one_by_one.changes - changes[1]
     assert [(r.state, len(r.payloads)) for r in batch] == [
         (s.state, len(s.payloads)) for s in alone
     ]
