@@ -130,7 +130,9 @@ class Dispatcher:
         # slack ahead of the clock and wake the queue again and again. Never later than
         # the moment the request turns hopeless (deadline - a batch of one's cost, at the
         # worker that makes it last): that moment is at or after both.
-        return max(nxt.deadline_s - lead_s, now + ready_s)
+        # (max, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        hopeless_s, free_s = nxt.deadline_s - lead_s, now + ready_s
+        return free_s if free_s > hopeless_s else hopeless_s
 
     def pump(self, now: float, queue: RequestQueue, out: list[Outgoing]) -> int:
         """Shed what cannot make it, then send every batch the policy lets leave now;
@@ -200,7 +202,10 @@ class Dispatcher:
                 view = self.fleet.view(now, queue, head, urgent, len(workers))
                 decision = policy.decide(now, view, capacity)
                 if not isinstance(decision, Dispatch):
-                    wake = decision.t if shed_at is None else min(decision.t, shed_at)
+                    # (min, as a test) speed: docs/benchmarks.md "Why the hot path looks as it does"
+                    wake = decision.t
+                    if shed_at is not None and shed_at < wake:
+                        wake = shed_at
                     self.wake_s[key] = wake
                     return sent
                 # A request larger than the policy's size still travels alone rather than

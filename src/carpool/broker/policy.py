@@ -249,7 +249,11 @@ class DeadlinePolicy:
         room = 1.0 - demand * per_sample_s
         if room <= 0:
             return cap
-        return min(cap, max(1, math.ceil(demand * fixed_s / room)))
+        # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        least = math.ceil(demand * fixed_s / room)
+        if least < 1:
+            least = 1
+        return least if least < cap else cap
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
         floor = self.floor(queue, capacity)
@@ -263,25 +267,35 @@ class DeadlinePolicy:
         # deadline. Sized by who is aboard now (every arrival re-decides): sized by the
         # limit instead, the guard would shrink the limit at that moment, push the moment
         # later, and wake the broker again and again for one batch.
-        aboard = max(1, min(limit, queue.samples))
+        # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        aboard = queue.samples if queue.samples < limit else limit
+        if aboard < 1:
+            aboard = 1
         latest_start = (
             queue.earliest_deadline_s - self.finish_in_s(capacity, aboard) - self.margin_s
         )
         if queue.samples >= limit:
             # Full, but the worker is still busy: leaving now would only queue there, while
             # staying lets the batch grow (up to the engine's limit) until it is nearly free.
-            leave_at = min(now + capacity.ready_in_s - self.margin_s, latest_start)
+            leave_at = now + capacity.ready_in_s - self.margin_s
+            if latest_start < leave_at:
+                leave_at = latest_start
             return Dispatch(limit, DEADLINE) if now >= leave_at else WaitUntil(leave_at)
         leave_at = queue.oldest_arrival_s + self.max_wait_s
         if busy:
-            leave_at = max(leave_at, now + capacity.ready_in_s - self.margin_s)
+            free_s = now + capacity.ready_in_s - self.margin_s
+            if free_s > leave_at:
+                leave_at = free_s
         if queue.samples < floor and queue.arrival_sps > 0:
             # Too few aboard to keep up with the arrivals: wait for the floor to fill, as
             # long as filling it should take at the measured rate, counted from the oldest
             # arrival (a fixed moment: re-deciding does not push it on).
-            leave_at = max(leave_at, queue.oldest_arrival_s + floor / queue.arrival_sps)
-        if now < min(leave_at, latest_start):
-            return WaitUntil(min(leave_at, latest_start))
+            filled_s = queue.oldest_arrival_s + floor / queue.arrival_sps
+            if filled_s > leave_at:
+                leave_at = filled_s
+        until = latest_start if latest_start < leave_at else leave_at
+        if now < until:
+            return WaitUntil(until)
         return Dispatch(limit, WAITED if now >= leave_at else DEADLINE)
 
     def batching_pays(self, capacity: Capacity) -> bool:
@@ -298,7 +312,9 @@ class DeadlinePolicy:
         return self._stretch(cost) * predicted_s > budget_s
 
     def _stretch(self, cost: CostEstimate) -> float:
-        return 1.0 + max(self.min_jitter_share, cost.spread)
+        # (max, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        spread = cost.spread
+        return 1.0 + (spread if spread > self.min_jitter_share else self.min_jitter_share)
 
     def finish_in_s(self, capacity: Capacity, samples: int) -> float:
         """Predicted time from now to the end of a batch sent now, with a jitter allowance."""
