@@ -23,14 +23,23 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
+#: How deep :func:`as_sent` shows nested arrays and maps (deeper: ``...``).
+SHOWN_DEPTH = 8
 
-def as_sent(value: Any) -> str:
+
+def as_sent(value: Any, depth: int = 0) -> str:
     """``repr`` of a decoded wire value as its sender wrote it, for an error message: an
-    array, which a decoder may read as a tuple, shown as a list."""
+    array, which a decoder may read as a tuple, shown as a list; nesting past
+    :data:`SHOWN_DEPTH` shown as ``...`` (a peer may nest a thousand deep)."""
     if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(map(as_sent, value)) + "]"
+        if depth >= SHOWN_DEPTH:
+            return "[...]"
+        return "[" + ", ".join(as_sent(v, depth + 1) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{as_sent(k)}: {as_sent(v)}" for k, v in value.items()) + "}"
+        if depth >= SHOWN_DEPTH:
+            return "{...}"
+        items = (f"{as_sent(k, depth + 1)}: {as_sent(v, depth + 1)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
     return repr(value)
 
 

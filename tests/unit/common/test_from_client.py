@@ -289,3 +289,14 @@ def test_an_error_shows_the_arrays_a_client_sent_as_it_sent_them(
         )
         assert isinstance(got, ClientMalformed)
         assert shown in got.message
+
+
+def test_an_array_nested_a_thousand_deep_is_refused_not_raised() -> None:
+    """msgpack lets a peer nest arrays about a thousand deep; the refusal that quotes one
+    shows its first levels, and the decoder still never raises."""
+    deep: Any = 1
+    for _ in range(1000):
+        deep = [deep]
+    got = decode_from_client(request_frames(inputs=[{"name": "x", "dtype": deep, "shape": [2, 4]}]))
+    assert isinstance(got, ClientMalformed)
+    assert "unsupported dtype [[[[[[[[[...]]]]]]]]]" in got.message
