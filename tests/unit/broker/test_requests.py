@@ -32,6 +32,14 @@ PATHS: dict[RequestState, tuple[RequestState, ...]] = {
 }
 
 
+#: Every (from, to) pair of states, as a test's parameters.
+EVERY_PAIR = pytest.mark.parametrize(
+    ("frm", "to"),
+    list(itertools.product(RequestState, RequestState)),
+    ids=lambda s: s.name,
+)
+
+
 def request(seq: int = 1) -> PendingRequest:
     return pending_request(seq, deadline_s=1.0)
 
@@ -52,11 +60,7 @@ def test_every_state_is_reachable_and_only_queued_and_dispatched_are_live() -> N
     assert finals == {RequestState.DONE, RequestState.EXPIRED, RequestState.FAILED}
 
 
-@pytest.mark.parametrize(
-    ("frm", "to"),
-    list(itertools.product(RequestState, RequestState)),
-    ids=lambda s: s.name,
-)
+@EVERY_PAIR
 def test_the_book_walks_the_whole_table(
     book: RequestBook, frm: RequestState, to: RequestState
 ) -> None:
@@ -172,11 +176,7 @@ def _move_lines() -> list[int]:
     return [i for i, text in enumerate(source.splitlines(), 1) if "req.state = to" in text]
 
 
-@pytest.mark.parametrize(
-    ("frm", "to"),
-    list(itertools.product(RequestState, RequestState)),
-    ids=lambda s: s.name,
-)
+@EVERY_PAIR
 def test_move_all_moves_a_batch_as_move_moves_each(
     book: RequestBook, frm: RequestState, to: RequestState
 ) -> None:

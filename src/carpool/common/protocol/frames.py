@@ -133,8 +133,9 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"extension type {code} is not allowed")
 
 
-def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_META_BYTES) -> Any:
-    """Decode one msgpack object, refusing anything larger than ``max_bytes``.
+def unpack(data: Frame, *, max_bytes: int = MAX_META_BYTES, use_list: bool = True) -> Any:
+    """Decode one msgpack object (from bytes, a memoryview or a zmq.Frame), refusing
+    anything larger than ``max_bytes``; ``use_list`` False: its arrays as tuples.
 
     Raises:
         ProtocolError: the data is too large, malformed, or has trailing bytes.
@@ -146,7 +147,7 @@ def unpack(data: bytes | memoryview, *, max_bytes: int = MAX_META_BYTES) -> Any:
             data,
             raw=False,
             strict_map_key=True,
-            use_list=True,
+            use_list=use_list,
             max_bin_len=max_bytes,
             max_str_len=max_bytes,
             max_array_len=max_bytes,
@@ -288,25 +289,8 @@ def optional_number(meta: dict[str, Any], key: str, default: float = 0.0) -> flo
 
 def decode_meta(frame: Frame, use_list: bool = True) -> dict[str, Any]:
     """A meta frame (bytes, memoryview, zmq.Frame) as a map, by :func:`unpack`'s rules
-    and limits (its body inlined; speed: docs/benchmarks.md "Why the hot path looks as it
-    does"); ``use_list`` False: its arrays as tuples (hashable where their items are)."""
-    if len(frame) > MAX_META_BYTES:
-        raise ProtocolError(f"msgpack frame of {len(frame)} bytes exceeds {MAX_META_BYTES}")
-    try:
-        meta = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            use_list=use_list,
-            max_bin_len=MAX_META_BYTES,
-            max_str_len=MAX_META_BYTES,
-            max_array_len=MAX_META_BYTES,
-            max_map_len=MAX_META_BYTES,
-            max_ext_len=0,
-            ext_hook=_no_ext,
-        )
-    except Exception as exc:  # (as unpack's)
-        raise ProtocolError(f"malformed msgpack: {exc}") from None
+    and limits; ``use_list`` False: its arrays as tuples (hashable where their items are)."""
+    meta = unpack(frame, use_list=use_list)
     return meta if type(meta) is dict else require_map(meta, "meta")
 
 
