@@ -116,12 +116,15 @@ class Dispatcher:
                 ready_s = capacity.ready_in_s
         if lead_s <= 0:
             return None
-        notes = self.notes
-        for req in self.backlog.shed(queue, now + lead_s):
-            notes.shed += 1
-            msg = "deadline cannot be met: predicted completion lies past it"
-            out.append(request_error(notes, req, ErrorCode.DEADLINE_EXCEEDED, msg))
         nxt = queue.earliest_deadline()
+        # (shed only when the most urgent request is hopeless: most pumps shed nothing)
+        if nxt is not None and nxt.deadline_s <= now + lead_s:
+            notes = self.notes
+            for req in self.backlog.shed(queue, now + lead_s):
+                notes.shed += 1
+                msg = "deadline cannot be met: predicted completion lies past it"
+                out.append(request_error(notes, req, ErrorCode.DEADLINE_EXCEEDED, msg))
+            nxt = queue.earliest_deadline()
         if nxt is None:
             return None
         # While a worker is busy its predicted start does not move with the clock, so the

@@ -203,12 +203,20 @@ class DeadlinePolicy:
           and shrinks the next batch further, down to batches of one that shed nearly
           everything. A request the floor's batch cannot finish in time is shed instead.
         """
-        # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
-        hard = capacity.hard_max
-        if self.max_batch < hard:
-            hard = self.max_batch
         if floor is None:
             floor = self.floor(queue, capacity)
+        return self._sized(now, queue, capacity, floor, self._stretch(capacity.cost))
+
+    def _sized(
+        self, now: float, queue: QueueView, capacity: Capacity, floor: int, stretch: float
+    ) -> tuple[int, bool]:
+        """:meth:`sized`, with the floor and the cost's stretch (:meth:`_stretch`) given."""
+        # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        hard = (
+            capacity.engine_max if capacity.engine_max > capacity.max_batch else capacity.max_batch
+        )
+        if self.max_batch < hard:
+            hard = self.max_batch
         target = floor if floor > capacity.max_batch else capacity.max_batch
         if hard < target:
             target = hard
@@ -219,12 +227,13 @@ class DeadlinePolicy:
             return target, False
         # Largest n with stretch·(ready_in + fixed + per_sample·n) <= slack, at least 1.
         slack = queue.earliest_deadline_s - now - self.margin_s
-        if self.finish_in_s(capacity, target) <= slack:
+        ready_s = capacity.ready_in_s
+        if stretch * (ready_s + (cost.fixed_cost_s + cost.per_sample_s * target)) <= slack:
             return target, False
         # Where a size keeps up with the arrivals, never below it (see above); in overload
         # none does, and the guard serves the most urgent requests that can still make it.
         least = max(1, min(floor, queue.samples)) if floor < hard else 1
-        budget = slack / self._stretch(cost) - capacity.ready_in_s - cost.fixed_cost_s
+        budget = slack / stretch - ready_s - cost.fixed_cost_s
         if cost.per_sample_s <= 0:
             return least, least < target
         fits = budget / cost.per_sample_s
@@ -237,30 +246,49 @@ class DeadlinePolicy:
         """The smallest batch whose throughput n / (fixed + per_sample·n), at
         :meth:`Capacity.batch_cost`, keeps up with ``headroom`` × the arrival rate, within
         [1, B_max]. Below it a batch waits for it to fill."""
-        hard = capacity.hard_max
-        # (min, as an expression) speed: docs/benchmarks.md "Why the hot path looks as it does"
-        cap = hard if hard < self.max_batch else self.max_batch
-        demand = self.headroom * queue.arrival_sps
-        if not capacity.cost.calibrated or demand <= 0:
+        if not capacity.cost.calibrated:
             return 1
-        fixed_s, per_sample_s = capacity.batch_cost()
-        if fixed_s <= 0:
+        return self._floor(queue.arrival_sps, capacity, *capacity.batch_cost())
+
+    def _floor(
+        self, arrival_sps: float, capacity: Capacity, fixed_s: float, per_sample_s: float
+    ) -> int:
+        """:meth:`floor` of a calibrated cost, with its batch cost given."""
+        demand = self.headroom * arrival_sps
+        if demand <= 0 or fixed_s <= 0:
             return 1
+        # (min and max, as expressions and tests) speed: docs/benchmarks.md "Why the hot
+        # path looks as it does"
+        cap = (
+            capacity.engine_max if capacity.engine_max > capacity.max_batch else capacity.max_batch
+        )
+        if self.max_batch < cap:
+            cap = self.max_batch
         room = 1.0 - demand * per_sample_s
         if room <= 0:
             return cap
-        # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
         least = math.ceil(demand * fixed_s / room)
         if least < 1:
             least = 1
         return least if least < cap else cap
 
     def decide(self, now: float, queue: QueueView, capacity: Capacity) -> Decision:
-        floor = self.floor(queue, capacity)
-        limit, shrunk = self.sized(now, queue, capacity, floor)
-        if not self.batching_pays(capacity):
+        cost = capacity.cost
+        if not cost.calibrated:  # (floor 1; batching cannot be shown to pay)
+            return Dispatch(self._sized(now, queue, capacity, 1, 1.0)[0], COST)
+        # What floor, sizing and the cost test share, worked out once (one call each: a
+        # decision is made at every arrival): speed: docs/benchmarks.md "Why the hot path
+        # looks as it does"
+        fixed_s, per_sample_s = capacity.batch_cost()
+        floor = self._floor(queue.arrival_sps, capacity, fixed_s, per_sample_s)
+        stretch = self._stretch(cost)
+        limit, shrunk = self._sized(now, queue, capacity, floor, stretch)
+        # batching_pays, inlined
+        one_s = fixed_s + per_sample_s
+        if not (one_s > 0 and fixed_s >= self.min_fixed_share * one_s):
             return Dispatch(limit, COST)  # waiting would buy no throughput, only latency
-        busy = capacity.ready_in_s > self.margin_s
+        ready_s = capacity.ready_in_s
+        busy = ready_s > self.margin_s
         if queue.samples >= limit and not busy:
             return Dispatch(limit, DEADLINE if shrunk else FULL)
         # The last moment the batch that is aboard may leave and still end by the most urgent
@@ -272,18 +300,20 @@ class DeadlinePolicy:
         if aboard < 1:
             aboard = 1
         latest_start = (
-            queue.earliest_deadline_s - self.finish_in_s(capacity, aboard) - self.margin_s
+            queue.earliest_deadline_s
+            - stretch * (ready_s + (cost.fixed_cost_s + cost.per_sample_s * aboard))
+            - self.margin_s
         )
         if queue.samples >= limit:
             # Full, but the worker is still busy: leaving now would only queue there, while
             # staying lets the batch grow (up to the engine's limit) until it is nearly free.
-            leave_at = now + capacity.ready_in_s - self.margin_s
+            leave_at = now + ready_s - self.margin_s
             if latest_start < leave_at:
                 leave_at = latest_start
             return Dispatch(limit, DEADLINE) if now >= leave_at else WaitUntil(leave_at)
         leave_at = queue.oldest_arrival_s + self.max_wait_s
         if busy:
-            free_s = now + capacity.ready_in_s - self.margin_s
+            free_s = now + ready_s - self.margin_s
             if free_s > leave_at:
                 leave_at = free_s
         if queue.samples < floor and queue.arrival_sps > 0:
