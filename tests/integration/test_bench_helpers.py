@@ -55,6 +55,21 @@ def test_the_in_process_harnesses_run(bench: ModuleType) -> None:
         assert all(0 < c < 1e6 for c in chunks)
 
 
+def test_decision_ops_counts_the_brokers_code_and_not_the_simulators(bench: ModuleType) -> None:
+    """decision_ops.py's count over a short schedule: each policy's own decision is
+    counted, the simulator's loop is not."""
+    decision_ops = load_script("decision_ops.py")
+    schedule = decision_ops.arrivals(decision_ops.poisson(500, 0.2), timeout_ms=1000, seed=1)
+    default, default_batch = decision_ops.counted(schedule, "carpool")
+    fixed, fixed_batch = decision_ops.counted(schedule, "fixed")
+    assert default["broker/policy.py:DeadlinePolicy.decide"] > 0
+    assert "broker/policy.py:FixedPolicy.decide" not in default
+    assert fixed["broker/policy.py:FixedPolicy.decide"] > 0
+    assert not [k for k in default | fixed if k.startswith("sim/")]
+    assert default_batch >= 1
+    assert fixed_batch >= 1
+
+
 def test_core_run_decodes_and_encodes_inside_the_counted_edge(
     bench: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
