@@ -10,6 +10,10 @@ Method: the model is bench/peers/mlp.py's ONNX MLP (about 1 ms at batch 1, 3 ms 
 ONNX Runtime thread). Each carpool target is one broker and one worker process over
 ``tcp://127.0.0.1``; the floor is one process. All targets start once and stay up for the
 whole run (one that dies is started again before its next cell, and the cell says so).
+Once started, each target is primed with ``--prime-s`` of uncounted load at 1,000/s
+(default 3 s), so that no pass's first cell pays for what a fresh process learns or
+warms: the default's fitted batch cost, without which it sends at once; the worker's
+first runs; the allocator's arenas. A target started again mid-run is primed too.
 A cell is one target at one rate: bench/peers/openloop.py, a process of its own, sends a
 seeded Poisson schedule (``--warmup-s`` uncounted, then ``--seconds`` counted; 1,000 ms
 timeout; latency from each request's scheduled send) and reports p50, p99, answers,
@@ -32,7 +36,7 @@ machine the figures are noisy: read the spreads.
 
 Run:  PYTHONPATH=$PWD/src .venv/bin/python bench/policy_live.py [--rates 600,1000,...]
           [--passes 3] [--seconds 5] [--targets carpool-default,carpool-fixed,greedy,
-          carpool@482d38b] [--old-from 2500] [--quick]
+          carpool@482d38b] [--old-from 2500] [--prime-s 3] [--quick]
 Takes about 10 minutes with the defaults on 2 cores (84 cells of about 7.5 s, plus the
 starts: 590-625 s measured); ``--quick`` (1,000 and 3,000/s, one pass, 2 s cells) about
 30 s. Writes bench/out/policy_live.json and prints a markdown table for
@@ -63,6 +67,8 @@ from peers import mlp, report, targets
 OPENLOOP = Path(__file__).resolve().parent / "peers" / "openloop.py"
 DEFAULT_RATES = "600,1000,1500,2000,2500,3000,3500,4200"
 DEFAULT_TARGETS = "carpool-default,carpool-fixed,greedy,carpool@482d38b"
+#: The rate of the uncounted load that primes a freshly started target.
+PRIME_RATE = 1000.0
 #: How long a target may take to finish the previous cell's work before the next begins.
 SETTLE_S = 20.0
 
@@ -109,21 +115,14 @@ def settle(target: targets.Target) -> dict[str, Any] | None:
     return last
 
 
-def cell(
-    target: targets.Target, rate: float, seed: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    """One target at one rate: the generator's figures, CPU per request, batch sizes."""
-    restarted = False
-    if not target.alive():
-        print(f"  {target.name} is down; starting it again", flush=True)
-        target.restart()
-        restarted = True
-    before = settle(target)
-    pids = target.pids()
-    cpu0, t0 = cpu_s(pids), time.monotonic()
+def load(
+    target: targets.Target, rate: float, seed: int, seconds: float, warmup_s: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """Run bench/peers/openloop.py against ``target``; its report."""
     cmd = [
         sys.executable, str(OPENLOOP), target.endpoint, "--rate", str(rate),
-        "--seconds", str(args.seconds), "--warmup-s", str(args.warmup_s),
+        "--seconds", str(seconds), "--warmup-s", str(warmup_s),
         "--seed", str(seed), "--timeout-ms", str(args.timeout_ms), "--model", targets.MODEL,
     ]  # fmt: skip
     proc = subprocess.run(
@@ -132,9 +131,33 @@ def cell(
         stdout=subprocess.PIPE,
         text=True,
         check=True,
-        timeout=args.seconds + args.warmup_s + 60,
+        timeout=seconds + warmup_s + 60,
     )
-    gen = json.loads(proc.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+def prime(target: targets.Target, args: argparse.Namespace) -> None:
+    """Uncounted load on a freshly started target (see the module's docstring)."""
+    if args.prime_s > 0:
+        load(target, PRIME_RATE, 0, args.prime_s, 0.0, args)
+        settle(target)
+
+
+def cell(
+    target: targets.Target, rate: float, seed: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One target at one rate: the generator's figures, CPU per request, batch sizes."""
+    restarted = False
+    if not target.alive():
+        print(f"  {target.name} is down; starting it again", flush=True)
+        target.restart()
+        prime(target, args)
+        restarted = True
+    before = settle(target)
+    pids = target.pids()
+    cpu0, t0 = cpu_s(pids), time.monotonic()
+    gen = load(target, rate, seed, args.seconds, args.warmup_s, args)
     after = targets.stats(target.endpoint, 10.0) if target.alive() else None
     cpu1, wall_s = cpu_s(pids), time.monotonic() - t0
     replies = answered(after) - answered(before)
@@ -190,6 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 target.start()
                 started.append(target)
                 print(f"  {name} at {target.endpoint}, pids {target.pids()}", flush=True)
+                prime(target, args)
             by_name = {t.name: t for t in started}
             for p in range(args.passes):
                 print(f"pass {p + 1} of {args.passes}", flush=True)
@@ -215,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "passes": args.passes,
             "seconds": args.seconds,
             "warmup_s": args.warmup_s,
+            "prime_s": args.prime_s,
             "timeout_ms": args.timeout_ms,
             "old_from": args.old_from,
             "max_batch": targets.MAX_BATCH,
@@ -246,10 +271,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--old-from", type=float, default=2500, help="lowest rate of the carpool@REV target"
     )
+    p.add_argument(
+        "--prime-s", type=float, default=3.0, help="uncounted load on a fresh target (3 s)"
+    )
     p.add_argument("--quick", action="store_true", help="2 rates, 1 pass, 2 s cells")
     args = p.parse_args(argv)
     if args.quick:
         args.rates, args.passes, args.seconds, args.warmup_s = "1000,3000", 1, 2.0, 0.5
+        args.prime_s = 1.0
 
     def stop(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
