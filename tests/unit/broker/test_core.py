@@ -1252,6 +1252,28 @@ def test_carpool_refuses_at_the_door_what_cannot_make_its_deadline() -> None:
     assert ids(batches(b.request(now, 2, timeout_ms=5))[0]) == [2]
 
 
+def test_carpool_answers_at_once_a_batch_member_that_a_late_worker_left_too_little_time() -> None:
+    """Under a backlog the batch is as large as the worker takes, deadlines aside; a
+    member it would finish too late is answered now and counted as shed, and the batch
+    leaves without it."""
+    b = Broker.make(max_batch=4, policy="carpool")
+    b.ready(T0, W1, slots=1)
+    now = calibrate(b, T0)
+    (busy,) = batches(b.request(now, 1, n=4))  # predicted to take 6 ms
+    assert b.request(now, 2, n=3) == []
+    # Admitted: 6 ms for the busy worker and 6 for a batch of 4 fit 0.9 x 15 ms.
+    assert b.request(now, 3, timeout_ms=15) == []
+    assert b.request(now, 4, n=3) == []
+    # Its RESULT comes 3.5 ms late: request 3 can still be served alone (a batch of one
+    # takes 3 ms, so it is not hopeless), but not in the batch of 4 the backlog sends.
+    out, _ = b.result(now + 0.0095, busy, compute_ms=6.0)
+    (err,) = [m for m in to_clients(out) if m.command is Command.ERROR]
+    assert (err.code, err.rid) == (ErrorCode.DEADLINE_EXCEEDED, 3)
+    (msg,) = batches(out)
+    assert ids(msg) == [2]
+    assert b.core.stats.shed == 1
+
+
 def test_carpool_sheds_queued_requests_that_can_no_longer_make_it() -> None:
     b = Broker.make(max_batch=4, policy="carpool")
     b.ready(T0, W1, slots=1)
