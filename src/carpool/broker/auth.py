@@ -109,11 +109,17 @@ class Door:
         self.on_refused: Callable[[str, bytes], None] = _ignore_refusal
         #: Handshakes refused because the broker is stopping.
         self.refused = 0
+        self._stamps: dict[str, Callable[[], bytes]] = {}  # metadata for admitted ones
 
     @staticmethod
     def guard(sock: zmq.Socket[Any], domain: str) -> None:
         """Have ``sock``'s new connections ask the door (before it binds)."""
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+    def stamp(self, domain: str, metadata: Callable[[], bytes]) -> None:
+        """Have each handshake admitted on ``domain`` carry ``metadata()`` (ZAP metadata:
+        properties libzmq puts on every message of that connection)."""
+        self._stamps[domain] = metadata
 
     def allow(self, domain: str, keys: frozenset[bytes]) -> None:
         """The CURVE keys (Z85) admitted on ``domain`` from now on."""
@@ -145,12 +151,13 @@ class Door:
         if domain in self._closed:
             self.refused += 1
             return [_ZAP_VERSION, rid, b"300", b"the broker is stopping", b"", b""]
+        stamp = self._stamps.get(domain)
         if mechanism == b"NULL":
-            return [_ZAP_VERSION, rid, b"200", b"OK", b"", b""]
+            return [_ZAP_VERSION, rid, b"200", b"OK", b"", stamp() if stamp else b""]
         if mechanism == b"CURVE" and len(msg) == 7 and len(msg[6]) == 32:
             key = z85.encode(msg[6])
             if key in self._keys.get(domain, frozenset()):
-                return [_ZAP_VERSION, rid, b"200", b"OK", key, b""]
+                return [_ZAP_VERSION, rid, b"200", b"OK", key, stamp() if stamp else b""]
             self.on_refused(domain, key)
             return [_ZAP_VERSION, rid, b"400", b"key not allowed", b"", b""]
         return [_ZAP_VERSION, rid, b"400", b"mechanism not allowed", b"", b""]

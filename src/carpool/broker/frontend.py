@@ -17,38 +17,39 @@ same routing id.
 A ROUTER knows a peer only by its routing id, and a peer may choose its own: when a
 client's connection closes, a newcomer can connect under its id and would receive the
 replies to the requests the first one left behind. The broker therefore keys each client
-by its routing id *and* its connection. libzmq says which connection a message came by
-(the message's ``SRCFD`` property, the connection's socket descriptor) and, through a
-socket monitor, when a connection opens (``ACCEPTED``) and closes (``DISCONNECTED``).
-Descriptors are reused, so :class:`ConnectionTable` gives each connection it hears of a
-token no other connection gets; the core's client id is ``token + routing id``
-(:meth:`ClientConnections.key`), and a reply whose token is no longer open is dropped
-(:meth:`ClientConnections.reply_to`) and counted, never sent.
+by its routing id *and* its connection. libzmq says when a connection opens
+(``ACCEPTED``) and closes (``DISCONNECTED``), by descriptor, through a socket monitor,
+and which descriptor a message came by (its ``SRCFD`` property). Descriptors are reused,
+and a connection's last messages may be read after the monitor has said that it closed
+and that another connection opened on its descriptor: the descriptor alone cannot tell
+the two apart. So the door numbers the connections too: its answer to each handshake it
+admits on the frontend carries the next connection number as a ZAP metadata property
+(:data:`CONNECTION_PROPERTY`), which libzmq puts on every message of that connection.
+:class:`ConnectionTable` gives each connection the monitor says opened a token no other
+connection gets, and the lowest number it may carry (its *floor*): one more than the
+numbers given when the table heard it open. The core's client id is ``token + routing
+id`` (:meth:`ClientConnections.key`), and a reply whose token is no longer open is
+dropped (:meth:`ClientConnections.reply_to`) and counted, never sent.
 
-Ordering. libzmq's I/O thread emits ``ACCEPTED`` before the connection can deliver a
-message, and ``DISCONNECTED`` before it closes the descriptor (so before the kernel can
-reuse it) and before it removes the connection's routing id (so before another peer can
-take the id). Hence:
+Ordering. libzmq's I/O thread emits ``ACCEPTED`` as it accepts a connection, before the
+connection's handshake asks the door, and ``DISCONNECTED`` before it closes the
+descriptor (so before the kernel can reuse it) and before it removes the connection's
+routing id (so before another peer can take the id). The door reads the monitor before
+it gives a number (:meth:`ClientConnections.admit`). A message with number ``n`` from
+descriptor ``fd`` is taken for the connection the table has open on ``fd`` when that one
+carries ``n`` or carries none yet and its floor is at most ``n``; otherwise its
+connection has closed, and its reply is dropped. Why that never takes a closed
+connection's message for a later one: a later connection on ``fd`` opened after the
+first one closed, and its floor is above every number given before the table heard it
+open; a number given after that cannot be the first one's, whose handshake could not
+end once it had closed. A live connection is never mistaken for a closed one while the
+door hears of each connection after the monitor does (libzmq with one I/O thread, as
+the broker's own context has; with more, a connection whose handshake overtook its
+``ACCEPTED`` would have its replies dropped, never misdelivered).
 
-- a message from a descriptor the table knows open, under the routing id that connection
-  has said (or its first), is taken for that connection. If that one has in fact closed
-  and a newcomer sent the message on the reused descriptor, the reply is dropped when the
-  monitor says so;
-- a message from a descriptor the table does not know open, or under another routing id
-  (a connection has one), makes the server read the monitor at once; if the descriptor
-  changed meanwhile, the candidates are the connection open before and those opened
-  since, and the message goes to the oldest one that may have sent it (one that has said
-  nothing yet, or said this routing id); if nothing changed and the monitor said the
-  connection on it closed (none opened since), the message came by that closed one, and
-  its reply is dropped;
-- the server reads the monitor after each loop turn's messages (not before them: a
-  connection's last message read after both its close and the reuse of its descriptor
-  would be taken for the newcomer's), and again just before it sends replies, so a
-  connection that closed before that point gets nothing.
-
-What remains is stated in docs/security.md: a connection that closes in the
-microseconds between that read and the send, and a closed connection's one message read
-after another connection on its descriptor has spoken.
+The server reads the monitor again just before it sends replies, so a connection that
+closed before that point gets nothing. What remains is stated in docs/security.md: a
+connection that closes in the microseconds between that read and the send.
 """
 
 from __future__ import annotations
@@ -73,7 +74,13 @@ from carpool.common.peer_names import peer_tag
 from carpool.common.ratelog import PEER_LINES_PER_MIN, RateLimitedLog
 from carpool.common.sockets import NOBLOCK, readable, recv_frames, send_frames, waiting
 
-__all__ = ["TOKEN_BYTES", "ClientConnections", "ConnectionTable", "Frontend"]
+__all__ = [
+    "CONNECTION_PROPERTY",
+    "TOKEN_BYTES",
+    "ClientConnections",
+    "ConnectionTable",
+    "Frontend",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,7 @@ class Frontend:
         unreadable: where a message that cannot be read is reported (endpoint, kind,
             the exception).
         stats: where the replies dropped for a closed connection are counted.
+        door: the broker's ZAP handler, which numbers the clients' connections.
 
     Raises:
         ConfigError: the endpoint is malformed or in use.
@@ -100,9 +108,12 @@ class Frontend:
         auth: BrokerAuth | None,
         unreadable: Callable[[str, str, BaseException], None],
         stats: BrokerStats,
+        door: Door,
     ) -> None:
         tracked = not config.frontend.startswith("inproc:")
         self.clients = clients = ClientConnections(context, tracked=tracked)
+        if tracked:  # each handshake the door admits numbers its connection
+            door.stamp(CLIENTS, clients.admit)
         try:
             # Clients are the untrusted side: a frame over the limit drops that connection
             # (libzmq refuses it before buffering).
@@ -193,63 +204,74 @@ _EVENT = struct.Struct("=HI")  # a monitor event's first frame: event (u16), val
 _TOKEN = struct.Struct(">Q")
 #: Bytes of the connection token in front of the routing id in a core client id.
 TOKEN_BYTES = _TOKEN.size
+#: The ZAP metadata property (and so message property) that carries a frontend
+#: connection's number: ``NUMBER_DIGITS`` lowercase hex digits, so that the numbers'
+#: order is their strings' order.
+CONNECTION_PROPERTY = "X-Connection"
+NUMBER_DIGITS = 16
 _frame_get = zmq.Frame.get
 
-#: A descriptor's connections during one read: (token, the routing id it has said or None).
-Candidates = Sequence[tuple[bytes, bytes | None]]
+
+def connection_number(n: int) -> str:
+    """The property value of connection number ``n``."""
+    return f"{n:0{NUMBER_DIGITS}x}"
+
+
+def number_metadata(number: str) -> bytes:
+    """A ZAP reply's metadata frame (ZMTP property encoding) carrying ``number``."""
+    name, value = CONNECTION_PROPERTY.encode(), number.encode()
+    return bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
 
 
 @dataclass(slots=True)
 class _Connection:
-    """One open connection (mutable: ``said`` is set by its first message)."""
+    """One open connection (mutable: ``number`` is set by its first message read)."""
 
     token: bytes
-    said: bytes | None = None  # the routing id its messages carry; None: none yet
+    floor: str  # the lowest connection number it may carry
+    number: str | None = None  # the number its messages carry; None: none read yet
 
 
 class ConnectionTable:
     """Open connections by descriptor, each with a token of its own. Pure: the monitor's
-    events and the messages' descriptors come in."""
+    events, the door's numbers and the messages' descriptors and numbers come in."""
 
     def __init__(self) -> None:
-        self._count = 0
+        self._count = 0  # tokens made
+        self._given = 0  # connection numbers the door has given
         self._open: dict[int, _Connection] = {}  # by descriptor
         #: Tokens of the connections open now.
         self.alive: set[bytes] = set()
-        #: Descriptors whose last connection the monitor said closed (none open on them).
-        self.closed_fds: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def _new(self, fd: int) -> _Connection:
-        self._count += 1
-        conn = self._open[fd] = _Connection(_TOKEN.pack(self._count))
-        self.alive.add(conn.token)
-        self.closed_fds.discard(fd)
-        return conn
+    def admit(self) -> str:
+        """The next connection number, for the door's answer to a handshake (the
+        monitor's events up to now applied first)."""
+        self._given += 1
+        return connection_number(self._given)
 
-    def apply(
-        self, events: Sequence[tuple[int, int]]
-    ) -> dict[int, list[tuple[bytes, bytes | None]]]:
-        """Apply monitor events ``(event, descriptor)`` in order; return, for each
-        descriptor they touched, its candidates: the connection open on it before, then
-        each one opened by these events, oldest first."""
-        touched: dict[int, list[tuple[bytes, bytes | None]]] = {}
+    def apply(self, events: Sequence[tuple[int, int]]) -> None:
+        """Apply monitor events ``(event, descriptor)`` in order."""
         for event, fd in events:
-            if fd not in touched:
-                before = self._open.get(fd)
-                touched[fd] = [] if before is None else [(before.token, before.said)]
             if event == _ACCEPTED:
-                if fd in self._open:  # a close the monitor never said (not expected)
-                    self._close(fd)
-                touched[fd].append((self._new(fd).token, None))
+                self.open(fd)
             elif event == _DISCONNECTED:
                 self._close(fd)
-        return touched
+
+    def open(self, fd: int) -> bytes:
+        """A connection opened on ``fd`` (closing one the monitor never said closed, not
+        expected); returns its token."""
+        self._close(fd)
+        self._count += 1
+        conn = _Connection(_TOKEN.pack(self._count), connection_number(self._given + 1))
+        self._open[fd] = conn
+        self.alive.add(conn.token)
+        return conn.token
 
     def closed_token(self) -> bytes:
-        """A token of its own for a connection that closed before the table heard of it."""
+        """A token of its own for a message whose connection has closed (never open)."""
         self._count += 1
         return _TOKEN.pack(self._count)
 
@@ -257,47 +279,35 @@ class ConnectionTable:
         conn = self._open.pop(fd, None)
         if conn is not None:
             self.alive.discard(conn.token)
-            self.closed_fds.add(fd)
 
     def open_on(self, fd: int) -> _Connection | None:
         """The connection open on ``fd``, as far as the table has heard."""
         return self._open.get(fd)
 
-    def token(self, fd: int, identity: bytes) -> bytes:
-        """The connection open on ``fd``: a message from a descriptor the monitor said
-        nothing about since the table last changed (a connection older than the monitor
-        gets a token now)."""
+    def token(self, fd: int, number: str) -> bytes | None:
+        """The token of the connection a message with ``number`` from ``fd`` came by:
+        the one open on ``fd`` when it may carry ``number`` (module docstring); None
+        when that one may not (the message's connection has closed)."""
         conn = self._open.get(fd)
         if conn is None:
-            conn = self._new(fd)
-        if conn.said is None:
-            conn.said = identity
-        return conn.token
-
-    def choose(self, fd: int, identity: bytes, candidates: Candidates) -> bytes:
-        """The connection a message from ``fd`` came by when the descriptor changed while
-        it was read: the oldest candidate that may have sent it (said nothing yet, or said
-        ``identity``); the newest when none may."""
-        if not candidates:
-            return self.closed_token()
-        token = next(
-            (t for t, said in candidates if said is None or said == identity),
-            candidates[-1][0],
-        )
-        conn = self._open.get(fd)
-        if conn is not None and conn.token == token and conn.said is None:
-            conn.said = identity
-        return token
+            return None
+        if conn.number == number:
+            return conn.token
+        if conn.number is None and number >= conn.floor:
+            conn.number = number
+            return conn.token
+        return None
 
 
 class ClientConnections:
-    """The frontend's connections, heard through a socket monitor (thin shell over
-    :class:`ConnectionTable`).
+    """The frontend's connections, heard through a socket monitor and numbered by the
+    door (thin shell over :class:`ConnectionTable`).
 
     Args:
         context: where the monitor's inproc socket is made.
         tracked: False for a frontend on ``inproc://`` (clients in this process: no
-            descriptors, no monitor events): every client is taken for one connection.
+            descriptors, no monitor events, no handshakes): every client is taken for
+            one connection.
     """
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], *, tracked: bool = True) -> None:
@@ -308,7 +318,7 @@ class ClientConnections:
         self.alive = self.table.alive
         self.monitor: zmq.Socket[bytes] | None = None
         # Untracked, every client is taken for one connection, open for good.
-        self._inproc = b"" if tracked else self.table.token(-1, b"")
+        self._inproc = b"" if tracked else self.table.open(-1)
         #: The core's client id for a message (:meth:`key_by_connection`, or the one
         #: connection's when not tracked).
         self.key = self.key_by_connection if tracked else self._key_inproc
@@ -326,12 +336,11 @@ class ClientConnections:
         monitor.connect(self._address)
         self.monitor = monitor
 
-    def refresh(self) -> dict[int, list[tuple[bytes, bytes | None]]]:
-        """Read every event waiting on the monitor into the table; return the
-        descriptors they touched, with their candidates (:meth:`ConnectionTable.apply`)."""
+    def refresh(self) -> None:
+        """Read every event waiting on the monitor into the table."""
         monitor = self.monitor
         if monitor is None or not readable(monitor):
-            return {}
+            return
         events: list[tuple[int, int]] = []
         while True:
             try:
@@ -340,35 +349,30 @@ class ClientConnections:
                 break
             event, fd = _EVENT.unpack_from(frames[0].buffer)
             events.append((event, fd))
-        return self.table.apply(events)
+        self.table.apply(events)
+
+    def admit(self) -> bytes:
+        """The door's metadata for a handshake it admits: the connection's number, given
+        after the monitor is read (module docstring, "Ordering")."""
+        self.refresh()
+        return number_metadata(self.table.admit())
 
     def _key_inproc(self, first: zmq.Frame) -> bytes:
         return self._inproc + first.bytes
 
     def key_by_connection(self, first: zmq.Frame) -> bytes:
         """The core's client id for a message whose routing-id frame is ``first``: the
-        token of the connection open on its descriptor, when the message may be that
-        one's; otherwise (a connection the table has not heard open yet, or one that said
-        another routing id) the monitor is read first."""
+        token of the connection it came by (its descriptor and number; the monitor read
+        first when the table does not have it), or a token never open when that
+        connection has closed. Raises when the message lacks either property."""
         fd = _frame_get(first, _SRCFD)
-        identity = first.bytes
-        conn = self.table.open_on(fd)
-        if conn is not None:
-            said = conn.said
-            if said is None:
-                conn.said = identity
-                return conn.token + identity
-            if said == identity:
-                return conn.token + identity
-        candidates = self.refresh().get(fd)
-        if candidates is None:
-            table = self.table
-            if table.open_on(fd) is None and fd in table.closed_fds:
-                # The monitor said the connection on it closed, and none opened since:
-                # the message was read after its connection's close.
-                return table.closed_token() + identity
-            return table.token(fd, identity) + identity
-        return self.table.choose(fd, identity, candidates) + identity
+        number: str = _frame_get(first, CONNECTION_PROPERTY)  # type: ignore[assignment]
+        table = self.table
+        token = table.token(fd, number)
+        if token is None:
+            self.refresh()
+            token = table.token(fd, number) or table.closed_token()
+        return token + first.bytes
 
     def open_count(self) -> int | None:
         """How many client connections are open now (the monitor read first); None when

@@ -107,7 +107,7 @@ class BrokerServer:
                 self.auth = BrokerAuth(door, config.curve)
             auth = self.auth
             self._frontend = Frontend(
-                self.context, config, auth, faults.unreadable, self.core.stats
+                self.context, config, auth, faults.unreadable, self.core.stats, door
             )
         except ConfigError:
             self._close_early(door)
@@ -252,9 +252,9 @@ class BrokerServer:
         frontend = self._frontend
         if frontend.socket in events:
             handled += self._drain_clients()
-        # Connections opened and closed: read after the messages that came before (a
-        # message read after its connection's close and the reuse of its descriptor
-        # could be taken for the newcomer's).
+        # Connections opened and closed (the door reads them too, before it numbers a
+        # connection; replies read them again before they leave): the monitor's queue
+        # drained each turn.
         if frontend.monitor in events:
             frontend.refresh()
         if self._wake.fd in events:
