@@ -209,6 +209,7 @@ TOKEN_BYTES = _TOKEN.size
 #: order is their strings' order.
 CONNECTION_PROPERTY = "X-Connection"
 NUMBER_DIGITS = 16
+_NUMBER = CONNECTION_PROPERTY.encode()  # (a bytes name: no encoding a message)
 _frame_get = zmq.Frame.get
 
 
@@ -242,6 +243,8 @@ class ConnectionTable:
         self._open: dict[int, _Connection] = {}  # by descriptor
         #: Tokens of the connections open now.
         self.alive: set[bytes] = set()
+        #: The open connections that have carried a number, by that number.
+        self.numbered: dict[str, _Connection] = {}
 
     def __len__(self) -> int:
         return len(self._open)
@@ -279,6 +282,8 @@ class ConnectionTable:
         conn = self._open.pop(fd, None)
         if conn is not None:
             self.alive.discard(conn.token)
+            if conn.number is not None:
+                del self.numbered[conn.number]
 
     def open_on(self, fd: int) -> _Connection | None:
         """The connection open on ``fd``, as far as the table has heard."""
@@ -295,6 +300,7 @@ class ConnectionTable:
             return conn.token
         if conn.number is None and number >= conn.floor:
             conn.number = number
+            self.numbered[number] = conn
             return conn.token
         return None
 
@@ -316,6 +322,7 @@ class ClientConnections:
         self._address = f"inproc://carpool-frontend-monitor-{id(self):x}"
         self.table = ConnectionTable()
         self.alive = self.table.alive
+        self._numbered = self.table.numbered
         self.monitor: zmq.Socket[bytes] | None = None
         # Untracked, every client is taken for one connection, open for good.
         self._inproc = b"" if tracked else self.table.open(-1)
@@ -362,11 +369,15 @@ class ClientConnections:
 
     def key_by_connection(self, first: zmq.Frame) -> bytes:
         """The core's client id for a message whose routing-id frame is ``first``: the
-        token of the connection it came by (its descriptor and number; the monitor read
-        first when the table does not have it), or a token never open when that
-        connection has closed. Raises when the message lacks either property."""
+        token of the connection it came by (by its number once an open connection has
+        carried it; else by its descriptor and number, the monitor read first when the
+        table does not have it), or a token never open when that connection has closed.
+        Raises when the message lacks a property it reads."""
+        number: str = _frame_get(first, _NUMBER)
+        conn = self._numbered.get(number)
+        if conn is not None:  # an open connection's (every message after its first)
+            return conn.token + first.bytes
         fd = _frame_get(first, _SRCFD)
-        number: str = _frame_get(first, CONNECTION_PROPERTY)  # type: ignore[assignment]
         table = self.table
         token = table.token(fd, number)
         if token is None:

@@ -90,3 +90,13 @@ def test_numbers_order_as_their_strings_do() -> None:
     """The table compares numbers as the strings the door sends."""
     numbers = [connection_number(n) for n in (1, 9, 10, 255, 256, 2**40)]
     assert sorted(numbers) == numbers
+
+
+def test_a_connection_is_found_by_its_number_while_it_is_open_and_never_after() -> None:
+    table = ConnectionTable()
+    table.apply([(ACCEPTED, 7)])
+    number = table.admit()
+    token = table.token(7, number)
+    assert table.numbered[number].token == token
+    table.apply([(DISCONNECTED, 7)])
+    assert table.numbered == {}
