@@ -4,6 +4,7 @@ connection that took the routing id of one that has closed."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -135,7 +136,7 @@ def _newcomer_under(
 def _accepted(port: int) -> set[int]:
     """The connections accepted on loopback ``port`` that a descriptor still holds: the
     kernel's TCP table (/proc/net/tcp) by inode, not listening, inode 0 being one that
-    no descriptor holds any more."""
+    no descriptor holds (not accepted yet, or closed)."""
     found = set()
     for line in Path("/proc/net/tcp").read_text(encoding="ascii").splitlines()[1:]:
         fields = line.split()
@@ -148,6 +149,38 @@ def _accepted(port: int) -> set[int]:
 _LISTEN = "0A"  # a socket's state in /proc/net/tcp
 
 
+def _descriptor(inode: int) -> int:
+    """This process's descriptor of the socket ``inode``."""
+    for entry in Path("/proc/self/fd").iterdir():
+        try:
+            if os.readlink(entry) == f"socket:[{inode}]":
+                return int(entry.name)
+        except FileNotFoundError:  # (a descriptor closed while listed)
+            continue
+    raise AssertionError(f"no descriptor holds socket {inode}")
+
+
+def _holds(fd: int, inode: int) -> bool:
+    """Whether descriptor ``fd`` is still socket ``inode``'s."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == f"socket:[{inode}]"
+    except FileNotFoundError:
+        return False
+
+
+def _hold_below(fd: int) -> list[int]:
+    """Hold every free descriptor below ``fd`` (each on /dev/null), so that ``fd`` is
+    the lowest free one: the next descriptor this process makes. ``fd`` must be free."""
+    held: list[int] = []
+    while True:
+        got = os.open(os.devnull, os.O_RDONLY)
+        if got >= fd:
+            os.close(got)
+            assert got == fd, f"descriptor {fd} is not free"
+            return held
+        held.append(got)
+
+
 def _until(what: str, done: Callable[[], object], limit_s: float = 10.0) -> None:
     clock, pause = MonotonicClock(), threading.Event()
     end = clock.now() + limit_s
@@ -157,34 +190,57 @@ def _until(what: str, done: Callable[[], object], limit_s: float = 10.0) -> None
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("descriptor", ["closed", "reused"])
+@pytest.mark.parametrize("descriptor", ["held", "reused"])
 def test_a_request_read_after_its_connection_closed_is_answered_to_nobody(
     context: zmq.Context[zmq.Socket[bytes]], descriptor: str
 ) -> None:
-    """The broker reads a client's request only after that client has gone: its
-    connection is closed (its descriptor free, or already taken by another connection)
-    when the request is read. The reply must not reach a newcomer under its routing id."""
+    """The broker reads a client's request only after that client has gone: the monitor
+    has said that its connection closed, and its descriptor is held by something else in
+    the broker's process (``held``) or is already another connection's, which the
+    monitor has said opened (``reused``). The reply must not reach a newcomer under its
+    routing id."""
     broker, worker = _stepped_broker()
     others: list[zmq.Socket[bytes]] = []
     held: list[int] = []
+    raw = socket.socket()  # (its descriptor made now: none when it connects below)
+    # The victim's own context: ended, it holds no descriptor (none freed later, below
+    # the one that the descriptors held below leave free).
+    alone: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        # The broker does not step: all of it waits (each connection's handshake for the
-        # broker's door, which answers in its loop), once libzmq has accepted it.
+        # Nothing reads the frontend until the newcomer below: the server's own seams
+        # answer the victim's handshake (the door) and read the monitor (the table).
+        door, frontend = broker._door, broker._frontend
+        table = frontend.clients.table
         port = int(broker.frontend_endpoint.rsplit(":", 1)[1])
-        victim = _dealer(context, broker.frontend_endpoint, b"victim")
+        victim = _dealer(alone, broker.frontend_endpoint, b"victim")
         victim.send_multipart(_request(7))
-        victim.close(linger=2000)
-        _until("the victim's connection is accepted", lambda: len(_accepted(port)) == 1)
-        if descriptor == "reused":  # another connection takes the descriptor meanwhile
-            other = context.socket(zmq.DEALER)
-            other.setsockopt(zmq.LINGER, 0)
-            other.connect(broker.frontend_endpoint)
-            others.append(other)
-            _until("another connection is accepted", lambda: len(_accepted(port)) == 2)
-        broker.step(0)
-        # Something else in the broker's process takes the freed descriptor, so that no
-        # later connection reuses it.
-        held.append(os.open(os.devnull, os.O_RDONLY))
+        victim.close(linger=10_000)
+        assert door.socket.poll(10_000), "the victim's handshake never asked the door"
+        (inode,) = _accepted(port)  # its handshake waits for the door: it is open
+        fd = _descriptor(inode)
+        frontend.refresh()  # (libzmq said it opened before its handshake asked the door)
+        assert table.open_on(fd) is not None, "the monitor has not said it opened"
+        door.on_poll()
+        alone.term()  # once its request is sent and its connection closed
+
+        def closed() -> bool:  # its request sent: the monitor says so, then fd is free
+            frontend.refresh()
+            return table.open_on(fd) is None and not _holds(fd, inode)
+
+        _until("the victim's connection closes", closed)
+        held.extend(_hold_below(fd))
+        if descriptor == "held":
+            held.append(os.open(os.devnull, os.O_RDONLY))
+            assert held[-1] == fd
+        else:  # (nothing here opens a descriptor until the monitor says it opened)
+            raw.connect(("127.0.0.1", port))  # accepted on fd; it never says a word
+
+            def opened() -> bool:
+                frontend.refresh()
+                return len(table) == 1
+
+            _until("the monitor says another connection opened", opened)
+            assert table.open_on(fd) is not None, "it opened on another descriptor"
         newcomer = _newcomer_under(broker, context, b"victim")
         others.append(newcomer)
         clock = MonotonicClock()
@@ -201,9 +257,11 @@ def test_a_request_read_after_its_connection_closed_is_answered_to_nobody(
         assert got == [], "the newcomer received the victim's reply"
         assert broker.core.stats.departed == 1
     finally:
+        alone.destroy(linger=0)
+        raw.close()
         for sock in others:
             sock.close(linger=0)
-        for fd in held:
-            os.close(fd)
+        for held_fd in held:
+            os.close(held_fd)
         worker.__exit__(None, None, None)
         broker.close()
