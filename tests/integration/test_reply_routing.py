@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
+from carpool.broker.frontend import CONNECTION_PROPERTY, connection_number
 from carpool.common.clock import MonotonicClock
 from carpool.worker.engines.synthetic import SyntheticEngine
 
@@ -92,6 +93,27 @@ def test_a_newcomer_under_a_departed_clients_routing_id_gets_none_of_its_replies
         assert not newcomer.poll(0)
     finally:
         newcomer.close(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_clients_own_connection_number_does_not_replace_the_doors(
+    fleet_factory: Any, context: zmq.Context[zmq.Socket[bytes]]
+) -> None:
+    """libzmq puts the door's properties on a connection's messages ahead of the ones the
+    peer sends itself (ZMTP metadata): a client that claims number 0, below every
+    connection's floor, is still answered (its own claim would have its answers dropped,
+    and a claimed number is how it could take another connection's)."""
+    fleet = fleet_factory()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.METADATA, f"{CONNECTION_PROPERTY}:{connection_number(0)}".encode())
+    sock.connect(fleet.broker.frontend_endpoint)
+    try:
+        sock.send_multipart([STATS, msgpack.packb({"id": 1})])
+        assert sock.poll(10_000), "the client was not answered"
+        assert sock.recv_multipart()[0] == STATS
+    finally:
+        sock.close(linger=0)
 
 
 def _stepped_broker() -> tuple[Any, Any]:

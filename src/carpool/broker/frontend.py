@@ -80,6 +80,7 @@ __all__ = [
     "ClientConnections",
     "ConnectionTable",
     "Frontend",
+    "connection_number",
 ]
 
 logger = logging.getLogger(__name__)
@@ -333,7 +334,10 @@ class ClientConnections:
     def watch(self, frontend: zmq.Socket[bytes]) -> None:
         """Monitor ``frontend``'s connections; call it before the socket binds, so none
         opens unheard. The monitor's queue has no high-water mark: libzmq would drop
-        events past it (each is small, and each loop turn reads them all)."""
+        events past it (each is small, and each loop turn reads them all). libzmq keeps
+        one monitor a socket: another one started on the frontend would silence this
+        one, and the messages of every connection opened after it would be taken for a
+        closed connection's (their replies dropped)."""
         if not self.tracked:
             return
         frontend.monitor(self._address, _ACCEPTED | _DISCONNECTED)
