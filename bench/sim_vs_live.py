@@ -10,13 +10,16 @@ warm-up at the pass's rate, then the measured window. Before the fleet stops, ST
 gives the worker lane's fits (the engine's α, β and spread; the worker's own CPU per
 batch outside the engine, from RESULT ``cpu_ms``) and the worker's telemetry
 ``host_cpu_pct``. The pass's trace, cut to the measured window, is then replayed with
-``carpool replay --simulate`` and the same batching flags, three times: with all those
+``carpool replay --simulate`` and the same batching flags, four times: with all those
 figures ("sim"); with them and, per batch, a transfer time ("+xfer": the pass's median
 round trip less the engine's time and the worker's CPU, from the broker's batch lines,
-by which each RESULT reaches the simulated broker late); and with the engine's figures
-alone ("engine": no worker CPU, no host busy share), which shows what the overhead
-model changes. Rates are interleaved within each pass, and every pass
-has a fresh broker, worker and trace.
+by which each RESULT reaches the simulated broker late); with them and, per batch, a
+transfer drawn at random from the pass's own batches' ("drawn": each batch line's round
+trip less its engine time and the worker's fitted CPU for its size, through ``carpool
+replay --transfer-ms-from``), which carries their spread, and so the waits for a core
+that make the live tail; and with the engine's figures alone ("engine": no worker CPU,
+no host busy share), which shows what the overhead model changes. Rates are interleaved
+within each pass, and every pass has a fresh broker, worker and trace.
 
 Compared per rate: mean batch, p50 and p99, as medians over the passes, with the live
 passes' spread (max - min). A figure agrees when the simulator's median is within the
@@ -73,6 +76,8 @@ FIGURES = {
     "broker_p50_ms": ("p50_ms", 0.20),
     "broker_p99_ms": ("p99_ms", 0.30),
 }
+#: The replays of each pass (the module's docstring).
+VARIANTS = ("sim", "sim_transfer", "sim_drawn", "sim_engine_only")
 
 
 def poisson(rate: float, duration_s: float, seed: int) -> list[Arrival]:
@@ -137,25 +142,36 @@ def live_pass(
     return live, fit, start_unix
 
 
-_BATCH_LINE = re.compile(r"wait_ms=([\d.]+) compute_ms=([\d.]+) round_trip_ms=([\d.]+)")
+_BATCH_LINE = re.compile(
+    r"size=(\d+) .*?wait_ms=([\d.]+) compute_ms=([\d.]+) round_trip_ms=([\d.]+)"
+)
 
 
-def batch_times(log: Path, offset: int) -> dict[str, float]:
+def batch_times(log: Path, offset: int) -> dict[str, Any]:
     """From the broker's per-batch lines after ``offset``: the median queue wait of each
     batch's oldest request (against T_max: how late its timer fired), and the median of
     each batch's round trip less its engine time (the transfers, the worker's own CPU,
     a wait behind the worker's previous batch, and any wait for a core; the simulator
-    has only the worker's CPU of it)."""
+    has only the worker's CPU of it); and each batch's size with that time
+    (``batches``, for the transfers the simulator draws)."""
     with open(log, "rb") as f:
         f.seek(offset)
         text = f.read().decode("utf-8", "replace")
     rows = [tuple(map(float, m)) for m in _BATCH_LINE.findall(text)]
     if not rows:
-        return {"batch_wait_ms": math.nan, "outside_engine_ms": math.nan}
+        return {"batch_wait_ms": math.nan, "outside_engine_ms": math.nan, "batches": []}
     return {
-        "batch_wait_ms": statistics.median(wait for wait, _, _ in rows),
-        "outside_engine_ms": statistics.median(rt - c for _, c, rt in rows),
+        "batch_wait_ms": statistics.median(wait for _, wait, _, _ in rows),
+        "outside_engine_ms": statistics.median(rt - c for _, _, c, rt in rows),
+        "batches": [(int(size), rt - c) for size, _, c, rt in rows],
     }
+
+
+def transfers(batches: Sequence[tuple[int, float]], fit: dict[str, float]) -> list[float]:
+    """Each batch's round trip less its engine time and the worker's fitted CPU for its
+    size (ms, at least 0): what the simulator draws a batch's transfer from."""
+    cpu_alpha, cpu_beta = fit["cpu_alpha_ms"], fit["cpu_beta_ms"]
+    return [max(0.0, outside - cpu_alpha - cpu_beta * size) for size, outside in batches]
 
 
 def cut(trace: Path, after_unix: float, out: Path) -> int:
@@ -170,11 +186,17 @@ def cut(trace: Path, after_unix: float, out: Path) -> int:
 
 
 def replay(
-    trace: Path, fit: dict[str, float], *, overhead: bool, transfer_ms: float = 0.0
+    trace: Path,
+    fit: dict[str, float],
+    *,
+    overhead: bool,
+    transfer_ms: float = 0.0,
+    transfers_from: Path | None = None,
 ) -> dict[str, float]:
     """``carpool replay --simulate`` of ``trace`` with the fitted figures (``overhead``:
     the worker's CPU per batch and its host's busy share too; ``transfer_ms``: how much
-    later than its end each batch's RESULT reaches the broker)."""
+    later than its end each batch's RESULT reaches the broker; ``transfers_from``: a file
+    of such delays, one drawn per batch)."""
     out = trace.with_suffix(".sim.json")
     flags = [
         *("--alpha-ms", str(fit["alpha_ms"]), "--beta-ms", str(fit["beta_ms"])),
@@ -186,6 +208,8 @@ def replay(
         flags += ["--host-busy-pct", str(min(100.0, fit["host_cpu_pct"]))]
     if transfer_ms > 0:
         flags += ["--transfer-ms", str(transfer_ms)]
+    if transfers_from is not None:
+        flags += ["--transfer-ms-from", str(transfers_from)]
     cmd = [*CARPOOL, "replay", "--trace", str(trace), "--simulate", *BATCHING, *flags]
     subprocess.run([*cmd, "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
     (row,) = json.loads(out.read_text(encoding="utf-8"))
@@ -212,7 +236,7 @@ def summarize(rate: float, passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
         live = [p["live"][figure] for p in passes]
         median, spread = statistics.median(live), max(live) - min(live)
         row: dict[str, Any] = {"live": median, "live_spread": spread}
-        for name in ("sim", "sim_transfer", "sim_engine_only"):
+        for name in VARIANTS:
             value = statistics.median(p[name][sim_figure] for p in passes)
             ratio = value / median if median else math.nan
             row[name] = value
@@ -225,7 +249,8 @@ def summarize(rate: float, passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def table(summary: Sequence[dict[str, Any]]) -> str:
     head = (
         f"{'rate/s':>7} {'figure':<13} {'live':>8} {'spread':>7} {'sim':>8} {'ratio':>6} "
-        f"{'ok':>3} {'+xfer':>8} {'ratio':>6} {'ok':>3} {'engine':>8} {'ratio':>6} {'ok':>3}"
+        f"{'ok':>3} {'+xfer':>8} {'ratio':>6} {'ok':>3} {'drawn':>8} {'ratio':>6} {'ok':>3} "
+        f"{'engine':>8} {'ratio':>6} {'ok':>3}"
     )
     rows = [head, "-" * len(head)]
     for s in summary:
@@ -233,7 +258,7 @@ def table(summary: Sequence[dict[str, Any]]) -> str:
             r = s[figure]
             cells = [
                 f"{r[n]:8.2f} {r[f'{n}_ratio']:6.2f} {'yes' if r[f'{n}_agrees'] else 'NO':>3}"
-                for n in ("sim", "sim_transfer", "sim_engine_only")
+                for n in VARIANTS
             ]
             rows.append(
                 f"{s['rate']:>7g} {figure:<13} {r['live']:8.2f} {r['live_spread']:7.2f} "
@@ -279,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             # What the broker's batch lines show beyond the engine and the worker's CPU.
             cpu_ms = fit["cpu_alpha_ms"] + fit["cpu_beta_ms"] * live["mean_batch"]
             transfer_ms = max(0.0, live["outside_engine_ms"] - cpu_ms)
+            drawn = work / f"transfers-{rate:g}-{n}.txt"
+            drawn.write_text(
+                "".join(f"{x:.4f}\n" for x in transfers(live.pop("batches"), fit)),
+                encoding="utf-8",
+            )
             runs[rate].append(
                 {
                     "pass": n,
@@ -288,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "transfer_ms": transfer_ms,
                     "sim": sim,
                     "sim_transfer": replay(measured, fit, overhead=True, transfer_ms=transfer_ms),
+                    "sim_drawn": replay(measured, fit, overhead=True, transfers_from=drawn),
                     "sim_engine_only": replay(measured, fit, overhead=False),
                 }
             )
@@ -301,8 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = [summarize(rate, runs[rate]) for rate in rates]
     print(
         "\nlive fleet vs its recorded trace replayed in the simulator (medians over "
-        f"{passes} passes; sim: with the worker's CPU per batch and host busy share; engine: "
-        "the engine's fit alone)"
+        f"{passes} passes; sim: with the worker's CPU per batch and host busy share; +xfer: "
+        "and the median transfer per batch; drawn: and each batch's transfer drawn from the "
+        "live batches'; engine: the engine's fit alone)"
     )
     print(table(summary))
     report = {

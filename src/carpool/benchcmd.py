@@ -105,6 +105,11 @@ def _add_worker_cpu_flags(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="per batch, how much later than its end its RESULT reaches the broker",
     )
+    g.add_argument(
+        "--transfer-ms-from",
+        metavar="FILE",
+        help="instead, per batch a delay drawn at random from FILE's (ms, one a line)",
+    )
 
 
 def _add_stats_timeout(parser: argparse.ArgumentParser) -> None:
@@ -325,9 +330,9 @@ def run_bench(args: argparse.Namespace) -> int:
     )
 
 
-def _check_replay(args: argparse.Namespace) -> BatchingConfig:
+def _check_replay(args: argparse.Namespace) -> tuple[BatchingConfig, tuple[float, ...]]:
     """The simulator's flags, checked (as carpool tune checks them) before anything runs;
-    returns the simulated broker's batching."""
+    returns the simulated broker's batching and the transfers to draw from."""
     problems = []
     if args.workers < 1:
         problems.append("--workers must be at least 1")
@@ -340,15 +345,33 @@ def _check_replay(args: argparse.Namespace) -> BatchingConfig:
         problems.append(
             "--jitter, --cpu-alpha-ms, --cpu-beta-ms and --transfer-ms must be at least 0"
         )
+    draws: tuple[float, ...] = ()
+    if args.transfer_ms_from is not None:
+        try:
+            draws = _draws_s(args.transfer_ms_from)
+        except (OSError, ValueError) as exc:
+            problems.append(f"--transfer-ms-from {args.transfer_ms_from}: {exc}")
     busy = args.host_busy_pct
     if busy is not None and not (_at_least(busy, 0) and busy <= 100):
         problems.append(f"--host-busy-pct must be in 0..100, got {busy:g}")
     problems += _stats_timeout_problems(args)
     if problems:
         raise ConfigError("; ".join(problems))
-    return BatchingConfig(
+    batching = BatchingConfig(
         max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000, policy=args.policy
     )
+    return batching, draws
+
+
+def _draws_s(path: str) -> tuple[float, ...]:
+    """The delays in ``path`` (ms, one a line; blank lines skipped), in seconds."""
+    with open(path, encoding="utf-8") as f:
+        values = [float(line) for line in f if line.strip()]
+    if not values:
+        raise ValueError("no values")
+    if not all(_at_least(v, 0) for v in values):
+        raise ValueError("every value must be at least 0 (and finite)")
+    return tuple(v / 1000 for v in values)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -358,10 +381,11 @@ def run_replay(args: argparse.Namespace) -> int:
     (--simulate) feed it to a simulated broker, with the batching flags of carpool broker,
     and workers of cost --alpha-ms + --beta-ms x B (spread --jitter), whose own CPU per
     batch is --cpu-alpha-ms + --cpu-beta-ms x B on a host --host-busy-pct busy, and whose
-    RESULT reaches the broker --transfer-ms after the batch ends.
+    RESULT reaches the broker --transfer-ms after the batch ends (or, with
+    --transfer-ms-from, after a delay drawn for each batch from a recorded fleet's).
     """
     _end_on_sigterm()
-    batching = _check_replay(args)  # a typo in a flag for the simulator fails live runs too
+    batching, draws = _check_replay(args)  # a typo in a flag for the simulator fails live runs too
     if not args.simulate:
         _check_endpoint(args.endpoint)
         return _live(args, workload.load_trace(args.trace), warmup_s=0.0, progress=True)
@@ -385,6 +409,7 @@ def run_replay(args: argparse.Namespace) -> int:
             overhead=overhead,
             host_busy_pct=args.host_busy_pct,
             transfer_s=args.transfer_ms / 1000,
+            transfer_draws_s=draws,
         )
         for i in range(args.workers)
     ]

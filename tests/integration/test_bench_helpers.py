@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -68,6 +69,29 @@ def test_decision_ops_counts_the_brokers_code_and_not_the_simulators(bench: Modu
     assert not [k for k in default | fixed if k.startswith("sim/")]
     assert default_batch >= 1
     assert fixed_batch >= 1
+
+
+def test_sim_vs_live_reads_each_batchs_transfer_from_the_brokers_lines(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    """sim_vs_live.py: the broker's batch lines after the offset, each batch's round trip
+    less its engine time, less the worker's fitted CPU for its size (never below 0)."""
+    sim_vs_live = load_script("sim_vs_live.py")
+    log = tmp_path / "broker.log"
+    line = (
+        "batch model=mlp size={n} bucket=- wait_ms=5.10 compute_ms={c} round_trip_ms={rt} "
+        "worker=w b_max=16 bound_by=-\n"
+    )
+    old = line.format(n=1, c="1.00", rt="99.00")
+    log.write_text(
+        old + line.format(n=4, c="2.00", rt="4.50") + line.format(n=16, c="3.00", rt="3.10"),
+        encoding="utf-8",
+    )
+    times = sim_vs_live.batch_times(log, len(old))
+    assert times["batches"] == [(4, pytest.approx(2.5)), (16, pytest.approx(0.1))]
+    assert times["batch_wait_ms"] == pytest.approx(5.1)
+    fit = {"cpu_alpha_ms": 0.2, "cpu_beta_ms": 0.05}
+    assert sim_vs_live.transfers(times["batches"], fit) == [pytest.approx(2.1), 0.0]
 
 
 def test_core_run_decodes_and_encodes_inside_the_counted_edge(

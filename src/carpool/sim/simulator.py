@@ -14,7 +14,9 @@ A worker may also have an ``overhead``: its own CPU per batch outside the engine
 core after the engine's time, so the batch and the next one wait for it, and which its
 RESULT reports as ``cpu_ms``; a ``host_busy_pct`` that its telemetry reports (the
 broker weighs the overhead as it weighs a live worker's, docs/batching.md §3); and a
-``transfer_s`` per batch, by which its RESULT reaches the broker after the batch ends.
+``transfer_s`` per batch, by which its RESULT reaches the broker after the batch ends
+(or a delay drawn at random for each batch from ``transfer_draws_s``, a recorded
+fleet's).
 
 Not modelled: network and broker CPU time (the live fleet benchmark shows those).
 """
@@ -96,6 +98,9 @@ class SimWorker:
     # worker's CPU (transfers, hand-offs, a wait for a core): its RESULT reaches the
     # broker this long after the batch ends; the worker goes on meanwhile.
     transfer_s: float = 0.0
+    # Per-batch delays to draw from at random instead of ``transfer_s`` (seconds; empty:
+    # ``transfer_s`` for every batch): the spread of a recorded fleet's transfers.
+    transfer_draws_s: tuple[float, ...] = ()
 
 
 def rate_per_s(count: int, span_s: float) -> float:
@@ -388,8 +393,10 @@ class _Run:
             1000 * worker.overhead_s,
         )
         msg = decode_from_worker(WorkerResult(meta, frames).to_frames())
-        if worker.spec.transfer_s > 0:
-            self.push(now + worker.spec.transfer_s, _RESULT, (worker.wid, msg))
+        draws = worker.spec.transfer_draws_s
+        delay_s = draws[self.rng.randrange(len(draws))] if draws else worker.spec.transfer_s
+        if delay_s > 0:
+            self.push(now + delay_s, _RESULT, (worker.wid, msg))
         else:
             self.route(self.core.on_worker(now, worker.wid, msg), now)
         if worker.queue and worker.running is None:

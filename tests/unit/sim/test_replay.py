@@ -122,6 +122,44 @@ def test_a_batchs_transfer_delays_its_answers_and_lets_batches_fill(
     assert late["mean_batch"] > bare["mean_batch"], (late, bare)
 
 
+def test_transfers_drawn_from_a_recorded_fleets_give_its_tail(
+    sparse_poisson: Path, tmp_path: Path
+) -> None:
+    """--transfer-ms-from: each batch's RESULT is late by a delay drawn from the file's.
+    All 3 ms: what --transfer-ms 3 gives; one batch in twenty 30 ms late: the tail moves
+    by about that much, the median hardly."""
+    engine = ["--alpha-ms", "2", "--beta-ms", "0.2", "--jitter", "0"]
+    same, rare = tmp_path / "same.txt", tmp_path / "rare.txt"
+    same.write_text("3\n3.0\n\n3\n", encoding="utf-8")
+    rare.write_text("0\n" * 19 + "30\n", encoding="utf-8")
+    bare = _replay(sparse_poisson, tmp_path, *engine)
+    constant = _replay(sparse_poisson, tmp_path, *engine, "--transfer-ms", "3")
+    drawn = _replay(sparse_poisson, tmp_path, *engine, "--transfer-ms-from", str(same))
+    assert drawn == constant
+    tail = _replay(sparse_poisson, tmp_path, *engine, "--transfer-ms-from", str(rare))
+    assert tail["p99_ms"] >= bare["p99_ms"] + 20.0, (tail, bare)
+    assert tail["p50_ms"] < bare["p50_ms"] + 3.0, (tail, bare)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("", "no values"), ("1\n-2\n", "at least 0"), ("1\nnan\n", "at least 0"), ("x\n", "x")],
+)
+def test_an_unusable_transfers_file_is_a_usage_error(
+    burst: Path, tmp_path: Path, text: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "transfers.txt"
+    path.write_text(text, encoding="utf-8")
+    argv = ["replay", "--trace", str(burst), "--simulate", "--transfer-ms-from", str(path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--transfer-ms-from" in err
+    assert says in err
+    missing = ["replay", "--trace", str(burst), "--simulate", "--transfer-ms-from", "/nonexistent"]
+    assert cli.main(missing) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
 def test_an_invalid_max_batch_is_a_config_error(
     burst: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
