@@ -212,9 +212,7 @@ class DeadlinePolicy:
     ) -> tuple[int, bool]:
         """:meth:`sized`, with the floor and the cost's stretch (:meth:`_stretch`) given."""
         # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
-        hard = (
-            capacity.engine_max if capacity.engine_max > capacity.max_batch else capacity.max_batch
-        )
+        hard = capacity.hard_max
         if self.max_batch < hard:
             hard = self.max_batch
         target = floor if floor > capacity.max_batch else capacity.max_batch
@@ -257,11 +255,8 @@ class DeadlinePolicy:
         demand = self.headroom * arrival_sps
         if demand <= 0 or fixed_s <= 0:
             return 1
-        # (min and max, as expressions and tests) speed: docs/benchmarks.md "Why the hot
-        # path looks as it does"
-        cap = (
-            capacity.engine_max if capacity.engine_max > capacity.max_batch else capacity.max_batch
-        )
+        # (min and max, as tests) speed: docs/benchmarks.md "Why the hot path looks as it does"
+        cap = capacity.hard_max
         if self.max_batch < cap:
             cap = self.max_batch
         room = 1.0 - demand * per_sample_s
