@@ -116,8 +116,9 @@ def _before_the_switch(kinds: list[str], done_at_switch: list[bool]) -> list[str
     window passes ("not taking requests"), as the client promises. Calls are taken in
     order, so such requests are the last ones, after every request of the left
     connection; and their windows (the timeout) had not passed when the loop saw the
-    switch. A request of the left connection that waited out its window instead would
-    have failed before the switch."""
+    switch. Only a request never sent fails "not taking requests": one sent on the left
+    connection and left to its timeout fails otherwise ("no reply"), and is counted; one
+    left unsent there until its window passed would have failed before the switch."""
     after = [k == "the broker is not taking requests" for k in kinds]
     first = after.index(True) if True in after else len(kinds)
     assert all(after[first:]), kinds  # (none of them before a request of the connection)
