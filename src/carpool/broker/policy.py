@@ -226,7 +226,7 @@ class DeadlinePolicy:
         # Largest n with stretch·(ready_in + fixed + per_sample·n) <= slack, at least 1.
         slack = queue.earliest_deadline_s - now - self.margin_s
         ready_s = capacity.ready_in_s
-        if stretch * (ready_s + (cost.fixed_cost_s + cost.per_sample_s * target)) <= slack:
+        if _finish_s(stretch, ready_s, cost, target) <= slack:
             return target, False
         # Where a size keeps up with the arrivals, never below it (see above); in overload
         # none does, and the guard serves the most urgent requests that can still make it.
@@ -278,9 +278,7 @@ class DeadlinePolicy:
         floor = self._floor(queue.arrival_sps, capacity, fixed_s, per_sample_s)
         stretch = self._stretch(cost)
         limit, shrunk = self._sized(now, queue, capacity, floor, stretch)
-        # batching_pays, inlined
-        one_s = fixed_s + per_sample_s
-        if not (one_s > 0 and fixed_s >= self.min_fixed_share * one_s):
+        if not self._pays(fixed_s, per_sample_s):
             return Dispatch(limit, COST)  # waiting would buy no throughput, only latency
         ready_s = capacity.ready_in_s
         busy = ready_s > self.margin_s
@@ -295,9 +293,7 @@ class DeadlinePolicy:
         if aboard < 1:
             aboard = 1
         latest_start = (
-            queue.earliest_deadline_s
-            - stretch * (ready_s + (cost.fixed_cost_s + cost.per_sample_s * aboard))
-            - self.margin_s
+            queue.earliest_deadline_s - _finish_s(stretch, ready_s, cost, aboard) - self.margin_s
         )
         if queue.samples >= limit:
             # Full, but the worker is still busy: leaving now would only queue there, while
@@ -328,7 +324,10 @@ class DeadlinePolicy:
         from the engine) is at least ``min_fixed_share`` of a one-sample batch's."""
         if not capacity.cost.calibrated:
             return False
-        fixed_s, per_sample_s = capacity.batch_cost()
+        return self._pays(*capacity.batch_cost())
+
+    def _pays(self, fixed_s: float, per_sample_s: float) -> bool:
+        """:meth:`batching_pays`, of a calibrated cost's fixed and per-sample parts."""
         one_s = fixed_s + per_sample_s
         return one_s > 0 and fixed_s >= self.min_fixed_share * one_s
 
@@ -343,15 +342,20 @@ class DeadlinePolicy:
 
     def finish_in_s(self, capacity: Capacity, samples: int) -> float:
         """Predicted time from now to the end of a batch sent now, with a jitter allowance."""
-        return self._stretch(capacity.cost) * (
-            capacity.ready_in_s + capacity.cost.estimate(samples)
-        )
+        cost = capacity.cost
+        return _finish_s(self._stretch(cost), capacity.ready_in_s, cost, samples)
 
     def shed_before(self, now: float, capacity: Capacity) -> float:
         if not capacity.cost.calibrated:
             return now
         # Even a batch of one, started as soon as the worker is free, would end too late.
         return now + capacity.ready_in_s + capacity.cost.estimate(1)
+
+
+def _finish_s(stretch: float, ready_s: float, cost: CostEstimate, samples: int) -> float:
+    """A batch of ``samples`` sent now to a worker free in ``ready_s``: its predicted end,
+    stretched by ``stretch`` (:meth:`DeadlinePolicy._stretch`) for jitter."""
+    return stretch * (ready_s + cost.estimate(samples))
 
 
 def promotion_s(capacity: Capacity) -> float:
